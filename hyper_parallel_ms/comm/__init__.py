@@ -1,0 +1,204 @@
+"""Differentiable collectives on plain MindSpore tensors over one dimension of a DeviceMesh.
+
+Each collective runs in PyNative and inside ``ms.jit`` and has the SPMD backward (the
+global loss is the sum of every rank's loss):
+
+=================  ==========================================  ================================
+collective         forward                                     backward
+=================  ==========================================  ================================
+all_gather         concatenate the pieces along ``dim``        reduce-scatter (sum)
+reduce_scatter     reduce, keep this rank's chunk of ``dim``   all-gather (sum and avg)
+all_reduce         element-wise sum / avg / max / min          all-reduce sum (max/min: to the
+                                                               rank(s) holding the extreme)
+all_to_all         chunk ``split_dim``, concat ``concat_dim``  the inverse all-to-all
+broadcast          the tensor of group rank ``src``            sum of gradients onto ``src``
+=================  ==========================================  ================================
+
+Pieces may be uneven (``torch.chunk`` sizes, or any ``sizes`` for all_gather). The path
+(native primitive or composed from all-reduce) is chosen by MindSpore's device target from
+:mod:`.capability`. A mesh dimension of size 1 returns the input: nothing is sent.
+
+Example::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    y = all_gather(x, mesh, "tp", dim=0)          # pieces of the tp group, stacked on dim 0
+    z = all_reduce(y, mesh, "dp", op="avg")
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from .. import _cluster
+from ..placement import REDUCE_OPS
+from . import _composed, _native, _traffic
+from ._broadcast import broadcast as _broadcast
+from .capability import CAPABILITIES, COLLECTIVES, force_path, select_path, table
+from .debug import CommDebugMode, CommRecord, record
+
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "CommDebugMode",
+           "CommRecord", "CAPABILITIES", "COLLECTIVES", "force_path", "select_path", "table"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One resolved collective: the group, the path, normalised arguments, its debug record."""
+
+    group: object
+    native: bool
+    dim: int
+    sizes: Tuple[int, ...]
+    record: Optional[CommRecord]
+
+
+def _norm_dim(dim: int, ndim: int, what: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"{what} {dim!r} is out of range for a {ndim}-D tensor; valid dims are [{-ndim}, {ndim - 1}]")
+    return dim % ndim
+
+
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def _check_sizes(sizes: Sequence[int], group, shape: Tuple[int, ...], dim: int, what: str) -> Tuple[int, ...]:
+    sizes = tuple(sizes)
+    if len(sizes) != group.size or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+        raise ValueError(f"{what} must give {group.size} non-negative ints (one per rank of the group), got {sizes}")
+    if sizes[group.rank] != shape[dim]:
+        raise ValueError(f"{what}[{group.rank}] = {sizes[group.rank]} but this rank's tensor has {shape[dim]} "
+                         f"along dim {dim} (shape {shape})")
+    return sizes
+
+
+# The planners below run in Python, also while ms.jit compiles a caller: the parser treats
+# an lru_cache object as an opaque callable and evaluates it on the (constant) arguments.
+@functools.lru_cache(maxsize=4096)
+def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, dim: int = 0,
+          sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0) -> _Call:
+    group = mesh.comm_group(mesh_dim)
+    path = select_path(_cluster.device_target(), kind)
+    n = group.size
+    if kind == "all_reduce":
+        _check_op(op)
+        traffic = _traffic.all_reduce_bytes(path, n, shape, itemsize, op)
+    elif kind == "reduce_scatter":
+        _check_op(op)
+        dim = _norm_dim(dim, len(shape), "reduce_scatter dim")
+        traffic = _traffic.reduce_scatter_bytes(path, n, shape, itemsize, dim, group.rank, op)
+    elif kind == "broadcast":
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+            raise ValueError(f"broadcast src must be a rank index in [0, {n}) along mesh dim {mesh_dim!r}, got {src!r}")
+        traffic = _traffic.broadcast_bytes(path, n, shape, itemsize)
+    else:
+        what = "all_gather dim" if kind == "all_gather" else "all_to_all concat_dim"
+        dim = _norm_dim(dim, len(shape), what)
+        sizes = (shape[dim],) * n if sizes is None else _check_sizes(
+            sizes, group, shape, dim, "sizes" if kind == "all_gather" else "concat_sizes")
+        if kind == "all_gather":
+            traffic = _traffic.all_gather_bytes(path, n, shape, itemsize, dim, sizes)
+        else:
+            split_dim = _norm_dim(split_dim, len(shape), "all_to_all split_dim")
+            if split_dim == dim:
+                raise ValueError(f"all_to_all needs different split_dim and concat_dim, got {dim} for both")
+            traffic = _traffic.all_to_all_bytes(path, n, shape, itemsize, split_dim, dim, sizes, group.rank)
+    names = mesh.mesh_dim_names
+    index = mesh.dim_index(mesh_dim)
+    rec = CommRecord(kind, names[index] if names else str(index), n, path, traffic[0], traffic[1], shape,
+                     str(dtype)) if n > 1 else None
+    return _Call(group, path == "native", dim, sizes or (), rec)
+
+
+def _count(call: _Call) -> None:
+    """Record the call in active CommDebugModes (PyNative; a compiled graph records nothing)."""
+    if call.record is not None:
+        record(call.record)
+
+
+def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[int]] = None):
+    """Concatenate the pieces of the ranks along ``mesh_dim`` on tensor dim ``dim``.
+
+    ``sizes`` gives every rank's length along ``dim`` (default: all equal to this rank's).
+
+    Example::
+
+        y = all_gather(x, mesh, "tp", dim=1, sizes=(3, 2))   # uneven pieces, width 5
+    """
+    call = _plan("all_gather", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim,
+                 sizes=None if sizes is None else tuple(sizes))
+    if call.group.size == 1:
+        return x
+    _count(call)
+    if call.native:
+        return _native.all_gather(x, call.dim, call.sizes, call.group)
+    return _composed.all_gather(x, call.dim, call.sizes, call.group)
+
+
+def all_reduce(x, mesh, mesh_dim=0, *, op: str = "sum"):
+    """Element-wise reduction (``sum``, ``avg``, ``max``, ``min``) over the ranks along ``mesh_dim``.
+
+    Example::
+
+        total = all_reduce(partial_sums, mesh, "tp")
+    """
+    call = _plan("all_reduce", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, op=op)
+    if call.group.size == 1:
+        return x
+    _count(call)
+    if call.native:
+        return _native.all_reduce(x, op, call.group)
+    return _composed.all_reduce(x, op, call.group)
+
+
+def reduce_scatter(x, mesh, mesh_dim=0, *, dim: int = 0, op: str = "sum"):
+    """Reduce over the ranks along ``mesh_dim``; each keeps its ``torch.chunk`` piece of ``dim``.
+
+    Example::
+
+        piece = reduce_scatter(partial, mesh, "tp", dim=0)
+    """
+    call = _plan("reduce_scatter", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim, op=op)
+    if call.group.size == 1:
+        return x
+    _count(call)
+    if call.native:
+        return _native.reduce_scatter(x, call.dim, op, call.group)
+    return _composed.reduce_scatter(x, call.dim, op, call.group)
+
+
+def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
+               concat_sizes: Optional[Sequence[int]] = None):
+    """Chunk ``split_dim`` (``torch.chunk`` sizes), send chunk ``j`` to rank ``j`` along
+    ``mesh_dim``, and concatenate what arrives along ``concat_dim``.
+
+    ``concat_sizes`` gives every rank's length along ``concat_dim`` (default: all equal).
+
+    Example::
+
+        y = all_to_all(x, mesh, "tp", split_dim=1, concat_dim=0)   # S(0) -> S(1)
+    """
+    call = _plan("all_to_all", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=concat_dim,
+                 sizes=None if concat_sizes is None else tuple(concat_sizes), split_dim=split_dim)
+    if call.group.size == 1:
+        return x
+    _count(call)
+    split = split_dim % x.ndim
+    if call.native:
+        return _native.all_to_all(x, split, call.dim, call.sizes, call.group)
+    return _composed.all_to_all(x, split, call.dim, call.sizes, call.group)
+
+
+def broadcast(x, mesh, mesh_dim=0, *, src: int = 0):
+    """Every rank along ``mesh_dim`` receives the tensor of the rank at index ``src`` there.
+
+    Example::
+
+        weights = broadcast(weights, mesh, "dp", src=0)
+    """
+    call = _plan("broadcast", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, src=src)
+    if call.group.size == 1:
+        return x
+    _count(call)
+    return _broadcast(x, src, call.group, call.native)

@@ -1,0 +1,57 @@
+"""Broadcast with the SPMD backward, on either path.
+
+Forward: every rank receives the source rank's tensor, natively (``ops.Broadcast``) or
+composed (non-source ranks add zeros to an all-reduce sum). Backward: the source
+receives the sum of every rank's gradient, the others zero. MindSpore's own backward of
+``ops.Broadcast`` passes each rank's gradient through, so both paths use this Cell's
+``bprop``, which works in PyNative and inside ``ms.jit``. On non-source ranks the
+backward all-reduce is tied to the (zero) result with ``ops.depend`` so that graph
+compilation cannot drop it and leave the source's all-reduce without partners.
+
+Example (group ``g``, source = group rank 0)::
+
+    y = broadcast(x, 0, g, native=False)
+"""
+from __future__ import annotations
+
+import functools
+
+from mindspore import nn, ops
+
+from ._composed import sum_over
+
+__all__ = ["broadcast"]
+
+
+class _Broadcast(nn.Cell):
+    """One broadcast configuration: (source group rank, group, path) seen from this rank."""
+
+    def __init__(self, src: int, group, native: bool) -> None:
+        super().__init__()
+        self.is_src = group.rank == src
+        self.group_name = group.name
+        self.native = native
+        self.prim = ops.Broadcast(group.ranks[src], group.name) if native else None
+
+    def construct(self, x):
+        if self.native:
+            return self.prim((x,))[0]
+        if self.is_src:
+            return sum_over(x, self.group_name)
+        return sum_over(ops.zeros(x.shape, x.dtype), self.group_name)
+
+    def bprop(self, x, out, dout):
+        total = sum_over(dout, self.group_name)
+        if self.is_src:
+            return (total,)
+        return (ops.depend(ops.zeros(total.shape, total.dtype), total),)
+
+
+@functools.lru_cache(maxsize=None)
+def _cell(src: int, group, native: bool) -> _Broadcast:
+    return _Broadcast(src, group, native)
+
+
+def broadcast(x, src: int, group, native: bool):
+    """Every rank receives the tensor of group rank ``src``."""
+    return _cell(src, group, native)(x)

@@ -1,0 +1,77 @@
+"""Collectives composed from ``ops.AllReduce`` (sum), for MindSpore's CPU backend.
+
+MCCL on CPU offers ``AllReduce`` (sum, float32/float16) on every group, inside ``ms.jit``
+and with a backward; every other collective is built from it with linear local ops, so
+MindSpore's autodiff gives each one its exact adjoint (all-gather <-> reduce-scatter,
+all-to-all <-> inverse all-to-all).
+
+Example (two ranks, group ``g``, each holding one row)::
+
+    y = all_gather(x, 0, (1, 1), g)     # rank 0 writes rows [x0, 0], rank 1 [0, x1]; all-reduce
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import mindspore as ms
+from mindspore import ops
+
+from ..layout import chunk_offsets, chunk_sizes
+from ._tensor import narrow, pad_dim
+
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "WIRE_DTYPES"]
+
+# dtypes MCCL's AllReduce carries, and those sent widened to float32
+WIRE_DTYPES = (ms.float32, ms.float16)
+WIDENED_DTYPES = (ms.bfloat16,)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_reduce_sum_prim(group_name: str):
+    return ops.AllReduce(ops.ReduceOp.SUM, group_name)
+
+
+def sum_over(x, group_name: str):
+    """All-reduce sum over the group; bfloat16 travels as float32 (MCCL has no bfloat16)."""
+    if x.dtype in WIDENED_DTYPES:
+        return _all_reduce_sum_prim(group_name)(x.astype(ms.float32)).astype(x.dtype)
+    if x.dtype not in WIRE_DTYPES:
+        raise TypeError(f"collectives on CPU carry float32, float16 and bfloat16 tensors, got {x.dtype}; "
+                        "cast the tensor first (MindSpore's CPU all-reduce has no other dtype)")
+    return _all_reduce_sum_prim(group_name)(x)
+
+
+def all_gather(x, dim: int, sizes: Sequence[int], group):
+    """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``)."""
+    before = sum(sizes[:group.rank])
+    after = sum(sizes[group.rank + 1:])
+    return sum_over(pad_dim(x, dim, before, after), group.name)
+
+
+def all_reduce(x, op: str, group):
+    """Element-wise reduction (sum, avg, max, min) over the group."""
+    if op == "sum":
+        return sum_over(x, group.name)
+    if op == "avg":
+        return sum_over(x, group.name) / group.size
+    slots = sum_over(pad_dim(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank), group.name)
+    if op == "max":
+        return ops.amax(slots, 0)
+    return ops.amin(slots, 0)
+
+
+def reduce_scatter(x, dim: int, op: str, group):
+    """Reduce over the group, keep this rank's ``torch.chunk`` piece along ``dim``."""
+    full = all_reduce(x, op, group)
+    size = x.shape[dim]
+    return narrow(full, dim, chunk_offsets(size, group.size)[group.rank],
+                  chunk_sizes(size, group.size)[group.rank])
+
+
+def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], group):
+    """Send chunk ``j`` of ``split_dim`` to rank ``j``; concatenate what arrives on ``concat_dim``."""
+    gathered = all_gather(x, concat_dim, concat_sizes, group)
+    size = x.shape[split_dim]
+    return narrow(gathered, split_dim, chunk_offsets(size, group.size)[group.rank],
+                  chunk_sizes(size, group.size)[group.rank])

@@ -1,0 +1,92 @@
+"""Collectives on the device's native primitives (HCCL on Ascend).
+
+``ops.AllGather`` / ``ops.ReduceScatter`` work on dim 0 and ``ops.AlltoAll`` needs equal
+blocks, so other dims are moved to the front and uneven pieces are padded to the
+largest one, then trimmed. Every step is linear, and MindSpore's own backward of each
+primitive (AllGather <-> ReduceScatter sum, AlltoAll <-> inverse AlltoAll, AllReduce sum
+-> AllReduce) gives the exact adjoint. ``ops.Broadcast``'s own backward passes the
+gradient through unchanged, which is wrong for SPMD losses; :mod:`._broadcast` supplies
+the right one. ReduceScatter has a backward for sum only, so reduce-scatter with
+max/min runs as an all-reduce plus the local chunk.
+
+Example (Ascend, group ``g`` of 2 ranks, each holding a (1, 3) piece)::
+
+    y = all_gather(x, 0, (1, 1), g)     # (2, 3) on both ranks
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+from mindspore import mint, ops
+
+from ..layout import chunk_offsets, chunk_sizes
+from ._tensor import move_to_front, move_from_front, narrow, pad_dim, select_pieces
+
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
+
+_OPS = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}
+
+
+@functools.lru_cache(maxsize=None)
+def _all_reduce_prim(op: str, group_name: str):
+    return ops.AllReduce(_OPS[op], group_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_gather_prim(group_name: str):
+    return ops.AllGather(group_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_scatter_prim(group_name: str):
+    return ops.ReduceScatter(ops.ReduceOp.SUM, group_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_to_all_prim(n: int, split_dim: int, concat_dim: int, group_name: str):
+    return ops.AlltoAll(n, split_dim, concat_dim, group_name)
+
+
+def all_gather(x, dim: int, sizes: Sequence[int], group):
+    """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``)."""
+    block = max(sizes)
+    padded = pad_dim(x, dim, 0, block - x.shape[dim])
+    gathered = move_from_front(_all_gather_prim(group.name)(move_to_front(padded, dim)), dim)
+    if min(sizes) == block:
+        return gathered
+    return select_pieces(gathered, dim, block, sizes)
+
+
+def all_reduce(x, op: str, group):
+    """Element-wise reduction (sum, avg, max, min) over the group."""
+    if op == "avg":
+        return _all_reduce_prim("sum", group.name)(x) / group.size
+    return _all_reduce_prim(op, group.name)(x)
+
+
+def reduce_scatter(x, dim: int, op: str, group):
+    """Reduce over the group, keep this rank's ``torch.chunk`` piece along ``dim``."""
+    size, n = x.shape[dim], group.size
+    start, length = chunk_offsets(size, n)[group.rank], chunk_sizes(size, n)[group.rank]
+    if op in ("max", "min"):
+        return narrow(all_reduce(x, op, group), dim, start, length)
+    step = -(-size // n)
+    padded = move_to_front(pad_dim(x, dim, 0, step * n - size), dim)
+    out = move_from_front(_reduce_scatter_prim(group.name)(padded), dim)
+    if op == "avg":
+        out = out / n
+    return narrow(out, dim, 0, length)
+
+
+def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], group):
+    """Send chunk ``j`` of ``split_dim`` to rank ``j``; concatenate what arrives on ``concat_dim``."""
+    size, n = x.shape[split_dim], group.size
+    step, block = -(-size // n), max(concat_sizes)
+    padded = pad_dim(pad_dim(x, split_dim, 0, step * n - size), concat_dim, 0, block - x.shape[concat_dim])
+    out = _all_to_all_prim(n, split_dim, concat_dim, group.name)(padded)
+    out = narrow(out, split_dim, 0, chunk_sizes(size, n)[group.rank])
+    if min(concat_sizes) == block:
+        return out
+    return select_pieces(out, concat_dim, block, concat_sizes)
+

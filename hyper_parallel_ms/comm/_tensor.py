@@ -1,0 +1,87 @@
+"""Shape helpers shared by the collective implementations.
+
+They run in PyNative and inside ``ms.jit`` and are safe for empty pieces (a rank can
+hold zero rows of an unevenly sharded tensor): MindSpore's ``pad`` has no backward
+for empty inputs and ``narrow`` rejects a zero-length slice at the end, so both are
+avoided for those cases.
+
+Example:
+    >>> import numpy as np, mindspore as ms
+    >>> x = ms.Tensor(np.ones((2, 3), np.float32))
+    >>> pad_dim(x, 0, 1, 0).shape, narrow(x, 1, 3, 0).shape
+    ((3, 3), (2, 0))
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from mindspore import mint, ops
+
+__all__ = ["narrow", "pad_dim", "split_sizes", "shape_with", "move_to_front", "move_from_front", "select_pieces"]
+
+
+def shape_with(shape: Sequence[int], dim: int, size: int) -> tuple:
+    """``shape`` with ``shape[dim]`` replaced by ``size``."""
+    return tuple(shape[:dim]) + (size,) + tuple(shape[dim + 1:])
+
+
+def narrow(x, dim: int, start: int, length: int):
+    """``x[..., start:start + length, ...]`` along ``dim`` (zero length allowed)."""
+    if start == 0 and length == x.shape[dim]:
+        return x
+    if length == 0:
+        return x[(slice(None),) * dim + (slice(start, start),)]
+    return mint.narrow(x, dim, start, length)
+
+
+def pad_dim(x, dim: int, before: int, after: int):
+    """Zero-pad ``x`` along ``dim`` with ``before`` and ``after`` slices."""
+    parts = []
+    if before > 0:
+        parts.append(ops.zeros(shape_with(x.shape, dim, before), x.dtype))
+    if x.shape[dim] > 0:
+        parts.append(x)
+    if after > 0:
+        parts.append(ops.zeros(shape_with(x.shape, dim, after), x.dtype))
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return x
+    return mint.cat(parts, dim)
+
+
+def split_sizes(x, dim: int, sizes: Sequence[int]) -> List:
+    """Consecutive pieces of ``x`` along ``dim`` with the given sizes."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(narrow(x, dim, start, size))
+        start += size
+    return pieces
+
+
+def _front_perm(ndim: int, dim: int) -> tuple:
+    return (dim,) + tuple(d for d in range(ndim) if d != dim)
+
+
+def move_to_front(x, dim: int):
+    """``x`` with axis ``dim`` moved to position 0 (the others keep their order)."""
+    if dim == 0:
+        return x
+    return ops.transpose(x, _front_perm(x.ndim, dim))
+
+
+def move_from_front(x, dim: int):
+    """Inverse of :func:`move_to_front`: axis 0 goes back to position ``dim``."""
+    if dim == 0:
+        return x
+    perm = _front_perm(x.ndim, dim)
+    return ops.transpose(x, tuple(perm.index(d) for d in range(x.ndim)))
+
+
+def select_pieces(x, dim: int, block: int, sizes: Sequence[int]):
+    """From ``len(sizes)`` blocks of ``block`` slices along ``dim``, keep the first
+    ``sizes[i]`` slices of block ``i`` and concatenate them (drops padding)."""
+    pieces = [narrow(x, dim, i * block, s) for i, s in enumerate(sizes) if s > 0]
+    if not pieces:
+        return narrow(x, dim, 0, 0)
+    return pieces[0] if len(pieces) == 1 else mint.cat(pieces, dim)

@@ -1,0 +1,83 @@
+"""Bytes each rank sends for one collective: the textbook figure and the issued one.
+
+``textbook``: what a bandwidth-optimal (ring) implementation sends per rank for these
+tensors: all-gather ``out - local``, reduce-scatter ``in - local out``, all-reduce
+``2 (n-1)/n * size``, all-to-all ``in - the chunk kept``, broadcast ``size`` (the source's
+send). For even shards these are the usual ``(n-1)/n`` figures.
+``wire``: the same measure for the primitives actually issued: padding of uneven pieces
+on the native path, and on the composed (CPU) path the all-reduce (ring, ``2 (n-1)/n``)
+of the buffer each collective becomes.
+
+Pure Python. Example:
+    >>> all_gather_bytes("composed", 4, (2, 3), 4, 0, (2, 2, 2, 2))
+    (72, 48)
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Sequence, Tuple
+
+from ..layout import chunk_sizes
+
+__all__ = ["all_gather_bytes", "all_reduce_bytes", "reduce_scatter_bytes", "all_to_all_bytes",
+           "broadcast_bytes"]
+
+Bytes = Tuple[int, int]
+
+
+def _ring_all_reduce(n: int, nbytes: int) -> int:
+    return 2 * (n - 1) * nbytes // n
+
+
+def _slice_bytes(shape: Sequence[int], dim: int, itemsize: int) -> int:
+    return prod(s for d, s in enumerate(shape) if d != dim) * itemsize
+
+
+def all_gather_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, dim: int,
+                     sizes: Sequence[int]) -> Bytes:
+    """(textbook, wire) bytes for gathering pieces of ``sizes`` slices along ``dim``."""
+    row = _slice_bytes(shape, dim, itemsize)
+    textbook = (sum(sizes) - shape[dim]) * row
+    wire = (n - 1) * max(sizes) * row if path == "native" else _ring_all_reduce(n, sum(sizes) * row)
+    return textbook, wire
+
+
+def all_reduce_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, op: str) -> Bytes:
+    """(textbook, wire) bytes for an element-wise reduction of ``shape``."""
+    nbytes = prod(shape) * itemsize
+    slots = n if path == "composed" and op in ("max", "min") else 1
+    return _ring_all_reduce(n, nbytes), _ring_all_reduce(n, slots * nbytes)
+
+
+def reduce_scatter_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, dim: int, rank: int,
+                         op: str) -> Bytes:
+    """(textbook, wire) bytes for reducing ``shape`` and keeping a chunk of ``dim``."""
+    row = _slice_bytes(shape, dim, itemsize)
+    textbook = (shape[dim] - chunk_sizes(shape[dim], n)[rank]) * row
+    if path == "native" and op in ("sum", "avg"):
+        return textbook, (n - 1) * -(-shape[dim] // n) * row
+    return textbook, all_reduce_bytes(path, n, shape, itemsize, op)[1]
+
+
+def all_to_all_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, split_dim: int, concat_dim: int,
+                     concat_sizes: Sequence[int], rank: int) -> Bytes:
+    """(textbook, wire) bytes for an all-to-all of ``shape`` (split ``split_dim``, concat ``concat_dim``)."""
+    row = _slice_bytes(shape, split_dim, itemsize)
+    textbook = (shape[split_dim] - chunk_sizes(shape[split_dim], n)[rank]) * row
+    if path == "native":
+        block = -(-shape[split_dim] // n) * max(concat_sizes) * _bytes_without(shape, (split_dim, concat_dim),
+                                                                            itemsize)
+        return textbook, (n - 1) * block
+    gathered = list(shape)
+    gathered[concat_dim] = sum(concat_sizes)
+    return textbook, _ring_all_reduce(n, prod(gathered) * itemsize)
+
+
+def broadcast_bytes(path: str, n: int, shape: Sequence[int], itemsize: int) -> Bytes:
+    """(textbook, wire) bytes for broadcasting ``shape``."""
+    nbytes = prod(shape) * itemsize
+    return nbytes, nbytes if path == "native" else _ring_all_reduce(n, nbytes)
+
+
+def _bytes_without(shape: Sequence[int], dims: Sequence[int], itemsize: int) -> int:
+    return prod(s for d, s in enumerate(shape) if d not in dims) * itemsize

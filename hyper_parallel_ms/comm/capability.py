@@ -1,0 +1,97 @@
+"""Which implementation each collective takes on each device.
+
+``native``: the device's own collective primitive (HCCL on Ascend). ``composed``: built
+from the one primitive MindSpore's CPU backend (MCCL) offers on every group, inside
+``ms.jit`` and with a backward: ``ops.AllReduce`` with SUM. Composed collectives move
+more bytes than native ones (an all-gather becomes an all-reduce of the gathered
+buffer); ``CommDebugMode`` reports both the textbook and the actual bytes.
+
+Example:
+    >>> from hyper_parallel_ms.comm.capability import CAPABILITIES
+    >>> CAPABILITIES[("Ascend", "all_gather")].path, CAPABILITIES[("CPU", "all_gather")].path
+    ('native', 'composed')
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+__all__ = ["Capability", "CAPABILITIES", "COLLECTIVES", "select_path", "force_path", "table"]
+
+NATIVE = "native"
+COMPOSED = "composed"
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """How ``collective`` runs on ``device``; ``how`` says with which primitives."""
+
+    device: str
+    collective: str
+    path: str
+    how: str
+
+
+_ROWS = [
+    Capability("Ascend", "all_gather", NATIVE, "ops.AllGather (pad to the largest piece when uneven)"),
+    Capability("Ascend", "all_reduce", NATIVE, "ops.AllReduce sum/max/min; avg = sum / n"),
+    Capability("Ascend", "reduce_scatter", NATIVE,
+               "ops.ReduceScatter for sum/avg; max/min: ops.AllReduce + local chunk "
+               "(ReduceScatter has no max/min backward)"),
+    Capability("Ascend", "all_to_all", NATIVE, "ops.AlltoAll (padded when uneven)"),
+    Capability("Ascend", "broadcast", NATIVE, "ops.Broadcast; backward: ops.AllReduce kept on the source"),
+    Capability("CPU", "all_gather", COMPOSED,
+               "each rank writes its piece into a zero buffer, ops.AllReduce sum "
+               "(MCCL AllGather: world group only, no backward)"),
+    Capability("CPU", "all_reduce", COMPOSED,
+               "sum: ops.AllReduce sum itself; avg = sum / n; max/min: pieces stacked in slots, "
+               "AllReduce sum, max/min over the slot axis (MCCL AllReduce: sum only)"),
+    Capability("CPU", "reduce_scatter", COMPOSED, "all_reduce, then the local chunk"),
+    Capability("CPU", "all_to_all", COMPOSED, "all_gather along concat_dim, then the local chunk of split_dim"),
+    Capability("CPU", "broadcast", COMPOSED, "non-source ranks contribute zeros to ops.AllReduce sum"),
+]
+
+CAPABILITIES: Dict[Tuple[str, str], Capability] = {(c.device, c.collective): c for c in _ROWS}
+
+_FORCED: List[str] = []
+
+
+def select_path(device: str, collective: str) -> str:
+    """``native`` or ``composed`` for ``collective`` on ``device`` (``CPU``/``Ascend``)."""
+    if _FORCED:
+        return _FORCED[-1]
+    cap = CAPABILITIES.get((device, collective))
+    if cap is None:
+        raise RuntimeError(f"no {collective} implementation for device target {device!r}; "
+                           f"hyper_parallel_ms runs on {sorted({c.device for c in _ROWS})}")
+    return cap.path
+
+
+@contextlib.contextmanager
+def force_path(path: Optional[str]) -> Iterator[None]:
+    """Run collectives on ``path`` (``native``/``composed``) whatever the device.
+
+    Used to test the native implementations on CPU where MCCL has the primitive (the
+    world group's AllGather and Broadcast).
+
+    Example:
+        >>> with force_path("composed"):
+        ...     select_path("Ascend", "all_gather")
+        'composed'
+    """
+    if path not in (NATIVE, COMPOSED):
+        raise ValueError(f"path must be {NATIVE!r} or {COMPOSED!r}, got {path!r}")
+    _FORCED.append(path)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def table() -> str:
+    """The capability table as Markdown."""
+    lines = ["| device | collective | path | how |", "| --- | --- | --- | --- |"]
+    lines += [f"| {c.device} | {c.collective} | {c.path} | {c.how} |" for c in _ROWS]
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""DeviceMesh: an n-D arrangement of ranks with one communication group per dimension.
+
+Follows ``torch.distributed.device_mesh``: ``init_device_mesh(device_type, shape,
+mesh_dim_names=...)`` lays the world's ranks out row-major; ``mesh["tp"]`` and
+``mesh["dp", "tp"]`` give the sub-mesh that contains this rank. Building a mesh
+creates, on this rank, the group of each mesh-dimension slice it belongs to (once:
+groups are cached by rank set, names are deterministic). Communication must be
+initialized first (``mindspore.communication.init()``, as under msrun); a lone process
+has a world of one rank and needs no communication at all.
+
+Example:
+    >>> from hyper_parallel_ms.mesh import init_device_mesh
+    >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    >>> mesh.shape, mesh.get_coordinate(), mesh["tp"].size()
+    ((1,), (0,), 1)
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _cluster
+from ._cluster import CommGroup
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+MeshDim = Union[int, str]
+
+
+class DeviceMesh:
+    """Ranks laid out as an n-D array, with names and per-dimension groups.
+
+    Args:
+        device_type: ``"cpu"`` or ``"npu"`` (Ascend); must match MindSpore's device target.
+        mesh: nested sequence / array of global ranks, e.g. ``[[0, 1], [2, 3]]``.
+        mesh_dim_names: optional distinct names, one per dimension.
+
+    Example:
+        >>> m = DeviceMesh("cpu", [0])
+        >>> m.ndim, m.size(), m.get_local_rank(0)
+        (1, 1, 0)
+    """
+
+    def __init__(self, device_type: str, mesh: Union[Sequence, np.ndarray], *,
+                 mesh_dim_names: Optional[Sequence[str]] = None) -> None:
+        self.device_type = _check_device_type(device_type)
+        ranks = np.array(mesh, dtype=np.int64)
+        if ranks.ndim == 0 or ranks.size == 0:
+            raise ValueError(f"mesh must be a non-empty n-D array of ranks, got {mesh!r}")
+        world = _cluster.world_size()
+        flat = ranks.ravel().tolist()
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"mesh {ranks.tolist()} lists a rank more than once")
+        bad = [r for r in flat if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"mesh {ranks.tolist()} has ranks {bad} outside the world of {world} ranks")
+        names = None if mesh_dim_names is None else tuple(mesh_dim_names)
+        if names is not None:
+            if len(names) != ranks.ndim:
+                raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ranks.ndim}-D mesh")
+            if any(not isinstance(n, str) or not n for n in names):
+                raise ValueError(f"mesh_dim_names must be non-empty strings, got {names}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"mesh_dim_names must be distinct, got {names}")
+        ranks.setflags(write=False)
+        self._ranks = ranks
+        self._names = names
+        me = _cluster.world_rank()
+        where = np.argwhere(ranks == me)
+        self._coordinate = tuple(int(c) for c in where[0]) if len(where) else None
+        self._groups: Tuple[Optional[CommGroup], ...] = tuple(
+            _cluster.comm_group(self._slice_ranks(d)) if self._coordinate is not None else None
+            for d in range(ranks.ndim))
+
+    # ------------------------------------------------------------- geometry
+    @property
+    def mesh(self) -> np.ndarray:
+        """The (read-only) array of global ranks."""
+        return self._ranks
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self._ranks.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self._ranks.ndim
+
+    @property
+    def mesh_dim_names(self) -> Optional[Tuple[str, ...]]:
+        return self._names
+
+    def size(self, mesh_dim: Optional[MeshDim] = None) -> int:
+        """Number of ranks in the mesh, or along ``mesh_dim``."""
+        return int(self._ranks.size) if mesh_dim is None else self.shape[self.dim_index(mesh_dim)]
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return _cluster.world_rank()
+
+    def get_coordinate(self) -> Optional[Tuple[int, ...]]:
+        """This rank's index along every mesh dim, ``None`` if it is not in the mesh."""
+        return self._coordinate
+
+    def get_local_rank(self, mesh_dim: Optional[MeshDim] = None) -> int:
+        """This rank's index along ``mesh_dim`` (may be omitted for a 1-D mesh)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_local_rank needs mesh_dim for a {self.ndim}-D mesh")
+            mesh_dim = 0
+        return self._member_coordinate()[self.dim_index(mesh_dim)]
+
+    def dim_index(self, mesh_dim: MeshDim) -> int:
+        """Index of a mesh dim given by index (negative allowed) or name."""
+        if isinstance(mesh_dim, str):
+            if not self._names or mesh_dim not in self._names:
+                raise KeyError(f"mesh dim name {mesh_dim!r} not found; the mesh has dims "
+                               f"{self._names if self._names else 'without names'}")
+            return self._names.index(mesh_dim)
+        if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, (int, np.integer)):
+            raise TypeError(f"mesh_dim must be an int or a name, got {mesh_dim!r}")
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"mesh dim {mesh_dim} out of range for a {self.ndim}-D mesh")
+        return int(mesh_dim) % self.ndim
+
+    # --------------------------------------------------------------- groups
+    def comm_group(self, mesh_dim: MeshDim = 0) -> CommGroup:
+        """The group of ranks that differ from this rank only along ``mesh_dim``."""
+        group = self._groups[self.dim_index(mesh_dim)]
+        if group is None:
+            raise RuntimeError(f"rank {self.get_rank()} is not in {self!r}: it has no group here")
+        return group
+
+    def get_group(self, mesh_dim: MeshDim = 0) -> Optional[str]:
+        """MindSpore group name of ``mesh_dim`` (``None`` for a dimension of size 1)."""
+        return self.comm_group(mesh_dim).name
+
+    def get_all_groups(self) -> List[Optional[str]]:
+        """Group names of every mesh dimension."""
+        return [self.get_group(d) for d in range(self.ndim)]
+
+    def _slice_ranks(self, dim: int) -> Tuple[int, ...]:
+        index = list(self._coordinate)
+        index[dim] = slice(None)
+        return tuple(int(r) for r in self._ranks[tuple(index)])
+
+    def _member_coordinate(self) -> Tuple[int, ...]:
+        if self._coordinate is None:
+            raise RuntimeError(f"rank {self.get_rank()} is not in {self!r}")
+        return self._coordinate
+
+    # ------------------------------------------------------------ sub-meshes
+    def __getitem__(self, names: Union[str, Sequence[str]]) -> "DeviceMesh":
+        """Sub-mesh over the named dims (in mesh order) that contains this rank.
+
+        Example:
+            >>> m = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp", "tp"))
+            >>> m["tp"].mesh_dim_names, m["dp", "tp"].shape
+            (('tp',), (1, 1))
+        """
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        if not self._names:
+            raise KeyError("cannot slice a mesh without mesh_dim_names")
+        if not wanted:
+            raise KeyError("give at least one mesh dim name")
+        for n in wanted:
+            if n not in self._names:
+                raise KeyError(f"mesh dim name {n!r} not found; the mesh has dims {self._names}")
+        dims = [self._names.index(n) for n in wanted]
+        if len(set(dims)) != len(dims):
+            raise KeyError(f"mesh dim names repeat in {wanted}")
+        if dims != sorted(dims):
+            raise KeyError(f"mesh dim names {wanted} must follow the mesh's order {self._names}")
+        coord = self._member_coordinate()
+        index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
+        return DeviceMesh(self.device_type, self._ranks[index], mesh_dim_names=wanted)
+
+    # ------------------------------------------------------------ value-ish
+    def _key(self):
+        return (self.device_type, self.shape, tuple(self._ranks.ravel().tolist()), self._names)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self._names}" if self._names else ""
+        return f"DeviceMesh({self.device_type!r}, {self._ranks.tolist()}{names})"
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """A mesh of all ranks laid out row-major in ``mesh_shape``.
+
+    Example:
+        >>> init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")).mesh.tolist()
+        [[0]]
+    """
+    shape = tuple(mesh_shape) if not isinstance(mesh_shape, int) else (mesh_shape,)
+    if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+        raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}")
+    world = _cluster.world_size()
+    if int(np.prod(shape)) != world:
+        raise ValueError(f"mesh_shape {shape} holds {int(np.prod(shape))} ranks but the world has "
+                         f"{world}; the product of the mesh shape must equal the world size")
+    return DeviceMesh(device_type, np.arange(world).reshape(shape), mesh_dim_names=mesh_dim_names)
+
+
+def _check_device_type(device_type: str) -> str:
+    key = device_type.lower() if isinstance(device_type, str) else device_type
+    if key not in _cluster.DEVICE_TYPES:
+        raise ValueError(f"device_type must be one of {sorted(_cluster.DEVICE_TYPES)}, got {device_type!r}")
+    target = _cluster.device_target()
+    if _cluster.DEVICE_TYPES[key] != target:
+        raise ValueError(f"device_type {device_type!r} needs MindSpore device target "
+                         f"{_cluster.DEVICE_TYPES[key]!r}, but it is {target!r}: call "
+                         f"mindspore.set_device({_cluster.DEVICE_TYPES[key]!r}) first or pick the "
+                         f"matching device_type")
+    return "npu" if key == "ascend" else key

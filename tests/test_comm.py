@@ -1,0 +1,117 @@
+"""Collectives on every mesh dim of a (2, 2) mesh: values and gradients against numpy,
+in PyNative and in ms.jit, even and uneven; native primitives where MCCL has them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyper_parallel_ms.testing import multi_rank
+import _collective_ref as ref
+
+MODES = ["pynative", "jit"]
+
+
+def _inputs(case: str, member: int, n: int, uneven: bool, seed: int):
+    """Every member's input shape is derived from its index, so all ranks can rebuild all inputs."""
+    rng = np.random.default_rng(seed + member)
+    if case == "all_gather":
+        shape = (3 - member, 4) if uneven else (2, 4)
+    elif case == "all_to_all":
+        shape = (5, 2 - (member == n - 1)) if uneven else (4, 2)
+    else:
+        shape = (5, 3) if uneven else (4, 3)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _weights(out_shape, world_rank, seed):
+    return np.random.default_rng(seed + 100 + world_rank).standard_normal(out_shape).astype(np.float32)
+
+
+def _run_case(case: str, mesh_dim: str, mode: str, uneven: bool, op: str = "sum", src: int = 0,
+              mesh_shape=(2, 2), names=("dp", "tp")):
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    group = mesh.comm_group(mesh_dim)
+    n, me = group.size, group.rank
+    xs = [_inputs(case, m, n, uneven, seed=7) for m in range(n)]
+    if case == "all_gather":
+        sizes = tuple(x.shape[0] for x in xs)
+        fn = lambda t: comm.all_gather(t, mesh, mesh_dim, dim=0, sizes=sizes)  # noqa: E731
+        want = lambda ws, m=me: ref.all_gather(xs, ws, m, 0)  # noqa: E731
+    elif case == "all_reduce":
+        fn = lambda t: comm.all_reduce(t, mesh, mesh_dim, op=op)  # noqa: E731
+        want = lambda ws, m=me: ref.all_reduce(xs, ws, m, op)  # noqa: E731
+    elif case == "reduce_scatter":
+        fn = lambda t: comm.reduce_scatter(t, mesh, mesh_dim, dim=0, op=op)  # noqa: E731
+        want = lambda ws, m=me: ref.reduce_scatter(xs, ws, m, 0, op)  # noqa: E731
+    elif case == "all_to_all":
+        sizes = tuple(x.shape[1] for x in xs)
+        fn = lambda t: comm.all_to_all(t, mesh, mesh_dim, split_dim=0, concat_dim=1,  # noqa: E731
+                                       concat_sizes=sizes)
+        want = lambda ws, m=me: ref.all_to_all(xs, ws, m, 0, 1)  # noqa: E731
+    else:
+        fn = lambda t: comm.broadcast(t, mesh, mesh_dim, src=src)  # noqa: E731
+        want = lambda ws, m=me: ref.broadcast(xs, ws, m, src)  # noqa: E731
+    # rank s's loss weights its own output; the reference sums the gradient over the group
+    out_shapes = [want(None, m).shape for m in range(n)]
+    ws = [_weights(out_shapes[m], group.ranks[m], seed=3) for m in range(n)]
+    expect_out, expect_grad = want(ws)
+
+    w_mine = ms.Tensor(ws[me])
+
+    def loss(t):
+        return (fn(t) * w_mine).sum()
+
+    forward, backward = fn, ms.grad(loss)
+    if mode == "jit":
+        forward, backward = ms.jit(forward), ms.jit(backward)
+    x = ms.Tensor(xs[me])
+    out = forward(x)
+    grad = backward(x)
+    np.testing.assert_allclose(out.asnumpy(), expect_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad.asnumpy(), expect_grad, rtol=1e-5, atol=1e-5)
+    return out.shape
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mesh_dim", ["dp", "tp"])
+@multi_rank(4)
+def test_all_gather(mesh_dim, mode):
+    for uneven in (False, True):
+        _run_case("all_gather", mesh_dim, mode, uneven)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mesh_dim", ["dp", "tp"])
+@multi_rank(4)
+def test_all_reduce(mesh_dim, mode):
+    for op in ("sum", "avg", "max", "min"):
+        _run_case("all_reduce", mesh_dim, mode, False, op=op)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mesh_dim", ["dp", "tp"])
+@multi_rank(4)
+def test_reduce_scatter(mesh_dim, mode):
+    for uneven in (False, True):
+        for op in ("sum", "avg", "max"):
+            _run_case("reduce_scatter", mesh_dim, mode, uneven, op=op)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mesh_dim", ["dp", "tp"])
+@multi_rank(4)
+def test_all_to_all(mesh_dim, mode):
+    for uneven in (False, True):
+        _run_case("all_to_all", mesh_dim, mode, uneven)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mesh_dim", ["dp", "tp"])
+@multi_rank(4)
+def test_broadcast(mesh_dim, mode):
+    for src in (0, 1):
+        _run_case("broadcast", mesh_dim, mode, False, src=src)
