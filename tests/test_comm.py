@@ -115,3 +115,99 @@ def test_all_to_all(mesh_dim, mode):
 def test_broadcast(mesh_dim, mode):
     for src in (0, 1):
         _run_case("broadcast", mesh_dim, mode, False, src=src)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@multi_rank(4)
+def test_native_primitives_where_mccl_has_them(mode):
+    """The Ascend path on CPU: MCCL has AllGather and Broadcast on the world group and
+    AllReduce(sum) everywhere; ReduceScatter / AlltoAll have no CPU kernel."""
+    from hyper_parallel_ms.comm import force_path
+    with force_path("native"):
+        for uneven in (False, True):
+            _run_all_gather_forward(mode, uneven)
+        for src in (0, 3):
+            _run_case("broadcast", "tp", mode, False, src=src, mesh_shape=(4,), names=("tp",))
+        _run_case("all_reduce", "tp", mode, False, op="sum", mesh_shape=(4,), names=("tp",))
+        _run_case("all_reduce", "tp", mode, False, op="avg", mesh_shape=(4,), names=("tp",))
+
+
+def _run_all_gather_forward(mode, uneven):
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    me = mesh.get_local_rank()
+    xs = [_inputs("all_gather", m, 4, uneven, seed=5) for m in range(4)]
+    xs = [x.T.copy() for x in xs] if uneven else xs          # gather along dim 1 when uneven
+    dim = 1 if uneven else 0
+    sizes = tuple(x.shape[dim] for x in xs)
+
+    def fn(t):
+        return comm.all_gather(t, mesh, "tp", dim=dim, sizes=sizes)
+    if mode == "jit":
+        fn = ms.jit(fn)
+    np.testing.assert_array_equal(fn(ms.Tensor(xs[me])).asnumpy(), np.concatenate(xs, dim))
+
+
+@multi_rank(4)
+def test_comm_debug_mode_counts_and_bytes():
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.comm import CommDebugMode
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = ms.Tensor(np.ones((4, 3), np.float32))                  # 48 bytes
+    with CommDebugMode() as outer:
+        with CommDebugMode() as mode:
+            comm.all_gather(x, mesh, "tp", dim=0)
+            comm.all_reduce(x, mesh, "dp")
+            comm.all_reduce(x, mesh, "dp", op="max")
+            comm.reduce_scatter(x, mesh, "tp", dim=0)
+            comm.all_to_all(x, mesh, "tp", split_dim=0, concat_dim=1)
+            comm.broadcast(x, mesh, "dp", src=1)
+        def reduce_tp(t):
+            return comm.all_reduce(t, mesh, "tp")
+        compiled = ms.jit(reduce_tp)
+        compiled(x)
+        compiled(x)                                               # runs the compiled graph
+    assert mode.get_comm_counts() == {"all_gather": 1, "all_reduce": 2, "reduce_scatter": 1,
+                                      "all_to_all": 1, "broadcast": 1}
+    assert outer.get_total_counts() == 7 and outer.records[-1].compiled   # recorded once, at compile
+    assert not any(r.compiled for r in mode.records)
+    got = [(r.kind, r.mesh_dim, r.group_size, r.path, r.bytes, r.wire_bytes) for r in mode.records]
+    assert got == [
+        ("all_gather", "tp", 2, "composed", 48, 96),              # out - in; all-reduce of 96 B
+        ("all_reduce", "dp", 2, "composed", 48, 48),              # 2 (n-1)/n * 48
+        ("all_reduce", "dp", 2, "composed", 48, 96),              # max: two slots
+        ("reduce_scatter", "tp", 2, "composed", 24, 48),          # in - local out
+        ("all_to_all", "tp", 2, "composed", 24, 96),              # in - kept chunk; gather of 96 B
+        ("broadcast", "dp", 2, "composed", 48, 48),
+    ]
+    assert mode.total_bytes() == 240 and mode.total_bytes("all_reduce") == 96
+    assert "all_to_all" in mode.summary()
+
+
+@multi_rank(2)
+def test_comm_errors():
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = ms.Tensor(np.ones((4, 3), np.float32))
+    for bad, err, msg in [
+        (lambda: comm.all_gather(x, mesh, "tp", dim=2), ValueError, "dim 2 is out of range for a 2-D"),
+        (lambda: comm.all_gather(x, mesh, "tp", sizes=(4,)), ValueError, "must give 2 non-negative ints"),
+        (lambda: comm.all_gather(x, mesh, "tp", sizes=(3, 3)), ValueError, "this rank's tensor has 4"),
+        (lambda: comm.all_reduce(x, mesh, "tp", op="prod"), ValueError, "reduce op must be one of"),
+        (lambda: comm.reduce_scatter(x, mesh, "tp", op="mean"), ValueError, "reduce op must be one of"),
+        (lambda: comm.all_to_all(x, mesh, "tp", split_dim=0, concat_dim=0), ValueError, "different split_dim"),
+        (lambda: comm.broadcast(x, mesh, "tp", src=2), ValueError, r"src must be a rank index in \[0, 2\)"),
+        (lambda: comm.all_reduce(x, mesh, "dp"), KeyError, "'dp' not found"),
+        (lambda: comm.all_reduce(ms.Tensor(np.ones(2, np.int32)), mesh, "tp"), TypeError, "float32, float16"),
+    ]:
+        with pytest.raises(err, match=msg):
+            bad()

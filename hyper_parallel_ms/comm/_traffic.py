@@ -10,7 +10,7 @@ of the buffer each collective becomes.
 
 Pure Python. Example:
     >>> all_gather_bytes("composed", 4, (2, 3), 4, 0, (2, 2, 2, 2))
-    (72, 48)
+    (72, 144)
 """
 from __future__ import annotations
 

@@ -2,16 +2,13 @@
 
 Like PyTorch's ``CommDebugMode``: inside ``with CommDebugMode() as mode:`` every
 collective issued by ``hyper_parallel_ms.comm`` in PyNative is recorded with its kind,
-mesh dim, group size, path (native / composed) and bytes sent per rank:
+mesh dim, group size, path (native / composed) and bytes sent per rank: ``bytes`` is the
+textbook figure of a bandwidth-optimal implementation, ``wire_bytes`` what the issued
+primitives send (see :mod:`._traffic`).
 
-* ``bytes``: what a bandwidth-optimal (ring) implementation of that collective sends
-  per rank for these tensors: all-gather ``out - local``, reduce-scatter ``in - local
-  out``, all-reduce ``2 (n-1)/n * size``, all-to-all ``in - the chunk kept``,
-  broadcast ``size``. For even shards these are the textbook ``(n-1)/n`` figures.
-* ``wire_bytes``: the same measure for the primitives actually issued (padding of
-  uneven pieces; on CPU the all-reduce that a composed collective becomes).
-
-Collectives compiled into an ``ms.jit`` graph run without Python and are not counted.
+A collective inside an ``ms.jit`` function is recorded once, when the graph is
+compiled, with ``compiled=True``: the compiled graph then runs without Python, so later
+calls of it add nothing.
 
 Example:
     >>> with CommDebugMode() as mode:
@@ -21,8 +18,9 @@ Example:
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 __all__ = ["CommDebugMode", "CommRecord", "record"]
@@ -42,6 +40,7 @@ class CommRecord:
     wire_bytes: int
     shape: tuple
     dtype: str
+    compiled: bool = False
 
 
 class CommDebugMode:
@@ -87,14 +86,32 @@ class CommDebugMode:
         lines = [f"{'kind':<15}{'mesh dim':<10}{'n':>3}  {'path':<9}{'bytes':>12}{'wire bytes':>12}  shape"]
         for r in self.records:
             lines.append(f"{r.kind:<15}{str(r.mesh_dim):<10}{r.group_size:>3}  {r.path:<9}"
-                         f"{r.bytes:>12}{r.wire_bytes:>12}  {r.shape} {r.dtype}")
+                         f"{r.bytes:>12}{r.wire_bytes:>12}  {r.shape} {r.dtype}"
+                         f"{'  (compiled)' if r.compiled else ''}")
         return "\n".join(lines)
 
 
 def record(rec: CommRecord) -> None:
-    """Add ``rec`` to every active mode."""
+    """Add ``rec`` to every active mode (marked ``compiled`` while ms.jit compiles)."""
+    if not _ACTIVE:
+        return
+    if _compiling():
+        rec = replace(rec, compiled=True)
     for mode in _ACTIVE:
         mode.records.append(rec)
+
+
+def _compiling() -> bool:
+    """Whether Python runs on behalf of MindSpore's graph compiler (a caller frame is
+    ``compile`` in ``mindspore/graph/api.py``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile" and code.co_filename.endswith(("mindspore/graph/api.py",
+                                                                     "mindspore\\graph\\api.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_active() -> bool:

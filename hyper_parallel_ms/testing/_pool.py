@@ -166,7 +166,7 @@ class RankPool:
     @staticmethod
     def _spawn(module: str, env: Dict[str, str], log: str, pass_fds: Tuple[int, ...] = ()) -> subprocess.Popen:
         with open(log, "wb") as out:
-            return subprocess.Popen([sys.executable, "-m", module], env=env, stdout=out,
+            return subprocess.Popen([sys.executable, "-m", module], env=env, stdout=out, cwd=os.path.dirname(log),
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     pass_fds=pass_fds, start_new_session=True)
 
@@ -211,7 +211,7 @@ class RankPool:
             self.stop()
             self.start()
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        task = (list(sys.path), module, qualname, args, kwargs)
+        task = ([os.path.abspath(p) for p in sys.path], module, qualname, args, kwargs)
         for r in self._ranks:
             r.conn.send(task)
         results: Dict[int, Any] = {}

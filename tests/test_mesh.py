@@ -1,0 +1,108 @@
+"""DeviceMesh: a world of one rank in this process, and 4 and 8 ranks through the harness."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyper_parallel_ms.testing import multi_rank
+
+
+def test_world_of_one_needs_no_communication():
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.comm import CommDebugMode
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    ms.set_device("CPU")
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    assert mesh.get_coordinate() == (0, 0) and mesh.size() == 1
+    assert mesh.get_group("tp") is None and mesh["tp"].shape == (1,)
+    x = ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    with CommDebugMode() as mode:
+        for y in (comm.all_gather(x, mesh, "tp", dim=1), comm.all_reduce(x, mesh, "dp", op="max"),
+                  comm.reduce_scatter(x, mesh, "tp"), comm.broadcast(x, mesh, "dp"),
+                  comm.all_to_all(x, mesh, "tp", split_dim=0, concat_dim=1)):
+            np.testing.assert_array_equal(y.asnumpy(), x.asnumpy())
+    assert mode.get_total_counts() == 0
+    with pytest.raises(ValueError, match="holds 2 ranks but the world has 1"):
+        init_device_mesh("cpu", (2,))
+    with pytest.raises(ValueError, match="device_type must be one of"):
+        init_device_mesh("gpu", (1,))
+    with pytest.raises(ValueError, match="needs MindSpore device target 'Ascend'"):
+        init_device_mesh("npu", (1,))
+
+
+def _rank():
+    from mindspore import communication
+    return communication.get_rank()
+
+
+@multi_rank(4)
+def test_mesh_4_ranks():
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.mesh import DeviceMesh, init_device_mesh
+
+    r = _rank()
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    assert flat.get_coordinate() == (r,) and flat.get_local_rank() == r and flat.ndim == 1
+    assert flat.comm_group(0).ranks == (0, 1, 2, 3) and flat.get_group("tp") == "mccl_world_group"
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = divmod(r, 2)
+    assert mesh.get_coordinate() == (dp, tp) and mesh.shape == (2, 2) and mesh.size() == 4
+    assert mesh.get_local_rank("dp") == dp and mesh.get_local_rank("tp") == tp and mesh.size("tp") == 2
+    assert mesh.comm_group("tp").ranks == (2 * dp, 2 * dp + 1)
+    assert mesh.comm_group("dp").ranks == (tp, tp + 2)
+    assert mesh.get_group("tp") == f"hpms_{2 * dp}_{2 * dp + 1}"      # deterministic names
+    assert mesh.get_all_groups() == [f"hpms_{tp}_{tp + 2}", f"hpms_{2 * dp}_{2 * dp + 1}"]
+    sub = mesh["tp"]
+    assert sub.mesh.tolist() == [2 * dp, 2 * dp + 1] and sub.mesh_dim_names == ("tp",)
+    assert sub.get_coordinate() == (tp,) and sub.get_group() == mesh.get_group("tp")
+    assert mesh["dp"].mesh.tolist() == [tp, tp + 2]
+    assert mesh["dp", "tp"] == mesh and hash(mesh["dp", "tp"]) == hash(mesh)
+    # groups are created once: a second mesh over the same ranks reuses the names
+    again = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert again.get_all_groups() == mesh.get_all_groups()
+    explicit = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("a", "b"))
+    assert explicit.comm_group("a").ranks == ((0, 1) if r in (0, 1) else (2, 3))
+
+    # the groups work: sums of global ranks along each dim
+    x = ms.Tensor(np.full((2,), float(r), np.float32))
+    assert comm.all_reduce(x, mesh, "tp").asnumpy()[0] == 4 * dp + 1
+    assert comm.all_reduce(x, mesh, "dp").asnumpy()[0] == 2 * tp + 2
+    assert comm.all_reduce(x, flat, 0).asnumpy()[0] == 6
+
+    for bad, err, msg in [
+        (lambda: init_device_mesh("cpu", (3,)), ValueError, "holds 3 ranks but the world has 4"),
+        (lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "a")), ValueError, "distinct"),
+        (lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("a",)), ValueError, "1 names for a 2-D"),
+        (lambda: init_device_mesh("cpu", (2, -2)), ValueError, "positive ints"),
+        (lambda: mesh["pp"], KeyError, "'pp' not found"),
+        (lambda: mesh["tp", "dp"], KeyError, "must follow the mesh's order"),
+        (lambda: mesh.get_local_rank(), ValueError, "needs mesh_dim"),
+        (lambda: mesh.comm_group(2), IndexError, "out of range"),
+        (lambda: DeviceMesh("cpu", [0, 1, 1, 2]), ValueError, "more than once"),
+        (lambda: DeviceMesh("cpu", [0, 4]), ValueError, "outside the world of 4"),
+    ]:
+        with pytest.raises(err, match=msg):
+            bad()
+
+
+@multi_rank(8)
+def test_mesh_3d_on_8_ranks():
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    r = _rank()
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    coord = (r // 4, (r // 2) % 2, r % 2)
+    assert mesh.get_coordinate() == coord
+    assert mesh["dp", "tp"].mesh.tolist() == [[4 * coord[0] + 2 * i + j for j in range(2)] for i in range(2)]
+    assert mesh["pp", "tp"].comm_group("pp").ranks == (r % 4, r % 4 + 4)
+    x = ms.Tensor(np.full((1,), float(r), np.float32))
+    strides = {"pp": 4, "dp": 2, "tp": 1}
+    for name, stride in strides.items():
+        base = r - stride * coord[("pp", "dp", "tp").index(name)]
+        assert comm.all_reduce(x, mesh, name).asnumpy()[0] == 2 * base + stride
