@@ -26,11 +26,12 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from .. import _cluster
+from .._jit import cached_in_python, is_compiling, run_in_python
+from ..layout import chunk_sizes
 from ..placement import REDUCE_OPS
 from . import _composed, _native, _traffic
 from ._broadcast import broadcast as _broadcast
@@ -50,6 +51,7 @@ class _Call:
     dim: int
     sizes: Tuple[int, ...]
     record: Optional[CommRecord]
+    empty_output: bool     # some rank's output piece is empty (reduce_scatter / all_to_all chunks)
 
 
 def _norm_dim(dim: int, ndim: int, what: str) -> int:
@@ -73,9 +75,7 @@ def _check_sizes(sizes: Sequence[int], group, shape: Tuple[int, ...], dim: int, 
     return sizes
 
 
-# The planners below run in Python, also while ms.jit compiles a caller: the parser treats
-# an lru_cache object as an opaque callable and evaluates it on the (constant) arguments.
-@functools.lru_cache(maxsize=4096)
+@cached_in_python
 def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, dim: int = 0,
           sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0) -> _Call:
     group = mesh.comm_group(mesh_dim)
@@ -108,13 +108,25 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
     index = mesh.dim_index(mesh_dim)
     rec = CommRecord(kind, names[index] if names else str(index), n, path, traffic[0], traffic[1], shape,
                      str(dtype)) if n > 1 else None
-    return _Call(group, path == "native", dim, sizes or (), rec)
+    empty_output = kind in ("reduce_scatter", "all_to_all") and \
+        0 in chunk_sizes(shape[dim if kind == "reduce_scatter" else split_dim], n)
+    return _Call(group, path == "native", dim, sizes or (), rec, empty_output)
 
 
-def _count(call: _Call) -> None:
-    """Record the call in active CommDebugModes (PyNative; a compiled graph records nothing)."""
+@run_in_python
+def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, **options) -> _Call:
+    """The planned call, checked for graph compilation, and counted by active CommDebugModes
+    (inside ms.jit once, when the graph is compiled)."""
+    call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, **options)
+    if call.empty_output and call.group.size > 1 and is_compiling():
+        raise NotImplementedError(
+            f"{kind} over mesh dim {mesh_dim!r} would leave some rank an empty output piece (tensor shape "
+            f"{shape}, options {options}); inside ms.jit that rank's loss no longer depends on its input, "
+            "graph mode prunes its backward collective and the other ranks wait for it forever. Run it in "
+            "PyNative, or use a size along the scattered dim that gives every rank at least one slice")
     if call.record is not None:
         record(call.record)
+    return call
 
 
 def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[int]] = None):
@@ -126,11 +138,10 @@ def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[in
 
         y = all_gather(x, mesh, "tp", dim=1, sizes=(3, 2))   # uneven pieces, width 5
     """
-    call = _plan("all_gather", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim,
+    call = _resolve("all_gather", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim,
                  sizes=None if sizes is None else tuple(sizes))
     if call.group.size == 1:
         return x
-    _count(call)
     if call.native:
         return _native.all_gather(x, call.dim, call.sizes, call.group)
     return _composed.all_gather(x, call.dim, call.sizes, call.group)
@@ -143,10 +154,9 @@ def all_reduce(x, mesh, mesh_dim=0, *, op: str = "sum"):
 
         total = all_reduce(partial_sums, mesh, "tp")
     """
-    call = _plan("all_reduce", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, op=op)
+    call = _resolve("all_reduce", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, op=op)
     if call.group.size == 1:
         return x
-    _count(call)
     if call.native:
         return _native.all_reduce(x, op, call.group)
     return _composed.all_reduce(x, op, call.group)
@@ -159,10 +169,9 @@ def reduce_scatter(x, mesh, mesh_dim=0, *, dim: int = 0, op: str = "sum"):
 
         piece = reduce_scatter(partial, mesh, "tp", dim=0)
     """
-    call = _plan("reduce_scatter", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim, op=op)
+    call = _resolve("reduce_scatter", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim, op=op)
     if call.group.size == 1:
         return x
-    _count(call)
     if call.native:
         return _native.reduce_scatter(x, call.dim, op, call.group)
     return _composed.reduce_scatter(x, call.dim, op, call.group)
@@ -179,11 +188,10 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
 
         y = all_to_all(x, mesh, "tp", split_dim=1, concat_dim=0)   # S(0) -> S(1)
     """
-    call = _plan("all_to_all", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=concat_dim,
+    call = _resolve("all_to_all", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=concat_dim,
                  sizes=None if concat_sizes is None else tuple(concat_sizes), split_dim=split_dim)
     if call.group.size == 1:
         return x
-    _count(call)
     split = split_dim % x.ndim
     if call.native:
         return _native.all_to_all(x, split, call.dim, call.sizes, call.group)
@@ -197,8 +205,7 @@ def broadcast(x, mesh, mesh_dim=0, *, src: int = 0):
 
         weights = broadcast(weights, mesh, "dp", src=0)
     """
-    call = _plan("broadcast", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, src=src)
+    call = _resolve("broadcast", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, src=src)
     if call.group.size == 1:
         return x
-    _count(call)
     return _broadcast(x, src, call.group, call.native)

@@ -3,7 +3,9 @@
 MCCL on CPU offers ``AllReduce`` (sum, float32/float16) on every group, inside ``ms.jit``
 and with a backward; every other collective is built from it with linear local ops, so
 MindSpore's autodiff gives each one its exact adjoint (all-gather <-> reduce-scatter,
-all-to-all <-> inverse all-to-all).
+all-to-all <-> inverse all-to-all). The all-gather is a Cell with an explicit ``bprop``:
+a rank whose piece is empty contributes nothing to the forward buffer, and without the
+Cell autodiff would skip that rank's backward all-reduce while the others wait for it.
 
 Example (two ranks, group ``g``, each holding one row)::
 
@@ -12,10 +14,10 @@ Example (two ranks, group ``g``, each holding one row)::
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import mindspore as ms
-from mindspore import ops
+from mindspore import nn, ops
 
 from ..layout import chunk_offsets, chunk_sizes
 from ._tensor import narrow, pad_dim
@@ -42,11 +44,31 @@ def sum_over(x, group_name: str):
     return _all_reduce_sum_prim(group_name)(x)
 
 
+class _AllGather(nn.Cell):
+    """All-gather of pieces ``sizes`` along ``dim``: this rank's piece padded into its slot of a
+    zero buffer, then all-reduced. Backward: all-reduce the gradient, keep this rank's slot."""
+
+    def __init__(self, dim: int, sizes: Tuple[int, ...], group) -> None:
+        super().__init__()
+        self.dim, self.group_name = dim, group.name
+        self.before, self.length = sum(sizes[:group.rank]), sizes[group.rank]
+        self.after = sum(sizes[group.rank + 1:])
+
+    def construct(self, x):
+        return sum_over(pad_dim(x, self.dim, self.before, self.after), self.group_name)
+
+    def bprop(self, x, out, dout):
+        return (narrow(sum_over(dout, self.group_name), self.dim, self.before, self.length),)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _AllGather:
+    return _AllGather(dim, sizes, group)
+
+
 def all_gather(x, dim: int, sizes: Sequence[int], group):
     """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``)."""
-    before = sum(sizes[:group.rank])
-    after = sum(sizes[group.rank + 1:])
-    return sum_over(pad_dim(x, dim, before, after), group.name)
+    return _all_gather_cell(dim, tuple(sizes), group)(x)
 
 
 def all_reduce(x, op: str, group):

@@ -35,7 +35,11 @@ def narrow(x, dim: int, start: int, length: int):
 
 
 def pad_dim(x, dim: int, before: int, after: int):
-    """Zero-pad ``x`` along ``dim`` with ``before`` and ``after`` slices."""
+    """Zero-pad ``x`` along ``dim`` with ``before`` and ``after`` slices.
+
+    An empty ``x`` is left out of the concatenation but kept as a dependency of the
+    result, so that autodiff still reaches (and runs the backward of) what consumes it.
+    """
     parts = []
     if before > 0:
         parts.append(ops.zeros(shape_with(x.shape, dim, before), x.dtype))
@@ -43,11 +47,10 @@ def pad_dim(x, dim: int, before: int, after: int):
         parts.append(x)
     if after > 0:
         parts.append(ops.zeros(shape_with(x.shape, dim, after), x.dtype))
-    if len(parts) == 1:
-        return parts[0]
     if not parts:
         return x
-    return mint.cat(parts, dim)
+    out = parts[0] if len(parts) == 1 else mint.cat(parts, dim)
+    return out if x.shape[dim] > 0 else ops.depend(out, x)
 
 
 def split_sizes(x, dim: int, sizes: Sequence[int]) -> List:

@@ -18,10 +18,11 @@ Example:
 """
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
+
+from .._jit import is_compiling
 
 __all__ = ["CommDebugMode", "CommRecord", "record"]
 
@@ -95,25 +96,7 @@ def record(rec: CommRecord) -> None:
     """Add ``rec`` to every active mode (marked ``compiled`` while ms.jit compiles)."""
     if not _ACTIVE:
         return
-    if _compiling():
+    if is_compiling():
         rec = replace(rec, compiled=True)
     for mode in _ACTIVE:
         mode.records.append(rec)
-
-
-def _compiling() -> bool:
-    """Whether Python runs on behalf of MindSpore's graph compiler (a caller frame is
-    ``compile`` in ``mindspore/graph/api.py``)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "compile" and code.co_filename.endswith(("mindspore/graph/api.py",
-                                                                     "mindspore\\graph\\api.py")):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def is_active() -> bool:
-    """Whether any CommDebugMode is recording."""
-    return bool(_ACTIVE)

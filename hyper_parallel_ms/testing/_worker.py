@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence, Tuple
 
 HARNESS_FD_ENV = "HPMS_HARNESS_FD"
 LAUNCH_BLOCKING_ENV = "HPMS_LAUNCH_BLOCKING"
+DEVICE_ENV = "HPMS_TEST_DEVICE"      # CPU (default) or Ascend
 
 
 def resolve(module: str, qualname: str) -> Callable:
@@ -47,8 +48,12 @@ def _init_mindspore() -> Tuple[int, int, float]:
     from mindspore import communication
     from mindspore.device_context.cpu import op_tuning
 
-    ms.set_device("CPU")
-    op_tuning.threads_num(1)
+    device = os.environ.get(DEVICE_ENV, "CPU")
+    if device == "CPU":
+        ms.set_device("CPU")
+        op_tuning.threads_num(1)
+    else:
+        ms.set_device(device, int(os.environ.get("MS_NODE_ID", "0")))
     if os.environ.get(LAUNCH_BLOCKING_ENV, "1") == "1":
         ms.runtime.launch_blocking()
     communication.init()

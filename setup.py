@@ -1,0 +1,20 @@
+"""hyper_parallel_ms: DTensor, device meshes and tensor parallelism for MindSpore."""
+import os
+
+from setuptools import find_packages, setup
+
+setup(
+    name="hyper_parallel_ms",
+    version="0.1.0",
+    description="MindSpore-first distributed tensors (DeviceMesh, Shard/Replicate/Partial) and "
+                "differentiable collectives for Ascend, testable on CPU",
+    long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"),
+                          encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hyper_parallel_ms", "hyper_parallel_ms.*"]),
+    python_requires=">=3.9,<3.12",
+    install_requires=["mindspore>=2.10.0,<2.11", "numpy>=1.21,<2"],
+    extras_require={"test": ["pytest>=7"]},
+    license="Apache-2.0",
+    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+)
