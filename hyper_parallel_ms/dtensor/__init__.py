@@ -1,0 +1,15 @@
+"""DTensor on MindSpore Tensor: placements, redistribution, factories.
+
+Example::
+
+    from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
+    dt = distribute_tensor(x, mesh, [Shard(0), Replicate()])
+    y = dt.redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()
+"""
+from ._dtensor import DTensor
+from ._factories import distribute_tensor, empty, full, ones, rand, randn, zeros
+from ._spec import DTensorSpec
+from ._visualize import sharding_table, visualize_sharding
+
+__all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
+           "visualize_sharding", "sharding_table"]

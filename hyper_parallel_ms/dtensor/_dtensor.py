@@ -1,0 +1,206 @@
+"""DTensor: a MindSpore Tensor holding this rank's piece of a global tensor.
+
+The object *is* the local tensor (it shares storage with it, so MindSpore's autodiff and
+optimizers see the local data) and carries a :class:`DTensorSpec`: the mesh, the
+placements and the global shape. ``shape``, ``size()`` and ``numel()`` are global;
+``local_shape`` and :meth:`to_local` give the piece. Operators applied to a DTensor act on
+the local piece and return plain Tensors; :mod:`hyper_parallel_ms.ops` adds sharding
+propagation. DTensors are PyNative objects: inside ``ms.jit`` pass local tensors.
+
+Gradients follow PyTorch: the gradient of a tensor laid out as L is laid out as L with
+Partial placements read as Replicate. ``redistribute``'s backward moves the gradient
+from the target layout to the source layout (Partial as Replicate); ``to_local`` takes
+the gradient of the local tensor as laid out by ``grad_placements`` (default: the
+DTensor's own placements, so the gradient of a Partial DTensor's local tensor is summed
+over the Partial mesh dims).
+
+Example::
+
+    dt = DTensor.from_local(local, mesh, [Shard(0), Replicate()])
+    dt.shape, dt.local_shape                     # (8, 4), (4, 4) on a (2, 2) mesh
+    full = dt.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Optional, Sequence, Tuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+from .. import comm
+from ..placement import Placement, Replicate
+from ..redistribute import redistribution, replicate_partials
+from ._spec import DTensorSpec, to_layout
+
+__all__ = ["DTensor"]
+
+
+def _local_view(t) -> Tensor:
+    """A plain Tensor sharing storage (and the autodiff node) with ``t``."""
+    return Tensor._make_subclass(Tensor, t)
+
+
+class DTensor(Tensor):
+    """A distributed tensor: the local piece of a global tensor, with its mesh and placements.
+
+    Build one with :meth:`from_local`, :func:`distribute_tensor` or a factory
+    (``zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``).
+
+    Example::
+
+        dt = DTensor.from_local(ms.ops.ones((2, 3)), mesh, [Shard(0)])   # 2 ranks: global (4, 3)
+    """
+
+    def __new__(cls, local: Tensor, spec: Optional[DTensorSpec] = None):
+        if spec is None:  # Parameter(dtensor) re-creates the object from an existing DTensor
+            spec = local._dt_spec
+        obj = Tensor._make_subclass(cls, local)
+        obj._dt_spec = spec
+        return obj
+
+    # ------------------------------------------------------------- creation
+    @staticmethod
+    def from_local(local: Tensor, device_mesh, placements: Sequence, *, shape: Optional[Sequence[int]] = None,
+                   run_check: bool = False) -> "DTensor":
+        """Wrap this rank's ``local`` piece. Without ``shape``, every sharded dim is assumed
+        even (global = local x shards, as in PyTorch); give ``shape`` for uneven pieces.
+        ``run_check`` all-gathers the local shapes and checks them against the layout.
+
+        Example::
+
+            dt = DTensor.from_local(piece, mesh, [Shard(0)], shape=(5, 3))   # 5 rows on 4 ranks
+        """
+        if not isinstance(local, Tensor) or isinstance(local, DTensor):
+            raise TypeError(f"from_local needs a plain mindspore Tensor, got {type(local).__name__}")
+        coord = device_mesh.get_coordinate()
+        if coord is None:
+            raise ValueError(f"rank {device_mesh.get_rank()} is not in {device_mesh!r}")
+        layout = to_layout(device_mesh, placements, local.ndim)
+        local_shape = tuple(local.shape)
+        if shape is None:
+            axes = layout.sharding_axes(local.ndim)
+            shape = tuple(s * prod(device_mesh.shape[a] for a in ax) for s, ax in zip(local_shape, axes))
+        else:
+            shape = tuple(shape)
+            if len(shape) != local.ndim:
+                raise ValueError(f"shape {shape} has {len(shape)} dims but the local tensor has {local.ndim}")
+            expected = layout.local_shape(shape, coord)
+            if expected != local_shape:
+                raise ValueError(f"local tensor of shape {local_shape} does not fit global shape {shape} with "
+                                 f"placements {layout}: rank at mesh coordinate {coord} should hold {expected}")
+        spec = DTensorSpec(device_mesh, layout, shape)
+        if run_check:
+            _check_local_shapes(spec, local_shape)
+        return DTensor(local, spec)
+
+    # ----------------------------------------------------------- properties
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The global shape."""
+        return self._dt_spec.shape
+
+    def size(self, dim: Optional[int] = None):
+        """The global shape, or its size along ``dim`` (PyTorch's ``Tensor.size``)."""
+        return self._dt_spec.shape if dim is None else self._dt_spec.shape[dim]
+
+    def numel(self) -> int:
+        """Elements of the global tensor."""
+        return prod(self._dt_spec.shape)
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        return tuple(Tensor.shape.fget(self))
+
+    @property
+    def placements(self) -> Tuple[Placement, ...]:
+        return self._dt_spec.placements
+
+    @property
+    def device_mesh(self):
+        return self._dt_spec.mesh
+
+    @property
+    def layout(self):
+        """The :class:`~hyper_parallel_ms.layout.Layout` (placements, shard order)."""
+        return self._dt_spec.layout
+
+    @property
+    def spec(self) -> DTensorSpec:
+        return self._dt_spec
+
+    # ---------------------------------------------------------- conversions
+    def to_local(self, *, grad_placements: Optional[Sequence] = None) -> Tensor:
+        """This rank's piece as a plain Tensor (no copy). Its gradient is read as laid out
+        by ``grad_placements`` (default: this DTensor's placements).
+
+        Example::
+
+            local = partial_dt.to_local(grad_placements=[Replicate()])   # no all-reduce in backward
+        """
+        spec = self._dt_spec
+        grad_layout = spec.layout if grad_placements is None else to_layout(spec.mesh, grad_placements, self.ndim)
+        if grad_layout == replicate_partials(spec.layout):
+            return _local_view(self)
+        cell = redistribution(spec.mesh, spec.layout, spec.layout, spec.shape, grad_src=grad_layout)
+        return _local_view(cell(self))
+
+    def redistribute(self, device_mesh=None, placements: Optional[Sequence] = None) -> "DTensor":
+        """The same global tensor with new placements, moved with the fewest bytes.
+
+        Example::
+
+            dt.redistribute(mesh, [Replicate(), Shard(1)])
+        """
+        spec = self._dt_spec
+        if device_mesh is not None and device_mesh != spec.mesh:
+            raise ValueError(f"cannot redistribute from {spec.mesh!r} to another mesh {device_mesh!r}; "
+                             "redistribution works within one mesh")
+        if placements is None:
+            raise ValueError("redistribute needs placements")
+        layout = to_layout(spec.mesh, placements, self.ndim)
+        if layout == spec.layout:
+            return self
+        out = redistribution(spec.mesh, spec.layout, layout, spec.shape)(self)
+        return DTensor(out, spec.with_layout(layout))
+
+    def full_tensor(self, *, grad_placements: Optional[Sequence] = None) -> Tensor:
+        """The whole global tensor on every rank, as a plain Tensor."""
+        replicated = self.redistribute(placements=[Replicate()] * self._dt_spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+    def reduce_partial(self) -> "DTensor":
+        """Reduce every Partial mesh dim (Partial -> Replicate); other placements are kept."""
+        return self.redistribute(placements=replicate_partials(self._dt_spec.layout).placements)
+
+    def to(self, dtype) -> "DTensor":
+        """Cast the local piece; placements are kept."""
+        return DTensor(_local_view(self).astype(dtype), self._dt_spec)
+
+    def float(self) -> "DTensor":
+        """Cast to float32."""
+        return self.to(ms.float32)
+
+    def __repr__(self) -> str:
+        spec = self._dt_spec
+        placements = "(" + ", ".join(str(p) for p in spec.placements) + ")"
+        return (f"DTensor(shape={spec.shape}, placements={placements}, local_shape={self.local_shape}, "
+                f"dtype={self.dtype}, mesh={spec.mesh.shape})")
+
+    __str__ = __repr__
+
+
+def _check_local_shapes(spec: DTensorSpec, local_shape: Tuple[int, ...]) -> None:
+    """All-gather every rank's local shape along each mesh dim and compare with the layout."""
+    mesh, coord = spec.mesh, spec.mesh.get_coordinate()
+    mine = Tensor(np.array([local_shape], np.float32).reshape(1, len(local_shape)))
+    for a in range(mesh.ndim):
+        gathered = comm.all_gather(mine, mesh, a, dim=0).asnumpy().astype(np.int64)
+        for k, got in enumerate(gathered):
+            member = coord[:a] + (k,) + coord[a + 1:]
+            want = spec.layout.local_shape(spec.shape, member)
+            if tuple(got) != want:
+                raise ValueError(f"run_check: the rank at mesh coordinate {member} holds a local tensor of shape "
+                                 f"{tuple(got)}, but global shape {spec.shape} with placements {spec.layout} "
+                                 f"gives it {want}")

@@ -1,0 +1,109 @@
+"""distribute_tensor and the DTensor factories.
+
+``distribute_tensor`` keeps PyTorch's single-device semantics: the data of group rank
+``src_data_rank`` on every mesh dim wins (it is broadcast along each mesh dim), then each
+rank keeps its piece; ``src_data_rank=None`` skips communication and each rank cuts its
+piece from its own tensor. ``zeros``/``ones``/``full``/``empty`` build the local piece
+directly; ``rand``/``randn`` draw the global tensor from MindSpore's generator on every
+rank (equal seeds give equal draws, so the pieces form the single-device tensor) and keep
+the local piece, so they use memory for the global tensor while they run.
+
+Example::
+
+    w = distribute_tensor(weight, mesh, [Shard(0)])               # rank 0's weight, row-sharded
+    z = zeros((8, 4), device_mesh=mesh, placements=[Replicate(), Shard(1)])
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import mindspore as ms
+from mindspore import Tensor, ops
+
+from .. import comm
+from ..layout import Layout
+from ..placement import Replicate
+from ..redistribute import execute, lower, plan_redistribute
+from ._dtensor import DTensor
+from ._spec import DTensorSpec
+
+__all__ = ["distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn"]
+
+Size = Union[int, Sequence[int]]
+
+
+def _size(size: Size) -> Tuple[int, ...]:
+    shape = (size,) if isinstance(size, int) else tuple(size)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
+        raise ValueError(f"size must be non-negative ints, got {size!r}")
+    return shape
+
+
+def _local_piece(full: Tensor, spec: DTensorSpec) -> Tensor:
+    """This rank's piece of a replicated global tensor (Partial dims: PyTorch's partition)."""
+    replicated = Layout(spec.mesh.shape, (Replicate(),) * spec.mesh.ndim, mesh_dim_names=spec.mesh.mesh_dim_names)
+    steps = lower(plan_redistribute(replicated, spec.layout, spec.shape), spec.mesh.get_coordinate(), spec.shape)
+    return execute(full, spec.mesh, steps)
+
+
+def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
+                      src_data_rank: Optional[int] = 0) -> DTensor:
+    """Distribute a full tensor: each rank keeps its piece of group rank ``src_data_rank``'s data.
+
+    Example::
+
+        dt = distribute_tensor(ms.ops.randn((8, 8)), mesh, [Shard(0), Replicate()])
+    """
+    if isinstance(tensor, DTensor):
+        raise TypeError("distribute_tensor needs a plain Tensor; use DTensor.redistribute for a DTensor")
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"distribute_tensor needs a mindspore Tensor, got {type(tensor).__name__}")
+    spec = DTensorSpec.build(device_mesh, placements, tensor.shape)
+    if src_data_rank is not None:
+        for a in range(device_mesh.ndim):
+            if not 0 <= src_data_rank < device_mesh.shape[a]:
+                raise ValueError(f"src_data_rank {src_data_rank} is not a rank index on mesh dim {a} of size "
+                                 f"{device_mesh.shape[a]}")
+            tensor = comm.broadcast(tensor, device_mesh, a, src=src_data_rank)
+    return DTensor(_local_piece(tensor, spec), spec)
+
+
+def full(size: Size, fill_value, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+    """A DTensor whose global tensor is filled with ``fill_value`` (Partial(sum): rank pieces
+    hold fill_value / n so that the sum is right)."""
+    spec = DTensorSpec.build(device_mesh, placements, _size(size))
+    value = ops.full(spec.layout.local_shape(spec.shape, device_mesh.get_coordinate()), fill_value, dtype=dtype)
+    for a, p in enumerate(spec.placements):
+        if p.is_partial("sum") and device_mesh.shape[a] > 1:
+            value = value / device_mesh.shape[a]
+    return DTensor(value, spec)
+
+
+def zeros(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+    """A DTensor of zeros. Example: ``zeros((8, 4), device_mesh=mesh, placements=[Shard(0)])``."""
+    return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
+
+
+def ones(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+    """A DTensor of ones. Example: ``ones((8, 4), device_mesh=mesh, placements=[Replicate()])``."""
+    return full(size, 1, device_mesh=device_mesh, placements=placements, dtype=dtype)
+
+
+def empty(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+    """A DTensor with unspecified values (zeros here: MindSpore has no uninitialised CPU kernel)."""
+    return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
+
+
+def _random(draw, size: Size, device_mesh, placements: Sequence, dtype) -> DTensor:
+    spec = DTensorSpec.build(device_mesh, placements, _size(size))
+    return DTensor(_local_piece(draw(spec.shape, dtype=dtype), spec), spec)
+
+
+def rand(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+    """Uniform [0, 1) values; equal to the single-device ``ops.rand`` with the same seed."""
+    return _random(ops.rand, size, device_mesh, placements, dtype)
+
+
+def randn(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+    """Standard normal values; equal to the single-device ``ops.randn`` with the same seed."""
+    return _random(ops.randn, size, device_mesh, placements, dtype)

@@ -1,0 +1,66 @@
+"""DTensorSpec: the mesh, the layout and the global shape of a distributed tensor.
+
+Placements may be given per mesh dim (``[Shard(0), Replicate()]``) or, as in MindSpore's
+``Layout``, per tensor dim with mesh dim names (``("dp", "None")``, ``(("dp", "tp"), "None")``).
+
+Example::
+
+    spec = DTensorSpec.build(mesh, [Shard(0), Replicate()], (8, 4))
+    spec.local_shape()            # this rank's piece, e.g. (4, 4)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from ..layout import Layout
+from ..placement import Placement
+
+__all__ = ["DTensorSpec", "to_layout"]
+
+
+def to_layout(mesh, placements: Sequence, ndim: int) -> Layout:
+    """The normalised layout of ``placements`` (per mesh dim, or alias entries per tensor dim)."""
+    if placements is None:
+        raise ValueError("placements are required: one Shard/Replicate/Partial per mesh dim, or one alias "
+                         "entry per tensor dim")
+    entries = tuple(placements) if not isinstance(placements, (str, Placement)) else (placements,)
+    if entries and all(isinstance(p, Placement) for p in entries):
+        if len(entries) != mesh.ndim:
+            raise ValueError(f"expected {mesh.ndim} placements for the {mesh.ndim}-D mesh {mesh.shape}, got "
+                             f"{len(entries)}: ({', '.join(str(p) for p in entries)})")
+        layout = Layout(mesh.shape, entries, mesh_dim_names=mesh.mesh_dim_names)
+    elif any(isinstance(p, Placement) for p in entries):
+        raise TypeError(f"placements mix Placement objects and alias names: {entries}; use one form")
+    else:
+        if not mesh.mesh_dim_names:
+            raise ValueError(f"alias placements {entries} need a mesh with mesh_dim_names")
+        if len(entries) != ndim:
+            raise ValueError(f"alias placements {entries} need one entry per tensor dim ({ndim}), got {len(entries)}")
+        layout = Layout.from_alias(mesh.shape, mesh.mesh_dim_names, entries)
+    return layout.normalized(ndim)
+
+
+@dataclass(frozen=True)
+class DTensorSpec:
+    """Where a distributed tensor lives: ``mesh``, ``layout`` (placements) and global ``shape``."""
+
+    mesh: object
+    layout: Layout
+    shape: Tuple[int, ...]
+
+    @classmethod
+    def build(cls, mesh, placements: Sequence, shape: Sequence[int]) -> "DTensorSpec":
+        shape = tuple(int(s) for s in shape)
+        return cls(mesh, to_layout(mesh, placements, len(shape)), shape)
+
+    @property
+    def placements(self) -> Tuple[Placement, ...]:
+        return self.layout.placements
+
+    def local_shape(self, coordinate: Optional[Tuple[int, ...]] = None) -> Tuple[int, ...]:
+        """Shape of the piece held at ``coordinate`` (this rank's by default)."""
+        return self.layout.local_shape(self.shape, coordinate or self.mesh.get_coordinate())
+
+    def with_layout(self, layout: Layout) -> "DTensorSpec":
+        return DTensorSpec(self.mesh, layout, self.shape)

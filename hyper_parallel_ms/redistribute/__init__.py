@@ -1,0 +1,13 @@
+"""Redistribution of sharded tensors: a pure planner and an executor on local tensors.
+
+Example::
+
+    from hyper_parallel_ms.redistribute import plan_redistribute, redistribution
+    steps = plan_redistribute(src_layout, dst_layout, (8, 8))       # pure, cached
+    y_local = redistribution(mesh, src_layout, dst_layout, (8, 8))(x_local)
+"""
+from ._executor import Redistribution, execute, lower, redistribution, replicate_partials
+from ._planner import Step, plan_redistribute, step_bytes
+
+__all__ = ["Step", "plan_redistribute", "step_bytes", "lower", "execute", "Redistribution", "redistribution",
+           "replicate_partials"]

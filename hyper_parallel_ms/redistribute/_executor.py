@@ -1,0 +1,109 @@
+"""Run a redistribution plan on a local tensor, with the DTensor backward.
+
+:func:`lower` turns a plan into this rank's concrete steps (plain tuples of ints and
+strings: piece sizes and offsets for its mesh coordinate), so that executing them needs
+no layout objects and works in PyNative and inside ``ms.jit``. :class:`Redistribution`
+is a Cell running the forward steps, whose ``bprop`` runs the steps that carry the
+gradient back: from the target placements to the source placements with Partial turned
+into Replicate, as PyTorch's ``redistribute`` backward does.
+
+Example::
+
+    cell = redistribution(mesh, src_layout, dst_layout, (8, 8))
+    y_local = cell(x_local)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+from mindspore import nn
+
+from .. import comm
+from ..comm._tensor import narrow
+from ..layout import Layout, chunk_offsets, chunk_sizes
+from ..placement import Replicate
+from ._planner import Step, plan_redistribute
+
+__all__ = ["lower", "execute", "Redistribution", "redistribution", "replicate_partials"]
+
+# (kind, mesh_dim, dim, other_dim, sizes, op, offset, length)
+LocalStep = Tuple[str, int, int, int, Tuple[int, ...], str, int, int]
+
+
+def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
+    """This rank's concrete steps for ``plan`` on a tensor of global ``shape``."""
+    out = []
+    for step in plan:
+        a, before = step.mesh_dim, step.before
+        n = before.mesh_shape[a]
+        if step.kind in ("all_gather", "all_to_all"):
+            sizes = before.shard_sizes(shape, coordinate, a)
+            out.append((step.kind, a, step.dim, step.to_dim, sizes, step.op, 0, 0))
+        elif step.kind == "chunk":
+            local = before.local_shape(shape, coordinate)[step.dim]
+            k = coordinate[a]
+            out.append(("chunk", a, step.dim, -1, (), "sum", chunk_offsets(local, n)[k], chunk_sizes(local, n)[k]))
+        elif step.kind == "partition" and step.op != "sum":
+            continue  # avg / max / min of equal values is the value itself
+        else:
+            out.append((step.kind, a, step.dim, -1, (), step.op, n, 0))
+    return tuple(out)
+
+
+def execute(x, mesh, steps: Tuple[LocalStep, ...]):
+    """Apply lowered steps to the local tensor ``x`` (PyNative or inside ms.jit)."""
+    for kind, a, dim, other, sizes, op, offset, length in steps:
+        if kind == "all_gather":
+            x = comm.all_gather(x, mesh, a, dim=dim, sizes=sizes)
+        elif kind == "all_to_all":
+            x = comm.all_to_all(x, mesh, a, split_dim=other, concat_dim=dim, concat_sizes=sizes)
+        elif kind == "chunk":
+            x = narrow(x, dim, offset, length)
+        elif kind == "all_reduce":
+            x = comm.all_reduce(x, mesh, a, op=op)
+        elif kind == "reduce_scatter":
+            x = comm.reduce_scatter(x, mesh, a, dim=dim, op=op)
+        else:  # partition a replicated value into a sum: every rank holds value / n
+            x = x / offset
+    return x
+
+
+def replicate_partials(layout: Layout) -> Layout:
+    """``layout`` with every Partial placement replaced by Replicate (the layout of gradients)."""
+    placements = tuple(Replicate() if p.is_partial() else p for p in layout.placements)
+    if placements == layout.placements:
+        return layout
+    return Layout(layout.mesh_shape, placements, mesh_dim_names=layout.mesh_dim_names,
+                  shard_order=dict(layout.shard_order))
+
+
+class Redistribution(nn.Cell):
+    """Forward: ``forward_steps`` on the local tensor; backward: ``backward_steps`` on its gradient."""
+
+    def __init__(self, mesh, forward_steps: Tuple[LocalStep, ...], backward_steps: Tuple[LocalStep, ...]) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.forward_steps = forward_steps
+        self.backward_steps = backward_steps
+
+    def construct(self, x):
+        return execute(x, self.mesh, self.forward_steps)
+
+    def bprop(self, x, out, dout):
+        return (execute(dout, self.mesh, self.backward_steps),)
+
+
+@functools.lru_cache(maxsize=1024)
+def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
+                   grad_src: Layout = None) -> Redistribution:
+    """The cached Cell moving a tensor of global ``shape`` from ``src`` to ``dst`` on ``mesh``.
+
+    Its gradient arrives laid out as ``grad_src`` (default: ``dst`` with Partial as
+    Replicate) and leaves as ``src`` with Partial as Replicate.
+    """
+    coordinate = mesh.get_coordinate()
+    forward = lower(plan_redistribute(src, dst, shape), coordinate, shape)
+    grad_from = replicate_partials(dst) if grad_src is None else grad_src
+    backward = lower(plan_redistribute(grad_from, replicate_partials(src), shape), coordinate, shape)
+    return Redistribution(mesh, forward, backward)
