@@ -54,8 +54,9 @@ class DTensor(Tensor):
     """
 
     def __new__(cls, local: Tensor, spec: Optional[DTensorSpec] = None):
-        if spec is None:  # Parameter(dtensor) re-creates the object from an existing DTensor
-            spec = local._dt_spec
+        if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
+            spec = local._dt_spec  # which needs contiguous storage (a strided view would not be updated)
+            local = local.contiguous()
         obj = Tensor._make_subclass(cls, local)
         obj._dt_spec = spec
         return obj
@@ -144,7 +145,7 @@ class DTensor(Tensor):
         if grad_layout == replicate_partials(spec.layout):
             return _local_view(self)
         cell = redistribution(spec.mesh, spec.layout, spec.layout, spec.shape, grad_src=grad_layout)
-        return _local_view(cell(self))
+        return _local_view(cell(_local_view(self)))
 
     def redistribute(self, device_mesh=None, placements: Optional[Sequence] = None) -> "DTensor":
         """The same global tensor with new placements, moved with the fewest bytes.
@@ -162,7 +163,7 @@ class DTensor(Tensor):
         layout = to_layout(spec.mesh, placements, self.ndim)
         if layout == spec.layout:
             return self
-        out = redistribution(spec.mesh, spec.layout, layout, spec.shape)(self)
+        out = redistribution(spec.mesh, spec.layout, layout, spec.shape)(_local_view(self))
         return DTensor(out, spec.with_layout(layout))
 
     def full_tensor(self, *, grad_placements: Optional[Sequence] = None) -> Tensor:
@@ -192,15 +193,21 @@ class DTensor(Tensor):
 
 
 def _check_local_shapes(spec: DTensorSpec, local_shape: Tuple[int, ...]) -> None:
-    """All-gather every rank's local shape along each mesh dim and compare with the layout."""
-    mesh, coord = spec.mesh, spec.mesh.get_coordinate()
-    mine = Tensor(np.array([local_shape], np.float32).reshape(1, len(local_shape)))
+    """Gather every rank's (local shape, global shape) over the whole mesh; every rank then
+    checks all of them, so that all ranks raise the same error."""
+    mesh, ndim = spec.mesh, len(local_shape)
+    info = np.array(local_shape + spec.shape, np.float32).reshape((1,) * mesh.ndim + (2 * ndim,))
+    table = Tensor(info)
     for a in range(mesh.ndim):
-        gathered = comm.all_gather(mine, mesh, a, dim=0).asnumpy().astype(np.int64)
-        for k, got in enumerate(gathered):
-            member = coord[:a] + (k,) + coord[a + 1:]
-            want = spec.layout.local_shape(spec.shape, member)
-            if tuple(got) != want:
-                raise ValueError(f"run_check: the rank at mesh coordinate {member} holds a local tensor of shape "
-                                 f"{tuple(got)}, but global shape {spec.shape} with placements {spec.layout} "
-                                 f"gives it {want}")
+        table = comm.all_gather(table, mesh, a, dim=a)
+    table = table.asnumpy().astype(np.int64)
+    for coord in spec.layout.coordinates():
+        got_local, got_global = tuple(table[coord][:ndim]), tuple(table[coord][ndim:])
+        if got_global != spec.shape:
+            raise ValueError(f"run_check: the rank at mesh coordinate {coord} sees global shape {got_global}, "
+                             f"the rank at {mesh.get_coordinate()} sees {spec.shape}")
+        want = spec.layout.local_shape(spec.shape, coord)
+        if got_local != want:
+            raise ValueError(f"run_check: the rank at mesh coordinate {coord} holds a local tensor of shape "
+                             f"{got_local}, but global shape {spec.shape} with placements {spec.layout} "
+                             f"gives it {want}")

@@ -231,10 +231,10 @@ class RankPool:
                 else:
                     failures[r.rank] = f"rank {r.rank} {'raised' if status == 'error' else 'died'}:\n{payload}"
         if pending:
-            waited = "" if not failures else f" (stopped waiting {FAILURE_GRACE:.0f} s after the failure above)"
+            why = (f"no reply within {timeout:.1f} s" if not failures else
+                   f"did not finish; stopped waiting {FAILURE_GRACE:.0f} s after rank {min(failures)} failed")
             for r in sorted(pending.values(), key=lambda r: r.rank):
-                failures[r.rank] = (f"rank {r.rank} hung: no reply within {timeout:.1f} s{waited}; its stack:\n"
-                                    f"{self._stack_of(r)}")
+                failures[r.rank] = f"rank {r.rank} hung: {why}; its stack:\n{self._stack_of(r)}"
         if failures:
             self.stop()
             raise RankFailure(f"{len(failures)} of {self.world_size} ranks failed in {module}.{qualname}:\n"

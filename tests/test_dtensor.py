@@ -1,0 +1,140 @@
+"""DTensor on 4 ranks: properties, Parameter and optimizers, factories, distribute_tensor's
+source rank, to_local / from_local gradients, casts and visualize_sharding."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn
+
+from hyper_parallel_ms.comm import CommDebugMode
+from hyper_parallel_ms.dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
+                                       visualize_sharding, zeros)
+from hyper_parallel_ms.layout import Layout
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.placement import Partial, Replicate, Shard
+from hyper_parallel_ms.testing import multi_rank
+
+
+def _mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _piece(full_np, placements, mesh):
+    return full_np[Layout(mesh.shape, placements).local_slices(full_np.shape, mesh.get_coordinate())]
+
+
+@multi_rank(4)
+def test_properties_and_repr():
+    mesh = _mesh()
+    x = np.arange(5 * 6, dtype=np.float32).reshape(5, 6)
+    dt = distribute_tensor(ms.Tensor(x), mesh, [Shard(0), Shard(1)])
+    dp, tp = mesh.get_coordinate()
+    assert dt.shape == (5, 6) and dt.size() == (5, 6) and dt.size(1) == 6 and dt.numel() == 30
+    assert dt.local_shape == ((3, 3) if dp == 0 else (2, 3)) and dt.ndim == 2
+    assert dt.placements == (Shard(0), Shard(1)) and dt.device_mesh == mesh and dt.dtype == ms.float32
+    text = repr(dt)
+    assert "shape=(5, 6)" in text and "(S(0), S(1))" in text and f"local_shape={dt.local_shape}" in text
+    alias = distribute_tensor(ms.Tensor(x), mesh, ("dp", "None"))
+    assert alias.placements == (Shard(0), Replicate())
+    np.testing.assert_array_equal(alias.to_local().asnumpy(), x[:3] if dp == 0 else x[3:])
+    assert type(dt.to_local()) is ms.Tensor
+    np.testing.assert_array_equal(dt.to_local().asnumpy(), _piece(x, [Shard(0), Shard(1)], mesh))
+    half = dt.to(ms.float16)
+    assert half.dtype == ms.float16 and half.placements == dt.placements and half.shape == (5, 6)
+    assert half.float().dtype == ms.float32
+    reduced = distribute_tensor(ms.Tensor(x), mesh, [Partial(), Shard(1)], src_data_rank=None).reduce_partial()
+    assert reduced.placements == (Replicate(), Shard(1))
+    np.testing.assert_allclose(reduced.to_local().asnumpy(), _piece(x, [Replicate(), Shard(1)], mesh))
+
+
+@multi_rank(4)
+def test_parameter_and_optimizers_update_the_local_piece():
+    mesh = _mesh()
+    rng = np.random.default_rng(0)
+    w_np, g_np = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal((4, 6)).astype(np.float32)
+    placements = [Replicate(), Shard(1)]
+    for make_opt in (lambda ps: nn.SGD(ps, learning_rate=0.1, momentum=0.9),
+                     lambda ps: nn.AdamWeightDecay(ps, learning_rate=0.01, weight_decay=0.1)):
+        param = ms.Parameter(distribute_tensor(ms.Tensor(w_np), mesh, placements), name="w")
+        assert isinstance(param, DTensor) and param.placements == tuple(placements) and param.shape == (4, 6)
+        ref = ms.Parameter(ms.Tensor(w_np), name="w_ref")
+        opt, ref_opt = make_opt([param]), make_opt([ref])
+        for _ in range(3):
+            opt((ms.Tensor(_piece(g_np, placements, mesh)),))
+            ref_opt((ms.Tensor(g_np),))
+        np.testing.assert_allclose(param.to_local().asnumpy(), _piece(ref.asnumpy(), placements, mesh),
+                                   rtol=1e-6, atol=1e-6)
+        assert param.placements == tuple(placements)
+
+
+@multi_rank(4)
+def test_factories():
+    mesh = _mesh()
+    for placements in ([Shard(0), Shard(1)], [Replicate(), Partial()], [Partial(), Shard(0)], ("tp", "None")):
+        for dt, want in [(zeros((5, 3), device_mesh=mesh, placements=placements), 0.0),
+                         (ones((5, 3), device_mesh=mesh, placements=placements), 1.0),
+                         (full((5, 3), 2.5, device_mesh=mesh, placements=placements), 2.5),
+                         (empty((5, 3), device_mesh=mesh, placements=placements), None)]:
+            assert dt.shape == (5, 3)
+            if want is not None:
+                np.testing.assert_allclose(dt.full_tensor().asnumpy(), np.full((5, 3), want, np.float32))
+    for factory, single in ((rand, ms.ops.rand), (randn, ms.ops.randn)):
+        ms.set_seed(11)
+        dt = factory((6, 4), device_mesh=mesh, placements=[Shard(1), Shard(0)])
+        ms.set_seed(11)
+        np.testing.assert_array_equal(dt.to_local().asnumpy(),
+                                      _piece(single((6, 4)).asnumpy(), [Shard(1), Shard(0)], mesh))
+    with pytest.raises(ValueError, match="non-negative ints"):
+        zeros((2, -1), device_mesh=mesh, placements=[Shard(0), Replicate()])
+
+
+@multi_rank(4)
+def test_distribute_tensor_source_rank():
+    mesh = _mesh()
+    rank = mesh.get_rank()
+    mine = ms.Tensor(np.full((4, 2), float(rank), np.float32))
+    assert np.all(distribute_tensor(mine, mesh, [Shard(0), Replicate()]).full_tensor().asnumpy() == 0)
+    # group rank 1 on both mesh dims is the rank at coordinate (1, 1): global rank 3
+    assert np.all(distribute_tensor(mine, mesh, [Replicate(), Shard(1)], src_data_rank=1).full_tensor().asnumpy()
+                  == 3)
+    with CommDebugMode() as mode:
+        own = distribute_tensor(mine, mesh, [Shard(0), Replicate()], src_data_rank=None)
+    assert mode.get_total_counts() == 0 and np.all(own.to_local().asnumpy() == rank)
+
+
+@multi_rank(4)
+def test_gradients_through_from_local_and_to_local():
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    rank = mesh.get_rank()
+    x = ms.Tensor(np.ones((2, 3), np.float32))
+    w_mine = np.full((2, 3), float(rank + 1), np.float32)          # differs per rank
+    w_sum = sum(np.full((2, 3), float(r + 1), np.float32) for r in range(4))
+
+    def grad_of(placements, grad_placements):
+        def loss(local):
+            dt = DTensor.from_local(local, mesh, placements)
+            return (dt.to_local(grad_placements=grad_placements) * ms.Tensor(w_mine)).sum()
+        return ms.grad(loss)(x).asnumpy()
+
+    np.testing.assert_allclose(grad_of([Replicate()], None), w_mine)               # local grads as they are
+    np.testing.assert_allclose(grad_of([Replicate()], [Partial()]), w_sum)         # declared partial: summed
+    np.testing.assert_allclose(grad_of([Partial()], None), w_sum)                  # default: own placements
+    np.testing.assert_allclose(grad_of([Partial()], [Replicate()]), w_mine)
+    np.testing.assert_allclose(grad_of([Shard(0)], None), w_mine)
+    # full_tensor of a row-sharded tensor: each rank's gradient is its rows of the (replicated) weight
+    big_w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+
+    def loss_full(local):
+        return (DTensor.from_local(local, mesh, [Shard(0)]).full_tensor() * ms.Tensor(big_w)).sum()
+    np.testing.assert_allclose(ms.grad(loss_full)(x).asnumpy(), big_w[2 * rank:2 * rank + 2])
+
+
+@multi_rank(2)
+def test_visualize_sharding(capsys=None):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    dt = distribute_tensor(ms.Tensor(np.zeros((5, 4), np.float32)), mesh, [Shard(0)])
+    table = sharding_table(dt)
+    assert "(0,)              0  (3, 4)          [0:3, 0:4]" in table
+    assert "(1,)              1  (2, 4)          [3:5, 0:4]" in table
+    assert visualize_sharding(dt, header="weights").startswith("weights\nDTensor (5, 4) placements (S(0))")

@@ -1,0 +1,186 @@
+"""Redistribution on 4 ranks, meshes (4,) and (2, 2): every pair of placement lists for
+tensors of 1 to 3 dims, even and uneven: values, placements, gradients (against numpy) and
+bytes moved (against the textbook collectives)."""
+from __future__ import annotations
+
+import itertools
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from hyper_parallel_ms.comm import CommDebugMode
+from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
+from hyper_parallel_ms.layout import Layout
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.placement import Partial, Replicate, Shard
+from hyper_parallel_ms.redistribute import plan_redistribute, replicate_partials, step_bytes
+from hyper_parallel_ms.testing import multi_rank
+
+SHAPES = {  # ndim -> (even, uneven) global shapes for 4 ranks
+    1: ((8,), (7,)),
+    2: ((4, 8), (6, 5)),
+    3: ((4, 2, 4), (3, 5, 2)),
+}
+
+
+def _placement_lists(mesh_ndim: int, ndim: int):
+    options = [Replicate(), Partial()] + [Shard(d) for d in range(ndim)]
+    return list(itertools.product(options, repeat=mesh_ndim))
+
+
+def _piece(full: np.ndarray, layout: Layout, coord):
+    return full[layout.local_slices(full.shape, coord)]
+
+
+def _check_pair(mesh, x_np, w_np, src, dst):
+    coord = mesh.get_coordinate()
+    shape = x_np.shape
+    src_layout = Layout(mesh.shape, src).normalized(len(shape))
+    dst_layout = Layout(mesh.shape, dst).normalized(len(shape))
+    dt = distribute_tensor(ms.Tensor(x_np), mesh, src, src_data_rank=None)
+    out = dt.redistribute(mesh, dst)
+    assert out.placements == dst_layout.placements and out.shape == shape
+    if not any(p.is_partial() for p in dst):
+        np.testing.assert_allclose(out.to_local().asnumpy(), _piece(x_np, dst_layout, coord), rtol=1e-6)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), x_np, rtol=1e-5, atol=1e-6)
+
+    w = ms.Tensor(w_np)
+
+    def loss(local):
+        d = DTensor.from_local(local, mesh, src, shape=shape)
+        return (d.redistribute(mesh, dst).full_tensor() * w).sum()
+
+    grad = ms.grad(loss)(dt.to_local())
+    np.testing.assert_allclose(grad.asnumpy(), _piece(w_np, replicate_partials(src_layout), coord),
+                               rtol=1e-5, atol=1e-6)
+
+
+def _matrix(mesh_shape, names, ndim, which):
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    shape = SHAPES[ndim][which]
+    rng = np.random.default_rng(ndim * 10 + which)
+    x_np = rng.standard_normal(shape).astype(np.float32)
+    w_np = rng.standard_normal(shape).astype(np.float32)
+    lists = _placement_lists(mesh.ndim, ndim)
+    for src in lists:
+        for dst in lists:
+            try:
+                _check_pair(mesh, x_np, w_np, src, dst)
+            except AssertionError as err:
+                raise AssertionError(f"{[str(p) for p in src]} -> {[str(p) for p in dst]} on shape {shape}: "
+                                     f"{err}") from None
+    return len(lists) ** 2
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("which", [0, 1], ids=["even", "uneven"])
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["mesh4", "mesh2x2"])
+@multi_rank(4)
+def test_every_transition(mesh_shape, which, ndim):
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    assert _matrix(mesh_shape, names, ndim, which) == (2 + ndim) ** (2 * len(mesh_shape))
+
+
+@multi_rank(4)
+def test_nested_sharding_orders_and_aliases():
+    """One tensor dim over two mesh dims in both orders, written with alias names."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x_np = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    for src in [(("dp", "tp"), "None"), (("tp", "dp"), "None"), ("tp", "dp"), ("None", "None")]:
+        for dst in [(("tp", "dp"), "None"), (("dp", "tp"), "None"), ("dp", "None"), ("None", ("tp", "dp"))]:
+            dt = distribute_tensor(ms.Tensor(x_np), mesh, src, src_data_rank=None)
+            layout = Layout.from_alias((2, 2), ("dp", "tp"), src)
+            np.testing.assert_array_equal(dt.to_local().asnumpy(), _piece(x_np, layout, mesh.get_coordinate()))
+            out = dt.redistribute(mesh, dst)
+            dst_layout = Layout.from_alias((2, 2), ("dp", "tp"), dst)
+            assert out.layout == dst_layout.normalized(2)
+            np.testing.assert_array_equal(out.to_local().asnumpy(),
+                                          _piece(x_np, dst_layout, mesh.get_coordinate()))
+            np.testing.assert_array_equal(out.full_tensor().asnumpy(), x_np)
+
+
+def _textbook_single(src, dst, n, full_elems):
+    """Textbook elements per rank for one mesh dim of n ranks changing src -> dst (even shapes)."""
+    local = full_elems // n
+    if src == dst or src.is_replicate():
+        return 0
+    if src.is_shard():
+        return (n - 1) * local if dst.is_replicate() else (n - 1) * local // n if dst.is_shard() else None
+    return 2 * (n - 1) * full_elems // n if dst.is_replicate() else (n - 1) * full_elems // n if dst.is_shard() \
+        else None
+
+
+def measure_bytes(mesh_shape, names, shape):
+    """Per pair of placement lists: (bytes sent per rank as recorded, planned textbook bytes)."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    x = ms.Tensor(np.ones(shape, np.float32))
+    rows = []
+    for src in _placement_lists(mesh.ndim, len(shape)):
+        for dst in _placement_lists(mesh.ndim, len(shape)):
+            dt = distribute_tensor(x, mesh, src, src_data_rank=None)
+            with CommDebugMode() as mode:
+                dt.redistribute(mesh, dst)
+            plan = plan_redistribute(dt.layout, Layout(mesh.shape, dst).normalized(len(shape)), shape)
+            planned, local_layout = 0.0, None
+            for step in plan:
+                local_layout = step.before
+                elems = int(np.prod(local_layout.local_shape(shape, (0,) * mesh.ndim)))
+                planned += step_bytes(step.kind, mesh.shape[step.mesh_dim], elems) * 4
+            rows.append((tuple(map(str, src)), tuple(map(str, dst)), mode.total_bytes(), mode.total_wire_bytes(),
+                         planned, len(plan)))
+    return rows
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["mesh4", "mesh2x2"])
+@multi_rank(4)
+def test_bytes_match_the_textbook(mesh_shape):
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    shape = (8, 8)
+    rows = measure_bytes(mesh_shape, names, shape)
+    for src, dst, sent, _wire, planned, _ in rows:
+        assert sent == planned, (src, dst, sent, planned)
+    if len(mesh_shape) == 1:  # one mesh dim: exactly the textbook collective of each transition
+        options = {str(p): p for p in [Replicate(), Partial(), Shard(0), Shard(1)]}
+        for src, dst, sent, _wire, _, _ in rows:
+            want = _textbook_single(options[src[0]], options[dst[0]], 4, 64)
+            if want is not None:
+                assert sent == want * 4, (src, dst, sent, want)
+    else:  # never more than a gather to Replicate followed by local work
+        for src, dst, sent, _wire, _, _ in rows:
+            naive = 0
+            for a, p in enumerate(src):
+                if p != "R":
+                    naive += 2 * 64 * 4  # an all-reduce of the full tensor bounds any one mesh dim's change
+            assert sent <= naive, (src, dst, sent, naive)
+
+
+@multi_rank(4)
+def test_bad_input():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = ms.Tensor(np.ones((4, 4), np.float32))
+    dt = distribute_tensor(x, mesh, [Shard(0), Replicate()])
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("all",))
+    for bad, err, msg in [
+        (lambda: distribute_tensor(x, mesh, [Shard(0)]), ValueError, "expected 2 placements for the 2-D mesh"),
+        (lambda: distribute_tensor(x, mesh, [Shard(2), Replicate()]), ValueError, "Shard dim 2 is out of range"),
+        (lambda: dt.redistribute(mesh, [Shard(-3), Replicate()]), ValueError, "Shard dim -3 is out of range"),
+        (lambda: dt.redistribute(other, [Replicate()]), ValueError, "to another mesh"),
+        (lambda: Partial("prod"), ValueError, "must be one of"),
+        (lambda: DTensor.from_local(ms.Tensor(np.ones((2, 4), np.float32)), mesh, [Shard(0), Replicate()],
+                                    shape=(7, 4)), ValueError, "should hold"),
+        (lambda: DTensor.from_local(ms.Tensor(np.ones((2, 4), np.float32)), mesh, [Shard(0), Replicate()],
+                                    shape=(4,)), ValueError, "has 1 dims"),
+        (lambda: DTensor.from_local(dt, mesh, [Shard(0), Replicate()]), TypeError, "plain mindspore Tensor"),
+        (lambda: distribute_tensor(x, mesh, ("pp", "None")), ValueError, "unknown mesh dim name 'pp'"),
+        (lambda: distribute_tensor(x, mesh, ["dp", Replicate()]), TypeError, "mix"),
+        (lambda: distribute_tensor(x, mesh, [Shard(0), Replicate()], src_data_rank=2), ValueError, "src_data_rank"),
+        (lambda: dt.redistribute(mesh), ValueError, "needs placements"),
+    ]:
+        with pytest.raises(err, match=msg):
+            bad()
+    # run_check catches a rank whose piece disagrees with the layout (rank 3 claims 3 rows)
+    rows = 3 if mesh.get_rank() == 3 else 2
+    local = ms.Tensor(np.ones((rows, 4), np.float32))
+    with pytest.raises(ValueError, match="run_check"):
+        DTensor.from_local(local, mesh, [Shard(0), Replicate()], shape=None if rows == 2 else (6, 4), run_check=True)
