@@ -3,30 +3,23 @@ tensors of 1 to 3 dims, even and uneven: values, placements, gradients (against 
 bytes moved (against the textbook collectives)."""
 from __future__ import annotations
 
-import itertools
-
 import mindspore as ms
 import numpy as np
 import pytest
 
-from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
-from hyper_parallel_ms.redistribute import plan_redistribute, replicate_partials, step_bytes
+from hyper_parallel_ms.redistribute import replicate_partials
 from hyper_parallel_ms.testing import multi_rank
+from hyper_parallel_ms.testing.redistribute_bytes import measure, placement_lists
 
 SHAPES = {  # ndim -> (even, uneven) global shapes for 4 ranks
     1: ((8,), (7,)),
     2: ((4, 8), (6, 5)),
     3: ((4, 2, 4), (3, 5, 2)),
 }
-
-
-def _placement_lists(mesh_ndim: int, ndim: int):
-    options = [Replicate(), Partial()] + [Shard(d) for d in range(ndim)]
-    return list(itertools.product(options, repeat=mesh_ndim))
 
 
 def _piece(full: np.ndarray, layout: Layout, coord):
@@ -62,7 +55,7 @@ def _matrix(mesh_shape, names, ndim, which):
     rng = np.random.default_rng(ndim * 10 + which)
     x_np = rng.standard_normal(shape).astype(np.float32)
     w_np = rng.standard_normal(shape).astype(np.float32)
-    lists = _placement_lists(mesh.ndim, ndim)
+    lists = placement_lists(mesh.ndim, ndim)
     for src in lists:
         for dst in lists:
             try:
@@ -101,58 +94,32 @@ def test_nested_sharding_orders_and_aliases():
 
 
 def _textbook_single(src, dst, n, full_elems):
-    """Textbook elements per rank for one mesh dim of n ranks changing src -> dst (even shapes)."""
+    """Textbook elements per rank for one mesh dim of n ranks changing src -> dst (even shapes),
+    or None where the transition is not a single collective."""
     local = full_elems // n
     if src == dst or src.is_replicate():
         return 0
     if src.is_shard():
-        return (n - 1) * local if dst.is_replicate() else (n - 1) * local // n if dst.is_shard() else None
+        return {True: (n - 1) * local, False: (n - 1) * local // n}[dst.is_replicate()] if not dst.is_partial() \
+            else None
     return 2 * (n - 1) * full_elems // n if dst.is_replicate() else (n - 1) * full_elems // n if dst.is_shard() \
         else None
-
-
-def measure_bytes(mesh_shape, names, shape):
-    """Per pair of placement lists: (bytes sent per rank as recorded, planned textbook bytes)."""
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    x = ms.Tensor(np.ones(shape, np.float32))
-    rows = []
-    for src in _placement_lists(mesh.ndim, len(shape)):
-        for dst in _placement_lists(mesh.ndim, len(shape)):
-            dt = distribute_tensor(x, mesh, src, src_data_rank=None)
-            with CommDebugMode() as mode:
-                dt.redistribute(mesh, dst)
-            plan = plan_redistribute(dt.layout, Layout(mesh.shape, dst).normalized(len(shape)), shape)
-            planned, local_layout = 0.0, None
-            for step in plan:
-                local_layout = step.before
-                elems = int(np.prod(local_layout.local_shape(shape, (0,) * mesh.ndim)))
-                planned += step_bytes(step.kind, mesh.shape[step.mesh_dim], elems) * 4
-            rows.append((tuple(map(str, src)), tuple(map(str, dst)), mode.total_bytes(), mode.total_wire_bytes(),
-                         planned, len(plan)))
-    return rows
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["mesh4", "mesh2x2"])
 @multi_rank(4)
 def test_bytes_match_the_textbook(mesh_shape):
-    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
-    shape = (8, 8)
-    rows = measure_bytes(mesh_shape, names, shape)
-    for src, dst, sent, _wire, planned, _ in rows:
-        assert sent == planned, (src, dst, sent, planned)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    rows = measure(mesh, (8, 8))
+    assert len(rows) == 16 ** len(mesh_shape)
+    for row in rows:
+        assert row.recorded == row.optimum <= row.naive, row
     if len(mesh_shape) == 1:  # one mesh dim: exactly the textbook collective of each transition
         options = {str(p): p for p in [Replicate(), Partial(), Shard(0), Shard(1)]}
-        for src, dst, sent, _wire, _, _ in rows:
-            want = _textbook_single(options[src[0]], options[dst[0]], 4, 64)
+        for row in rows:
+            want = _textbook_single(options[row.src[0]], options[row.dst[0]], 4, 64)
             if want is not None:
-                assert sent == want * 4, (src, dst, sent, want)
-    else:  # never more than a gather to Replicate followed by local work
-        for src, dst, sent, _wire, _, _ in rows:
-            naive = 0
-            for a, p in enumerate(src):
-                if p != "R":
-                    naive += 2 * 64 * 4  # an all-reduce of the full tensor bounds any one mesh dim's change
-            assert sent <= naive, (src, dst, sent, naive)
+                assert row.recorded == want * 4, row
 
 
 @multi_rank(4)
