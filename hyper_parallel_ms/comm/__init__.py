@@ -81,6 +81,8 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
     group = mesh.comm_group(mesh_dim)
     path = select_path(_cluster.device_target(), kind)
     n = group.size
+    if path == "composed" and n > 1:
+        _composed.check_dtype(dtype)
     if kind == "all_reduce":
         _check_op(op)
         traffic = _traffic.all_reduce_bytes(path, n, shape, itemsize, op)

@@ -3,9 +3,9 @@
 MCCL on CPU offers ``AllReduce`` (sum, float32/float16) on every group, inside ``ms.jit``
 and with a backward; every other collective is built from it with linear local ops, so
 MindSpore's autodiff gives each one its exact adjoint (all-gather <-> reduce-scatter,
-all-to-all <-> inverse all-to-all). The all-gather is a Cell with an explicit ``bprop``:
-a rank whose piece is empty contributes nothing to the forward buffer, and without the
-Cell autodiff would skip that rank's backward all-reduce while the others wait for it.
+all-to-all <-> inverse all-to-all). An all-gather where some rank's piece is empty runs
+as a Cell with an explicit ``bprop``: that rank contributes nothing to the forward buffer,
+and without the Cell autodiff would skip its backward all-reduce while the others wait.
 
 Example (two ranks, group ``g``, each holding one row)::
 
@@ -22,7 +22,7 @@ from mindspore import nn, ops
 from ..layout import chunk_offsets, chunk_sizes
 from ._tensor import narrow, pad_dim
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "WIRE_DTYPES"]
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "check_dtype"]
 
 # dtypes MCCL's AllReduce carries, and those sent widened to float32
 WIRE_DTYPES = (ms.float32, ms.float16)
@@ -34,13 +34,17 @@ def _all_reduce_sum_prim(group_name: str):
     return ops.AllReduce(ops.ReduceOp.SUM, group_name)
 
 
+def check_dtype(dtype) -> None:
+    """Raise ``TypeError`` for a dtype MCCL's all-reduce cannot carry (checked while planning)."""
+    if dtype not in WIRE_DTYPES + WIDENED_DTYPES:
+        raise TypeError(f"collectives on CPU carry float32, float16 and bfloat16 tensors, got {dtype}; "
+                        "cast the tensor first (MindSpore's CPU all-reduce has no other dtype)")
+
+
 def sum_over(x, group_name: str):
     """All-reduce sum over the group; bfloat16 travels as float32 (MCCL has no bfloat16)."""
-    if x.dtype in WIDENED_DTYPES:
-        return _all_reduce_sum_prim(group_name)(x.astype(ms.float32)).astype(x.dtype)
-    if x.dtype not in WIRE_DTYPES:
-        raise TypeError(f"collectives on CPU carry float32, float16 and bfloat16 tensors, got {x.dtype}; "
-                        "cast the tensor first (MindSpore's CPU all-reduce has no other dtype)")
+    if x.dtype == ms.bfloat16:
+        return _all_reduce_sum_prim(group_name)(x.astype(ms.float32)).astype(ms.bfloat16)
     return _all_reduce_sum_prim(group_name)(x)
 
 
@@ -68,7 +72,10 @@ def _all_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _AllGather:
 
 def all_gather(x, dim: int, sizes: Sequence[int], group):
     """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``)."""
-    return _all_gather_cell(dim, tuple(sizes), group)(x)
+    if 0 in sizes:
+        return _all_gather_cell(dim, tuple(sizes), group)(x)
+    before, after = sum(sizes[:group.rank]), sum(sizes[group.rank + 1:])
+    return sum_over(pad_dim(x, dim, before, after), group.name)
 
 
 def all_reduce(x, op: str, group):

@@ -25,7 +25,7 @@ from ..layout import Layout, chunk_offsets, chunk_sizes
 from ..placement import Replicate
 from ._planner import Step, plan_redistribute
 
-__all__ = ["lower", "execute", "Redistribution", "redistribution", "replicate_partials"]
+__all__ = ["lower", "execute", "step_cells", "Redistribution", "redistribution", "replicate_partials"]
 
 # (kind, mesh_dim, dim, other_dim, sizes, op, offset, length)
 LocalStep = Tuple[str, int, int, int, Tuple[int, ...], str, int, int]
@@ -51,21 +51,43 @@ def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int,
     return tuple(out)
 
 
+class _Step(nn.Cell):
+    """One lowered step as a Cell: its kind and arguments are constants of the compiled graph."""
+
+    def __init__(self, mesh, step: LocalStep) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.kind, self.mesh_dim, self.dim, self.other, self.sizes, self.op, self.offset, self.length = step
+
+    def construct(self, x):
+        if self.kind == "all_gather":
+            return comm.all_gather(x, self.mesh, self.mesh_dim, dim=self.dim, sizes=self.sizes)
+        if self.kind == "all_to_all":
+            return comm.all_to_all(x, self.mesh, self.mesh_dim, split_dim=self.other, concat_dim=self.dim,
+                                   concat_sizes=self.sizes)
+        if self.kind == "chunk":
+            return narrow(x, self.dim, self.offset, self.length)
+        if self.kind == "all_reduce":
+            return comm.all_reduce(x, self.mesh, self.mesh_dim, op=self.op)
+        if self.kind == "reduce_scatter":
+            return comm.reduce_scatter(x, self.mesh, self.mesh_dim, dim=self.dim, op=self.op)
+        return x / self.offset  # partition a replicated value into a sum: every rank holds value / n
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_cell(mesh, step: LocalStep) -> _Step:
+    return _Step(mesh, step)
+
+
+def step_cells(mesh, steps: Tuple[LocalStep, ...]) -> nn.CellList:
+    """The (cached) Cells of lowered ``steps``, in order."""
+    return nn.CellList([_step_cell(mesh, s) for s in steps])
+
+
 def execute(x, mesh, steps: Tuple[LocalStep, ...]):
-    """Apply lowered steps to the local tensor ``x`` (PyNative or inside ms.jit)."""
-    for kind, a, dim, other, sizes, op, offset, length in steps:
-        if kind == "all_gather":
-            x = comm.all_gather(x, mesh, a, dim=dim, sizes=sizes)
-        elif kind == "all_to_all":
-            x = comm.all_to_all(x, mesh, a, split_dim=other, concat_dim=dim, concat_sizes=sizes)
-        elif kind == "chunk":
-            x = narrow(x, dim, offset, length)
-        elif kind == "all_reduce":
-            x = comm.all_reduce(x, mesh, a, op=op)
-        elif kind == "reduce_scatter":
-            x = comm.reduce_scatter(x, mesh, a, dim=dim, op=op)
-        else:  # partition a replicated value into a sum: every rank holds value / n
-            x = x / offset
+    """Apply lowered steps to the local tensor ``x`` (PyNative; in graphs use :class:`Redistribution`)."""
+    for step in steps:
+        x = _step_cell(mesh, step)(x)
     return x
 
 
@@ -83,15 +105,20 @@ class Redistribution(nn.Cell):
 
     def __init__(self, mesh, forward_steps: Tuple[LocalStep, ...], backward_steps: Tuple[LocalStep, ...]) -> None:
         super().__init__()
-        self.mesh = mesh
         self.forward_steps = forward_steps
         self.backward_steps = backward_steps
+        self.forward_cells = step_cells(mesh, forward_steps)
+        self.backward_cells = step_cells(mesh, backward_steps)
 
     def construct(self, x):
-        return execute(x, self.mesh, self.forward_steps)
+        for cell in self.forward_cells:
+            x = cell(x)
+        return x
 
     def bprop(self, x, out, dout):
-        return (execute(dout, self.mesh, self.backward_steps),)
+        for cell in self.backward_cells:
+            dout = cell(dout)
+        return (dout,)
 
 
 @functools.lru_cache(maxsize=1024)
