@@ -10,14 +10,14 @@ Example::
     dt = distribute_tensor(x, mesh, [Shard(0), Replicate()])
     y = dt.redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()
 """
-from . import comm
+from . import comm, ops
 from .dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
                       visualize_sharding, zeros)
 from .layout import Layout
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 
-__all__ = ["DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "Layout", "comm",
+__all__ = ["DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "Layout", "comm", "ops",
            "DTensor", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
            "visualize_sharding", "sharding_table"]
 __version__ = "0.1.0"

@@ -138,3 +138,17 @@ def test_visualize_sharding(capsys=None):
     assert "(0,)              0  (3, 4)          [0:3, 0:4]" in table
     assert "(1,)              1  (2, 4)          [3:5, 0:4]" in table
     assert visualize_sharding(dt, header="weights").startswith("weights\nDTensor (5, 4) placements (S(0))")
+
+
+@multi_rank(4)
+def test_gradient_of_an_averaged_partial():
+    """Each of n pieces counts 1/n in a Partial(avg): its gradient is the full gradient / n."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    x = ms.Tensor(np.full((2, 3), float(mesh.get_rank()), np.float32))
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+    def loss(local):
+        return (DTensor.from_local(local, mesh, [Partial("avg")]).full_tensor() * ms.Tensor(w)).sum()
+    np.testing.assert_allclose(ms.grad(loss)(x).asnumpy(), w / 4)
+    dt = DTensor.from_local(x, mesh, [Partial("avg")])
+    np.testing.assert_allclose(dt.full_tensor().asnumpy(), np.full((2, 3), 1.5, np.float32))

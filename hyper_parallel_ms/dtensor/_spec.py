@@ -20,10 +20,15 @@ __all__ = ["DTensorSpec", "to_layout"]
 
 
 def to_layout(mesh, placements: Sequence, ndim: int) -> Layout:
-    """The normalised layout of ``placements`` (per mesh dim, or alias entries per tensor dim)."""
+    """The normalised layout of ``placements`` (per mesh dim, alias entries per tensor dim, or a Layout)."""
     if placements is None:
         raise ValueError("placements are required: one Shard/Replicate/Partial per mesh dim, or one alias "
                          "entry per tensor dim")
+    if isinstance(placements, Layout):
+        if placements.mesh_shape != tuple(mesh.shape):
+            raise ValueError(f"layout {placements!r} is for a mesh of shape {placements.mesh_shape}, not {mesh.shape}")
+        return Layout(mesh.shape, placements.placements, mesh_dim_names=mesh.mesh_dim_names,
+                      shard_order=dict(placements.shard_order)).normalized(ndim)
     entries = tuple(placements) if not isinstance(placements, (str, Placement)) else (placements,)
     if entries and all(isinstance(p, Placement) for p in entries):
         if len(entries) != mesh.ndim:

@@ -127,10 +127,19 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
     """The cached Cell moving a tensor of global ``shape`` from ``src`` to ``dst`` on ``mesh``.
 
     Its gradient arrives laid out as ``grad_src`` (default: ``dst`` with Partial as
-    Replicate) and leaves as ``src`` with Partial as Replicate.
+    Replicate) and leaves as ``src`` with Partial as Replicate, divided by the group size on
+    the mesh dims where a Partial(avg) was averaged.
     """
     coordinate = mesh.get_coordinate()
     forward = lower(plan_redistribute(src, dst, shape), coordinate, shape)
     grad_from = replicate_partials(dst) if grad_src is None else grad_src
     backward = lower(plan_redistribute(grad_from, replicate_partials(src), shape), coordinate, shape)
-    return Redistribution(mesh, forward, backward)
+    return Redistribution(mesh, forward, backward + _average_scaling(src, dst))
+
+
+def _average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:
+    """Backward steps for the mesh dims where the forward averaged a Partial(avg): each rank's
+    value counts 1/n in the average, so its gradient is divided by n."""
+    return tuple(("partition", a, -1, -1, (), "sum", n, 0)
+                 for a, (p, q, n) in enumerate(zip(src.placements, dst.placements, src.mesh_shape))
+                 if p.is_partial("avg") and not q.is_partial("avg") and n > 1)

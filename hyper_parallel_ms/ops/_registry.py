@@ -1,0 +1,40 @@
+"""The table of sharding rules, filled by ``register_sharding``.
+
+Example::
+
+    @register_sharding("Exp", "Log")
+    def my_rule(schema: OpSchema) -> OutputSharding: ...
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+from ._schema import OpSchema, OutputSharding
+
+__all__ = ["register_sharding", "rule_for", "registered_ops"]
+
+Rule = Callable[[OpSchema], OutputSharding]
+_RULES: Dict[str, Rule] = {}
+
+
+def register_sharding(*op_names: str) -> Callable[[Rule], Rule]:
+    """Register ``rule`` for MindSpore primitives named ``op_names`` (``func.name``, e.g.
+    ``"MatMulExt"``); a later registration replaces an earlier one."""
+    if not op_names or not all(isinstance(n, str) and n for n in op_names):
+        raise ValueError(f"register_sharding needs primitive names such as 'AddExt', got {op_names!r}")
+
+    def add(rule: Rule) -> Rule:
+        for name in op_names:
+            _RULES[name] = rule
+        return rule
+    return add
+
+
+def rule_for(op: str):
+    """The rule registered for ``op``, or ``None``."""
+    return _RULES.get(op)
+
+
+def registered_ops() -> tuple:
+    """Names of the ops that have a rule."""
+    return tuple(sorted(_RULES))

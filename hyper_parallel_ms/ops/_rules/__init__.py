@@ -1,0 +1,8 @@
+"""Sharding rules, one module per op family; importing this package registers them all.
+
+Example::
+
+    from hyper_parallel_ms.ops import registered_ops
+    "MatMulExt" in registered_ops()
+"""
+from . import matmul, pointwise, reduction  # noqa: F401  (registration by import)

@@ -1,0 +1,43 @@
+"""Helpers shared by the rule modules.
+
+Example::
+
+    layout_like(x.layout, (Shard(0), Replicate()))
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+from ...layout import Layout
+from ...placement import Placement, Replicate
+
+__all__ = ["layout_like", "replicate_all", "ring_cost"]
+
+
+def layout_like(template: Layout, placements: Sequence[Placement],
+                order: Optional[Dict[int, Tuple[int, ...]]] = None, ndim: Optional[int] = None) -> Layout:
+    """A layout on ``template``'s mesh with ``placements`` (and shard ``order``), normalised."""
+    layout = Layout(template.mesh_shape, tuple(placements), mesh_dim_names=template.mesh_dim_names,
+                    shard_order=order or {})
+    return layout if ndim is None else layout.normalized(ndim)
+
+
+def replicate_all(template: Layout) -> Layout:
+    """Every mesh dim Replicate."""
+    return layout_like(template, (Replicate(),) * len(template.mesh_shape))
+
+
+def ring_cost(src: Placement, dst: Placement, n: int) -> float:
+    """Relative bytes per element of the full tensor to change one mesh dim from ``src`` to
+    ``dst`` over ``n`` ranks, plus 0.01 for any change so that keeping a placement wins ties."""
+    if src == dst or n == 1:
+        return 0.0
+    if src.is_replicate():
+        return 0.01                                       # local chunk or partition
+    if src.is_shard():
+        if dst.is_shard():
+            return (n - 1) / n / n + 0.01                 # all-to-all of a piece
+        return (n - 1) / n + (0.02 if dst.is_partial() else 0.01)   # all-gather (then partition)
+    if dst.is_shard():
+        return (n - 1) / n + 0.01                         # reduce-scatter
+    return 2 * (n - 1) / n + (0.02 if dst.is_partial() else 0.01)  # all-reduce (then partition)

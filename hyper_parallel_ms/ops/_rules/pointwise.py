@@ -1,0 +1,98 @@
+"""Element-wise ops: unary, binary with broadcasting and scalar arguments.
+
+Per mesh dim the output is sharded like a sharded (non-broadcast) input dim; inputs are
+brought to that dim's placement (broadcast and missing dims stay Replicate). Partial
+values stay Partial where the op is linear in them: the sum or difference of Partials with
+the same op, a product or quotient of one Partial (numerator) with replicated values, and
+negation, scaling by a scalar or a cast of one Partial. Everything else reduces Partials
+first (``x + 1`` on a Partial would add 1 once per rank).
+
+Example::
+
+    y = x_dt * w_dt + 1          # S(0) * S(0) + scalar -> S(0), no communication
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from ...placement import Placement, Replicate, Shard
+from .._registry import register_sharding
+from .._schema import OpSchema, OutputSharding, TensorArg
+from ._common import layout_like
+
+__all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY"]
+
+LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast")
+UNARY = ("ReLU", "Exp", "Log", "Erf", "Sqrt", "Rsqrt", "Square", "Sigmoid", "Tanh", "SiLU", "GeLU", "Abs",
+         "Reciprocal", "Sin", "Cos", "Softplus", "PowTensorScalar", "AddScalar", "SubScalar", "Sign", "Floor",
+         "Ceil", "Round", "LogicalNot", "IsNan", "IsInf", "ZerosLike", "OnesLike", "Clamp", "ClampScalar")
+ADDITIVE = ("AddExt", "Add", "SubExt", "Sub")
+MULTIPLICATIVE = ("Mul", "Div", "RealDiv")
+OTHER_BINARY = ("Maximum", "Minimum", "Pow", "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
+                "Atan2", "LogicalAnd", "LogicalOr", "SquaredDifference")
+_LINEAR_PARTIALS = ("sum", "avg")
+
+
+def _partial_kept(schema: OpSchema, placements: List[Placement]) -> bool:
+    """Whether a Partial output is exact for this op, given the inputs' placements on one mesh dim."""
+    tensors = [a for a in schema.args if isinstance(a, TensorArg)]
+    partial = [p for p in placements if p.is_partial()]
+    ops = {p.reduce_op for p in partial}
+    if len(ops) != 1 or next(iter(ops)) not in _LINEAR_PARTIALS:
+        return False
+    if schema.op in LINEAR_UNARY:
+        return True
+    operands = schema.args[:2]
+    if not all(isinstance(a, TensorArg) for a in operands):
+        return False  # a scalar operand would be added once per rank
+    if schema.op in ADDITIVE:
+        return len(partial) == len(tensors) == 2
+    if schema.op in MULTIPLICATIVE:
+        return len(partial) == 1 and (schema.op == "Mul" or placements[0].is_partial())
+    return False
+
+
+def pointwise_rule(schema: OpSchema) -> OutputSharding:
+    """The sharding of an element-wise op (see the module docstring)."""
+    tensors = [(i, a) for i, a in enumerate(schema.args) if isinstance(a, TensorArg)]
+    out_shape = tuple(int(s) for s in np.broadcast_shapes(*(a.shape for _, a in tensors)))
+    out_ndim, template = len(out_shape), tensors[0][1].layout
+    out_placements: List[Placement] = []
+    needs = {i: [] for i, _ in tensors}
+    for axis in range(len(template.mesh_shape)):
+        here = [a.layout.placements[axis] for _, a in tensors]
+        shard_dims = [p.dim + out_ndim - a.ndim for (_, a), p in zip(tensors, here)
+                      if p.is_shard() and a.shape[p.dim] == out_shape[p.dim + out_ndim - a.ndim]]
+        if shard_dims:
+            out_p: Placement = Shard(max(set(shard_dims), key=shard_dims.count))
+        elif any(p.is_partial() for p in here) and _partial_kept(schema, here):
+            out_p = next(p for p in here if p.is_partial())
+        else:
+            out_p = Replicate()
+        out_placements.append(out_p)
+        for (i, a), p in zip(tensors, here):
+            if out_p.is_shard():
+                d = out_p.dim - (out_ndim - a.ndim)
+                needs[i].append(Shard(d) if d >= 0 and a.shape[d] == out_shape[out_p.dim] else Replicate())
+            elif out_p.is_partial():
+                needs[i].append(p if p.is_partial() else Replicate())
+            else:
+                needs[i].append(Replicate())
+    inputs = tuple(layout_like(template, needs[i], ndim=a.ndim) if isinstance(a, TensorArg) else None
+                   for i, a in enumerate(schema.args))
+    return OutputSharding(inputs, ((layout_like(template, out_placements, ndim=out_ndim), out_shape),))
+
+
+register_sharding(*LINEAR_UNARY, *UNARY, *ADDITIVE, *MULTIPLICATIVE, *OTHER_BINARY)(pointwise_rule)
+
+
+@register_sharding("BiasAdd")
+def bias_add_rule(schema: OpSchema) -> OutputSharding:
+    """``BiasAdd`` (as in ``nn.Dense``): element-wise for 2-D inputs; other ranks replicated."""
+    x = schema.args[0]
+    if x.ndim == 2:
+        return pointwise_rule(schema)
+    rep = layout_like(x.layout, (Replicate(),) * len(x.layout.mesh_shape))
+    return OutputSharding(tuple(rep if isinstance(a, TensorArg) else None for a in schema.args), ((rep, x.shape),))

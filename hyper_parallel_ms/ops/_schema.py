@@ -1,0 +1,66 @@
+"""What a sharding rule sees and returns.
+
+A rule receives an :class:`OpSchema`: the op name, its positional arguments (each tensor as
+a :class:`TensorArg` with layout and global shape, other values as they are) and its keyword
+arguments. It returns an :class:`OutputSharding`: the layout each tensor argument must have
+(the dispatcher redistributes it first) and the layout and global shape of each output.
+
+Example::
+
+    @register_sharding("Neg")
+    def neg_rule(schema):
+        x = schema.args[0]
+        return OutputSharding((x.layout,), ((x.layout, x.shape),))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from ..layout import Layout
+
+__all__ = ["TensorArg", "OpSchema", "OutputSharding"]
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument: its layout and global shape (a plain Tensor is read as Replicate)."""
+
+    layout: Layout
+    shape: Tuple[int, ...]
+    is_dtensor: bool = True
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """One op call as the rule sees it."""
+
+    op: str
+    args: Tuple[Any, ...]
+    kwargs: Tuple[Tuple[str, Any], ...] = ()
+
+    @property
+    def mesh_shape(self) -> Tuple[int, ...]:
+        return next(a.layout.mesh_shape for a in self.args if isinstance(a, TensorArg))
+
+    def kwarg(self, name: str, default: Any = None) -> Any:
+        return dict(self.kwargs).get(name, default)
+
+    def __str__(self) -> str:
+        parts = [f"{a.shape} {a.layout}" + ("" if a.is_dtensor else " (plain Tensor)") if isinstance(a, TensorArg)
+                 else repr(a) for a in self.args]
+        parts += [f"{k}={v!r}" for k, v in self.kwargs]
+        return f"{self.op}({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class OutputSharding:
+    """Required layout per positional argument (``None`` for non-tensors) and (layout, shape)
+    per output."""
+
+    inputs: Tuple[Optional[Layout], ...]
+    outputs: Tuple[Tuple[Layout, Tuple[int, ...]], ...]

@@ -1,0 +1,249 @@
+"""Ops on DTensors: each result's placements, values and the gradients of every input
+against the single-device computation, on meshes (2,) and (2, 2); communication counts."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import mint, nn, ops
+
+from hyper_parallel_ms.comm import CommDebugMode
+from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
+from hyper_parallel_ms.layout import Layout
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.ops import OpSchema, OutputSharding, register_sharding, strict_plain_tensors
+from hyper_parallel_ms.placement import Partial, Replicate, Shard
+from hyper_parallel_ms.redistribute import replicate_partials
+from hyper_parallel_ms.testing import multi_rank
+
+R, P, S0, S1, S2 = Replicate(), Partial(), Shard(0), Shard(1), Shard(2)
+
+
+def check_op(mesh, fn, arrays, placements, expect=None):
+    """Run ``fn`` on DTensors and on full tensors; compare output, placements and gradients."""
+    full = [ms.Tensor(a) for a in arrays]
+    ref = fn(*full)
+    w = ms.Tensor(np.random.default_rng(1).standard_normal(ref.shape).astype(np.float32))
+    positions = tuple(range(len(arrays)))
+
+    def ref_loss(*args):
+        return (fn(*args) * w).sum()
+    ref_grads = ms.grad(ref_loss, grad_position=positions)(*full)
+    ref_grads = ref_grads if isinstance(ref_grads, tuple) else (ref_grads,)
+    dts = [distribute_tensor(t, mesh, p, src_data_rank=None) for t, p in zip(full, placements)]
+    out = fn(*dts)
+    assert isinstance(out, DTensor), type(out)
+    if expect is not None:
+        assert out.placements == tuple(expect), (out.placements, expect)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), ref.asnumpy(), rtol=1e-5, atol=1e-5)
+
+    def loss(*locals_):
+        args = [DTensor.from_local(l, mesh, d.layout, shape=d.shape) for l, d in zip(locals_, dts)]
+        return (fn(*args).full_tensor() * w).sum()
+    grads = ms.grad(loss, grad_position=positions)(*[d.to_local() for d in dts])
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    coord = mesh.get_coordinate()
+    for g, rg, d in zip(grads, ref_grads, dts):
+        want = rg.asnumpy()[replicate_partials(d.layout).local_slices(d.shape, coord)]
+        np.testing.assert_allclose(g.asnumpy(), want, rtol=1e-5, atol=1e-5)
+    return out
+
+
+def _rand(*shape, seed=0):
+    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype(np.float32)
+
+
+def _add(a, b):
+    return a + b
+
+
+def _mul(a, b):
+    return a * b
+
+
+def _sub_scalar(a):
+    return 2.0 - a * 3.0
+
+
+def _div(a, b):
+    return a / b
+
+
+def _gelu_exp(a):
+    return ops.exp(ops.gelu(a) * 0.5)
+
+
+def _neg(a):
+    return -a
+
+
+def _add_one(a):
+    return a + 1.0
+
+
+def _plain_first(a):
+    return ms.Tensor(np.ones((4, 6), np.float32)) * a + ms.Tensor(np.arange(6, dtype=np.float32))
+
+
+@multi_rank(2)
+def test_pointwise_on_1d_mesh():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    a, b, row = _rand(4, 6), _rand(4, 6, seed=1), _rand(6, seed=2)
+    check_op(mesh, _add, [a, b], [[S0], [S0]], [S0])
+    check_op(mesh, _add, [a, b], [[S1], [R]], [S1])           # b chunked locally
+    check_op(mesh, _add, [a, b], [[P], [P]], [P])             # sum of partials stays partial
+    check_op(mesh, _add, [a, b], [[P], [R]], [R])             # partial + replicate reduces first
+    check_op(mesh, _add, [a, row], [[S0], [R]], [S0])         # broadcast row over sharded rows
+    check_op(mesh, _add, [a, row], [[S1], [S0]], [S1])        # broadcast operand sharded like the output
+    check_op(mesh, _mul, [a, b], [[P], [R]], [P])             # partial * replicate stays partial
+    check_op(mesh, _mul, [a, b], [[P], [P]], [R])             # partial * partial reduces
+    check_op(mesh, _div, [a, b + 3.0], [[P], [R]], [P])
+    check_op(mesh, _div, [a, b + 3.0], [[R], [P]], [R])
+    check_op(mesh, _sub_scalar, [a], [[S0]], [S0])
+    check_op(mesh, _sub_scalar, [a], [[P]], [R])
+    check_op(mesh, _neg, [a], [[P]], [P])
+    check_op(mesh, _add_one, [a], [[P]], [R])
+    check_op(mesh, _gelu_exp, [a], [[S1]], [S1])
+    check_op(mesh, _plain_first, [a], [[S0]], [S0])           # plain tensors read as Replicate
+
+
+@multi_rank(4)
+def test_pointwise_on_2d_mesh_uneven():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a, b = _rand(5, 3, 2), _rand(5, 3, 2, seed=3)
+    check_op(mesh, _mul, [a, b], [[S0, S1], [R, S1]], [S0, S1])
+    check_op(mesh, _add, [a, b], [[S0, P], [S0, P]], [S0, P])
+    check_op(mesh, _add, [a, b], [[S2, S0], [R, R]], [S2, S0])
+    check_op(mesh, _gelu_exp, [a], [[P, S2]], [R, S2])
+
+
+def _matmul(a, b):
+    return ops.matmul(a, b)
+
+
+def _mlp(x, w1, w2):
+    return ops.matmul(ops.relu(ops.matmul(x, w1)), w2)
+
+
+def _linear(x, w, b):
+    return mint.nn.functional.linear(x, w, b)
+
+
+def _bmm(a, b):
+    return mint.matmul(a, b)
+
+
+@multi_rank(2)
+def test_matmul_and_linear_on_1d_mesh():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x, w1, w2 = _rand(4, 6), _rand(6, 8, seed=1), _rand(8, 6, seed=2)
+    check_op(mesh, _matmul, [x, w1], [[R], [S1]], [S1])                 # column parallel
+    check_op(mesh, _matmul, [x, w1], [[S1], [S0]], [P])                 # contraction -> Partial(sum)
+    check_op(mesh, _matmul, [x, w1], [[S0], [R]], [S0])                 # data parallel
+    check_op(mesh, _matmul, [x, w1], [[P], [R]], [P])
+    # column-parallel then row-parallel runs exactly one all-reduce (when the result is read)
+    with CommDebugMode() as mode:
+        out = check_op(mesh, _mlp, [x, w1, w2], [[R], [S1], [S0]], [P])
+    dts = [distribute_tensor(ms.Tensor(t), mesh, p) for t, p in zip([x, w1, w2], [[R], [S1], [S0]])]
+    with CommDebugMode() as mode:
+        y = _mlp(*dts)
+        y.full_tensor()
+    assert mode.get_comm_counts() == {"all_reduce": 1}, mode.summary()
+    assert out.placements == (P,)
+    # linear: w stored (out, in); colwise shards w dim 0 and the bias, rowwise shards w dim 1
+    wl, bias = _rand(8, 6, seed=4), _rand(8, seed=5)
+    check_op(mesh, _linear, [x, wl, bias], [[R], [S0], [S0]], [S1])
+    out = check_op(mesh, _linear, [x, wl, bias], [[S1], [S1], [R]], [P])   # bias added once
+    check_op(mesh, _bmm, [_rand(2, 4, 6), _rand(2, 6, 3, seed=6)], [[S0], [S0]], [S0])
+    check_op(mesh, _bmm, [_rand(2, 4, 6), _rand(6, 3, seed=7)], [[S2], [S0]], [P])
+
+
+@multi_rank(4)
+def test_matmul_on_2d_mesh():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, w = _rand(6, 4), _rand(4, 10, seed=1)
+    check_op(mesh, _matmul, [x, w], [[S0, R], [R, S1]], [S0, S1])
+    check_op(mesh, _matmul, [x, w], [[S0, S1], [R, S0]], [S0, P])
+    check_op(mesh, _linear, [x, _rand(10, 4, seed=2), _rand(10, seed=3)], [[S0, R], [R, S0], [R, S0]], [S0, S1])
+
+
+@multi_rank(2)
+def test_nn_dense_with_dtensor_parameters():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ms.set_seed(3)                 # the same initial weights on every rank
+    dense = nn.Dense(6, 8)
+    w, b = dense.weight.asnumpy(), dense.bias.asnumpy()
+    dense.weight = ms.Parameter(distribute_tensor(ms.Tensor(w), mesh, [S0]), name="weight")
+    dense.bias = ms.Parameter(distribute_tensor(ms.Tensor(b), mesh, [S0]), name="bias")
+    x = _rand(4, 6)
+    y = dense(distribute_tensor(ms.Tensor(x), mesh, [R]))
+    assert isinstance(y, DTensor) and y.placements == (S1,)
+    np.testing.assert_allclose(y.full_tensor().asnumpy(), x @ w.T + b, rtol=1e-5, atol=1e-5)
+
+
+def _sum_all(a):
+    return a.sum()
+
+
+def _sum_dim0(a):
+    return a.sum(0)
+
+
+def _sum_keep(a):
+    return a.sum(1, keepdim=True)
+
+
+def _mean_dim1(a):
+    return a.mean(1)
+
+
+@multi_rank(4)
+def test_reductions():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a = _rand(4, 6, 2)
+    check_op(mesh, _sum_all, [a], [[S0, S1]], [P, P])
+    check_op(mesh, _sum_dim0, [a], [[S0, S1]], [P, S0])
+    check_op(mesh, _sum_keep, [a], [[S0, S1]], [S0, P])
+    check_op(mesh, _mean_dim1, [a], [[S1, S0]], [Partial("avg"), S0])
+    check_op(mesh, _mean_dim1, [_rand(4, 5, 2)], [[S1, R]], [R, R])   # uneven mean gathers first
+    check_op(mesh, _sum_dim0, [a], [[P, S2]], [P, S1])
+
+
+def _cumsum(a):
+    return ops.cumsum(a, 0)
+
+
+@multi_rank(2)
+def test_missing_rule_strict_mode_and_registration():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    a = distribute_tensor(ms.Tensor(_rand(4, 6)), mesh, [S0])
+    with pytest.raises(NotImplementedError, match=r"no sharding rule for MindSpore op '\w+' called as .*S\(0\)"):
+        _cumsum(a)
+    with pytest.raises(NotImplementedError, match="register_sharding"):
+        _cumsum(a)
+    with strict_plain_tensors():
+        with pytest.raises(TypeError, match="plain Tensor of shape"):
+            a + ms.Tensor(np.ones((4, 6), np.float32))
+    other = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match="must share a mesh"):
+        a + distribute_tensor(ms.Tensor(_rand(4, 6)), other, [S0])
+    with pytest.raises(ValueError, match="primitive names"):
+        register_sharding()
+    try:
+        name = str(_op_name(a))
+    except NotImplementedError as err:
+        name = str(err).split("'")[1]
+
+    @register_sharding(name)
+    def cumsum_rule(schema: OpSchema) -> OutputSharding:
+        x = schema.args[0]
+        dim = schema.args[1] % x.ndim
+        placements = tuple(R if p.is_shard(dim) or p.is_partial() else p for p in x.layout.placements)
+        layout = Layout(x.layout.mesh_shape, placements, mesh_dim_names=x.layout.mesh_dim_names)
+        return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, x.shape),))
+    out = check_op(mesh, _cumsum, [_rand(4, 6)], [[S1]], [S1])
+    assert out.shape == (4, 6)
+
+
+def _op_name(a):
+    return _cumsum(a)
