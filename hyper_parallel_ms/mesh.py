@@ -64,6 +64,7 @@ class DeviceMesh:
             if len(set(names)) != len(names):
                 raise ValueError(f"mesh_dim_names must be distinct, got {names}")
         ranks.setflags(write=False)
+        self._hash: Optional[int] = None
         self._ranks = ranks
         self._names = names
         me = _cluster.world_rank()
@@ -184,7 +185,9 @@ class DeviceMesh:
         return isinstance(other, DeviceMesh) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        if self._hash is None:
+            self._hash = hash(self._key())
+        return self._hash
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self._names}" if self._names else ""

@@ -61,6 +61,14 @@ class DTensor(Tensor):
         obj._dt_spec = spec
         return obj
 
+    @classmethod
+    def _adopt(cls, result: Tensor, spec: DTensorSpec) -> "DTensor":
+        """Turn a fresh op result into a DTensor in place (no copy and, unlike building a new
+        object, no wait for the op to finish)."""
+        result.__class__ = cls
+        result._dt_spec = spec
+        return result
+
     # ------------------------------------------------------------- creation
     @staticmethod
     def from_local(local: Tensor, device_mesh, placements: Sequence, *, shape: Optional[Sequence[int]] = None,
@@ -164,7 +172,7 @@ class DTensor(Tensor):
         if layout == spec.layout:
             return self
         out = redistribution(spec.mesh, spec.layout, layout, spec.shape)(_local_view(self))
-        return DTensor(out, spec.with_layout(layout))
+        return DTensor._adopt(out, spec.with_layout(layout))
 
     def full_tensor(self, *, grad_placements: Optional[Sequence] = None) -> Tensor:
         """The whole global tensor on every rank, as a plain Tensor."""

@@ -25,7 +25,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mindspore import Tensor
 from mindspore._c_expression import NoFallbackGuard
@@ -42,7 +43,7 @@ from ._schema import OpSchema, OutputSharding, TensorArg
 
 __all__ = ["dispatch", "strict_plain_tensors", "clear_cache"]
 
-_CACHE: Dict[tuple, OutputSharding] = {}
+_CACHE: Dict[tuple, "_Decision"] = {}
 _STRICT: List[bool] = [False]
 
 
@@ -81,91 +82,126 @@ def _replicated(layout_template: Layout) -> Layout:
                   mesh_dim_names=layout_template.mesh_dim_names)
 
 
+@dataclass
+class _Decision:
+    """Everything decided once per (op, argument layouts and shapes, other arguments)."""
+
+    needs: Tuple[Optional[Layout], ...]        # layout each tensor argument must have
+    grad_cells: Tuple[Optional[Any], ...]      # identity Cells whose backward sums a shared gradient
+    out_specs: Tuple[DTensorSpec, ...]
+    local_shapes: Tuple[Tuple[int, ...], ...]  # what each output's local piece must be
+    verified: bool = False                     # the rule's local shapes were checked once
+
+
 def dispatch(func, args: tuple, kwargs: dict):
     """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring)."""
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
     inputs, rebuild = _call_form(tuple(args))
-    kwargs = dict(kwargs or {})
-    mesh = next((a.device_mesh for a in inputs if isinstance(a, DTensor)), None)
-    if mesh is None:
-        raise TypeError(f"{name}: DTensors inside lists are not supported yet (got {inputs!r}); "
-                        "call .to_local() on them first")
-    replicated = None
-    described = []
+    mesh, signature = None, []
     for i, a in enumerate(inputs):
         if isinstance(a, DTensor):
-            if a.device_mesh != mesh:
-                raise ValueError(f"{name}: argument {i} lives on {a.device_mesh!r}, argument 0 on {mesh!r}; "
+            spec = a._dt_spec
+            if mesh is None:
+                mesh = spec.mesh
+            elif spec.mesh is not mesh and spec.mesh != mesh:
+                raise ValueError(f"{name}: argument {i} lives on {spec.mesh!r}, an earlier one on {mesh!r}; "
                                  "DTensors of one op must share a mesh")
-            described.append(TensorArg(a.layout, a.shape))
+            signature.append((spec.layout, spec.shape))
         elif isinstance(a, Tensor):
             if _STRICT[-1]:
                 raise TypeError(f"{name}: argument {i} is a plain Tensor of shape {tuple(a.shape)} next to "
                                 "DTensors; distribute it (distribute_tensor / DTensor.from_local) or leave "
                                 "strict_plain_tensors() to read it as Replicate")
-            if replicated is None:
-                first = next(x for x in inputs if isinstance(x, DTensor))
-                replicated = _replicated(first.layout)
-            described.append(TensorArg(replicated, tuple(a.shape), is_dtensor=False))
+            signature.append(("plain", tuple(a.shape)))
         else:
-            described.append(a)
-    schema = OpSchema(name, tuple(described), tuple(sorted(kwargs.items())))
+            signature.append(a)
+    if mesh is None:
+        raise TypeError(f"{name}: DTensors inside lists are not supported yet (got {inputs!r}); "
+                        "call .to_local() on them first")
+    key = (name, tuple(signature), tuple(sorted(kwargs.items())) if kwargs else ())
     try:
-        key = (schema.op, schema.args, schema.kwargs)
-        sharding = _CACHE.get(key)
+        decision = _CACHE.get(key)
     except TypeError:  # an unhashable argument: decide without the cache
-        key, sharding = None, None
-    if sharding is None:
-        rule = rule_for(name)
-        if rule is None:
-            raise NotImplementedError(
-                f"no sharding rule for MindSpore op '{name}' called as {schema}. Register one with "
-                f"@hyper_parallel_ms.ops.register_sharding('{name}'), run it on local tensors with "
-                "hyper_parallel_ms.ops.local_map, or call .to_local() / .full_tensor() first")
-        sharding = rule(schema)
+        key, decision = None, None
+    if decision is None:
+        decision = _decide(name, inputs, kwargs, mesh)
         if key is not None:
-            _CACHE[key] = sharding
-    split_axes = {a for layout, _ in sharding.outputs for a, p in enumerate(layout.placements)
-                  if not p.is_replicate() and mesh.shape[a] > 1}
-    local_inputs = [_prepare(a, d, need, mesh, split_axes) for a, d, need in zip(inputs, described, sharding.inputs)]
+            _CACHE[key] = decision
+    local_inputs = [_prepare(a, need, cell, mesh) for a, need, cell in
+                    zip(inputs, decision.needs, decision.grad_cells)]
     with NoFallbackGuard():
         out = func(*rebuild(local_inputs), **kwargs)
-    return _wrap(out, sharding.outputs, mesh, schema)
+    return _wrap(out, decision, name)
 
 
-def _prepare(arg, described, need, mesh, split_axes):
-    """The local tensor to pass: ``arg`` redistributed to the layout ``need``, its gradient
-    summed over the mesh dims in ``split_axes`` where it is replicated."""
-    if not isinstance(described, TensorArg):
-        return arg
-    need = need or described.layout
-    if not described.is_dtensor:
-        if need != described.layout:
-            arg = distribute_tensor(arg, mesh, need, src_data_rank=None)
-    elif need != arg.layout:
-        arg = arg.redistribute(mesh, need)
-    local = _local_view(arg)
+def _decide(name: str, inputs: tuple, kwargs: dict, mesh) -> _Decision:
+    template = next(a.layout for a in inputs if isinstance(a, DTensor))
+    replicated = _replicated(template)
+    described = tuple(TensorArg(a.layout, a.shape) if isinstance(a, DTensor) else
+                      TensorArg(replicated, tuple(a.shape), is_dtensor=False) if isinstance(a, Tensor) else a
+                      for a in inputs)
+    schema = OpSchema(name, described, tuple(sorted(kwargs.items())))
+    rule = rule_for(name)
+    if rule is None:
+        raise NotImplementedError(
+            f"no sharding rule for MindSpore op '{name}' called as {schema}. Register one with "
+            f"@hyper_parallel_ms.ops.register_sharding('{name}'), run it on local tensors with "
+            "hyper_parallel_ms.ops.local_map, or call .to_local() / .full_tensor() first")
+    sharding: OutputSharding = rule(schema)
+    split_axes = {a for layout, _ in sharding.outputs for a, p in enumerate(layout.placements)
+                  if not p.is_replicate() and mesh.shape[a] > 1}
+    needs, cells = [], []
+    for d, need in zip(described, sharding.inputs):
+        if not isinstance(d, TensorArg):
+            needs.append(None)
+            cells.append(None)
+            continue
+        need = need or d.layout
+        needs.append(need)
+        cells.append(_gradient_sum_cell(mesh, need, d.shape, split_axes))
+    coord = mesh.get_coordinate()
+    specs = tuple(DTensorSpec(mesh, layout, shape) for layout, shape in sharding.outputs)
+    return _Decision(tuple(needs), tuple(cells), specs,
+                     tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs))
+
+
+def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):
+    """An identity whose backward sums the gradient over the mesh dims where the input is
+    replicated but an output is split (each rank holds only its share of that gradient)."""
     shared = [a for a in split_axes if need.placements[a].is_replicate()]
     if not shared:
-        return local
+        return None
     partial = Layout(need.mesh_shape, tuple(Partial() if a in shared else p for a, p in enumerate(need.placements)),
                      mesh_dim_names=need.mesh_dim_names, shard_order=dict(need.shard_order))
-    return _local_view(redistribution(mesh, need, need, described.shape, grad_src=partial)(local))
+    return redistribution(mesh, need, need, shape, grad_src=partial)
 
 
-def _wrap(out, outputs, mesh, schema: OpSchema):
+def _prepare(arg, need: Optional[Layout], cell, mesh):
+    """The tensor to pass: ``arg`` redistributed to ``need``, through ``cell`` if any. A
+    DTensor itself is passed where possible: under the guard the op sees its local data, and
+    making a view of a pending result would wait for it."""
+    if need is None:
+        return arg
+    if isinstance(arg, DTensor):
+        if need != arg._dt_spec.layout:
+            arg = arg.redistribute(mesh, need)
+    elif need.placements != (Replicate(),) * len(need.placements):
+        arg = distribute_tensor(arg, mesh, need, src_data_rank=None)
+    return arg if cell is None else cell(_local_view(arg))
+
+
+def _wrap(out, decision: _Decision, name: str):
     single = isinstance(out, Tensor)
     results = (out,) if single else tuple(out)
-    if len(results) != len(outputs):
-        raise RuntimeError(f"the rule of {schema.op} describes {len(outputs)} outputs but the op returned "
+    if len(results) != len(decision.out_specs):
+        raise RuntimeError(f"the rule of {name} describes {len(decision.out_specs)} outputs but the op returned "
                            f"{len(results)}")
-    wrapped = []
-    coord = mesh.get_coordinate()
-    for result, (layout, shape) in zip(results, outputs):
-        expected = layout.local_shape(shape, coord)
-        got = tuple(Tensor.shape.fget(result))
-        if got != expected:
-            raise RuntimeError(f"the sharding rule of {schema.op} is wrong for {schema}: it promised a local "
-                               f"shape {expected} (global {shape}, {layout}) but the op produced {got}")
-        wrapped.append(DTensor(result, DTensorSpec(mesh, layout, shape)))
-    return wrapped[0] if single else tuple(wrapped)
+    if not decision.verified:  # reading a shape waits for the op, so check each decision once
+        for result, spec, expected in zip(results, decision.out_specs, decision.local_shapes):
+            got = tuple(Tensor.shape.fget(result))
+            if got != expected:
+                raise RuntimeError(f"the sharding rule of {name} is wrong: it promised a local shape {expected} "
+                                   f"(global {spec.shape}, {spec.layout}) but the op produced {got}")
+        decision.verified = True
+    wrapped = tuple(DTensor._adopt(result, spec) for result, spec in zip(results, decision.out_specs))
+    return wrapped[0] if single else wrapped

@@ -1,0 +1,70 @@
+"""Per-op dispatch overhead of DTensor ops, measured in one process (a one-rank mesh, so no
+communication): DTensor op time vs plain op time for small tensors, and the absolute
+microseconds the library adds beyond MindSpore's own fallback floor (entering and leaving
+``NoFallbackGuard`` around one plain op).
+
+Times are per call including execution (synchronised), best of 5 runs.
+
+Usage: .venv/bin/python scripts/bench_dispatch.py [--size 8] [--iters 1000]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+from mindspore._c_expression import NoFallbackGuard
+
+from hyper_parallel_ms import Replicate, Shard, distribute_tensor, init_device_mesh
+
+
+def _time(fn, iters: int, repeats: int = 5) -> float:
+    """Microseconds per call, including execution (the last result is read), best of ``repeats`` runs."""
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        Tensor.asnumpy(out)
+        best = min(best, (time.perf_counter() - began) / iters * 1e6)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=1000)
+    args = parser.parse_args()
+    ms.set_device("CPU")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    a_np = np.random.default_rng(0).standard_normal((args.size, args.size)).astype(np.float32)
+    a, b = ms.Tensor(a_np), ms.Tensor(a_np + 1)
+    da, db = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Replicate()])
+    da2 = distribute_tensor(b, mesh, [Shard(0)])
+    cases = [
+        ("add", lambda: a + b, lambda: da + da2),
+        ("mul scalar", lambda: a * 2.0, lambda: da * 2.0),
+        ("relu", lambda: ops.relu(a), lambda: ops.relu(da)),
+        ("matmul", lambda: ops.matmul(a, b), lambda: ops.matmul(da, db)),
+        ("sum", lambda: a.sum(), lambda: da.sum()),
+    ]
+
+    def guarded_add():
+        with NoFallbackGuard():
+            return a + b
+    floor = _time(guarded_add, args.iters) - _time(lambda: a + b, args.iters)
+    print(f"tensor {args.size}x{args.size} float32, {args.iters} calls each; MindSpore's guard floor "
+          f"{floor:.1f} us")
+    print(f"{'op':<12}{'plain us':>10}{'DTensor us':>12}{'ratio':>8}{'added us':>10}{'added - floor':>15}")
+    for name, plain, dist in cases:
+        t_plain, t_dist = _time(plain, args.iters), _time(dist, args.iters)
+        added = t_dist - t_plain
+        print(f"{name:<12}{t_plain:>10.1f}{t_dist:>12.1f}{t_dist / t_plain:>8.2f}{added:>10.1f}{added - floor:>15.1f}")
+
+
+if __name__ == "__main__":
+    main()
