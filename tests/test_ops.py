@@ -247,3 +247,66 @@ def test_missing_rule_strict_mode_and_registration():
 
 def _op_name(a):
     return _cumsum(a)
+
+
+def _permute(a):
+    return a.permute(2, 0, 1)
+
+
+def _transpose(a):
+    return a.transpose(0, 2)
+
+
+def _unsqueeze_squeeze(a):
+    return a.unsqueeze(1).squeeze(1) * a.unsqueeze(0).squeeze()
+
+
+def _reshape_merge(a):
+    return a.reshape(-1, 2)
+
+
+def _reshape_split(a):
+    return a.reshape(2, 2, 6, 2)
+
+
+def _softmax(a):
+    return ops.softmax(a, -1)
+
+
+def _log_softmax_rows(a):
+    return ops.log_softmax(a, 0)
+
+
+@multi_rank(4)
+def test_views_and_softmax():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a = _rand(4, 6, 2)
+    check_op(mesh, _permute, [a], [[S2, S0]], [S0, S1])
+    check_op(mesh, _transpose, [a], [[S0, P]], [S2, P])
+    check_op(mesh, _unsqueeze_squeeze, [a], [[S0, S1]], [S0, S1])
+    check_op(mesh, _reshape_merge, [a], [[S0, R]], [S0, R])        # rows stay first: 24 rows split evenly
+    check_op(mesh, _reshape_merge, [a], [[S0, S1]], [S0, R])       # the inner sharded dim is gathered
+    check_op(mesh, _reshape_split, [a], [[S0, R]], [S0, R])
+    check_op(mesh, _reshape_split, [a], [[S1, S0]], [S2, S0])
+    check_op(mesh, _softmax, [a], [[S0, S2]], [S0, R])             # the softmax dim is gathered
+    check_op(mesh, _softmax, [a], [[P, S1]], [R, S1])
+    check_op(mesh, _log_softmax_rows, [a], [[S1, S0]], [S1, R])
+
+
+@multi_rank(2)
+def test_local_map():
+    from hyper_parallel_ms.ops import local_map
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = _rand(4, 6)
+
+    def row_norm(t):
+        return t / ops.sqrt((t * t).sum(-1, keepdims=True))
+    normed = local_map(row_norm, out_placements=[S0], in_placements=([S0],))
+    out = normed(distribute_tensor(ms.Tensor(x), mesh, [S0]))
+    assert isinstance(out, DTensor) and out.placements == (S0,)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), x / np.sqrt((x * x).sum(-1, keepdims=True)), rtol=1e-5)
+    with pytest.raises(ValueError, match="redistribute_inputs=True"):
+        normed(distribute_tensor(ms.Tensor(x), mesh, [S1]))
+    moved = local_map(row_norm, out_placements=[S0], in_placements=([S0],), redistribute_inputs=True)
+    np.testing.assert_allclose(moved(distribute_tensor(ms.Tensor(x), mesh, [S1])).full_tensor().asnumpy(),
+                               x / np.sqrt((x * x).sum(-1, keepdims=True)), rtol=1e-5)

@@ -1,7 +1,7 @@
 """Ops on DTensors: sharding propagation for MindSpore PyNative ops.
 
 Importing this package installs the dispatcher as ``DTensor.__fallback__`` and registers
-the rules in :mod:`._rules` (pointwise, matmul / linear, reductions). An op with no rule
+the rules in :mod:`._rules` (pointwise, matmul / linear, reductions, views, softmax). An op with no rule
 raises ``NotImplementedError`` naming the op and the placements.
 
 Example::
@@ -17,11 +17,12 @@ from mindspore import ops as _ms_ops
 from ..dtensor import DTensor
 from . import _rules  # noqa: F401  (registers the rules)
 from ._dispatch import clear_cache, dispatch, strict_plain_tensors
+from ._local_map import local_map
 from ._registry import register_sharding, registered_ops
 from ._schema import OpSchema, OutputSharding, TensorArg
 
 __all__ = ["register_sharding", "registered_ops", "OpSchema", "OutputSharding", "TensorArg", "dispatch",
-           "strict_plain_tensors", "clear_cache"]
+           "strict_plain_tensors", "clear_cache", "local_map"]
 
 
 def _fallback(self, func, args=(), kwargs=None):

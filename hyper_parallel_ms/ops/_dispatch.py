@@ -90,6 +90,7 @@ class _Decision:
     grad_cells: Tuple[Optional[Any], ...]      # identity Cells whose backward sums a shared gradient
     out_specs: Tuple[DTensorSpec, ...]
     local_shapes: Tuple[Tuple[int, ...], ...]  # what each output's local piece must be
+    arg_overrides: Optional[Tuple[Any, ...]] = None  # local values for global-size arguments
     verified: bool = False                     # the rule's local shapes were checked once
 
 
@@ -129,6 +130,8 @@ def dispatch(func, args: tuple, kwargs: dict):
             _CACHE[key] = decision
     local_inputs = [_prepare(a, need, cell, mesh) for a, need, cell in
                     zip(inputs, decision.needs, decision.grad_cells)]
+    if decision.arg_overrides is not None:
+        local_inputs = [a if o is None else o for a, o in zip(local_inputs, decision.arg_overrides)]
     with NoFallbackGuard():
         out = func(*rebuild(local_inputs), **kwargs)
     return _wrap(out, decision, name)
@@ -161,8 +164,9 @@ def _decide(name: str, inputs: tuple, kwargs: dict, mesh) -> _Decision:
         cells.append(_gradient_sum_cell(mesh, need, d.shape, split_axes))
     coord = mesh.get_coordinate()
     specs = tuple(DTensorSpec(mesh, layout, shape) for layout, shape in sharding.outputs)
+    overrides = None if sharding.local_args is None else tuple(sharding.local_args(coord))
     return _Decision(tuple(needs), tuple(cells), specs,
-                     tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs))
+                     tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides)
 
 
 def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..layout import Layout
 
@@ -60,7 +60,10 @@ class OpSchema:
 @dataclass(frozen=True)
 class OutputSharding:
     """Required layout per positional argument (``None`` for non-tensors) and (layout, shape)
-    per output."""
+    per output. ``local_args``, given this rank's mesh coordinate, returns replacements for
+    non-tensor arguments that name global sizes (``None`` keeps an argument), e.g. the
+    target shape of a reshape."""
 
     inputs: Tuple[Optional[Layout], ...]
     outputs: Tuple[Tuple[Layout, Tuple[int, ...]], ...]
+    local_args: Optional[Callable[[Tuple[int, ...]], Tuple[Any, ...]]] = None

@@ -1,0 +1,62 @@
+"""local_map: run a function written for local tensors on DTensors.
+
+As in PyTorch: the wrapped function receives each DTensor argument's local piece (after
+checking, or with ``redistribute_inputs=True`` moving, it to ``in_placements``) and its
+results are wrapped as DTensors with ``out_placements`` (``None`` for a non-tensor result).
+The function is trusted to produce pieces that fit the placements (even shards: global =
+local x shards).
+
+Example::
+
+    @partial(local_map, out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    def my_rmsnorm(x):                 # sees only this rank's rows
+        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Sequence
+
+from mindspore import Tensor
+
+from ..dtensor import DTensor
+from ..dtensor._spec import to_layout
+
+__all__ = ["local_map"]
+
+
+def local_map(func: Callable, out_placements: Sequence, in_placements: Optional[Sequence] = None, *,
+              device_mesh=None, redistribute_inputs: bool = False) -> Callable:
+    """Wrap ``func`` to take DTensors and return DTensors (see the module docstring)."""
+    outs = list(out_placements)
+    single_out = bool(outs) and (outs[0] is None or not isinstance(outs[0], (list, tuple)))
+    out_list = [outs] if single_out else outs
+
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        mesh = device_mesh or next((a.device_mesh for a in args if isinstance(a, DTensor)), None)
+        if mesh is None:
+            raise ValueError(f"local_map({func.__name__}): no DTensor argument and no device_mesh given")
+        if in_placements is not None and len(in_placements) != len(args):
+            raise ValueError(f"local_map({func.__name__}): in_placements has {len(in_placements)} entries for "
+                             f"{len(args)} arguments")
+        local_args = []
+        for i, a in enumerate(args):
+            wanted = None if in_placements is None else in_placements[i]
+            if isinstance(a, DTensor) and wanted is not None:
+                layout = to_layout(mesh, wanted, a.ndim)
+                if layout != a.layout:
+                    if not redistribute_inputs:
+                        raise ValueError(f"local_map({func.__name__}): argument {i} has placements {a.layout}, "
+                                         f"in_placements asks for {layout}; pass redistribute_inputs=True")
+                    a = a.redistribute(mesh, layout)
+            local_args.append(a.to_local() if isinstance(a, DTensor) else a)
+        result = func(*local_args, **kwargs)
+        results = [result] if single_out else list(result)
+        if len(results) != len(out_list):
+            raise ValueError(f"local_map({func.__name__}): {len(results)} results for {len(out_list)} "
+                             "out_placements")
+        wrapped_results = [DTensor.from_local(r, mesh, p) if p is not None and isinstance(r, Tensor) else r
+                           for r, p in zip(results, out_list)]
+        return wrapped_results[0] if single_out else tuple(wrapped_results)
+    return wrapped
