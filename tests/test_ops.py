@@ -310,3 +310,60 @@ def test_local_map():
     moved = local_map(row_norm, out_placements=[S0], in_placements=([S0],), redistribute_inputs=True)
     np.testing.assert_allclose(moved(distribute_tensor(ms.Tensor(x), mesh, [S1])).full_tensor().asnumpy(),
                                x / np.sqrt((x * x).sum(-1, keepdims=True)), rtol=1e-5)
+
+
+def _layer_norm_fn():
+    norm = nn.LayerNorm((2,), begin_norm_axis=-1, begin_params_axis=-1)
+
+    def run(a):
+        return norm(a)
+    return run
+
+
+@multi_rank(4)
+def test_layer_norm_and_embedding():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a = _rand(4, 6, 2)
+    check_op(mesh, _layer_norm_fn(), [a], [[S0, S1]], [S0, S1])      # sequence-parallel style: no comm
+    check_op(mesh, _layer_norm_fn(), [a], [[S2, P]], [R, R])         # normalised dim gathered, partial reduced
+    table, ids = _rand(10, 8), np.array([[1, 7, 3], [9, 0, 2]], np.int32)
+    ids_dt = distribute_tensor(ms.Tensor(ids), mesh, [R, R], src_data_rank=None)
+    for placements, expect in [([R, S1], (R, S2)), ([R, R], (R, R)), ([S0, R], (R, R))]:
+        table_dt = distribute_tensor(ms.Tensor(table), mesh, placements)
+        out = ops.gather(table_dt, ids_dt, 0)
+        assert out.placements == expect
+        np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
+        w = np.random.default_rng(3).standard_normal((2, 3, 8)).astype(np.float32)
+
+        def loss(local):
+            t = DTensor.from_local(local, mesh, table_dt.layout, shape=(10, 8))
+            return (ops.gather(t, ids_dt, 0).full_tensor() * ms.Tensor(w)).sum()
+        want = np.zeros_like(table)
+        np.add.at(want, ids, w)
+        grad = ms.grad(loss)(table_dt.to_local())
+        np.testing.assert_allclose(grad.asnumpy(), want[table_dt.layout.local_slices((10, 8), mesh.get_coordinate())],
+                                   rtol=1e-5, atol=1e-5)
+    sharded_ids = distribute_tensor(ms.Tensor(ids), mesh, [S0, R], src_data_rank=None)
+    out = ops.gather(distribute_tensor(ms.Tensor(table), mesh, [R, S1]), sharded_ids, 0)
+    assert out.placements == (S0, S2)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
+
+
+@multi_rank(2)
+def test_inplace_updates_keep_the_dtensor():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    g = _rand(4, 6)
+    for placements in ([S0], [P], [R]):
+        acc = distribute_tensor(ms.Tensor(np.zeros((4, 6), np.float32)), mesh, placements)
+        grad = distribute_tensor(ms.Tensor(g), mesh, placements)
+        same = acc
+        acc += grad
+        acc.add_(grad)
+        acc.mul_(0.5)
+        assert acc is same and isinstance(acc, DTensor) and acc.placements == tuple(placements)
+        np.testing.assert_allclose(acc.full_tensor().asnumpy(), g, rtol=1e-6)
+        acc.add_(distribute_tensor(ms.Tensor(g), mesh, [R]))            # another layout: brought to acc's
+        np.testing.assert_allclose(acc.full_tensor().asnumpy(), 2 * g, rtol=1e-6)
+        acc.copy_(distribute_tensor(ms.Tensor(3 * g), mesh, [S1]))
+        assert acc.placements == tuple(placements)
+        np.testing.assert_allclose(acc.full_tensor().asnumpy(), 3 * g, rtol=1e-6)

@@ -55,8 +55,8 @@ class DTensor(Tensor):
 
     def __new__(cls, local: Tensor, spec: Optional[DTensorSpec] = None):
         if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
-            spec = local._dt_spec  # which needs contiguous storage (a strided view would not be updated)
-            local = local.contiguous()
+            spec = local._dt_spec  # which needs storage of its own (a view would not be updated)
+            local = _local_view(local).copy()
         obj = Tensor._make_subclass(cls, local)
         obj._dt_spec = spec
         return obj

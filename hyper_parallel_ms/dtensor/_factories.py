@@ -43,7 +43,7 @@ def _local_piece(full: Tensor, spec: DTensorSpec) -> Tensor:
     """This rank's piece of a replicated global tensor (Partial dims: PyTorch's partition)."""
     replicated = Layout(spec.mesh.shape, (Replicate(),) * spec.mesh.ndim, mesh_dim_names=spec.mesh.mesh_dim_names)
     steps = lower(plan_redistribute(replicated, spec.layout, spec.shape), spec.mesh.get_coordinate(), spec.shape)
-    return execute(full, spec.mesh, steps).contiguous()
+    return execute(full, spec.mesh, steps).copy()  # own storage: a view would alias ``full``
 
 
 def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,

@@ -69,12 +69,14 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _call_form(args: tuple) -> Tuple[tuple, Any]:
-    """(positional inputs, rebuild function). Legacy primitives arrive as (prim, name, inputs)."""
+def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
+    """(positional inputs, rebuild function, primitive attributes). Legacy primitives arrive as
+    (prim, name, inputs); their attributes (e.g. LayerNorm's begin_norm_axis) go to the rule."""
     if len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[2], tuple):
         prim, name = args[0], args[1]
-        return args[2], lambda new: (prim, name, tuple(new))
-    return args, tuple
+        attrs = tuple(sorted((k, v) for k, v in prim.attrs.items() if isinstance(v, (int, float, str, bool, tuple))))
+        return args[2], lambda new: (prim, name, tuple(new)), attrs
+    return args, tuple, ()
 
 
 def _replicated(layout_template: Layout) -> Layout:
@@ -91,13 +93,14 @@ class _Decision:
     out_specs: Tuple[DTensorSpec, ...]
     local_shapes: Tuple[Tuple[int, ...], ...]  # what each output's local piece must be
     arg_overrides: Optional[Tuple[Any, ...]] = None  # local values for global-size arguments
+    inplace: bool = False                      # the op updates argument 0, which is the result
     verified: bool = False                     # the rule's local shapes were checked once
 
 
 def dispatch(func, args: tuple, kwargs: dict):
     """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring)."""
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
-    inputs, rebuild = _call_form(tuple(args))
+    inputs, rebuild, attrs = _call_form(tuple(args))
     mesh, signature = None, []
     for i, a in enumerate(inputs):
         if isinstance(a, DTensor):
@@ -119,31 +122,39 @@ def dispatch(func, args: tuple, kwargs: dict):
     if mesh is None:
         raise TypeError(f"{name}: DTensors inside lists are not supported yet (got {inputs!r}); "
                         "call .to_local() on them first")
-    key = (name, tuple(signature), tuple(sorted(kwargs.items())) if kwargs else ())
+    key = (name, tuple(signature), tuple(sorted(kwargs.items())) if kwargs else (), attrs)
     try:
         decision = _CACHE.get(key)
     except TypeError:  # an unhashable argument: decide without the cache
         key, decision = None, None
     if decision is None:
-        decision = _decide(name, inputs, kwargs, mesh)
+        decision = _decide(name, inputs, kwargs, attrs, mesh)
         if key is not None:
             _CACHE[key] = decision
     local_inputs = [_prepare(a, need, cell, mesh) for a, need, cell in
                     zip(inputs, decision.needs, decision.grad_cells)]
     if decision.arg_overrides is not None:
         local_inputs = [a if o is None else o for a, o in zip(local_inputs, decision.arg_overrides)]
+    if decision.inplace:  # MindSpore's CPU in-place kernels reject strided views as sources
+        local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
+                                           for a in local_inputs[1:]]
     with NoFallbackGuard():
         out = func(*rebuild(local_inputs), **kwargs)
+        if decision.inplace:
+            target = inputs[0]
+            if out is not target:  # MindSpore's CPU kernels of add_/mul_/... compute out of place
+                target.copy_(out)
+            return target
     return _wrap(out, decision, name)
 
 
-def _decide(name: str, inputs: tuple, kwargs: dict, mesh) -> _Decision:
+def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Decision:
     template = next(a.layout for a in inputs if isinstance(a, DTensor))
     replicated = _replicated(template)
     described = tuple(TensorArg(a.layout, a.shape) if isinstance(a, DTensor) else
                       TensorArg(replicated, tuple(a.shape), is_dtensor=False) if isinstance(a, Tensor) else a
                       for a in inputs)
-    schema = OpSchema(name, described, tuple(sorted(kwargs.items())))
+    schema = OpSchema(name, described, tuple(sorted(kwargs.items())), attrs)
     rule = rule_for(name)
     if rule is None:
         raise NotImplementedError(
@@ -166,7 +177,8 @@ def _decide(name: str, inputs: tuple, kwargs: dict, mesh) -> _Decision:
     specs = tuple(DTensorSpec(mesh, layout, shape) for layout, shape in sharding.outputs)
     overrides = None if sharding.local_args is None else tuple(sharding.local_args(coord))
     return _Decision(tuple(needs), tuple(cells), specs,
-                     tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides)
+                     tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
+                     sharding.inplace)
 
 
 def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):

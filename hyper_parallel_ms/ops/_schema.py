@@ -42,6 +42,7 @@ class OpSchema:
     op: str
     args: Tuple[Any, ...]
     kwargs: Tuple[Tuple[str, Any], ...] = ()
+    attrs: Tuple[Tuple[str, Any], ...] = ()   # a legacy primitive's attributes
 
     @property
     def mesh_shape(self) -> Tuple[int, ...]:
@@ -49,6 +50,9 @@ class OpSchema:
 
     def kwarg(self, name: str, default: Any = None) -> Any:
         return dict(self.kwargs).get(name, default)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return dict(self.attrs).get(name, default)
 
     def __str__(self) -> str:
         parts = [f"{a.shape} {a.layout}" + ("" if a.is_dtensor else " (plain Tensor)") if isinstance(a, TensorArg)
@@ -62,8 +66,10 @@ class OutputSharding:
     """Required layout per positional argument (``None`` for non-tensors) and (layout, shape)
     per output. ``local_args``, given this rank's mesh coordinate, returns replacements for
     non-tensor arguments that name global sizes (``None`` keeps an argument), e.g. the
-    target shape of a reshape."""
+    target shape of a reshape. ``inplace``: the op updates its first argument, which is
+    returned as the result."""
 
     inputs: Tuple[Optional[Layout], ...]
     outputs: Tuple[Tuple[Layout, Tuple[int, ...]], ...]
     local_args: Optional[Callable[[Tuple[int, ...]], Tuple[Any, ...]]] = None
+    inplace: bool = False
