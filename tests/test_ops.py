@@ -38,7 +38,7 @@ def check_op(mesh, fn, arrays, placements, expect=None):
     np.testing.assert_allclose(out.full_tensor().asnumpy(), ref.asnumpy(), rtol=1e-5, atol=1e-5)
 
     def loss(*locals_):
-        args = [DTensor.from_local(l, mesh, d.layout, shape=d.shape) for l, d in zip(locals_, dts)]
+        args = [DTensor.from_local(piece, mesh, d.layout, shape=d.shape) for piece, d in zip(locals_, dts)]
         return (fn(*args).full_tensor() * w).sum()
     grads = ms.grad(loss, grad_position=positions)(*[d.to_local() for d in dts])
     grads = grads if isinstance(grads, tuple) else (grads,)

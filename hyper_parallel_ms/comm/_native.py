@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-from mindspore import mint, ops
+from mindspore import ops
 
 from ..layout import chunk_offsets, chunk_sizes
 from ._tensor import move_to_front, move_from_front, narrow, pad_dim, select_pieces

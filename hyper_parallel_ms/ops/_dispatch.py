@@ -39,6 +39,7 @@ from ..layout import Layout
 from ..placement import Partial, Replicate
 from ..redistribute import redistribution
 from ._registry import rule_for
+from ._rules._common import replicate_all
 from ._schema import OpSchema, OutputSharding, TensorArg
 
 __all__ = ["dispatch", "strict_plain_tensors", "clear_cache"]
@@ -77,11 +78,6 @@ def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
         attrs = tuple(sorted((k, v) for k, v in prim.attrs.items() if isinstance(v, (int, float, str, bool, tuple))))
         return args[2], lambda new: (prim, name, tuple(new)), attrs
     return args, tuple, ()
-
-
-def _replicated(layout_template: Layout) -> Layout:
-    return Layout(layout_template.mesh_shape, (Replicate(),) * len(layout_template.mesh_shape),
-                  mesh_dim_names=layout_template.mesh_dim_names)
 
 
 @dataclass
@@ -150,7 +146,7 @@ def dispatch(func, args: tuple, kwargs: dict):
 
 def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Decision:
     template = next(a.layout for a in inputs if isinstance(a, DTensor))
-    replicated = _replicated(template)
+    replicated = replicate_all(template)
     described = tuple(TensorArg(a.layout, a.shape) if isinstance(a, DTensor) else
                       TensorArg(replicated, tuple(a.shape), is_dtensor=False) if isinstance(a, Tensor) else a
                       for a in inputs)

@@ -25,7 +25,7 @@ import numpy as np
 from ...placement import Partial, Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like, ring_cost
+from ._common import layout_like, replicate_all, ring_cost
 
 __all__ = ["contraction_rule"]
 
@@ -96,7 +96,7 @@ def _matmul(schema: OpSchema, ta: bool, tb: bool) -> OutputSharding:
 def _replicated(schema: OpSchema) -> OutputSharding:
     """Fallback for shapes the labelled rule does not cover (1-D operands): everything replicated."""
     tensors = [a for a in schema.args if isinstance(a, TensorArg)]
-    rep = layout_like(tensors[0].layout, (Replicate(),) * len(tensors[0].layout.mesh_shape))
+    rep = replicate_all(tensors[0].layout)
     a, b = tensors[0], tensors[1]
     out_shape = tuple(np.matmul(np.zeros(a.shape), np.zeros(b.shape)).shape)
     return OutputSharding(tuple(rep if isinstance(x, TensorArg) else None for x in schema.args), ((rep, out_shape),))

@@ -21,7 +21,7 @@ from typing import List
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like
+from ._common import layout_like, replicate_all
 
 __all__ = ["layer_norm_rule", "gather_rule", "inplace_rule"]
 
@@ -33,8 +33,8 @@ def layer_norm_rule(schema: OpSchema) -> OutputSharding:
     need = [Replicate() if (p.is_shard() and p.dim >= axis) or p.is_partial() else p for p in x.layout.placements]
     layout = layout_like(x.layout, need, ndim=x.ndim)
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
-    rep = layout_like(x.layout, (Replicate(),) * len(need))
-    inputs = (layout,) + tuple(layout_like(rep, rep.placements, ndim=a.ndim) if isinstance(a, TensorArg) else None
+    rep = replicate_all(x.layout)
+    inputs = (layout,) + tuple(rep if isinstance(a, TensorArg) else None
                                for a in schema.args[1:])
     return OutputSharding(inputs, ((layout, x.shape), (layout, stats_shape), (layout, stats_shape)))
 
@@ -44,10 +44,10 @@ def gather_rule(schema: OpSchema) -> OutputSharding:
     table, ids = schema.args[0], schema.args[1]
     axis = (schema.args[2] if len(schema.args) > 2 and isinstance(schema.args[2], int) else 0) % table.ndim
     if axis != 0 or table.ndim != 2:
-        rep = layout_like(table.layout, (Replicate(),) * len(table.layout.mesh_shape))
+        rep = replicate_all(table.layout)
         out_shape = table.shape[:axis] + ids.shape + table.shape[axis + 1:]
         return OutputSharding(tuple(rep if isinstance(a, TensorArg) else None for a in schema.args),
-                              ((layout_like(rep, rep.placements, ndim=len(out_shape)), out_shape),))
+                              ((rep, out_shape),))
     out_shape = ids.shape + (table.shape[1],)
     need_table: List[Placement] = []
     need_ids: List[Placement] = []

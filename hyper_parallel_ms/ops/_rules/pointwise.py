@@ -20,7 +20,7 @@ import numpy as np
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like
+from ._common import layout_like, replicate_all
 
 __all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY"]
 
@@ -94,5 +94,5 @@ def bias_add_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
     if x.ndim == 2:
         return pointwise_rule(schema)
-    rep = layout_like(x.layout, (Replicate(),) * len(x.layout.mesh_shape))
+    rep = replicate_all(x.layout)
     return OutputSharding(tuple(rep if isinstance(a, TensorArg) else None for a in schema.args), ((rep, x.shape),))
