@@ -3,13 +3,15 @@ communication): DTensor op time vs plain op time for small tensors, and the abso
 microseconds the library adds beyond MindSpore's own fallback floor (entering and leaving
 ``NoFallbackGuard`` around one plain op).
 
-Times are per call including execution (synchronised), best of 5 runs.
+Times are per call including execution; plain and DTensor calls are timed back to back in
+each round and medians over the rounds are printed.
 
-Usage: .venv/bin/python scripts/bench_dispatch.py [--size 8] [--iters 1000]
+Usage: .venv/bin/python scripts/bench_dispatch.py [--size 8] [--iters 500] [--rounds 9]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import mindspore as ms
@@ -20,24 +22,30 @@ from mindspore._c_expression import NoFallbackGuard
 from hyper_parallel_ms import Replicate, Shard, distribute_tensor, init_device_mesh
 
 
-def _time(fn, iters: int, repeats: int = 5) -> float:
-    """Microseconds per call, including execution (the last result is read), best of ``repeats`` runs."""
-    for _ in range(50):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        for _ in range(iters):
-            out = fn()
-        Tensor.asnumpy(out)
-        best = min(best, (time.perf_counter() - began) / iters * 1e6)
-    return best
+def _per_call(fn, iters: int) -> float:
+    """Microseconds per call, including execution (the last result is read)."""
+    began = time.perf_counter()
+    for _ in range(iters):
+        out = fn()
+    Tensor.asnumpy(out)
+    return (time.perf_counter() - began) / iters * 1e6
+
+
+def _paired(plain, dist, iters: int, rounds: int):
+    """Median plain time, median DTensor time and median per-round difference: the two are
+    measured back to back in each round, so a slow moment of the machine hits both."""
+    for fn in (plain, dist):
+        _per_call(fn, 50)
+    pairs = [(_per_call(plain, iters), _per_call(dist, iters)) for _ in range(rounds)]
+    return (statistics.median(p for p, _ in pairs), statistics.median(d for _, d in pairs),
+            statistics.median(d - p for p, d in pairs))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=1000)
+    parser.add_argument("--iters", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     ms.set_device("CPU")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
@@ -56,13 +64,12 @@ def main() -> None:
     def guarded_add():
         with NoFallbackGuard():
             return a + b
-    floor = _time(guarded_add, args.iters) - _time(lambda: a + b, args.iters)
-    print(f"tensor {args.size}x{args.size} float32, {args.iters} calls each; MindSpore's guard floor "
-          f"{floor:.1f} us")
+    floor = _paired(lambda: a + b, guarded_add, args.iters, args.rounds)[2]
+    print(f"tensor {args.size}x{args.size} float32, {args.rounds} rounds of {args.iters} calls; medians; "
+          f"MindSpore's guard floor {floor:.1f} us")
     print(f"{'op':<12}{'plain us':>10}{'DTensor us':>12}{'ratio':>8}{'added us':>10}{'added - floor':>15}")
     for name, plain, dist in cases:
-        t_plain, t_dist = _time(plain, args.iters), _time(dist, args.iters)
-        added = t_dist - t_plain
+        t_plain, t_dist, added = _paired(plain, dist, args.iters, args.rounds)
         print(f"{name:<12}{t_plain:>10.1f}{t_dist:>12.1f}{t_dist / t_plain:>8.2f}{added:>10.1f}{added - floor:>15.1f}")
 
 

@@ -30,8 +30,10 @@ def replicate_all(template: Layout) -> Layout:
 def ring_cost(src: Placement, dst: Placement, n: int) -> float:
     """Relative bytes per element of the full tensor to change one mesh dim from ``src`` to
     ``dst`` over ``n`` ranks, plus 0.01 for any change so that keeping a placement wins ties."""
-    if src == dst or n == 1:
+    if src == dst:
         return 0.0
+    if n == 1:
+        return 1e-6                                       # nothing moves, but keeping wins
     if src.is_replicate():
         return 0.01                                       # local chunk or partition
     if src.is_shard():
