@@ -367,3 +367,27 @@ def test_inplace_updates_keep_the_dtensor():
         acc.copy_(distribute_tensor(ms.Tensor(3 * g), mesh, [S1]))
         assert acc.placements == tuple(placements)
         np.testing.assert_allclose(acc.full_tensor().asnumpy(), 3 * g, rtol=1e-6)
+
+
+def _cat_cols(a, b):
+    return ops.cat([a, b], 1)
+
+
+def _cat_rows(a, b):
+    return ops.cat((a, b), 0)
+
+
+def _split_sum(a):
+    first, second = ops.split(a, 3, 1)
+    return first * second
+
+
+@multi_rank(4)
+def test_cat_and_split():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a, b = _rand(4, 6), _rand(4, 2, seed=9)
+    check_op(mesh, _cat_cols, [a, b], [[S0, R], [S0, R]], [S0, R])
+    check_op(mesh, _cat_cols, [a, b], [[S0, S1], [R, R]], [S0, R])       # the cat dim is gathered
+    check_op(mesh, _cat_cols, [a, b], [[P, S0], [P, S0]], [P, S0])
+    check_op(mesh, _cat_rows, [a, a], [[S1, S0], [S1, R]], [S1, R])
+    check_op(mesh, _split_sum, [a], [[S0, S1]], [S0, R])

@@ -71,13 +71,34 @@ def clear_cache() -> None:
 
 
 def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
-    """(positional inputs, rebuild function, primitive attributes). Legacy primitives arrive as
-    (prim, name, inputs); their attributes (e.g. LayerNorm's begin_norm_axis) go to the rule."""
+    """(flat positional inputs, rebuild function, primitive attributes). Legacy primitives
+    arrive as (prim, name, inputs); their attributes (e.g. LayerNorm's begin_norm_axis) go to
+    the rule. A list of tensors (``ops.cat([a, b])``) is flattened into consecutive inputs."""
+    attrs: tuple = ()
+    pack: Any = tuple
     if len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[2], tuple):
         prim, name = args[0], args[1]
         attrs = tuple(sorted((k, v) for k, v in prim.attrs.items() if isinstance(v, (int, float, str, bool, tuple))))
-        return args[2], lambda new: (prim, name, tuple(new)), attrs
-    return args, tuple, ()
+        args, pack = args[2], (lambda new: (prim, name, tuple(new)))
+    flat, groups = [], []
+    for a in args:
+        if isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) for t in a):
+            groups.append((len(flat), len(a), type(a)))
+            flat.extend(a)
+        else:
+            flat.append(a)
+    if not groups:
+        return tuple(flat), pack, attrs
+
+    def rebuild(new):
+        out, at = [], 0
+        for start, length, kind in groups:
+            out.extend(new[at:start])
+            out.append(kind(new[start:start + length]))
+            at = start + length
+        out.extend(new[at:])
+        return pack(out)
+    return tuple(flat), rebuild, attrs
 
 
 @dataclass
@@ -116,8 +137,7 @@ def dispatch(func, args: tuple, kwargs: dict):
         else:
             signature.append(a)
     if mesh is None:
-        raise TypeError(f"{name}: DTensors inside lists are not supported yet (got {inputs!r}); "
-                        "call .to_local() on them first")
+        raise TypeError(f"{name}: no DTensor among the arguments {inputs!r}")
     key = (name, tuple(signature), tuple(sorted(kwargs.items())) if kwargs else (), attrs)
     try:
         decision = _CACHE.get(key)

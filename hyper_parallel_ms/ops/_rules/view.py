@@ -146,3 +146,42 @@ def softmax_rule(schema: OpSchema) -> OutputSharding:
             for p in x.layout.placements]
     layout = layout_like(x.layout, need, ndim=x.ndim)
     return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, x.shape),))
+
+
+@register_sharding("Concat", "Cat")
+def concat_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.cat(tensors, dim)``: the tensors arrive as consecutive arguments, then ``dim``.
+    Per mesh dim: a dim other than ``dim`` sharded in any input shards all of them; ``dim``
+    itself is gathered; Partial(sum) of every input stays Partial."""
+    tensors = [a for a in schema.args if isinstance(a, TensorArg)]
+    rest = [a for a in schema.args if not isinstance(a, TensorArg)]
+    dim = (rest[0] if rest and isinstance(rest[0], int) else 0) % tensors[0].ndim
+    out_shape = list(tensors[0].shape)
+    out_shape[dim] = sum(t.shape[dim] for t in tensors)
+    need: List[Placement] = []
+    for axis in range(len(tensors[0].layout.mesh_shape)):
+        here = [t.layout.placements[axis] for t in tensors]
+        shards = [p for p in here if p.is_shard() and p.dim != dim]
+        if shards:
+            need.append(shards[0])
+        elif all(p.is_partial("sum") for p in here):
+            need.append(here[0])
+        else:
+            need.append(Replicate())
+    layout = layout_like(tensors[0].layout, need, ndim=len(out_shape))
+    inputs = tuple(layout_like(a.layout, need, ndim=a.ndim) if isinstance(a, TensorArg) else None
+                   for a in schema.args)
+    return OutputSharding(inputs, ((layout, tuple(out_shape)),))
+
+
+@register_sharding("Split")
+def split_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.split`` / ``ops.chunk`` into equal pieces: ``Split(x, axis, output_num)``; the
+    split dim is gathered, the other placements are kept."""
+    x = schema.args[0]
+    axis, count = int(schema.args[1]) % x.ndim, int(schema.args[2])
+    need = [Replicate() if p.is_shard(axis) else p for p in x.layout.placements]
+    layout = layout_like(x.layout, need, ndim=x.ndim)
+    piece = list(x.shape)
+    piece[axis] = x.shape[axis] // count
+    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, tuple(piece)),) * count)
