@@ -182,3 +182,28 @@ def test_plans_execute_inside_jit():
         want_grad = w_np[replicate_partials(src_l).local_slices((6, 4), coord)]
         np.testing.assert_allclose(jit_grad.asnumpy(), want_grad, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(eager_grad.asnumpy(), want_grad, rtol=1e-6, atol=1e-6)
+
+
+@multi_rank(4)
+def test_partial_avg_max_min():
+    """Partial(avg/max/min) sources reduce with their op, into Replicate or a Shard, on both
+    mesh dims; a Replicate source partitions into them (the values are equal on every rank)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    coord = mesh.get_coordinate()
+    x_np = np.random.default_rng(8).standard_normal((4, 6)).astype(np.float32)
+    rank = mesh.get_rank()
+    for op in ("avg", "max", "min"):
+        # every rank holds a different part; the global tensor is their reduction
+        parts = [x_np + (r - 1.5) for r in range(4)]
+        mine = parts[rank]
+        want = {"avg": np.mean(parts, 0), "max": np.max(parts, 0), "min": np.min(parts, 0)}[op]
+        dt = DTensor.from_local(ms.Tensor(mine), mesh, [Partial(op), Partial(op)])
+        for dst in [(Replicate(), Replicate()), (Shard(0), Shard(1)), (Replicate(), Shard(0)), (Partial(op), Shard(1))]:
+            out = dt.redistribute(mesh, dst)
+            np.testing.assert_allclose(out.full_tensor().asnumpy(), want, rtol=1e-5, atol=1e-6)
+            if not any(p.is_partial() for p in dst):
+                np.testing.assert_allclose(out.to_local().asnumpy(),
+                                           want[Layout(mesh.shape, dst).local_slices((4, 6), coord)], rtol=1e-5,
+                                           atol=1e-6)
+        back = distribute_tensor(ms.Tensor(x_np), mesh, [Replicate(), Partial(op)])
+        np.testing.assert_allclose(back.full_tensor().asnumpy(), x_np, rtol=1e-6)
