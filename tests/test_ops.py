@@ -328,7 +328,8 @@ def test_layer_norm_and_embedding():
     check_op(mesh, _layer_norm_fn(), [a], [[S2, P]], [R, R])         # normalised dim gathered, partial reduced
     table, ids = _rand(10, 8), np.array([[1, 7, 3], [9, 0, 2]], np.int32)
     ids_dt = distribute_tensor(ms.Tensor(ids), mesh, [R, R], src_data_rank=None)
-    for placements, expect in [([R, S1], (R, S2)), ([R, R], (R, R)), ([S0, R], (R, R))]:
+    for placements, expect in [([R, S1], (R, S2)), ([R, R], (R, R)), ([S0, R], (P, R)), ([S0, S1], (P, S2)),
+                               ([R, S0], (R, P))]:
         table_dt = distribute_tensor(ms.Tensor(table), mesh, placements)
         out = ops.gather(table_dt, ids_dt, 0)
         assert out.placements == expect
@@ -343,6 +344,10 @@ def test_layer_norm_and_embedding():
         grad = ms.grad(loss)(table_dt.to_local())
         np.testing.assert_allclose(grad.asnumpy(), want[table_dt.layout.local_slices((10, 8), mesh.get_coordinate())],
                                    rtol=1e-5, atol=1e-5)
+    uneven = _rand(7, 8)                                             # 7 rows on 2 ranks: 4 and 3
+    out = ops.gather(distribute_tensor(ms.Tensor(uneven), mesh, [R, S0]), ms.Tensor(ids % 7), 0)  # plain ids
+    assert out.placements == (R, P)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), uneven[ids % 7])
     sharded_ids = distribute_tensor(ms.Tensor(ids), mesh, [S0, R], src_data_rank=None)
     out = ops.gather(distribute_tensor(ms.Tensor(table), mesh, [R, S1]), sharded_ids, 0)
     assert out.placements == (S0, S2)
@@ -391,3 +396,19 @@ def test_cat_and_split():
     check_op(mesh, _cat_cols, [a, b], [[P, S0], [P, S0]], [P, S0])
     check_op(mesh, _cat_rows, [a, a], [[S1, S0], [S1, R]], [S1, R])
     check_op(mesh, _split_sum, [a], [[S0, S1]], [S0, R])
+
+
+@multi_rank(2)
+def test_uneven_shapes_on_1d_mesh():
+    """Odd sizes split 3 + 2 (or 4 + 3) over two ranks, through every rule family."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    a, b = _rand(5, 3), _rand(5, 3, seed=4)
+    check_op(mesh, _mul, [a, b], [[S0], [R]], [S0])
+    check_op(mesh, _matmul, [a, _rand(3, 7, seed=2)], [[R], [S1]], [S1])
+    check_op(mesh, _matmul, [_rand(4, 5), _rand(5, 3, seed=3)], [[S1], [S0]], [P])
+    check_op(mesh, _linear, [a, _rand(7, 3, seed=5), _rand(7, seed=6)], [[R], [S0], [S0]], [S1])
+    check_op(mesh, _sum_dim0, [a], [[S0]], [P])
+    check_op(mesh, _softmax, [a], [[S0]], [S0])
+    check_op(mesh, _reshape_merge, [_rand(5, 3, 2)], [[S0]], [R])      # 5 rows do not split evenly into 15
+    check_op(mesh, _permute, [_rand(5, 3, 2)], [[S0]], [S1])
+    check_op(mesh, _cat_cols, [a, b], [[S0], [S0]], [S0])

@@ -111,6 +111,7 @@ class _Decision:
     local_shapes: Tuple[Tuple[int, ...], ...]  # what each output's local piece must be
     arg_overrides: Optional[Tuple[Any, ...]] = None  # local values for global-size arguments
     inplace: bool = False                      # the op updates argument 0, which is the result
+    local_fn: Optional[Any] = None             # runs instead of the op on the local inputs
     verified: bool = False                     # the rule's local shapes were checked once
 
 
@@ -155,7 +156,10 @@ def dispatch(func, args: tuple, kwargs: dict):
         local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
                                            for a in local_inputs[1:]]
     with NoFallbackGuard():
-        out = func(*rebuild(local_inputs), **kwargs)
+        if decision.local_fn is not None:
+            out = decision.local_fn(*local_inputs, **kwargs)
+        else:
+            out = func(*rebuild(local_inputs), **kwargs)
         if decision.inplace:
             target = inputs[0]
             if out is not target:  # MindSpore's CPU kernels of add_/mul_/... compute out of place
@@ -194,7 +198,7 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
     overrides = None if sharding.local_args is None else tuple(sharding.local_args(coord))
     return _Decision(tuple(needs), tuple(cells), specs,
                      tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
-                     sharding.inplace)
+                     sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord))
 
 
 def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):

@@ -67,9 +67,11 @@ class OutputSharding:
     per output. ``local_args``, given this rank's mesh coordinate, returns replacements for
     non-tensor arguments that name global sizes (``None`` keeps an argument), e.g. the
     target shape of a reshape. ``inplace``: the op updates its first argument, which is
-    returned as the result."""
+    returned as the result. ``local_fn``, given this rank's mesh coordinate, returns a function
+    to run on the local inputs instead of the op (a masked lookup into a row-sharded table)."""
 
     inputs: Tuple[Optional[Layout], ...]
     outputs: Tuple[Tuple[Layout, Tuple[int, ...]], ...]
     local_args: Optional[Callable[[Tuple[int, ...]], Tuple[Any, ...]]] = None
     inplace: bool = False
+    local_fn: Optional[Callable[[Tuple[int, ...]], Callable]] = None

@@ -4,10 +4,10 @@
 LayerNorm needs the normalised dims whole and the values reduced: those are gathered /
 reduced first, the leading dims keep their sharding (its mean and variance outputs too).
 Gather along dim 0 of a table: a column-sharded table gives output sharded on its last dim;
-sharded indices give output sharded like them; a row-sharded table is gathered first (a
-masked lookup is not implemented yet). An in-place op keeps the target's layout: the other
-operands are brought to the placements that make the update exact (a Partial(sum) target
-accepts Partial(sum) addends and scalar factors).
+sharded indices give output sharded like them; a row-sharded table gives Partial(sum): each
+rank looks up the rows it holds and writes zeros for the others (a masked lookup). An in-place
+op keeps the target's layout: the other operands are brought to the placements that make the
+update exact (a Partial(sum) target accepts Partial(sum) addends and scalar factors).
 
 Example::
 
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from typing import List
 
-from ...placement import Placement, Replicate, Shard
+from mindspore import ops
+
+from ...placement import Partial, Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all
@@ -52,6 +54,9 @@ def gather_rule(schema: OpSchema) -> OutputSharding:
     need_table: List[Placement] = []
     need_ids: List[Placement] = []
     out: List[Placement] = []
+    row_axes = [a for a, p in enumerate(table.layout.placements) if p.is_shard(0)]
+    if len(row_axes) == 1:
+        return _masked_gather(schema, table, ids, row_axes[0], out_shape)
     for pt, pi in zip(table.layout.placements, ids.layout.placements):
         if pt.is_shard(1):
             need_table.append(pt)
@@ -68,6 +73,33 @@ def gather_rule(schema: OpSchema) -> OutputSharding:
     inputs = (layout_like(table.layout, need_table, ndim=2), layout_like(table.layout, need_ids, ndim=ids.ndim)) \
         + (None,) * (len(schema.args) - 2)
     return OutputSharding(inputs, ((layout_like(table.layout, out, ndim=len(out_shape)), out_shape),))
+
+
+def _masked_gather(schema: OpSchema, table: TensorArg, ids: TensorArg, row_axis: int,
+                   out_shape) -> OutputSharding:
+    """A table row-sharded on one mesh dim: output Partial(sum) there, by a masked local lookup."""
+    need_table = [p if a == row_axis or p.is_shard(1) else Replicate()
+                  for a, p in enumerate(table.layout.placements)]
+    need_ids = [Replicate() if a == row_axis or table.layout.placements[a].is_shard(1) or not p.is_shard() else p
+                for a, p in enumerate(ids.layout.placements)]
+    out = [Partial() if a == row_axis else Shard(len(out_shape) - 1) if table.layout.placements[a].is_shard(1)
+           else need_ids[a] for a in range(len(need_ids))]
+    table_layout = layout_like(table.layout, need_table, ndim=2)
+
+    def local_fn(coord):
+        start = table_layout.global_offset(table.shape, coord)[0]
+        rows = table_layout.local_shape(table.shape, coord)[0]
+
+        def lookup(local_table, local_ids, *rest):
+            shifted = local_ids - start
+            outside = ops.logical_or(shifted < 0, shifted >= rows)
+            safe = ops.select(outside, ops.zeros_like(shifted), shifted)
+            found = ops.gather(local_table, safe, 0)
+            return found * ops.expand_dims(ops.logical_not(outside), -1).astype(found.dtype)
+        return lookup
+    inputs = (table_layout, layout_like(table.layout, need_ids, ndim=ids.ndim)) + (None,) * (len(schema.args) - 2)
+    return OutputSharding(inputs, ((layout_like(table.layout, out, ndim=len(out_shape)), out_shape),),
+                          local_fn=local_fn)
 
 
 _ADDING = ("InplaceAddExt", "InplaceAdd", "InplaceSubExt", "InplaceSub")
