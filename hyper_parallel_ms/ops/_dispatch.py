@@ -190,7 +190,7 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
             needs.append(None)
             cells.append(None)
             continue
-        need = need or d.layout
+        need = d.layout if need is None or need == d.layout else need  # same object: cheap check per call
         needs.append(need)
         cells.append(_gradient_sum_cell(mesh, need, d.shape, split_axes))
     coord = mesh.get_coordinate()
@@ -219,7 +219,8 @@ def _prepare(arg, need: Optional[Layout], cell, mesh):
     if need is None:
         return arg
     if isinstance(arg, DTensor):
-        if need != arg._dt_spec.layout:
+        layout = arg._dt_spec.layout
+        if need is not layout and need != layout:
             arg = arg.redistribute(mesh, need)
     elif need.placements != (Replicate(),) * len(need.placements):
         arg = distribute_tensor(arg, mesh, need, src_data_rank=None)
