@@ -179,6 +179,27 @@ class Layout:
             out.append("None" if not named else named[0] if len(named) == 1 else named)
         return tuple(out)
 
+    @classmethod
+    def replicated(cls, mesh_shape: Sequence[int], mesh_dim_names: Optional[Sequence[str]] = None) -> "Layout":
+        """Every mesh dim Replicate.
+
+        Example:
+            >>> Layout.replicated((2, 2)).placements
+            (Replicate(), Replicate())
+        """
+        return cls(mesh_shape, (Replicate(),) * len(tuple(mesh_shape)), mesh_dim_names=mesh_dim_names)
+
+    def with_placements(self, placements: Sequence[Placement]) -> "Layout":
+        """The same mesh, names and shard order with other placements (the mesh dims named in
+        the shard order must stay Shard).
+
+        Example:
+            >>> Layout((2, 2), (Shard(0), Partial())).with_placements((Shard(0), Replicate())).placements
+            (Shard(dim=0), Replicate())
+        """
+        return Layout(self.mesh_shape, placements, mesh_dim_names=self.mesh_dim_names,
+                      shard_order=dict(self.shard_order))
+
     # ------------------------------------------------------------- normalising
     def normalized(self, ndim: int) -> "Layout":
         """The same layout with non-negative Shard dims, checked against ``ndim``.

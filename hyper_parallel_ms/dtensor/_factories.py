@@ -22,7 +22,6 @@ from mindspore import Tensor, ops
 
 from .. import comm
 from ..layout import Layout
-from ..placement import Replicate
 from ..redistribute import execute, lower, plan_redistribute
 from ._dtensor import DTensor
 from ._spec import DTensorSpec
@@ -41,7 +40,7 @@ def _size(size: Size) -> Tuple[int, ...]:
 
 def _local_piece(full: Tensor, spec: DTensorSpec) -> Tensor:
     """This rank's piece of a replicated global tensor (Partial dims: PyTorch's partition)."""
-    replicated = Layout(spec.mesh.shape, (Replicate(),) * spec.mesh.ndim, mesh_dim_names=spec.mesh.mesh_dim_names)
+    replicated = Layout.replicated(spec.mesh.shape, spec.mesh.mesh_dim_names)
     steps = lower(plan_redistribute(replicated, spec.layout, spec.shape), spec.mesh.get_coordinate(), spec.shape)
     return execute(full, spec.mesh, steps).copy()  # own storage: a view would alias ``full``
 

@@ -36,7 +36,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
-from ..placement import Partial, Replicate
+from ..placement import Partial
 from ..redistribute import redistribution
 from ._registry import rule_for
 from ._rules._common import replicate_all
@@ -207,8 +207,7 @@ def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):
     shared = [a for a in split_axes if need.placements[a].is_replicate()]
     if not shared:
         return None
-    partial = Layout(need.mesh_shape, tuple(Partial() if a in shared else p for a, p in enumerate(need.placements)),
-                     mesh_dim_names=need.mesh_dim_names, shard_order=dict(need.shard_order))
+    partial = need.with_placements(tuple(Partial() if a in shared else p for a, p in enumerate(need.placements)))
     return redistribution(mesh, need, need, shape, grad_src=partial)
 
 
@@ -222,7 +221,7 @@ def _prepare(arg, need: Optional[Layout], cell, mesh):
         layout = arg._dt_spec.layout
         if need is not layout and need != layout:
             arg = arg.redistribute(mesh, need)
-    elif need.placements != (Replicate(),) * len(need.placements):
+    elif not need.is_replicated():
         arg = distribute_tensor(arg, mesh, need, src_data_rank=None)
     return arg if cell is None else cell(_local_view(arg))
 

@@ -94,10 +94,7 @@ def execute(x, mesh, steps: Tuple[LocalStep, ...]):
 def replicate_partials(layout: Layout) -> Layout:
     """``layout`` with every Partial placement replaced by Replicate (the layout of gradients)."""
     placements = tuple(Replicate() if p.is_partial() else p for p in layout.placements)
-    if placements == layout.placements:
-        return layout
-    return Layout(layout.mesh_shape, placements, mesh_dim_names=layout.mesh_dim_names,
-                  shard_order=dict(layout.shard_order))
+    return layout if placements == layout.placements else layout.with_placements(placements)
 
 
 class Redistribution(nn.Cell):
@@ -105,8 +102,6 @@ class Redistribution(nn.Cell):
 
     def __init__(self, mesh, forward_steps: Tuple[LocalStep, ...], backward_steps: Tuple[LocalStep, ...]) -> None:
         super().__init__()
-        self.forward_steps = forward_steps
-        self.backward_steps = backward_steps
         self.forward_cells = step_cells(mesh, forward_steps)
         self.backward_cells = step_cells(mesh, backward_steps)
 

@@ -57,7 +57,7 @@ def measure(mesh, shape: Sequence[int]) -> List[PairBytes]:
     """Redistribute a float32 tensor of ``shape`` between every pair of placement lists."""
     shape = tuple(shape)
     x = ms.Tensor(np.ones(shape, np.float32))
-    replicated = Layout(mesh.shape, (Replicate(),) * mesh.ndim)
+    replicated = Layout.replicated(mesh.shape)
     rows = []
     lists = placement_lists(mesh.ndim, len(shape))
     for src, dst in itertools.product(lists, lists):

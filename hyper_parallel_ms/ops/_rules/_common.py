@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 from ...layout import Layout
-from ...placement import Placement, Replicate
+from ...placement import Placement
 
 __all__ = ["layout_like", "replicate_all", "ring_cost"]
 
@@ -24,7 +24,7 @@ def layout_like(template: Layout, placements: Sequence[Placement],
 
 def replicate_all(template: Layout) -> Layout:
     """Every mesh dim Replicate."""
-    return layout_like(template, (Replicate(),) * len(template.mesh_shape))
+    return Layout.replicated(template.mesh_shape, template.mesh_dim_names)
 
 
 def ring_cost(src: Placement, dst: Placement, n: int) -> float:
