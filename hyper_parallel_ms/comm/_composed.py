@@ -48,6 +48,11 @@ def sum_over(x, group_name: str):
     return _all_reduce_sum_prim(group_name)(x)
 
 
+def _slot(sizes: Sequence[int], rank: int) -> Tuple[int, int]:
+    """Slices before and after ``rank``'s piece in the gathered buffer."""
+    return sum(sizes[:rank]), sum(sizes[rank + 1:])
+
+
 class _AllGather(nn.Cell):
     """All-gather of pieces ``sizes`` along ``dim``: this rank's piece padded into its slot of a
     zero buffer, then all-reduced. Backward: all-reduce the gradient, keep this rank's slot."""
@@ -55,8 +60,8 @@ class _AllGather(nn.Cell):
     def __init__(self, dim: int, sizes: Tuple[int, ...], group) -> None:
         super().__init__()
         self.dim, self.group_name = dim, group.name
-        self.before, self.length = sum(sizes[:group.rank]), sizes[group.rank]
-        self.after = sum(sizes[group.rank + 1:])
+        self.before, self.after = _slot(sizes, group.rank)
+        self.length = sizes[group.rank]
 
     def construct(self, x):
         return sum_over(pad_dim(x, self.dim, self.before, self.after), self.group_name)
@@ -74,7 +79,7 @@ def all_gather(x, dim: int, sizes: Sequence[int], group):
     """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``)."""
     if 0 in sizes:
         return _all_gather_cell(dim, tuple(sizes), group)(x)
-    before, after = sum(sizes[:group.rank]), sum(sizes[group.rank + 1:])
+    before, after = _slot(sizes, group.rank)
     return sum_over(pad_dim(x, dim, before, after), group.name)
 
 

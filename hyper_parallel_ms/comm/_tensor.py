@@ -13,11 +13,11 @@ Example:
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 from mindspore import mint, ops
 
-__all__ = ["narrow", "pad_dim", "split_sizes", "shape_with", "move_to_front", "move_from_front", "select_pieces"]
+__all__ = ["narrow", "pad_dim", "shape_with", "move_to_front", "move_from_front", "select_pieces"]
 
 
 def shape_with(shape: Sequence[int], dim: int, size: int) -> tuple:
@@ -51,15 +51,6 @@ def pad_dim(x, dim: int, before: int, after: int):
         return x
     out = parts[0] if len(parts) == 1 else mint.cat(parts, dim)
     return out if x.shape[dim] > 0 else ops.depend(out, x)
-
-
-def split_sizes(x, dim: int, sizes: Sequence[int]) -> List:
-    """Consecutive pieces of ``x`` along ``dim`` with the given sizes."""
-    pieces, start = [], 0
-    for size in sizes:
-        pieces.append(narrow(x, dim, start, size))
-        start += size
-    return pieces
 
 
 def _front_perm(ndim: int, dim: int) -> tuple:
