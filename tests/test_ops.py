@@ -11,7 +11,7 @@ from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.ops import OpSchema, OutputSharding, register_sharding, strict_plain_tensors
+from hyper_parallel_ms.ops import OpSchema, OutputSharding, dispatch, register_sharding, strict_plain_tensors
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
 from hyper_parallel_ms.redistribute import replicate_partials
 from hyper_parallel_ms.testing import multi_rank
@@ -412,3 +412,237 @@ def test_uneven_shapes_on_1d_mesh():
     check_op(mesh, _reshape_merge, [_rand(5, 3, 2)], [[S0]], [R])      # 5 rows do not split evenly into 15
     check_op(mesh, _permute, [_rand(5, 3, 2)], [[S0]], [S1])
     check_op(mesh, _cat_cols, [a, b], [[S0], [S0]], [S0])
+
+
+def _on_dtensors(name, impl):
+    """``impl`` on plain tensors; on DTensors, the dispatcher running op ``name`` with ``impl``
+    as its local kernel (a CPU twin for ops whose MindSpore kernel is Ascend-only)."""
+    class Kernel:
+        def __call__(self, *args):
+            return impl(*args)
+    kernel = Kernel()
+    kernel.name = name
+
+    def run(*args):
+        flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
+        if any(isinstance(t, DTensor) for t in flat):
+            return dispatch(kernel, args, {})
+        return impl(*args)
+    return run
+
+
+def _amax_dim0(a):
+    return ops.amax(a, 0)
+
+
+def _max_all(a):
+    return a.max()
+
+
+def _amin_dim1(a):
+    return ops.amin(a, 1)
+
+
+def _min_dim1_values(a):
+    return a.min(1)[0]                 # MinDim: values and indices
+
+
+def _max_values_and_indices(a):
+    values, indices = ops.max(a, 1)
+    return indices.astype(ms.float32) * 0.0 + values
+
+
+def _cast_round_trip(a):
+    return ops.cast(ops.cast(a * 2.0, ms.float16), ms.float32)
+
+
+@multi_rank(4)
+def test_max_min_reductions_and_cast():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a = _rand(4, 6, 2)
+    check_op(mesh, _amax_dim0, [a], [[S0, S1]], [Partial("max"), S0])
+    check_op(mesh, _max_all, [a], [[S0, S1]], [Partial("max"), Partial("max")])
+    check_op(mesh, _amin_dim1, [a], [[S1, S0]], [Partial("min"), S0])
+    check_op(mesh, _min_dim1_values, [a], [[S1, S0]], [R, S0])
+    check_op(mesh, _max_values_and_indices, [a], [[S1, S2]], [R, S1])    # indices need the whole dim
+    check_op(mesh, _amax_dim0, [_rand(5, 3)], [[S0, S1]], [Partial("max"), S0])
+    check_op(mesh, _amax_dim0, [a], [[P, S2]], [R, S1])                  # max of a Partial(sum) reduces first
+    check_op(mesh, _cast_round_trip, [a], [[S0, S2]], [S0, S2])
+    x = distribute_tensor(ms.Tensor(a), mesh, [S0, S1])
+    assert x.astype(ms.float16).placements == (S0, S1) and x.astype(ms.float16).dtype == ms.float16
+
+
+def _stack_cpu(tensors, dim):
+    return ops.stack(tensors, dim)
+
+
+_stack = _on_dtensors("StackExt", _stack_cpu)
+
+
+def _stack_mid(a, b):
+    return _stack([a, b], 1)
+
+
+def _split_uneven(a):
+    first, second = ops.split(a, [1, 3], 1)
+    return ops.cat([second, first * 2.0], 1)
+
+
+def _split_by_size(a):
+    pieces = ops.split(a, 3, 0)
+    return ops.cat([p * (i + 1.0) for i, p in enumerate(pieces)], 0)
+
+
+def _chunk_uneven(a):
+    pieces = ops.chunk(a, 3, 0)
+    return ops.cat([p * (i + 1.0) for i, p in enumerate(pieces)], 0)
+
+
+def _mint_chunk(a):
+    pieces = mint.chunk(a, 3, 1)
+    return ops.cat([p * (i + 1.0) for i, p in enumerate(pieces)], 1)
+
+
+def _narrow(a):
+    return mint.narrow(a, 1, 1, 2)
+
+
+def _narrow_whole(a):
+    return mint.narrow(a, 0, 0, a.shape[0])
+
+
+def _index_row(a):
+    return a[1]
+
+
+def _index_cols(a):
+    return a[:, 1:3]
+
+
+def _index_mixed(a):
+    return a[..., None, ::2][:, 1]
+
+
+def _index_whole(a):
+    return a[:, :, None]
+
+
+@multi_rank(4)
+def test_stack_split_narrow_and_indexing():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a, b = _rand(5, 4), _rand(5, 4, seed=2)
+    check_op(mesh, _stack_mid, [a, b], [[S0, S1], [S0, R]], [S0, S2])
+    check_op(mesh, _stack_mid, [a, b], [[P, S0], [P, R]], [P, S0])
+    check_op(mesh, _split_uneven, [a], [[S0, S1]], [S0, R])
+    check_op(mesh, _split_by_size, [_rand(7, 4)], [[S0, S1]], [R, S1])   # pieces 3, 3, 1
+    check_op(mesh, _chunk_uneven, [_rand(7, 4)], [[S1, S0]], [S1, R])
+    check_op(mesh, _mint_chunk, [_rand(4, 5)], [[S0, S1]], [S0, R])
+    check_op(mesh, _narrow, [a], [[S0, S1]], [S0, R])
+    check_op(mesh, _narrow_whole, [a], [[S0, S1]], [S0, S1])
+    check_op(mesh, _index_row, [a], [[S0, S1]], [R, S0])
+    check_op(mesh, _index_cols, [a], [[S0, S1]], [S0, R])
+    check_op(mesh, _index_mixed, [_rand(3, 4, 6)], [[S2, S1]], [R, R])
+    check_op(mesh, _index_mixed, [_rand(3, 4, 6)], [[S0, P]], [S0, P])
+    check_op(mesh, _index_whole, [a], [[S1, S0]], [S1, S0])
+    x = distribute_tensor(ms.Tensor(a), mesh, [S0, S1])
+    # mint.split into sizes (forward only: MindSpore's CPU backward of this view op is wrong on plain tensors too)
+    pieces = mint.split(x, [1, 3], 1)
+    assert [p.placements for p in pieces] == [(S0, R), (S0, R)]
+    np.testing.assert_allclose(pieces[1].full_tensor().asnumpy(), a[:, 1:], rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="advanced indexing"):
+        x[ms.Tensor(np.array([0, 1], np.int32))]
+    with pytest.raises(IndexError, match="too many indices"):
+        x[0, 0, 0]
+    with pytest.raises(IndexError, match="out of bounds"):
+        x[7]
+
+
+def _rms_norm_cpu(x, gamma, eps):
+    rstd = ops.rsqrt((x * x).mean(-1, keep_dims=True) + eps)
+    return x * rstd * gamma, rstd
+
+
+def _layer_norm_ext_cpu(x, normalized_shape, weight, bias, eps):
+    mean = x.mean(-1, keep_dims=True)
+    rstd = ops.rsqrt(((x - mean) ** 2).mean(-1, keep_dims=True) + eps)
+    return (x - mean) * rstd * weight + bias, mean, rstd
+
+
+_rms_norm = _on_dtensors("RmsNorm", _rms_norm_cpu)
+_layer_norm_ext = _on_dtensors("LayerNormExt", _layer_norm_ext_cpu)
+
+
+def _rms(x, gamma):
+    return _rms_norm(x, gamma, 1e-6)[0]
+
+
+def _layer_norm_mint(x, weight, bias):
+    return _layer_norm_ext(x, (x.shape[-1],), weight, bias, 1e-5)[0]
+
+
+@multi_rank(4)
+def test_rms_norm_and_mint_layer_norm_cpu_twins():
+    """The RmsNorm / LayerNormExt rules with CPU kernels standing in for the Ascend-only ones."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, g, bias = _rand(4, 3, 6), _rand(6, seed=1), _rand(6, seed=2)
+    check_op(mesh, _rms, [x, g], [[S0, S1], [R, R]], [S0, S1])
+    check_op(mesh, _rms, [x, g], [[S2, P], [R, R]], [R, R])          # the normalised dim gathered, Partial reduced
+    check_op(mesh, _layer_norm_mint, [x, g, bias], [[S1, S2], [R, S0], [R, R]], [S1, R])
+
+
+@multi_rank(2)
+def test_dropout_masks_follow_placements():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ones = ms.Tensor(np.ones((8, 6), np.float32))
+
+    def both_pieces(dt):  # rank 0's and rank 1's local pieces, side by side
+        return DTensor.from_local(dt.to_local(), mesh, [S0]).full_tensor().asnumpy().reshape(2, -1)
+
+    for dropout in (lambda t: ops.dropout(t, p=0.5), nn.Dropout(p=0.5).set_train()):
+        replicated = dropout(distribute_tensor(ones, mesh, [R]))
+        assert replicated.placements == (R,)
+        pieces = both_pieces(replicated)
+        np.testing.assert_array_equal(pieces[0], pieces[1])           # replicas draw the same mask
+        assert set(np.unique(pieces)) <= {0.0, 2.0} and 0.0 in pieces and 2.0 in pieces
+        sharded = dropout(distribute_tensor(ones, mesh, [S0]))
+        assert sharded.placements == (S0,)
+        pieces = both_pieces(sharded)
+        assert not np.array_equal(pieces[0], pieces[1])               # pieces draw independent masks
+        partial = dropout(DTensor.from_local(ones, mesh, [P]))
+        assert partial.placements == (R,)                              # the sum is dropped, not its parts
+        assert set(np.unique(partial.to_local().asnumpy())) <= {0.0, 4.0}
+    ms.set_seed(5)
+    seeded = [ops.dropout(distribute_tensor(ones, mesh, [R]), p=0.5).to_local().asnumpy() for _ in range(2)]
+    assert not np.array_equal(seeded[0], seeded[1])                   # consecutive calls draw new masks
+    x = distribute_tensor(ones * 3.0, mesh, [S1])
+
+    def loss(local):
+        return (ops.dropout(DTensor.from_local(local, mesh, [S1], shape=(8, 6)), p=0.5).to_local() * 5.0).sum()
+    grad = ms.grad(loss)(x.to_local()).asnumpy()      # kept positions, scaled by 1 / keep_prob
+    assert set(np.unique(grad)) <= {0.0, 10.0} and 10.0 in grad and 0.0 in grad
+
+
+def _func_dropout_ext_cpu(x, p, training, inplace, seed, offset):
+    return ops.Dropout(1.0 - p, 0, int(seed.asnumpy()) % 2 ** 31)(x)[0]
+
+
+@multi_rank(2)
+def test_mint_dropout_rule_cpu_twin():
+    """``FuncDropoutExt`` (Ascend-only kernel) with a CPU dropout standing in for it."""
+    from hyper_parallel_ms.ops._rules import random as random_rules
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    original = random_rules.func_dropout_ext_op
+    random_rules.func_dropout_ext_op = _func_dropout_ext_cpu
+    try:
+        kernel = _on_dtensors("FuncDropoutExt", _func_dropout_ext_cpu)
+        seed, offset = ms.Tensor(11, ms.int64), ms.Tensor(0, ms.int64)
+        ones = ms.Tensor(np.ones((8, 6), np.float32))
+        out = {}
+        for placement in (R, S0):
+            y = kernel(distribute_tensor(ones, mesh, [placement]), 0.5, True, False, seed, offset)
+            assert y.placements == (placement,)
+            out[placement] = DTensor.from_local(y.to_local(), mesh, [S0]).full_tensor().asnumpy().reshape(2, -1)
+        np.testing.assert_array_equal(out[R][0], out[R][1])
+        assert not np.array_equal(out[S0][0], out[S0][1])
+    finally:
+        random_rules.func_dropout_ext_op = original

@@ -16,6 +16,7 @@ from mindspore import ops as _ms_ops
 
 from ..dtensor import DTensor
 from . import _rules  # noqa: F401  (registers the rules)
+from ._rules.indexing import GetItem, index_key
 from ._dispatch import clear_cache, dispatch, strict_plain_tensors
 from ._local_map import local_map
 from ._registry import register_sharding, registered_ops
@@ -29,6 +30,10 @@ def _fallback(self, func, args=(), kwargs=None):
     return dispatch(func, args, kwargs or {})
 
 
+def _getitem(self, index):
+    return dispatch(GetItem, (self, index_key(index, len(self._dt_spec.shape))), {})
+
+
 def _reflected(op):
     def method(self, other):
         return op(other, self)
@@ -38,6 +43,7 @@ def _reflected(op):
 # The hook MindSpore calls for ops on DTensors; and reflected operators, which Python tries
 # first on a Tensor subclass, so that ``plain + dtensor`` reaches the dispatcher too.
 DTensor.__fallback__ = _fallback
+DTensor.__getitem__ = _getitem      # MindSpore's indexing does not always reach the hook
 DTensor.__radd__ = _reflected(_ms_ops.add)
 DTensor.__rsub__ = _reflected(_ms_ops.sub)
 DTensor.__rmul__ = _reflected(_ms_ops.mul)

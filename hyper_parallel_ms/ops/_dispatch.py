@@ -38,7 +38,7 @@ from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..placement import Partial
 from ..redistribute import redistribution
-from ._registry import rule_for
+from ._registry import ignored_args, rule_for
 from ._rules._common import replicate_all
 from ._schema import OpSchema, OutputSharding, TensorArg
 
@@ -120,8 +120,11 @@ def dispatch(func, args: tuple, kwargs: dict):
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
     inputs, rebuild, attrs = _call_form(tuple(args))
     mesh, signature = None, []
+    ignored = ignored_args(name)
     for i, a in enumerate(inputs):
-        if isinstance(a, DTensor):
+        if i in ignored:
+            signature.append(None)
+        elif isinstance(a, DTensor):
             spec = a._dt_spec
             if mesh is None:
                 mesh = spec.mesh
@@ -136,7 +139,7 @@ def dispatch(func, args: tuple, kwargs: dict):
                                 "strict_plain_tensors() to read it as Replicate")
             signature.append(("plain", tuple(a.shape)))
         else:
-            signature.append(a)
+            signature.append(tuple(a) if isinstance(a, list) else a)
     if mesh is None:
         raise TypeError(f"{name}: no DTensor among the arguments {inputs!r}")
     key = (name, tuple(signature), tuple(sorted(kwargs.items())) if kwargs else (), attrs)
@@ -145,7 +148,8 @@ def dispatch(func, args: tuple, kwargs: dict):
     except TypeError:  # an unhashable argument: decide without the cache
         key, decision = None, None
     if decision is None:
-        decision = _decide(name, inputs, kwargs, attrs, mesh)
+        decision = _decide(name, tuple(None if i in ignored else a for i, a in enumerate(inputs)),
+                           kwargs, attrs, mesh)
         if key is not None:
             _CACHE[key] = decision
     local_inputs = [_prepare(a, need, cell, mesh) for a, need, cell in

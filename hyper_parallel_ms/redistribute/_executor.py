@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
-from mindspore import nn
+from mindspore import nn, ops
 
 from .. import comm
 from ..comm._tensor import narrow
@@ -98,12 +98,20 @@ def replicate_partials(layout: Layout) -> Layout:
 
 
 class Redistribution(nn.Cell):
-    """Forward: ``forward_steps`` on the local tensor; backward: ``backward_steps`` on its gradient."""
+    """Forward: ``forward_steps`` on the local tensor; backward: ``backward_steps`` on its gradient.
 
-    def __init__(self, mesh, forward_steps: Tuple[LocalStep, ...], backward_steps: Tuple[LocalStep, ...]) -> None:
+    ``value_steps`` (when the forward reduces a Partial(max / min)): they bring the result
+    back to the source layout, and the gradient reaches only the elements equal to it (the
+    ranks that held the maximum), as the gradient of a single-device max does.
+    """
+
+    def __init__(self, mesh, forward_steps: Tuple[LocalStep, ...], backward_steps: Tuple[LocalStep, ...],
+                 value_steps: Tuple[LocalStep, ...] = None) -> None:
         super().__init__()
         self.forward_cells = step_cells(mesh, forward_steps)
         self.backward_cells = step_cells(mesh, backward_steps)
+        self.masked = value_steps is not None
+        self.value_cells = step_cells(mesh, value_steps or ())
 
     def construct(self, x):
         for cell in self.forward_cells:
@@ -113,6 +121,10 @@ class Redistribution(nn.Cell):
     def bprop(self, x, out, dout):
         for cell in self.backward_cells:
             dout = cell(dout)
+        if self.masked:
+            for cell in self.value_cells:
+                out = cell(out)
+            dout = dout * ops.equal(x, out).astype(dout.dtype)
         return (dout,)
 
 
@@ -129,7 +141,9 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
     forward = lower(plan_redistribute(src, dst, shape), coordinate, shape)
     grad_from = replicate_partials(dst) if grad_src is None else grad_src
     backward = lower(plan_redistribute(grad_from, replicate_partials(src), shape), coordinate, shape)
-    return Redistribution(mesh, forward, backward + _average_scaling(src, dst))
+    extremum = any(p.is_partial() and p.reduce_op in ("max", "min") and q != p
+                   for p, q in zip(src.placements, dst.placements))
+    return Redistribution(mesh, forward, backward + _average_scaling(src, dst), backward if extremum else None)
 
 
 def _average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:

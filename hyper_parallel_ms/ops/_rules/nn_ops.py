@@ -1,8 +1,11 @@
-"""Layers' primitives: ``LayerNorm`` (``nn.LayerNorm``), ``Gather`` (``nn.Embedding`` and
-``ops.gather``), and in-place updates (``add_``, ``mul_``, ``copy_``, ``+=``, ``ops.assign``).
+"""Layers' primitives: ``LayerNorm`` (``nn.LayerNorm``), ``LayerNormExt``
+(``mint.nn.functional.layer_norm``), ``RmsNorm`` (``ops.rms_norm``), ``Gather``
+(``nn.Embedding`` and ``ops.gather``), and in-place updates (``add_``, ``mul_``, ``copy_``,
+``+=``, ``ops.assign``).
 
-LayerNorm needs the normalised dims whole and the values reduced: those are gathered /
-reduced first, the leading dims keep their sharding (its mean and variance outputs too).
+A norm needs the normalised dims whole and the values reduced: those are gathered /
+reduced first, the leading dims keep their sharding (its statistics outputs too); the
+weight and bias are replicated.
 Gather along dim 0 of a table: a column-sharded table gives output sharded on its last dim;
 sharded indices give output sharded like them; a row-sharded table gives Partial(sum): each
 rank looks up the rows it holds and writes zeros for the others (a masked lookup). An in-place
@@ -25,20 +28,41 @@ from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all
 
-__all__ = ["layer_norm_rule", "gather_rule", "inplace_rule"]
+__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "inplace_rule"]
 
 
-@register_sharding("LayerNorm")
-def layer_norm_rule(schema: OpSchema) -> OutputSharding:
+def _norm(schema: OpSchema, axis: int, statistics: int) -> OutputSharding:
+    """Normalised over dims ``axis..``: those whole, Partial reduced, the rest kept; the
+    output plus ``statistics`` outputs of shape ``x.shape[:axis] + (1, ...)``."""
     x = schema.args[0]
-    axis = schema.attr("begin_norm_axis", -1) % x.ndim
+    axis %= x.ndim
     need = [Replicate() if (p.is_shard() and p.dim >= axis) or p.is_partial() else p for p in x.layout.placements]
     layout = layout_like(x.layout, need, ndim=x.ndim)
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     rep = replicate_all(x.layout)
     inputs = (layout,) + tuple(rep if isinstance(a, TensorArg) else None
                                for a in schema.args[1:])
-    return OutputSharding(inputs, ((layout, x.shape), (layout, stats_shape), (layout, stats_shape)))
+    return OutputSharding(inputs, ((layout, x.shape),) + ((layout, stats_shape),) * statistics)
+
+
+@register_sharding("LayerNorm")
+def layer_norm_rule(schema: OpSchema) -> OutputSharding:
+    """``nn.LayerNorm``: ``LayerNorm(x, gamma, beta)`` with ``begin_norm_axis``; output, mean, variance."""
+    return _norm(schema, schema.attr("begin_norm_axis", -1), statistics=2)
+
+
+@register_sharding("LayerNormExt")
+def layer_norm_ext_rule(schema: OpSchema) -> OutputSharding:
+    """``mint.nn.functional.layer_norm(x, normalized_shape, weight, bias, eps)``: output, mean, rstd."""
+    x, normalized = schema.args[0], schema.args[1]
+    return _norm(schema, x.ndim - len(tuple(normalized)), statistics=2)
+
+
+@register_sharding("RmsNorm")
+def rms_norm_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.rms_norm(x, gamma, eps)`` normalises the last ``gamma.ndim`` dims: output, rstd."""
+    x, gamma = schema.args[0], schema.args[1]
+    return _norm(schema, x.ndim - gamma.ndim, statistics=1)
 
 
 @register_sharding("Gather")

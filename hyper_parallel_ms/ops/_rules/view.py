@@ -1,11 +1,13 @@
 """Views and dim-wise ops: ``Transpose`` / ``TransposeExtView`` (permute, transpose),
 ``ExpandDims`` (unsqueeze), ``Squeeze``, ``Reshape`` (reshape, view), ``Softmax`` /
-``LogSoftmax``.
+``LogSoftmax``, ``Concat`` / ``StackExt`` (cat, stack), the splits (``Split``,
+``SplitWithSize``, ``SplitTensor``, ``Chunk``: equal or uneven pieces) and ``Narrow``.
 
 Placements follow the dims: a sharded dim moves with a permutation; unsqueeze / squeeze
 shift indices (a squeezed sharded dim is gathered); a reshape keeps a dim sharded when it
 starts at the same flat offset in the output and both sizes split evenly over the mesh dim
-(or the dim is unchanged), and gathers it otherwise. Softmax needs its dim whole: a
+(or the dim is unchanged), and gathers it otherwise. Splitting or narrowing a dim gathers
+it (the pieces cut across shard boundaries); the other dims keep their placements. Softmax needs its dim whole: a
 sharded softmax dim and Partial values are gathered / reduced first. Partial values pass
 through views unchanged (views are linear).
 
@@ -16,14 +18,14 @@ Example::
 from __future__ import annotations
 
 from math import prod
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like
 
-__all__ = ["reshape_target"]
+__all__ = ["reshape_target", "split_sizes"]
 
 
 def _ints(values: Sequence) -> Tuple[int, ...]:
@@ -148,40 +150,117 @@ def softmax_rule(schema: OpSchema) -> OutputSharding:
     return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, x.shape),))
 
 
-@register_sharding("Concat", "Cat")
-def concat_rule(schema: OpSchema) -> OutputSharding:
-    """``ops.cat(tensors, dim)``: the tensors arrive as consecutive arguments, then ``dim``.
-    Per mesh dim: a dim other than ``dim`` sharded in any input shards all of them; ``dim``
-    itself is gathered; Partial(sum) of every input stays Partial."""
-    tensors = [a for a in schema.args if isinstance(a, TensorArg)]
-    rest = [a for a in schema.args if not isinstance(a, TensorArg)]
-    dim = (rest[0] if rest and isinstance(rest[0], int) else 0) % tensors[0].ndim
-    out_shape = list(tensors[0].shape)
-    out_shape[dim] = sum(t.shape[dim] for t in tensors)
+def _joined_placements(tensors: Sequence[TensorArg], joined_dim: Optional[int]) -> List[Placement]:
+    """Per mesh dim, the placement every input of a cat / stack is brought to: a dim other
+    than ``joined_dim`` sharded in any input shards all of them; Partial(sum) of every input
+    stays Partial; anything else is Replicate."""
     need: List[Placement] = []
     for axis in range(len(tensors[0].layout.mesh_shape)):
         here = [t.layout.placements[axis] for t in tensors]
-        shards = [p for p in here if p.is_shard() and p.dim != dim]
+        shards = [p for p in here if p.is_shard() and p.dim != joined_dim]
         if shards:
             need.append(shards[0])
         elif all(p.is_partial("sum") for p in here):
             need.append(here[0])
         else:
             need.append(Replicate())
+    return need
+
+
+def _split_args(schema: OpSchema) -> Tuple[List[TensorArg], list]:
+    return ([a for a in schema.args if isinstance(a, TensorArg)],
+            [a for a in schema.args if not isinstance(a, TensorArg)])
+
+
+@register_sharding("Concat", "Cat")
+def concat_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.cat(tensors, dim)``: the tensors arrive as consecutive arguments, then ``dim``;
+    ``dim`` itself is gathered."""
+    tensors, rest = _split_args(schema)
+    dim = (rest[0] if rest and isinstance(rest[0], int) else int(schema.kwarg("dim", 0))) % tensors[0].ndim
+    out_shape = list(tensors[0].shape)
+    out_shape[dim] = sum(t.shape[dim] for t in tensors)
+    need = _joined_placements(tensors, dim)
     layout = layout_like(tensors[0].layout, need, ndim=len(out_shape))
     inputs = tuple(layout_like(a.layout, need, ndim=a.ndim) if isinstance(a, TensorArg) else None
                    for a in schema.args)
     return OutputSharding(inputs, ((layout, tuple(out_shape)),))
 
 
-@register_sharding("Split")
+@register_sharding("StackExt", "Stack")
+def stack_rule(schema: OpSchema) -> OutputSharding:
+    """``mint.stack(tensors, dim)``: a new dim at ``dim``; sharded dims at or after it shift by one."""
+    tensors, rest = _split_args(schema)
+    if len({t.shape for t in tensors}) != 1:
+        raise ValueError(f"{schema.op}: stacked tensors must have one shape, got {[t.shape for t in tensors]}")
+    ndim = tensors[0].ndim + 1
+    dim = (rest[0] if rest and isinstance(rest[0], int) else int(schema.kwarg("dim", schema.attr("axis", 0)))) % ndim
+    need = _joined_placements(tensors, None)
+    out = [Shard(p.dim + (p.dim >= dim)) if p.is_shard() else p for p in need]
+    out_shape = tensors[0].shape[:dim] + (len(tensors),) + tensors[0].shape[dim:]
+    inputs = tuple(layout_like(a.layout, need, ndim=a.ndim) if isinstance(a, TensorArg) else None
+                   for a in schema.args)
+    return OutputSharding(inputs, ((layout_like(tensors[0].layout, out, ndim=ndim), out_shape),))
+
+
+def _gathered_on(x: TensorArg, dim: int):
+    """``x``'s layout with ``dim`` gathered (and every other placement kept)."""
+    return layout_like(x.layout, [Replicate() if p.is_shard(dim) else p for p in x.layout.placements], ndim=x.ndim)
+
+
+def split_sizes(length: int, schema: OpSchema) -> Tuple[int, ...]:
+    """The piece sizes along the split dim, by the op's own convention."""
+    op, arg = schema.op, schema.args[1]
+    if op == "Split":                                   # Split(x, axis, output_num): equal pieces
+        count = int(schema.args[2])
+        if length % count:
+            raise ValueError(f"Split: dim of size {length} does not split into {count} equal pieces")
+        return (length // count,) * count
+    if op.startswith("SplitWithSize"):                  # explicit sizes
+        sizes = _ints(arg)
+        if sum(sizes) != length:
+            raise ValueError(f"{op}: sizes {sizes} do not add up to the dim size {length}")
+        return sizes
+    if op.startswith("SplitTensor"):                    # pieces of ``arg`` elements, the last smaller
+        size = int(arg)
+        return tuple(min(size, length - start) for start in range(0, length, size)) or (0,)
+    chunks = int(arg)                                   # Chunk: torch.chunk's ceil-sized pieces
+    size = -(-length // chunks)
+    return tuple(min(size, length - start) for start in range(0, length, size)) if size else (0,) * chunks
+
+
+@register_sharding("Split", "SplitWithSize", "SplitWithSizeView", "SplitTensor", "SplitTensorView",
+                   "Chunk", "ChunkView")
 def split_rule(schema: OpSchema) -> OutputSharding:
-    """``ops.split`` / ``ops.chunk`` into equal pieces: ``Split(x, axis, output_num)``; the
-    split dim is gathered, the other placements are kept."""
+    """``split`` / ``chunk`` into equal or uneven pieces; the split dim is gathered, the other
+    placements are kept. ``Split(x, axis, n)``; the others ``(x, sizes | size | chunks, dim)``."""
     x = schema.args[0]
-    axis, count = int(schema.args[1]) % x.ndim, int(schema.args[2])
-    need = [Replicate() if p.is_shard(axis) else p for p in x.layout.placements]
-    layout = layout_like(x.layout, need, ndim=x.ndim)
-    piece = list(x.shape)
-    piece[axis] = x.shape[axis] // count
-    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, tuple(piece)),) * count)
+    if schema.op == "Split":
+        axis = int(schema.args[1])
+    else:
+        axis = int(schema.args[2]) if len(schema.args) > 2 else int(schema.kwarg("dim", 0))
+    axis %= x.ndim
+    layout = _gathered_on(x, axis)
+    pieces = []
+    for size in split_sizes(x.shape[axis], schema):
+        shape = list(x.shape)
+        shape[axis] = size
+        pieces.append((layout, tuple(shape)))
+    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), tuple(pieces))
+
+
+@register_sharding("Narrow", "NarrowView")
+def narrow_rule(schema: OpSchema) -> OutputSharding:
+    """``mint.narrow(x, dim, start, length)``: the narrowed dim is gathered unless it is kept whole."""
+    x = schema.args[0]
+    dim, start, length = (int(v) for v in schema.args[1:4])
+    dim %= x.ndim
+    whole = start == 0 and length == x.shape[dim]
+    layout = x.layout if whole else _gathered_on(x, dim)
+    shape = list(x.shape)
+    shape[dim] = length
+
+    def local_args(coord):  # a whole sharded dim: this rank's piece is narrowed to itself
+        return (None, None, None, layout.local_shape(x.shape, coord)[dim])
+    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, tuple(shape)),),
+                          local_args if whole else None)
