@@ -25,7 +25,8 @@ from ..layout import Layout, chunk_offsets, chunk_sizes
 from ..placement import Replicate
 from ._planner import Step, plan_redistribute
 
-__all__ = ["lower", "execute", "step_cells", "Redistribution", "redistribution", "replicate_partials"]
+__all__ = ["lower", "execute", "step_cells", "Redistribution", "redistribution", "replicate_partials",
+           "average_scaling"]
 
 # (kind, mesh_dim, dim, other_dim, sizes, op, offset, length)
 LocalStep = Tuple[str, int, int, int, Tuple[int, ...], str, int, int]
@@ -143,10 +144,10 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
     backward = lower(plan_redistribute(grad_from, replicate_partials(src), shape), coordinate, shape)
     extremum = any(p.is_partial() and p.reduce_op in ("max", "min") and q != p
                    for p, q in zip(src.placements, dst.placements))
-    return Redistribution(mesh, forward, backward + _average_scaling(src, dst), backward if extremum else None)
+    return Redistribution(mesh, forward, backward + average_scaling(src, dst), backward if extremum else None)
 
 
-def _average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:
+def average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:
     """Backward steps for the mesh dims where the forward averaged a Partial(avg): each rank's
     value counts 1/n in the average, so its gradient is divided by n."""
     return tuple(("partition", a, -1, -1, (), "sum", n, 0)
