@@ -10,7 +10,7 @@ Example::
     dt = distribute_tensor(x, mesh, [Shard(0), Replicate()])
     y = dt.redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()
 """
-from . import comm, ops
+from . import comm, nn, ops
 from .dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
                       visualize_sharding, zeros)
 from .layout import Layout

@@ -33,7 +33,7 @@ _IDS: Dict[tuple, int] = {}
 
 
 def _plan_id(mesh, src: Layout, dst: Layout, grad_src: Optional[Layout]) -> int:
-    key = (mesh, src, dst, grad_src)
+    key = (mesh, src, dst, grad_src)  # layouts may use negative dims: normalised per call's ndim
     if key not in _IDS:
         _IDS[key] = len(_PLANS)
         _PLANS.append(key)
@@ -53,6 +53,8 @@ def global_shape_of(layout: Layout, local_shape: Tuple[int, ...]) -> Tuple[int, 
 @cached_in_python
 def _forward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
     mesh, src, dst, _ = _PLANS[plan_id]
+    ndim = len(local_shape)
+    src, dst = src.normalized(ndim), dst.normalized(ndim)
     shape = global_shape_of(src, tuple(local_shape))
     return lower(plan_redistribute(src, dst, shape), mesh.get_coordinate(), shape)
 
@@ -60,8 +62,10 @@ def _forward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalSte
 @cached_in_python
 def _backward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
     mesh, src, dst, grad_src = _PLANS[plan_id]
+    ndim = len(local_shape)
+    src, dst = src.normalized(ndim), dst.normalized(ndim)
     shape = global_shape_of(src, tuple(local_shape))
-    grad_from = replicate_partials(dst) if grad_src is None else grad_src
+    grad_from = replicate_partials(dst) if grad_src is None else grad_src.normalized(ndim)
     steps = lower(plan_redistribute(grad_from, replicate_partials(src), shape), mesh.get_coordinate(), shape)
     return steps + average_scaling(src, dst)
 

@@ -1,0 +1,17 @@
+"""The Cell side: parallel styles, ``parallelize_module``, ``distribute_module``,
+``ShardingPlan`` + ``shard_module``, and gradient reduction for data parallelism.
+
+Example::
+
+    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+    parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+"""
+from ._gradients import GradientReducer
+from ._parallelize import parallelize_module
+from ._parameter import ParameterSharding, as_dtensor, parameter_sharding
+from ._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                      PrepareModuleOutput, RowwiseParallel, SequenceParallel)
+
+__all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+           "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "GradientReducer",
+           "ParameterSharding", "parameter_sharding", "as_dtensor"]

@@ -1,0 +1,87 @@
+"""Gradient reduction the parallel styles leave to the training step, as Megatron-LM and
+PyTorch's DDP do it: averaging over the data-parallel mesh dim, and summing the gradients
+of replicated parameters used on sequence-sharded activations (SequenceParallel), where
+each rank's gradient is its share of the whole.
+
+Example::
+
+    reducer = GradientReducer(model.trainable_params(), dp_mesh=mesh, dp_dim="dp")
+    loss, grads = ms.value_and_grad(loss_fn, None, model.trainable_params())(x, y)
+    optimizer(reducer(grads))
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+from mindspore import Parameter, nn
+
+from .. import comm
+from ._parameter import parameter_sharding
+
+__all__ = ["GradientReducer"]
+
+
+class _AllReduce(nn.Cell):
+    def __init__(self, mesh, mesh_dim, op: str) -> None:
+        super().__init__()
+        self.mesh, self.mesh_dim, self.op = mesh, mesh_dim, op
+
+    def construct(self, g):
+        return comm.all_reduce(g, self.mesh, self.mesh_dim, op=self.op)
+
+
+class _Identity(nn.Cell):
+    def construct(self, g):
+        return g
+
+
+class _Chain(nn.Cell):
+    def __init__(self, cells: Sequence[nn.Cell]) -> None:
+        super().__init__()
+        self.steps = nn.CellList(list(cells) or [_Identity()])
+
+    def construct(self, g):
+        for step in self.steps:
+            g = step(g)
+        return g
+
+
+class GradientReducer(nn.Cell):
+    """Reduce a tuple of gradients (in the order of ``parameters``): summed over the mesh
+    dims where a parameter's gradient is partial, then averaged over ``dp_dim`` of ``dp_mesh``
+    (if given). Works in PyNative and inside ms.jit.
+
+    Example::
+
+        reducer = GradientReducer(params, dp_mesh=mesh, dp_dim="dp")
+        grads = reducer(grads)
+    """
+
+    def __init__(self, parameters: Sequence[Parameter], *, dp_mesh=None, dp_dim=None) -> None:
+        super().__init__()
+        parameters = list(parameters)
+        if (dp_mesh is None) != (dp_dim is None):
+            raise ValueError("give both dp_mesh and dp_dim, or neither")
+        if dp_mesh is not None:
+            dp_mesh.dim_index(dp_dim)          # raises for an unknown mesh dim
+        chains = []
+        for p in parameters:
+            if not isinstance(p, Parameter):
+                raise TypeError(f"GradientReducer needs Parameters, got {type(p).__name__}")
+            steps = []
+            sharding = parameter_sharding(p)
+            if sharding is not None:
+                steps += [_AllReduce(sharding.spec.mesh, d, "sum") for d in sharding.grad_partial_dims]
+            if dp_mesh is not None:
+                steps.append(_AllReduce(dp_mesh, dp_dim, "avg"))
+            chains.append(_Chain(steps))
+        self.chains = nn.CellList(chains)
+        self.count = len(parameters)
+
+    def construct(self, grads: Tuple):
+        out = ()
+        for g, chain in zip(grads, self.chains):
+            out = out + (chain(g),)
+        return out
+
+

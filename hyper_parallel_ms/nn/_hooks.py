@@ -1,0 +1,159 @@
+"""The forward hooks of the parallel styles, as small Cells whose methods are registered
+with ``register_forward_pre_hook`` / ``register_forward_hook``.
+
+A :class:`Conversion` moves one tensor between layouts on the local pieces with a
+:class:`~hyper_parallel_ms.redistribute.LocalRedistribute` (planned for the shape it meets,
+in PyNative and while ms.jit compiles). In PyNative a DTensor argument is first brought to
+the conversion's source layout and unwrapped, and an output may be wrapped as a DTensor
+(``use_local_output=False``); inside graphs tensors stay local.
+
+Example::
+
+    hook = InputHook(mesh, {0: (Replicate(), Replicate(), Partial())})
+    dense.register_forward_pre_hook(hook.pre)
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from mindspore import nn, ops
+
+from .._jit import is_compiling, run_in_python
+from ..dtensor import DTensor
+from ..layout import Layout
+from ..redistribute import LocalRedistribute
+
+__all__ = ["Conversion", "InputHook", "OutputHook", "masked_rows_class"]
+
+_LAYOUTS: List[Tuple[object, Layout, Layout]] = []
+
+
+@run_in_python
+def _in_graph() -> bool:
+    return is_compiling()
+
+
+def _unwrap(x, conversion_id: int):
+    """PyNative: a DTensor arrives as its piece in the conversion's source layout."""
+    if isinstance(x, DTensor):
+        mesh, src, _ = _LAYOUTS[conversion_id]
+        return x.redistribute(mesh, src.normalized(x.ndim)).to_local()
+    return x
+
+
+def _wrap(x, conversion_id: int):
+    """PyNative: the piece as a DTensor in the conversion's target layout (graphs keep it local)."""
+    if _in_graph():
+        return x
+    mesh, _, dst = _LAYOUTS[conversion_id]
+    return DTensor.from_local(x, mesh, dst.normalized(x.ndim))
+
+
+def _layout(mesh, placements) -> Layout:
+    return Layout(mesh.shape, tuple(placements), mesh_dim_names=mesh.mesh_dim_names)
+
+
+class Conversion(nn.Cell):
+    """One tensor: ``src`` placements to ``dst`` placements (the gradient arrives as ``grad``
+    placements, default ``dst`` with Partial as Replicate); ``to_dtensor`` wraps the result."""
+
+    def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False) -> None:
+        super().__init__()
+        src_layout, dst_layout = _layout(mesh, src), _layout(mesh, dst)
+        self.move = LocalRedistribute(mesh, src_layout, dst_layout, None if grad is None else _layout(mesh, grad))
+        self.conversion_id = len(_LAYOUTS)
+        _LAYOUTS.append((mesh, src_layout, dst_layout))
+        self.to_dtensor = to_dtensor
+
+    def construct(self, x):
+        return self.finish(self.move(_unwrap(x, self.conversion_id)))
+
+    def finish(self, x):
+        if self.to_dtensor:
+            return _wrap(x, self.conversion_id)
+        return x
+
+
+class InputHook(nn.Cell):
+    """Forward pre-hook converting the positional inputs named in ``conversions`` (position ->
+    Conversion); the other inputs pass unchanged."""
+
+    def __init__(self, conversions: Dict[int, Conversion]) -> None:
+        super().__init__()
+        positions = sorted(conversions)
+        self.convs = nn.CellList([conversions[i] for i in positions])
+        self.slots = tuple(positions.index(i) if i in positions else -1 for i in range((positions or [-1])[-1] + 1))
+
+    def pre(self, cell, args):
+        new = ()
+        for i, x in enumerate(args):
+            if i < len(self.slots):
+                if self.slots[i] >= 0:
+                    x = self.convs[self.slots[i]](x)
+            new = new + (x,)
+        return new
+
+
+class KwargInputHook(nn.Cell):
+    """Forward pre-hook (with kwargs, PyNative) converting the keyword inputs named in ``conversions``."""
+
+    def __init__(self, conversions: Dict[str, Conversion]) -> None:
+        super().__init__()
+        self.names = tuple(conversions)
+        self.convs = nn.CellList([conversions[n] for n in self.names])
+
+    def pre(self, cell, args, kwargs):
+        kwargs = dict(kwargs)
+        for name, conv in zip(self.names, self.convs):
+            if name in kwargs and kwargs[name] is not None:
+                kwargs[name] = conv(kwargs[name])
+        return args, kwargs
+
+
+class OutputHook(nn.Cell):
+    """Forward hook converting the outputs named in ``conversions`` (index -> Conversion; a
+    single output is index 0). ``add_bias``: the Cell's ``bias`` was added on every rank to a
+    Partial result; it is taken out before the reduction and added once after it."""
+
+    def __init__(self, conversions: Dict[int, Conversion], add_bias: bool = False) -> None:
+        super().__init__()
+        positions = sorted(conversions)
+        self.convs = nn.CellList([conversions[i] for i in positions])
+        self.slots = tuple(positions.index(i) if i in positions else -1 for i in range((positions or [-1])[-1] + 1))
+        self.add_bias = add_bias
+
+    def post(self, cell, args, output):
+        if isinstance(output, tuple):
+            new = ()
+            for i, x in enumerate(output):
+                if i < len(self.slots):
+                    if self.slots[i] >= 0:
+                        x = self.convs[self.slots[i]](x)
+                new = new + (x,)
+            return new
+        if self.add_bias:
+            conv = self.convs[0]
+            return conv.finish(conv.move(output - cell.bias) + cell.bias)
+        return self.convs[0](output)
+
+
+def masked_rows_class(base: type) -> type:
+    """A subclass of the embedding Cell ``base`` whose lookup serves only the rows
+    ``[hpms_row_start, hpms_row_start + hpms_rows)`` held here: other ids give zeros (a
+    Partial(sum) over the ranks holding the other rows)."""
+    cached = _MASKED.get(base)
+    if cached is not None:
+        return cached
+
+    def construct(self, ids):
+        local = ids - self.hpms_row_start
+        outside = ops.logical_or(local < 0, local >= self.hpms_rows)
+        safe = ops.select(outside, ops.zeros_like(local), local)
+        out = base.construct(self, safe)
+        return out * ops.expand_dims(ops.logical_not(outside), -1).astype(out.dtype)
+    cls = type(f"RowSharded{base.__name__}", (base,), {"construct": construct, "__module__": __name__})
+    _MASKED[base] = cls
+    return cls
+
+
+_MASKED: Dict[type, type] = {}

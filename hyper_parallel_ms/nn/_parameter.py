@@ -1,0 +1,62 @@
+"""Sharded parameters of the parallel styles: a plain ``Parameter`` holding this rank's
+piece (so that it works in graph mode and with every MindSpore optimizer), with its
+sharding recorded beside it.
+
+:func:`parameter_sharding` reads the record; :func:`as_dtensor` views the piece as a
+DTensor (PyNative); :func:`sharded_parameter` cuts a full parameter into its piece.
+
+Example::
+
+    parallelize_module(model, mesh, {"fc1": ColwiseParallel()})
+    parameter_sharding(model.fc1.weight).spec.placements      # (Shard(dim=0),)
+    as_dtensor(model.fc1.weight).full_tensor()                  # the whole weight
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from mindspore import Parameter, Tensor
+
+from ..dtensor import DTensor, distribute_tensor
+from ..dtensor._spec import DTensorSpec
+
+__all__ = ["ParameterSharding", "parameter_sharding", "as_dtensor", "sharded_parameter"]
+
+_ATTR = "_hpms_sharding"
+
+
+@dataclass(frozen=True)
+class ParameterSharding:
+    """``spec``: mesh, placements and global shape of the parameter. ``grad_partial_dims``:
+    mesh dims over which each rank's gradient is only its share of the whole (a replicated
+    parameter used on sequence-sharded activations); :class:`GradientReducer` sums them."""
+
+    spec: DTensorSpec
+    grad_partial_dims: Tuple[int, ...] = ()
+
+
+def parameter_sharding(param: Parameter) -> Optional[ParameterSharding]:
+    """The sharding recorded on ``param`` by a parallel style, or ``None``."""
+    return getattr(param, _ATTR, None)
+
+
+def as_dtensor(param: Parameter) -> DTensor:
+    """A DTensor view of a sharded parameter's piece (PyNative)."""
+    sharding = parameter_sharding(param)
+    if sharding is None:
+        raise ValueError(f"parameter {param.name!r} has no sharding: it was not placed by a parallel style")
+    spec = sharding.spec
+    return DTensor.from_local(Tensor._make_subclass(Tensor, param), spec.mesh, spec.layout, shape=spec.shape)
+
+
+def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_rank: Optional[int] = 0,
+                      grad_partial_dims: Tuple[int, ...] = ()) -> Parameter:
+    """A new Parameter with ``param``'s name holding this rank's piece under ``placements``.
+    ``src_data_rank``: whose full value is cut (``None``: every rank cuts its own)."""
+    piece = distribute_tensor(Tensor(param.asnumpy()), mesh, placements, src_data_rank=src_data_rank)
+    local = Parameter(Tensor(piece.to_local().asnumpy(), dtype=param.dtype), name=param.name,
+                      requires_grad=param.requires_grad)
+    object.__setattr__(local, _ATTR, ParameterSharding(piece._dt_spec, tuple(grad_partial_dims)))
+    return local
+

@@ -1,0 +1,360 @@
+"""Parallel styles, as in ``torch.distributed.tensor.parallel``: how one Cell is split over
+a 1-D mesh (its parameters, and the layouts of its inputs and outputs).
+
+A style only *plans*: :meth:`ParallelStyle.plan` validates the Cell and returns a
+:class:`ModuleEdit` (new parameters, hooks, a class swap) without touching it, so that
+:func:`parallelize_module` can check a whole plan before changing anything.
+
+Parameters become plain Parameters holding this rank's piece (see :mod:`._parameter`);
+the layer computes on local tensors and the hooks move activations between layouts, so the
+same model runs in PyNative and in graph mode.
+
+=====================  ==============================  ====================  ===================
+style                  parameters                      input (default)       output (default)
+=====================  ==============================  ====================  ===================
+ColwiseParallel        Dense/Linear weight S(0), bias  Replicate             Shard(-1)
+                       S(0); Embedding table S(1)
+RowwiseParallel        Dense/Linear weight S(1), bias  Shard(-1) (Embedding  Replicate (from
+                       R; Embedding table S(0)         ids: Replicate)       Partial)
+SequenceParallel       replicated                      Shard(sequence_dim)   Shard(sequence_dim)
+=====================  ==============================  ====================  ===================
+
+Example::
+
+    parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from mindspore import Parameter, mint, nn
+
+from ..placement import Partial, Placement, Replicate, Shard
+from ._adapter import own_parameters
+from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook, masked_rows_class
+from ._parameter import sharded_parameter
+
+__all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+           "PrepareModuleOutput", "PrepareModuleInputOutput", "ModuleEdit"]
+
+_LINEAR_TYPES = (nn.Dense, mint.nn.Linear)
+_EMBEDDING_TYPES = (nn.Embedding, mint.nn.Embedding)
+
+
+@dataclass
+class ModuleEdit:
+    """What a style does to one Cell, prepared without changing it."""
+
+    path: str
+    cell: nn.Cell
+    parameters: Dict[str, Parameter] = field(default_factory=dict)
+    pre_hooks: List[Tuple[Callable, bool]] = field(default_factory=list)   # (hook, with_kwargs)
+    post_hooks: List[Callable] = field(default_factory=list)
+    swap_class: Optional[type] = None
+    attributes: Dict[str, Any] = field(default_factory=dict)
+
+
+def _where(path: str) -> str:
+    return f"'{path}'" if path else "the root Cell"
+
+
+def _check_mesh(style: "ParallelStyle", path: str, mesh) -> int:
+    if mesh.ndim != 1:
+        raise ValueError(f"{type(style).__name__} on {_where(path)} needs a 1-D mesh (e.g. mesh['tp']), got a "
+                         f"{mesh.ndim}-D mesh of shape {mesh.shape}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({mesh.get_rank()}) is not in {mesh!r}")
+    return mesh.size()
+
+
+def _one_placement(value, what: str, allowed: Tuple[type, ...], default: Placement) -> Placement:
+    if value is None:
+        return default
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, allowed):
+        names = " or ".join(t.__name__ for t in allowed)
+        raise TypeError(f"{what} must be a {names} placement for a 1-D mesh, got {value!r}")
+    return value
+
+
+def _check_bool(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+def _layer_kind(style: "ParallelStyle", path: str, cell: nn.Cell) -> str:
+    if isinstance(cell, _LINEAR_TYPES):
+        return "linear"
+    if isinstance(cell, _EMBEDDING_TYPES):
+        return "embedding"
+    raise TypeError(f"{type(style).__name__} supports nn.Dense, mint.nn.Linear, nn.Embedding and mint.nn.Embedding; "
+                    f"{_where(path)} is a {type(cell).__name__}")
+
+
+def _weight_name(cell: nn.Cell) -> str:
+    return "embedding_table" if isinstance(cell, nn.Embedding) else "weight"
+
+
+def _divisible(path: str, what: str, size: int, n: int, style: "ParallelStyle") -> None:
+    if size % n:
+        raise ValueError(f"{type(style).__name__} on {_where(path)}: {what} ({size}) is not divisible by the "
+                         f"mesh size {n}")
+
+
+class ParallelStyle:
+    """Base of the styles: :meth:`plan` returns the :class:`ModuleEdit` for one Cell."""
+
+    src_data_rank: Optional[int] = 0
+
+    def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
+        raise NotImplementedError(f"{type(self).__name__} does not implement plan()")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class ColwiseParallel(ParallelStyle):
+    """Split a Dense/Linear by output features (an Embedding by embedding dim).
+
+    Example::
+
+        parallelize_module(model, mesh["tp"], {"attn.q": ColwiseParallel()})
+    """
+
+    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
+                 use_local_output: bool = True) -> None:
+        self.input_layouts = (_one_placement(input_layouts, "ColwiseParallel input_layouts", (Shard, Replicate),
+                                             Replicate()),)
+        self.output_layouts = (_one_placement(output_layouts, "ColwiseParallel output_layouts", (Shard, Replicate),
+                                              Shard(-1)),)
+        self.desired_input_layouts = (Replicate(),)
+        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+
+    def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
+        n = _check_mesh(self, path, mesh)
+        kind = _layer_kind(self, path, cell)
+        edit = ModuleEdit(path, cell)
+        params = own_parameters(cell)
+        weight = params[_weight_name(cell)]
+        if kind == "linear":
+            _divisible(path, "out_features (weight dim 0)", weight.shape[0], n, self)
+            edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, [Shard(0)],
+                                                                    src_data_rank=src_data_rank)
+            if params.get("bias") is not None:
+                edit.parameters["bias"] = sharded_parameter(params["bias"], mesh, [Shard(0)],
+                                                            src_data_rank=src_data_rank)
+            grad = (Partial(),)    # each rank's columns give a share of the input's gradient
+        else:
+            if self.input_layouts[0] != Replicate():
+                raise ValueError(f"ColwiseParallel on the embedding {_where(path)} takes replicated ids, got "
+                                 f"input_layouts={self.input_layouts[0]}")
+            _divisible(path, "embedding dim (table dim 1)", weight.shape[1], n, self)
+            edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, [Shard(1)],
+                                                                    src_data_rank=src_data_rank)
+            grad = None
+        if kind == "linear" or self.input_layouts != self.desired_input_layouts:
+            conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad)
+            edit.pre_hooks.append((InputHook({0: conv}).pre, False))
+        edit.post_hooks.append(OutputHook({0: Conversion(mesh, (Shard(-1),), self.output_layouts,
+                                                         to_dtensor=not self.use_local_output)}).post)
+        return edit
+
+
+class RowwiseParallel(ParallelStyle):
+    """Split a Dense/Linear by input features (an Embedding by rows); the output is reduced.
+
+    Example::
+
+        parallelize_module(model, mesh["tp"], {"attn.out": RowwiseParallel()})
+    """
+
+    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
+                 use_local_output: bool = True) -> None:
+        self.input_layouts = (_one_placement(input_layouts, "RowwiseParallel input_layouts", (Shard, Replicate),
+                                             Shard(-1)),)
+        self.output_layouts = (_one_placement(output_layouts, "RowwiseParallel output_layouts", (Shard, Replicate),
+                                              Replicate()),)
+        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+
+    def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
+        n = _check_mesh(self, path, mesh)
+        kind = _layer_kind(self, path, cell)
+        edit = ModuleEdit(path, cell)
+        params = own_parameters(cell)
+        name = _weight_name(cell)
+        weight = params[name]
+        output = Conversion(mesh, (Partial(),), self.output_layouts, to_dtensor=not self.use_local_output)
+        if kind == "linear":
+            if getattr(cell, "activation_flag", False):
+                raise ValueError(f"RowwiseParallel on {_where(path)}: the Dense applies an activation to a partial "
+                                 "sum; move the activation out of the Dense (activation=None)")
+            _divisible(path, "in_features (weight dim 1)", weight.shape[1], n, self)
+            edit.parameters[name] = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
+            has_bias = params.get("bias") is not None
+            if has_bias:
+                edit.parameters["bias"] = sharded_parameter(params["bias"], mesh, [Replicate()],
+                                                            src_data_rank=src_data_rank)
+            desired = (Shard(-1),)
+            edit.pre_hooks.append((InputHook({0: Conversion(mesh, self.input_layouts, desired)}).pre, False))
+            edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias).post)
+        else:
+            if self.input_layouts[0] != Replicate():
+                raise ValueError(f"RowwiseParallel on the embedding {_where(path)} takes replicated ids: pass "
+                                 f"input_layouts=Replicate(), got {self.input_layouts[0]}")
+            piece = sharded_parameter(weight, mesh, [Shard(0)], src_data_rank=src_data_rank)
+            spec = piece._hpms_sharding.spec
+            edit.parameters[name] = piece
+            edit.attributes["hpms_row_start"] = spec.layout.global_offset(spec.shape, mesh.get_coordinate())[0]
+            edit.attributes["hpms_rows"] = spec.local_shape()[0]
+            edit.swap_class = masked_rows_class(type(cell))
+            edit.post_hooks.append(OutputHook({0: output}).post)
+        return edit
+
+
+class SequenceParallel(ParallelStyle):
+    """Run a Cell (a norm, a dropout) on sequence-sharded activations with replicated
+    parameters; each rank's parameter gradients are its share, summed by :class:`GradientReducer`.
+
+    Example::
+
+        parallelize_module(block, mesh["tp"], {"norm": SequenceParallel()})
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+            raise TypeError(f"sequence_dim must be an int, got {sequence_dim!r}")
+        self.sequence_dim = sequence_dim
+        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+
+    def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
+        _check_mesh(self, path, mesh)
+        edit = ModuleEdit(path, cell)
+        for name, p in own_parameters(cell).items():
+            edit.parameters[name] = sharded_parameter(p, mesh, [Replicate()], src_data_rank=src_data_rank,
+                                                      grad_partial_dims=(0,))
+        layout = (Shard(self.sequence_dim),)
+        edit.pre_hooks.append((InputHook({0: Conversion(mesh, layout, layout)}).pre, False))
+        edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout,
+                                                         to_dtensor=not self.use_local_output)}).post)
+        return edit
+
+
+def _layouts(value, what: str) -> Optional[Tuple[Optional[Placement], ...]]:
+    if value is None:
+        return None
+    entries = (value,) if isinstance(value, Placement) else value
+    if not isinstance(entries, (tuple, list)):
+        raise TypeError(f"{what} must be a Placement or a tuple of Placement / None, got {value!r}")
+    for e in entries:
+        if e is not None and not isinstance(e, Placement):
+            raise TypeError(f"{what} entries must be Placement or None, got {e!r}")
+    return tuple(entries)
+
+
+def _kwarg_layouts(value, what: str) -> Dict[str, Placement]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, Placement)
+                                              for k, v in value.items()):
+        raise TypeError(f"{what} must map keyword names to Placements, got {value!r}")
+    return dict(value)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Convert a Cell's inputs (positional, and keyword in PyNative) from ``input_layouts`` to
+    ``desired_input_layouts`` before its forward; ``None`` leaves an input alone.
+
+    Example::
+
+        PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    """
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
+                 desired_input_kwarg_layouts=None, use_local_output: bool = False) -> None:
+        self.input_layouts = _layouts(input_layouts, "input_layouts")
+        self.desired_input_layouts = _layouts(desired_input_layouts, "desired_input_layouts")
+        if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
+                self.input_layouts is not None and len(self.input_layouts) != len(self.desired_input_layouts)):
+            raise ValueError(f"input_layouts {self.input_layouts} and desired_input_layouts "
+                             f"{self.desired_input_layouts} must have the same length")
+        self.input_kwarg_layouts = _kwarg_layouts(input_kwarg_layouts, "input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = _kwarg_layouts(desired_input_kwarg_layouts, "desired_input_kwarg_layouts")
+        missing = set(self.input_kwarg_layouts) ^ set(self.desired_input_kwarg_layouts)
+        if missing:
+            raise ValueError(f"input_kwarg_layouts and desired_input_kwarg_layouts must name the same keywords; "
+                             f"only one names {sorted(missing)}")
+        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+
+    def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
+        _check_mesh(self, path, mesh)
+        edit = ModuleEdit(path, cell)
+        to_dtensor = not self.use_local_output
+        convs = {i: Conversion(mesh, (src,), (dst or src,), to_dtensor=to_dtensor)
+                 for i, (src, dst) in enumerate(zip(self.input_layouts or (), self.desired_input_layouts or ()))
+                 if src is not None}
+        if convs:
+            edit.pre_hooks.append((InputHook(convs).pre, False))
+        if self.input_kwarg_layouts:
+            kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor)
+                  for k, v in self.input_kwarg_layouts.items()}
+            edit.pre_hooks.append((KwargInputHook(kw).pre, True))
+        return edit
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Convert a Cell's outputs from ``output_layouts`` to ``desired_output_layouts`` after its forward.
+
+    Example::
+
+        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    """
+
+    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True) -> None:
+        self.output_layouts = _layouts(output_layouts, "output_layouts")
+        self.desired_output_layouts = _layouts(desired_output_layouts, "desired_output_layouts")
+        if self.output_layouts is None or self.desired_output_layouts is None or \
+                len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError(f"output_layouts {self.output_layouts} and desired_output_layouts "
+                             f"{self.desired_output_layouts} must be given with the same length")
+        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+
+    def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
+        _check_mesh(self, path, mesh)
+        edit = ModuleEdit(path, cell)
+        convs = {i: Conversion(mesh, (src,), (dst or src,), to_dtensor=not self.use_local_output)
+                 for i, (src, dst) in enumerate(zip(self.output_layouts, self.desired_output_layouts))
+                 if src is not None}
+        edit.post_hooks.append(OutputHook(convs).post)
+        return edit
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one Cell.
+
+    Example::
+
+        PrepareModuleInputOutput(input_layouts=Shard(0), desired_input_layouts=Replicate(),
+                                 output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    """
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
+                 desired_input_kwarg_layouts=None, use_local_input: bool = False, output_layouts=None,
+                 desired_output_layouts=None, use_local_output: bool = True) -> None:
+        self.prepare_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_output = PrepareModuleOutput(output_layouts=output_layouts,
+                                                  desired_output_layouts=desired_output_layouts,
+                                                  use_local_output=use_local_output)
+
+    def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
+        edit = self.prepare_input.plan(path, cell, mesh, src_data_rank)
+        edit.post_hooks.extend(self.prepare_output.plan(path, cell, mesh, src_data_rank).post_hooks)
+        return edit
+
+
