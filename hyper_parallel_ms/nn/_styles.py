@@ -153,8 +153,10 @@ class ColwiseParallel(ParallelStyle):
                 raise ValueError(f"ColwiseParallel on the embedding {_where(path)} takes replicated ids, got "
                                  f"input_layouts={self.input_layouts[0]}")
             _divisible(path, "embedding dim (table dim 1)", weight.shape[1], n, self)
-            edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, [Shard(1)],
-                                                                    src_data_rank=src_data_rank)
+            piece = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
+            edit.parameters[_weight_name(cell)] = piece
+            if isinstance(cell, nn.Embedding):      # its lookup reshapes to (..., embedding_size)
+                edit.attributes["embedding_size"] = piece.shape[1]
             grad = None
         if kind == "linear" or self.input_layouts != self.desired_input_layouts:
             conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad)
@@ -196,8 +198,10 @@ class RowwiseParallel(ParallelStyle):
             edit.parameters[name] = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
             has_bias = params.get("bias") is not None
             if has_bias:
-                edit.parameters["bias"] = sharded_parameter(params["bias"], mesh, [Replicate()],
-                                                            src_data_rank=src_data_rank)
+                # added after the reduction: on sharded outputs each rank adds it to its piece only
+                edit.parameters["bias"] = sharded_parameter(
+                    params["bias"], mesh, [Replicate()], src_data_rank=src_data_rank,
+                    grad_partial_dims=(0,) if self.output_layouts[0].is_shard() else ())
             desired = (Shard(-1),)
             edit.pre_hooks.append((InputHook({0: Conversion(mesh, self.input_layouts, desired)}).pre, False))
             edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias).post)
@@ -210,6 +214,8 @@ class RowwiseParallel(ParallelStyle):
             edit.parameters[name] = piece
             edit.attributes["hpms_row_start"] = spec.layout.global_offset(spec.shape, mesh.get_coordinate())[0]
             edit.attributes["hpms_rows"] = spec.local_shape()[0]
+            if isinstance(cell, nn.Embedding):      # its one-hot lookup counts the rows
+                edit.attributes["vocab_size"] = spec.local_shape()[0]
             edit.swap_class = masked_rows_class(type(cell))
             edit.post_hooks.append(OutputHook({0: output}).post)
         return edit
