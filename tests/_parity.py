@@ -19,7 +19,8 @@ def gathered(param, value) -> np.ndarray:
     if sharding is None:
         return value.asnumpy()
     spec = sharding.spec
-    return DTensor.from_local(ms.Tensor(value.asnumpy()), spec.mesh, spec.layout, shape=spec.shape).full_tensor().asnumpy()
+    piece = DTensor.from_local(ms.Tensor(value.asnumpy()), spec.mesh, spec.layout, shape=spec.shape)
+    return piece.full_tensor().asnumpy()
 
 
 def check_parity(make_model: Callable[[], nn.Cell], parallelize: Callable[[nn.Cell], None], batch_of: Callable,

@@ -6,10 +6,12 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn, ops
+from mindspore import mint, nn, ops
 
+from hyper_parallel_ms.dtensor import DTensor
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+from hyper_parallel_ms.nn import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+                                  RowwiseParallel, SequenceParallel, as_dtensor, parameter_sharding,
                                   parallelize_module)
 from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
@@ -195,3 +197,93 @@ def test_dp_x_tp_on_2x2_mesh(optimizer):
                  dp_mesh=mesh, dp_dim="dp", dp_index=dp, dp_size=2)
     check_parity(Transformer, lambda m: parallelize_module(m, mesh["tp"], transformer_plan(mesh["tp"])), _tokens,
                  _nll, optimizer=optimizer, dp_mesh=mesh, dp_dim="dp", dp_index=dp, dp_size=2)
+
+
+@multi_rank(2)
+def test_transformer_trains_inside_ms_jit():
+    """The same plan inside a jitted train step: hooks run precomputed plans on local tensors."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    check_parity(Transformer, lambda m: parallelize_module(m, mesh, transformer_plan(mesh)), _tokens, _nll,
+                 optimizer="adamw", jit=True)
+
+
+class MintMLP(nn.Cell):
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.up = mint.nn.Linear(dim, hidden)
+        self.down = mint.nn.Linear(hidden, dim)
+
+    def construct(self, x):
+        return self.down(ops.relu(self.up(x)))
+
+
+@multi_rank(2)
+def test_mint_linear_and_the_shard_dims_of_stored_weights():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    check_parity(MintMLP, lambda m: _mlp_plan(m, mesh), _mlp_batch, _square_loss, optimizer="adamw")
+    # nn.Dense and mint.nn.Linear store (out, in): Colwise shards dim 0, Rowwise dim 1
+    for make in (MLP, MintMLP):
+        model = make()
+        _mlp_plan(model, mesh)
+        up, down = parameter_sharding(model.up.weight).spec, parameter_sharding(model.down.weight).spec
+        assert (up.placements, up.shape, tuple(model.up.weight.shape)) == ((Shard(0),), (16, 8), (8, 8))
+        assert (down.placements, down.shape, tuple(model.down.weight.shape)) == ((Shard(1),), (8, 16), (8, 8))
+        assert parameter_sharding(model.up.bias).spec.placements == (Shard(0),)
+        assert parameter_sharding(model.down.bias).spec.placements == (Replicate(),)
+        np.testing.assert_array_equal(as_dtensor(model.up.weight).full_tensor().shape, (16, 8))
+    # mint.nn.Embedding (its kernel is Ascend-only): rows or columns of `weight`
+    for style, placement, local in ((RowwiseParallel(input_layouts=Replicate()), Shard(0), (5, 8)),
+                                    (ColwiseParallel(), Shard(1), (10, 4))):
+        table = mint.nn.Embedding(10, 8)
+        parallelize_module(table, mesh, style)
+        assert parameter_sharding(table.weight).spec.placements == (placement,)
+        assert tuple(table.weight.shape) == local
+
+
+class Scaled(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+
+    def construct(self, x, scale=None):
+        y = self.mlp(x)
+        return y if scale is None else y * scale
+
+
+@multi_rank(2)
+def test_prepare_module_input_output_kwargs_and_dtensor_outputs():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_coordinate()[0]
+    ms.set_seed(0)
+    ref = Scaled()
+    ms.set_seed(0)
+    model = Scaled()
+    x, scale = _data(1, 4, 3, 8), _data(2, 4, 3, 8)
+    want = ref(x, scale=scale).asnumpy()
+    parallelize_module(model, mesh, {
+        "": PrepareModuleInputOutput(input_layouts=Shard(0), desired_input_layouts=Replicate(),
+                                     input_kwarg_layouts={"scale": Shard(0)},
+                                     desired_input_kwarg_layouts={"scale": Replicate()},
+                                     output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+        "mlp.up": ColwiseParallel(use_local_output=False),
+        "mlp.down": RowwiseParallel()})
+    out = model(x[2 * rank:2 * rank + 2], scale=scale[2 * rank:2 * rank + 2])   # batch-sharded in and out
+    assert not isinstance(out, DTensor)
+    np.testing.assert_allclose(out.asnumpy(), want[2 * rank:2 * rank + 2], rtol=1e-5, atol=1e-5)
+    seen = {}
+
+    def record(cell, args, output):
+        seen["up"] = output.placements if isinstance(output, DTensor) else None
+    model.mlp.up.register_forward_hook(record)
+    model(x[2 * rank:2 * rank + 2])
+    assert seen["up"] == (Shard(2),)             # use_local_output=False: a DTensor, sharded on features
+    # PrepareModuleOutput with a DTensor result
+    ms.set_seed(0)
+    twin = MLP()
+    ms.set_seed(0)
+    plain = MLP()
+    parallelize_module(plain, mesh, {"": PrepareModuleOutput(output_layouts=Replicate(),
+                                                             desired_output_layouts=Shard(1), use_local_output=False)})
+    y = plain(x)
+    assert isinstance(y, DTensor) and y.placements == (Shard(1),)
+    np.testing.assert_allclose(y.full_tensor().asnumpy(), twin(x).asnumpy(), rtol=1e-6)

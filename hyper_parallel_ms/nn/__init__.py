@@ -6,6 +6,7 @@ Example::
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
     parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 """
+from ._distribute import ShardingPlan, distribute_module, shard_module
 from ._gradients import GradientReducer
 from ._parallelize import parallelize_module
 from ._parameter import ParameterSharding, as_dtensor, parameter_sharding
@@ -14,4 +15,5 @@ from ._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Prepar
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "GradientReducer",
-           "ParameterSharding", "parameter_sharding", "as_dtensor"]
+           "ParameterSharding", "parameter_sharding", "as_dtensor", "distribute_module", "ShardingPlan",
+           "shard_module"]

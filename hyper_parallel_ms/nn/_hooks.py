@@ -14,14 +14,14 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from mindspore import nn, ops
 
 from .._jit import is_compiling, run_in_python
 from ..dtensor import DTensor
 from ..layout import Layout
-from ..redistribute import LocalRedistribute
+from ..redistribute import LocalRedistribute, global_shape_of
 
 __all__ = ["Conversion", "InputHook", "OutputHook", "masked_rows_class"]
 
@@ -41,12 +41,14 @@ def _unwrap(x, conversion_id: int):
     return x
 
 
-def _wrap(x, conversion_id: int):
-    """PyNative: the piece as a DTensor in the conversion's target layout (graphs keep it local)."""
+def _wrap(x, conversion_id: int, source_shape):
+    """PyNative: the piece as a DTensor in the conversion's target layout, its global shape
+    taken from the source piece's (graphs keep it local)."""
     if _in_graph():
         return x
-    mesh, _, dst = _LAYOUTS[conversion_id]
-    return DTensor.from_local(x, mesh, dst.normalized(x.ndim))
+    mesh, src, dst = _LAYOUTS[conversion_id]
+    shape = global_shape_of(src.normalized(len(source_shape)), tuple(source_shape))
+    return DTensor.from_local(x, mesh, dst.normalized(x.ndim), shape=shape)
 
 
 def _layout(mesh, placements) -> Layout:
@@ -66,12 +68,15 @@ class Conversion(nn.Cell):
         self.to_dtensor = to_dtensor
 
     def construct(self, x):
-        return self.finish(self.move(_unwrap(x, self.conversion_id)))
+        x = _unwrap(x, self.conversion_id)
+        return self.finish(self.move(x), x.shape)
 
-    def finish(self, x):
+    def finish(self, y, source_shape):
+        """``y`` (already moved) as the result: wrapped as a DTensor if asked; ``source_shape``
+        is the local shape before the move."""
         if self.to_dtensor:
-            return _wrap(x, self.conversion_id)
-        return x
+            return _wrap(y, self.conversion_id, source_shape)
+        return y
 
 
 class InputHook(nn.Cell):
@@ -133,7 +138,7 @@ class OutputHook(nn.Cell):
             return new
         if self.add_bias:
             conv = self.convs[0]
-            return conv.finish(conv.move(output - cell.bias) + cell.bias)
+            return conv.finish(conv.move(output - cell.bias) + cell.bias, output.shape)
         return self.convs[0](output)
 
 

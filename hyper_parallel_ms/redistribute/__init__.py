@@ -10,5 +10,5 @@ from ._executor import Redistribution, execute, lower, redistribution, replicate
 from ._local import LocalRedistribute, global_shape_of
 from ._planner import Step, plan_redistribute, step_bytes
 
-__all__ = ["LocalRedistribute", "global_shape_of", "Step", "plan_redistribute", "step_bytes", "lower", "execute", "Redistribution", "redistribution",
-           "replicate_partials"]
+__all__ = ["LocalRedistribute", "global_shape_of", "Step", "plan_redistribute", "step_bytes", "lower", "execute",
+           "Redistribution", "redistribution", "replicate_partials"]

@@ -16,7 +16,6 @@ Example::
 """
 from __future__ import annotations
 
-from math import prod
 from typing import Dict, List, Optional, Tuple
 
 from mindspore import nn

@@ -1,0 +1,245 @@
+"""``distribute_module`` and ``ShardingPlan`` + ``shard_module``: the DTensor path for Cells.
+
+Parameters become ``Parameter(DTensor)`` and the Cell computes through the ops dispatcher
+in PyNative, so any placement of any parameter is computed exactly. (The parallel styles of
+:func:`parallelize_module` keep plain local parameters and also run in graph mode.)
+
+Example::
+
+    plan = ShardingPlan(plan={"weight": (Replicate(), Shard(0))},
+                        input_plan={"input": (Shard(0), Replicate())},
+                        output_plan={"output": (Shard(0), Replicate())},
+                        return_local_tensor=[""])
+    shard_module(net, mesh, plan)
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from mindspore import Parameter, Tensor, nn
+
+from ..dtensor import DTensor, distribute_tensor
+from ..dtensor._spec import to_layout
+from ..mesh import DeviceMesh
+from ..placement import Placement, Replicate
+from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+
+__all__ = ["distribute_module", "ShardingPlan", "shard_module"]
+
+_MARK = "_hpms_distributed"
+
+
+def _check_mesh(mesh, what: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what} needs a DeviceMesh, got {mesh!r}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({mesh.get_rank()}) is not in {mesh!r}")
+
+
+def _dtensor_parameter(param: Parameter, mesh, placements, src_data_rank: Optional[int] = 0) -> Parameter:
+    dt = distribute_tensor(Tensor(param.asnumpy()), mesh, placements, src_data_rank=src_data_rank)
+    return Parameter(dt, name=param.name, requires_grad=param.requires_grad)
+
+
+def _replicate_rest(changes: CellChanges, module: nn.Cell, mesh) -> None:
+    for cell in named_cells(module).values():
+        for name, p in own_parameters(cell).items():
+            if not isinstance(p, DTensor):
+                changes.set_parameter(cell, name, _dtensor_parameter(p, mesh, [Replicate()] * mesh.ndim))
+
+
+def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
+                      partition_fn: Optional[Callable] = None, input_fn: Optional[Callable] = None,
+                      output_fn: Optional[Callable] = None) -> nn.Cell:
+    """``partition_fn(name, cell, mesh)`` for every sub-Cell (it replaces parameters with
+    ``Parameter(distribute_tensor(...))``), the other parameters replicated, then
+    ``input_fn(module, inputs, mesh)`` / ``output_fn(module, outputs, mesh)`` registered as
+    forward pre / post hooks. A second call on the same module is refused; a failure
+    leaves the module as it was. PyNative.
+
+    Example::
+
+        def shard_fc(name, cell, mesh):
+            if name == "fc":
+                cell.weight = Parameter(distribute_tensor(cell.weight, mesh, [Shard(0)]), name=cell.weight.name)
+        distribute_module(model, mesh, shard_fc)
+    """
+    if not isinstance(module, nn.Cell):
+        raise TypeError(f"distribute_module needs an nn.Cell, got {type(module).__name__}")
+    _check_mesh(device_mesh, "distribute_module")
+    for what, fn in (("partition_fn", partition_fn), ("input_fn", input_fn), ("output_fn", output_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{what} must be callable, got {fn!r}")
+    if getattr(module, _MARK, False):
+        raise RuntimeError("distribute_module was already called on this module; its parameters are DTensors")
+    snapshot = snapshot_parameters(module)
+    try:
+        with CellChanges() as changes:
+            if partition_fn is not None:
+                for name, cell in named_cells(module).items():
+                    partition_fn(name, cell, device_mesh)
+            _replicate_rest(changes, module, device_mesh)
+            if input_fn is not None:
+                def pre(cell, args):
+                    return input_fn(cell, args, device_mesh)
+                changes.add_forward_pre_hook(module, pre)
+            if output_fn is not None:
+                def post(cell, args, output):
+                    return output_fn(cell, output, device_mesh)
+                changes.add_forward_hook(module, post)
+            changes.set_attribute(module, _MARK, True)
+    except BaseException:
+        restore_parameters(module, snapshot)
+        raise
+    return module
+
+
+Placements = Sequence
+
+
+@dataclass
+class ShardingPlan:
+    """How to shard a Cell: ``plan`` maps parameter names (dotted, ``fnmatch`` wildcards) to
+    placements or alias layouts; ``input_plan`` / ``output_plan`` map ``"input"`` /
+    ``"output"`` (the Cell itself) or ``"<path>.input"`` / ``"<path>.output"`` to the
+    placements of the first tensor (or a tuple of them, one per position, ``None`` to skip);
+    ``return_local_tensor`` lists Cell paths (``""``: the Cell itself) whose outputs become
+    local tensors after their output plan.
+
+    Example::
+
+        ShardingPlan(plan={"dense.weight": (Shard(0),)}, output_plan={"output": (Replicate(),)},
+                     return_local_tensor=[""])
+    """
+
+    plan: Dict[str, Placements] = field(default_factory=dict)
+    input_plan: Dict[str, Placements] = field(default_factory=dict)
+    output_plan: Dict[str, Placements] = field(default_factory=dict)
+    return_local_tensor: List[str] = field(default_factory=list)
+
+
+def _positions(value, key: str, mesh) -> Tuple[Optional[tuple], ...]:
+    """One placements entry per position (a single entry: the first tensor)."""
+    if not isinstance(value, (tuple, list)) or not value:
+        raise TypeError(f"plan entry '{key}' must be a non-empty tuple of placements, got {value!r}")
+    single = all(isinstance(v, (Placement, str)) or (isinstance(v, tuple) and v and all(isinstance(x, str) for x in v))
+                 for v in value)
+    entries = (tuple(value),) if single else tuple(None if v is None else tuple(v) for v in value)
+    for e in entries:
+        if e is not None and all(isinstance(p, Placement) for p in e) and len(e) != mesh.ndim:
+            raise ValueError(f"plan entry '{key}': {len(e)} placements for the {mesh.ndim}-D mesh {mesh.shape}")
+    return entries
+
+
+def _convert(x, mesh, placements):
+    """``x`` in ``placements``: a DTensor is redistributed, a plain Tensor is read as the whole tensor (Replicate)."""
+    if placements is None or not isinstance(x, Tensor):
+        return x
+    layout = to_layout(mesh, placements, x.ndim)
+    if isinstance(x, DTensor):
+        return x if x.layout == layout else x.redistribute(mesh, layout)
+    return distribute_tensor(x, mesh, layout, src_data_rank=None)
+
+
+def _convert_all(values, mesh, entries):
+    single = not isinstance(values, tuple)
+    items = (values,) if single else values
+    out = tuple(_convert(v, mesh, entries[i]) if i < len(entries) else v for i, v in enumerate(items))
+    return out[0] if single else out
+
+
+def _to_local(values):
+    if isinstance(values, tuple):
+        return tuple(v.to_local() if isinstance(v, DTensor) else v for v in values)
+    return values.to_local() if isinstance(values, DTensor) else values
+
+
+def _cell_for(key: str, suffix: str, cells: Dict[str, nn.Cell]) -> str:
+    if key == suffix:
+        return ""
+    if not key.endswith("." + suffix):
+        raise ValueError(f"{suffix}_plan key '{key}' must be '{suffix}' or '<cell path>.{suffix}'")
+    path = key[:-len(suffix) - 1]
+    if path not in cells:
+        near = difflib.get_close_matches(path, list(cells), n=5, cutoff=0.5)
+        raise ValueError(f"{suffix}_plan key '{key}': no sub-Cell '{path}'; near names: {near}")
+    return path
+
+
+def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: ShardingPlan) -> nn.Cell:
+    """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
+    and placement is checked before anything changes. PyNative.
+
+    Example::
+
+        shard_module(net, mesh, ShardingPlan(plan={"weight": (Shard(0), Replicate())}))
+    """
+    if not isinstance(model, nn.Cell):
+        raise TypeError(f"shard_module needs an nn.Cell, got {type(model).__name__}")
+    _check_mesh(device_mesh, "shard_module")
+    if not isinstance(sharding_plan, ShardingPlan):
+        raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")
+    if getattr(model, _MARK, False):
+        raise RuntimeError("this module was already sharded (shard_module / distribute_module)")
+    cells = named_cells(model)
+    params = {f"{path}.{name}" if path else name: (cell, name, p)
+              for path, cell in cells.items() for name, p in own_parameters(cell).items()}
+    # ---- check everything first
+    new_params = {}
+    for key, placements in sharding_plan.plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"plan keys must be parameter names, got {key!r}")
+        found = [n for n in params if fnmatchcase(n, key)]
+        if not found:
+            near = difflib.get_close_matches(key, list(params), n=5, cutoff=0.5)
+            raise ValueError(f"plan key '{key}' matches no parameter; near names: {near}")
+        for n in found:
+            cell, name, p = params[n]
+            to_layout(device_mesh, placements, p.ndim)            # raises for a bad count / dim / name
+            if any(isinstance(q, Placement) and q.is_partial() for q in placements):
+                raise ValueError(f"plan['{key}']: a parameter cannot be Partial, got {placements}")
+            new_params[n] = placements
+    inputs = {_cell_for(k, "input", cells): _positions(v, k, device_mesh) for k, v in sharding_plan.input_plan.items()}
+    outputs = {_cell_for(k, "output", cells): _positions(v, k, device_mesh)
+               for k, v in sharding_plan.output_plan.items()}
+    local = []
+    for path in sharding_plan.return_local_tensor:
+        if not isinstance(path, str) or path not in cells:
+            near = difflib.get_close_matches(str(path), list(cells), n=5, cutoff=0.5)
+            raise ValueError(f"return_local_tensor entry {path!r} is not a sub-Cell path ('' is the model); "
+                             f"near names: {near}")
+        local.append(path)
+    # ---- then change
+    snapshot = snapshot_parameters(model)
+    try:
+        with CellChanges() as changes:
+            for n, placements in new_params.items():
+                cell, name, p = params[n]
+                changes.set_parameter(cell, name, _dtensor_parameter(p, device_mesh, placements))
+            _replicate_rest(changes, model, device_mesh)
+            for path, entries in inputs.items():
+                changes.add_forward_pre_hook(cells[path], _input_hook(device_mesh, entries))
+            for path in set(outputs) | set(local):
+                changes.add_forward_hook(cells[path], _output_hook(device_mesh, outputs.get(path), path in local))
+            changes.set_attribute(model, _MARK, True)
+    except BaseException:
+        restore_parameters(model, snapshot)
+        raise
+    return model
+
+
+def _input_hook(mesh, entries):
+    def pre(cell, args):
+        return _convert_all(tuple(args), mesh, entries)
+    return pre
+
+
+def _output_hook(mesh, entries, local: bool):
+    def post(cell, args, output):
+        if entries is not None:
+            output = _convert_all(output, mesh, entries)
+        return _to_local(output) if local else output
+    return post

@@ -1,0 +1,148 @@
+"""ShardingPlan + shard_module and distribute_module (the DTensor path for Cells)."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, nn, ops
+
+from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.nn import ShardingPlan, distribute_module, shard_module
+from hyper_parallel_ms.placement import Partial, Replicate, Shard
+from hyper_parallel_ms.testing import multi_rank
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+
+class SeedNet(nn.Cell):
+    """relu, then a matmul with the parameter ``weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = Parameter(ms.Tensor(np.random.default_rng(3).standard_normal((8, 6)).astype(np.float32)),
+                                name="weight")
+        self.relu = nn.ReLU()
+
+    def construct(self, x):
+        return ops.matmul(self.relu(x), self.weight)
+
+
+def _x():
+    return ms.Tensor(np.random.default_rng(4).standard_normal((4, 8)).astype(np.float32))
+
+
+def _reference():
+    net = SeedNet()
+    return ops.matmul(ops.relu(_x()), net.weight).asnumpy()
+
+
+@pytest.mark.parametrize("return_local", [False, True])
+@multi_rank(4)
+def test_seed_example_on_2d_mesh(return_local):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = ShardingPlan(
+        plan={"weight": (R, S0)},                                # rows of the weight over tp
+        input_plan={"input": (S0, R), "relu.input": (S0, S1)},   # batch over dp; relu on feature shards
+        output_plan={"relu.output": (S0, S1), "output": (S0, R)},
+        return_local_tensor=[""] if return_local else [])
+    net = shard_module(SeedNet(), mesh, plan)
+    assert isinstance(net.weight, DTensor) and net.weight.placements == (R, S0)
+    seen = {}
+
+    def record(cell, args, output):
+        seen["relu"] = (args[0].placements, output.placements)
+    net.relu.register_forward_hook(record)
+    out = net(_x())
+    assert seen["relu"] == ((S0, S1), (S0, S1))
+    want = _reference()
+    if return_local:
+        assert not isinstance(out, DTensor)
+        dp = mesh.get_coordinate()[0]
+        np.testing.assert_allclose(out.asnumpy(), want[2 * dp:2 * dp + 2], rtol=1e-5, atol=1e-5)
+    else:
+        assert isinstance(out, DTensor) and out.placements == (S0, R)
+        np.testing.assert_allclose(out.full_tensor().asnumpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@multi_rank(2)
+def test_seed_example_on_1d_mesh_with_alias_layouts_and_training():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    plan = ShardingPlan(plan={"weight": ("tp", "None")}, input_plan={"relu.input": ("None", "tp")},
+                        output_plan={"output": (R,)}, return_local_tensor=[""])
+    net = shard_module(SeedNet(), mesh, plan)
+    ref = SeedNet()
+    assert net.weight.placements == (S0,)
+    x = _x()
+
+    def loss(model):
+        def fn(x):
+            return (model(x) ** 2).sum()
+        return fn
+    ref_opt, opt = nn.SGD(ref.trainable_params(), 0.05), nn.SGD(net.trainable_params(), 0.05)
+    for _ in range(5):
+        rl, rg = ms.value_and_grad(loss(ref), None, ref.trainable_params())(x)
+        pl, pg = ms.value_and_grad(loss(net), None, net.trainable_params())(x)
+        np.testing.assert_allclose(pl.asnumpy(), rl.asnumpy(), rtol=1e-5)
+        np.testing.assert_allclose(pg[0].asnumpy(), rg[0].asnumpy()[4 * mesh.get_coordinate()[0]:][:4], rtol=1e-5,
+                                   atol=1e-5)
+        ref_opt(rg)
+        opt(pg)
+    np.testing.assert_allclose(net.weight.full_tensor().asnumpy(), ref.weight.asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+class TwoLayer(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Dense(6, 8)
+        self.fc2 = nn.Dense(8, 4)
+
+    def construct(self, x):
+        return self.fc2(ops.relu(self.fc1(x)))
+
+
+def _shard_fc1(name, cell, mesh):
+    if name == "fc1":
+        cell.weight = Parameter(distribute_tensor(ms.Tensor(cell.weight.asnumpy()), mesh, [S0]), name=cell.weight.name)
+        cell.bias = Parameter(distribute_tensor(ms.Tensor(cell.bias.asnumpy()), mesh, [S0]), name=cell.bias.name)
+
+
+def _inputs_replicated(module, inputs, mesh):
+    return tuple(distribute_tensor(x, mesh, [R], src_data_rank=None) for x in inputs)
+
+
+def _outputs_full(module, output, mesh):
+    return output.full_tensor()
+
+
+@multi_rank(2)
+def test_distribute_module_partition_hooks_and_refusals():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ms.set_seed(1)
+    ref = TwoLayer()
+    ms.set_seed(1)
+    net = TwoLayer()
+    distribute_module(net, mesh, _shard_fc1, _inputs_replicated, _outputs_full)
+    assert net.fc1.weight.placements == (S0,) and net.fc2.weight.placements == (R,)   # the rest replicated
+    x = ms.Tensor(np.random.default_rng(2).standard_normal((3, 6)).astype(np.float32))
+    out = net(x)
+    assert not isinstance(out, DTensor)
+    np.testing.assert_allclose(out.asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="already called"):
+        distribute_module(net, mesh, _shard_fc1)
+    # a partition_fn that fails half-way leaves the module as it was
+    fresh = TwoLayer()
+    before = {n: p for n, p in fresh.parameters_and_names()}
+
+    def failing(name, cell, mesh_):
+        _shard_fc1(name, cell, mesh_)
+        if name == "fc2":
+            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        distribute_module(fresh, mesh, failing)
+    assert {n: p for n, p in fresh.parameters_and_names()} == before
+    assert not any(isinstance(p, DTensor) for _, p in fresh.parameters_and_names())
+    with pytest.raises(TypeError, match="callable"):
+        distribute_module(TwoLayer(), mesh, partition_fn="fc1")
+    with pytest.raises(ValueError, match="cannot be Partial"):
+        shard_module(TwoLayer(), mesh, ShardingPlan(plan={"fc1.weight": (Partial(),)}))
