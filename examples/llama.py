@@ -1,0 +1,141 @@
+"""A small Llama-style transformer built from MindSpore Cells, and its tensor-parallel plans.
+
+Token embedding, ``layers`` blocks of RMSNorm + causal multi-head attention + SwiGLU MLP,
+a final RMSNorm and an output head. :func:`tp_plan` is PyTorch's Llama plan for
+``parallelize_module``: heads and MLP columns split by Colwise / Rowwise, and (with
+``sequence_parallel``) norms on sequence-sharded activations between the blocks.
+
+Example::
+
+    model = Llama(LlamaConfig(vocab=64, dim=32, layers=2, heads=4))
+    parallelize_module(model, mesh["tp"], tp_plan(sequence_parallel=True))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from hyper_parallel_ms.nn import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from hyper_parallel_ms.placement import Replicate, Shard
+
+__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int = 128
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    hidden: int = 128
+    max_seq: int = 64
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.eps = eps
+
+    def construct(self, x):
+        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
+
+
+class Attention(nn.Cell):
+    """Causal self-attention; ``reshape(b, s, -1, head_dim)`` keeps the heads this rank holds."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        dim = config.dim
+        self.wq = nn.Dense(dim, dim, has_bias=False)
+        self.wk = nn.Dense(dim, dim, has_bias=False)
+        self.wv = nn.Dense(dim, dim, has_bias=False)
+        self.wo = nn.Dense(dim, dim, has_bias=False)
+        self.head_dim = dim // config.heads
+        self.scale = 1.0 / float(np.sqrt(self.head_dim))
+        mask = np.triu(np.full((config.max_seq, config.max_seq), -1e9, np.float32), 1)
+        self.mask = Tensor(mask)
+
+    def construct(self, x):
+        b, s = x.shape[0], x.shape[1]
+        q = self.wq(x).reshape(b, s, -1, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.wk(x).reshape(b, s, -1, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.wv(x).reshape(b, s, -1, self.head_dim).transpose(0, 2, 1, 3)
+        scores = ops.matmul(q, k.transpose(0, 1, 3, 2)) * self.scale + self.mask[:s, :s]
+        out = ops.matmul(ops.softmax(scores, -1), v).transpose(0, 2, 1, 3).reshape(b, s, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Cell):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Dense(config.dim, config.hidden, has_bias=False)
+        self.w3 = nn.Dense(config.dim, config.hidden, has_bias=False)
+        self.w2 = nn.Dense(config.hidden, config.dim, has_bias=False)
+
+    def construct(self, x):
+        return self.w2(ops.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Cell):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim)
+        self.feed_forward = FeedForward(config)
+
+    def construct(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Cell):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.CellList([Block(config) for _ in range(config.layers)])
+        self.norm = RMSNorm(config.dim)
+        self.output = nn.Dense(config.dim, config.vocab, has_bias=False)
+
+    def construct(self, ids):
+        h = self.tok_embeddings(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def cross_entropy(logits, labels_onehot):
+    """Mean token cross-entropy of ``logits`` (b, s, vocab) against one-hot labels."""
+    return -(ops.log_softmax(logits, -1) * labels_onehot).sum(-1).mean()
+
+
+def tp_plan(sequence_parallel: bool = True) -> dict:
+    """PyTorch's Llama tensor-parallel plan (``sequence_parallel``: norms on sequence shards)."""
+    rep, seq = Replicate(), Shard(1)
+    if not sequence_parallel:
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=rep),
+            "layers.*.attention.w[qkv]": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.feed_forward.w[13]": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel(),
+            "output": ColwiseParallel(output_layouts=rep),
+        }
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=rep, output_layouts=seq),
+        "layers.*": {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,)),
+            "attention.w[qkv]": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,)),
+            "feed_forward.w[13]": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        },
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=rep),
+    }

@@ -1,0 +1,207 @@
+"""Train a small Llama-style model with tensor (and data) parallelism, then check the losses
+against a single-device run of the same steps.
+
+Launch on N ranks with msrun (``scripts/run_tp.sh`` does it), e.g. 4 CPU ranks as dp=2 x tp=2::
+
+    msrun --worker_num=4 --local_worker_num=4 --join=True examples/train_tp.py --dp 2 --tp 2 --mode graph
+
+``--mode pynative`` runs eagerly, ``--mode jit`` compiles the train step with ``ms.jit``,
+``--mode graph`` sets GRAPH_MODE and runs a train-step Cell. Each step logs the loss and
+tokens/s; the last line says whether every loss matched the single-device run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List
+
+import mindspore as ms
+import numpy as np
+from mindspore import communication, nn
+
+from hyper_parallel_ms import comm
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.nn import GradientReducer, parallelize_module
+
+try:
+    from examples.llama import Llama, LlamaConfig, cross_entropy, tp_plan
+except ImportError:  # run as a script: examples/ is the script's directory
+    from llama import Llama, LlamaConfig, cross_entropy, tp_plan
+
+__all__ = ["TrainConfig", "train", "main"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dp: int = 1
+    tp: int = 2
+    mode: str = "jit"                  # pynative | jit | graph
+    steps: int = 10
+    batch: int = 4                     # global batch (split over dp)
+    seq: int = 16
+    vocab: int = 128
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    hidden: int = 128
+    lr: float = 3e-3
+    seed: int = 0
+    sequence_parallel: bool = True
+    check: bool = True                 # also train a single-device model and compare the losses
+    tolerance: float = 1e-4
+
+
+def model_config(cfg: TrainConfig) -> LlamaConfig:
+    return LlamaConfig(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, hidden=cfg.hidden,
+                       max_seq=cfg.seq)
+
+
+def batch(cfg: TrainConfig, step: int, dp_index: int = 0, dp_size: int = 1):
+    """Synthetic tokens for ``step`` (fixed seed): random starts, then ``t -> (3 t + 1) mod vocab``
+    (a rule the model can learn); this data-parallel rank's inputs and one-hot labels."""
+    start = np.random.default_rng(cfg.seed * 1000 + step).integers(0, cfg.vocab, (cfg.batch, 1))
+    tokens = [start]
+    for _ in range(cfg.seq):
+        tokens.append((3 * tokens[-1] + 1) % cfg.vocab)
+    tokens = np.concatenate(tokens, 1)
+    rows = cfg.batch // dp_size
+    part = tokens[dp_index * rows:(dp_index + 1) * rows]
+    onehot = np.eye(cfg.vocab, dtype=np.float32)[part[:, 1:]]
+    return ms.Tensor(part[:, :-1].astype(np.int32)), ms.Tensor(onehot)
+
+
+class _WithLoss(nn.Cell):
+    def __init__(self, model: nn.Cell) -> None:
+        super().__init__()
+        self.model = model
+
+    def construct(self, ids, onehot):
+        return cross_entropy(self.model(ids), onehot)
+
+
+class TrainStep(nn.Cell):
+    """Loss, gradients, gradient reduction and the optimizer update (a Cell for GRAPH_MODE)."""
+
+    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None) -> None:
+        super().__init__()
+        self.with_loss = _WithLoss(model)
+        self.optimizer, self.reducer, self.dp_mesh = optimizer, reducer, dp_mesh
+        self.grad_fn = ms.value_and_grad(self.with_loss, None, optimizer.parameters)
+
+    def construct(self, ids, onehot):
+        loss, grads = self.grad_fn(ids, onehot)
+        self.optimizer(self.reducer(grads))
+        if self.dp_mesh is not None:
+            loss = comm.all_reduce(loss, self.dp_mesh, "dp", op="avg")
+        return loss
+
+
+def _runner(cfg: TrainConfig, step_cell: TrainStep) -> Callable:
+    if cfg.mode == "pynative":
+        return step_cell
+    if cfg.mode == "jit":
+        return ms.jit(step_cell.construct)
+    return step_cell                   # GRAPH_MODE compiles the Cell
+
+
+def _run(cfg: TrainConfig, model: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
+         log: Callable[[str], None], label: str) -> Dict[str, List[float]]:
+    optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=cfg.lr, weight_decay=0.01)
+    step = _runner(cfg, TrainStep(model, optimizer, reducer, dp_mesh))
+    losses, rates = [], []
+    for i in range(cfg.steps):
+        ids, onehot = batch(cfg, i, dp_index, dp_size)
+        began = time.perf_counter()
+        loss = float(step(ids, onehot).asnumpy())
+        seconds = time.perf_counter() - began
+        losses.append(loss)
+        rates.append(cfg.batch * cfg.seq / seconds)
+        log(f"[{label}] step {i + 1}/{cfg.steps} loss {loss:.6f} tokens/s {rates[-1]:.0f}")
+    return {"losses": losses, "tokens_per_s": rates}
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, object]:
+    """Train the parallel model (and, with ``cfg.check``, the single-device one); returns the
+    losses, tokens/s and the largest relative loss difference."""
+    if cfg.mode not in ("pynative", "jit", "graph"):
+        raise ValueError(f"mode must be pynative, jit or graph, got {cfg.mode!r}")
+    if cfg.batch % cfg.dp or cfg.seq % cfg.tp or cfg.heads % cfg.tp:
+        raise ValueError(f"batch {cfg.batch} must divide by dp={cfg.dp}, seq {cfg.seq} and heads {cfg.heads} by "
+                         f"tp={cfg.tp}")
+    mesh = init_device_mesh("cpu" if ms.get_context("device_target") == "CPU" else "npu", (cfg.dp, cfg.tp),
+                            mesh_dim_names=("dp", "tp"))
+    dp_index = mesh.get_coordinate()[0]
+    ms.set_seed(cfg.seed)
+    model = Llama(model_config(cfg))
+    parallelize_module(model, mesh["tp"], tp_plan(cfg.sequence_parallel))
+    dp_mesh = mesh if cfg.dp > 1 else None
+    reducer = GradientReducer(model.trainable_params(), dp_mesh=dp_mesh, dp_dim="dp" if dp_mesh else None)
+    if cfg.mode == "graph":
+        ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        result: Dict[str, object] = dict(_run(cfg, model, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel"))
+        if cfg.check:
+            ms.set_seed(cfg.seed)
+            single = Llama(model_config(cfg))
+            ref = _run(cfg, single, _Identity(), None, 0, 1, log, "single device")
+            parallel = np.array(result["losses"])
+            reference = np.array(ref["losses"])
+            result["reference_losses"] = ref["losses"]
+            result["max_relative_difference"] = float(np.max(np.abs(parallel - reference) / np.abs(reference)))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    return result
+
+
+class _Identity(nn.Cell):
+    def construct(self, grads):
+        return grads
+
+
+def parse_args(argv: List[str]) -> TrainConfig:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = TrainConfig()
+    for name in ("dp", "tp", "steps", "batch", "seq", "vocab", "dim", "layers", "heads", "hidden", "seed"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--mode", choices=["pynative", "jit", "graph"], default=defaults.mode)
+    parser.add_argument("--no-sequence-parallel", action="store_true")
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
+    args = parser.parse_args(argv)
+    ms.set_device(args.device)
+    cfg = TrainConfig(**{k: getattr(args, k) for k in ("dp", "tp", "steps", "batch", "seq", "vocab", "dim",
+                                                       "layers", "heads", "hidden", "seed", "lr", "mode")})
+    return replace(cfg, sequence_parallel=not args.no_sequence_parallel, check=not args.no_check)
+
+
+def main(argv: List[str]) -> int:
+    cfg = parse_args(argv)
+    communication.init()
+    rank, world = communication.get_rank(), communication.get_group_size()
+    if world != cfg.dp * cfg.tp:
+        print(f"train_tp: {world} ranks but dp x tp = {cfg.dp} x {cfg.tp}", flush=True)
+        return 2
+
+    def log(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+    result = train(cfg, log)
+    rate = float(np.median(result["tokens_per_s"][1:] or result["tokens_per_s"]))
+    summary = (f"train_tp: rank {rank} of {world}, dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
+               f"sp={cfg.sequence_parallel}: {cfg.steps} steps, loss {result['losses'][0]:.4f} -> "
+               f"{result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
+    ok = True
+    if cfg.check:
+        diff = result["max_relative_difference"]
+        ok = diff <= cfg.tolerance
+        summary += (f"; single-device check: max relative loss difference {diff:.2e} (tolerance "
+                    f"{cfg.tolerance:.0e}) {'OK' if ok else 'FAILED'}")
+    print(summary, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

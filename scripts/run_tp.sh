@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Main job: set up the virtualenv (first run only), train the Llama-style example with tensor
+# (and data) parallelism on N ranks with msrun, check it against a single-device run, and
+# print rank 0's log and summary.
+# Usage: bash scripts/run_tp.sh [--nproc 4] [--tp 2] [--dp 2] [--device CPU|Ascend] [--mode graph|jit|pynative]
+#                               [--steps 10] [--port 8128] [-- extra train_tp.py flags]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NPROC=4 TP="" DP="" DEVICE=CPU MODE=graph STEPS=10 PORT=8128 EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nproc) NPROC="$2"; shift 2 ;;
+    --tp) TP="$2"; shift 2 ;;
+    --dp) DP="$2"; shift 2 ;;
+    --device) DEVICE="$2"; shift 2 ;;
+    --mode) MODE="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
+    --port) PORT="$2"; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "unknown argument: $1 (see the usage line at the top of $0)" >&2; exit 2 ;;
+  esac
+done
+TP="${TP:-$(( NPROC >= 2 ? 2 : 1 ))}"
+DP="${DP:-$(( NPROC / TP ))}"
+if [ $(( DP * TP )) -ne "$NPROC" ]; then
+  echo "dp ($DP) x tp ($TP) must equal --nproc ($NPROC)" >&2; exit 2
+fi
+bash "$ROOT/scripts/setup_env.sh"
+VENV="${HPMS_VENV:-$ROOT/.venv}"
+LOG_DIR="$ROOT/rank_logs/train_tp"
+rm -rf "$LOG_DIR"
+mkdir -p "$LOG_DIR"
+export PATH="$VENV/bin:$PATH" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export GLOG_v="${GLOG_v:-3}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+status=0
+"$VENV/bin/msrun" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
+  --log_dir="$LOG_DIR" --join=True "$ROOT/examples/train_tp.py" --dp "$DP" --tp "$TP" --mode "$MODE" \
+  --steps "$STEPS" --device "$DEVICE" "${EXTRA[@]}" > "$LOG_DIR.msrun.log" 2>&1 || status=$?
+grep -h "^\[parallel\]\|^\[single device\]" "$LOG_DIR/worker_0.log" 2>/dev/null || true
+for k in $(seq 0 $((NPROC - 1))); do
+  grep -h "Traceback\|Error" "$LOG_DIR/worker_$k.log" 2>/dev/null | head -n 5 || true
+done
+grep -h "^train_tp:" "$LOG_DIR/worker_0.log" || { echo "no summary: see $LOG_DIR and $LOG_DIR.msrun.log"; tail -n 30 "$LOG_DIR.msrun.log"; }
+echo "logs: $LOG_DIR (exit $status)"
+exit "$status"

@@ -1,0 +1,35 @@
+"""The training example: 10 steps on 2 and 4 ranks (tp, and dp x tp) in graph mode and in
+PyNative, losses matching a single-device run of the same steps within 1e-4 (relative)."""
+from __future__ import annotations
+
+import pytest
+
+from examples.train_tp import TrainConfig, train
+from hyper_parallel_ms.testing import multi_rank
+
+
+def _train(**overrides):
+    cfg = TrainConfig(steps=10, seq=8, dim=32, hidden=64, vocab=64, **overrides)
+    result = train(cfg, log=lambda line: None)
+    assert len(result["losses"]) == 10
+    assert result["losses"][-1] < result["losses"][0]          # it learns
+    assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
+    return result["max_relative_difference"]
+
+
+@pytest.mark.parametrize("mode", ["jit", "pynative"])
+@multi_rank(2, timeout=600)
+def test_example_trains_on_2_ranks(mode):
+    _train(tp=2, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["jit", "pynative"])
+@multi_rank(4, timeout=600)
+def test_example_trains_on_4_ranks_dp_x_tp(mode):
+    _train(dp=2, tp=2, mode=mode)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+@multi_rank(2, timeout=600)
+def test_example_trains_as_a_graph_mode_cell(sequence_parallel):
+    _train(tp=2, mode="graph", sequence_parallel=sequence_parallel)
