@@ -25,7 +25,7 @@ import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 from mindspore import nn, ops  # noqa: E402
 
-from examples.llama import Llama, LlamaConfig, RMSNorm, cross_entropy, tp_plan  # noqa: E402
+from examples.llama import Llama, RMSNorm, cross_entropy, tp_plan  # noqa: E402
 from examples.train_tp import TrainConfig, batch, model_config  # noqa: E402
 from hyper_parallel_ms.mesh import init_device_mesh  # noqa: E402
 from hyper_parallel_ms.nn import GradientReducer, parallelize_module  # noqa: E402
