@@ -646,3 +646,21 @@ def test_mint_dropout_rule_cpu_twin():
         assert not np.array_equal(out[S0][0], out[S0][1])
     finally:
         random_rules.func_dropout_ext_op = original
+
+
+@multi_rank(2)
+def test_max_stack_split_slicing_and_norms_on_1d_mesh():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    a, b = _rand(5, 4), _rand(5, 4, seed=2)
+    check_op(mesh, _amax_dim0, [a], [[S0]], [Partial("max")])
+    check_op(mesh, _amin_dim1, [a], [[S0]], [S0])
+    check_op(mesh, _max_values_and_indices, [a], [[S1]], [R])
+    check_op(mesh, _cast_round_trip, [a], [[S1]], [S1])
+    check_op(mesh, _stack_mid, [a, b], [[S1], [R]], [S2])
+    check_op(mesh, _split_uneven, [a], [[S1]], [R])
+    check_op(mesh, _chunk_uneven, [_rand(7, 4)], [[S0]], [R])
+    check_op(mesh, _narrow, [a], [[S0]], [S0])
+    check_op(mesh, _index_row, [a], [[S1]], [S0])
+    check_op(mesh, _index_mixed, [_rand(3, 4, 6)], [[S0]], [S0])
+    check_op(mesh, _rms, [_rand(4, 3, 6), _rand(6, seed=1)], [[S1], [R]], [S1])
+    check_op(mesh, _layer_norm_mint, [_rand(4, 3, 6), _rand(6, seed=1), _rand(6, seed=2)], [[S2], [R], [R]], [R])
