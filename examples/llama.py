@@ -3,7 +3,9 @@
 Token embedding, ``layers`` blocks of RMSNorm + causal multi-head attention + SwiGLU MLP,
 a final RMSNorm and an output head. :func:`tp_plan` is PyTorch's Llama plan for
 ``parallelize_module``: heads and MLP columns split by Colwise / Rowwise, and (with
-``sequence_parallel``) norms on sequence-sharded activations between the blocks.
+``sequence_parallel``) norms on sequence-sharded activations between the blocks. The
+attention and MLP inputs reach only their Colwise layers, so their gradients are reduced
+once per block half (``defer_colwise_grads=True``), as in Megatron-LM.
 
 Example::
 
@@ -118,6 +120,10 @@ def tp_plan(sequence_parallel: bool = True) -> dict:
     if not sequence_parallel:
         return {
             "tok_embeddings": RowwiseParallel(input_layouts=rep),
+            "layers.*.attention": PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(rep,),
+                                                     defer_colwise_grads=True),
+            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(rep,),
+                                                        defer_colwise_grads=True),
             "layers.*.attention.w[qkv]": ColwiseParallel(),
             "layers.*.attention.wo": RowwiseParallel(),
             "layers.*.feed_forward.w[13]": ColwiseParallel(),
@@ -128,11 +134,13 @@ def tp_plan(sequence_parallel: bool = True) -> dict:
         "tok_embeddings": RowwiseParallel(input_layouts=rep, output_layouts=seq),
         "layers.*": {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,)),
+            "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,),
+                                            defer_colwise_grads=True),
             "attention.w[qkv]": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,)),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,),
+                                               defer_colwise_grads=True),
             "feed_forward.w[13]": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         },

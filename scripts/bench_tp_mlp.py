@@ -40,10 +40,11 @@ class HandMLP(nn.Cell):
         self.up_b = ms.Parameter(ms.Tensor(np.split(ref.up.bias.asnumpy(), world, 0)[rank]), name="up_b")
         self.down_w = ms.Parameter(ms.Tensor(np.split(ref.down.weight.asnumpy(), world, 1)[rank]), name="down_w")
         self.down_b = ms.Parameter(ms.Tensor(ref.down.bias.asnumpy()), name="down_b")
+        self.matmul_t = ops.MatMul(transpose_b=True)      # as nn.Dense multiplies by its (out, in) weight
 
     def construct(self, x):
-        h = ops.relu(ops.matmul(self.f(x), self.up_w.T) + self.up_b)
-        return self.g(ops.matmul(h, self.down_w.T)) + self.down_b
+        h = ops.relu(self.matmul_t(self.f(x), self.up_w) + self.up_b)
+        return self.g(self.matmul_t(h, self.down_w)) + self.down_b
 
 
 class _Step(nn.Cell):

@@ -84,53 +84,19 @@ def _local(dense_weight, dim: int, rank: int, tp: int):
     return ms.Parameter(ms.Tensor(piece), name=dense_weight.name)
 
 
-class _HandAttention(nn.Cell):
-    def __init__(self, ref, group, rank, tp) -> None:
+class _TPRegion(nn.Cell):
+    """A Cell whose first layers are split by columns and last by rows: f before, g after."""
+
+    def __init__(self, inner: nn.Cell, group: str) -> None:
         super().__init__()
-        self.f, self.g = _CopyToTP(group), _ReduceFromTP(group)
-        for name in ("wq", "wk", "wv"):
-            dense = nn.Dense(1, 1, has_bias=False)
-            dense.weight = _local(getattr(ref, name).weight, 0, rank, tp)
-            setattr(self, name, dense)
-        self.wo = nn.Dense(1, 1, has_bias=False)
-        self.wo.weight = _local(ref.wo.weight, 1, rank, tp)
-        self.head_dim, self.scale, self.mask = ref.head_dim, ref.scale, ref.mask
+        self.f, self.inner, self.g = _CopyToTP(group), inner, _ReduceFromTP(group)
 
     def construct(self, x):
-        x = self.f(x)
-        b, s = x.shape[0], x.shape[1]
-        q = self.wq(x).reshape(b, s, -1, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.wk(x).reshape(b, s, -1, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.wv(x).reshape(b, s, -1, self.head_dim).transpose(0, 2, 1, 3)
-        scores = ops.matmul(q, k.transpose(0, 1, 3, 2)) * self.scale + self.mask[:s, :s]
-        out = ops.matmul(ops.softmax(scores, -1), v).transpose(0, 2, 1, 3).reshape(b, s, -1)
-        return self.g(self.wo(out))
+        return self.g(self.inner(self.f(x)))
 
 
-class _HandFeedForward(nn.Cell):
-    def __init__(self, ref, group, rank, tp) -> None:
-        super().__init__()
-        self.f, self.g = _CopyToTP(group), _ReduceFromTP(group)
-        self.w1, self.w3, self.w2 = (nn.Dense(1, 1, has_bias=False) for _ in range(3))
-        self.w1.weight = _local(ref.w1.weight, 0, rank, tp)
-        self.w3.weight = _local(ref.w3.weight, 0, rank, tp)
-        self.w2.weight = _local(ref.w2.weight, 1, rank, tp)
-
-    def construct(self, x):
-        x = self.f(x)
-        return self.g(self.w2(ops.silu(self.w1(x)) * self.w3(x)))
-
-
-class _HandBlock(nn.Cell):
-    def __init__(self, ref, group, rank, tp) -> None:
-        super().__init__()
-        self.attention_norm, self.ffn_norm = ref.attention_norm, ref.ffn_norm
-        self.attention = _HandAttention(ref.attention, group, rank, tp)
-        self.feed_forward = _HandFeedForward(ref.feed_forward, group, rank, tp)
-
-    def construct(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
+def _split_dense(dense: nn.Dense, dim: int, rank: int, tp: int) -> None:
+    dense.weight = _local(dense.weight, dim, rank, tp)
 
 
 class HandTPLlama(nn.Cell):
@@ -143,7 +109,14 @@ class HandTPLlama(nn.Cell):
         self.start = rank * self.rows
         self.table = _local(ref.tok_embeddings.embedding_table, 0, rank, tp)
         self.reduce = _ReduceFromTP(group)
-        self.layers = nn.CellList([_HandBlock(layer, group, rank, tp) for layer in ref.layers])
+        for layer in ref.layers:   # heads and MLP columns split; each block half between f and g
+            attention, feed_forward = layer.attention, layer.feed_forward
+            for dense, dim in ((attention.wq, 0), (attention.wk, 0), (attention.wv, 0), (attention.wo, 1),
+                               (feed_forward.w1, 0), (feed_forward.w3, 0), (feed_forward.w2, 1)):
+                _split_dense(dense, dim, rank, tp)
+            layer.attention = _TPRegion(attention, group)
+            layer.feed_forward = _TPRegion(feed_forward, group)
+        self.layers = ref.layers
         self.norm: RMSNorm = ref.norm
         self.f = _CopyToTP(group)
         self.output = nn.Dense(1, 1, has_bias=False)

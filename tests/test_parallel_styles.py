@@ -159,18 +159,19 @@ class Transformer(nn.Cell):
         return self.head(self.norm(h))
 
 
-def transformer_plan(mesh) -> dict:
-    """Tensor parallel with sequence parallel between the blocks (PyTorch's Llama plan)."""
+def transformer_plan(mesh, defer: bool = False) -> dict:
+    """Tensor parallel with sequence parallel between the blocks (PyTorch's Llama plan);
+    ``defer``: the attention / MLP input gradients reduced once (``defer_colwise_grads``)."""
     seq, rep = Shard(1), Replicate()
     return {
         "embed": RowwiseParallel(input_layouts=rep, output_layouts=seq),
         "layers.*": {
             "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,)),
+            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,), defer_colwise_grads=defer),
             "attn.[qkv]": ColwiseParallel(),
             "attn.o": RowwiseParallel(output_layouts=seq),
             "mlp_norm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,)),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,), defer_colwise_grads=defer),
             "mlp.up": ColwiseParallel(),
             "mlp.down": RowwiseParallel(output_layouts=seq),
         },
@@ -179,12 +180,33 @@ def transformer_plan(mesh) -> dict:
     }
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer,defer", [("sgd", False), ("adamw", False), ("sgd", True), ("adamw", True)])
 @multi_rank(2)
-def test_transformer_with_sequence_parallel_on_2_ranks(optimizer):
+def test_transformer_with_sequence_parallel_on_2_ranks(optimizer, defer):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    check_parity(Transformer, lambda m: parallelize_module(m, mesh, transformer_plan(mesh)), _tokens, _nll,
+    check_parity(Transformer, lambda m: parallelize_module(m, mesh, transformer_plan(mesh, defer)), _tokens, _nll,
                  optimizer=optimizer)
+
+
+@multi_rank(2)
+def test_deferred_colwise_gradients_reduce_once_per_block_half():
+    """With defer_colwise_grads the backward of a block runs one reduce-scatter per block half
+    (after the sequence gather) instead of an all-reduce per Colwise layer."""
+    from hyper_parallel_ms.comm import CommDebugMode
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ids, onehot = _tokens(0, 1, 0)
+    counts = {}
+    for defer in (False, True):
+        ms.set_seed(0)
+        model = Transformer()
+        parallelize_module(model, mesh, transformer_plan(mesh, defer))
+        grad_fn = ms.grad(lambda i, o: _nll(model, i, o), grad_position=None, weights=model.trainable_params())
+        with CommDebugMode() as mode:
+            grad_fn(ids, onehot)
+        counts[defer] = mode.get_comm_counts()
+    # per block: attention q/k/v (3) + MLP up (1) all-reduce their input gradients without deferral
+    assert counts[False]["all_reduce"] - counts[True].get("all_reduce", 0) == 2 * 4, counts
+    assert counts[True]["reduce_scatter"] == counts[False]["reduce_scatter"] + 2 * 2, counts
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

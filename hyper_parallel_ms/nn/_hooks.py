@@ -79,9 +79,8 @@ class Conversion(nn.Cell):
         return y
 
 
-class InputHook(nn.Cell):
-    """Forward pre-hook converting the positional inputs named in ``conversions`` (position ->
-    Conversion); the other inputs pass unchanged."""
+class _PositionalConversions(nn.Cell):
+    """Conversions of some positions of a tuple (position -> Conversion); the others pass."""
 
     def __init__(self, conversions: Dict[int, Conversion]) -> None:
         super().__init__()
@@ -89,14 +88,22 @@ class InputHook(nn.Cell):
         self.convs = nn.CellList([conversions[i] for i in positions])
         self.slots = tuple(positions.index(i) if i in positions else -1 for i in range((positions or [-1])[-1] + 1))
 
-    def pre(self, cell, args):
+    def convert_tuple(self, values):
         new = ()
-        for i, x in enumerate(args):
+        for i, x in enumerate(values):
             if i < len(self.slots):
                 if self.slots[i] >= 0:
                     x = self.convs[self.slots[i]](x)
             new = new + (x,)
         return new
+
+
+class InputHook(_PositionalConversions):
+    """Forward pre-hook converting the positional inputs named in ``conversions`` (position ->
+    Conversion); the other inputs pass unchanged."""
+
+    def pre(self, cell, args):
+        return self.convert_tuple(args)
 
 
 class KwargInputHook(nn.Cell):
@@ -115,27 +122,18 @@ class KwargInputHook(nn.Cell):
         return args, kwargs
 
 
-class OutputHook(nn.Cell):
+class OutputHook(_PositionalConversions):
     """Forward hook converting the outputs named in ``conversions`` (index -> Conversion; a
     single output is index 0). ``add_bias``: the Cell's ``bias`` was added on every rank to a
     Partial result; it is taken out before the reduction and added once after it."""
 
     def __init__(self, conversions: Dict[int, Conversion], add_bias: bool = False) -> None:
-        super().__init__()
-        positions = sorted(conversions)
-        self.convs = nn.CellList([conversions[i] for i in positions])
-        self.slots = tuple(positions.index(i) if i in positions else -1 for i in range((positions or [-1])[-1] + 1))
+        super().__init__(conversions)
         self.add_bias = add_bias
 
     def post(self, cell, args, output):
         if isinstance(output, tuple):
-            new = ()
-            for i, x in enumerate(output):
-                if i < len(self.slots):
-                    if self.slots[i] >= 0:
-                        x = self.convs[self.slots[i]](x)
-                new = new + (x,)
-            return new
+            return self.convert_tuple(output)
         if self.add_bias:
             conv = self.convs[0]
             return conv.finish(conv.move(output - cell.bias) + cell.bias, output.shape)

@@ -67,6 +67,19 @@ def _collect(root: nn.Cell, mesh, plan: Plan, prefix: str, src_data_rank, out: L
             _collect(cell, mesh, value, full, src_data_rank, out)
 
 
+def _defer_colwise_grads(edits: List[ModuleEdit]) -> None:
+    """Leave out the input-gradient all-reduce of the Colwise layers inside a Cell whose
+    PrepareModuleInput reduces their summed input gradient once (their hooks keep the rest)."""
+    for outer in (e for e in edits if e.defers_colwise_grads):
+        inner = [e for e in edits if e.input_grad_reduction and (outer.path == "" or
+                                                                  e.path.startswith(outer.path + "."))]
+        if not inner:
+            raise ValueError(f"PrepareModuleInput(defer_colwise_grads=True) on '{outer.path}': no ColwiseParallel "
+                             "layer with replicated input inside it takes its input")
+        for edit in inner:
+            edit.input_grad_reduction = edit.without_grad_reduction
+
+
 def _check_conflicts(edits: List[ModuleEdit]) -> None:
     owners: Dict[int, str] = {}
     for edit in edits:
@@ -88,7 +101,7 @@ def apply_edits(edits: List[ModuleEdit]) -> None:
                 changes.set_attribute(edit.cell, name, value)
             if edit.swap_class is not None:
                 changes.swap_class(edit.cell, edit.swap_class)
-            for hook, with_kwargs in edit.pre_hooks:
+            for hook, with_kwargs in edit.pre_hooks + edit.input_grad_reduction:
                 changes.add_forward_pre_hook(edit.cell, hook, with_kwargs=with_kwargs)
             for hook in edit.post_hooks:
                 changes.add_forward_hook(edit.cell, hook)
@@ -121,5 +134,6 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     edits: List[ModuleEdit] = []
     _collect(module, device_mesh, parallelize_plan, "", src_data_rank, edits)
     _check_conflicts(edits)
+    _defer_colwise_grads(edits)
     apply_edits(edits)
     return module

@@ -51,6 +51,11 @@ class ModuleEdit:
     parameters: Dict[str, Parameter] = field(default_factory=dict)
     pre_hooks: List[Tuple[Callable, bool]] = field(default_factory=list)   # (hook, with_kwargs)
     post_hooks: List[Callable] = field(default_factory=list)
+    # a Colwise layer's all-reduce of its input gradient (Megatron's f), left out when an
+    # enclosing PrepareModuleInput(defer_colwise_grads=True) reduces the summed gradient once
+    input_grad_reduction: List[Tuple[Callable, bool]] = field(default_factory=list)
+    without_grad_reduction: List[Tuple[Callable, bool]] = field(default_factory=list)   # the same hooks, minus f
+    defers_colwise_grads: bool = False
     swap_class: Optional[type] = None
     attributes: Dict[str, Any] = field(default_factory=dict)
 
@@ -107,8 +112,6 @@ def _divisible(path: str, what: str, size: int, n: int, style: "ParallelStyle") 
 class ParallelStyle:
     """Base of the styles: :meth:`plan` returns the :class:`ModuleEdit` for one Cell."""
 
-    src_data_rank: Optional[int] = 0
-
     def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
         raise NotImplementedError(f"{type(self).__name__} does not implement plan()")
 
@@ -117,7 +120,23 @@ class ParallelStyle:
         return f"{type(self).__name__}({fields})"
 
 
-class ColwiseParallel(ParallelStyle):
+class _LayerStyle(ParallelStyle):
+    """Colwise / Rowwise: one input and one output layout (a Placement each), ``use_local_output``."""
+
+    default_input: Placement = Replicate()
+    default_output: Placement = Replicate()
+
+    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
+                 use_local_output: bool = True) -> None:
+        name = type(self).__name__
+        self.input_layouts = (_one_placement(input_layouts, f"{name} input_layouts", (Shard, Replicate),
+                                             self.default_input),)
+        self.output_layouts = (_one_placement(output_layouts, f"{name} output_layouts", (Shard, Replicate),
+                                              self.default_output),)
+        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+
+
+class ColwiseParallel(_LayerStyle):
     """Split a Dense/Linear by output features (an Embedding by embedding dim).
 
     Example::
@@ -125,14 +144,8 @@ class ColwiseParallel(ParallelStyle):
         parallelize_module(model, mesh["tp"], {"attn.q": ColwiseParallel()})
     """
 
-    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
-                 use_local_output: bool = True) -> None:
-        self.input_layouts = (_one_placement(input_layouts, "ColwiseParallel input_layouts", (Shard, Replicate),
-                                             Replicate()),)
-        self.output_layouts = (_one_placement(output_layouts, "ColwiseParallel output_layouts", (Shard, Replicate),
-                                              Shard(-1)),)
-        self.desired_input_layouts = (Replicate(),)
-        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+    default_input, default_output = Replicate(), Shard(-1)
+    desired_input_layouts = (Replicate(),)
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         n = _check_mesh(self, path, mesh)
@@ -160,13 +173,18 @@ class ColwiseParallel(ParallelStyle):
             grad = None
         if kind == "linear" or self.input_layouts != self.desired_input_layouts:
             conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad)
-            edit.pre_hooks.append((InputHook({0: conv}).pre, False))
+            if self.input_layouts == self.desired_input_layouts and grad is not None:
+                edit.input_grad_reduction.append((InputHook({0: conv}).pre, False))
+                plain = Conversion(mesh, self.input_layouts, self.desired_input_layouts)
+                edit.without_grad_reduction.append((InputHook({0: plain}).pre, False))
+            else:
+                edit.pre_hooks.append((InputHook({0: conv}).pre, False))
         edit.post_hooks.append(OutputHook({0: Conversion(mesh, (Shard(-1),), self.output_layouts,
                                                          to_dtensor=not self.use_local_output)}).post)
         return edit
 
 
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LayerStyle):
     """Split a Dense/Linear by input features (an Embedding by rows); the output is reduced.
 
     Example::
@@ -174,13 +192,7 @@ class RowwiseParallel(ParallelStyle):
         parallelize_module(model, mesh["tp"], {"attn.out": RowwiseParallel()})
     """
 
-    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
-                 use_local_output: bool = True) -> None:
-        self.input_layouts = (_one_placement(input_layouts, "RowwiseParallel input_layouts", (Shard, Replicate),
-                                             Shard(-1)),)
-        self.output_layouts = (_one_placement(output_layouts, "RowwiseParallel output_layouts", (Shard, Replicate),
-                                              Replicate()),)
-        self.use_local_output = _check_bool(use_local_output, "use_local_output")
+    default_input, default_output = Shard(-1), Replicate()
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         n = _check_mesh(self, path, mesh)
@@ -274,13 +286,22 @@ class PrepareModuleInput(ParallelStyle):
     """Convert a Cell's inputs (positional, and keyword in PyNative) from ``input_layouts`` to
     ``desired_input_layouts`` before its forward; ``None`` leaves an input alone.
 
+    ``defer_colwise_grads=True`` (an addition to PyTorch's arguments) when the replicated inputs
+    reach only ColwiseParallel layers inside the Cell (as the attention and MLP inputs of a
+    transformer do): those layers then skip their own all-reduce of the input gradient and the
+    summed gradient is reduced once here (one reduce-scatter after a sequence-parallel gather),
+    as PyTorch's DTensor and Megatron-LM do. Any other use of such an input inside the Cell would
+    get its gradient counted once per rank.
+
     Example::
 
         PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
     """
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
-                 desired_input_kwarg_layouts=None, use_local_output: bool = False) -> None:
+                 desired_input_kwarg_layouts=None, use_local_output: bool = False,
+                 defer_colwise_grads: bool = False) -> None:
+        self.defer_colwise_grads = _check_bool(defer_colwise_grads, "defer_colwise_grads")
         self.input_layouts = _layouts(input_layouts, "input_layouts")
         self.desired_input_layouts = _layouts(desired_input_layouts, "desired_input_layouts")
         if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
@@ -299,9 +320,16 @@ class PrepareModuleInput(ParallelStyle):
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
         to_dtensor = not self.use_local_output
-        convs = {i: Conversion(mesh, (src,), (dst or src,), to_dtensor=to_dtensor)
+        defer = self.defer_colwise_grads
+        convs = {i: Conversion(mesh, (src,), (dst or src,), (Partial(),) if defer and (dst or src) == Replicate()
+                               else None, to_dtensor=to_dtensor)
                  for i, (src, dst) in enumerate(zip(self.input_layouts or (), self.desired_input_layouts or ()))
                  if src is not None}
+        if defer and not any((dst or src) == Replicate() for src, dst in
+                             zip(self.input_layouts or (), self.desired_input_layouts or ()) if src is not None):
+            raise ValueError(f"PrepareModuleInput on {_where(path)}: defer_colwise_grads=True needs an input "
+                             "brought to Replicate()")
+        edit.defers_colwise_grads = defer
         if convs:
             edit.pre_hooks.append((InputHook(convs).pre, False))
         if self.input_kwarg_layouts:
@@ -349,11 +377,11 @@ class PrepareModuleInputOutput(ParallelStyle):
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
                  desired_input_kwarg_layouts=None, use_local_input: bool = False, output_layouts=None,
-                 desired_output_layouts=None, use_local_output: bool = True) -> None:
+                 desired_output_layouts=None, use_local_output: bool = True, defer_colwise_grads: bool = False) -> None:
         self.prepare_input = PrepareModuleInput(
             input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
             input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_input)
+            use_local_output=use_local_input, defer_colwise_grads=defer_colwise_grads)
         self.prepare_output = PrepareModuleOutput(output_layouts=output_layouts,
                                                   desired_output_layouts=desired_output_layouts,
                                                   use_local_output=use_local_output)

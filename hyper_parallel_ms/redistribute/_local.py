@@ -49,22 +49,26 @@ def global_shape_of(layout: Layout, local_shape: Tuple[int, ...]) -> Tuple[int, 
     return tuple(s * f for s, f in zip(local_shape, factor))
 
 
-@cached_in_python
-def _forward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
-    mesh, src, dst, _ = _PLANS[plan_id]
+def _planned(plan_id: int, local_shape: Tuple[int, ...]):
+    """(mesh, src, dst, grad_src, global shape) of a registered plan, its layouts normalised
+    for the tensor's number of dims."""
+    mesh, src, dst, grad_src = _PLANS[plan_id]
     ndim = len(local_shape)
     src, dst = src.normalized(ndim), dst.normalized(ndim)
-    shape = global_shape_of(src, tuple(local_shape))
+    grad_src = None if grad_src is None else grad_src.normalized(ndim)
+    return mesh, src, dst, grad_src, global_shape_of(src, tuple(local_shape))
+
+
+@cached_in_python
+def _forward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
+    mesh, src, dst, _, shape = _planned(plan_id, local_shape)
     return lower(plan_redistribute(src, dst, shape), mesh.get_coordinate(), shape)
 
 
 @cached_in_python
 def _backward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
-    mesh, src, dst, grad_src = _PLANS[plan_id]
-    ndim = len(local_shape)
-    src, dst = src.normalized(ndim), dst.normalized(ndim)
-    shape = global_shape_of(src, tuple(local_shape))
-    grad_from = replicate_partials(dst) if grad_src is None else grad_src.normalized(ndim)
+    mesh, src, dst, grad_src, shape = _planned(plan_id, local_shape)
+    grad_from = replicate_partials(dst) if grad_src is None else grad_src
     steps = lower(plan_redistribute(grad_from, replicate_partials(src), shape), mesh.get_coordinate(), shape)
     return steps + average_scaling(src, dst)
 
