@@ -46,13 +46,28 @@ def to_layout(mesh, placements: Sequence, ndim: int) -> Layout:
     return layout.normalized(ndim)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DTensorSpec:
-    """Where a distributed tensor lives: ``mesh``, ``layout`` (placements) and global ``shape``."""
+    """Where a distributed tensor lives: ``mesh``, ``layout`` (placements) and global ``shape``.
+    Hashable (the hash is kept: specs key the ops dispatcher's cache on every call)."""
 
     mesh: object
     layout: Layout
     shape: Tuple[int, ...]
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DTensorSpec):
+            return NotImplemented
+        return self.layout == other.layout and self.shape == other.shape and self.mesh == other.mesh
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.mesh, self.layout, self.shape))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @classmethod
     def build(cls, mesh, placements: Sequence, shape: Sequence[int]) -> "DTensorSpec":

@@ -76,6 +76,11 @@ def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
     the rule. A list of tensors (``ops.cat([a, b])``) is flattened into consecutive inputs."""
     attrs: tuple = ()
     pack: Any = tuple
+    for a in args:             # the common case first: no packed arguments
+        if isinstance(a, (Primitive, list, tuple)):
+            break
+    else:
+        return args, pack, attrs
     if len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[2], tuple):
         prim, name = args[0], args[1]
         attrs = tuple(sorted((k, v) for k, v in prim.attrs.items() if isinstance(v, (int, float, str, bool, tuple))))
@@ -113,12 +118,13 @@ class _Decision:
     inplace: bool = False                      # the op updates argument 0, which is the result
     local_fn: Optional[Any] = None             # runs instead of the op on the local inputs
     verified: bool = False                     # the rule's local shapes were checked once
+    passthrough: bool = False                  # no argument needs redistribution or a gradient Cell
 
 
 def dispatch(func, args: tuple, kwargs: dict):
     """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring)."""
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
-    inputs, rebuild, attrs = _call_form(tuple(args))
+    inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args))
     mesh, signature = None, []
     ignored = ignored_args(name)
     for i, a in enumerate(inputs):
@@ -131,7 +137,7 @@ def dispatch(func, args: tuple, kwargs: dict):
             elif spec.mesh is not mesh and spec.mesh != mesh:
                 raise ValueError(f"{name}: argument {i} lives on {spec.mesh!r}, an earlier one on {mesh!r}; "
                                  "DTensors of one op must share a mesh")
-            signature.append((spec.layout, spec.shape))
+            signature.append(spec)
         elif isinstance(a, Tensor):
             if _STRICT[-1]:
                 raise TypeError(f"{name}: argument {i} is a plain Tensor of shape {tuple(a.shape)} next to "
@@ -152,8 +158,11 @@ def dispatch(func, args: tuple, kwargs: dict):
                            kwargs, attrs, mesh)
         if key is not None:
             _CACHE[key] = decision
-    local_inputs = [_prepare(a, need, cell, mesh) for a, need, cell in
-                    zip(inputs, decision.needs, decision.grad_cells)]
+    if decision.passthrough:  # every argument already as the rule needs it: pass the DTensors themselves
+        local_inputs = inputs
+    else:
+        local_inputs = [_prepare(a, need, cell, mesh) for a, need, cell in
+                        zip(inputs, decision.needs, decision.grad_cells)]
     if decision.arg_overrides is not None:
         local_inputs = [a if o is None else o for a, o in zip(local_inputs, decision.arg_overrides)]
     if decision.inplace:  # MindSpore's CPU in-place kernels reject strided views as sources
@@ -200,9 +209,13 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
     coord = mesh.get_coordinate()
     specs = tuple(DTensorSpec(mesh, layout, shape) for layout, shape in sharding.outputs)
     overrides = None if sharding.local_args is None else tuple(sharding.local_args(coord))
+    passthrough = not sharding.inplace and overrides is None and all(
+        cell is None and (not isinstance(d, TensorArg) or (need is d.layout if d.is_dtensor else need.is_replicated()))
+        for d, need, cell in zip(described, needs, cells))
     return _Decision(tuple(needs), tuple(cells), specs,
                      tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
-                     sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord))
+                     sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord),
+                     passthrough=passthrough)
 
 
 def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):
@@ -231,6 +244,8 @@ def _prepare(arg, need: Optional[Layout], cell, mesh):
 
 
 def _wrap(out, decision: _Decision, name: str):
+    if decision.verified and type(out) is Tensor:   # the common case: one output, its rule checked before
+        return DTensor._adopt(out, decision.out_specs[0])
     single = isinstance(out, Tensor)
     results = (out,) if single else tuple(out)
     if len(results) != len(decision.out_specs):
