@@ -94,6 +94,12 @@ def _cases(mesh, mesh2d):
          "['bias', 'mask']"),
         ("output layouts without desired layouts", lambda m: PrepareModuleOutput(
             output_layouts=rep, desired_output_layouts=None), ValueError, "same length"),
+        ("deferred gradients without a replicated input", lambda m: PrepareModuleInput(
+            input_layouts=(rep,), desired_input_layouts=(seq,), defer_colwise_grads=True), ValueError,
+         "brought to Replicate()"),
+        ("deferred gradients with no Colwise layer inside", lambda m: parallelize_module(m, mesh, {
+            "": PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(rep,), defer_colwise_grads=True),
+            "down": RowwiseParallel()}), ValueError, "no ColwiseParallel layer"),
         ("input layout not a Placement", lambda m: PrepareModuleInput(
             input_layouts=("S1",), desired_input_layouts=(rep,)), TypeError, "Placement or None"),
         ("unknown parameter in a ShardingPlan", lambda m: shard_module(m, mesh, ShardingPlan(

@@ -23,7 +23,7 @@ def test_example_trains_on_2_ranks(mode):
     _train(tp=2, mode=mode)
 
 
-@pytest.mark.parametrize("mode", ["jit", "pynative"])
+@pytest.mark.parametrize("mode", ["jit", "graph", "pynative"])
 @multi_rank(4, timeout=600)
 def test_example_trains_on_4_ranks_dp_x_tp(mode):
     _train(dp=2, tp=2, mode=mode)

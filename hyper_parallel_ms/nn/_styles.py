@@ -273,6 +273,11 @@ def _layouts(value, what: str) -> Optional[Tuple[Optional[Placement], ...]]:
     return tuple(entries)
 
 
+def _converted(layouts, desired) -> List[Tuple[int, Placement, Placement]]:
+    """(position, from, to) for the positions with a layout (``None`` desired: keep it)."""
+    return [(i, src, dst or src) for i, (src, dst) in enumerate(zip(layouts or (), desired or ())) if src is not None]
+
+
 def _kwarg_layouts(value, what: str) -> Dict[str, Placement]:
     if value is None:
         return {}
@@ -315,21 +320,17 @@ class PrepareModuleInput(ParallelStyle):
             raise ValueError(f"input_kwarg_layouts and desired_input_kwarg_layouts must name the same keywords; "
                              f"only one names {sorted(missing)}")
         self.use_local_output = _check_bool(use_local_output, "use_local_output")
+        if self.defer_colwise_grads and not any(dst == Replicate() for _, _, dst in
+                                                _converted(self.input_layouts, self.desired_input_layouts)):
+            raise ValueError("PrepareModuleInput(defer_colwise_grads=True) needs an input brought to Replicate()")
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         _check_mesh(self, path, mesh)
-        edit = ModuleEdit(path, cell)
+        edit = ModuleEdit(path, cell, defers_colwise_grads=self.defer_colwise_grads)
         to_dtensor = not self.use_local_output
-        defer = self.defer_colwise_grads
-        convs = {i: Conversion(mesh, (src,), (dst or src,), (Partial(),) if defer and (dst or src) == Replicate()
+        convs = {i: Conversion(mesh, (src,), (dst,), (Partial(),) if self.defer_colwise_grads and dst == Replicate()
                                else None, to_dtensor=to_dtensor)
-                 for i, (src, dst) in enumerate(zip(self.input_layouts or (), self.desired_input_layouts or ()))
-                 if src is not None}
-        if defer and not any((dst or src) == Replicate() for src, dst in
-                             zip(self.input_layouts or (), self.desired_input_layouts or ()) if src is not None):
-            raise ValueError(f"PrepareModuleInput on {_where(path)}: defer_colwise_grads=True needs an input "
-                             "brought to Replicate()")
-        edit.defers_colwise_grads = defer
+                 for i, src, dst in _converted(self.input_layouts, self.desired_input_layouts)}
         if convs:
             edit.pre_hooks.append((InputHook(convs).pre, False))
         if self.input_kwarg_layouts:
@@ -359,9 +360,8 @@ class PrepareModuleOutput(ParallelStyle):
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
-        convs = {i: Conversion(mesh, (src,), (dst or src,), to_dtensor=not self.use_local_output)
-                 for i, (src, dst) in enumerate(zip(self.output_layouts, self.desired_output_layouts))
-                 if src is not None}
+        convs = {i: Conversion(mesh, (src,), (dst,), to_dtensor=not self.use_local_output)
+                 for i, src, dst in _converted(self.output_layouts, self.desired_output_layouts)}
         edit.post_hooks.append(OutputHook(convs).post)
         return edit
 
