@@ -9,8 +9,8 @@ the conversion's source layout and unwrapped, and an output may be wrapped as a 
 
 Example::
 
-    hook = InputHook(mesh, {0: (Replicate(), Replicate(), Partial())})
-    dense.register_forward_pre_hook(hook.pre)
+    f = Conversion(mesh, (Replicate(),), (Replicate(),), grad=(Partial(),))   # Megatron's f
+    dense.register_forward_pre_hook(InputHook({0: f}).pre)
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..dtensor import DTensor
 from ..layout import Layout
 from ..redistribute import LocalRedistribute, global_shape_of
 
-__all__ = ["Conversion", "InputHook", "OutputHook", "masked_rows_class"]
+__all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class"]
 
 _LAYOUTS: List[Tuple[object, Layout, Layout]] = []
 
