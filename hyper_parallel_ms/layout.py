@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+from math import prod
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 from .placement import Partial, Placement, Replicate, Shard
@@ -240,6 +241,17 @@ class Layout:
                      for d in range(ndim))
 
     # ------------------------------------------------------------- arithmetic
+    def even_global_shape(self, local_shape: Sequence[int]) -> Shape:
+        """The global shape whose even pieces have ``local_shape`` (as ``DTensor.from_local``
+        assumes without ``shape=``).
+
+        Example:
+            >>> Layout((2, 2), (Shard(0), Shard(1))).even_global_shape((3, 4))
+            (6, 8)
+        """
+        return tuple(s * prod(self.mesh_shape[a] for a in axes)
+                     for s, axes in zip(local_shape, self.sharding_axes(len(local_shape))))
+
     def local_shape(self, global_shape: Sequence[int], coordinate: Sequence[int]) -> Shape:
         """Shape of the piece held by the rank at mesh ``coordinate``."""
         return self._local_box(global_shape, coordinate)[1]

@@ -9,16 +9,16 @@ import pytest
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
-from hyper_parallel_ms.redistribute import LocalRedistribute, global_shape_of
+from hyper_parallel_ms.redistribute import LocalRedistribute
 from hyper_parallel_ms.testing import multi_rank
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 
 
 def test_global_shape_of_even_pieces():
-    assert global_shape_of(Layout((2, 2), (S0, S1)), (3, 4)) == (6, 8)
-    assert global_shape_of(Layout((2, 2), (S1, S1)), (3, 4)) == (3, 16)
-    assert global_shape_of(Layout((4,), (R,)), (5,)) == (5,)
+    assert Layout((2, 2), (S0, S1)).even_global_shape((3, 4)) == (6, 8)
+    assert Layout((2, 2), (S1, S1)).even_global_shape((3, 4)) == (3, 16)
+    assert Layout((4,), (R,)).even_global_shape((5,)) == (5,)
 
 
 def _cases():

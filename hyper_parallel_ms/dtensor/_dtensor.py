@@ -89,8 +89,7 @@ class DTensor(Tensor):
         layout = to_layout(device_mesh, placements, local.ndim)
         local_shape = tuple(local.shape)
         if shape is None:
-            axes = layout.sharding_axes(local.ndim)
-            shape = tuple(s * prod(device_mesh.shape[a] for a in ax) for s, ax in zip(local_shape, axes))
+            shape = layout.even_global_shape(local_shape)
         else:
             shape = tuple(shape)
             if len(shape) != local.ndim:

@@ -14,40 +14,37 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict
 
 from mindspore import nn, ops
 
 from .._jit import is_compiling, run_in_python
 from ..dtensor import DTensor
 from ..layout import Layout
-from ..redistribute import LocalRedistribute, global_shape_of
+from ..redistribute import LocalRedistribute, plan_layouts
 
 __all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class"]
-
-_LAYOUTS: List[Tuple[object, Layout, Layout]] = []
-
 
 @run_in_python
 def _in_graph() -> bool:
     return is_compiling()
 
 
-def _unwrap(x, conversion_id: int):
+def _unwrap(x, plan_id: int):
     """PyNative: a DTensor arrives as its piece in the conversion's source layout."""
     if isinstance(x, DTensor):
-        mesh, src, _ = _LAYOUTS[conversion_id]
+        mesh, src, _ = plan_layouts(plan_id)
         return x.redistribute(mesh, src.normalized(x.ndim)).to_local()
     return x
 
 
-def _wrap(x, conversion_id: int, source_shape):
+def _wrap(x, plan_id: int, source_shape):
     """PyNative: the piece as a DTensor in the conversion's target layout, its global shape
     taken from the source piece's (graphs keep it local)."""
     if _in_graph():
         return x
-    mesh, src, dst = _LAYOUTS[conversion_id]
-    shape = global_shape_of(src.normalized(len(source_shape)), tuple(source_shape))
+    mesh, src, dst = plan_layouts(plan_id)
+    shape = src.even_global_shape(source_shape)
     return DTensor.from_local(x, mesh, dst.normalized(x.ndim), shape=shape)
 
 
@@ -61,21 +58,19 @@ class Conversion(nn.Cell):
 
     def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False) -> None:
         super().__init__()
-        src_layout, dst_layout = _layout(mesh, src), _layout(mesh, dst)
-        self.move = LocalRedistribute(mesh, src_layout, dst_layout, None if grad is None else _layout(mesh, grad))
-        self.conversion_id = len(_LAYOUTS)
-        _LAYOUTS.append((mesh, src_layout, dst_layout))
+        self.move = LocalRedistribute(mesh, _layout(mesh, src), _layout(mesh, dst),
+                                      None if grad is None else _layout(mesh, grad))
         self.to_dtensor = to_dtensor
 
     def construct(self, x):
-        x = _unwrap(x, self.conversion_id)
+        x = _unwrap(x, self.move.plan_id)
         return self.finish(self.move(x), x.shape)
 
     def finish(self, y, source_shape):
         """``y`` (already moved) as the result: wrapped as a DTensor if asked; ``source_shape``
         is the local shape before the move."""
         if self.to_dtensor:
-            return _wrap(y, self.conversion_id, source_shape)
+            return _wrap(y, self.move.plan_id, source_shape)
         return y
 
 

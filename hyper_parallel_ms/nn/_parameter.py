@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Tuple
 from mindspore import Parameter, Tensor
 
 from ..dtensor import DTensor, distribute_tensor
+from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
 
 __all__ = ["ParameterSharding", "parameter_sharding", "as_dtensor", "sharded_parameter"]
@@ -47,7 +48,7 @@ def as_dtensor(param: Parameter) -> DTensor:
     if sharding is None:
         raise ValueError(f"parameter {param.name!r} has no sharding: it was not placed by a parallel style")
     spec = sharding.spec
-    return DTensor.from_local(Tensor._make_subclass(Tensor, param), spec.mesh, spec.layout, shape=spec.shape)
+    return DTensor.from_local(_local_view(param), spec.mesh, spec.layout, shape=spec.shape)
 
 
 def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_rank: Optional[int] = 0,

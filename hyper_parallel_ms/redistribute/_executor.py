@@ -25,8 +25,8 @@ from ..layout import Layout, chunk_offsets, chunk_sizes
 from ..placement import Replicate
 from ._planner import Step, plan_redistribute
 
-__all__ = ["lower", "execute", "step_cells", "Redistribution", "redistribution", "replicate_partials",
-           "average_scaling"]
+__all__ = ["lower", "lowered_steps", "execute", "step_cells", "Redistribution", "redistribution",
+           "replicate_partials", "average_scaling"]
 
 # (kind, mesh_dim, dim, other_dim, sizes, op, offset, length)
 LocalStep = Tuple[str, int, int, int, Tuple[int, ...], str, int, int]
@@ -129,22 +129,27 @@ class Redistribution(nn.Cell):
         return (dout,)
 
 
-@functools.lru_cache(maxsize=1024)
-def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
-                   grad_src: Layout = None) -> Redistribution:
-    """The cached Cell moving a tensor of global ``shape`` from ``src`` to ``dst`` on ``mesh``.
-
-    Its gradient arrives laid out as ``grad_src`` (default: ``dst`` with Partial as
-    Replicate) and leaves as ``src`` with Partial as Replicate, divided by the group size on
-    the mesh dims where a Partial(avg) was averaged.
-    """
-    coordinate = mesh.get_coordinate()
+def lowered_steps(src: Layout, dst: Layout, shape: Tuple[int, ...], coordinate: Tuple[int, ...],
+                  grad_src: Layout = None) -> Tuple[Tuple[LocalStep, ...], ...]:
+    """This rank's (forward, backward, scaling) steps moving a tensor of global ``shape`` from
+    ``src`` to ``dst``. The gradient arrives as ``grad_src`` (default: ``dst`` with Partial as
+    Replicate); the backward steps bring it to ``src`` with Partial as Replicate, and the
+    scaling steps divide it by the group size on the mesh dims where a Partial(avg) was averaged."""
     forward = lower(plan_redistribute(src, dst, shape), coordinate, shape)
     grad_from = replicate_partials(dst) if grad_src is None else grad_src
     backward = lower(plan_redistribute(grad_from, replicate_partials(src), shape), coordinate, shape)
+    return forward, backward, average_scaling(src, dst)
+
+
+@functools.lru_cache(maxsize=1024)
+def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
+                   grad_src: Layout = None) -> Redistribution:
+    """The cached Cell moving a tensor of global ``shape`` from ``src`` to ``dst`` on ``mesh``,
+    with the backward of :func:`lowered_steps`."""
+    forward, backward, scaling = lowered_steps(src, dst, shape, mesh.get_coordinate(), grad_src)
     extremum = any(p.is_partial() and p.reduce_op in ("max", "min") and q != p
                    for p, q in zip(src.placements, dst.placements))
-    return Redistribution(mesh, forward, backward + average_scaling(src, dst), backward if extremum else None)
+    return Redistribution(mesh, forward, backward + scaling, backward if extremum else None)
 
 
 def average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:

@@ -22,10 +22,9 @@ from mindspore import nn
 
 from .._jit import cached_in_python
 from ..layout import Layout
-from ._executor import LocalStep, average_scaling, lower, replicate_partials, step_cells
-from ._planner import plan_redistribute
+from ._executor import lowered_steps, step_cells
 
-__all__ = ["LocalRedistribute", "global_shape_of"]
+__all__ = ["LocalRedistribute", "plan_layouts"]
 
 _PLANS: List[tuple] = []
 _IDS: Dict[tuple, int] = {}
@@ -39,48 +38,22 @@ def _plan_id(mesh, src: Layout, dst: Layout, grad_src: Optional[Layout]) -> int:
     return _IDS[key]
 
 
-def global_shape_of(layout: Layout, local_shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    """The global shape whose even pieces under ``layout`` have ``local_shape``."""
-    layout = layout.normalized(len(local_shape))
-    factor = [1] * len(local_shape)
-    for axis, p in enumerate(layout.placements):
-        if p.is_shard():
-            factor[p.dim] *= layout.mesh_shape[axis]
-    return tuple(s * f for s, f in zip(local_shape, factor))
+def plan_layouts(plan_id: int) -> Tuple[object, Layout, Layout]:
+    """(mesh, src, dst) of a registered plan."""
+    return _PLANS[plan_id][:3]
 
 
-def _planned(plan_id: int, local_shape: Tuple[int, ...]):
-    """(mesh, src, dst, grad_src, global shape) of a registered plan, its layouts normalised
-    for the tensor's number of dims."""
+@cached_in_python
+def _cells(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[tuple, tuple]:
+    """The (forward, backward) step Cells for a piece of ``local_shape`` (layouts normalised
+    for its number of dims, the global shape read as even pieces)."""
     mesh, src, dst, grad_src = _PLANS[plan_id]
     ndim = len(local_shape)
     src, dst = src.normalized(ndim), dst.normalized(ndim)
-    grad_src = None if grad_src is None else grad_src.normalized(ndim)
-    return mesh, src, dst, grad_src, global_shape_of(src, tuple(local_shape))
-
-
-@cached_in_python
-def _forward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
-    mesh, src, dst, _, shape = _planned(plan_id, local_shape)
-    return lower(plan_redistribute(src, dst, shape), mesh.get_coordinate(), shape)
-
-
-@cached_in_python
-def _backward_steps(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
-    mesh, src, dst, grad_src, shape = _planned(plan_id, local_shape)
-    grad_from = replicate_partials(dst) if grad_src is None else grad_src
-    steps = lower(plan_redistribute(grad_from, replicate_partials(src), shape), mesh.get_coordinate(), shape)
-    return steps + average_scaling(src, dst)
-
-
-@cached_in_python
-def _forward_cells(plan_id: int, local_shape: Tuple[int, ...]) -> tuple:
-    return tuple(step_cells(_PLANS[plan_id][0], _forward_steps(plan_id, local_shape)))
-
-
-@cached_in_python
-def _backward_cells(plan_id: int, local_shape: Tuple[int, ...]) -> tuple:
-    return tuple(step_cells(_PLANS[plan_id][0], _backward_steps(plan_id, local_shape)))
+    shape = src.even_global_shape(local_shape)
+    forward, backward, scaling = lowered_steps(src, dst, shape, mesh.get_coordinate(),
+                                               None if grad_src is None else grad_src.normalized(ndim))
+    return tuple(step_cells(mesh, forward)), tuple(step_cells(mesh, backward + scaling))
 
 
 class LocalRedistribute(nn.Cell):
@@ -93,11 +66,11 @@ class LocalRedistribute(nn.Cell):
         self.plan_id = _plan_id(mesh, src, dst, grad_src)
 
     def construct(self, x):
-        for cell in _forward_cells(self.plan_id, x.shape):
+        for cell in _cells(self.plan_id, x.shape)[0]:
             x = cell(x)
         return x
 
     def bprop(self, x, out, dout):
-        for cell in _backward_cells(self.plan_id, x.shape):
+        for cell in _cells(self.plan_id, x.shape)[1]:
             dout = cell(dout)
         return (dout,)
