@@ -1,8 +1,8 @@
 """The parallel styles, the Ascend-only kernels on DTensors and the training example on
 Ascend NPUs. Needs ``HPMS_TEST_DEVICE=Ascend`` and 4 NPUs; on CPU it is skipped and its CPU
-twins run: ``test_parallel_styles.py`` (same parity checks), ``test_ops.py`` (the rules of
-StackExt / RmsNorm / LayerNormExt / FuncDropoutExt with CPU kernels standing in) and
-``test_train_example.py``."""
+twins run: ``test_parallel_styles.py`` (same parity checks), ``test_ops_views.py`` and
+``test_ops_layers.py`` (the rules of StackExt / RmsNorm / LayerNormExt / FuncDropoutExt with CPU
+kernels standing in) and ``test_train_example.py``."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,8 @@ from hyper_parallel_ms.testing import multi_rank
 pytestmark = [pytest.mark.npu,
               pytest.mark.skipif(os.environ.get("HPMS_TEST_DEVICE") != "Ascend",
                                  reason="needs Ascend NPUs (HPMS_TEST_DEVICE=Ascend); CPU twins: "
-                                        "test_parallel_styles.py, test_ops.py, test_train_example.py")]
+                                        "test_parallel_styles.py, test_ops_views.py, test_ops_layers.py, "
+                                        "test_train_example.py")]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

@@ -1,0 +1,165 @@
+"""Layers' ops on DTensors: layer norm / rms_norm (CPU twins of the Ascend-only kernels),
+embedding lookups, in-place updates, dropout; against the single-device computation."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.testing import multi_rank
+from tests._ops_check import S0, S1, S2, P, R, _on_dtensors, _rand, check_op
+
+
+def _layer_norm_fn():
+    norm = nn.LayerNorm((2,), begin_norm_axis=-1, begin_params_axis=-1)
+
+    def run(a):
+        return norm(a)
+    return run
+
+
+@multi_rank(4)
+def test_layer_norm_and_embedding():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a = _rand(4, 6, 2)
+    check_op(mesh, _layer_norm_fn(), [a], [[S0, S1]], [S0, S1])      # sequence-parallel style: no comm
+    check_op(mesh, _layer_norm_fn(), [a], [[S2, P]], [R, R])         # normalised dim gathered, partial reduced
+    table, ids = _rand(10, 8), np.array([[1, 7, 3], [9, 0, 2]], np.int32)
+    ids_dt = distribute_tensor(ms.Tensor(ids), mesh, [R, R], src_data_rank=None)
+    for placements, expect in [([R, S1], (R, S2)), ([R, R], (R, R)), ([S0, R], (P, R)), ([S0, S1], (P, S2)),
+                               ([R, S0], (R, P))]:
+        table_dt = distribute_tensor(ms.Tensor(table), mesh, placements)
+        out = ops.gather(table_dt, ids_dt, 0)
+        assert out.placements == expect
+        np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
+        w = np.random.default_rng(3).standard_normal((2, 3, 8)).astype(np.float32)
+
+        def loss(local):
+            t = DTensor.from_local(local, mesh, table_dt.layout, shape=(10, 8))
+            return (ops.gather(t, ids_dt, 0).full_tensor() * ms.Tensor(w)).sum()
+        want = np.zeros_like(table)
+        np.add.at(want, ids, w)
+        grad = ms.grad(loss)(table_dt.to_local())
+        np.testing.assert_allclose(grad.asnumpy(), want[table_dt.layout.local_slices((10, 8), mesh.get_coordinate())],
+                                   rtol=1e-5, atol=1e-5)
+    uneven = _rand(7, 8)                                             # 7 rows on 2 ranks: 4 and 3
+    out = ops.gather(distribute_tensor(ms.Tensor(uneven), mesh, [R, S0]), ms.Tensor(ids % 7), 0)  # plain ids
+    assert out.placements == (R, P)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), uneven[ids % 7])
+    sharded_ids = distribute_tensor(ms.Tensor(ids), mesh, [S0, R], src_data_rank=None)
+    out = ops.gather(distribute_tensor(ms.Tensor(table), mesh, [R, S1]), sharded_ids, 0)
+    assert out.placements == (S0, S2)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
+
+
+@multi_rank(2)
+def test_inplace_updates_keep_the_dtensor():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    g = _rand(4, 6)
+    for placements in ([S0], [P], [R]):
+        acc = distribute_tensor(ms.Tensor(np.zeros((4, 6), np.float32)), mesh, placements)
+        grad = distribute_tensor(ms.Tensor(g), mesh, placements)
+        same = acc
+        acc += grad
+        acc.add_(grad)
+        acc.mul_(0.5)
+        assert acc is same and isinstance(acc, DTensor) and acc.placements == tuple(placements)
+        np.testing.assert_allclose(acc.full_tensor().asnumpy(), g, rtol=1e-6)
+        acc.add_(distribute_tensor(ms.Tensor(g), mesh, [R]))            # another layout: brought to acc's
+        np.testing.assert_allclose(acc.full_tensor().asnumpy(), 2 * g, rtol=1e-6)
+        acc.copy_(distribute_tensor(ms.Tensor(3 * g), mesh, [S1]))
+        assert acc.placements == tuple(placements)
+        np.testing.assert_allclose(acc.full_tensor().asnumpy(), 3 * g, rtol=1e-6)
+
+
+def _rms_norm_cpu(x, gamma, eps):
+    rstd = ops.rsqrt((x * x).mean(-1, keep_dims=True) + eps)
+    return x * rstd * gamma, rstd
+
+
+def _layer_norm_ext_cpu(x, normalized_shape, weight, bias, eps):
+    mean = x.mean(-1, keep_dims=True)
+    rstd = ops.rsqrt(((x - mean) ** 2).mean(-1, keep_dims=True) + eps)
+    return (x - mean) * rstd * weight + bias, mean, rstd
+
+
+_rms_norm = _on_dtensors("RmsNorm", _rms_norm_cpu)
+_layer_norm_ext = _on_dtensors("LayerNormExt", _layer_norm_ext_cpu)
+
+
+def _rms(x, gamma):
+    return _rms_norm(x, gamma, 1e-6)[0]
+
+
+def _layer_norm_mint(x, weight, bias):
+    return _layer_norm_ext(x, (x.shape[-1],), weight, bias, 1e-5)[0]
+
+
+@multi_rank(4)
+def test_rms_norm_and_mint_layer_norm_cpu_twins():
+    """The RmsNorm / LayerNormExt rules with CPU kernels standing in for the Ascend-only ones."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, g, bias = _rand(4, 3, 6), _rand(6, seed=1), _rand(6, seed=2)
+    check_op(mesh, _rms, [x, g], [[S0, S1], [R, R]], [S0, S1])
+    check_op(mesh, _rms, [x, g], [[S2, P], [R, R]], [R, R])          # the normalised dim gathered, Partial reduced
+    check_op(mesh, _layer_norm_mint, [x, g, bias], [[S1, S2], [R, S0], [R, R]], [S1, R])
+
+
+@multi_rank(2)
+def test_dropout_masks_follow_placements():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ones = ms.Tensor(np.ones((8, 6), np.float32))
+
+    def both_pieces(dt):  # rank 0's and rank 1's local pieces, side by side
+        return DTensor.from_local(dt.to_local(), mesh, [S0]).full_tensor().asnumpy().reshape(2, -1)
+
+    for dropout in (lambda t: ops.dropout(t, p=0.5), nn.Dropout(p=0.5).set_train()):
+        replicated = dropout(distribute_tensor(ones, mesh, [R]))
+        assert replicated.placements == (R,)
+        pieces = both_pieces(replicated)
+        np.testing.assert_array_equal(pieces[0], pieces[1])           # replicas draw the same mask
+        assert set(np.unique(pieces)) <= {0.0, 2.0} and 0.0 in pieces and 2.0 in pieces
+        sharded = dropout(distribute_tensor(ones, mesh, [S0]))
+        assert sharded.placements == (S0,)
+        pieces = both_pieces(sharded)
+        assert not np.array_equal(pieces[0], pieces[1])               # pieces draw independent masks
+        partial = dropout(DTensor.from_local(ones, mesh, [P]))
+        assert partial.placements == (R,)                              # the sum is dropped, not its parts
+        assert set(np.unique(partial.to_local().asnumpy())) <= {0.0, 4.0}
+    ms.set_seed(5)
+    seeded = [ops.dropout(distribute_tensor(ones, mesh, [R]), p=0.5).to_local().asnumpy() for _ in range(2)]
+    assert not np.array_equal(seeded[0], seeded[1])                   # consecutive calls draw new masks
+    x = distribute_tensor(ones * 3.0, mesh, [S1])
+
+    def loss(local):
+        return (ops.dropout(DTensor.from_local(local, mesh, [S1], shape=(8, 6)), p=0.5).to_local() * 5.0).sum()
+    grad = ms.grad(loss)(x.to_local()).asnumpy()      # kept positions, scaled by 1 / keep_prob
+    assert set(np.unique(grad)) <= {0.0, 10.0} and 10.0 in grad and 0.0 in grad
+
+
+def _func_dropout_ext_cpu(x, p, training, inplace, seed, offset):
+    return ops.Dropout(1.0 - p, 0, int(seed.asnumpy()) % 2 ** 31)(x)[0]
+
+
+@multi_rank(2)
+def test_mint_dropout_rule_cpu_twin():
+    """``FuncDropoutExt`` (Ascend-only kernel) with a CPU dropout standing in for it."""
+    from hyper_parallel_ms.ops._rules import random as random_rules
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    original = random_rules.func_dropout_ext_op
+    random_rules.func_dropout_ext_op = _func_dropout_ext_cpu
+    try:
+        kernel = _on_dtensors("FuncDropoutExt", _func_dropout_ext_cpu)
+        seed, offset = ms.Tensor(11, ms.int64), ms.Tensor(0, ms.int64)
+        ones = ms.Tensor(np.ones((8, 6), np.float32))
+        out = {}
+        for placement in (R, S0):
+            y = kernel(distribute_tensor(ones, mesh, [placement]), 0.5, True, False, seed, offset)
+            assert y.placements == (placement,)
+            out[placement] = DTensor.from_local(y.to_local(), mesh, [S0]).full_tensor().asnumpy().reshape(2, -1)
+        np.testing.assert_array_equal(out[R][0], out[R][1])
+        assert not np.array_equal(out[S0][0], out[S0][1])
+    finally:
+        random_rules.func_dropout_ext_op = original
