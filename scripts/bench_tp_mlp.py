@@ -7,14 +7,12 @@ Usage: .venv/bin/python scripts/bench_tp_mlp.py [--ranks 2,4] [--dim 512] [--hid
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from bench_tp_step import _CopyToTP, _ReduceFromTP
+from bench_tp_step import _CopyToTP, _ReduceFromTP, time_steps
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from hyper_parallel_ms.testing import run_on_ranks, shutdown_pools
@@ -74,14 +72,7 @@ def run_case(impl: str, mode: str, dim: int, hidden: int, tokens: int, steps: in
     cell = _Step(model)
     step = ms.jit(cell.construct) if mode == "jit" else cell
     x = ms.Tensor(np.random.default_rng(0).standard_normal((tokens, dim)).astype(np.float32))
-    first = float(step(x).asnumpy())
-    step(x).asnumpy()
-    times = []
-    for _ in range(steps):
-        began = time.perf_counter()
-        step(x).asnumpy()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times), first
+    return time_steps(step, (x,), steps, warmup=1)
 
 
 def main() -> None:

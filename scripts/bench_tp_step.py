@@ -173,14 +173,19 @@ def run_case(cfg: TrainConfig, impl: str, mode: str, steps: int):
         model = ref
     cell = _Step(model, reducer)
     step = ms.jit(cell.construct) if mode == "jit" else cell
-    ids, onehot = batch(cfg, 0)
-    first = float(step(ids, onehot).asnumpy())
-    for _ in range(2):
-        step(ids, onehot).asnumpy()
+    return time_steps(step, batch(cfg, 0), steps, warmup=2)
+
+
+def time_steps(step, inputs: tuple, steps: int, warmup: int):
+    """(median seconds per step, first loss): one step for the loss, ``warmup`` more, then
+    ``steps`` timed ones (each waits for its loss)."""
+    first = float(step(*inputs).asnumpy())
+    for _ in range(warmup):
+        step(*inputs).asnumpy()
     times = []
     for _ in range(steps):
         began = time.perf_counter()
-        step(ids, onehot).asnumpy()
+        step(*inputs).asnumpy()
         times.append(time.perf_counter() - began)
     return statistics.median(times), first
 
