@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 from ...layout import Layout
-from ...placement import Placement
+from ...placement import Placement, Replicate
 
-__all__ = ["layout_like", "replicate_all", "ring_cost"]
+__all__ = ["layout_like", "replicate_all", "whole_and_reduced", "ring_cost"]
 
 
 def layout_like(template: Layout, placements: Sequence[Placement],
@@ -25,6 +25,14 @@ def layout_like(template: Layout, placements: Sequence[Placement],
 def replicate_all(template: Layout) -> Layout:
     """Every mesh dim Replicate."""
     return Layout.replicated(template.mesh_shape, template.mesh_dim_names)
+
+
+def whole_and_reduced(layout: Layout, dims, ndim: int) -> Layout:
+    """``layout`` with tensor ``dims`` gathered and Partial values reduced, for ops that need
+    whole values along some dims (softmax, norms) or whole values at all (dropout)."""
+    dims = set(dims)
+    return layout_like(layout, [Replicate() if (p.is_shard() and p.dim in dims) or p.is_partial() else p
+                                for p in layout.placements], ndim=ndim)
 
 
 def ring_cost(src: Placement, dst: Placement, n: int) -> float:

@@ -26,7 +26,7 @@ from mindspore import ops
 from ...placement import Partial, Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like, replicate_all
+from ._common import layout_like, replicate_all, whole_and_reduced
 
 __all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "inplace_rule"]
 
@@ -36,8 +36,7 @@ def _norm(schema: OpSchema, axis: int, statistics: int) -> OutputSharding:
     output plus ``statistics`` outputs of shape ``x.shape[:axis] + (1, ...)``."""
     x = schema.args[0]
     axis %= x.ndim
-    need = [Replicate() if (p.is_shard() and p.dim >= axis) or p.is_partial() else p for p in x.layout.placements]
-    layout = layout_like(x.layout, need, ndim=x.ndim)
+    layout = whole_and_reduced(x.layout, range(axis, x.ndim), x.ndim)
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     rep = replicate_all(x.layout)
     inputs = (layout,) + tuple(rep if isinstance(a, TensorArg) else None

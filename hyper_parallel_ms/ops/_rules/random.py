@@ -21,10 +21,9 @@ from typing import Tuple
 from mindspore import ops
 from mindspore.ops.auto_generate import func_dropout_ext_op
 
-from ...placement import Replicate
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like
+from ._common import whole_and_reduced
 
 __all__ = ["dropout_rule", "piece_index"]
 
@@ -43,8 +42,7 @@ def piece_index(layout, coord: Tuple[int, ...]) -> int:
 
 def _layout(schema: OpSchema):
     x = schema.args[0]
-    need = [Replicate() if p.is_partial() else p for p in x.layout.placements]
-    return layout_like(x.layout, need, ndim=x.ndim)
+    return whole_and_reduced(x.layout, (), x.ndim)
 
 
 @register_sharding("Dropout", ignored_args=(2, 3))

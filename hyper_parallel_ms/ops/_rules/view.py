@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like
+from ._common import layout_like, whole_and_reduced
 
 __all__ = ["reshape_target", "split_sizes"]
 
@@ -143,10 +143,7 @@ def reshape_rule(schema: OpSchema) -> OutputSharding:
 def softmax_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
     axes = _ints(schema.args[1:2]) if len(schema.args) > 1 and schema.args[1] is not None else (-1,)
-    dims = {a % x.ndim for a in axes}
-    need = [Replicate() if (p.is_shard() and p.dim in dims) or p.is_partial() else p
-            for p in x.layout.placements]
-    layout = layout_like(x.layout, need, ndim=x.ndim)
+    layout = whole_and_reduced(x.layout, {a % x.ndim for a in axes}, x.ndim)
     return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, x.shape),))
 
 
