@@ -29,11 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+import mindspore as ms
+
 from .. import _cluster
 from .._jit import cached_in_python, is_compiling, run_in_python
 from ..layout import chunk_sizes
 from ..placement import REDUCE_OPS
-from . import _composed, _native, _traffic
+from . import _composed, _exact, _native, _traffic
 from ._broadcast import broadcast as _broadcast
 from .capability import CAPABILITIES, COLLECTIVES, force_path, select_path, table
 from .debug import CommDebugMode, CommRecord, record
@@ -75,6 +77,26 @@ def _check_sizes(sizes: Sequence[int], group, shape: Tuple[int, ...], dim: int, 
     return sizes
 
 
+def _check_op_dtype(op: str, dtype) -> None:
+    if op == "avg" and (dtype == ms.bool_ or dtype in _exact.INTEGER_DTYPES):
+        raise TypeError(f"reduce op 'avg' is not defined for {dtype} tensors (an integer mean would be "
+                        "truncated; PyTorch refuses avg on bool too); reduce with 'sum' and divide, or cast "
+                        "to a float dtype first")
+
+
+def _wire_form(path: str, kind: str, dtype, itemsize: int, n: int, op: str) -> Tuple[Optional[int], bool]:
+    """(bytes per element the primitives carry, whether a reduction gathers every piece)."""
+    reduces = kind in ("all_reduce", "reduce_scatter")
+    if path == "composed":
+        gathered = reduces and (op in ("max", "min") or dtype == ms.float64)
+        return _exact.wire_itemsize(dtype, itemsize, n), gathered
+    if dtype == ms.bool_:
+        return (4 if reduces else 1), False            # reductions as int32, movement as uint8
+    if dtype == ms.uint8 and reduces:
+        return 4, False
+    return itemsize, reduces and dtype == ms.float64
+
+
 @cached_in_python
 def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, dim: int = 0,
           sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0) -> _Call:
@@ -83,29 +105,31 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
     n = group.size
     if path == "composed" and n > 1:
         _composed.check_dtype(dtype)
+    wire = _wire_form(path, kind, dtype, itemsize, n, op)
+    if kind in ("all_reduce", "reduce_scatter"):
+        _check_op(op)
+        _check_op_dtype(op, dtype)
     if kind == "all_reduce":
-        _check_op(op)
-        traffic = _traffic.all_reduce_bytes(path, n, shape, itemsize, op)
+        traffic = _traffic.all_reduce_bytes(path, n, shape, itemsize, op, *wire)
     elif kind == "reduce_scatter":
-        _check_op(op)
         dim = _norm_dim(dim, len(shape), "reduce_scatter dim")
-        traffic = _traffic.reduce_scatter_bytes(path, n, shape, itemsize, dim, group.rank, op)
+        traffic = _traffic.reduce_scatter_bytes(path, n, shape, itemsize, dim, group.rank, op, *wire)
     elif kind == "broadcast":
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
             raise ValueError(f"broadcast src must be a rank index in [0, {n}) along mesh dim {mesh_dim!r}, got {src!r}")
-        traffic = _traffic.broadcast_bytes(path, n, shape, itemsize)
+        traffic = _traffic.broadcast_bytes(path, n, shape, itemsize, wire[0])
     else:
         what = "all_gather dim" if kind == "all_gather" else "all_to_all concat_dim"
         dim = _norm_dim(dim, len(shape), what)
         sizes = (shape[dim],) * n if sizes is None else _check_sizes(
             sizes, group, shape, dim, "sizes" if kind == "all_gather" else "concat_sizes")
         if kind == "all_gather":
-            traffic = _traffic.all_gather_bytes(path, n, shape, itemsize, dim, sizes)
+            traffic = _traffic.all_gather_bytes(path, n, shape, itemsize, dim, sizes, wire[0])
         else:
             split_dim = _norm_dim(split_dim, len(shape), "all_to_all split_dim")
             if split_dim == dim:
                 raise ValueError(f"all_to_all needs different split_dim and concat_dim, got {dim} for both")
-            traffic = _traffic.all_to_all_bytes(path, n, shape, itemsize, split_dim, dim, sizes, group.rank)
+            traffic = _traffic.all_to_all_bytes(path, n, shape, itemsize, split_dim, dim, sizes, group.rank, wire[0])
     names = mesh.mesh_dim_names
     index = mesh.dim_index(mesh_dim)
     rec = CommRecord(kind, names[index] if names else str(index), n, path, traffic[0], traffic[1], shape,
@@ -120,6 +144,11 @@ def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize:
     """The planned call, checked for graph compilation, and counted by active CommDebugModes
     (inside ms.jit once, when the graph is compiled)."""
     call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, **options)
+    if dtype == ms.float64 and not call.native and call.group.size > 1 and is_compiling():
+        raise NotImplementedError(
+            f"{kind} of a float64 tensor over mesh dim {mesh_dim!r} inside ms.jit: on CPU float64 moves as its "
+            "int64 bit pattern, and MindSpore cannot reinterpret bits (Tensor.view(dtype)) in a graph. Run it in "
+            "PyNative, or cast to float32 inside the jitted function")
     if call.empty_output and call.group.size > 1 and is_compiling():
         raise NotImplementedError(
             f"{kind} over mesh dim {mesh_dim!r} would leave some rank an empty output piece (tensor shape "

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import functools
 
+import mindspore as ms
 from mindspore import nn, ops
 
-from ._composed import sum_over
+from ._exact import place_over, sum_over
 
 __all__ = ["broadcast"]
 
@@ -29,19 +30,23 @@ class _Broadcast(nn.Cell):
     def __init__(self, src: int, group, native: bool) -> None:
         super().__init__()
         self.is_src = group.rank == src
-        self.group_name = group.name
+        self.group = group
         self.native = native
         self.prim = ops.Broadcast(group.ranks[src], group.name) if native else None
+        # whether this rank sends, as a Parameter rather than a Python branch: every rank then
+        # compiles the same graph (a constant zero buffer could be folded and its all-reduce
+        # scheduled before the rank's other collectives, out of step with the source)
+        self.sends = ms.Parameter(ms.Tensor(group.rank == src), name="sends", requires_grad=False)
 
     def construct(self, x):
         if self.native:
+            if x.dtype == ms.bool_:                      # HCCL moves bool as uint8
+                return self.prim((x.astype(ms.uint8),))[0].astype(ms.bool_)
             return self.prim((x,))[0]
-        if self.is_src:
-            return sum_over(x, self.group_name)
-        return sum_over(ops.zeros(x.shape, x.dtype), self.group_name)
+        return place_over(ops.select(self.sends, x, ops.zeros(x.shape, x.dtype)), self.group)
 
     def bprop(self, x, out, dout):
-        total = sum_over(dout, self.group_name)
+        total = sum_over(dout, self.group)
         if self.is_src:
             return (total,)
         return (ops.depend(ops.zeros(total.shape, total.dtype), total),)

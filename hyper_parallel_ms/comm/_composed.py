@@ -1,7 +1,8 @@
 """Collectives composed from ``ops.AllReduce`` (sum), for MindSpore's CPU backend.
 
 MCCL on CPU offers ``AllReduce`` (sum, float32/float16) on every group, inside ``ms.jit``
-and with a backward; every other collective is built from it with linear local ops, so
+and with a backward; every other collective is built from it with linear local ops
+(other dtypes travel exactly as float32, see :mod:`._exact`), so
 MindSpore's autodiff gives each one its exact adjoint (all-gather <-> reduce-scatter,
 all-to-all <-> inverse all-to-all). An all-gather where some rank's piece is empty runs
 as a Cell with an explicit ``bprop``: that rank contributes nothing to the forward buffer,
@@ -20,33 +21,10 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from ..layout import chunk_offsets, chunk_sizes
+from ._exact import check_dtype, place_over, sum_over
 from ._tensor import narrow, pad_dim
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "check_dtype"]
-
-# dtypes MCCL's AllReduce carries, and those sent widened to float32
-WIRE_DTYPES = (ms.float32, ms.float16)
-WIDENED_DTYPES = (ms.bfloat16,)
-
-
-@functools.lru_cache(maxsize=None)
-def _all_reduce_sum_prim(group_name: str):
-    return ops.AllReduce(ops.ReduceOp.SUM, group_name)
-
-
-def check_dtype(dtype) -> None:
-    """Raise ``TypeError`` for a dtype MCCL's all-reduce cannot carry (checked while planning)."""
-    if dtype not in WIRE_DTYPES + WIDENED_DTYPES:
-        raise TypeError(f"collectives on CPU carry float32, float16 and bfloat16 tensors, got {dtype}; "
-                        "cast the tensor first (MindSpore's CPU all-reduce has no other dtype)")
-
-
-def sum_over(x, group_name: str):
-    """All-reduce sum over the group; bfloat16 travels as float32 (MCCL has no bfloat16)."""
-    if x.dtype == ms.bfloat16:
-        return _all_reduce_sum_prim(group_name)(x.astype(ms.float32)).astype(ms.bfloat16)
-    return _all_reduce_sum_prim(group_name)(x)
-
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "place_over", "check_dtype"]
 
 def _slot(sizes: Sequence[int], rank: int) -> Tuple[int, int]:
     """Slices before and after ``rank``'s piece in the gathered buffer."""
@@ -59,15 +37,15 @@ class _AllGather(nn.Cell):
 
     def __init__(self, dim: int, sizes: Tuple[int, ...], group) -> None:
         super().__init__()
-        self.dim, self.group_name = dim, group.name
+        self.dim, self.group = dim, group
         self.before, self.after = _slot(sizes, group.rank)
         self.length = sizes[group.rank]
 
     def construct(self, x):
-        return sum_over(pad_dim(x, self.dim, self.before, self.after), self.group_name)
+        return place_over(pad_dim(x, self.dim, self.before, self.after), self.group)
 
     def bprop(self, x, out, dout):
-        return (narrow(sum_over(dout, self.group_name), self.dim, self.before, self.length),)
+        return (narrow(sum_over(dout, self.group), self.dim, self.before, self.length),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,16 +58,19 @@ def all_gather(x, dim: int, sizes: Sequence[int], group):
     if 0 in sizes:
         return _all_gather_cell(dim, tuple(sizes), group)(x)
     before, after = _slot(sizes, group.rank)
-    return sum_over(pad_dim(x, dim, before, after), group.name)
+    return place_over(pad_dim(x, dim, before, after), group)
 
 
 def all_reduce(x, op: str, group):
-    """Element-wise reduction (sum, avg, max, min) over the group."""
+    """Element-wise reduction (sum, avg, max, min) over the group; on bool, sum and max are
+    a logical or, min a logical and (avg of integers and bool is refused while planning)."""
     if op == "sum":
-        return sum_over(x, group.name)
+        return sum_over(x, group)
     if op == "avg":
-        return sum_over(x, group.name) / group.size
-    slots = sum_over(pad_dim(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank), group.name)
+        return sum_over(x, group) / group.size
+    slots = place_over(pad_dim(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank), group)
+    if x.dtype == ms.bool_:
+        return slots.any(0) if op == "max" else slots.all(0)
     if op == "max":
         return ops.amax(slots, 0)
     return ops.amin(slots, 0)

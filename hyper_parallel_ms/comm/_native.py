@@ -9,6 +9,11 @@ gradient through unchanged, which is wrong for SPMD losses; :mod:`._broadcast` s
 the right one. ReduceScatter has a backward for sum only, so reduce-scatter with
 max/min runs as an all-reduce plus the local chunk.
 
+dtypes HCCL's all-reduce lacks (its list: int8/16/32/64, float16/32, bfloat16) are
+adapted: bool and uint8 reduce as int32 (a bool sum is a logical or, as in PyTorch), and
+float64 reductions all-gather the pieces and reduce them locally in rank order. bool
+travels as uint8 through the data-moving primitives.
+
 Example (Ascend, group ``g`` of 2 ranks, each holding a (1, 3) piece)::
 
     y = all_gather(x, 0, (1, 1), g)     # (2, 3) on both ranks
@@ -18,6 +23,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+import mindspore as ms
 from mindspore import ops
 
 from ..layout import chunk_offsets, chunk_sizes
@@ -50,6 +56,8 @@ def _all_to_all_prim(n: int, split_dim: int, concat_dim: int, group_name: str):
 
 def all_gather(x, dim: int, sizes: Sequence[int], group):
     """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``)."""
+    if x.dtype == ms.bool_:
+        return all_gather(x.astype(ms.uint8), dim, sizes, group).astype(ms.bool_)
     block = max(sizes)
     padded = pad_dim(x, dim, 0, block - x.shape[dim])
     gathered = move_from_front(_all_gather_prim(group.name)(move_to_front(padded, dim)), dim)
@@ -60,6 +68,18 @@ def all_gather(x, dim: int, sizes: Sequence[int], group):
 
 def all_reduce(x, op: str, group):
     """Element-wise reduction (sum, avg, max, min) over the group."""
+    if x.dtype == ms.bool_:
+        return all_reduce(x.astype(ms.int32), "min" if op == "min" else "max", group).astype(ms.bool_)
+    if x.dtype == ms.uint8:
+        return all_reduce(x.astype(ms.int32), op, group).astype(ms.uint8)
+    if x.dtype == ms.float64:
+        slots = all_gather(x.expand_dims(0), 0, (1,) * group.size, group)
+        if op in ("max", "min"):
+            return ops.amax(slots, 0) if op == "max" else ops.amin(slots, 0)
+        total = slots[0]
+        for r in range(1, group.size):
+            total = total + slots[r]
+        return total / group.size if op == "avg" else total
     if op == "avg":
         return _all_reduce_prim("sum", group.name)(x) / group.size
     return _all_reduce_prim(op, group.name)(x)
@@ -69,7 +89,7 @@ def reduce_scatter(x, dim: int, op: str, group):
     """Reduce over the group, keep this rank's ``torch.chunk`` piece along ``dim``."""
     size, n = x.shape[dim], group.size
     start, length = chunk_offsets(size, n)[group.rank], chunk_sizes(size, n)[group.rank]
-    if op in ("max", "min"):
+    if op in ("max", "min") or x.dtype in (ms.bool_, ms.uint8, ms.float64):
         return narrow(all_reduce(x, op, group), dim, start, length)
     step = -(-size // n)
     padded = move_to_front(pad_dim(x, dim, 0, step * n - size), dim)
@@ -81,6 +101,8 @@ def reduce_scatter(x, dim: int, op: str, group):
 
 def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], group):
     """Send chunk ``j`` of ``split_dim`` to rank ``j``; concatenate what arrives on ``concat_dim``."""
+    if x.dtype == ms.bool_:
+        return all_to_all(x.astype(ms.uint8), split_dim, concat_dim, concat_sizes, group).astype(ms.bool_)
     size, n = x.shape[split_dim], group.size
     step, block = -(-size // n), max(concat_sizes)
     padded = pad_dim(pad_dim(x, split_dim, 0, step * n - size), concat_dim, 0, block - x.shape[concat_dim])

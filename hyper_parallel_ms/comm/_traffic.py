@@ -6,7 +6,10 @@ tensors: all-gather ``out - local``, reduce-scatter ``in - local out``, all-redu
 send). For even shards these are the usual ``(n-1)/n`` figures.
 ``wire``: the same measure for the primitives actually issued: padding of uneven pieces
 on the native path, and on the composed (CPU) path the all-reduce (ring, ``2 (n-1)/n``)
-of the buffer each collective becomes.
+of the buffer each collective becomes. ``wire_itemsize`` is the bytes per element the
+primitives carry when a dtype travels in another form (CPU: an int32 as two float32
+limbs, 8 bytes; see :mod:`._exact`); ``gathered`` marks a reduction done by gathering
+every rank's piece into slots (max/min on CPU, float64 sums).
 
 Pure Python. Example:
     >>> all_gather_bytes("composed", 4, (2, 3), 4, 0, (2, 2, 2, 2))
@@ -15,7 +18,7 @@ Pure Python. Example:
 from __future__ import annotations
 
 from math import prod
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from ..layout import chunk_sizes
 
@@ -34,49 +37,61 @@ def _slice_bytes(shape: Sequence[int], dim: int, itemsize: int) -> int:
 
 
 def all_gather_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, dim: int,
-                     sizes: Sequence[int]) -> Bytes:
+                     sizes: Sequence[int], wire_itemsize: Optional[int] = None) -> Bytes:
     """(textbook, wire) bytes for gathering pieces of ``sizes`` slices along ``dim``."""
-    row = _slice_bytes(shape, dim, itemsize)
-    textbook = (sum(sizes) - shape[dim]) * row
+    textbook = (sum(sizes) - shape[dim]) * _slice_bytes(shape, dim, itemsize)
+    row = _slice_bytes(shape, dim, wire_itemsize or itemsize)
     wire = (n - 1) * max(sizes) * row if path == "native" else _ring_all_reduce(n, sum(sizes) * row)
     return textbook, wire
 
 
-def all_reduce_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, op: str) -> Bytes:
-    """(textbook, wire) bytes for an element-wise reduction of ``shape``."""
-    nbytes = prod(shape) * itemsize
-    slots = n if path == "composed" and op in ("max", "min") else 1
-    return _ring_all_reduce(n, nbytes), _ring_all_reduce(n, slots * nbytes)
+def all_reduce_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, op: str,
+                     wire_itemsize: Optional[int] = None, gathered: Optional[bool] = None) -> Bytes:
+    """(textbook, wire) bytes for an element-wise reduction of ``shape``.
+
+    >>> all_reduce_bytes("composed", 2, (4,), 4, "sum", wire_itemsize=8)   # int32 as two limbs
+    (16, 32)
+    """
+    if gathered is None:
+        gathered = path == "composed" and op in ("max", "min")
+    wire = prod(shape) * (wire_itemsize or itemsize)
+    if gathered and path == "native":
+        wire = (n - 1) * wire                                  # an all-gather of every piece
+    else:
+        wire = _ring_all_reduce(n, n * wire if gathered else wire)   # composed: all-reduce of n slots
+    return _ring_all_reduce(n, prod(shape) * itemsize), wire
 
 
 def reduce_scatter_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, dim: int, rank: int,
-                         op: str) -> Bytes:
+                         op: str, wire_itemsize: Optional[int] = None, gathered: Optional[bool] = None) -> Bytes:
     """(textbook, wire) bytes for reducing ``shape`` and keeping a chunk of ``dim``."""
     row = _slice_bytes(shape, dim, itemsize)
     textbook = (shape[dim] - chunk_sizes(shape[dim], n)[rank]) * row
-    if path == "native" and op in ("sum", "avg"):
+    if path == "native" and op in ("sum", "avg") and not gathered and wire_itemsize in (None, itemsize):
         return textbook, (n - 1) * -(-shape[dim] // n) * row
-    return textbook, all_reduce_bytes(path, n, shape, itemsize, op)[1]
+    return textbook, all_reduce_bytes(path, n, shape, itemsize, op, wire_itemsize, gathered)[1]
 
 
 def all_to_all_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, split_dim: int, concat_dim: int,
-                     concat_sizes: Sequence[int], rank: int) -> Bytes:
+                     concat_sizes: Sequence[int], rank: int, wire_itemsize: Optional[int] = None) -> Bytes:
     """(textbook, wire) bytes for an all-to-all of ``shape`` (split ``split_dim``, concat ``concat_dim``)."""
     row = _slice_bytes(shape, split_dim, itemsize)
     textbook = (shape[split_dim] - chunk_sizes(shape[split_dim], n)[rank]) * row
+    item = wire_itemsize or itemsize
     if path == "native":
-        block = -(-shape[split_dim] // n) * max(concat_sizes) * _bytes_without(shape, (split_dim, concat_dim),
-                                                                            itemsize)
+        block = -(-shape[split_dim] // n) * max(concat_sizes) * _bytes_without(shape, (split_dim, concat_dim), item)
         return textbook, (n - 1) * block
     gathered = list(shape)
     gathered[concat_dim] = sum(concat_sizes)
-    return textbook, _ring_all_reduce(n, prod(gathered) * itemsize)
+    return textbook, _ring_all_reduce(n, prod(gathered) * item)
 
 
-def broadcast_bytes(path: str, n: int, shape: Sequence[int], itemsize: int) -> Bytes:
+def broadcast_bytes(path: str, n: int, shape: Sequence[int], itemsize: int,
+                    wire_itemsize: Optional[int] = None) -> Bytes:
     """(textbook, wire) bytes for broadcasting ``shape``."""
     nbytes = prod(shape) * itemsize
-    return nbytes, nbytes if path == "native" else _ring_all_reduce(n, nbytes)
+    wire = prod(shape) * (wire_itemsize or itemsize)
+    return nbytes, wire if path == "native" else _ring_all_reduce(n, wire)
 
 
 def _bytes_without(shape: Sequence[int], dims: Sequence[int], itemsize: int) -> int:

@@ -3,7 +3,8 @@
 A pool starts a MindSpore scheduler and ``world_size`` worker processes with the
 environment msrun sets, so ``mindspore.communication.init()`` builds a real MCCL cluster
 on this machine. ``run(fn, ...)`` sends a module-level function (by reference) to every
-rank and returns each rank's result. A rank that raises, dies or does not answer in
+rank and returns each rank's result; a function of a script run as ``__main__`` works
+too (the ranks import the script by its path, without running its ``__main__`` block). A rank that raises, dies or does not answer in
 time fails the call with a :class:`RankFailure` naming the rank and showing its
 traceback (for a hung rank, its Python stack); the pool is then torn down, because ranks
 that disagree about the next collective would pair up wrongly in later tests.
@@ -26,7 +27,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._worker import HARNESS_FD_ENV
+from ._worker import HARNESS_FD_ENV, script_reference
 
 __all__ = ["RankPool", "RankFailure", "DEFAULT_TIMEOUT"]
 
@@ -47,10 +48,14 @@ def _free_port() -> int:
 
 
 def _reference(fn: Callable) -> Tuple[str, str]:
+    """(module, qualified name) by which the ranks find ``fn``; a function of the script run
+    as ``__main__`` is named by the script's path (see :func:`._worker.script_reference`)."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or "<locals>" in qualname or "<lambda>" in qualname:
         raise TypeError(f"{fn!r} cannot run on ranks: pass a function defined at module level "
                         "(ranks import it by module and name)")
+    if module == "__main__":
+        module = script_reference(sys.modules["__main__"], fn)
     return module, qualname
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
+import importlib.util
 import os
 import signal
 import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from types import ModuleType
 from typing import Any, Callable, Sequence, Tuple
 
 HARNESS_FD_ENV = "HPMS_HARNESS_FD"
@@ -28,9 +30,53 @@ LAUNCH_BLOCKING_ENV = "HPMS_LAUNCH_BLOCKING"
 DEVICE_ENV = "HPMS_TEST_DEVICE"      # CPU (default) or Ascend
 
 
+SCRIPT_PREFIX = "script:"           # a module reference that is a script's path
+SCRIPT_MODULE = "__hpms_script__"   # the name ranks import such a script under
+
+
+def script_reference(main: ModuleType, fn: Callable) -> str:
+    """How the ranks import the ``__main__`` module holding ``fn``: its module name when it
+    was run with ``python -m``, else ``script:<absolute path>``.
+
+    >>> import types
+    >>> script = types.ModuleType("__main__"); script.__file__ = "/tmp/train.py"; script.__spec__ = None
+    >>> script_reference(script, print)
+    'script:/tmp/train.py'
+    """
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return spec.name
+    path = getattr(main, "__file__", None)
+    if not path:
+        raise TypeError(f"{fn!r} was defined interactively (its __main__ has no file): ranks cannot import "
+                        "it; put the function in a script or module")
+    return SCRIPT_PREFIX + os.path.abspath(path)
+
+
+def _import_script(path: str) -> ModuleType:
+    """Import the script at ``path`` as module ``__hpms_script__`` (once per path): its
+    ``if __name__ == "__main__"`` block does not run."""
+    loaded = sys.modules.get(SCRIPT_MODULE)
+    if loaded is not None and getattr(loaded, "__file__", None) == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location(SCRIPT_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the script {path} on this rank")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[SCRIPT_MODULE] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[SCRIPT_MODULE]
+        raise
+    return module
+
+
 def resolve(module: str, qualname: str) -> Callable:
-    """Import ``module`` and follow ``qualname``; unwrap a ``multi_rank`` test to its body."""
-    obj: Any = importlib.import_module(module)
+    """Import ``module`` (or the script ``script:<path>``) and follow ``qualname``; unwrap a
+    ``multi_rank`` test to its body."""
+    obj: Any = _import_script(module[len(SCRIPT_PREFIX):]) if module.startswith(SCRIPT_PREFIX) \
+        else importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return getattr(obj, "__hpms_rank_fn__", obj)
