@@ -7,9 +7,14 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from mindspore import nn
+
 from hyper_parallel_ms import comm
 from hyper_parallel_ms.comm import CommDebugMode
+from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.nn import RowwiseParallel, parallelize_module
+from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
 DTYPES = {"int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
@@ -166,3 +171,33 @@ def test_integer_dtype_errors_and_wire_bytes():
     got = [(r.kind, r.bytes, r.wire_bytes) for r in mode.records]
     assert got == [("all_reduce", 48, 96), ("all_gather", 96, 384), ("all_reduce", 12, 48),
                    ("all_reduce", 96, 384)], got
+
+
+class _Embed(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        ms.set_seed(5)
+        self.embed = nn.Embedding(2 ** 10, 4)
+
+    def construct(self, ids):
+        return self.embed(ids)
+
+
+@multi_rank(2)
+def test_embedding_fed_ids_from_distribute_tensor():
+    """int32 token ids made by distribute_tensor (rank 0's ids win: the others hold other
+    values) feed a vocab-sharded embedding; the lookup equals the single-device one."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    me = mesh.get_local_rank()
+    ids = np.random.default_rng(7).integers(0, 2 ** 10, (4, 6)).astype(np.int32)
+    mine = ms.Tensor(ids if me == 0 else ids[::-1] + 1)
+    sharded = distribute_tensor(mine, mesh, [Shard(0)])
+    _same(sharded.to_local(), ids[2 * me:2 * me + 2], "Shard(0) piece of int32 ids")
+    _same(sharded.full_tensor(), ids, "full_tensor of int32 ids")
+    replicated = distribute_tensor(mine, mesh, [Replicate()])
+    _same(replicated.to_local(), ids, "Replicate int32 ids")
+    want = _Embed()(ms.Tensor(ids)).asnumpy()
+    model = parallelize_module(_Embed(), mesh, {"embed": RowwiseParallel(input_layouts=Replicate())})
+    got = model(replicated.to_local())             # the plan reads a plain input as this rank's piece
+    got = (got.full_tensor() if isinstance(got, DTensor) else got).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)     # a masked lookup plus a sum of zeros

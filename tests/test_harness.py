@@ -3,6 +3,8 @@ the rank and its traceback within seconds, never hanging the suite."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -87,3 +89,29 @@ def test_bad_tasks_are_refused_clearly():
         run_on_ranks(unpicklable_result, 2)
     with pytest.raises(ValueError, match="positive int"):
         RankPool(0)
+
+
+_SCRIPT = '''
+from hyper_parallel_ms.testing import run_on_ranks
+
+
+def case(offset):
+    from mindspore import communication
+    return communication.get_rank() + offset, __name__
+
+
+if __name__ == "__main__":
+    print("RESULT", run_on_ranks(case, 1, 10))
+'''
+
+
+def test_run_on_ranks_from_a_script_run_as_main(tmp_path):
+    """A user's first script: the ranks import the script by path (not as __main__, so its
+    main block does not run again there) and find the function."""
+    script = tmp_path / "first_script.py"
+    script.write_text(_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESULT [(10, '__hpms_script__')]" in done.stdout, done.stdout[-2000:]

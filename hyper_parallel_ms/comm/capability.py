@@ -17,7 +17,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
-__all__ = ["Capability", "CAPABILITIES", "COLLECTIVES", "select_path", "force_path", "table"]
+__all__ = ["Capability", "CAPABILITIES", "COLLECTIVES", "DTYPES", "select_path", "force_path", "table"]
 
 NATIVE = "native"
 COMPOSED = "composed"
@@ -55,6 +55,20 @@ _ROWS = [
 
 CAPABILITIES: Dict[Tuple[str, str], Capability] = {(c.device, c.collective): c for c in _ROWS}
 
+DTYPES: Tuple[Tuple[str, str, str], ...] = (
+    # (device, dtypes, how they travel)
+    ("CPU", "float32, float16", "as themselves (MCCL AllReduce sum)"),
+    ("CPU", "bfloat16", "widened to float32"),
+    ("CPU", "int8, int16, int32, int64, uint8",
+     "16-bit limbs as float32 (8-bit beyond 256 ranks), exact sums with carries; int32 moves 8 B per value, "
+     "int64 16 B; avg refused"),
+    ("CPU", "bool", "as float32 0/1; sum and max = or, min = and; avg refused"),
+    ("CPU", "float64", "int64 bit pattern (exact); sums gather every piece and add in rank order; PyNative only"),
+    ("Ascend", "float16/32, bfloat16, int8/16/32/64", "as themselves (HCCL)"),
+    ("Ascend", "bool, uint8", "reductions as int32 (bool sum = or); bool moves as uint8"),
+    ("Ascend", "float64", "moved natively; reductions gather every piece and reduce in rank order"),
+)
+
 _FORCED: List[str] = []
 
 
@@ -91,7 +105,13 @@ def force_path(path: Optional[str]) -> Iterator[None]:
 
 
 def table() -> str:
-    """The capability table as Markdown."""
+    """The capability table as Markdown: collectives per device, then how each dtype travels.
+
+    >>> print(table().splitlines()[0])
+    | device | collective | path | how |
+    """
     lines = ["| device | collective | path | how |", "| --- | --- | --- | --- |"]
     lines += [f"| {c.device} | {c.collective} | {c.path} | {c.how} |" for c in _ROWS]
+    lines += ["", "| device | dtypes | how they travel |", "| --- | --- | --- |"]
+    lines += [f"| {device} | {dtypes} | {how} |" for device, dtypes, how in DTYPES]
     return "\n".join(lines)
