@@ -14,12 +14,13 @@ from . import comm, nn, ops
 from .dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
                       visualize_sharding, zeros)
 from .layout import Layout
-from .mesh import DeviceMesh, init_device_mesh
+from .mesh import DeviceMesh, current_mesh, init_device_mesh
 from .nn import (ColwiseParallel, GradientReducer, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
                  RowwiseParallel, SequenceParallel, ShardingPlan, distribute_module, parallelize_module, shard_module)
 from .placement import Partial, Placement, Replicate, Shard
 
-__all__ = ["DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "Layout", "comm", "ops",
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh",
+           "Placement", "Shard", "Replicate", "Partial", "Layout", "comm", "ops",
            "DTensor", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
            "visualize_sharding", "sharding_table", "nn", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",

@@ -8,6 +8,11 @@ groups are cached by rank set, names are deterministic). Communication must be
 initialized first (``mindspore.communication.init()``, as under msrun); a lone process
 has a world of one rank and needs no communication at all.
 
+Both anchors' surfaces are here: PyTorch's ``with mesh:`` (the current mesh, which
+``parallelize_module`` takes when given none; see :func:`current_mesh`), ``_flatten``, and
+HyperParallel's ``mesh_shape``, ``rank_list``, :meth:`DeviceMesh.from_group` and
+``init_device_mesh(..., rank_list=..., init_backend=...)``.
+
 Example:
     >>> from hyper_parallel_ms.mesh import init_device_mesh
     >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
@@ -16,16 +21,32 @@ Example:
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _cluster
 from ._cluster import CommGroup
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 
 MeshDim = Union[int, str]
+
+_ACTIVE: List["DeviceMesh"] = []      # meshes entered with ``with mesh:``, innermost last
+
+
+def current_mesh() -> Optional["DeviceMesh"]:
+    """The innermost mesh entered with ``with mesh:``, or ``None``.
+
+    Example:
+        >>> m = DeviceMesh("cpu", [0])
+        >>> with m:
+        ...     current_mesh() is m
+        True
+        >>> current_mesh() is None
+        True
+    """
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 class DeviceMesh:
@@ -35,6 +56,8 @@ class DeviceMesh:
         device_type: ``"cpu"`` or ``"npu"`` (Ascend); must match MindSpore's device target.
         mesh: nested sequence / array of global ranks, e.g. ``[[0, 1], [2, 3]]``.
         mesh_dim_names: optional distinct names, one per dimension.
+        _init_backend: create this rank's communication groups (default). ``False`` builds a
+            mesh for planning only: its collectives and :meth:`get_group` raise.
 
     Example:
         >>> m = DeviceMesh("cpu", [0])
@@ -43,7 +66,7 @@ class DeviceMesh:
     """
 
     def __init__(self, device_type: str, mesh: Union[Sequence, np.ndarray], *,
-                 mesh_dim_names: Optional[Sequence[str]] = None) -> None:
+                 mesh_dim_names: Optional[Sequence[str]] = None, _init_backend: bool = True) -> None:
         self.device_type = _check_device_type(device_type)
         ranks = np.array(mesh, dtype=np.int64)
         if ranks.ndim == 0 or ranks.size == 0:
@@ -70,9 +93,11 @@ class DeviceMesh:
         me = _cluster.world_rank()
         where = np.argwhere(ranks == me)
         self._coordinate = tuple(int(c) for c in where[0]) if len(where) else None
+        self._flattened: Dict[str, "DeviceMesh"] = {}
+        self._init_backend = bool(_init_backend)
         self._groups: Tuple[Optional[CommGroup], ...] = tuple(
-            _cluster.comm_group(self._slice_ranks(d)) if self._coordinate is not None else None
-            for d in range(ranks.ndim))
+            _cluster.comm_group(self._slice_ranks(d)) if self._coordinate is not None and self._init_backend
+            else None for d in range(ranks.ndim))
 
     # ------------------------------------------------------------- geometry
     @property
@@ -83,6 +108,21 @@ class DeviceMesh:
     @property
     def shape(self) -> Tuple[int, ...]:
         return tuple(self._ranks.shape)
+
+    @property
+    def mesh_shape(self) -> Tuple[int, ...]:
+        """HyperParallel's name for :attr:`shape`."""
+        return self.shape
+
+    @property
+    def rank_list(self) -> Tuple[int, ...]:
+        """The mesh's global ranks, flattened row-major (HyperParallel).
+
+        Example:
+            >>> DeviceMesh("cpu", [[0]]).rank_list
+            (0,)
+        """
+        return tuple(int(r) for r in self._ranks.ravel())
 
     @property
     def ndim(self) -> int:
@@ -130,11 +170,19 @@ class DeviceMesh:
         """The group of ranks that differ from this rank only along ``mesh_dim``."""
         group = self._groups[self.dim_index(mesh_dim)]
         if group is None:
+            if not self._init_backend and self._coordinate is not None:
+                raise RuntimeError(f"{self!r} was built with init_backend=False: it has no communication "
+                                   "groups; build it with init_backend=True to run collectives on it")
             raise RuntimeError(f"rank {self.get_rank()} is not in {self!r}: it has no group here")
         return group
 
-    def get_group(self, mesh_dim: MeshDim = 0) -> Optional[str]:
-        """MindSpore group name of ``mesh_dim`` (``None`` for a dimension of size 1)."""
+    def get_group(self, mesh_dim: Optional[MeshDim] = None) -> Optional[str]:
+        """MindSpore group name of ``mesh_dim`` (``None`` for a dimension of size 1);
+        ``mesh_dim`` may be omitted for a 1-D mesh, as in PyTorch."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise RuntimeError(f"get_group needs mesh_dim for a {self.ndim}-D mesh")
+            mesh_dim = 0
         return self.comm_group(mesh_dim).name
 
     def get_all_groups(self) -> List[Optional[str]]:
@@ -160,6 +208,8 @@ class DeviceMesh:
             >>> m["tp"].mesh_dim_names, m["dp", "tp"].shape
             (('tp',), (1, 1))
         """
+        if isinstance(names, str) and names in self._flattened:
+            return self._flattened[names]
         wanted = (names,) if isinstance(names, str) else tuple(names)
         if not self._names:
             raise KeyError("cannot slice a mesh without mesh_dim_names")
@@ -175,7 +225,75 @@ class DeviceMesh:
             raise KeyError(f"mesh dim names {wanted} must follow the mesh's order {self._names}")
         coord = self._member_coordinate()
         index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
-        return DeviceMesh(self.device_type, self._ranks[index], mesh_dim_names=wanted)
+        return DeviceMesh(self.device_type, self._ranks[index], mesh_dim_names=wanted,
+                          _init_backend=self._init_backend)
+
+    def _flatten(self, mesh_dim_name: Optional[str] = None) -> "DeviceMesh":
+        """This mesh's ranks as a 1-D mesh named ``mesh_dim_name`` (default: the dim names
+        joined by ``_``), also reachable afterwards as ``self[mesh_dim_name]`` (PyTorch).
+
+        Example:
+            >>> m = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp", "tp"))
+            >>> flat = m._flatten()
+            >>> flat.mesh_dim_names, m["dp_tp"] is flat
+            (('dp_tp',), True)
+        """
+        if mesh_dim_name is None:
+            mesh_dim_name = "_".join(self._names) if self._names else "flat"
+        if self._names and mesh_dim_name in self._names:
+            raise ValueError(f"{mesh_dim_name!r} already names a dim of {self!r}; pick another name")
+        flat = self._flattened.get(mesh_dim_name)
+        if flat is None:
+            flat = DeviceMesh(self.device_type, self._ranks.ravel(), mesh_dim_names=(mesh_dim_name,),
+                              _init_backend=self._init_backend)
+            self._flattened[mesh_dim_name] = flat
+        return flat
+
+    @staticmethod
+    def from_group(group, device_type: str, mesh: Optional[Union[Sequence, np.ndarray]] = None,
+                   mesh_dim_names: Optional[Sequence[str]] = None) -> "DeviceMesh":
+        """A mesh over existing communication groups (HyperParallel / PyTorch).
+
+        ``group``: one MindSpore group name (a 1-D mesh of its ranks; ``mesh``, if given,
+        must list the same ranks), or a list with one group name per mesh dim, where
+        ``mesh`` (the n-D array of ranks) is required and each group must hold the ranks of
+        this rank's slice along its dim. The mesh's collectives run over groups of the same
+        ranks.
+
+        Example::
+
+            tp = DeviceMesh.from_group("tp_group", "npu", mesh_dim_names=("tp",))
+            mesh2d = DeviceMesh.from_group(["dp_group", "tp_group"], "npu", mesh=[[0, 1], [2, 3]],
+                                           mesh_dim_names=("dp", "tp"))
+        """
+        if not isinstance(group, (list, tuple)):
+            ranks = _group_ranks(group)
+            if mesh is not None and np.array(mesh).ravel().tolist() != list(ranks):
+                raise ValueError(f"mesh {np.array(mesh).tolist()} must list the ranks of group {group!r}: "
+                                 f"{list(ranks)}")
+            return DeviceMesh(device_type, list(ranks), mesh_dim_names=mesh_dim_names)
+        if not group:
+            raise ValueError("from_group needs at least one group")
+        if mesh is None:
+            raise ValueError("from_group with a list of groups needs mesh, the n-D array of their ranks")
+        out = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
+        if out.ndim != len(group):
+            raise ValueError(f"{len(group)} groups for a {out.ndim}-D mesh: give one group per mesh dim")
+        for d, g in enumerate(group):
+            want = out._slice_ranks(d)
+            if tuple(_group_ranks(g)) != want:
+                raise ValueError(f"group {g!r} has ranks {list(_group_ranks(g))}, but mesh dim {d} of "
+                                 f"{out!r} groups this rank with {list(want)}")
+        return out
+
+    # ---------------------------------------------------------- current mesh
+    def __enter__(self) -> "DeviceMesh":
+        """``with mesh:`` makes this the current mesh (see :func:`current_mesh`)."""
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.pop()
 
     # ------------------------------------------------------------ value-ish
     def _key(self):
@@ -195,21 +313,45 @@ class DeviceMesh:
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
-                     mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
-    """A mesh of all ranks laid out row-major in ``mesh_shape``.
+                     mesh_dim_names: Optional[Sequence[str]] = None, rank_list: Optional[Sequence[int]] = None,
+                     init_backend: bool = True) -> DeviceMesh:
+    """A mesh of all ranks (or of ``rank_list``) laid out row-major in ``mesh_shape``.
+
+    ``init_backend=False`` (HyperParallel) builds the mesh without communication groups,
+    for planning; collectives on it raise.
 
     Example:
         >>> init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")).mesh.tolist()
         [[0]]
+        >>> init_device_mesh("cpu", (1,), rank_list=[0], init_backend=False).rank_list
+        (0,)
     """
     shape = tuple(mesh_shape) if not isinstance(mesh_shape, int) else (mesh_shape,)
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}")
-    world = _cluster.world_size()
-    if int(np.prod(shape)) != world:
-        raise ValueError(f"mesh_shape {shape} holds {int(np.prod(shape))} ranks but the world has "
-                         f"{world}; the product of the mesh shape must equal the world size")
-    return DeviceMesh(device_type, np.arange(world).reshape(shape), mesh_dim_names=mesh_dim_names)
+    if rank_list is None:
+        world = _cluster.world_size()
+        if int(np.prod(shape)) != world:
+            raise ValueError(f"mesh_shape {shape} holds {int(np.prod(shape))} ranks but the world has "
+                             f"{world}; the product of the mesh shape must equal the world size")
+        ranks = np.arange(world)
+    else:
+        ranks = np.array(list(rank_list), dtype=np.int64)
+        if ranks.size != int(np.prod(shape)):
+            raise ValueError(f"rank_list has {ranks.size} ranks but mesh_shape {shape} holds {int(np.prod(shape))}")
+    return DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=mesh_dim_names, _init_backend=init_backend)
+
+
+def _group_ranks(group) -> Tuple[int, ...]:
+    """Global ranks of a MindSpore group name (or a :class:`CommGroup`), in group order."""
+    if isinstance(group, CommGroup):
+        return group.ranks
+    if not isinstance(group, str):
+        raise TypeError(f"a group is a MindSpore group name (str), got {group!r}")
+    if not _cluster.is_initialized():
+        raise RuntimeError(f"cannot read the ranks of group {group!r}: communication is not initialized")
+    from mindspore import communication
+    return tuple(int(r) for r in communication.get_process_group_ranks(group))
 
 
 def _check_device_type(device_type: str) -> str:

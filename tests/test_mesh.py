@@ -106,3 +106,67 @@ def test_mesh_3d_on_8_ranks():
     for name, stride in strides.items():
         base = r - stride * coord[("pp", "dp", "tp").index(name)]
         assert comm.all_reduce(x, mesh, name).asnumpy()[0] == 2 * base + stride
+
+
+@multi_rank(4)
+def test_mesh_surfaces_of_both_anchors():
+    """PyTorch's ``with mesh:`` / parallelize_module without a mesh / _flatten / get_group();
+    HyperParallel's mesh_shape, rank_list, from_group, rank_list= and init_backend=; and a
+    DTensor moved onto another mesh over the same ranks."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from hyper_parallel_ms import DTensor, Replicate, Shard, current_mesh, distribute_tensor
+    from hyper_parallel_ms.mesh import DeviceMesh, init_device_mesh
+    from hyper_parallel_ms.nn import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    me = mesh.get_rank()
+    assert mesh.mesh_shape == (2, 2) and mesh.rank_list == (0, 1, 2, 3)
+    tp = mesh["tp"]
+    assert tp.rank_list == ((0, 1) if me < 2 else (2, 3)) and tp.get_group() == tp.get_group("tp")
+    with pytest.raises(RuntimeError, match="needs mesh_dim for a 2-D mesh"):
+        mesh.get_group()
+
+    # with mesh: -> parallelize_module(model, parallelize_plan=...) takes it
+    with pytest.raises(ValueError, match="no mesh is current"):
+        parallelize_module(nn.Dense(4, 4), parallelize_plan=ColwiseParallel())
+    ms.set_seed(3)
+    dense = nn.Dense(4, 4)
+    with tp:
+        assert current_mesh() is tp
+        model = parallelize_module(dense, parallelize_plan=ColwiseParallel(output_layouts=Replicate()))
+    assert current_mesh() is None
+    assert model.weight.shape == (2, 4)
+
+    # from_group: one group (1-D) or one group per dim with the rank array
+    assert DeviceMesh.from_group(tp.get_group(), "cpu", mesh_dim_names=("tp",)) == tp
+    rebuilt = DeviceMesh.from_group([mesh.get_group("dp"), mesh.get_group("tp")], "cpu", mesh=[[0, 1], [2, 3]],
+                                    mesh_dim_names=("dp", "tp"))
+    assert rebuilt == mesh
+    with pytest.raises(ValueError, match="groups this rank with"):
+        DeviceMesh.from_group([mesh.get_group("tp"), mesh.get_group("dp")], "cpu", mesh=[[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="must list the ranks of group"):
+        DeviceMesh.from_group(tp.get_group(), "cpu", mesh=[3, 2])
+
+    # init_device_mesh(rank_list=..., init_backend=False): a planning mesh without groups
+    planning = init_device_mesh("cpu", (2, 2), rank_list=[3, 2, 1, 0], init_backend=False)
+    assert planning.mesh.tolist() == [[3, 2], [1, 0]] and planning.get_local_rank(0) == (1 - me // 2)
+    with pytest.raises(RuntimeError, match="init_backend=False"):
+        planning.get_group(0)
+
+    # _flatten: the 1-D mesh of all four ranks, also mesh["dp_tp"]
+    flat = mesh._flatten()
+    assert flat.mesh_dim_names == ("dp_tp",) and flat.rank_list == (0, 1, 2, 3) and mesh["dp_tp"] is flat
+
+    # DTensor.redistribute onto another mesh over the same ranks
+    full = np.arange(48, dtype=np.float32).reshape(8, 6)
+    dt = distribute_tensor(ms.Tensor(full), flat, [Shard(0)])
+    moved = dt.redistribute(mesh, [Shard(1), Shard(0)])
+    assert isinstance(moved, DTensor) and moved.device_mesh == mesh
+    d, t = mesh.get_coordinate()
+    np.testing.assert_array_equal(moved.to_local().asnumpy(), full[4 * t:4 * t + 4, 3 * d:3 * d + 3])
+    np.testing.assert_array_equal(moved.redistribute(flat, [Shard(1)]).to_local().asnumpy(),
+                                  full[:, 2 * me:2 * me + 2])      # torch.chunk pieces: 2, 2, 2, 0
+    with pytest.raises(ValueError, match="only onto a mesh over the same ranks"):
+        dt.redistribute(tp, [Replicate()])

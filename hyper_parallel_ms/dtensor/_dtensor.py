@@ -162,11 +162,15 @@ class DTensor(Tensor):
             dt.redistribute(mesh, [Replicate(), Shard(1)])
         """
         spec = self._dt_spec
-        if device_mesh is not None and device_mesh != spec.mesh:
-            raise ValueError(f"cannot redistribute from {spec.mesh!r} to another mesh {device_mesh!r}; "
-                             "redistribution works within one mesh")
         if placements is None:
             raise ValueError("redistribute needs placements")
+        if device_mesh is not None and device_mesh != spec.mesh:
+            if sorted(device_mesh.rank_list) != sorted(spec.mesh.rank_list):
+                raise ValueError(f"cannot redistribute from {spec.mesh!r} to {device_mesh!r}: a DTensor moves "
+                                 "only onto a mesh over the same ranks")
+            # another layout of the same ranks: every rank takes the whole tensor, then its new piece
+            from ._factories import distribute_tensor
+            return distribute_tensor(self.full_tensor(), device_mesh, placements, src_data_rank=None)
         layout = to_layout(spec.mesh, placements, self.ndim)
         if layout == spec.layout:
             return self

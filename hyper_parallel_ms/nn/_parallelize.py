@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Union
 
 from mindspore import nn
 
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, current_mesh
 from ._adapter import CellChanges, named_cells
 from ._styles import ModuleEdit, ParallelStyle
 
@@ -111,7 +111,8 @@ def apply_edits(edits: List[ModuleEdit]) -> None:
 
 def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
                        parallelize_plan: Optional[Plan] = None, *, src_data_rank: Optional[int] = 0) -> nn.Cell:
-    """Apply ``parallelize_plan`` to ``module`` over the 1-D ``device_mesh`` and return it.
+    """Apply ``parallelize_plan`` to ``module`` over the 1-D ``device_mesh`` (default: the
+    current mesh, ``with mesh:``) and return it.
 
     ``src_data_rank``: the rank whose initial parameter values are cut into pieces
     (``None``: every rank cuts its own values, which must then agree).
@@ -122,6 +123,11 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     """
     if not isinstance(module, nn.Cell):
         raise TypeError(f"parallelize_module needs an nn.Cell, got {type(module).__name__}")
+    if device_mesh is None:
+        device_mesh = current_mesh()
+        if device_mesh is None:
+            raise ValueError("parallelize_module got no device_mesh and no mesh is current: pass device_mesh=, "
+                             "or call it inside `with mesh:`")
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"parallelize_module needs a DeviceMesh (e.g. init_device_mesh(...)['tp']), got "
                         f"{device_mesh!r}")
