@@ -80,11 +80,12 @@ def _expected(kind, pieces, me, op="sum", dim=0, src=0):
     return np.concatenate([np.array_split(p, n, 0)[me] for p in pieces], 1)
 
 
-def _cases(dtype_name):
-    ops_ = ("sum", "max", "min")
+def _cases():
+    reductions = ("sum", "max", "min")
     return ([("all_gather", {"dim": 0}), ("all_gather", {"dim": 1}), ("broadcast", {"src": 1}),
-             ("all_to_all", {})] + [("all_reduce", {"op": op}) for op in ops_] +
-            [("reduce_scatter", {"op": op, "dim": 0}) for op in ops_])
+             ("broadcast", {"src": 0}), ("all_to_all", {})] +
+            [("all_reduce", {"op": op}) for op in reductions] +
+            [("reduce_scatter", {"op": op, "dim": 0}) for op in reductions])
 
 
 def _run(kind, x, mesh, mesh_dim, opts):
@@ -106,7 +107,7 @@ def _check_all(mesh, mesh_dim, dtype_names, jit_dtypes=()):
         np_dtype = DTYPES[name]
         pieces = [_piece(np_dtype, r, n) for r in range(n)]
         x = ms.Tensor(pieces[me])
-        cases = _cases(name)
+        cases = _cases()
         for kind, opts in cases:
             want = _expected(kind, pieces, me, **opts)
             _same(_run(kind, x, mesh, mesh_dim, opts), want, f"{kind} {opts} {name} over {mesh_dim}")

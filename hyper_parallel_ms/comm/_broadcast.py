@@ -36,7 +36,8 @@ class _Broadcast(nn.Cell):
         # whether this rank sends, as a Parameter rather than a Python branch: every rank then
         # compiles the same graph (a constant zero buffer could be folded and its all-reduce
         # scheduled before the rank's other collectives, out of step with the source)
-        self.sends = ms.Parameter(ms.Tensor(group.rank == src), name="sends", requires_grad=False)
+        self.sends = ms.Parameter(ms.Tensor(group.rank == src), name=f"hpms_broadcast_{group.name}_{src}_sends",
+                                  requires_grad=False)
 
     def construct(self, x):
         if self.native:

@@ -4,8 +4,8 @@ A pool starts a MindSpore scheduler and ``world_size`` worker processes with the
 environment msrun sets, so ``mindspore.communication.init()`` builds a real MCCL cluster
 on this machine. ``run(fn, ...)`` sends a module-level function (by reference) to every
 rank and returns each rank's result; a function of a script run as ``__main__`` works
-too (the ranks import the script by its path, without running its ``__main__`` block). A rank that raises, dies or does not answer in
-time fails the call with a :class:`RankFailure` naming the rank and showing its
+too (the ranks import the script by its path, without running its ``__main__`` block).
+A rank that raises, dies or does not answer in time fails the call with a :class:`RankFailure` naming the rank and showing its
 traceback (for a hung rank, its Python stack); the pool is then torn down, because ranks
 that disagree about the next collective would pair up wrongly in later tests.
 
