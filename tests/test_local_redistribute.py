@@ -55,7 +55,8 @@ def test_local_redistribute_values_and_gradients(use_jit):
                 return (cell(t) * w).sum()
             fn = ms.jit(ms.value_and_grad(loss)) if use_jit else ms.value_and_grad(loss)
             value, grad = fn(ms.Tensor(x))
-            np.testing.assert_allclose(value.asnumpy(), (want * w.asnumpy()).sum(), rtol=1e-5)
+            terms = want * w.asnumpy()     # a sum may cancel: bound its rounding by the terms' magnitudes
+            np.testing.assert_allclose(value.asnumpy(), terms.sum(), rtol=1e-5, atol=1e-6 * np.abs(terms).sum())
             # expected gradient: PyTorch's semantics (a Partial / given gradient layout read as the sum)
             w_full = weight[:want.shape[0], :want.shape[1]]
             if dst == (S1,):
