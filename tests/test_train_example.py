@@ -4,8 +4,7 @@ PyNative, losses matching a single-device run of the same steps within 1e-4 (rel
 Why losses and 1e-4 are safe on any x86 CPU under AdamW: the model has no bias before a softmax,
 and table rows no token reaches get exactly zero gradients (AdamW leaves them unchanged), so no
 parameter is driven by rounding noise; one that were would have a zero loss gradient and move the
-loss only to second order. 10 steps of float32 rounding stay near 1e-6; a wrong gradient or update
-moves the loss by far more than 1e-4."""
+loss only to second order. A wrong gradient or update moves the loss by far more than 1e-4."""
 from __future__ import annotations
 
 import pytest
