@@ -202,3 +202,18 @@ def test_embedding_fed_ids_from_distribute_tensor():
     got = model(replicated.to_local())             # the plan reads a plain input as this rank's piece
     got = (got.full_tensor() if isinstance(got, DTensor) else got).asnumpy()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)     # a masked lookup plus a sum of zeros
+
+
+@multi_rank(2)
+def test_native_path_int32_where_mccl_has_it():
+    """The Ascend path on CPU where MCCL has the primitive: world-group AllGather and Broadcast of
+    int32, bit-exact. (MCCL's 64-bit AllGather keeps only the low 32 bits of each value, so the
+    native int64 / float64 paths can only be checked on Ascend.)"""
+    from hyper_parallel_ms.comm import force_path
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    me = mesh.get_local_rank()
+    pieces = [_piece(np.int32, r, 2) for r in range(2)]
+    x = ms.Tensor(pieces[me])
+    with force_path("native"):
+        _same(comm.all_gather(x, mesh, "tp", dim=1), np.concatenate(pieces, 1), "native all_gather int32")
+        _same(comm.broadcast(x, mesh, "tp", src=1), pieces[1], "native broadcast int32")
