@@ -17,6 +17,8 @@ broadcast          the tensor of group rank ``src``            sum of gradients 
 Pieces may be uneven (``torch.chunk`` sizes, or any ``sizes`` for all_gather). The path
 (native primitive or composed from all-reduce) is chosen by MindSpore's device target from
 :mod:`.capability`. A mesh dimension of size 1 returns the input: nothing is sent.
+Every dtype goes through exactly: on CPU integers, bool and float64 travel in float32 form
+(:mod:`._exact`); ``op="avg"`` on integers or bool raises ``TypeError``.
 
 Example::
 
