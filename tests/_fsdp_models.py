@@ -26,10 +26,10 @@ class Block(nn.Cell):
 
 
 class Net(nn.Cell):
-    def __init__(self, dim: int = 8, blocks: int = 2) -> None:
+    def __init__(self, dim: int = 8, blocks: int = 2, hidden: int = 7) -> None:
         super().__init__()
         self.inp = nn.Dense(dim, dim)
-        self.layers = nn.CellList([Block(dim) for _ in range(blocks)])
+        self.layers = nn.CellList([Block(dim, hidden) for _ in range(blocks)])
         self.head = nn.Dense(dim, 3)
 
     def construct(self, x):
@@ -83,8 +83,8 @@ def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, op
                 p_loss, p_grads = train(par, par_step, x[dp_index * rows:(dp_index + 1) * rows])
         if counts is not None:
             counts.append(mode.get_comm_counts())
-        if loss_mesh is not None:
-            p_loss = comm.all_reduce(p_loss, loss_mesh, 0, op="avg")
+        for d in range(loss_mesh.ndim if loss_mesh is not None else 0):
+            p_loss = comm.all_reduce(p_loss, loss_mesh, d, op="avg")
         np.testing.assert_allclose(p_loss.asnumpy(), loss.asnumpy(), rtol=tol, atol=tol, err_msg=f"loss, step {step}")
         losses.append(float(loss.asnumpy()))
         ref_opt(grads)

@@ -13,7 +13,7 @@ from hyper_parallel_ms.nn import parameter_sharding
 from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
-from tests._fsdp_models import compare
+from tests._fsdp_models import Net, compare
 
 
 def _fsdp_per_block(model, mesh, **kwargs):
@@ -39,3 +39,72 @@ def test_fully_shard_2_ranks_sgd_adamw_and_schedule():
     # per step: one all-gather per unit in forward, one reduce-scatter per unit in backward
     assert counts == [{"all_gather": 3, "reduce_scatter": 3}] * 5, counts
     compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, optimizer="adamw", loss_mesh=mesh)
+
+
+def _accumulate_4(model, step, x):
+    """4 micro-steps, gradient sync on the last only; the mean of the micro-gradients."""
+    rows = x.shape[0] // 4
+    total_loss, total = 0.0, None
+    for i in range(4):
+        model.set_requires_gradient_sync(i == 3)
+        loss, grads = step(x[i * rows:(i + 1) * rows])
+        total_loss = total_loss + loss
+        total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+    return total_loss / 4, tuple(g / 4 for g in total)
+
+
+@multi_rank(2)
+def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    counts = []
+    compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, loss_mesh=mesh, counts=counts, train=_accumulate_4)
+    # forward all-gathers on every micro-step; gradients reduced once, on the synchronised one
+    assert counts == [{"all_gather": 12, "reduce_scatter": 3}] * 5, counts
+    policy = MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32)
+    seen = {}
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(ms.float16, ms.float32, ms.float32))
+        seen["dtypes"] = {p.dtype for p in model.trainable_params()}
+    # fp16 compute against the fp32 model: 1e-2 covers fp16 rounding (eps 1e-3) over 5 SGD steps
+    compare(shard, rank, 2, loss_mesh=mesh, tol=1e-2, counts=counts)
+    assert seen["dtypes"] == {ms.float32}                                   # pieces stay fp32
+    assert counts[-1] == {"all_gather": 3, "reduce_scatter": 3}
+
+
+@multi_rank(4)
+def test_fully_shard_hsdp_and_tp_on_4_ranks():
+    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    rank = flat.get_local_rank(0)
+    counts = []
+    compare(lambda m: _fsdp_per_block(m, flat), rank, 4, loss_mesh=flat, counts=counts)
+    # 4 ranks: 7 rows shard (2, 2, 2, 1); the head's 3-row weight and bias would leave rank 3 an empty
+    # piece and stay replicated: one fused gradient all-reduce in the root Cell
+    assert counts == [{"all_gather": 3, "reduce_scatter": 3, "all_reduce": 1}] * 5, counts
+
+    hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    counts = []
+
+    def hsdp(model):
+        _fsdp_per_block(model, hsdp_mesh)
+        spec = parameter_sharding(model.layers[0].up.weight).spec
+        assert spec.placements == (Replicate(), Shard(0)) and spec.shape == (7, 8)
+    compare(hsdp, rank, 4, loss_mesh=hsdp_mesh, counts=counts, optimizer="adamw")
+    # per Cell: reduce-scatter in the shard group, then all-reduce across the replicas
+    assert counts[0] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}, counts
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_index = mesh.get_local_rank("dp")
+
+    def fsdp_tp(model):
+        parallelize_module(model, mesh["tp"], {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
+        _fsdp_per_block(model, mesh["dp"])
+        spec = parameter_sharding(model.layers[0].up.weight).spec
+        assert spec.mesh == mesh and spec.placements == (Shard(0), Shard(0)) and spec.shape == (6, 8)
+        assert spec.layout.sharding_axes(2) == ((1, 0), ())                  # tp first, dp within the tp piece
+        assert model.layers[0].up.weight.shape == ((2, 8) if dp_index == 0 else (1, 8))   # (3, 8) tp piece split
+    compare(fsdp_tp, dp_index, 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6))

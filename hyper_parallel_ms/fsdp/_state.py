@@ -70,10 +70,13 @@ def _refuse_compiled(name: str) -> None:
         "PyNative (the collectives themselves compile; the parameter swap does not)")
 
 
+_FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
+
+
 def _cast_floats(values, dtype):
     if dtype is None:
         return values
-    return tuple(v.astype(dtype) if isinstance(v, Tensor) and ms.dtype.is_float(v.dtype) and v.dtype != dtype
+    return tuple(v.astype(dtype) if isinstance(v, Tensor) and v.dtype in _FLOATS and v.dtype != dtype
                  else v for v in values)
 
 
