@@ -57,7 +57,8 @@ def make_optimizer(kind: str, params):
 
 def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, optimizer: str = "sgd",
             steps: int = 5, tol: float = 1e-5, loss_mesh=None, make_model: Callable = Net,
-            counts: Optional[List] = None, train: Optional[Callable] = None) -> List[float]:
+            counts: Optional[List] = None, train: Optional[Callable] = None, dim: int = 8,
+            rows: int = 8) -> List[float]:
     """Train the single-device model on the whole batch and the sharded one on this dp rank's rows;
     compare the loss each step and every parameter after ``steps`` optimizer steps.
     ``counts`` collects each step's CommDebugMode counts."""
@@ -73,14 +74,14 @@ def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, op
     par_step = ms.value_and_grad(lambda x: loss_of(par, x), None, par_params)
     losses = []
     for step in range(steps):
-        x = batch(step)
-        rows = x.shape[0] // dp_size
+        x = batch(step, rows, dim)
+        local = rows // dp_size
         loss, grads = ref_step(x)
         with CommDebugMode() as mode:
             if train is None:
-                p_loss, p_grads = par_step(x[dp_index * rows:(dp_index + 1) * rows])
+                p_loss, p_grads = par_step(x[dp_index * local:(dp_index + 1) * local])
             else:
-                p_loss, p_grads = train(par, par_step, x[dp_index * rows:(dp_index + 1) * rows])
+                p_loss, p_grads = train(par, par_step, x[dp_index * local:(dp_index + 1) * local])
         if counts is not None:
             counts.append(mode.get_comm_counts())
         for d in range(loss_mesh.ndim if loss_mesh is not None else 0):

@@ -31,6 +31,7 @@ Example::
     fully_shard(model, mesh=mesh["dp"])
 """
 from ._fully_shard import FSDPModule, fully_shard
+from ._hsdp import HSDPCell, hsdp
 from ._policy import MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy"]
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "hsdp", "HSDPCell"]

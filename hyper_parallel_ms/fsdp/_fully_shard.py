@@ -29,7 +29,7 @@ from ._sync import SyncState
 __all__ = ["fully_shard", "FSDPModule", "shard_cell"]
 
 _STATE = "_hpms_fsdp_state"
-_CLASSES: Dict[type, type] = {}
+_CLASSES: Dict[Tuple[type, type], type] = {}
 
 
 class FSDPModule:
@@ -82,12 +82,13 @@ def _check_reshard(value: Any) -> None:
     raise ValueError(f"reshard_after_forward must be a bool or a positive int, got {value!r}")
 
 
-def _fsdp_class(cls: type) -> type:
-    if issubclass(cls, FSDPModule):
+def _extended_class(cls: type, mixin: type, prefix: str) -> type:
+    if issubclass(cls, mixin):
         return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-    return _CLASSES[cls]
+    key = (cls, mixin)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    return _CLASSES[key]
 
 
 def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
@@ -108,15 +109,16 @@ def _shardable(p: Parameter, n: int, threshold_bytes: int) -> bool:
     return prod(shape) * p.itemsize >= threshold_bytes
 
 
-def _buckets(params: List[Parameter], bucket_bytes: Optional[int]) -> List[List[int]]:
-    """Indices grouped into buckets: ``None`` one bucket, ``0`` one per parameter, else by bytes."""
-    if not params:
+def _buckets(slots: List[Slot], bucket_bytes: Optional[int]) -> List[List[int]]:
+    """Indices grouped into buckets by full (gathered) size: ``None`` one bucket, ``0`` one per
+    parameter, else greedily up to ``bucket_bytes``."""
+    if not slots:
         return []
     if bucket_bytes is None:
-        return [list(range(len(params)))]
+        return [list(range(len(slots)))]
     out, size = [[]], 0
-    for i, p in enumerate(params):
-        nbytes = prod(p.shape) * p.itemsize
+    for i, slot in enumerate(slots):
+        nbytes = prod(slot.shape) * slot.piece.itemsize
         if out[-1] and (bucket_bytes == 0 or size + nbytes > bucket_bytes):
             out.append([])
             size = 0
@@ -127,7 +129,8 @@ def _buckets(params: List[Parameter], bucket_bytes: Optional[int]) -> List[List[
 
 def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                mp_policy: Optional[MixedPrecisionPolicy] = None, threshold_bytes: int = 0,
-               bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0):
+               bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0,
+               reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP"):
     """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``."""
     if not isinstance(cell, nn.Cell):
         raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
@@ -143,7 +146,8 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     n = mesh.size(shard_dim)
-    sync = SyncState(reduce_dtype=policy.reduce_dtype, grad_scale=grad_scale)
+    sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
+                     grad_scale=grad_scale)
     owned = _own_slots(cell)
     with CellChanges() as changes:
         state = FSDPState(cell, mesh, [], sync, policy, reshard_after_forward)
@@ -156,13 +160,13 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
             slots[sharded].append(Slot(holders, piece, tuple(p.shape)))
         for sharded in (True, False):
             group_slots = slots[sharded]
-            for bucket in _buckets([s.piece for s in group_slots], bucket_bytes):
+            for bucket in _buckets(group_slots, bucket_bytes):
                 state.groups.append(Group([group_slots[i] for i in bucket], sharded, mesh, sync,
                                           policy.param_dtype, reduce))
         changes.set_attribute(cell, _STATE, state)
         changes.add_forward_pre_hook(cell, state.pre_forward)
         changes.add_forward_hook(cell, state.post_forward)
-        changes.swap_class(cell, _fsdp_class(type(cell)))
+        changes.swap_class(cell, _extended_class(type(cell), mixin, prefix))
     return cell
 
 
