@@ -58,14 +58,14 @@ def make_optimizer(kind: str, params):
 def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, optimizer: str = "sgd",
             steps: int = 5, tol: float = 1e-5, loss_mesh=None, make_model: Callable = Net,
             counts: Optional[List] = None, train: Optional[Callable] = None, dim: int = 8,
-            rows: int = 8) -> List[float]:
+            rows: int = 8, make_par: Optional[Callable] = None) -> List[float]:
     """Train the single-device model on the whole batch and the sharded one on this dp rank's rows;
     compare the loss each step and every parameter after ``steps`` optimizer steps.
     ``counts`` collects each step's CommDebugMode counts."""
     ms.set_seed(0)
     ref = make_model()
     ms.set_seed(0)
-    par = make_model()
+    par = (make_par or make_model)()
     shard(par)
     ref_params, par_params = ref.trainable_params(), par.trainable_params()
     assert [p.name for p in ref_params] == [p.name for p in par_params]

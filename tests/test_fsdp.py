@@ -6,8 +6,11 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
+from mindspore import nn
 
-from hyper_parallel_ms.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from mindspore.nn.utils import no_init_parameters
+
+from hyper_parallel_ms.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, init_parameters
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import parameter_sharding
 from hyper_parallel_ms.placement import Replicate, Shard
@@ -19,7 +22,7 @@ from tests._fsdp_models import Net, compare
 def _fsdp_per_block(model, mesh, **kwargs):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
 
 
 @multi_rank(2)
@@ -39,6 +42,28 @@ def test_fully_shard_2_ranks_sgd_adamw_and_schedule():
     # per step: one all-gather per unit in forward, one reduce-scatter per unit in backward
     assert counts == [{"all_gather": 3, "reduce_scatter": 3}] * 5, counts
     compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, optimizer="adamw", loss_mesh=mesh)
+    # deferred init: each rank keeps only its pieces, equal to the eager model's from the same seed
+    compare(lambda m: init_parameters(_fsdp_per_block(m, mesh)), rank, 2, loss_mesh=mesh, steps=1,
+            make_par=_deferred_net)
+    with no_init_parameters():
+        lazy = Net()
+    _fsdp_per_block(lazy, mesh)
+    with pytest.raises(RuntimeError, match="init_parameters"):
+        lazy(ms.Tensor(np.ones((2, 8), np.float32)))
+
+
+class _Outer(nn.Cell):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def construct(self, x):
+        return self.inner(x)
+
+
+def _deferred_net():
+    with no_init_parameters():
+        return Net()
 
 
 def _accumulate_4(model, step, x):
@@ -73,6 +98,16 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     compare(shard, rank, 2, loss_mesh=mesh, tol=1e-2, counts=counts)
     assert seen["dtypes"] == {ms.float32}                                   # pieces stay fp32
     assert counts[-1] == {"all_gather": 3, "reduce_scatter": 3}
+    # compiled: the hooks cannot swap parameters inside a graph, so both paths refuse
+    model = _fsdp_per_block(Net(), mesh)
+    with pytest.raises(NotImplementedError, match="PyNative"):
+        ms.jit(_Outer(model))(ms.Tensor(np.ones((2, 8), np.float32)))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(NotImplementedError, match="PYNATIVE_MODE"):
+            fully_shard(Net(), mesh=mesh)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
 @multi_rank(4)

@@ -32,6 +32,7 @@ Example::
 """
 from ._fully_shard import FSDPModule, fully_shard
 from ._hsdp import HSDPCell, hsdp
+from ._init import init_parameters
 from ._policy import MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "hsdp", "HSDPCell"]
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "hsdp", "HSDPCell", "init_parameters"]

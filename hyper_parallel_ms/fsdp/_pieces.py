@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 from mindspore import Parameter, Tensor
+from mindspore.common.initializer import initializer
 
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout, chunk_sizes
@@ -30,10 +31,11 @@ from ..nn._parameter import ParameterSharding, parameter_sharding
 from ..placement import Replicate, Shard
 from ._mesh import dp_mesh_dims, join_meshes
 
-__all__ = ["make_piece", "piece_record", "GRAD_REDUCED", "PIECE_OF", "is_piece"]
+__all__ = ["make_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "PIECE_OF", "DEFERRED", "is_piece"]
 
 GRAD_REDUCED = "_hpms_grad_reduced_dims"
 PIECE_OF = "_hpms_fsdp_unit"
+DEFERRED = "_hpms_deferred_source"
 _SHARDING = "_hpms_sharding"
 
 
@@ -75,18 +77,31 @@ def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterShardi
     return record, dp_dims
 
 
-def make_piece(param: Parameter, mesh, sharded: bool, unit: object, value: Optional[np.ndarray] = None) -> Parameter:
-    """A Parameter with ``param``'s name holding this rank's piece (``value`` if given)."""
+def cut_piece(full: np.ndarray, mesh, sharded: bool) -> np.ndarray:
+    """This rank's ``torch.chunk`` piece of dim 0 over the shard dim of ``mesh`` (or all of it)."""
+    if sharded:
+        shard_dim, _ = dp_mesh_dims(mesh)
+        n, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+        step = -(-full.shape[0] // n)
+        full = full[rank * step: rank * step + chunk_sizes(full.shape[0], n)[rank]]
+    return np.ascontiguousarray(full)
+
+
+def make_piece(param: Parameter, mesh, sharded: bool, unit: object) -> Parameter:
+    """A Parameter with ``param``'s name holding this rank's piece. A parameter built under
+    ``no_init_parameters()`` gives a piece that :func:`init_parameters` fills later."""
     record, dp_dims = piece_record(param, mesh, sharded)
-    if value is None:
-        full = param.asnumpy()
+    if param.has_init:
+        shape = tuple(param.shape)
         if sharded:
             shard_dim, _ = dp_mesh_dims(mesh)
-            n, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
-            step = -(-full.shape[0] // n)
-            full = full[rank * step: rank * step + chunk_sizes(full.shape[0], n)[rank]]
-        value = np.ascontiguousarray(full)
-    piece = Parameter(Tensor(value, dtype=param.dtype), name=param.name, requires_grad=param.requires_grad)
+            shape = (chunk_sizes(shape[0], mesh.size(shard_dim))[mesh.get_local_rank(shard_dim)],) + shape[1:]
+        piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,
+                          requires_grad=param.requires_grad)
+        object.__setattr__(piece, DEFERRED, (param, mesh, sharded))
+    else:
+        piece = Parameter(Tensor(cut_piece(param.asnumpy(), mesh, sharded), dtype=param.dtype), name=param.name,
+                          requires_grad=param.requires_grad)
     object.__setattr__(piece, _SHARDING, record)
     object.__setattr__(piece, GRAD_REDUCED, dp_dims)
     object.__setattr__(piece, PIECE_OF, unit)

@@ -22,6 +22,7 @@ from mindspore import Parameter, Tensor, nn
 from .._jit import is_compiling, run_in_python
 from ._flat import FlatLayout, concat_flat, split_flat
 from ._mesh import dp_mesh_dims
+from ._pieces import DEFERRED
 from ._policy import MixedPrecisionPolicy
 from ._sync import GatherPieces, SyncReplicas, SyncState
 
@@ -89,6 +90,15 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.kept: Optional[list] = None       # values installed by unshard(), until reshard()
+        self.deferred = True                   # until every piece is seen initialised
+
+    def _check_initialised(self, cell) -> None:
+        waiting = [s.piece.name for s in self.slots if getattr(s.piece, DEFERRED, None) is not None]
+        if waiting:
+            raise RuntimeError(f"{type(cell).__name__} was built under no_init_parameters() and its parameters "
+                               f"{waiting} are not initialised: call hyper_parallel_ms.init_parameters(model) "
+                               "after fully_shard / hsdp and before the first forward")
+        self.deferred = False
 
     @property
     def slots(self) -> List[Slot]:
@@ -112,6 +122,8 @@ class FSDPState:
 
     def pre_forward(self, cell, args):
         _refuse_compiled(type(cell).__name__)
+        if self.deferred:
+            self._check_initialised(cell)
         self._install(self.gather())
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             return _cast_floats(args, self.policy.param_dtype)
