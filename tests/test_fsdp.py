@@ -143,3 +143,11 @@ def test_fully_shard_hsdp_and_tp_on_4_ranks():
         assert spec.layout.sharding_axes(2) == ((1, 0), ())                  # tp first, dp within the tp piece
         assert model.layers[0].up.weight.shape == ((2, 8) if dp_index == 0 else (1, 8))   # (3, 8) tp piece split
     compare(fsdp_tp, dp_index, 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6))
+
+
+@multi_rank(4, timeout=600)
+def test_train_example_fsdp_x_tp_on_4_ranks():
+    from examples.train_tp import TrainConfig, train
+    cfg = TrainConfig(dp=2, tp=2, mode="pynative", fsdp=True, steps=3, seq=8, dim=32, hidden=64, vocab=64)
+    result = train(cfg, log=lambda line: None)
+    assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])

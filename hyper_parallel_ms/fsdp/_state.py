@@ -21,6 +21,7 @@ from mindspore import Parameter, Tensor, nn
 
 from .._jit import is_compiling, run_in_python
 from ._flat import FlatLayout, concat_flat, split_flat
+from ..nn._adapter import named_cells
 from ._mesh import dp_mesh_dims
 from ._pieces import DEFERRED
 from ._policy import MixedPrecisionPolicy
@@ -91,6 +92,7 @@ class FSDPState:
         self.reshard_after_backward = True
         self.kept: Optional[list] = None       # values installed by unshard(), until reshard()
         self.deferred = True                   # until every piece is seen initialised
+        self.checked = False                   # MindSpore's first-call checks of the Cells done
 
     def _check_initialised(self, cell) -> None:
         waiting = [s.piece.name for s in self.slots if getattr(s.piece, DEFERRED, None) is not None]
@@ -107,8 +109,6 @@ class FSDPState:
     def _install(self, values: Sequence) -> None:
         for slot, value in zip(self.slots, values):
             for holder, attr in slot.holders:
-                if not holder._init_flag:
-                    holder._init_check()      # MindSpore's first-call check reads the table: pieces still there
                 holder._params[attr] = value
 
     def _restore(self) -> None:
@@ -120,10 +120,22 @@ class FSDPState:
         """The full values of every parameter of this Cell (one collective per group)."""
         return [v for g in self.groups for v in g.full_values()]
 
+    def _first_call_checks(self) -> None:
+        """Run MindSpore's first-call Cell checks (they walk the parameter tables and expect
+        Parameters) while the pieces are in place."""
+        for sub in named_cells(self.cell).values():
+            if not getattr(sub, "_is_check_and_refresh", True):
+                sub._self_check()
+            if not getattr(sub, "_init_flag", True):
+                sub._init_check()
+        self.checked = True
+
     def pre_forward(self, cell, args):
         _refuse_compiled(type(cell).__name__)
         if self.deferred:
             self._check_initialised(cell)
+        if not self.checked:
+            self._first_call_checks()
         self._install(self.gather())
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             return _cast_floats(args, self.policy.param_dtype)
