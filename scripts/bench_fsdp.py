@@ -89,6 +89,18 @@ def _state_bytes(model) -> Dict[str, int]:
             sum(x.nbytes for x in opt.moments2)}
 
 
+def measure_rss(dim: int, layers: int, vocab: int, deferred: bool) -> int:
+    """Rise of the peak RSS while the model is built, sharded (and initialised): run first in a
+    fresh rank process, so that no freed memory of earlier work hides the rise."""
+    from mindspore import communication
+    from hyper_parallel_ms.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
+    config = _config(dim, layers, vocab)
+    base = _reset_peak()
+    _sharded(config, mesh, deferred=deferred)
+    return (_status_kb("VmHWM") - base) * 1024
+
+
 def measure(dim: int, layers: int, vocab: int, steps: int) -> Dict[str, object]:
     from mindspore import communication
     from examples.llama import Llama
@@ -108,14 +120,8 @@ def measure(dim: int, layers: int, vocab: int, steps: int) -> Dict[str, object]:
         p.nbytes for block in full.layers for p in block.trainable_params())
     out["largest_cell"] = max(largest, root_own)
 
-    base = _reset_peak()
-    model = _sharded(config, mesh, deferred=False)
-    out["rss_eager"] = (_status_kb("VmHWM") - base) * 1024
-    out["sharded"] = _state_bytes(model)
-    del model
-    base = _reset_peak()
     model = _sharded(config, mesh, deferred=True)
-    out["rss_deferred"] = (_status_kb("VmHWM") - base) * 1024
+    out["sharded"] = _state_bytes(model)
 
     rows = 2
     rng = np.random.default_rng(0)
@@ -144,13 +150,19 @@ def main() -> None:
     mib = 1024 * 1024
     try:
         for n in (int(s) for s in args.ranks.split(",")):
+            rss = {}
+            for deferred in (False, True):
+                shutdown_pools()
+                rss[deferred] = max(run_on_ranks(measure_rss, n, args.dim, args.layers, args.vocab, deferred,
+                                                 timeout=900))
             r = run_on_ranks(measure, n, args.dim, args.layers, args.vocab, args.steps, timeout=1800)[0]
+            r["rss_eager"], r["rss_deferred"] = rss[False], rss[True]
             full, sharded = sum(r["full"].values()), sum(r["sharded"].values())
             print(f"N={n}: params+grads+AdamW state per rank {sharded / mib:.2f} MiB of {full / mib:.2f} MiB "
                   f"unsharded = {sharded / full:.3f} (1/N = {1 / n:.3f}); with the largest gathered Cell "
                   f"({r['largest_cell'] / mib:.2f} MiB) {(sharded + r['largest_cell']) / full:.3f}")
             print(f"      ({', '.join(f'{k} {v / mib:.2f}' for k, v in r['sharded'].items())} MiB)")
-            print(f"      peak RSS rise building + sharding: eager {r['rss_eager'] / mib:.1f} MiB, deferred init "
+            print(f"      peak RSS rise building + sharding (max over ranks): eager {r['rss_eager'] / mib:.1f} MiB, deferred init "
                   f"{r['rss_deferred'] / mib:.1f} MiB")
             ddp = r["t_ddp"]
             ddp_text = f"{ddp * 1e3:.1f} ms" if isinstance(ddp, float) else f"not run ({ddp})"
@@ -161,4 +173,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import bench_fsdp                 # the ranks import the case function by module name
+    bench_fsdp.main()

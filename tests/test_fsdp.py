@@ -50,6 +50,14 @@ def test_fully_shard_2_ranks_sgd_adamw_and_schedule():
     _fsdp_per_block(lazy, mesh)
     with pytest.raises(RuntimeError, match="init_parameters"):
         lazy(ms.Tensor(np.ones((2, 8), np.float32)))
+    # a weight tied between a sharded block and its parent: refused, the parent left as it was
+    tied = Net()
+    tied.layers[1].down.weight = tied.layers[0].down.weight
+    fully_shard(tied.layers[0], mesh=mesh)
+    before = [id(p) for p in tied.get_parameters()]
+    with pytest.raises(ValueError, match="shared"):
+        fully_shard(tied, mesh=mesh)
+    assert [id(p) for p in tied.get_parameters()] == before and not isinstance(tied, FSDPModule)
 
 
 class _Outer(nn.Cell):

@@ -94,11 +94,18 @@ def _extended_class(cls: type, mixin: type, prefix: str) -> type:
 def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
     """Parameters under ``cell`` not yet taken by a unit, each with every (cell, attr) holding it."""
     found: Dict[int, Tuple[Parameter, List[Tuple[nn.Cell, str]]]] = {}
-    for sub in named_cells(cell).values():
+    pieces: Dict[str, str] = {}
+    for path, sub in named_cells(cell).items():
         for attr, p in own_parameters(sub).items():
             if is_piece(p):
+                pieces[p.name] = f"{path}.{attr}" if path else attr
                 continue
             found.setdefault(id(p), (p, []))[1].append((sub, attr))
+    for p, holders in found.values():
+        if p.name in pieces:
+            raise ValueError(f"parameter {p.name!r} is shared: a sharded sub-Cell holds it as {pieces[p.name]!r} "
+                             f"and {type(holders[0][0]).__name__} uses it too; shard the Cell that holds every use "
+                             "(apply fully_shard to their common parent only)")
     return list(found.values())
 
 

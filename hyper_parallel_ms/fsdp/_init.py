@@ -16,11 +16,24 @@ Example::
 """
 from __future__ import annotations
 
+import numpy as np
 from mindspore import Tensor, nn
+from mindspore.common import dtype as mstype
 
 from ._pieces import DEFERRED, cut_piece
 
 __all__ = ["init_parameters"]
+
+
+def _initial_value(source) -> np.ndarray:
+    """The value ``source``'s initialiser gives, as a numpy array that is freed after use (the
+    initialiser fills it as ``Tensor.init_data`` would, without storing it in the Parameter)."""
+    init = getattr(getattr(source, "init_mode", None), "init", None) if source.has_init else None
+    if init is None:
+        return source.asnumpy()
+    full = np.zeros(tuple(source.shape), dtype=mstype._dtype_to_nptype(source.dtype))  # pylint: disable=protected-access
+    init(full)
+    return full
 
 
 def init_parameters(module: nn.Cell) -> nn.Cell:
@@ -40,10 +53,10 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
         deferred = getattr(param, DEFERRED, None)
         if deferred is not None:
             source, mesh, sharded = deferred
-            full = source.init_data().asnumpy() if source.has_init else source.asnumpy()
-            param.set_data(Tensor(cut_piece(full, mesh, sharded), dtype=param.dtype))
             object.__setattr__(param, DEFERRED, None)
-            del full, source
+            full = _initial_value(source)
+            param.set_data(Tensor(cut_piece(full, mesh, sharded), dtype=param.dtype))
+            del full, source, deferred
         elif param.has_init:
             param.init_data()
     return module
