@@ -18,12 +18,11 @@ from __future__ import annotations
 from math import prod
 from typing import List, Sequence, Tuple
 
-from mindspore import mint
+from mindspore import mint, ops
 
-from ..comm._tensor import narrow, pad_dim
 from ..layout import chunk_offsets, chunk_sizes
 
-__all__ = ["FlatLayout"]
+__all__ = ["FlatLayout", "split_flat", "concat_flat"]
 
 
 class FlatLayout:
@@ -50,34 +49,41 @@ class FlatLayout:
         start = chunk_offsets(shape[0], self.n)[rank]
         return slice(start, start + chunk_sizes(shape[0], self.n)[rank])
 
-    def pack(self, pieces: Sequence) -> object:
-        """This rank's pieces as one flat buffer of ``length`` elements."""
+    def pack(self, pieces: Sequence, rank: int) -> object:
+        """This rank's pieces as one flat buffer of ``length`` elements. Shapes come from the
+        layout, not from the tensors: reading a shape in PyNative waits for queued kernels."""
         parts = []
-        for piece, rows in zip(pieces, self.rows):
-            parts.append(pad_dim(piece, 0, 0, rows - piece.shape[0]).reshape(-1))
+        for index, (piece, rows, numel) in enumerate(zip(pieces, self.rows, self.numels)):
+            shape = self.piece_shape(index, rank)
+            if shape[0] < rows:
+                piece = mint.cat((piece, ops.zeros((rows - shape[0],) + shape[1:], piece.dtype)), 0)
+            parts.append(piece.reshape((numel,)))
         return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
 
     def unpack(self, gathered) -> List[object]:
         """The full parameters from the gathered ``(n * length,)`` buffer."""
-        table = gathered.reshape(self.n, self.length)
+        table = gathered.reshape((self.n, self.length))
         out = []
         for shape, rows, offset, numel in zip(self.shapes, self.rows, self.offsets, self.numels):
-            block = narrow(table, 1, offset, numel).reshape((self.n * rows,) + shape[1:])
-            out.append(narrow(block, 0, 0, shape[0]))
+            block = table if numel == self.length else mint.narrow(table, 1, offset, numel)
+            block = block.reshape((self.n * rows,) + shape[1:])
+            out.append(block if shape[0] == self.n * rows else mint.narrow(block, 0, 0, shape[0]))
         return out
 
 
 def split_flat(flat, shapes: Sequence[Tuple[int, ...]]) -> List[object]:
-    """Cut a flat buffer into tensors of ``shapes`` (inverse of concatenating their flattenings)."""
+    """Cut a flat buffer into tensors of ``shapes`` (inverse of :func:`concat_flat`)."""
+    if len(shapes) == 1:
+        return [flat.reshape(shapes[0])]
     out, start = [], 0
     for shape in shapes:
         numel = prod(shape)
-        out.append(narrow(flat, 0, start, numel).reshape(shape))
+        out.append(mint.narrow(flat, 0, start, numel).reshape(shape))
         start += numel
     return out
 
 
-def concat_flat(tensors: Sequence) -> object:
-    """Concatenate the flattenings of ``tensors``."""
-    parts = [t.reshape(-1) for t in tensors]
+def concat_flat(tensors: Sequence, shapes: Sequence[Tuple[int, ...]]) -> object:
+    """Concatenate the flattenings of ``tensors`` (of ``shapes``)."""
+    parts = [t.reshape((prod(s),)) for t, s in zip(tensors, shapes)]
     return parts[0] if len(parts) == 1 else mint.cat(parts, 0)

@@ -46,6 +46,7 @@ class Group:
                  reduce: str) -> None:
         self.slots, self.sharded = list(slots), sharded
         shard_dim, rep_dim = dp_mesh_dims(mesh)
+        self.rank = mesh.get_local_rank(shard_dim)
         if sharded:
             self.flat = FlatLayout([s.shape for s in self.slots], mesh.size(shard_dim))
             self.cell = GatherPieces(mesh, shard_dim, rep_dim, sync, param_dtype=param_dtype, reduce=reduce)
@@ -58,8 +59,9 @@ class Group:
     def full_values(self) -> list:
         pieces = [s.piece for s in self.slots]
         if self.sharded:
-            return self.flat.unpack(self.cell(self.flat.pack(pieces)))
-        return split_flat(self.cell(concat_flat(pieces)), [s.shape for s in self.slots])
+            return self.flat.unpack(self.cell(self.flat.pack(pieces, self.rank)))
+        shapes = [s.shape for s in self.slots]
+        return split_flat(self.cell(concat_flat(pieces, shapes)), shapes)
 
 
 @run_in_python
