@@ -14,10 +14,8 @@ from math import prod
 from typing import Any, Dict, List, Optional, Tuple
 
 import mindspore as ms
-import numpy as np
 from mindspore import Parameter, nn
 
-from .. import _cluster
 from ..layout import chunk_sizes
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 from ._mesh import default_mesh, dp_mesh_dims

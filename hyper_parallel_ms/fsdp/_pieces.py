@@ -19,7 +19,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 from mindspore import Parameter, Tensor
