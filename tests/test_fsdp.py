@@ -106,8 +106,28 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     compare(shard, rank, 2, loss_mesh=mesh, tol=1e-2, counts=counts)
     assert seen["dtypes"] == {ms.float32}                                   # pieces stay fp32
     assert counts[-1] == {"all_gather": 3, "reduce_scatter": 3}
-    # compiled: the hooks cannot swap parameters inside a graph, so both paths refuse
+    # unshard() keeps the gathered weights in the Cell until reshard(); zero_accumulated_grads()
+    # drops what backward passes without sync accumulated
+    ms.set_seed(0)
+    whole = Net()
+    ms.set_seed(0)
     model = _fsdp_per_block(Net(), mesh)
+    block = model.layers[0]
+    block.unshard()
+    np.testing.assert_array_equal(block.up.weight.asnumpy(), whole.layers[0].up.weight.asnumpy())
+    block.reshard()
+    assert block.up.weight.shape == ((4, 8) if rank == 0 else (3, 8))
+    x = ms.Tensor(np.ones((2, 8), np.float32))
+    step = ms.value_and_grad(lambda x: (model(x) ** 2).mean(), None, model.trainable_params())
+    model.set_requires_gradient_sync(False)
+    step(x * 100.0)
+    model.zero_accumulated_grads()
+    model.set_requires_gradient_sync(True)
+    _, grads = step(x)
+    _, fresh = ms.value_and_grad(lambda x: (model(x) ** 2).mean(), None, model.trainable_params())(x)
+    for g, f in zip(grads, fresh):
+        np.testing.assert_allclose(g.asnumpy(), f.asnumpy(), rtol=1e-6, atol=1e-6)
+    # compiled: the hooks cannot swap parameters inside a graph, so both paths refuse
     with pytest.raises(NotImplementedError, match="PyNative"):
         ms.jit(_Outer(model))(ms.Tensor(np.ones((2, 8), np.float32)))
     ms.set_context(mode=ms.GRAPH_MODE)
