@@ -8,6 +8,10 @@ Launch on N ranks with msrun (``scripts/run_tp.sh`` does it), e.g. 4 CPU ranks a
 ``--mode pynative`` runs eagerly, ``--mode jit`` compiles the train step with ``ms.jit``,
 ``--mode graph`` sets GRAPH_MODE and runs a train-step Cell. Each step logs the loss and
 tokens/s; the last line says whether every loss matched the single-device run.
+
+``--fsdp`` (PyNative) also shards parameters, gradients and optimizer state over dp with
+``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
+with R replicas of dp/R-way shards.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import communication, nn
 
-from hyper_parallel_ms import comm
+from hyper_parallel_ms import comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parallelize_module
 
@@ -51,6 +55,8 @@ class TrainConfig:
     sequence_parallel: bool = True
     check: bool = True                 # also train a single-device model and compare the losses
     tolerance: float = 1e-4
+    fsdp: bool = False                 # fully_shard per block and at the root over dp (PyNative)
+    hsdp_replicate: int = 1            # with fsdp: dp = replicate x shard (HSDP)
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
@@ -84,17 +90,19 @@ class _WithLoss(nn.Cell):
 class TrainStep(nn.Cell):
     """Loss, gradients, gradient reduction and the optimizer update (a Cell for GRAPH_MODE)."""
 
-    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None) -> None:
+    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None,
+                 dp_dims: tuple = ("dp",)) -> None:
         super().__init__()
         self.with_loss = _WithLoss(model)
-        self.optimizer, self.reducer, self.dp_mesh = optimizer, reducer, dp_mesh
+        self.optimizer, self.reducer, self.dp_mesh, self.dp_dims = optimizer, reducer, dp_mesh, dp_dims
         self.grad_fn = ms.value_and_grad(self.with_loss, None, optimizer.parameters)
 
     def construct(self, ids, onehot):
         loss, grads = self.grad_fn(ids, onehot)
         self.optimizer(self.reducer(grads))
         if self.dp_mesh is not None:
-            loss = comm.all_reduce(loss, self.dp_mesh, "dp", op="avg")
+            for dim in self.dp_dims:
+                loss = comm.all_reduce(loss, self.dp_mesh, dim, op="avg")
         return loss
 
 
@@ -107,9 +115,9 @@ def _runner(cfg: TrainConfig, step_cell: TrainStep) -> Callable:
 
 
 def _run(cfg: TrainConfig, model: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
-         log: Callable[[str], None], label: str) -> Dict[str, List[float]]:
+         log: Callable[[str], None], label: str, dp_dims: tuple = ("dp",)) -> Dict[str, List[float]]:
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=cfg.lr, weight_decay=0.01)
-    step = _runner(cfg, TrainStep(model, optimizer, reducer, dp_mesh))
+    step = _runner(cfg, TrainStep(model, optimizer, reducer, dp_mesh, dp_dims))
     losses, rates = [], []
     for i in range(cfg.steps):
         ids, onehot = batch(cfg, i, dp_index, dp_size)
@@ -130,18 +138,27 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     if cfg.batch % cfg.dp or cfg.seq % cfg.tp or cfg.heads % cfg.tp:
         raise ValueError(f"batch {cfg.batch} must divide by dp={cfg.dp}, seq {cfg.seq} and heads {cfg.heads} by "
                          f"tp={cfg.tp}")
-    mesh = init_device_mesh("cpu" if ms.get_context("device_target") == "CPU" else "npu", (cfg.dp, cfg.tp),
-                            mesh_dim_names=("dp", "tp"))
-    dp_index = mesh.get_coordinate()[0]
+    if cfg.fsdp:
+        mesh, dp_dims, dp_index = _fsdp_mesh(cfg)
+    else:
+        mesh, dp_dims = init_device_mesh("cpu" if ms.get_context("device_target") == "CPU" else "npu",
+                                         (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp")), ("dp",)
+        dp_index = mesh.get_coordinate()[0]
     ms.set_seed(cfg.seed)
     model = Llama(model_config(cfg))
     parallelize_module(model, mesh["tp"], tp_plan(cfg.sequence_parallel))
     dp_mesh = mesh if cfg.dp > 1 else None
-    reducer = GradientReducer(model.trainable_params(), dp_mesh=dp_mesh, dp_dim="dp" if dp_mesh else None)
+    if cfg.fsdp:
+        _fully_shard(model, mesh[dp_dims])
+        # fully_shard averages gradients over dp; the reducer keeps only the tp sums (sequence parallelism)
+        reducer = GradientReducer(model.trainable_params())
+    else:
+        reducer = GradientReducer(model.trainable_params(), dp_mesh=dp_mesh, dp_dim="dp" if dp_mesh else None)
     if cfg.mode == "graph":
         ms.set_context(mode=ms.GRAPH_MODE)
     try:
-        result: Dict[str, object] = dict(_run(cfg, model, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel"))
+        result: Dict[str, object] = dict(_run(cfg, model, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel",
+                                              dp_dims))
         if cfg.check:
             ms.set_seed(cfg.seed)
             single = Llama(model_config(cfg))
@@ -153,6 +170,29 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
     return result
+
+
+def _fsdp_mesh(cfg: TrainConfig):
+    """(mesh with dims dp (or dp_replicate, dp_shard) and tp, the dp dim names, this rank's dp index)."""
+    if cfg.mode != "pynative":
+        raise ValueError(f"--fsdp runs in PyNative (--mode pynative), got --mode {cfg.mode}")
+    if cfg.dp % cfg.hsdp_replicate:
+        raise ValueError(f"--hsdp-replicate {cfg.hsdp_replicate} must divide dp={cfg.dp}")
+    device = "cpu" if ms.get_context("device_target") == "CPU" else "npu"
+    if cfg.hsdp_replicate == 1:
+        mesh = init_device_mesh(device, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        return mesh, ("dp",), mesh.get_coordinate()[0]
+    shard = cfg.dp // cfg.hsdp_replicate
+    mesh = init_device_mesh(device, (cfg.hsdp_replicate, shard, cfg.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    coord = mesh.get_coordinate()
+    return mesh, ("dp_replicate", "dp_shard"), coord[0] * shard + coord[1]
+
+
+def _fully_shard(model: nn.Cell, dp_mesh) -> None:
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
 
 
 class _Identity(nn.Cell):
@@ -170,11 +210,14 @@ def parse_args(argv: List[str]) -> TrainConfig:
     parser.add_argument("--no-sequence-parallel", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
+    parser.add_argument("--fsdp", action="store_true", help="fully_shard per block over dp (PyNative)")
+    parser.add_argument("--hsdp-replicate", type=int, default=1, help="with --fsdp: HSDP with this many replicas")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("dp", "tp", "steps", "batch", "seq", "vocab", "dim",
                                                        "layers", "heads", "hidden", "seed", "lr", "mode")})
-    return replace(cfg, sequence_parallel=not args.no_sequence_parallel, check=not args.no_check)
+    return replace(cfg, sequence_parallel=not args.no_sequence_parallel, check=not args.no_check, fsdp=args.fsdp,
+                   hsdp_replicate=args.hsdp_replicate)
 
 
 def main(argv: List[str]) -> int:
@@ -191,6 +234,7 @@ def main(argv: List[str]) -> int:
     result = train(cfg, log)
     rate = float(np.median(result["tokens_per_s"][1:] or result["tokens_per_s"]))
     summary = (f"train_tp: rank {rank} of {world}, dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
+               f"{'fsdp' + (f' hsdp x{cfg.hsdp_replicate} ' if cfg.hsdp_replicate > 1 else ' ') if cfg.fsdp else ''}"
                f"sp={cfg.sequence_parallel}: {cfg.steps} steps, loss {result['losses'][0]:.4f} -> "
                f"{result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
     ok = True

@@ -11,6 +11,7 @@ Example::
     y = dt.redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()
 """
 from . import comm, nn, ops
+from .fsdp import FSDPModule, HSDPCell, MixedPrecisionPolicy, fully_shard, hsdp, init_parameters
 from .dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
                       visualize_sharding, zeros)
 from .layout import Layout
@@ -24,5 +25,6 @@ __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh",
            "DTensor", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
            "visualize_sharding", "sharding_table", "nn", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
-           "distribute_module", "ShardingPlan", "shard_module", "GradientReducer"]
+           "distribute_module", "ShardingPlan", "shard_module", "GradientReducer",
+           "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "hsdp", "HSDPCell", "init_parameters"]
 __version__ = "0.1.0"

@@ -1,0 +1,38 @@
+"""Sharding over data parallelism: ``fully_shard`` (PyTorch FSDP2) and ``hsdp`` (HyperParallel).
+
+Design (MindSpore 2.10, PyNative). Each sharded parameter is replaced by a plain
+``Parameter`` holding this rank's dim-0 piece: the optimizer, its state and the
+gradients all have the pieces' shapes. The Cell's pre-forward hook flattens its pieces,
+all-gathers them in one collective through a Cell with an explicit ``bprop`` and writes
+the full values into the Cells' parameter tables; the post-forward hook writes the
+pieces back. The gather is part of the differentiated computation, so MindSpore's
+autodiff takes the gradient of the loss with respect to the pieces through the
+collective's backward, which is the reduce-scatter (averaged over dp, in
+``reduce_dtype``): gradients are exact by construction, and no step wrapper or optimizer
+change is needed. Measured alternatives: ``set_data`` of a Parameter in a hook changes
+the value but autodiff then differentiates with respect to the full Parameter, whose
+gradient must be cut by hand; a recomputing backward would re-gather but runs the
+Cell's forward twice.
+
+Memory, stated plainly: parameters, gradients and optimizer state held between steps are
+1/N (plus parameters kept whole); during a training step the gathered values of a Cell
+are kept by the autodiff tape from its forward to its backward (as activations are), so
+the backward does not all-gather again and ``reshard_after_forward`` changes nothing
+but the Cell's own references. The forward hooks run in PyNative; under ``ms.jit`` or
+GRAPH_MODE they would be compiled and the Cell would compute with its pieces, so that
+raises (at apply time in GRAPH_MODE, at compile time under ms.jit).
+
+Example::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], plan)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+"""
+from ._fully_shard import FSDPModule, fully_shard
+from ._hsdp import HSDPCell, hsdp
+from ._init import init_parameters
+from ._policy import MixedPrecisionPolicy
+
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "hsdp", "HSDPCell", "init_parameters"]

@@ -1,0 +1,189 @@
+"""``fully_shard``: FSDP2's per-Cell parameter sharding over data parallelism, and the
+``FSDPModule`` methods the sharded Cell gains.
+
+Example::
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = nn.SGD(model.trainable_params(), learning_rate=0.1)   # steps on the pieces
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Any, Dict, List, Optional, Tuple
+
+import mindspore as ms
+from mindspore import Parameter, nn
+
+from ..layout import chunk_sizes
+from ..nn._adapter import CellChanges, named_cells, own_parameters
+from ._mesh import default_mesh, dp_mesh_dims
+from ._pieces import is_piece, make_piece
+from ._policy import MixedPrecisionPolicy
+from ._state import FSDPState, Group, Slot
+from ._sync import SyncState
+
+__all__ = ["fully_shard", "FSDPModule", "shard_cell"]
+
+_STATE = "_hpms_fsdp_state"
+_CLASSES: Dict[Tuple[type, type], type] = {}
+
+
+class FSDPModule:
+    """Methods of a Cell sharded by :func:`fully_shard` (its class becomes ``FSDP<Name>``)."""
+
+    def _fsdp_states(self, recurse: bool = True) -> List[FSDPState]:
+        cells = [c for _, c in self.cells_and_names()] if recurse else [self]
+        return [c.__dict__[_STATE] for c in cells if _STATE in c.__dict__]
+
+    def unshard(self) -> None:
+        """Gather this Cell's parameters and keep them in the Cell until :meth:`reshard`."""
+        self.__dict__[_STATE].unshard()
+
+    def reshard(self) -> None:
+        """Put this Cell's pieces back (frees the gathered parameters)."""
+        self.__dict__[_STATE].reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With ``False`` the backward accumulates unreduced gradients locally and sends nothing;
+        the next backward with ``True`` reduces the sum once (gradient accumulation)."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
+        for state in self._fsdp_states(recurse):
+            state.sync.sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Recorded (see the package notes: the backward never re-gathers here)."""
+        _check_reshard(reshard_after_forward)
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Recorded; after the backward this engine holds only pieces in any case."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"reshard_after_backward must be a bool, got {reshard_after_backward!r}")
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def zero_accumulated_grads(self, *, recurse: bool = True) -> None:
+        """Drop gradients accumulated by backward passes without sync."""
+        for state in self._fsdp_states(recurse):
+            state.clear_pending()
+
+
+def _check_reshard(value: Any) -> None:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and value >= 1:
+        return
+    raise ValueError(f"reshard_after_forward must be a bool or a positive int, got {value!r}")
+
+
+def _extended_class(cls: type, mixin: type, prefix: str) -> type:
+    if issubclass(cls, mixin):
+        return cls
+    key = (cls, mixin)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    return _CLASSES[key]
+
+
+def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
+    """Parameters under ``cell`` not yet taken by a unit, each with every (cell, attr) holding it."""
+    found: Dict[int, Tuple[Parameter, List[Tuple[nn.Cell, str]]]] = {}
+    pieces: Dict[str, str] = {}
+    for path, sub in named_cells(cell).items():
+        for attr, p in own_parameters(sub).items():
+            if is_piece(p):
+                pieces[p.name] = f"{path}.{attr}" if path else attr
+                continue
+            found.setdefault(id(p), (p, []))[1].append((sub, attr))
+    for p, holders in found.values():
+        if p.name in pieces:
+            raise ValueError(f"parameter {p.name!r} is shared: a sharded sub-Cell holds it as {pieces[p.name]!r} "
+                             f"and {type(holders[0][0]).__name__} uses it too; shard the Cell that holds every use "
+                             "(apply fully_shard to their common parent only)")
+    return list(found.values())
+
+
+def _shardable(p: Parameter, n: int, threshold_bytes: int) -> bool:
+    shape = tuple(p.shape)
+    if not shape or 0 in chunk_sizes(shape[0], n):
+        return False        # MindSpore's optimizers reject empty pieces: keep such a parameter whole
+    return prod(shape) * p.itemsize >= threshold_bytes
+
+
+def _buckets(slots: List[Slot], bucket_bytes: Optional[int]) -> List[List[int]]:
+    """Indices grouped into buckets by full (gathered) size: ``None`` one bucket, ``0`` one per
+    parameter, else greedily up to ``bucket_bytes``."""
+    if not slots:
+        return []
+    if bucket_bytes is None:
+        return [list(range(len(slots)))]
+    out, size = [[]], 0
+    for i, slot in enumerate(slots):
+        nbytes = prod(slot.shape) * slot.piece.itemsize
+        if out[-1] and (bucket_bytes == 0 or size + nbytes > bucket_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += nbytes
+    return out
+
+
+def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
+               mp_policy: Optional[MixedPrecisionPolicy] = None, threshold_bytes: int = 0,
+               bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0,
+               reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP"):
+    """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``."""
+    if not isinstance(cell, nn.Cell):
+        raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
+    if _STATE in cell.__dict__:
+        raise ValueError(f"{type(cell).__name__} is already sharded by fully_shard; apply it once per Cell")
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        raise NotImplementedError("fully_shard gathers parameters in forward hooks, which run in PyNative only: "
+                                  "set mindspore.set_context(mode=mindspore.PYNATIVE_MODE)")
+    mesh = default_mesh() if mesh is None else mesh
+    shard_dim, _ = dp_mesh_dims(mesh)
+    _check_reshard(reshard_after_forward)
+    policy = mp_policy or MixedPrecisionPolicy()
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    n = mesh.size(shard_dim)
+    sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
+                     grad_scale=grad_scale)
+    owned = _own_slots(cell)
+    with CellChanges() as changes:
+        state = FSDPState(cell, mesh, [], sync, policy, reshard_after_forward)
+        slots: Dict[bool, List[Slot]] = {True: [], False: []}
+        for p, holders in owned:
+            sharded = _shardable(p, n, threshold_bytes)
+            piece = make_piece(p, mesh, sharded, state)
+            for holder, attr in holders:
+                changes.set_parameter(holder, attr, piece)
+            slots[sharded].append(Slot(holders, piece, tuple(p.shape)))
+        for sharded in (True, False):
+            group_slots = slots[sharded]
+            for bucket in _buckets(group_slots, bucket_bytes):
+                state.groups.append(Group([group_slots[i] for i in bucket], sharded, mesh, sync,
+                                          policy.param_dtype, reduce))
+        changes.set_attribute(cell, _STATE, state)
+        changes.add_forward_pre_hook(cell, state.pre_forward)
+        changes.add_forward_hook(cell, state.post_forward)
+        changes.swap_class(cell, _extended_class(type(cell), mixin, prefix))
+    return cell
+
+
+def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True,
+                mp_policy: Optional[MixedPrecisionPolicy] = None) -> nn.Cell:
+    """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0
+    over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
+    :class:`FSDPModule`. Apply bottom-up: each block, then the root.
+
+    Example::
+
+        fully_shard(model.layers[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    """
+    return shard_cell(module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)

@@ -1,0 +1,116 @@
+"""HyperParallel's ``hsdp`` and ``HSDPCell`` on the fully_shard engine.
+
+``optimizer_level``: ``"level1"`` shards the optimizer state (gradients all-reduced whole,
+each rank keeps its slot), ``"level2"`` also the gradients (reduce-scatter), ``"level3"``
+also the parameters. On this engine every level holds parameter pieces between steps and
+gathers them in the forward (the optimizer steps on pieces at every level); the levels
+differ in the gradient collective. ``shard_size`` groups ranks into shard groups of that
+size (HSDP: reduce-scatter within, all-reduce across); parameters under ``threshold`` KB
+stay replicated; ``comm_fusion`` fuses each Cell's parameters into one collective, or into
+buckets of ``bucket_size`` KB, and without it each parameter has its own.
+
+Example::
+
+    for block in model.layers:
+        hsdp(block, shard_size=2, threshold=0, optimizer_level="level3")
+    hsdp(model, shard_size=2, threshold=0, optimizer_level="level3")
+    model.set_requires_grad_sync(False)        # micro-steps without gradient communication
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import mindspore as ms
+from mindspore import nn
+
+from .. import _cluster
+from ..mesh import init_device_mesh
+from ._fully_shard import FSDPModule, shard_cell
+
+__all__ = ["hsdp", "HSDPCell"]
+
+_LEVELS = {"level1": "all_reduce", "level2": "reduce_scatter", "level3": "reduce_scatter"}
+_DTYPES = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
+
+
+class HSDPCell(FSDPModule):
+    """Methods of a Cell given to :func:`hsdp` (its class becomes ``HSDP<Name>``)."""
+
+    def set_requires_grad_sync(self, requires_grad_sync: bool) -> None:
+        """``False``: backward passes accumulate locally, without communication, until ``True``."""
+        if not isinstance(requires_grad_sync, bool):
+            raise ValueError(f"requires_grad_sync must be bool but got {requires_grad_sync!r}")
+        if not requires_grad_sync and not self.__dict__["_hpms_hsdp_accumulation"]:
+            raise ValueError("set_requires_grad_sync(False) needs hsdp(..., enable_grad_accumulation=True)")
+        self.set_requires_gradient_sync(requires_grad_sync)
+
+    def zero_grads(self) -> None:
+        """Drop gradients accumulated without sync."""
+        self.zero_accumulated_grads()
+
+    def set_forward_prefetch_cells(self, hsdp_cell_list: Sequence["HSDPCell"]) -> None:
+        """Record the Cells whose gathers may start early (this engine gathers synchronously)."""
+        self.__dict__["_hpms_forward_prefetch"] = _check_cells(hsdp_cell_list)
+
+    def set_backward_prefetch_cells(self, hsdp_cell_list: Sequence["HSDPCell"]) -> None:
+        """Record the Cells to prefetch in backward (the backward here does not gather)."""
+        self.__dict__["_hpms_backward_prefetch"] = _check_cells(hsdp_cell_list)
+
+
+def _check_cells(cells: Sequence[Any]) -> List[HSDPCell]:
+    if not isinstance(cells, (tuple, list)):
+        raise ValueError(f"hsdp_cell_list must be a list of HSDPCell, got {type(cells).__name__}")
+    for cell in cells:
+        if not isinstance(cell, HSDPCell):
+            raise ValueError(f"hsdp_cell_list must hold HSDPCell objects, got {type(cell).__name__}")
+    return list(cells)
+
+
+def _mesh(shard_size: int):
+    world = _cluster.world_size()
+    device = "npu" if _cluster.device_target() == "Ascend" else "cpu"
+    if shard_size == -1 or shard_size == world:
+        return init_device_mesh(device, (world,), mesh_dim_names=("dp_shard",))
+    if world % shard_size:
+        raise ValueError(f"shard_size {shard_size} must divide the number of ranks {world}")
+    return init_device_mesh(device, (world // shard_size, shard_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1",
+         enable_grad_accumulation: bool = False, grad_scale: float = 1.0, reduce_dtype: Any = None,
+         comm_async: bool = False, comm_fusion: bool = False, bucket_size: int = -1) -> nn.Cell:
+    """Shard ``cell``'s own parameters over data parallelism (HyperParallel's signature);
+    returns ``cell``, now an :class:`HSDPCell`. ``threshold`` and ``bucket_size`` are in KB.
+    ``comm_async`` is accepted; the collectives run synchronously.
+
+    Example::
+
+        hsdp(model, shard_size=-1, threshold=0, optimizer_level="level3", comm_fusion=True)
+    """
+    if not isinstance(cell, nn.Cell):
+        raise ValueError(f"cell's type must be Cell but got {type(cell)}")
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or (shard_size <= 0 and shard_size != -1):
+        raise ValueError(f"shard_size must be a positive integer or -1, but got {shard_size!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(f"threshold must be a non-negative integer (KB), but got {threshold!r}")
+    if optimizer_level not in _LEVELS:
+        raise ValueError(f"optimizer_level must be one of {sorted(_LEVELS)}, but got {optimizer_level!r}")
+    for name, flag in (("enable_grad_accumulation", enable_grad_accumulation), ("comm_async", comm_async),
+                       ("comm_fusion", comm_fusion)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be bool but got {flag!r}")
+    if not isinstance(grad_scale, float):
+        raise ValueError(f"grad_scale must be float but got {grad_scale!r}")
+    if reduce_dtype is not None and reduce_dtype not in _DTYPES:
+        raise ValueError(f"reduce_dtype must be a floating mindspore dtype, but got {reduce_dtype!r}")
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or (bucket_size < 0 and bucket_size != -1):
+        raise ValueError(f"bucket_size must be a non-negative integer (KB) or -1, but got {bucket_size!r}")
+    if not comm_fusion:
+        bucket_bytes = 0
+    else:
+        bucket_bytes = None if bucket_size == -1 else bucket_size * 1024
+    shard_cell(cell, _mesh(shard_size), threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
+               reduce=_LEVELS[optimizer_level], grad_scale=grad_scale, reduce_dtype=reduce_dtype,
+               mixin=HSDPCell, prefix="HSDP")
+    object.__setattr__(cell, "_hpms_hsdp_accumulation", enable_grad_accumulation)
+    return cell

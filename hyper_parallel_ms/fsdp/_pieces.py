@@ -1,0 +1,108 @@
+"""The piece Parameters of fully_shard and their sharding record.
+
+A parameter sharded by fully_shard becomes a plain ``Parameter`` (same name) holding this
+rank's ``torch.chunk`` piece of dim 0 over the shard mesh dim; its ``ParameterSharding``
+record names the whole layout. For a parameter already placed by a parallel style, the
+record is on the root mesh (dp dims then tp dims) and, when dp and tp split the same dim
+0, the Layout's ``shard_order`` says "tp first, then dp within the tp piece". A parameter
+kept whole (too small, or a piece would be empty) is recorded as replicated over dp.
+
+``GRAD_REDUCED`` marks, on every piece, the mesh dims (of the record's mesh) over which
+the gradient fully_shard returns is already averaged: a gradient reducer applied after
+fully_shard must leave those dims alone (composition rule: fully_shard owns the dp
+reduction; ``GradientReducer`` keeps only the tp ``grad_partial_dims`` sums).
+
+Example::
+
+    piece = make_piece(param, dp_mesh, sharded=True)
+    parameter_sharding(piece).spec.placements     # (Shard(dim=0),)
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+from mindspore import Parameter, Tensor
+from mindspore.common.initializer import initializer
+
+from ..dtensor._spec import DTensorSpec
+from ..layout import Layout, chunk_sizes
+from ..nn._parameter import ParameterSharding, parameter_sharding
+from ..placement import Replicate, Shard
+from ._mesh import dp_mesh_dims, join_meshes
+
+__all__ = ["make_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "PIECE_OF", "DEFERRED", "is_piece"]
+
+GRAD_REDUCED = "_hpms_grad_reduced_dims"
+PIECE_OF = "_hpms_fsdp_unit"
+DEFERRED = "_hpms_deferred_source"
+_SHARDING = "_hpms_sharding"
+
+
+def is_piece(param: Parameter) -> bool:
+    """Whether ``param`` already belongs to a fully_shard unit."""
+    return getattr(param, PIECE_OF, None) is not None
+
+
+def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterSharding, Tuple[int, ...]]:
+    """The sharding record of ``param``'s piece, and the dp dims its gradient is averaged over."""
+    shard_dim, rep_dim = dp_mesh_dims(mesh)
+    dp_dims = (shard_dim,) if rep_dim is None else (rep_dim, shard_dim)
+    dp_places = [Replicate()] * mesh.ndim
+    if sharded:
+        dp_places[shard_dim] = Shard(0)
+    ndim = len(param.shape)
+    previous = parameter_sharding(param)
+    if previous is None:
+        spec = DTensorSpec(mesh, Layout(mesh.shape, dp_places, mesh_dim_names=mesh.mesh_dim_names).normalized(ndim),
+                           tuple(param.shape))
+        return ParameterSharding(spec), dp_dims
+    tp = previous.spec
+    root = join_meshes(mesh, tp.mesh)
+    k = mesh.ndim
+    order = {}
+    for d, axes in enumerate(tp.layout.sharding_axes(ndim)):
+        if len(axes) > 1 or (axes and d == 0 and sharded):
+            order[d] = tuple(a + k for a in axes) + ((shard_dim,) if d == 0 and sharded else ())
+    layout = Layout(root.shape, tuple(dp_places) + tuple(tp.layout.placements),
+                    mesh_dim_names=root.mesh_dim_names, shard_order=order).normalized(ndim)
+    spec = DTensorSpec(root, layout, tuple(tp.shape))
+    expected = tuple(param.shape)
+    if sharded:
+        expected = (chunk_sizes(expected[0], mesh.size(shard_dim))[mesh.get_local_rank(shard_dim)],) + expected[1:]
+    if spec.local_shape() != expected:
+        raise ValueError(f"parameter {param.name!r}: the joint dp x tp layout {layout} gives this rank a piece of "
+                         f"{spec.local_shape()}, but fully_shard holds {expected}")
+    record = ParameterSharding(spec, tuple(d + k for d in previous.grad_partial_dims))
+    return record, dp_dims
+
+
+def cut_piece(full: np.ndarray, mesh, sharded: bool) -> np.ndarray:
+    """This rank's ``torch.chunk`` piece of dim 0 over the shard dim of ``mesh`` (or all of it)."""
+    if sharded:
+        shard_dim, _ = dp_mesh_dims(mesh)
+        n, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+        step = -(-full.shape[0] // n)
+        full = full[rank * step: rank * step + chunk_sizes(full.shape[0], n)[rank]]
+    return np.ascontiguousarray(full)
+
+
+def make_piece(param: Parameter, mesh, sharded: bool, unit: object) -> Parameter:
+    """A Parameter with ``param``'s name holding this rank's piece. A parameter built under
+    ``no_init_parameters()`` gives a piece that :func:`init_parameters` fills later."""
+    record, dp_dims = piece_record(param, mesh, sharded)
+    if param.has_init:
+        shape = tuple(param.shape)
+        if sharded:
+            shard_dim, _ = dp_mesh_dims(mesh)
+            shape = (chunk_sizes(shape[0], mesh.size(shard_dim))[mesh.get_local_rank(shard_dim)],) + shape[1:]
+        piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,
+                          requires_grad=param.requires_grad)
+        object.__setattr__(piece, DEFERRED, (param, mesh, sharded))
+    else:
+        piece = Parameter(Tensor(cut_piece(param.asnumpy(), mesh, sharded), dtype=param.dtype), name=param.name,
+                          requires_grad=param.requires_grad)
+    object.__setattr__(piece, _SHARDING, record)
+    object.__setattr__(piece, GRAD_REDUCED, dp_dims)
+    object.__setattr__(piece, PIECE_OF, unit)
+    return piece

@@ -1,0 +1,28 @@
+"""MixedPrecisionPolicy: the dtypes fully_shard gathers parameters in and reduces gradients in.
+
+The pieces (what the optimizer updates) keep their own dtype (fp32); ``param_dtype`` is
+the dtype of the gathered parameters the forward computes with, ``reduce_dtype`` that of
+the gradient reduction, ``output_dtype`` that of the sharded Cell's floating outputs, and
+``cast_forward_inputs`` casts floating inputs to ``param_dtype``.
+
+Example:
+    >>> import mindspore as ms
+    >>> MixedPrecisionPolicy(param_dtype=ms.bfloat16, reduce_dtype=ms.float32).param_dtype
+    mindspore.bfloat16
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["MixedPrecisionPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Like ``torch.distributed.fsdp.MixedPrecisionPolicy``; ``None`` keeps the piece's dtype."""
+
+    param_dtype: Optional[Any] = None
+    reduce_dtype: Optional[Any] = None
+    output_dtype: Optional[Any] = None
+    cast_forward_inputs: bool = True

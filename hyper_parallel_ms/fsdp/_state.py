@@ -1,0 +1,168 @@
+"""FSDPState: what one fully_shard call keeps on its Cell, and its forward hooks.
+
+The Cell's own parameters (those not already taken by a fully_shard call on a sub-Cell)
+are split into groups; each group is one collective: a sharded group is flattened and
+all-gathered by :class:`GatherPieces`, a replicated group passes through
+:class:`SyncReplicas`. The pre-forward hook puts the gathered full values into the
+Cells that hold the parameters, the post-forward hook puts the pieces back.
+
+Example::
+
+    state = FSDPState(cell, mesh, groups, sync_state, policy)
+    state.register(changes)          # hooks and piece Parameters, undone if a later step fails
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn
+
+from .._jit import is_compiling, run_in_python
+from ._flat import FlatLayout, concat_flat, split_flat
+from ..nn._adapter import named_cells
+from ._mesh import dp_mesh_dims
+from ._pieces import DEFERRED
+from ._policy import MixedPrecisionPolicy
+from ._sync import GatherPieces, SyncReplicas, SyncState
+
+__all__ = ["Slot", "Group", "FSDPState"]
+
+
+@dataclass
+class Slot:
+    """One parameter: where it is held (cell, attribute), its piece, its full shape."""
+
+    holders: List[Tuple[nn.Cell, str]]
+    piece: Parameter
+    shape: Tuple[int, ...]
+
+
+class Group:
+    """Parameters moved by one collective (sharded: all-gather; replicated: gradient all-reduce)."""
+
+    def __init__(self, slots: Sequence[Slot], sharded: bool, mesh, sync: SyncState, param_dtype: Any,
+                 reduce: str) -> None:
+        self.slots, self.sharded = list(slots), sharded
+        shard_dim, rep_dim = dp_mesh_dims(mesh)
+        self.rank = mesh.get_local_rank(shard_dim)
+        if sharded:
+            self.flat = FlatLayout([s.shape for s in self.slots], mesh.size(shard_dim))
+            self.cell = GatherPieces(mesh, shard_dim, rep_dim, sync, param_dtype=param_dtype, reduce=reduce)
+        else:
+            self.flat = None
+            self.cell = SyncReplicas(mesh, shard_dim if mesh.size(shard_dim) > 1 else None,
+                                     rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None,
+                                     sync, param_dtype)
+
+    def full_values(self) -> list:
+        pieces = [s.piece for s in self.slots]
+        if self.sharded:
+            return self.flat.unpack(self.cell(self.flat.pack(pieces, self.rank)))
+        shapes = [s.shape for s in self.slots]
+        return split_flat(self.cell(concat_flat(pieces, shapes)), shapes)
+
+
+@run_in_python
+def _refuse_compiled(name: str) -> None:
+    if not is_compiling():
+        return
+    raise NotImplementedError(
+        f"fully_shard on {name}: gathering parameters by forward hooks runs in PyNative only; inside ms.jit or "
+        "GRAPH_MODE the hooks are compiled and the Cell would compute with its pieces. Run the training step in "
+        "PyNative (the collectives themselves compile; the parameter swap does not)")
+
+
+_FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
+
+
+def _cast_floats(values, dtype):
+    if dtype is None:
+        return values
+    return tuple(v.astype(dtype) if isinstance(v, Tensor) and v.dtype in _FLOATS and v.dtype != dtype
+                 else v for v in values)
+
+
+class FSDPState:
+    """The groups of one sharded Cell, its mixed-precision policy and its hooks."""
+
+    def __init__(self, cell: nn.Cell, mesh, groups: Sequence[Group], sync: SyncState,
+                 policy: MixedPrecisionPolicy, reshard_after_forward: Any) -> None:
+        self.cell, self.mesh, self.groups, self.sync, self.policy = cell, mesh, list(groups), sync, policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.kept: Optional[list] = None       # values installed by unshard(), until reshard()
+        self.deferred = True                   # until every piece is seen initialised
+        self.checked = False                   # MindSpore's first-call checks of the Cells done
+
+    def _check_initialised(self, cell) -> None:
+        waiting = [s.piece.name for s in self.slots if getattr(s.piece, DEFERRED, None) is not None]
+        if waiting:
+            raise RuntimeError(f"{type(cell).__name__} was built under no_init_parameters() and its parameters "
+                               f"{waiting} are not initialised: call hyper_parallel_ms.init_parameters(model) "
+                               "after fully_shard / hsdp and before the first forward")
+        self.deferred = False
+
+    @property
+    def slots(self) -> List[Slot]:
+        return [s for g in self.groups for s in g.slots]
+
+    def _install(self, values: Sequence) -> None:
+        for slot, value in zip(self.slots, values):
+            for holder, attr in slot.holders:
+                holder._params[attr] = value
+
+    def _restore(self) -> None:
+        for slot in self.slots:
+            for holder, attr in slot.holders:
+                holder._params[attr] = slot.piece
+
+    def gather(self) -> list:
+        """The full values of every parameter of this Cell (one collective per group)."""
+        return [v for g in self.groups for v in g.full_values()]
+
+    def _first_call_checks(self) -> None:
+        """Run MindSpore's first-call Cell checks (they walk the parameter tables and expect
+        Parameters) while the pieces are in place."""
+        for sub in named_cells(self.cell).values():
+            if not getattr(sub, "_is_check_and_refresh", True):
+                sub._self_check()
+            if not getattr(sub, "_init_flag", True):
+                sub._init_check()
+        self.checked = True
+
+    def pre_forward(self, cell, args):
+        _refuse_compiled(type(cell).__name__)
+        if self.deferred:
+            self._check_initialised(cell)
+        if not self.checked:
+            self._first_call_checks()
+        self._install(self.gather())
+        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
+            return _cast_floats(args, self.policy.param_dtype)
+        return None
+
+    def post_forward(self, cell, args, output):
+        if self.kept is not None:
+            self._install(self.kept)
+        else:
+            self._restore()
+        dtype = self.policy.output_dtype
+        if dtype is None:
+            return None
+        if isinstance(output, tuple):
+            return _cast_floats(output, dtype)
+        return _cast_floats((output,), dtype)[0]
+
+    def unshard(self) -> None:
+        self.kept = self.gather()
+        self._install(self.kept)
+
+    def reshard(self) -> None:
+        self.kept = None
+        self._restore()
+
+    def clear_pending(self) -> None:
+        for g in self.groups:
+            g.cell.clear()

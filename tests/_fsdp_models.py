@@ -1,0 +1,96 @@
+"""Tiny models, data and the single-device comparison shared by the fully_shard / hsdp tests."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+from hyper_parallel_ms import comm
+from hyper_parallel_ms.comm import CommDebugMode
+
+from tests._parity import gathered
+
+
+class Block(nn.Cell):
+    """Uneven sizes: 7 rows are (4, 3) pieces on 2 ranks, (2, 2, 2, 1) on 4."""
+
+    def __init__(self, dim: int = 8, hidden: int = 7) -> None:
+        super().__init__()
+        self.up = nn.Dense(dim, hidden)
+        self.down = nn.Dense(hidden, dim)
+
+    def construct(self, x):
+        return x + self.down(ops.relu(self.up(x)))
+
+
+class Net(nn.Cell):
+    def __init__(self, dim: int = 8, blocks: int = 2, hidden: int = 7) -> None:
+        super().__init__()
+        self.inp = nn.Dense(dim, dim)
+        self.layers = nn.CellList([Block(dim, hidden) for _ in range(blocks)])
+        self.head = nn.Dense(dim, 3)
+
+    def construct(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def batch(step: int, rows: int = 8, dim: int = 8):
+    return ms.Tensor(np.random.default_rng(100 + step).standard_normal((rows, dim)).astype(np.float32))
+
+
+def loss_of(model, x):
+    return (model(x) ** 2).mean()
+
+
+def make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return nn.SGD(params, learning_rate=0.1)
+    if kind == "adam":
+        return nn.Adam(params, learning_rate=0.01)
+    return nn.AdamWeightDecay(params, learning_rate=0.01, weight_decay=0.01)
+
+
+def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, optimizer: str = "sgd",
+            steps: int = 5, tol: float = 1e-5, loss_mesh=None, make_model: Callable = Net,
+            counts: Optional[List] = None, train: Optional[Callable] = None, dim: int = 8,
+            rows: int = 8, make_par: Optional[Callable] = None) -> List[float]:
+    """Train the single-device model on the whole batch and the sharded one on this dp rank's rows;
+    compare the loss each step and every parameter after ``steps`` optimizer steps.
+    ``counts`` collects each step's CommDebugMode counts."""
+    ms.set_seed(0)
+    ref = make_model()
+    ms.set_seed(0)
+    par = (make_par or make_model)()
+    shard(par)
+    ref_params, par_params = ref.trainable_params(), par.trainable_params()
+    assert [p.name for p in ref_params] == [p.name for p in par_params]
+    ref_opt, par_opt = make_optimizer(optimizer, ref_params), make_optimizer(optimizer, par_params)
+    ref_step = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
+    par_step = ms.value_and_grad(lambda x: loss_of(par, x), None, par_params)
+    losses = []
+    for step in range(steps):
+        x = batch(step, rows, dim)
+        local = rows // dp_size
+        loss, grads = ref_step(x)
+        with CommDebugMode() as mode:
+            if train is None:
+                p_loss, p_grads = par_step(x[dp_index * local:(dp_index + 1) * local])
+            else:
+                p_loss, p_grads = train(par, par_step, x[dp_index * local:(dp_index + 1) * local])
+        if counts is not None:
+            counts.append(mode.get_comm_counts())
+        for d in range(loss_mesh.ndim if loss_mesh is not None else 0):
+            p_loss = comm.all_reduce(p_loss, loss_mesh, d, op="avg")
+        np.testing.assert_allclose(p_loss.asnumpy(), loss.asnumpy(), rtol=tol, atol=tol, err_msg=f"loss, step {step}")
+        losses.append(float(loss.asnumpy()))
+        ref_opt(grads)
+        par_opt(p_grads)
+    for p, rp in zip(par_params, ref_params):
+        np.testing.assert_allclose(gathered(p, p), rp.asnumpy(), rtol=tol, atol=tol,
+                                   err_msg=f"{p.name} after {steps} {optimizer} steps")
+    return losses
