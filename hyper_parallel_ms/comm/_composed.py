@@ -13,12 +13,12 @@ Example (two ranks, group ``g``, each holding one row)::
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn, ops
 
+from .._mindspore import cached_in_python
 from ..layout import chunk_offsets, chunk_sizes
 from ._tensor import narrow, pad_dim
 
@@ -29,7 +29,7 @@ WIRE_DTYPES = (ms.float32, ms.float16)
 WIDENED_DTYPES = (ms.bfloat16,)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _all_reduce_sum_prim(group_name: str):
     return ops.AllReduce(ops.ReduceOp.SUM, group_name)
 
@@ -70,7 +70,7 @@ class _AllGather(nn.Cell):
         return (narrow(sum_over(dout, self.group_name), self.dim, self.before, self.length),)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _all_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _AllGather:
     return _AllGather(dim, sizes, group)
 

@@ -4,8 +4,10 @@ The object *is* the local tensor (it shares storage with it, so MindSpore's auto
 optimizers see the local data) and carries a :class:`DTensorSpec`: the mesh, the
 placements and the global shape. ``shape``, ``size()`` and ``numel()`` are global;
 ``local_shape`` and :meth:`to_local` give the piece. Operators applied to a DTensor act on
-the local piece and return plain Tensors; :mod:`hyper_parallel_ms.ops` adds sharding
-propagation. DTensors are PyNative objects: inside ``ms.jit`` pass local tensors.
+the global tensor: MindSpore calls the DTensor's tensor hook, which runs
+:mod:`hyper_parallel_ms.ops`' sharding propagation (imported on the first op). DTensors are
+PyNative objects: ``ms.jit`` functions and GRAPH_MODE Cells refuse them as arguments (pass
+``to_local()`` pieces).
 
 Gradients follow PyTorch: the gradient of a tensor laid out as L is laid out as L with
 Partial placements read as Replicate. ``redistribute``'s backward moves the gradient
@@ -29,6 +31,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from .. import _mindspore as _ms_seam
 from .. import comm
 from ..placement import Placement, Replicate
 from ..redistribute import redistribution, replicate_partials
@@ -39,7 +42,23 @@ __all__ = ["DTensor"]
 
 def _local_view(t) -> Tensor:
     """A plain Tensor sharing storage (and the autodiff node) with ``t``."""
-    return Tensor._make_subclass(Tensor, t)
+    return _ms_seam.as_subclass(Tensor, t)
+
+
+def _dispatch(func, args: tuple, kwargs: dict):
+    """Sharding propagation for one op (the ops package depends on this module, so it is
+    imported on the first op rather than at import)."""
+    from ..ops._dispatch import dispatch
+    return dispatch(func, args, kwargs)
+
+
+def _reflected(name: str):
+    """``other <op> dtensor``: Python tries the subclass's reflected method first, so that
+    ``plain + dtensor`` reaches the dispatcher too."""
+    def method(self, other):
+        return getattr(ms.ops, name)(other, self)
+    method.__name__ = f"__r{name}__"
+    return method
 
 
 class DTensor(Tensor):
@@ -57,7 +76,8 @@ class DTensor(Tensor):
         if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
             spec = local._dt_spec  # which needs storage of its own (a view would not be updated)
             local = _local_view(local).copy()
-        obj = Tensor._make_subclass(cls, local)
+        _ms_seam.reject_in_compiled_args(DTensor)
+        obj = _ms_seam.as_subclass(cls, local)
         obj._dt_spec = spec
         return obj
 
@@ -65,9 +85,23 @@ class DTensor(Tensor):
     def _adopt(cls, result: Tensor, spec: DTensorSpec) -> "DTensor":
         """Turn a fresh op result into a DTensor in place (no copy and, unlike building a new
         object, no wait for the op to finish)."""
-        result.__class__ = cls
+        result = _ms_seam.adopt(result, cls)
         result._dt_spec = spec
         return result
+
+    # ------------------------------------------------------------ op hooks
+    __fallback__ = _ms_seam.tensor_hook(_dispatch)
+
+    def __getitem__(self, index):
+        """Indexing (MindSpore's indexing does not always reach the tensor hook)."""
+        from ..ops._rules.indexing import GetItem, index_key
+        return _dispatch(GetItem, (self, index_key(index, len(self._dt_spec.shape))), {})
+
+    __radd__ = _reflected("add")
+    __rsub__ = _reflected("sub")
+    __rmul__ = _reflected("mul")
+    __rtruediv__ = _reflected("div")
+    __rmatmul__ = _reflected("matmul")
 
     # ------------------------------------------------------------- creation
     @staticmethod

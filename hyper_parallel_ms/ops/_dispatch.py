@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mindspore import Tensor
-from mindspore._c_expression import NoFallbackGuard
 from mindspore.ops import Primitive
 
+from .._mindspore import no_hook
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
@@ -168,7 +168,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     if decision.inplace:  # MindSpore's CPU in-place kernels reject strided views as sources
         local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
                                            for a in local_inputs[1:]]
-    with NoFallbackGuard():
+    with no_hook():
         if decision.local_fn is not None:
             out = decision.local_fn(*local_inputs, **kwargs)
         else:

@@ -1,0 +1,227 @@
+"""The seam: every use of MindSpore that is not public API, in one module.
+
+Each contract below is something MindSpore does today without promising it; a smoke test
+in ``tests/test_mindspore_seam.py`` names each one, so that a MindSpore upgrade that
+breaks a contract fails one test here instead of many elsewhere.
+
+Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
+
+- **tensor hook**: a Tensor subclass with ``__fallback__(self, func, args, kwargs)`` is
+  called for the ops it takes part in; what it returns is the op's result. 2.8 / 2.9
+  replace an exception raised in it by ``RuntimeError: Python fallback failed.``
+  (:func:`tensor_hook` keeps the original, :func:`original_hook_errors` restores it), and
+  do not call it for tensors inside list arguments (:data:`LIST_ARGS_REACH_HOOK`).
+- **no-hook guard**: ``mindspore._c_expression.NoFallbackGuard`` runs ops on subclass
+  objects as on plain tensors (:func:`no_hook`).
+- **subclass views**: ``Tensor._make_subclass(cls, t)`` makes an object of ``cls``
+  sharing storage and autodiff node with ``t`` (:func:`as_subclass`); assigning
+  ``__class__`` turns a fresh plain op result into a subclass (:func:`adopt`).
+- **compile-time Python**: ``ms.jit`` runs a ``functools.lru_cache`` object as opaque
+  Python on its constant arguments (:func:`cached_in_python`, :func:`run_in_python`).
+- **compile detection**: graph compilation runs in ``_JitExecutor.compile`` (``ms.jit``)
+  or ``_CellGraphExecutor.compile`` (GRAPH_MODE Cells), in ``mindspore.graph.api`` from
+  2.9 and ``mindspore.common.api`` on 2.8 (:func:`is_compiling`, :func:`reject_in_compiled_args`).
+
+Example:
+    >>> @run_in_python
+    ... def double(n):
+    ...     return 2 * n
+    >>> double(4), is_compiling()
+    (8, False)
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar
+
+import mindspore
+from mindspore import Tensor
+
+from . import _check_mindspore
+
+_check_mindspore(mindspore.__version__)  # before touching the internals below
+
+from mindspore._c_expression import NoFallbackGuard  # noqa: E402
+
+try:  # MindSpore 2.9 and later
+    from mindspore.graph import api as _graph_api
+except ImportError:  # MindSpore 2.8
+    from mindspore.common import api as _graph_api
+
+__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "tensor_hook", "original_hook_errors", "no_hook",
+           "as_subclass", "adopt", "cached_in_python", "run_in_python", "is_compiling", "reject_in_compiled_args"]
+
+F = TypeVar("F", bound=Callable)
+
+
+def _release(version: str) -> Tuple[int, int]:
+    """``(major, minor)`` of a version string.
+
+    >>> _release("2.10.0rc1")
+    (2, 10)
+    """
+    parts = version.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+MINDSPORE_VERSION: Tuple[int, int] = _release(mindspore.__version__)
+# 2.10 calls the hook for tensors inside list arguments (ops.cat([dt, ...])); 2.8 / 2.9 do not.
+LIST_ARGS_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 10)
+_FALLBACK_FAILED = "Python fallback failed"
+
+
+# ------------------------------------------------------------------ tensor hook
+class _HookErrors(threading.local):
+    last: Optional[BaseException] = None
+
+
+_HOOK_ERRORS = _HookErrors()
+
+
+def tensor_hook(fn: Callable[[Any, tuple, dict], Any]) -> Callable:
+    """The ``__fallback__`` method for a Tensor subclass calling ``fn(func, args, kwargs)``.
+    An exception it raises is kept for :func:`original_hook_errors` (MindSpore 2.8 / 2.9
+    replace it by a bare ``RuntimeError``).
+
+    Example::
+
+        class MyTensor(Tensor):
+            __fallback__ = tensor_hook(lambda func, args, kwargs: ...)
+    """
+    def __fallback__(self, func, args=(), kwargs=None):
+        try:
+            return fn(func, args, kwargs or {})
+        except BaseException as error:
+            _HOOK_ERRORS.last = error
+            raise
+    return __fallback__
+
+
+@contextmanager
+def original_hook_errors() -> Iterator[None]:
+    """Inside, a ``RuntimeError: Python fallback failed.`` that MindSpore raises in place of
+    an exception from a :func:`tensor_hook` is replaced by that exception (chained to it).
+
+    Example::
+
+        with original_hook_errors():
+            ops.add(dt, other)      # raises the dispatcher's own error on every release
+    """
+    _HOOK_ERRORS.last = None
+    try:
+        yield
+    except RuntimeError as error:
+        original, _HOOK_ERRORS.last = _HOOK_ERRORS.last, None
+        if original is None or original is error or _FALLBACK_FAILED not in str(error):
+            raise
+        raise original.with_traceback(original.__traceback__) from error
+
+
+def no_hook() -> Any:
+    """A context in which ops on subclass objects run as on plain tensors (no hook)."""
+    return NoFallbackGuard()
+
+
+# ------------------------------------------------------------- subclass views
+def as_subclass(cls: type, t: Tensor) -> Tensor:
+    """An object of ``cls`` sharing storage and the autodiff node with ``t`` (no copy).
+
+    >>> type(as_subclass(Tensor, Tensor([1.0]))).__name__
+    'Tensor'
+    """
+    return Tensor._make_subclass(cls, t)
+
+
+def adopt(result: Tensor, cls: type) -> Tensor:
+    """Turn a fresh op result into an object of the subclass ``cls`` in place (no copy and,
+    unlike :func:`as_subclass`, no wait for the op to finish)."""
+    result.__class__ = cls
+    return result
+
+
+# ------------------------------------------------------------ compile-time Python
+def cached_in_python(fn: F) -> F:
+    """Memoise ``fn`` (hashable arguments); under ms.jit it runs in Python at compile time."""
+    return functools.lru_cache(maxsize=4096)(fn)
+
+
+def run_in_python(fn: F) -> F:
+    """Under ms.jit, run ``fn`` in Python at compile time instead of compiling it (no memo)."""
+    return functools.lru_cache(maxsize=0)(fn)
+
+
+# ------------------------------------------------------------ compile detection
+_JIT_COMPILE = _graph_api._JitExecutor.compile
+_CELL_COMPILE = _graph_api._CellGraphExecutor.compile
+_COMPILE_CODES = frozenset({_JIT_COMPILE.__code__, _CELL_COMPILE.__code__})
+
+
+def is_compiling() -> bool:
+    """Whether Python runs on behalf of MindSpore's graph compiler (ms.jit or GRAPH_MODE)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _COMPILE_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _compiled_arguments(fn: Callable, args: tuple, kwargs: dict) -> Iterator[Tuple[str, Any]]:
+    """(name, value) of each argument of a compiled call, nested sequences and dicts included."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    pending = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
+    pending += [(str(k), v) for k, v in kwargs.items()]
+    while pending:
+        name, value = pending.pop(0)
+        yield name, value
+        if isinstance(value, (tuple, list)):
+            pending += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            pending += [(f"{name}[{k!r}]", v) for k, v in value.items()]
+
+
+def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rejected: type) -> None:
+    for name, value in _compiled_arguments(fn, args, kwargs):
+        if isinstance(value, rejected):
+            raise TypeError(
+                f"argument '{name}' of {kind} '{getattr(fn, '__qualname__', fn)}' is a {type(value).__name__} "
+                f"{value!r}: compiled code would compute on its local piece only. Pass .to_local() pieces "
+                "(and rebuild with DTensor.from_local after the call), or call it in PyNative without ms.jit")
+
+
+_GUARDED: list = []
+
+
+def reject_in_compiled_args(rejected: type) -> None:
+    """From now on, ``ms.jit`` functions and GRAPH_MODE Cells raise a ``TypeError`` naming
+    the argument when called with an object of type ``rejected``. Idempotent."""
+    if rejected in _GUARDED:
+        return
+    _GUARDED.append(rejected)
+    if len(_GUARDED) > 1:
+        return
+
+    @functools.wraps(_JIT_COMPILE)
+    def jit_compile(self, method_name, *args, **kwargs):
+        fn = self.fn
+        given = args if self.obj is None else (self.obj,) + args
+        _check_compiled_call("the ms.jit function", fn, given, {k: v for k, v in kwargs.items() if k != "phase"},
+                             tuple(_GUARDED))
+        return _JIT_COMPILE(self, method_name, *args, **kwargs)
+
+    @functools.wraps(_CELL_COMPILE)
+    def cell_compile(self, obj, *args, **kwargs):
+        _check_compiled_call("the GRAPH_MODE Cell", type(obj).construct, (obj,) + args,
+                             {k: v for k, v in kwargs.items() if k not in ("phase", "do_convert", "jit_config_dict")},
+                             tuple(_GUARDED))
+        return _CELL_COMPILE(self, obj, *args, **kwargs)
+
+    _graph_api._JitExecutor.compile = jit_compile
+    _graph_api._CellGraphExecutor.compile = cell_compile

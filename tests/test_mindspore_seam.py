@@ -1,0 +1,155 @@
+"""One smoke test per MindSpore contract the seam (hyper_parallel_ms/_mindspore.py) relies
+on: after a MindSpore upgrade, the failing test names the contract that changed."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn, ops
+
+from hyper_parallel_ms import _mindspore as seam
+
+_CALLS: list = []
+
+
+def _record(func, args, kwargs):
+    _CALLS.append(getattr(func, "name", None) or getattr(func, "__name__", "?"))
+    with seam.no_hook():
+        out = func(*args, **kwargs)
+    return seam.adopt(out, _Hooked) if type(out) is Tensor else out
+
+
+def _refuse(func, args, kwargs):
+    raise ValueError("refused by the hook")
+
+
+class _Hooked(Tensor):
+    __fallback__ = seam.tensor_hook(_record)
+
+
+class _Refusing(Tensor):
+    __fallback__ = seam.tensor_hook(_refuse)
+
+
+class _NeverCompiled(Tensor):
+    """Registered with reject_in_compiled_args by the test below (only this test class)."""
+
+
+def _hooked(values) -> Tensor:
+    return seam.as_subclass(_Hooked, Tensor(np.array(values, np.float32)))
+
+
+def test_contract_tensor_hook_sees_functional_ops_operators_and_methods():
+    x = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    for y in (ops.add(x, x), x * x, x.sum()):
+        assert type(y) is _Hooked
+    assert len(_CALLS) == 3, _CALLS
+    np.testing.assert_allclose(ops.add(x, x).asnumpy(), [2.0, 4.0])
+
+
+def test_contract_no_hook_guard_runs_ops_as_on_plain_tensors():
+    x = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    with seam.no_hook():
+        y = ops.mul(x, x)
+    assert _CALLS == [] and type(y) is Tensor
+    np.testing.assert_allclose(y.asnumpy(), [1.0, 4.0])
+
+
+def test_contract_hook_errors_keep_their_type():
+    x = seam.as_subclass(_Refusing, Tensor(np.ones(2, np.float32)))
+    with pytest.raises(ValueError, match="refused by the hook"):
+        with seam.original_hook_errors():
+            ops.add(x, x)
+
+
+def test_contract_list_arguments_reach_the_hook_only_where_declared():
+    x = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    out = ops.cat([x, x])
+    assert bool(_CALLS) == seam.LIST_ARGS_REACH_HOOK, (ms.__version__, _CALLS)
+    assert tuple(out.shape) == (4,)
+
+
+def test_contract_make_subclass_shares_storage_and_gradients():
+    base = Tensor(np.array([1.0, 2.0], np.float32))
+    view = seam.as_subclass(_Hooked, base)
+    assert type(view) is _Hooked and type(seam.as_subclass(Tensor, view)) is Tensor
+    ops.assign(seam.as_subclass(Tensor, view), Tensor(np.array([5.0, 6.0], np.float32)))
+    np.testing.assert_allclose(base.asnumpy(), [5.0, 6.0])
+    grad = ms.grad(lambda t: (seam.as_subclass(Tensor, t) * 3.0).sum())(base)
+    np.testing.assert_allclose(grad.asnumpy(), [3.0, 3.0])
+
+
+def test_contract_class_swap_adopts_an_op_result():
+    y = seam.adopt(ops.add(Tensor([1.0]), Tensor([2.0])), _Hooked)
+    assert type(y) is _Hooked
+    np.testing.assert_allclose(y.asnumpy(), [3.0])
+
+
+_COMPILE_TIME: list = []
+
+
+@seam.run_in_python
+def _python_at_compile_time(n: int):
+    _COMPILE_TIME.append(seam.is_compiling())
+    return n * 2
+
+
+@ms.jit
+def _jitted(x):
+    return x * _python_at_compile_time(3)
+
+
+def test_contract_lru_cache_runs_python_at_compile_time_and_is_compiling_fires():
+    _COMPILE_TIME.clear()
+    np.testing.assert_allclose(_jitted(Tensor([1.0])).asnumpy(), [6.0])
+    assert _COMPILE_TIME == [True]            # ran once, in Python, while ms.jit compiled
+    assert _python_at_compile_time(2) == 4 and _COMPILE_TIME[-1] is False
+
+
+class _Scale(nn.Cell):
+    def construct(self, x):
+        return x * _python_at_compile_time(5)
+
+
+def test_contract_is_compiling_fires_for_graph_mode_cells():
+    _COMPILE_TIME.clear()
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        out = _Scale()(Tensor([1.0]))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    np.testing.assert_allclose(out.asnumpy(), [10.0])
+    assert _COMPILE_TIME == [True]
+
+
+def _takes(first, second):
+    return first + second
+
+
+def test_contract_compile_entry_points_see_the_arguments():
+    seam.reject_in_compiled_args(_NeverCompiled)
+    odd = seam.as_subclass(_NeverCompiled, Tensor([1.0]))
+    with pytest.raises(TypeError, match=r"argument 'second' of the ms.jit function '_takes'.*to_local"):
+        ms.jit(_takes)(Tensor([1.0]), odd)
+    with pytest.raises(TypeError, match=r"argument 'x\[1\]' of the ms.jit function"):
+        ms.jit(lambda x: x[0])((Tensor([1.0]), odd))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(TypeError, match=r"argument 'x' of the GRAPH_MODE Cell '_Scale.construct'"):
+            _Scale()(odd)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    np.testing.assert_allclose(ms.jit(_takes)(Tensor([1.0]), Tensor([2.0])).asnumpy(), [3.0])
+
+
+def test_placement_and_layout_load_no_mindspore():
+    code = ("import sys, hyper_parallel_ms.placement, hyper_parallel_ms.layout, hyper_parallel_ms\n"
+            "hyper_parallel_ms.Shard(0)\n"
+            "assert 'mindspore' not in sys.modules, 'mindspore was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
