@@ -52,8 +52,10 @@ try:  # MindSpore 2.9 and later
 except ImportError:  # MindSpore 2.8
     from mindspore.common import api as _graph_api
 
-__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "tensor_hook", "original_hook_errors", "no_hook",
-           "as_subclass", "adopt", "cached_in_python", "run_in_python", "is_compiling", "reject_in_compiled_args"]
+__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
+           "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass", "adopt",
+           "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for", "reject_in_compiled_args",
+           "route_list_arguments"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -69,8 +71,14 @@ def _release(version: str) -> Tuple[int, int]:
 
 
 MINDSPORE_VERSION: Tuple[int, int] = _release(mindspore.__version__)
-# 2.10 calls the hook for tensors inside list arguments (ops.cat([dt, ...])); 2.8 / 2.9 do not.
+# 2.10 calls the hook for tensors inside list arguments (ops.cat([dt, ...])); 2.8 / 2.9 only
+# inside tuples. 2.10 passes an exception raised in the hook to the caller; 2.8 / 2.9 print it
+# and raise ``RuntimeError: Python fallback failed.`` instead.
 LIST_ARGS_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 10)
+HOOK_ERRORS_REACH_CALLER: bool = MINDSPORE_VERSION >= (2, 10)
+# On 2.8 a tuple argument reaches the hook only if its first tensor was made by
+# ``_make_subclass`` (not by :func:`adopt`); 2.9 and later look at the class.
+ADOPTED_IN_SEQUENCES_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 9)
 _FALLBACK_FAILED = "Python fallback failed"
 
 
@@ -119,6 +127,43 @@ def original_hook_errors() -> Iterator[None]:
         if original is None or original is error or _FALLBACK_FAILED not in str(error):
             raise
         raise original.with_traceback(original.__traceback__) from error
+
+
+def keep_hook_errors(fn: F) -> F:
+    """``fn`` running inside :func:`original_hook_errors` (where MindSpore replaces hook errors)."""
+    if HOOK_ERRORS_REACH_CALLER:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with original_hook_errors():
+            return fn(*args, **kwargs)
+    return call
+
+
+_OPERATORS = ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift neg pos abs invert "
+              "eq ne lt le gt ge").split()
+
+
+def keeps_hook_errors(cls: type) -> type:
+    """Class decorator for a hooked Tensor subclass: where MindSpore replaces hook errors
+    (2.8 / 2.9), the operators and public methods it inherits raise the original error.
+
+    Example::
+
+        @keeps_hook_errors
+        class MyTensor(Tensor):
+            __fallback__ = tensor_hook(...)
+    """
+    if HOOK_ERRORS_REACH_CALLER:
+        return cls
+    names = {f"__{op}__" for op in _OPERATORS} | {n for n in dir(cls) if not n.startswith("_")}
+    own = set().union(*(vars(k) for k in cls.__mro__ if k not in (Tensor,) + Tensor.__mro__))
+    for name in sorted(names - own):
+        attr = getattr(cls, name, None)
+        if callable(attr) and not isinstance(attr, type):
+            setattr(cls, name, keep_hook_errors(attr))
+    return cls
 
 
 def no_hook() -> Any:
@@ -225,3 +270,81 @@ def reject_in_compiled_args(rejected: type) -> None:
 
     _graph_api._JitExecutor.compile = jit_compile
     _graph_api._CellGraphExecutor.compile = cell_compile
+
+
+# ------------------------------------------------------------ list arguments
+# Functional ops taking a sequence of tensors, per namespace. On 2.8 / 2.9 a list there does
+# not reach the hook (a tuple does); ``ops.stack`` (the legacy Stack primitive) reaches it on
+# no release, so a hooked tensor in its sequence goes to ``cat`` of ``expand_dims`` instead.
+_SEQUENCE_OPS = {"ops": ("cat", "concat", "hstack", "vstack", "dstack", "column_stack", "row_stack"),
+                 "mint": ("cat", "concat", "stack")}
+_ROUTED: list = []
+
+
+def _has(seq, hooked: tuple) -> bool:
+    return isinstance(seq, (list, tuple)) and any(isinstance(t, hooked) for t in seq)
+
+
+def _remade(t: Tensor) -> Tensor:
+    """``t`` as an object made by ``_make_subclass`` (same storage, autodiff node, attributes)."""
+    fresh = as_subclass(type(t), t)
+    fresh.__dict__.update(t.__dict__)
+    return fresh
+
+
+def _hook_visible(seq, hooked: tuple):
+    """A sequence argument as one that reaches the hook: a tuple, of made objects on 2.8."""
+    if not _has(seq, hooked):
+        return seq
+    if ADOPTED_IN_SEQUENCES_REACH_HOOK:
+        return tuple(seq)
+    return tuple(_remade(t) if isinstance(t, hooked) else t for t in seq)
+
+
+def _tuples_for_lists(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        hooked = tuple(_ROUTED)
+        args = tuple(_hook_visible(a, hooked) for a in args)
+        kwargs = {k: _hook_visible(v, hooked) for k, v in kwargs.items()}
+        return fn(*args, **kwargs)
+    call.__wrapped_by_hyper_parallel_ms__ = fn
+    return call
+
+
+def _stack_through_mint(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def stack(tensors, axis=0):
+        if _has(tensors, tuple(_ROUTED)):  # as cat of unsqueezed pieces (mint.stack has no CPU kernel)
+            return mindspore.ops.cat([mindspore.ops.expand_dims(t, axis) for t in tensors], axis)
+        return fn(tensors, axis)
+    stack.__wrapped_by_hyper_parallel_ms__ = fn
+    return stack
+
+
+def route_list_arguments(hooked: type) -> None:
+    """From now on, ``mindspore.ops`` / ``mindspore.mint`` sequence ops (``cat``, ``concat``,
+    ``stack``, ...) given objects of ``hooked`` call its tensor hook on every release
+    (2.8 / 2.9 skip it for lists, every release for ``ops.stack``, which becomes ``cat`` of
+    ``expand_dims``). Idempotent."""
+    if hooked in _ROUTED:
+        return
+    _ROUTED.append(hooked)
+    if len(_ROUTED) > 1:
+        return
+    namespaces = {"ops": mindspore.ops, "mint": mindspore.mint}
+    if not LIST_ARGS_REACH_HOOK:
+        for space, names in _SEQUENCE_OPS.items():
+            for name in names:
+                fn = getattr(namespaces[space], name, None)
+                if fn is not None:
+                    setattr(namespaces[space], name, keep_hook_errors(_tuples_for_lists(fn)))
+    mindspore.ops.stack = keep_hook_errors(_stack_through_mint(mindspore.ops.stack))
+
+
+def guard_mindspore_for(hooked: type) -> None:
+    """Everything MindSpore needs so that objects of ``hooked`` never compute silently on
+    their local data: :func:`reject_in_compiled_args` and :func:`route_list_arguments`."""
+    if hooked not in _ROUTED:
+        reject_in_compiled_args(hooked)
+        route_list_arguments(hooked)

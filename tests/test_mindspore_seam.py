@@ -75,6 +75,18 @@ def test_contract_list_arguments_reach_the_hook_only_where_declared():
     assert tuple(out.shape) == (4,)
 
 
+def test_contract_tuple_arguments_reach_the_hook_for_made_and_adopted_objects():
+    made = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    ops.cat((made, made))
+    assert _CALLS, "a tuple of _make_subclass objects no longer reaches the hook"
+    adopted = ops.add(made, made)          # a result turned into the subclass by adopt()
+    assert type(adopted) is _Hooked
+    _CALLS.clear()
+    ops.cat((adopted, adopted))
+    assert bool(_CALLS) == seam.ADOPTED_IN_SEQUENCES_REACH_HOOK, (ms.__version__, _CALLS)
+
+
 def test_contract_make_subclass_shares_storage_and_gradients():
     base = Tensor(np.array([1.0, 2.0], np.float32))
     view = seam.as_subclass(_Hooked, base)

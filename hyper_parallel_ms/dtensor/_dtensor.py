@@ -58,9 +58,10 @@ def _reflected(name: str):
     def method(self, other):
         return getattr(ms.ops, name)(other, self)
     method.__name__ = f"__r{name}__"
-    return method
+    return _ms_seam.keep_hook_errors(method)
 
 
+@_ms_seam.keeps_hook_errors
 class DTensor(Tensor):
     """A distributed tensor: the local piece of a global tensor, with its mesh and placements.
 
@@ -76,7 +77,7 @@ class DTensor(Tensor):
         if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
             spec = local._dt_spec  # which needs storage of its own (a view would not be updated)
             local = _local_view(local).copy()
-        _ms_seam.reject_in_compiled_args(DTensor)
+        _ms_seam.guard_mindspore_for(DTensor)
         obj = _ms_seam.as_subclass(cls, local)
         obj._dt_spec = spec
         return obj
@@ -109,7 +110,9 @@ class DTensor(Tensor):
                    run_check: bool = False) -> "DTensor":
         """Wrap this rank's ``local`` piece. Without ``shape``, every sharded dim is assumed
         even (global = local x shards, as in PyTorch); give ``shape`` for uneven pieces.
-        ``run_check`` all-gathers the local shapes and checks them against the layout.
+        ``run_check`` all-gathers the local shapes and checks them against the layout, and
+        checks that the pieces of every Replicate mesh dim are equal (PyTorch broadcasts
+        them instead); every rank raises the same error.
 
         Example::
 
@@ -135,6 +138,7 @@ class DTensor(Tensor):
         spec = DTensorSpec(device_mesh, layout, shape)
         if run_check:
             _check_local_shapes(spec, local_shape)
+            _check_replicas_equal(spec, local)
         return DTensor(local, spec)
 
     # ----------------------------------------------------------- properties
@@ -252,3 +256,29 @@ def _check_local_shapes(spec: DTensorSpec, local_shape: Tuple[int, ...]) -> None
             raise ValueError(f"run_check: the rank at mesh coordinate {coord} holds a local tensor of shape "
                              f"{got_local}, but global shape {spec.shape} with placements {spec.layout} "
                              f"gives it {want}")
+
+
+def _check_replicas_equal(spec: DTensorSpec, local: Tensor) -> None:
+    """Raise on every rank if the pieces along some Replicate mesh dim differ anywhere:
+    the element-wise spread (max - min over the group) of each such dim, reduced to its
+    largest value over the whole mesh so that all ranks see the same numbers."""
+    mesh = spec.mesh
+    dims = [a for a, p in enumerate(spec.placements) if p.is_replicate() and mesh.shape[a] > 1]
+    if not dims or local.size == 0:
+        return
+    values = _local_view(local).astype(ms.float32)
+    spreads = []
+    for a in dims:
+        spread = comm.all_reduce(values, mesh, a, op="max") - comm.all_reduce(values, mesh, a, op="min")
+        spreads.append(spread.abs().max().reshape((1,)))
+    worst = ms.ops.cat(spreads)
+    for a in range(mesh.ndim):
+        worst = comm.all_reduce(worst, mesh, a, op="max")
+    worst = worst.asnumpy()
+    for a, value in zip(dims, worst):
+        if value > 0:
+            name = mesh.mesh_dim_names[a] if mesh.mesh_dim_names else str(a)
+            raise ValueError(f"run_check: the pieces of the Replicate mesh dim {name!r} differ between ranks "
+                             f"(largest element-wise difference {float(value):.6g} on some rank group); a "
+                             "Replicate DTensor needs the same local tensor on every rank of that dim. Pass "
+                             "equal pieces, or distribute_tensor(full, mesh, placements) to broadcast one")
