@@ -30,6 +30,7 @@ _EXPORTS: Dict[str, str] = {
     "DTensor": "dtensor", "distribute_tensor": "dtensor", "zeros": "dtensor", "ones": "dtensor",
     "empty": "dtensor", "full": "dtensor", "rand": "dtensor", "randn": "dtensor",
     "visualize_sharding": "dtensor", "sharding_table": "dtensor",
+    "grad": "dtensor", "value_and_grad": "dtensor", "parallelize_value_and_grad": "dtensor",
     "ColwiseParallel": "nn", "RowwiseParallel": "nn", "SequenceParallel": "nn", "PrepareModuleInput": "nn",
     "PrepareModuleOutput": "nn", "PrepareModuleInputOutput": "nn", "parallelize_module": "nn",
     "distribute_module": "nn", "ShardingPlan": "nn", "shard_module": "nn", "GradientReducer": "nn",

@@ -159,6 +159,7 @@ def keeps_hook_errors(cls: type) -> type:
         return cls
     names = {f"__{op}__" for op in _OPERATORS} | {n for n in dir(cls) if not n.startswith("_")}
     own = set().union(*(vars(k) for k in cls.__mro__ if k not in (Tensor,) + Tensor.__mro__))
+    own |= set(vars(mindspore.Parameter))  # Parameter(obj) makes a class with cls before Parameter
     for name in sorted(names - own):
         attr = getattr(cls, name, None)
         if callable(attr) and not isinstance(attr, type):

@@ -31,7 +31,6 @@ for version in $VERSIONS; do
   echo "test_versions: mindspore $version, log in $log" >&2
   (cd "$ROOT" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest "$@") >"$log" 2>&1
   rc=$?
-  tail -n 1 "$log"
   last="$(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -n 1 | sed 's/^=* *//; s/ *=*$//')"
   if [ "$rc" -eq 0 ]; then
     SUMMARY+=("mindspore $version: OK   ($last)")
