@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from importlib import metadata as _metadata
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,16 @@ _EXPORTS: Dict[str, str] = {
 __all__ = list(_EXPORTS)
 
 
+def _release(version: str) -> Tuple[int, int]:
+    """``(major, minor)`` of a version string.
+
+    >>> _release("2.10.0rc1")
+    (2, 10)
+    """
+    parts = version.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
 def _check_mindspore(version: str) -> None:
     """Raise if the installed MindSpore release is not supported.
 
@@ -47,10 +57,8 @@ def _check_mindspore(version: str) -> None:
     ...
     ImportError: hyper_parallel_ms needs MindSpore 2.8 to 2.10, found 2.7.2: ...
     """
-    parts = version.split(".")
-    release = (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0))
     low, high = SUPPORTED_MINDSPORE
-    if not low <= release <= high:
+    if not low <= _release(version) <= high:
         raise ImportError(
             f"hyper_parallel_ms needs MindSpore {low[0]}.{low[1]} to {high[0]}.{high[1]}, found {version}: "
             "releases before 2.8 have no per-tensor op hook (Tensor.__fallback__) and no Tensor._make_subclass. "

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar
 import mindspore
 from mindspore import Tensor
 
-from . import _check_mindspore
+from . import _check_mindspore, _release
 
 _check_mindspore(mindspore.__version__)  # before touching the internals below
 
@@ -58,16 +58,6 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "route_list_arguments"]
 
 F = TypeVar("F", bound=Callable)
-
-
-def _release(version: str) -> Tuple[int, int]:
-    """``(major, minor)`` of a version string.
-
-    >>> _release("2.10.0rc1")
-    (2, 10)
-    """
-    parts = version.split(".")
-    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
 MINDSPORE_VERSION: Tuple[int, int] = _release(mindspore.__version__)
