@@ -16,6 +16,9 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
 - **subclass views**: ``Tensor._make_subclass(cls, t)`` makes an object of ``cls``
   sharing storage and autodiff node with ``t`` (:func:`as_subclass`); assigning
   ``__class__`` turns a fresh plain op result into a subclass (:func:`adopt`).
+- **seeded dropout**: ``mindspore.ops.auto_generate.func_dropout_ext_op(x, p, training,
+  inplace, seed, offset)``, the primitive behind ``ops.dropout``, draws its mask from
+  explicit seed and offset tensors (:data:`seeded_dropout`).
 - **compile-time Python**: ``ms.jit`` runs a ``functools.lru_cache`` object as opaque
   Python on its constant arguments (:func:`cached_in_python`, :func:`run_in_python`).
 - **compile detection**: graph compilation runs in ``_JitExecutor.compile`` (``ms.jit``)
@@ -46,6 +49,7 @@ from . import _check_mindspore, _release
 _check_mindspore(mindspore.__version__)  # before touching the internals below
 
 from mindspore._c_expression import NoFallbackGuard  # noqa: E402
+from mindspore.ops.auto_generate import func_dropout_ext_op as seeded_dropout  # noqa: E402
 
 try:  # MindSpore 2.9 and later
     from mindspore.graph import api as _graph_api
@@ -55,7 +59,7 @@ except ImportError:  # MindSpore 2.8
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass", "adopt",
            "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for", "reject_in_compiled_args",
-           "route_list_arguments"]
+           "route_list_arguments", "seeded_dropout"]
 
 F = TypeVar("F", bound=Callable)
 

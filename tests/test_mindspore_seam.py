@@ -2,6 +2,7 @@
 on: after a MindSpore upgrade, the failing test names the contract that changed."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -101,6 +102,22 @@ def test_contract_class_swap_adopts_an_op_result():
     y = seam.adopt(ops.add(Tensor([1.0]), Tensor([2.0])), _Hooked)
     assert type(y) is _Hooked
     np.testing.assert_allclose(y.asnumpy(), [3.0])
+
+
+def test_contract_seeded_dropout_is_the_primitive_behind_ops_dropout():
+    assert seam.seeded_dropout.name == "FuncDropoutExt"
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(os.environ.get("HPMS_TEST_DEVICE") != "Ascend",
+                    reason="DropoutExt has no CPU kernel; CPU twin: the test above")
+def test_contract_seeded_dropout_draws_its_mask_from_seed_and_offset():
+    ms.set_device("Ascend")
+    x, offset = Tensor(np.ones((64,), np.float32)), Tensor(0, ms.int64)
+    a, b, c = (seam.seeded_dropout(x, 0.5, True, False, Tensor(seed, ms.int64), offset).asnumpy()
+               for seed in (7, 7, 8))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c) and set(np.unique(a)) <= {0.0, 2.0}
 
 
 _COMPILE_TIME: list = []
