@@ -57,7 +57,8 @@ except ImportError:  # MindSpore 2.8
     from mindspore.common import api as _graph_api
 
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
-           "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass", "adopt",
+           "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
+           "adopt",
            "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for", "reject_in_compiled_args",
            "route_list_arguments", "seeded_dropout"]
 
@@ -117,22 +118,53 @@ def original_hook_errors() -> Iterator[None]:
     try:
         yield
     except RuntimeError as error:
-        original, _HOOK_ERRORS.last = _HOOK_ERRORS.last, None
-        if original is None or original is error or _FALLBACK_FAILED not in str(error):
-            raise
+        _raise_original(error)
+        raise
+
+
+def _raise_original(error: RuntimeError) -> None:
+    """Raise the hook's own exception if ``error`` is MindSpore's replacement for it."""
+    original, _HOOK_ERRORS.last = _HOOK_ERRORS.last, None
+    if original is not None and original is not error and _FALLBACK_FAILED in str(error):
         raise original.with_traceback(original.__traceback__) from error
 
 
 def keep_hook_errors(fn: F) -> F:
-    """``fn`` running inside :func:`original_hook_errors` (where MindSpore replaces hook errors)."""
-    if HOOK_ERRORS_REACH_CALLER:
+    """``fn`` raising the original error of a :func:`tensor_hook` where MindSpore replaces
+    it (2.8 / 2.9); ``fn`` itself on 2.10."""
+    if HOOK_ERRORS_REACH_CALLER or getattr(fn, "__keeps_hook_errors__", False):
         return fn
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with original_hook_errors():
+        try:
             return fn(*args, **kwargs)
+        except RuntimeError as error:
+            _raise_original(error)
+            raise
+    call.__keeps_hook_errors__ = True
     return call
+
+
+def _keep_hook_errors_in_mindspore() -> None:
+    """On 2.8 / 2.9, MindSpore's op entry points (``Primitive.__call__``, the generated
+    primitives' ``__call__`` and the overloaded functional ops of ``mint`` / ``ops``) raise
+    the original error of a hook instead of ``RuntimeError: Python fallback failed.``."""
+    if HOOK_ERRORS_REACH_CALLER:
+        return
+    from mindspore.ops import functional_overload
+    from mindspore.ops.auto_generate import gen_ops_prim, pyboost_inner_prim
+    classes = [mindspore.ops.Primitive] + [c for module in (gen_ops_prim, pyboost_inner_prim)
+                                            for c in vars(module).values() if isinstance(c, type)]
+    for cls in classes:
+        if "__call__" in vars(cls):
+            cls.__call__ = keep_hook_errors(vars(cls)["__call__"])
+    overloads = {id(f): (name, f) for name, f in vars(functional_overload).items()
+                 if inspect.isfunction(f) and not name.startswith("_")}
+    for namespace in (functional_overload, mindspore.ops, mindspore.mint):
+        for name, value in list(vars(namespace).items()):
+            if id(value) in overloads and overloads[id(value)][1] is value:
+                setattr(namespace, name, keep_hook_errors(value))
 
 
 _OPERATORS = ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift neg pos abs invert "
@@ -339,7 +371,10 @@ def route_list_arguments(hooked: type) -> None:
 
 def guard_mindspore_for(hooked: type) -> None:
     """Everything MindSpore needs so that objects of ``hooked`` never compute silently on
-    their local data: :func:`reject_in_compiled_args` and :func:`route_list_arguments`."""
+    their local data (:func:`reject_in_compiled_args`, :func:`route_list_arguments`) and
+    that errors of their hook reach the caller on every release. Idempotent."""
     if hooked not in _ROUTED:
+        if not _ROUTED:
+            _keep_hook_errors_in_mindspore()
         reject_in_compiled_args(hooked)
         route_list_arguments(hooked)
