@@ -87,15 +87,20 @@ _HOOK_ERRORS = _HookErrors()
 
 def tensor_hook(fn: Callable[[Any, tuple, dict], Any]) -> Callable:
     """The ``__fallback__`` method for a Tensor subclass calling ``fn(func, args, kwargs)``.
-    An exception it raises is kept for :func:`original_hook_errors` (MindSpore 2.8 / 2.9
-    replace it by a bare ``RuntimeError``).
+    On 2.8 / 2.9, which replace an exception raised there by a bare ``RuntimeError``, the
+    exception is kept for :func:`keep_hook_errors` / :func:`original_hook_errors`.
 
     Example::
 
         class MyTensor(Tensor):
             __fallback__ = tensor_hook(lambda func, args, kwargs: ...)
     """
-    def __fallback__(self, func, args=(), kwargs=None):
+    if HOOK_ERRORS_REACH_CALLER:
+        def __fallback__(self, func, args=(), kwargs=None):
+            return fn(func, args, kwargs or {})
+        return __fallback__
+
+    def __fallback__(self, func, args=(), kwargs=None):  # noqa: F811  (2.8 / 2.9)
         try:
             return fn(func, args, kwargs or {})
         except BaseException as error:
