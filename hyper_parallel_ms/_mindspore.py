@@ -23,7 +23,15 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   Python on its constant arguments (:func:`cached_in_python`, :func:`run_in_python`).
 - **compile detection**: graph compilation runs in ``_JitExecutor.compile`` (``ms.jit``)
   or ``_CellGraphExecutor.compile`` (GRAPH_MODE Cells), in ``mindspore.graph.api`` from
-  2.9 and ``mindspore.common.api`` on 2.8 (:func:`is_compiling`, :func:`reject_in_compiled_args`).
+  2.9 and ``mindspore.common.api`` on 2.8; both receive the call's arguments
+  (:func:`is_compiling`; :func:`reject_in_compiled_args` wraps them).
+- **op entry points** (2.8 / 2.9 only): ops reach C++ through ``Primitive.__call__``, the
+  generated primitives' ``__call__`` and ``mindspore.ops.functional_overload``; wrapping
+  them restores hook errors. ``ops`` / ``mint`` sequence functions are wrapped to pass
+  lists as tuples (:func:`route_list_arguments`).
+
+:func:`guard_mindspore_for` installs the wrappers the first time a DTensor is made (never at
+import).
 
 Example:
     >>> @run_in_python
@@ -58,12 +66,10 @@ except ImportError:  # MindSpore 2.8
 
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
-           "adopt",
-           "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for", "reject_in_compiled_args",
+           "adopt", "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for", "reject_in_compiled_args",
            "route_list_arguments", "seeded_dropout"]
 
 F = TypeVar("F", bound=Callable)
-
 
 MINDSPORE_VERSION: Tuple[int, int] = _release(mindspore.__version__)
 # 2.10 calls the hook for tensors inside list arguments (ops.cat([dt, ...])); 2.8 / 2.9 only

@@ -19,7 +19,7 @@ import itertools
 from typing import Tuple
 
 from mindspore import ops
-from ..._mindspore import seeded_dropout
+from ..._mindspore import seeded_dropout as func_dropout_ext_op
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import whole_and_reduced
@@ -70,7 +70,7 @@ def dropout_ext_rule(schema: OpSchema) -> OutputSharding:
         shift = piece_index(layout, coord) * _SEED_STRIDE
 
         def dropout(local, p, training, inplace, seed, offset):
-            return seeded_dropout(local, p, training, inplace, seed + shift, offset)
+            return func_dropout_ext_op(local, p, training, inplace, seed + shift, offset)
         return dropout
     inputs = (layout,) + tuple(a.layout if isinstance(a, TensorArg) else None for a in schema.args[1:])
     return OutputSharding(inputs, ((layout, x.shape),), local_fn=local_fn)
