@@ -187,3 +187,16 @@ def test_placement_and_layout_load_no_mindspore():
             "hyper_parallel_ms.Shard(0)\n"
             "assert 'mindspore' not in sys.modules, 'mindspore was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dtensor_ops_import_the_rules_on_first_use():
+    code = ("import sys\n"
+            "import mindspore as ms\n"
+            "from hyper_parallel_ms.dtensor import DTensor, distribute_tensor\n"
+            "from hyper_parallel_ms.mesh import init_device_mesh\n"
+            "from hyper_parallel_ms.placement import Shard\n"
+            "assert 'hyper_parallel_ms.ops' not in sys.modules, 'importing dtensor imported ops'\n"
+            "dt = distribute_tensor(ms.Tensor([[1.0, 2.0]]), init_device_mesh('cpu', (1,)), [Shard(0)])\n"
+            "y = dt + dt\n"
+            "assert isinstance(y, DTensor) and y.placements == (Shard(0),), y\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
