@@ -66,8 +66,8 @@ except ImportError:  # MindSpore 2.8
 
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
-           "adopt", "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for", "reject_in_compiled_args",
-           "route_list_arguments", "seeded_dropout"]
+           "adopt", "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for",
+           "reject_in_compiled_args", "route_list_arguments", "seeded_dropout"]
 
 F = TypeVar("F", bound=Callable)
 

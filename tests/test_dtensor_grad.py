@@ -13,7 +13,6 @@ from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import ShardingPlan, shard_module
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
-
 from hyper_parallel_ms.testing import multi_rank
 
 _RNG = np.random.default_rng(7)
