@@ -198,9 +198,9 @@ def keeps_hook_errors(cls: type) -> type:
     own = set().union(*(vars(k) for k in cls.__mro__ if k not in (Tensor,) + Tensor.__mro__))
     own |= set(vars(mindspore.Parameter))  # Parameter(obj) makes a class with cls before Parameter
     for name in sorted(names - own):
-        attr = getattr(cls, name, None)
-        if callable(attr) and not isinstance(attr, type):
-            setattr(cls, name, keep_hook_errors(attr))
+        attr = inspect.getattr_static(cls, name, None)
+        if inspect.isfunction(attr) or type(attr).__name__ in ("method_descriptor", "wrapper_descriptor"):
+            setattr(cls, name, keep_hook_errors(attr))   # instance methods only (not static / class methods)
     return cls
 
 
