@@ -13,7 +13,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
 from mindspore import Tensor
@@ -90,13 +90,23 @@ def value_and_grad(fn: Callable, grad_position: Positions = 0, weights=None, has
     return value_and_gradient
 
 
-def _sensitivities(sens: Optional[Sequence[float]], outputs: int):
+def _sens_error(sens: Optional[Sequence[float]], seen: dict) -> Optional[str]:
+    """Why ``sens`` does not fit the outputs ``fn`` returned, or None."""
+    if seen["single"]:
+        return None if sens is None else f"fn has one output, so sens must be None, got {sens!r}"
+    if sens is None:
+        return None
+    if not isinstance(sens, (list, tuple)) or not all(isinstance(s, (int, float)) for s in sens):
+        return f"sens must be None or a list / tuple of floats, one per output of fn, got {sens!r}"
+    if len(sens) != seen["count"]:
+        return f"fn returned {seen['count']} outputs but sens has {len(sens)} values"
+    return None
+
+
+def _sensitivities(sens: Optional[Sequence[float]], outputs: int) -> Tuple[float, ...]:
+    """Each output's sensitivity (``sens`` already checked by :func:`_sens_error`)."""
     if sens is None:
         return (1.0,) + (0.0,) * (outputs - 1)
-    if not isinstance(sens, (list, tuple)) or not all(isinstance(s, (int, float)) for s in sens):
-        raise TypeError(f"sens must be None or a list / tuple of floats, one per output of fn, got {sens!r}")
-    if len(sens) != outputs:
-        raise TypeError(f"fn returned {outputs} outputs but sens has {len(sens)} values")
     return tuple(float(s) for s in sens)
 
 
@@ -111,27 +121,35 @@ def parallelize_value_and_grad(fn: Callable, weights, sens: Optional[Sequence[fl
         loss, grads = parallelize_value_and_grad(net_with_loss, net.trainable_params())(x, y)
         optimizer(grads)
     """
-    single = []   # whether the last call of fn returned one output
+    # What the last call of fn returned. sens is checked after the gradient call: an error raised
+    # inside it leaves MindSpore 2.8 / 2.9's PyNative grad state broken for later ops.
+    seen: dict = {}
 
     def objective(*args, **kwargs):
         out = fn(*args, **kwargs)
-        single[:] = [not isinstance(out, (list, tuple))]
-        if single[0]:
-            if sens is not None:
-                raise TypeError(f"fn has one output, so sens must be None, got {sens!r}")
-            return out.sum(), out
+        outputs = (out,) if not isinstance(out, (list, tuple)) else tuple(out)
+        seen.update(single=not isinstance(out, (list, tuple)), count=len(outputs))
+        scales = (1.0,) + (0.0,) * (len(outputs) - 1) if _sens_error(sens, seen) else \
+            _sensitivities(sens, len(outputs))
         total = None
-        for s, o in zip(_sensitivities(sens, len(out)), out):
+        for s, o in zip(scales, outputs):
             if s:
                 term = o.sum() if s == 1.0 else o.sum() * s
                 total = term if total is None else total + term
-        if total is None:
-            raise ValueError("every sensitivity in sens is 0: there is nothing to differentiate")
-        return (total,) + tuple(out)
+        if total is None:  # every sensitivity 0: differentiate the first output (the error follows)
+            seen["all_zero"] = True
+            total = outputs[0].sum()
+        return (total,) + outputs
 
     inner = value_and_grad(objective, None, weights, has_aux=True)
 
     def wrapper(*args, **kwargs) -> Any:
+        seen.clear()
         value, grads = inner(*args, **kwargs)
-        return (value[1] if single[0] else tuple(value[1:])), grads
+        error = _sens_error(sens, seen)
+        if error is not None:
+            raise TypeError(error)
+        if seen.get("all_zero"):
+            raise ValueError("every sensitivity in sens is 0: there is nothing to differentiate")
+        return (value[1] if seen["single"] else tuple(value[1:])), grads
     return wrapper
