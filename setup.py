@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hyper_parallel_ms", "hyper_parallel_ms.*"]),
     python_requires=">=3.9,<3.12",
-    install_requires=["mindspore>=2.10.0,<2.11", "numpy>=1.21,<2"],
+    install_requires=["mindspore>=2.8,<2.11", "numpy>=1.21,<2"],  # 2.7 has no per-tensor op hook
     extras_require={"test": ["pytest>=7"]},
     license="Apache-2.0",
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],

@@ -1,7 +1,8 @@
 """hyper_parallel_ms: distributed tensors for MindSpore on Ascend, testable on CPU.
 
 Device meshes, placements, DTensor with redistribution, and differentiable collectives in
-the vocabulary of ``torch.distributed.tensor``.
+the vocabulary of ``torch.distributed.tensor``. Names are imported on first use, so that
+``import hyper_parallel_ms.placement`` (or ``.layout``) loads no MindSpore.
 
 Example::
 
@@ -10,21 +11,78 @@ Example::
     dt = distribute_tensor(x, mesh, [Shard(0), Replicate()])
     y = dt.redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()
 """
-from . import comm, nn, ops
-from .fsdp import FSDPModule, HSDPCell, MixedPrecisionPolicy, fully_shard, hsdp, init_parameters
-from .dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
-                      visualize_sharding, zeros)
-from .layout import Layout
-from .mesh import DeviceMesh, current_mesh, init_device_mesh
-from .nn import (ColwiseParallel, GradientReducer, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
-                 RowwiseParallel, SequenceParallel, ShardingPlan, distribute_module, parallelize_module, shard_module)
-from .placement import Partial, Placement, Replicate, Shard
+from __future__ import annotations
 
-__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh",
-           "Placement", "Shard", "Replicate", "Partial", "Layout", "comm", "ops",
-           "DTensor", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
-           "visualize_sharding", "sharding_table", "nn", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-           "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
-           "distribute_module", "ShardingPlan", "shard_module", "GradientReducer",
-           "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "hsdp", "HSDPCell", "init_parameters"]
+import importlib
+from importlib import metadata as _metadata
+from typing import Any, Dict, Tuple
+
 __version__ = "0.1.0"
+
+SUPPORTED_MINDSPORE = ((2, 8), (2, 10))   # oldest and newest supported releases, (major, minor)
+
+# Each public name and the submodule that defines it.
+_EXPORTS: Dict[str, str] = {
+    "comm": "", "ops": "", "nn": "",
+    "Placement": "placement", "Shard": "placement", "Replicate": "placement", "Partial": "placement",
+    "Layout": "layout",
+    "DeviceMesh": "mesh", "init_device_mesh": "mesh", "current_mesh": "mesh",
+    "DTensor": "dtensor", "distribute_tensor": "dtensor", "zeros": "dtensor", "ones": "dtensor",
+    "empty": "dtensor", "full": "dtensor", "rand": "dtensor", "randn": "dtensor",
+    "visualize_sharding": "dtensor", "sharding_table": "dtensor",
+    "grad": "dtensor", "value_and_grad": "dtensor", "parallelize_value_and_grad": "dtensor",
+    "ColwiseParallel": "nn", "RowwiseParallel": "nn", "SequenceParallel": "nn", "PrepareModuleInput": "nn",
+    "PrepareModuleOutput": "nn", "PrepareModuleInputOutput": "nn", "parallelize_module": "nn",
+    "distribute_module": "nn", "ShardingPlan": "nn", "shard_module": "nn", "GradientReducer": "nn",
+    "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
+    "HSDPCell": "fsdp", "init_parameters": "fsdp",
+}
+__all__ = list(_EXPORTS)
+
+
+def _release(version: str) -> Tuple[int, int]:
+    """``(major, minor)`` of a version string.
+
+    >>> _release("2.10.0rc1")
+    (2, 10)
+    """
+    parts = version.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def _check_mindspore(version: str) -> None:
+    """Raise if the installed MindSpore release is not supported.
+
+    >>> _check_mindspore("2.9.0")
+    >>> _check_mindspore("2.7.2")
+    Traceback (most recent call last):
+    ...
+    ImportError: hyper_parallel_ms needs MindSpore 2.8 to 2.10, found 2.7.2: ...
+    """
+    low, high = SUPPORTED_MINDSPORE
+    if not low <= _release(version) <= high:
+        raise ImportError(
+            f"hyper_parallel_ms needs MindSpore {low[0]}.{low[1]} to {high[0]}.{high[1]}, found {version}: "
+            "releases before 2.8 have no per-tensor op hook (Tensor.__fallback__) and no Tensor._make_subclass. "
+            "Install a supported release, e.g. pip install 'mindspore>=2.8,<2.11'")
+
+
+try:
+    _check_mindspore(_metadata.version("mindspore"))
+except _metadata.PackageNotFoundError:  # a source build without metadata: mindspore.__version__ is checked
+    pass                                # when the seam module imports it
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hyper_parallel_ms' has no attribute '{name}'")
+    value = importlib.import_module(f"{__name__}.{name}" if module == "" else f"{__name__}.{module}")
+    if module:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -17,9 +17,9 @@ import time
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
-from mindspore._c_expression import NoFallbackGuard
 
 from hyper_parallel_ms import Replicate, Shard, distribute_tensor, init_device_mesh
+from hyper_parallel_ms._mindspore import no_hook
 
 
 def _per_call(fn, iters: int) -> float:
@@ -62,7 +62,7 @@ def main() -> None:
     ]
 
     def guarded_add():
-        with NoFallbackGuard():
+        with no_hook():
             return a + b
     floor = _paired(lambda: a + b, guarded_add, args.iters, args.rounds)[3]
     print(f"tensor {args.size}x{args.size} float32, {args.rounds} rounds of {args.iters} calls; medians, and the "

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtualenv with MindSpore, numpy<2, pytest and this package.
 # Usage: source-free; prints nothing on a warm rerun. HPMS_VENV overrides the location (.venv).
+# CI tests one MindSpore release, pinned here (HPMS_MINDSPORE overrides it); the package supports
+# 2.8 to 2.10, which scripts/test_versions.sh tests in venvs of their own.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HPMS_VENV:-$ROOT/.venv}"
@@ -8,9 +10,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV" >&2
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-STAMP="$VENV/.hpms-installed"
+MINDSPORE="${HPMS_MINDSPORE:-2.10.0}"
+STAMP="$VENV/.hpms-installed-$MINDSPORE"
 if [ ! -f "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ]; then
-  echo "setup: installing mindspore, numpy<2, pytest and hyper_parallel_ms into $VENV" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
+  echo "setup: installing mindspore==$MINDSPORE, numpy<2, pytest and hyper_parallel_ms into $VENV" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "mindspore==$MINDSPORE" -e "$ROOT[test]"
   touch "$STAMP"
 fi

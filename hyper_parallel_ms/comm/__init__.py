@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Tuple
 import mindspore as ms
 
 from .. import _cluster
-from .._jit import cached_in_python, is_compiling, run_in_python
+from .._mindspore import cached_in_python, is_compiling, run_in_python
 from ..layout import chunk_sizes
 from ..placement import REDUCE_OPS
 from . import _composed, _exact, _native, _traffic

@@ -14,11 +14,11 @@ Example (group ``g``, source = group rank 0)::
 """
 from __future__ import annotations
 
-import functools
 
 import mindspore as ms
 from mindspore import nn, ops
 
+from .._mindspore import cached_in_python
 from ._exact import place_over, sum_over
 
 __all__ = ["broadcast"]
@@ -53,7 +53,7 @@ class _Broadcast(nn.Cell):
         return (ops.depend(ops.zeros(total.shape, total.dtype), total),)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _cell(src: int, group, native: bool) -> _Broadcast:
     return _Broadcast(src, group, native)
 

@@ -14,12 +14,12 @@ Example (two ranks, group ``g``, each holding one row)::
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn, ops
 
+from .._mindspore import cached_in_python
 from ..layout import chunk_offsets, chunk_sizes
 from ._exact import check_dtype, place_over, sum_over
 from ._tensor import narrow, pad_dim
@@ -48,7 +48,7 @@ class _AllGather(nn.Cell):
         return (narrow(sum_over(dout, self.group), self.dim, self.before, self.length),)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _all_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _AllGather:
     return _AllGather(dim, sizes, group)
 

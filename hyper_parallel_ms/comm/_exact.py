@@ -31,11 +31,11 @@ Example (two ranks, group ``g``)::
 """
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 import mindspore as ms
 from mindspore import nn, ops
 
+from .._mindspore import cached_in_python
 from ._tensor import pad_dim
 
 __all__ = ["INTEGER_DTYPES", "WIRE_DTYPES", "check_dtype", "place_over", "sum_over", "wire_itemsize", "limb_width"]
@@ -45,7 +45,7 @@ INTEGER_DTYPES = (ms.int8, ms.int16, ms.int32, ms.int64, ms.uint8)
 _BITS = {ms.int8: 8, ms.int16: 16, ms.int32: 32, ms.int64: 64, ms.uint8: 8}
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _all_reduce_sum_prim(group_name: str):
     return ops.AllReduce(ops.ReduceOp.SUM, group_name)
 
@@ -78,7 +78,7 @@ def wire_itemsize(dtype, itemsize: int, group_size: int) -> int:
     return 4          # bool, bfloat16: one float32 per element
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _limbs_of(dtype, group_size: int) -> Tuple[int, int]:
     """(limb base 2**w, number of limbs); evaluated in Python, also under ms.jit."""
     return 2 ** limb_width(group_size), _limb_count(dtype, group_size)
@@ -115,7 +115,7 @@ class _PlaceFloat64(nn.Cell):
         return (_float64_sum(dout, self.group),)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _place_float64_cell(group) -> _PlaceFloat64:
     return _PlaceFloat64(group)
 

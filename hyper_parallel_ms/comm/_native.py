@@ -20,12 +20,12 @@ Example (Ascend, group ``g`` of 2 ranks, each holding a (1, 3) piece)::
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import mindspore as ms
 from mindspore import ops
 
+from .._mindspore import cached_in_python
 from ..layout import chunk_offsets, chunk_sizes
 from ._tensor import move_to_front, move_from_front, narrow, pad_dim, select_pieces
 
@@ -34,22 +34,22 @@ __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
 _OPS = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _all_reduce_prim(op: str, group_name: str):
     return ops.AllReduce(_OPS[op], group_name)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _all_gather_prim(group_name: str):
     return ops.AllGather(group_name)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _reduce_scatter_prim(group_name: str):
     return ops.ReduceScatter(ops.ReduceOp.SUM, group_name)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_in_python
 def _all_to_all_prim(n: int, split_dim: int, concat_dim: int, group_name: str):
     return ops.AlltoAll(n, split_dim, concat_dim, group_name)
 

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
-from .._jit import is_compiling
+from .._mindspore import is_compiling
 
 __all__ = ["CommDebugMode", "CommRecord", "record"]
 

@@ -4,8 +4,10 @@ The object *is* the local tensor (it shares storage with it, so MindSpore's auto
 optimizers see the local data) and carries a :class:`DTensorSpec`: the mesh, the
 placements and the global shape. ``shape``, ``size()`` and ``numel()`` are global;
 ``local_shape`` and :meth:`to_local` give the piece. Operators applied to a DTensor act on
-the local piece and return plain Tensors; :mod:`hyper_parallel_ms.ops` adds sharding
-propagation. DTensors are PyNative objects: inside ``ms.jit`` pass local tensors.
+the global tensor: MindSpore calls the DTensor's tensor hook, which runs
+:mod:`hyper_parallel_ms.ops`' sharding propagation (imported on the first op). DTensors are
+PyNative objects: ``ms.jit`` functions and GRAPH_MODE Cells refuse them as arguments (pass
+``to_local()`` pieces).
 
 Gradients follow PyTorch: the gradient of a tensor laid out as L is laid out as L with
 Partial placements read as Replicate. ``redistribute``'s backward moves the gradient
@@ -29,6 +31,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from .. import _mindspore as _ms_seam
 from .. import comm
 from ..placement import Placement, Replicate
 from ..redistribute import redistribution, replicate_partials
@@ -39,9 +42,26 @@ __all__ = ["DTensor"]
 
 def _local_view(t) -> Tensor:
     """A plain Tensor sharing storage (and the autodiff node) with ``t``."""
-    return Tensor._make_subclass(Tensor, t)
+    return _ms_seam.as_subclass(Tensor, t)
 
 
+def _dispatch(func, args: tuple, kwargs: dict):
+    """Sharding propagation for one op (the ops package depends on this module, so it is
+    imported on the first op rather than at import)."""
+    from ..ops._dispatch import dispatch
+    return dispatch(func, args, kwargs)
+
+
+def _reflected(name: str):
+    """``other <op> dtensor``: Python tries the subclass's reflected method first, so that
+    ``plain + dtensor`` reaches the dispatcher too."""
+    def method(self, other):
+        return getattr(ms.ops, name)(other, self)
+    method.__name__ = f"__r{name}__"
+    return _ms_seam.keep_hook_errors(method)
+
+
+@_ms_seam.keeps_hook_errors
 class DTensor(Tensor):
     """A distributed tensor: the local piece of a global tensor, with its mesh and placements.
 
@@ -57,7 +77,8 @@ class DTensor(Tensor):
         if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
             spec = local._dt_spec  # which needs storage of its own (a view would not be updated)
             local = _local_view(local).copy()
-        obj = Tensor._make_subclass(cls, local)
+        _ms_seam.guard_mindspore_for(DTensor)
+        obj = _ms_seam.as_subclass(cls, local)
         obj._dt_spec = spec
         return obj
 
@@ -65,9 +86,23 @@ class DTensor(Tensor):
     def _adopt(cls, result: Tensor, spec: DTensorSpec) -> "DTensor":
         """Turn a fresh op result into a DTensor in place (no copy and, unlike building a new
         object, no wait for the op to finish)."""
-        result.__class__ = cls
+        result = _ms_seam.adopt(result, cls)
         result._dt_spec = spec
         return result
+
+    # ------------------------------------------------------------ op hooks
+    __fallback__ = _ms_seam.tensor_hook(_dispatch)
+
+    def __getitem__(self, index):
+        """Indexing (MindSpore's indexing does not always reach the tensor hook)."""
+        from ..ops._rules.indexing import GetItem, index_key
+        return _dispatch(GetItem, (self, index_key(index, len(self._dt_spec.shape))), {})
+
+    __radd__ = _reflected("add")
+    __rsub__ = _reflected("sub")
+    __rmul__ = _reflected("mul")
+    __rtruediv__ = _reflected("div")
+    __rmatmul__ = _reflected("matmul")
 
     # ------------------------------------------------------------- creation
     @staticmethod
@@ -75,7 +110,9 @@ class DTensor(Tensor):
                    run_check: bool = False) -> "DTensor":
         """Wrap this rank's ``local`` piece. Without ``shape``, every sharded dim is assumed
         even (global = local x shards, as in PyTorch); give ``shape`` for uneven pieces.
-        ``run_check`` all-gathers the local shapes and checks them against the layout.
+        ``run_check`` all-gathers the local shapes and checks them against the layout, and
+        checks that the pieces of every Replicate mesh dim are equal (PyTorch broadcasts
+        them instead); every rank raises the same error.
 
         Example::
 
@@ -101,6 +138,7 @@ class DTensor(Tensor):
         spec = DTensorSpec(device_mesh, layout, shape)
         if run_check:
             _check_local_shapes(spec, local_shape)
+            _check_replicas_equal(spec, local)
         return DTensor(local, spec)
 
     # ----------------------------------------------------------- properties
@@ -222,3 +260,29 @@ def _check_local_shapes(spec: DTensorSpec, local_shape: Tuple[int, ...]) -> None
             raise ValueError(f"run_check: the rank at mesh coordinate {coord} holds a local tensor of shape "
                              f"{got_local}, but global shape {spec.shape} with placements {spec.layout} "
                              f"gives it {want}")
+
+
+def _check_replicas_equal(spec: DTensorSpec, local: Tensor) -> None:
+    """Raise on every rank if the pieces along some Replicate mesh dim differ anywhere:
+    the element-wise spread (max - min over the group) of each such dim, reduced to its
+    largest value over the whole mesh so that all ranks see the same numbers."""
+    mesh = spec.mesh
+    dims = [a for a, p in enumerate(spec.placements) if p.is_replicate() and mesh.shape[a] > 1]
+    if not dims or local.size == 0:
+        return
+    values = _local_view(local).astype(ms.float32)
+    spreads = []
+    for a in dims:
+        spread = comm.all_reduce(values, mesh, a, op="max") - comm.all_reduce(values, mesh, a, op="min")
+        spreads.append(spread.abs().max().reshape((1,)))
+    worst = ms.ops.cat(spreads)
+    for a in range(mesh.ndim):
+        worst = comm.all_reduce(worst, mesh, a, op="max")
+    worst = worst.asnumpy()
+    for a, value in zip(dims, worst):
+        if value > 0:
+            name = mesh.mesh_dim_names[a] if mesh.mesh_dim_names else str(a)
+            raise ValueError(f"run_check: the pieces of the Replicate mesh dim {name!r} differ between ranks "
+                             f"(largest element-wise difference {float(value):.6g} on some rank group); a "
+                             "Replicate DTensor needs the same local tensor on every rank of that dim. Pass "
+                             "equal pieces, or distribute_tensor(full, mesh, placements) to broadcast one")

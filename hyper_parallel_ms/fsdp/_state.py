@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
-from .._jit import is_compiling, run_in_python
+from .._mindspore import is_compiling, run_in_python
 from ._flat import FlatLayout, concat_flat, split_flat
 from ..nn._adapter import named_cells
 from ._mesh import dp_mesh_dims

@@ -18,7 +18,7 @@ from typing import Dict
 
 from mindspore import nn, ops
 
-from .._jit import is_compiling, run_in_python
+from .._mindspore import is_compiling, run_in_python
 from ..dtensor import DTensor
 from ..layout import Layout
 from ..redistribute import LocalRedistribute, plan_layouts

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mindspore import Tensor
-from mindspore._c_expression import NoFallbackGuard
 from mindspore.ops import Primitive
 
+from .._mindspore import no_hook
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
@@ -168,7 +168,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     if decision.inplace:  # MindSpore's CPU in-place kernels reject strided views as sources
         local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
                                            for a in local_inputs[1:]]
-    with NoFallbackGuard():
+    with no_hook():
         if decision.local_fn is not None:
             out = decision.local_fn(*local_inputs, **kwargs)
         else:
@@ -194,7 +194,11 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
             f"no sharding rule for MindSpore op '{name}' called as {schema}. Register one with "
             f"@hyper_parallel_ms.ops.register_sharding('{name}'), run it on local tensors with "
             "hyper_parallel_ms.ops.local_map, or call .to_local() / .full_tensor() first")
-    sharding: OutputSharding = rule(schema)
+    try:
+        sharding: OutputSharding = rule(schema)
+    except ValueError as error:
+        _explain_plain_broadcast(name, described, error)
+        raise
     split_axes = {a for layout, _ in sharding.outputs for a, p in enumerate(layout.placements)
                   if not p.is_replicate() and mesh.shape[a] > 1}
     needs, cells = [], []
@@ -216,6 +220,21 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
                      tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
                      sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord),
                      passthrough=passthrough)
+
+
+def _explain_plain_broadcast(name: str, described: tuple, error: ValueError) -> None:
+    """A rule failing on shapes that do not broadcast, with a plain Tensor among the
+    arguments: raise an error saying which argument is plain and how it was read."""
+    plain = [(i, d) for i, d in enumerate(described) if isinstance(d, TensorArg) and not d.is_dtensor]
+    if not plain or "broadcast" not in str(error):
+        return
+    dtensors = [tuple(d.shape) for d in described if isinstance(d, TensorArg) and d.is_dtensor]
+    i, arg = plain[0]
+    raise ValueError(
+        f"{name}: argument {i} is a plain Tensor of shape {tuple(arg.shape)}, read as Replicate (the whole tensor "
+        f"on every rank), and it does not broadcast with the DTensor arguments' global shapes {dtensors}. If it "
+        "is this rank's local piece, wrap it with DTensor.from_local; to refuse plain Tensors next to DTensors, "
+        f"use hyper_parallel_ms.ops.strict_plain_tensors() ({error})") from error
 
 
 def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):

@@ -14,11 +14,11 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 
 from mindspore import nn, ops
 
+from .._mindspore import cached_in_python
 from .. import comm
 from ..comm._tensor import narrow
 from ..layout import Layout, chunk_offsets, chunk_sizes
@@ -75,7 +75,7 @@ class _Step(nn.Cell):
         return x / self.offset  # partition a replicated value into a sum: every rank holds value / n
 
 
-@functools.lru_cache(maxsize=4096)
+@cached_in_python
 def _step_cell(mesh, step: LocalStep) -> _Step:
     return _Step(mesh, step)
 
@@ -141,7 +141,7 @@ def lowered_steps(src: Layout, dst: Layout, shape: Tuple[int, ...], coordinate: 
     return forward, backward, average_scaling(src, dst)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached_in_python
 def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
                    grad_src: Layout = None) -> Redistribution:
     """The cached Cell moving a tensor of global ``shape`` from ``src`` to ``dst`` on ``mesh``,

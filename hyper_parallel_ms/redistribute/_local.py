@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 from mindspore import nn
 
-from .._jit import cached_in_python
+from .._mindspore import cached_in_python
 from ..layout import Layout
 from ._executor import lowered_steps, step_cells
 

@@ -19,8 +19,7 @@ import itertools
 from typing import Tuple
 
 from mindspore import ops
-from mindspore.ops.auto_generate import func_dropout_ext_op
-
+from ..._mindspore import seeded_dropout as func_dropout_ext_op
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import whole_and_reduced

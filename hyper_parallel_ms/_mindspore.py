@@ -1,0 +1,391 @@
+"""The seam: every use of MindSpore that is not public API, in one module.
+
+Each contract below is something MindSpore does today without promising it; a smoke test
+in ``tests/test_mindspore_seam.py`` names each one, so that a MindSpore upgrade that
+breaks a contract fails one test here instead of many elsewhere.
+
+Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
+
+- **tensor hook**: a Tensor subclass with ``__fallback__(self, func, args, kwargs)`` is
+  called for the ops it takes part in; what it returns is the op's result. 2.8 / 2.9
+  replace an exception raised in it by ``RuntimeError: Python fallback failed.``
+  (:func:`tensor_hook` keeps the original, :func:`original_hook_errors` restores it), and
+  do not call it for tensors inside list arguments (:data:`LIST_ARGS_REACH_HOOK`).
+- **no-hook guard**: ``mindspore._c_expression.NoFallbackGuard`` runs ops on subclass
+  objects as on plain tensors (:func:`no_hook`).
+- **subclass views**: ``Tensor._make_subclass(cls, t)`` makes an object of ``cls``
+  sharing storage and autodiff node with ``t`` (:func:`as_subclass`); assigning
+  ``__class__`` turns a fresh plain op result into a subclass (:func:`adopt`).
+- **seeded dropout**: ``mindspore.ops.auto_generate.func_dropout_ext_op(x, p, training,
+  inplace, seed, offset)``, the primitive behind ``ops.dropout``, draws its mask from
+  explicit seed and offset tensors (:data:`seeded_dropout`).
+- **compile-time Python**: ``ms.jit`` runs a ``functools.lru_cache`` object as opaque
+  Python on its constant arguments (:func:`cached_in_python`, :func:`run_in_python`).
+- **compile detection**: graph compilation runs in ``_JitExecutor.compile`` (``ms.jit``)
+  or ``_CellGraphExecutor.compile`` (GRAPH_MODE Cells), in ``mindspore.graph.api`` from
+  2.9 and ``mindspore.common.api`` on 2.8; both receive the call's arguments
+  (:func:`is_compiling`; :func:`reject_in_compiled_args` wraps them).
+- **op entry points** (2.8 / 2.9 only): ops reach C++ through ``Primitive.__call__``, the
+  generated primitives' ``__call__`` and ``mindspore.ops.functional_overload``; wrapping
+  them restores hook errors. ``ops`` / ``mint`` sequence functions are wrapped to pass
+  lists as tuples (:func:`route_list_arguments`).
+
+:func:`guard_mindspore_for` installs the wrappers the first time a DTensor is made (never at
+import).
+
+Example:
+    >>> @run_in_python
+    ... def double(n):
+    ...     return 2 * n
+    >>> double(4), is_compiling()
+    (8, False)
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar
+
+import mindspore
+from mindspore import Tensor
+
+from . import _check_mindspore, _release
+
+_check_mindspore(mindspore.__version__)  # before touching the internals below
+
+from mindspore._c_expression import NoFallbackGuard  # noqa: E402
+from mindspore.ops.auto_generate import func_dropout_ext_op as seeded_dropout  # noqa: E402
+
+try:  # MindSpore 2.9 and later
+    from mindspore.graph import api as _graph_api
+except ImportError:  # MindSpore 2.8
+    from mindspore.common import api as _graph_api
+
+__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
+           "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
+           "adopt", "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for",
+           "reject_in_compiled_args", "route_list_arguments", "seeded_dropout"]
+
+F = TypeVar("F", bound=Callable)
+
+MINDSPORE_VERSION: Tuple[int, int] = _release(mindspore.__version__)
+# 2.10 calls the hook for tensors inside list arguments (ops.cat([dt, ...])); 2.8 / 2.9 only
+# inside tuples. 2.10 passes an exception raised in the hook to the caller; 2.8 / 2.9 print it
+# and raise ``RuntimeError: Python fallback failed.`` instead.
+LIST_ARGS_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 10)
+HOOK_ERRORS_REACH_CALLER: bool = MINDSPORE_VERSION >= (2, 10)
+# On 2.8 a tuple argument reaches the hook only if its first tensor was made by
+# ``_make_subclass`` (not by :func:`adopt`); 2.9 and later look at the class.
+ADOPTED_IN_SEQUENCES_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 9)
+_FALLBACK_FAILED = "Python fallback failed"
+
+
+# ------------------------------------------------------------------ tensor hook
+class _HookErrors(threading.local):
+    last: Optional[BaseException] = None
+
+
+_HOOK_ERRORS = _HookErrors()
+
+
+def tensor_hook(fn: Callable[[Any, tuple, dict], Any]) -> Callable:
+    """The ``__fallback__`` method for a Tensor subclass calling ``fn(func, args, kwargs)``.
+    On 2.8 / 2.9, which replace an exception raised there by a bare ``RuntimeError``, the
+    exception is kept for :func:`keep_hook_errors` / :func:`original_hook_errors`.
+
+    Example::
+
+        class MyTensor(Tensor):
+            __fallback__ = tensor_hook(lambda func, args, kwargs: ...)
+    """
+    if HOOK_ERRORS_REACH_CALLER:
+        def __fallback__(self, func, args=(), kwargs=None):
+            return fn(func, args, kwargs or {})
+        return __fallback__
+
+    def __fallback__(self, func, args=(), kwargs=None):  # noqa: F811  (2.8 / 2.9)
+        try:
+            return fn(func, args, kwargs or {})
+        except BaseException as error:
+            _HOOK_ERRORS.last = error
+            raise
+    return __fallback__
+
+
+@contextmanager
+def original_hook_errors() -> Iterator[None]:
+    """Inside, a ``RuntimeError: Python fallback failed.`` that MindSpore raises in place of
+    an exception from a :func:`tensor_hook` is replaced by that exception (chained to it).
+
+    Example::
+
+        with original_hook_errors():
+            ops.add(dt, other)      # raises the dispatcher's own error on every release
+    """
+    _HOOK_ERRORS.last = None
+    try:
+        yield
+    except RuntimeError as error:
+        _raise_original(error)
+        raise
+
+
+def _raise_original(error: RuntimeError) -> None:
+    """Raise the hook's own exception if ``error`` is MindSpore's replacement for it."""
+    original, _HOOK_ERRORS.last = _HOOK_ERRORS.last, None
+    if original is not None and original is not error and _FALLBACK_FAILED in str(error):
+        raise original.with_traceback(original.__traceback__) from error
+
+
+def keep_hook_errors(fn: F) -> F:
+    """``fn`` raising the original error of a :func:`tensor_hook` where MindSpore replaces
+    it (2.8 / 2.9); ``fn`` itself on 2.10."""
+    if HOOK_ERRORS_REACH_CALLER or getattr(fn, "__keeps_hook_errors__", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as error:
+            _raise_original(error)
+            raise
+    call.__keeps_hook_errors__ = True
+    return call
+
+
+def _keep_hook_errors_in_mindspore() -> None:
+    """On 2.8 / 2.9, MindSpore's op entry points (``Primitive.__call__``, the generated
+    primitives' ``__call__`` and the overloaded functional ops of ``mint`` / ``ops``) raise
+    the original error of a hook instead of ``RuntimeError: Python fallback failed.``."""
+    if HOOK_ERRORS_REACH_CALLER:
+        return
+    from mindspore.ops import functional_overload
+    from mindspore.ops.auto_generate import gen_ops_prim, pyboost_inner_prim
+    classes = [mindspore.ops.Primitive] + [c for module in (gen_ops_prim, pyboost_inner_prim)
+                                            for c in vars(module).values() if isinstance(c, type)]
+    for cls in classes:
+        if "__call__" in vars(cls):
+            cls.__call__ = keep_hook_errors(vars(cls)["__call__"])
+    overloads = {id(f): (name, f) for name, f in vars(functional_overload).items()
+                 if inspect.isfunction(f) and not name.startswith("_")}
+    for namespace in (functional_overload, mindspore.ops, mindspore.mint):
+        for name, value in list(vars(namespace).items()):
+            if id(value) in overloads and overloads[id(value)][1] is value:
+                setattr(namespace, name, keep_hook_errors(value))
+
+
+_OPERATORS = ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift neg pos abs invert "
+              "eq ne lt le gt ge").split()
+
+
+def keeps_hook_errors(cls: type) -> type:
+    """Class decorator for a hooked Tensor subclass: where MindSpore replaces hook errors
+    (2.8 / 2.9), the operators and public methods it inherits raise the original error.
+
+    Example::
+
+        @keeps_hook_errors
+        class MyTensor(Tensor):
+            __fallback__ = tensor_hook(...)
+    """
+    if HOOK_ERRORS_REACH_CALLER:
+        return cls
+    names = {f"__{op}__" for op in _OPERATORS} | {n for n in dir(cls) if not n.startswith("_")}
+    own = set().union(*(vars(k) for k in cls.__mro__ if k not in (Tensor,) + Tensor.__mro__))
+    own |= set(vars(mindspore.Parameter))  # Parameter(obj) makes a class with cls before Parameter
+    for name in sorted(names - own):
+        attr = inspect.getattr_static(cls, name, None)
+        if inspect.isfunction(attr) or type(attr).__name__ in ("method_descriptor", "wrapper_descriptor"):
+            setattr(cls, name, keep_hook_errors(attr))   # instance methods only (not static / class methods)
+    return cls
+
+
+def no_hook() -> Any:
+    """A context in which ops on subclass objects run as on plain tensors (no hook)."""
+    return NoFallbackGuard()
+
+
+# ------------------------------------------------------------- subclass views
+def as_subclass(cls: type, t: Tensor) -> Tensor:
+    """An object of ``cls`` sharing storage and the autodiff node with ``t`` (no copy).
+
+    >>> type(as_subclass(Tensor, Tensor([1.0]))).__name__
+    'Tensor'
+    """
+    return Tensor._make_subclass(cls, t)
+
+
+def adopt(result: Tensor, cls: type) -> Tensor:
+    """Turn a fresh op result into an object of the subclass ``cls`` in place (no copy and,
+    unlike :func:`as_subclass`, no wait for the op to finish)."""
+    result.__class__ = cls
+    return result
+
+
+# ------------------------------------------------------------ compile-time Python
+def cached_in_python(fn: F) -> F:
+    """Memoise ``fn`` (hashable arguments); under ms.jit it runs in Python at compile time."""
+    return functools.lru_cache(maxsize=4096)(fn)
+
+
+def run_in_python(fn: F) -> F:
+    """Under ms.jit, run ``fn`` in Python at compile time instead of compiling it (no memo)."""
+    return functools.lru_cache(maxsize=0)(fn)
+
+
+# ------------------------------------------------------------ compile detection
+_JIT_COMPILE = _graph_api._JitExecutor.compile
+_CELL_COMPILE = _graph_api._CellGraphExecutor.compile
+_COMPILE_CODES = frozenset({_JIT_COMPILE.__code__, _CELL_COMPILE.__code__})
+
+
+def is_compiling() -> bool:
+    """Whether Python runs on behalf of MindSpore's graph compiler (ms.jit or GRAPH_MODE)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _COMPILE_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _compiled_arguments(fn: Callable, args: tuple, kwargs: dict) -> Iterator[Tuple[str, Any]]:
+    """(name, value) of each argument of a compiled call, nested sequences and dicts included."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    pending = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
+    pending += [(str(k), v) for k, v in kwargs.items()]
+    while pending:
+        name, value = pending.pop(0)
+        yield name, value
+        if isinstance(value, (tuple, list)):
+            pending += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            pending += [(f"{name}[{k!r}]", v) for k, v in value.items()]
+
+
+def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rejected: type) -> None:
+    for name, value in _compiled_arguments(fn, args, kwargs):
+        if isinstance(value, rejected):
+            raise TypeError(
+                f"argument '{name}' of {kind} '{getattr(fn, '__qualname__', fn)}' is a {type(value).__name__} "
+                f"{value!r}: compiled code would compute on its local piece only. Pass .to_local() pieces "
+                "(and rebuild with DTensor.from_local after the call), or call it in PyNative without ms.jit")
+
+
+_GUARDED: list = []
+
+
+def reject_in_compiled_args(rejected: type) -> None:
+    """From now on, ``ms.jit`` functions and GRAPH_MODE Cells raise a ``TypeError`` naming
+    the argument when called with an object of type ``rejected``. Idempotent."""
+    if rejected in _GUARDED:
+        return
+    _GUARDED.append(rejected)
+    if len(_GUARDED) > 1:
+        return
+
+    @functools.wraps(_JIT_COMPILE)
+    def jit_compile(self, method_name, *args, **kwargs):
+        fn = self.fn
+        given = args if self.obj is None else (self.obj,) + args
+        _check_compiled_call("the ms.jit function", fn, given, {k: v for k, v in kwargs.items() if k != "phase"},
+                             tuple(_GUARDED))
+        return _JIT_COMPILE(self, method_name, *args, **kwargs)
+
+    @functools.wraps(_CELL_COMPILE)
+    def cell_compile(self, obj, *args, **kwargs):
+        _check_compiled_call("the GRAPH_MODE Cell", type(obj).construct, (obj,) + args,
+                             {k: v for k, v in kwargs.items() if k not in ("phase", "do_convert", "jit_config_dict")},
+                             tuple(_GUARDED))
+        return _CELL_COMPILE(self, obj, *args, **kwargs)
+
+    _graph_api._JitExecutor.compile = jit_compile
+    _graph_api._CellGraphExecutor.compile = cell_compile
+
+
+# ------------------------------------------------------------ list arguments
+# Functional ops taking a sequence of tensors, per namespace. On 2.8 / 2.9 a list there does
+# not reach the hook (a tuple does); ``ops.stack`` (the legacy Stack primitive) reaches it on
+# no release, so a hooked tensor in its sequence goes to ``cat`` of ``expand_dims`` instead.
+_SEQUENCE_OPS = {"ops": ("cat", "concat", "hstack", "vstack", "dstack", "column_stack", "row_stack"),
+                 "mint": ("cat", "concat", "stack")}
+_ROUTED: list = []
+
+
+def _has(seq, hooked: tuple) -> bool:
+    return isinstance(seq, (list, tuple)) and any(isinstance(t, hooked) for t in seq)
+
+
+def _remade(t: Tensor) -> Tensor:
+    """``t`` as an object made by ``_make_subclass`` (same storage, autodiff node, attributes)."""
+    fresh = as_subclass(type(t), t)
+    fresh.__dict__.update(t.__dict__)
+    return fresh
+
+
+def _hook_visible(seq, hooked: tuple):
+    """A sequence argument as one that reaches the hook: a tuple, of made objects on 2.8."""
+    if not _has(seq, hooked):
+        return seq
+    if ADOPTED_IN_SEQUENCES_REACH_HOOK:
+        return tuple(seq)
+    return tuple(_remade(t) if isinstance(t, hooked) else t for t in seq)
+
+
+def _tuples_for_lists(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        hooked = tuple(_ROUTED)
+        args = tuple(_hook_visible(a, hooked) for a in args)
+        kwargs = {k: _hook_visible(v, hooked) for k, v in kwargs.items()}
+        return fn(*args, **kwargs)
+    call.__wrapped_by_hyper_parallel_ms__ = fn
+    return call
+
+
+def _stack_through_mint(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def stack(tensors, axis=0):
+        if _has(tensors, tuple(_ROUTED)):  # as cat of unsqueezed pieces (mint.stack has no CPU kernel)
+            return mindspore.ops.cat([mindspore.ops.expand_dims(t, axis) for t in tensors], axis)
+        return fn(tensors, axis)
+    stack.__wrapped_by_hyper_parallel_ms__ = fn
+    return stack
+
+
+def route_list_arguments(hooked: type) -> None:
+    """From now on, ``mindspore.ops`` / ``mindspore.mint`` sequence ops (``cat``, ``concat``,
+    ``stack``, ...) given objects of ``hooked`` call its tensor hook on every release
+    (2.8 / 2.9 skip it for lists, every release for ``ops.stack``, which becomes ``cat`` of
+    ``expand_dims``). Idempotent."""
+    if hooked in _ROUTED:
+        return
+    _ROUTED.append(hooked)
+    if len(_ROUTED) > 1:
+        return
+    namespaces = {"ops": mindspore.ops, "mint": mindspore.mint}
+    if not LIST_ARGS_REACH_HOOK:
+        for space, names in _SEQUENCE_OPS.items():
+            for name in names:
+                fn = getattr(namespaces[space], name, None)
+                if fn is not None:
+                    setattr(namespaces[space], name, keep_hook_errors(_tuples_for_lists(fn)))
+    mindspore.ops.stack = keep_hook_errors(_stack_through_mint(mindspore.ops.stack))
+
+
+def guard_mindspore_for(hooked: type) -> None:
+    """Everything MindSpore needs so that objects of ``hooked`` never compute silently on
+    their local data (:func:`reject_in_compiled_args`, :func:`route_list_arguments`) and
+    that errors of their hook reach the caller on every release. Idempotent."""
+    if hooked not in _ROUTED:
+        if not _ROUTED:
+            _keep_hook_errors_in_mindspore()
+        reject_in_compiled_args(hooked)
+        route_list_arguments(hooked)

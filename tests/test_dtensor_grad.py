@@ -1,0 +1,124 @@
+"""hyper_parallel_ms.grad / value_and_grad / parallelize_value_and_grad: DTensor gradients,
+laid out like their tensors (Partial read as Replicate), against single-device gradients:
+on op rules (matmul, pointwise, reductions) and on a shard_module model trained with SGD. 2 ranks."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, Tensor, nn, ops
+
+import hyper_parallel_ms as hp
+from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.nn import ShardingPlan, shard_module
+from hyper_parallel_ms.placement import Partial, Replicate, Shard
+from hyper_parallel_ms.testing import multi_rank
+
+_RNG = np.random.default_rng(7)
+_X = _RNG.standard_normal((4, 6)).astype(np.float32)
+_W = _RNG.standard_normal((6, 8)).astype(np.float32)
+
+
+def _loss(x, w):
+    return (ops.tanh(ops.matmul(x, w)) ** 2).sum()
+
+
+def _loss_aux(x, w):
+    y = ops.matmul(x, w)
+    return (y * y).sum(), y
+
+
+def _close(got, want, name):
+    assert isinstance(got, DTensor), f"{name}: {type(got).__name__}"
+    np.testing.assert_allclose(got.full_tensor().asnumpy(), want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@multi_rank(2)
+def test_grad_and_value_and_grad_on_op_rules():
+    mesh = init_device_mesh("cpu", (2,))
+    want_gx, want_gw = ms.grad(_loss, (0, 1))(Tensor(_X), Tensor(_W))
+    for px, pw in ((Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(1), Shard(0))):
+        x, w = distribute_tensor(Tensor(_X), mesh, [px]), distribute_tensor(Tensor(_W), mesh, [pw])
+        gx, gw = hp.grad(_loss, (0, 1))(x, w)
+        assert gx.placements == (px,) and gw.placements == (pw,)
+        _close(gx, want_gx.asnumpy(), f"grad x {px} {pw}")
+        _close(gw, want_gw.asnumpy(), f"grad w {px} {pw}")
+        loss, gw_only = hp.value_and_grad(_loss, 1)(x, w)
+        np.testing.assert_allclose(loss.full_tensor().asnumpy(), _loss(Tensor(_X), Tensor(_W)).asnumpy(), rtol=1e-5)
+        _close(gw_only, want_gw.asnumpy(), "value_and_grad w")
+    x = distribute_tensor(Tensor(_X), mesh, [Shard(0)])
+    (gx, aux) = hp.grad(_loss_aux, 0, has_aux=True)(x, Tensor(_W))
+    _close(gx, ms.grad(_loss_aux, 0, has_aux=True)(Tensor(_X), Tensor(_W))[0].asnumpy(), "has_aux")
+    assert isinstance(aux[0], DTensor) and aux[0].shape == (4, 8)
+    partial = DTensor.from_local(Tensor(_X), mesh, [Partial()])    # global = 2 * _X
+    g = hp.grad(lambda t: (t * t).sum())(partial)
+    assert g.placements == (Replicate(),)                         # Partial is read as Replicate
+    np.testing.assert_allclose(g.to_local().asnumpy(), 4 * _X, rtol=1e-5)
+
+
+class _Mlp(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Dense(6, 8, weight_init=Tensor(_W.T.copy()), bias_init="zeros")
+        self.fc2 = nn.Dense(8, 3, weight_init=Tensor(_RNG.standard_normal((3, 8)).astype(np.float32)),
+                            bias_init=Tensor(np.arange(3, dtype=np.float32)))
+
+    def construct(self, x):
+        return self.fc2(ops.relu(self.fc1(x)))
+
+
+def _mse(net):
+    def loss(x):
+        out = net(x)
+        return (out * out).mean(), out
+    return loss
+
+
+@multi_rank(2)
+def test_shard_module_model_trains_with_dtensor_gradients():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    plan = ShardingPlan(plan={"fc1.weight": ("tp", "None"), "fc1.bias": ("tp",), "fc2.weight": ("None", "tp")})
+    ref, net = _Mlp(), _Mlp()
+    net.fc2.weight.set_data(ref.fc2.weight.value().copy())
+    net.fc2.bias.set_data(ref.fc2.bias.value().copy())
+    net = shard_module(net, mesh, plan)
+    ref_opt, opt = nn.SGD(ref.trainable_params(), 0.1), nn.SGD(net.trainable_params(), 0.1)
+    x = Tensor(_X)
+    for step in range(3):
+        want_loss, want = ms.value_and_grad(lambda t: _mse(ref)(t)[0], None, ref.trainable_params())(x)
+        if step % 2 == 0:
+            loss, grads = hp.value_and_grad(lambda t: _mse(net)(t)[0], None, net.trainable_params())(x)
+        else:
+            (loss, _), grads = hp.parallelize_value_and_grad(_mse(net), net.trainable_params(), sens=[1.0, 0.0])(x)
+        np.testing.assert_allclose(loss.full_tensor().asnumpy(), want_loss.asnumpy(), rtol=1e-5)
+        for p, g, w in zip(net.trainable_params(), grads, want):
+            assert g.placements == p.placements, p.name
+            _close(g, w.asnumpy(), f"step {step} {p.name}")
+        ref_opt(want)
+        opt(tuple(g.to_local() for g in grads))
+    for p, r in zip(net.trainable_params(), ref.trainable_params()):
+        np.testing.assert_allclose(p.full_tensor().asnumpy(), r.asnumpy(), rtol=1e-5, atol=1e-5, err_msg=p.name)
+
+
+@multi_rank(2)
+def test_parallelize_value_and_grad_sensitivities():
+    mesh = init_device_mesh("cpu", (2,))
+    w = Parameter(distribute_tensor(Tensor(_W), mesh, [Shard(1)]), name="w")
+    ref_w = Parameter(Tensor(_W), name="w")
+
+    def two(weight):
+        def fn(x):
+            y = ops.matmul(x, weight)
+            return y.sum(), (y * y).sum()
+        return fn
+    out, (gw,) = hp.parallelize_value_and_grad(two(w), [w], sens=[0.5, 2.0])(Tensor(_X))
+    want = ms.grad(lambda x: 0.5 * two(ref_w)(x)[0] + 2.0 * two(ref_w)(x)[1], None, [ref_w])(Tensor(_X))[0]
+    assert len(out) == 2 and gw.placements == (Shard(1),)
+    _close(gw, want.asnumpy(), "sens")
+    single, (g1,) = hp.parallelize_value_and_grad(lambda x: two(w)(x)[1], [w])(Tensor(_X))
+    _close(g1, ms.grad(lambda x: two(ref_w)(x)[1], None, [ref_w])(Tensor(_X))[0].asnumpy(), "one output")
+    with pytest.raises(TypeError, match="fn returned 2 outputs but sens has 1"):
+        hp.parallelize_value_and_grad(two(w), [w], sens=[1.0])(Tensor(_X))
+    with pytest.raises(TypeError, match="one output, so sens must be None"):
+        hp.parallelize_value_and_grad(lambda x: two(w)(x)[1], [w], sens=[1.0])(Tensor(_X))

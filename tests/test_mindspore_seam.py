@@ -1,0 +1,202 @@
+"""One smoke test per MindSpore contract the seam (hyper_parallel_ms/_mindspore.py) relies
+on: after a MindSpore upgrade, the failing test names the contract that changed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, mint, nn, ops
+
+from hyper_parallel_ms import _mindspore as seam
+
+_CALLS: list = []
+
+
+def _record(func, args, kwargs):
+    _CALLS.append(getattr(func, "name", None) or getattr(func, "__name__", "?"))
+    with seam.no_hook():
+        out = func(*args, **kwargs)
+    return seam.adopt(out, _Hooked) if type(out) is Tensor else out
+
+
+def _refuse(func, args, kwargs):
+    raise ValueError("refused by the hook")
+
+
+class _Hooked(Tensor):
+    __fallback__ = seam.tensor_hook(_record)
+
+
+class _Refusing(Tensor):
+    __fallback__ = seam.tensor_hook(_refuse)
+
+
+class _NeverCompiled(Tensor):
+    """Registered with reject_in_compiled_args by the test below (only this test class)."""
+
+
+def _hooked(values) -> Tensor:
+    return seam.as_subclass(_Hooked, Tensor(np.array(values, np.float32)))
+
+
+def test_contract_tensor_hook_sees_functional_ops_operators_and_methods():
+    x = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    for y in (ops.add(x, x), x * x, x.sum()):
+        assert type(y) is _Hooked
+    assert len(_CALLS) == 3, _CALLS
+    np.testing.assert_allclose(ops.add(x, x).asnumpy(), [2.0, 4.0])
+
+
+def test_contract_no_hook_guard_runs_ops_as_on_plain_tensors():
+    x = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    with seam.no_hook():
+        y = ops.mul(x, x)
+    assert _CALLS == [] and type(y) is Tensor
+    np.testing.assert_allclose(y.asnumpy(), [1.0, 4.0])
+
+
+def test_contract_hook_errors_keep_their_type():
+    x = seam.as_subclass(_Refusing, Tensor(np.ones(2, np.float32)))
+    with pytest.raises(ValueError, match="refused by the hook"):
+        with seam.original_hook_errors():
+            ops.add(x, x)
+    seam.guard_mindspore_for(_Refusing)   # on 2.8 / 2.9: MindSpore's op entry points keep hook errors
+    for run in (lambda: ops.add(x, x), lambda: ops.matmul(x, x), lambda: ops.cumsum(x, 0), lambda: mint.add(x, x),
+                lambda: nn.Dense(2, 2)(x), lambda: ops.cat([x, x])):
+        with pytest.raises(ValueError, match="refused by the hook"):
+            run()
+
+
+def test_contract_list_arguments_reach_the_hook_only_where_declared():
+    x = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    out = ops.cat([x, x])
+    assert bool(_CALLS) == seam.LIST_ARGS_REACH_HOOK, (ms.__version__, _CALLS)
+    assert tuple(out.shape) == (4,)
+
+
+def test_contract_tuple_arguments_reach_the_hook_for_made_and_adopted_objects():
+    made = _hooked([1.0, 2.0])
+    _CALLS.clear()
+    ops.cat((made, made))
+    assert _CALLS, "a tuple of _make_subclass objects no longer reaches the hook"
+    adopted = ops.add(made, made)          # a result turned into the subclass by adopt()
+    assert type(adopted) is _Hooked
+    _CALLS.clear()
+    ops.cat((adopted, adopted))
+    assert bool(_CALLS) == seam.ADOPTED_IN_SEQUENCES_REACH_HOOK, (ms.__version__, _CALLS)
+
+
+def test_contract_make_subclass_shares_storage_and_gradients():
+    base = Tensor(np.array([1.0, 2.0], np.float32))
+    view = seam.as_subclass(_Hooked, base)
+    assert type(view) is _Hooked and type(seam.as_subclass(Tensor, view)) is Tensor
+    ops.assign(seam.as_subclass(Tensor, view), Tensor(np.array([5.0, 6.0], np.float32)))
+    np.testing.assert_allclose(base.asnumpy(), [5.0, 6.0])
+    grad = ms.grad(lambda t: (seam.as_subclass(Tensor, t) * 3.0).sum())(base)
+    np.testing.assert_allclose(grad.asnumpy(), [3.0, 3.0])
+
+
+def test_contract_class_swap_adopts_an_op_result():
+    y = seam.adopt(ops.add(Tensor([1.0]), Tensor([2.0])), _Hooked)
+    assert type(y) is _Hooked
+    np.testing.assert_allclose(y.asnumpy(), [3.0])
+
+
+def test_contract_seeded_dropout_is_the_primitive_behind_ops_dropout():
+    assert seam.seeded_dropout.name == "FuncDropoutExt"
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(os.environ.get("HPMS_TEST_DEVICE") != "Ascend",
+                    reason="DropoutExt has no CPU kernel; CPU twin: the test above")
+def test_contract_seeded_dropout_draws_its_mask_from_seed_and_offset():
+    ms.set_device("Ascend")
+    x, offset = Tensor(np.ones((64,), np.float32)), Tensor(0, ms.int64)
+    a, b, c = (seam.seeded_dropout(x, 0.5, True, False, Tensor(seed, ms.int64), offset).asnumpy()
+               for seed in (7, 7, 8))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c) and set(np.unique(a)) <= {0.0, 2.0}
+
+
+_COMPILE_TIME: list = []
+
+
+@seam.run_in_python
+def _python_at_compile_time(n: int):
+    _COMPILE_TIME.append(seam.is_compiling())
+    return n * 2
+
+
+@ms.jit
+def _jitted(x):
+    return x * _python_at_compile_time(3)
+
+
+def test_contract_lru_cache_runs_python_at_compile_time_and_is_compiling_fires():
+    _COMPILE_TIME.clear()
+    np.testing.assert_allclose(_jitted(Tensor([1.0])).asnumpy(), [6.0])
+    assert _COMPILE_TIME == [True]            # ran once, in Python, while ms.jit compiled
+    assert _python_at_compile_time(2) == 4 and _COMPILE_TIME[-1] is False
+
+
+class _Scale(nn.Cell):
+    def construct(self, x):
+        return x * _python_at_compile_time(5)
+
+
+def test_contract_is_compiling_fires_for_graph_mode_cells():
+    _COMPILE_TIME.clear()
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        out = _Scale()(Tensor([1.0]))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    np.testing.assert_allclose(out.asnumpy(), [10.0])
+    assert _COMPILE_TIME == [True]
+
+
+def _takes(first, second):
+    return first + second
+
+
+def test_contract_compile_entry_points_see_the_arguments():
+    seam.reject_in_compiled_args(_NeverCompiled)
+    odd = seam.as_subclass(_NeverCompiled, Tensor([1.0]))
+    with pytest.raises(TypeError, match=r"argument 'second' of the ms.jit function '_takes'.*to_local"):
+        ms.jit(_takes)(Tensor([1.0]), odd)
+    with pytest.raises(TypeError, match=r"argument 'x\[1\]' of the ms.jit function"):
+        ms.jit(lambda x: x[0])((Tensor([1.0]), odd))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(TypeError, match=r"argument 'x' of the GRAPH_MODE Cell '_Scale.construct'"):
+            _Scale()(odd)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    np.testing.assert_allclose(ms.jit(_takes)(Tensor([1.0]), Tensor([2.0])).asnumpy(), [3.0])
+
+
+def test_placement_and_layout_load_no_mindspore():
+    code = ("import sys, hyper_parallel_ms.placement, hyper_parallel_ms.layout, hyper_parallel_ms\n"
+            "hyper_parallel_ms.Shard(0)\n"
+            "assert 'mindspore' not in sys.modules, 'mindspore was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dtensor_ops_import_the_rules_on_first_use():
+    code = ("import sys\n"
+            "import mindspore as ms\n"
+            "from hyper_parallel_ms.dtensor import DTensor, distribute_tensor\n"
+            "from hyper_parallel_ms.mesh import init_device_mesh\n"
+            "from hyper_parallel_ms.placement import Shard\n"
+            "assert 'hyper_parallel_ms.ops' not in sys.modules, 'importing dtensor imported ops'\n"
+            "dt = distribute_tensor(ms.Tensor([[1.0, 2.0]]), init_device_mesh('cpu', (1,)), [Shard(0)])\n"
+            "y = dt + dt\n"
+            "assert isinstance(y, DTensor) and y.placements == (Shard(0),), y\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
