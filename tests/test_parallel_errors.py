@@ -38,7 +38,8 @@ def _state(model):
         params = tuple((n, id(p), tuple(p.shape), float(np.abs(p.asnumpy()).sum())) for n, p in
                        own_parameters(cell).items())
         hooks = tuple(len(getattr(cell, a) or ()) for a in ("_lazy_forward_pre_hook", "_lazy_forward_hook",
-                                                            "_lazy_forward_pre_hook_with_kwargs"))
+                                                            "_lazy_forward_pre_hook_with_kwargs")) + (
+            "_hpms_construct_hooks" in vars(cell),)
         attrs = tuple(sorted((k, v) for k, v in vars(cell).items() if isinstance(v, (int, bool)) and
                              not k.startswith("_")))
         out.append((path, type(cell), params, hooks, attrs))
@@ -162,7 +163,7 @@ def test_a_failure_while_applying_undoes_the_changes_already_made():
     before = _state(model)
     good = ColwiseParallel().plan("up", model.up, mesh)            # parameters, hooks
     embed = RowwiseParallel(input_layouts=Replicate()).plan("embed", model.embed, mesh)   # class swap, attributes
-    bad = ModuleEdit("down", model.down, pre_hooks=[("not a function", False)])
+    bad = ModuleEdit("down", model.down, pre_hooks=["not a hook Cell"])
     with pytest.raises(Exception):
         apply_edits([good, embed, bad])
     assert _state(model) == before

@@ -1,5 +1,6 @@
-"""The forward hooks of the parallel styles, as small Cells whose methods are registered
-with ``register_forward_pre_hook`` / ``register_forward_hook``.
+"""The input and output conversions of the parallel styles, as small Cells with a ``pre`` /
+``post`` method that the Cell runs inside its ``construct`` (see ``CellChanges.add_construct_hooks``;
+keyword inputs use a PyNative forward pre-hook).
 
 A :class:`Conversion` moves one tensor between layouts on the local pieces with a
 :class:`~hyper_parallel_ms.redistribute.LocalRedistribute` (planned for the shape it meets,
@@ -10,7 +11,7 @@ the conversion's source layout and unwrapped, and an output may be wrapped as a 
 Example::
 
     f = Conversion(mesh, (Replicate(),), (Replicate(),), grad=(Partial(),))   # Megatron's f
-    dense.register_forward_pre_hook(InputHook({0: f}).pre)
+    CellChanges().add_construct_hooks(dense, pre=[InputHook({0: f})])
 """
 from __future__ import annotations
 

@@ -101,10 +101,10 @@ def apply_edits(edits: List[ModuleEdit]) -> None:
                 changes.set_attribute(edit.cell, name, value)
             if edit.swap_class is not None:
                 changes.swap_class(edit.cell, edit.swap_class)
-            for hook, with_kwargs in edit.pre_hooks + edit.input_grad_reduction:
-                changes.add_forward_pre_hook(edit.cell, hook, with_kwargs=with_kwargs)
-            for hook in edit.post_hooks:
-                changes.add_forward_hook(edit.cell, hook)
+            changes.add_construct_hooks(edit.cell, pre=edit.pre_hooks + edit.input_grad_reduction,
+                                        post=edit.post_hooks)
+            for hook in edit.kwarg_hooks:
+                changes.add_forward_pre_hook(edit.cell, hook.pre, with_kwargs=True)
             if edit.parameters:
                 changes.set_attribute(edit.cell, _MARK, True)
 

@@ -49,12 +49,13 @@ class ModuleEdit:
     path: str
     cell: nn.Cell
     parameters: Dict[str, Parameter] = field(default_factory=dict)
-    pre_hooks: List[Tuple[Callable, bool]] = field(default_factory=list)   # (hook, with_kwargs)
-    post_hooks: List[Callable] = field(default_factory=list)
+    pre_hooks: List[InputHook] = field(default_factory=list)       # run inside the Cell's construct
+    kwarg_hooks: List[KwargInputHook] = field(default_factory=list)   # forward pre-hooks (PyNative)
+    post_hooks: List[OutputHook] = field(default_factory=list)
     # a Colwise layer's all-reduce of its input gradient (Megatron's f), left out when an
     # enclosing PrepareModuleInput(defer_colwise_grads=True) reduces the summed gradient once
-    input_grad_reduction: List[Tuple[Callable, bool]] = field(default_factory=list)
-    without_grad_reduction: List[Tuple[Callable, bool]] = field(default_factory=list)   # the same hooks, minus f
+    input_grad_reduction: List[InputHook] = field(default_factory=list)
+    without_grad_reduction: List[InputHook] = field(default_factory=list)   # the same hooks, minus f
     defers_colwise_grads: bool = False
     swap_class: Optional[type] = None
     attributes: Dict[str, Any] = field(default_factory=dict)
@@ -174,13 +175,13 @@ class ColwiseParallel(_LayerStyle):
         if kind == "linear" or self.input_layouts != self.desired_input_layouts:
             conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad)
             if self.input_layouts == self.desired_input_layouts and grad is not None:
-                edit.input_grad_reduction.append((InputHook({0: conv}).pre, False))
+                edit.input_grad_reduction.append(InputHook({0: conv}))
                 plain = Conversion(mesh, self.input_layouts, self.desired_input_layouts)
-                edit.without_grad_reduction.append((InputHook({0: plain}).pre, False))
+                edit.without_grad_reduction.append(InputHook({0: plain}))
             else:
-                edit.pre_hooks.append((InputHook({0: conv}).pre, False))
+                edit.pre_hooks.append(InputHook({0: conv}))
         edit.post_hooks.append(OutputHook({0: Conversion(mesh, (Shard(-1),), self.output_layouts,
-                                                         to_dtensor=not self.use_local_output)}).post)
+                                                         to_dtensor=not self.use_local_output)}))
         return edit
 
 
@@ -215,8 +216,8 @@ class RowwiseParallel(_LayerStyle):
                     params["bias"], mesh, [Replicate()], src_data_rank=src_data_rank,
                     grad_partial_dims=(0,) if self.output_layouts[0].is_shard() else ())
             desired = (Shard(-1),)
-            edit.pre_hooks.append((InputHook({0: Conversion(mesh, self.input_layouts, desired)}).pre, False))
-            edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias).post)
+            edit.pre_hooks.append(InputHook({0: Conversion(mesh, self.input_layouts, desired)}))
+            edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias))
         else:
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"RowwiseParallel on the embedding {_where(path)} takes replicated ids: pass "
@@ -229,7 +230,7 @@ class RowwiseParallel(_LayerStyle):
             if isinstance(cell, nn.Embedding):      # its one-hot lookup counts the rows
                 edit.attributes["vocab_size"] = spec.local_shape()[0]
             edit.swap_class = masked_rows_class(type(cell))
-            edit.post_hooks.append(OutputHook({0: output}).post)
+            edit.post_hooks.append(OutputHook({0: output}))
         return edit
 
 
@@ -255,9 +256,9 @@ class SequenceParallel(ParallelStyle):
             edit.parameters[name] = sharded_parameter(p, mesh, [Replicate()], src_data_rank=src_data_rank,
                                                       grad_partial_dims=(0,))
         layout = (Shard(self.sequence_dim),)
-        edit.pre_hooks.append((InputHook({0: Conversion(mesh, layout, layout)}).pre, False))
+        edit.pre_hooks.append(InputHook({0: Conversion(mesh, layout, layout)}))
         edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout,
-                                                         to_dtensor=not self.use_local_output)}).post)
+                                                         to_dtensor=not self.use_local_output)}))
         return edit
 
 
@@ -332,11 +333,11 @@ class PrepareModuleInput(ParallelStyle):
                                else None, to_dtensor=to_dtensor)
                  for i, src, dst in _converted(self.input_layouts, self.desired_input_layouts)}
         if convs:
-            edit.pre_hooks.append((InputHook(convs).pre, False))
+            edit.pre_hooks.append(InputHook(convs))
         if self.input_kwarg_layouts:
             kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor)
                   for k, v in self.input_kwarg_layouts.items()}
-            edit.pre_hooks.append((KwargInputHook(kw).pre, True))
+            edit.kwarg_hooks.append(KwargInputHook(kw))
         return edit
 
 
@@ -362,7 +363,7 @@ class PrepareModuleOutput(ParallelStyle):
         edit = ModuleEdit(path, cell)
         convs = {i: Conversion(mesh, (src,), (dst,), to_dtensor=not self.use_local_output)
                  for i, src, dst in _converted(self.output_layouts, self.desired_output_layouts)}
-        edit.post_hooks.append(OutputHook(convs).post)
+        edit.post_hooks.append(OutputHook(convs))
         return edit
 
 
