@@ -105,7 +105,9 @@ class ShardingPlan:
     """How to shard a Cell: ``plan`` maps parameter names (dotted, ``fnmatch`` wildcards) to
     placements or alias layouts; ``input_plan`` / ``output_plan`` map ``"input"`` /
     ``"output"`` (the Cell itself) or ``"<path>.input"`` / ``"<path>.output"`` to the
-    placements of the first tensor (or a tuple of them, one per position, ``None`` to skip);
+    placements of the first tensor (or a tuple of them, one per position, ``None`` to skip):
+    a DTensor is redistributed to them, a plain Tensor is read as this rank's local piece in
+    them (``DTensor.from_local``, as in PyTorch: e.g. each rank feeds its own batch rows);
     ``return_local_tensor`` lists Cell paths (``""``: the Cell itself) whose outputs become
     local tensors after their output plan.
 
@@ -135,13 +137,14 @@ def _positions(value, key: str, mesh) -> Tuple[Optional[tuple], ...]:
 
 
 def _convert(x, mesh, placements):
-    """``x`` in ``placements``: a DTensor is redistributed, a plain Tensor is read as the whole tensor (Replicate)."""
+    """``x`` in ``placements``: a DTensor is redistributed; a plain Tensor is this rank's local
+    piece in ``placements`` (``DTensor.from_local``, even pieces), as in PyTorch."""
     if placements is None or not isinstance(x, Tensor):
         return x
     layout = to_layout(mesh, placements, x.ndim)
     if isinstance(x, DTensor):
         return x if x.layout == layout else x.redistribute(mesh, layout)
-    return distribute_tensor(x, mesh, layout, src_data_rank=None)
+    return DTensor.from_local(x, mesh, layout)
 
 
 def _convert_all(values, mesh, entries):
