@@ -64,8 +64,6 @@ def _cases(mesh, mesh2d):
          TypeError, "supports nn.Dense"),
         ("2-D mesh to a 1-D style", lambda m: parallelize_module(m, mesh2d, {"up": ColwiseParallel()}),
          ValueError, "needs a 1-D mesh"),
-        ("out_features not divisible", lambda m: parallelize_module(m, mesh, {"odd": ColwiseParallel()}),
-         ValueError, "out_features (weight dim 0) (5) is not divisible"),
         ("activation inside a row-parallel Dense", lambda m: parallelize_module(m, mesh, {
             "gated": RowwiseParallel()}), ValueError, "activation"),
         ("a later key fails: nothing applied", lambda m: parallelize_module(m, mesh, {

@@ -22,7 +22,7 @@ from mindspore import nn, ops
 from .._jit import is_compiling, run_in_python
 from ..dtensor import DTensor
 from ..layout import Layout
-from ..redistribute import LocalRedistribute, plan_layouts
+from ..redistribute import LocalRedistribute, plan_global_shape, plan_layouts
 
 __all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class"]
 
@@ -44,9 +44,8 @@ def _wrap(x, plan_id: int, source_shape):
     taken from the source piece's (graphs keep it local)."""
     if _in_graph():
         return x
-    mesh, src, dst = plan_layouts(plan_id)
-    shape = src.even_global_shape(source_shape)
-    return DTensor.from_local(x, mesh, dst.normalized(x.ndim), shape=shape)
+    mesh, _, dst = plan_layouts(plan_id)
+    return DTensor.from_local(x, mesh, dst.normalized(x.ndim), shape=plan_global_shape(plan_id, tuple(source_shape)))
 
 
 def _layout(mesh, placements) -> Layout:
@@ -55,12 +54,14 @@ def _layout(mesh, placements) -> Layout:
 
 class Conversion(nn.Cell):
     """One tensor: ``src`` placements to ``dst`` placements (the gradient arrives as ``grad``
-    placements, default ``dst`` with Partial as Replicate); ``to_dtensor`` wraps the result."""
+    placements, default ``dst`` with Partial as Replicate); ``to_dtensor`` wraps the result.
+    ``dim_sizes``: {dim: global size} of dims that may be split unevenly (a layer's features);
+    ``where``: the Cell named in error messages."""
 
-    def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False) -> None:
+    def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False, dim_sizes=None, where: str = "") -> None:
         super().__init__()
         self.move = LocalRedistribute(mesh, _layout(mesh, src), _layout(mesh, dst),
-                                      None if grad is None else _layout(mesh, grad))
+                                      None if grad is None else _layout(mesh, grad), dim_sizes, where)
         self.to_dtensor = to_dtensor
 
     def construct(self, x):

@@ -104,12 +104,6 @@ def _weight_name(cell: nn.Cell) -> str:
     return "embedding_table" if isinstance(cell, nn.Embedding) else "weight"
 
 
-def _divisible(path: str, what: str, size: int, n: int, style: "ParallelStyle") -> None:
-    if size % n:
-        raise ValueError(f"{type(style).__name__} on {_where(path)}: {what} ({size}) is not divisible by the "
-                         f"mesh size {n}")
-
-
 class ParallelStyle:
     """Base of the styles: :meth:`plan` returns the :class:`ModuleEdit` for one Cell."""
 
@@ -149,13 +143,12 @@ class ColwiseParallel(_LayerStyle):
     desired_input_layouts = (Replicate(),)
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
-        n = _check_mesh(self, path, mesh)
+        _check_mesh(self, path, mesh)
         kind = _layer_kind(self, path, cell)
         edit = ModuleEdit(path, cell)
         params = own_parameters(cell)
         weight = params[_weight_name(cell)]
         if kind == "linear":
-            _divisible(path, "out_features (weight dim 0)", weight.shape[0], n, self)
             edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, [Shard(0)],
                                                                     src_data_rank=src_data_rank)
             if params.get("bias") is not None:
@@ -166,22 +159,24 @@ class ColwiseParallel(_LayerStyle):
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"ColwiseParallel on the embedding {_where(path)} takes replicated ids, got "
                                  f"input_layouts={self.input_layouts[0]}")
-            _divisible(path, "embedding dim (table dim 1)", weight.shape[1], n, self)
             piece = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
             edit.parameters[_weight_name(cell)] = piece
             if isinstance(cell, nn.Embedding):      # its lookup reshapes to (..., embedding_size)
                 edit.attributes["embedding_size"] = piece.shape[1]
             grad = None
+        features = {-1: weight.shape[0] if kind == "linear" else weight.shape[1]}   # may be split unevenly
+        where = _where(path)
         if kind == "linear" or self.input_layouts != self.desired_input_layouts:
-            conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad)
+            conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad, where=where)
             if self.input_layouts == self.desired_input_layouts and grad is not None:
                 edit.input_grad_reduction.append(InputHook({0: conv}))
-                plain = Conversion(mesh, self.input_layouts, self.desired_input_layouts)
+                plain = Conversion(mesh, self.input_layouts, self.desired_input_layouts, where=where)
                 edit.without_grad_reduction.append(InputHook({0: plain}))
             else:
                 edit.pre_hooks.append(InputHook({0: conv}))
         edit.post_hooks.append(OutputHook({0: Conversion(mesh, (Shard(-1),), self.output_layouts,
-                                                         to_dtensor=not self.use_local_output)}))
+                                                         to_dtensor=not self.use_local_output, dim_sizes=features,
+                                                         where=where)}))
         return edit
 
 
@@ -196,18 +191,18 @@ class RowwiseParallel(_LayerStyle):
     default_input, default_output = Shard(-1), Replicate()
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
-        n = _check_mesh(self, path, mesh)
+        _check_mesh(self, path, mesh)
         kind = _layer_kind(self, path, cell)
         edit = ModuleEdit(path, cell)
         params = own_parameters(cell)
         name = _weight_name(cell)
         weight = params[name]
-        output = Conversion(mesh, (Partial(),), self.output_layouts, to_dtensor=not self.use_local_output)
+        where = _where(path)
+        output = Conversion(mesh, (Partial(),), self.output_layouts, to_dtensor=not self.use_local_output, where=where)
         if kind == "linear":
             if getattr(cell, "activation_flag", False):
                 raise ValueError(f"RowwiseParallel on {_where(path)}: the Dense applies an activation to a partial "
                                  "sum; move the activation out of the Dense (activation=None)")
-            _divisible(path, "in_features (weight dim 1)", weight.shape[1], n, self)
             edit.parameters[name] = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
             has_bias = params.get("bias") is not None
             if has_bias:
@@ -216,7 +211,8 @@ class RowwiseParallel(_LayerStyle):
                     params["bias"], mesh, [Replicate()], src_data_rank=src_data_rank,
                     grad_partial_dims=(0,) if self.output_layouts[0].is_shard() else ())
             desired = (Shard(-1),)
-            edit.pre_hooks.append(InputHook({0: Conversion(mesh, self.input_layouts, desired)}))
+            edit.pre_hooks.append(InputHook({0: Conversion(mesh, self.input_layouts, desired,
+                                                           dim_sizes={-1: weight.shape[1]}, where=where)}))
             edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias))
         else:
             if self.input_layouts[0] != Replicate():
@@ -256,9 +252,9 @@ class SequenceParallel(ParallelStyle):
             edit.parameters[name] = sharded_parameter(p, mesh, [Replicate()], src_data_rank=src_data_rank,
                                                       grad_partial_dims=(0,))
         layout = (Shard(self.sequence_dim),)
-        edit.pre_hooks.append(InputHook({0: Conversion(mesh, layout, layout)}))
-        edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout,
-                                                         to_dtensor=not self.use_local_output)}))
+        edit.pre_hooks.append(InputHook({0: Conversion(mesh, layout, layout, where=_where(path))}))
+        edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout, to_dtensor=not self.use_local_output,
+                                                         where=_where(path))}))
         return edit
 
 
@@ -330,12 +326,13 @@ class PrepareModuleInput(ParallelStyle):
         edit = ModuleEdit(path, cell, defers_colwise_grads=self.defer_colwise_grads)
         to_dtensor = not self.use_local_output
         convs = {i: Conversion(mesh, (src,), (dst,), (Partial(),) if self.defer_colwise_grads and dst == Replicate()
-                               else None, to_dtensor=to_dtensor)
+                               else None, to_dtensor=to_dtensor, where=_where(path))
                  for i, src, dst in _converted(self.input_layouts, self.desired_input_layouts)}
         if convs:
             edit.pre_hooks.append(InputHook(convs))
         if self.input_kwarg_layouts:
-            kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor)
+            kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor,
+                                where=_where(path))
                   for k, v in self.input_kwarg_layouts.items()}
             edit.kwarg_hooks.append(KwargInputHook(kw))
         return edit
@@ -361,7 +358,7 @@ class PrepareModuleOutput(ParallelStyle):
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
-        convs = {i: Conversion(mesh, (src,), (dst,), to_dtensor=not self.use_local_output)
+        convs = {i: Conversion(mesh, (src,), (dst,), to_dtensor=not self.use_local_output, where=_where(path))
                  for i, src, dst in _converted(self.output_layouts, self.desired_output_layouts)}
         edit.post_hooks.append(OutputHook(convs))
         return edit
