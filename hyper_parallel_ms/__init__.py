@@ -15,13 +15,15 @@ from .dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn
                       visualize_sharding, zeros)
 from .layout import Layout
 from .mesh import DeviceMesh, init_device_mesh
-from .nn import (ColwiseParallel, GradientReducer, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
-                 RowwiseParallel, SequenceParallel, ShardingPlan, distribute_module, parallelize_module, shard_module)
+from .nn import (ColwiseParallel, GradientReducer, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                 PrepareModuleOutput, RowwiseParallel, SequenceParallel, ShardingPlan, as_dtensor, distribute_module,
+                 parallelize_module, parameter_sharding, shard_module)
 from .placement import Partial, Placement, Replicate, Shard
 
 __all__ = ["DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "Layout", "comm", "ops",
            "DTensor", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
            "visualize_sharding", "sharding_table", "nn", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
-           "distribute_module", "ShardingPlan", "shard_module", "GradientReducer"]
+           "distribute_module", "ShardingPlan", "shard_module", "GradientReducer", "ParallelStyle",
+           "parameter_sharding", "as_dtensor"]
 __version__ = "0.1.0"

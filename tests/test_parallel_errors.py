@@ -146,7 +146,7 @@ def test_invalid_plans_raise_and_leave_the_cell_unchanged():
     # a valid plan applies; applying it again is refused and changes nothing more
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     after = _state(model)
-    with pytest.raises(ValueError, match="already parallelized"):
+    with pytest.raises(RuntimeError, match="already sharded by parallelize_module"):
         parallelize_module(model, mesh, {"up": ColwiseParallel()})
     assert _state(model) == after
     assert ops.isfinite(model(_ids())).all()

@@ -171,7 +171,7 @@ def test_distribute_module_partition_hooks_and_refusals():
     out = net(x)
     assert not isinstance(out, DTensor)
     np.testing.assert_allclose(out.asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="already called"):
+    with pytest.raises(RuntimeError, match="already sharded by distribute_module"):
         distribute_module(net, mesh, _shard_fc1)
     # a partition_fn that fails half-way leaves the module as it was
     fresh = TwoLayer()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mindspore import Parameter, Tensor, nn
@@ -26,17 +25,17 @@ from ..dtensor._spec import to_layout
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._rules import check_mesh, check_not_done, mark_done, match_path
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
 
-_MARK = "_hpms_distributed"
 
 
-def _check_mesh(mesh, what: str) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{what} needs a DeviceMesh, got {mesh!r}")
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({mesh.get_rank()}) is not in {mesh!r}")
+def _mark_all(changes: CellChanges, module: nn.Cell, engine: str) -> None:
+    """Mark ``module`` and every Cell holding parameters (all of them are DTensors now)."""
+    for cell in named_cells(module).values():
+        if cell is module or own_parameters(cell):
+            mark_done(changes, cell, engine)
 
 
 def _dtensor_parameter(param: Parameter, mesh, placements, src_data_rank: Optional[int] = 0) -> Parameter:
@@ -69,12 +68,11 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     """
     if not isinstance(module, nn.Cell):
         raise TypeError(f"distribute_module needs an nn.Cell, got {type(module).__name__}")
-    _check_mesh(device_mesh, "distribute_module")
+    check_mesh(device_mesh, "distribute_module")
     for what, fn in (("partition_fn", partition_fn), ("input_fn", input_fn), ("output_fn", output_fn)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{what} must be callable, got {fn!r}")
-    if getattr(module, _MARK, False):
-        raise RuntimeError("distribute_module was already called on this module; its parameters are DTensors")
+    check_not_done(module, "distribute_module")
     snapshot = snapshot_parameters(module)
     try:
         with CellChanges() as changes:
@@ -90,7 +88,7 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
                 def post(cell, args, output):
                     return output_fn(cell, output, device_mesh)
                 changes.add_forward_hook(module, post)
-            changes.set_attribute(module, _MARK, True)
+            _mark_all(changes, module, "distribute_module")
     except BaseException:
         restore_parameters(module, snapshot)
         raise
@@ -102,7 +100,8 @@ Placements = Sequence
 
 @dataclass
 class ShardingPlan:
-    """How to shard a Cell: ``plan`` maps parameter names (dotted, ``fnmatch`` wildcards) to
+    """How to shard a Cell: ``plan`` maps parameter names (dotted, ``fnmatch`` wildcards per
+    segment as in ``parallelize_module``: ``"layers.*.weight"``) to
     placements or alias layouts; ``input_plan`` / ``output_plan`` map ``"input"`` /
     ``"output"`` (the Cell itself) or ``"<path>.input"`` / ``"<path>.output"`` to the
     placements of the first tensor (or a tuple of them, one per position, ``None`` to skip):
@@ -182,11 +181,10 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
     """
     if not isinstance(model, nn.Cell):
         raise TypeError(f"shard_module needs an nn.Cell, got {type(model).__name__}")
-    _check_mesh(device_mesh, "shard_module")
+    check_mesh(device_mesh, "shard_module")
     if not isinstance(sharding_plan, ShardingPlan):
         raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")
-    if getattr(model, _MARK, False):
-        raise RuntimeError("this module was already sharded (shard_module / distribute_module)")
+    check_not_done(model, "shard_module")
     cells = named_cells(model)
     params = {f"{path}.{name}" if path else name: (cell, name, p)
               for path, cell in cells.items() for name, p in own_parameters(cell).items()}
@@ -195,7 +193,7 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
     for key, placements in sharding_plan.plan.items():
         if not isinstance(key, str):
             raise TypeError(f"plan keys must be parameter names, got {key!r}")
-        found = [n for n in params if fnmatchcase(n, key)]
+        found = [n for n in params if match_path(key, n)]
         if not found:
             near = difflib.get_close_matches(key, list(params), n=5, cutoff=0.5)
             raise ValueError(f"plan key '{key}' matches no parameter; near names: {near}")
@@ -227,7 +225,7 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
                 changes.add_forward_pre_hook(cells[path], _input_hook(device_mesh, entries))
             for path in set(outputs) | set(local):
                 changes.add_forward_hook(cells[path], _output_hook(device_mesh, outputs.get(path), path in local))
-            changes.set_attribute(model, _MARK, True)
+            _mark_all(changes, model, "shard_module")
     except BaseException:
         restore_parameters(model, snapshot)
         raise

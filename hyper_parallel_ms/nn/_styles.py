@@ -34,6 +34,7 @@ from ..placement import Partial, Placement, Replicate, Shard
 from ._adapter import own_parameters
 from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook, masked_rows_class
 from ._parameter import sharded_parameter
+from ._rules import check_mesh
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "PrepareModuleInputOutput", "ModuleEdit"]
@@ -59,19 +60,15 @@ class ModuleEdit:
     defers_colwise_grads: bool = False
     swap_class: Optional[type] = None
     attributes: Dict[str, Any] = field(default_factory=dict)
+    custom_apply: Optional[Callable[[], Any]] = None     # a user style's own apply(module, device_mesh)
 
 
 def _where(path: str) -> str:
     return f"'{path}'" if path else "the root Cell"
 
 
-def _check_mesh(style: "ParallelStyle", path: str, mesh) -> int:
-    if mesh.ndim != 1:
-        raise ValueError(f"{type(style).__name__} on {_where(path)} needs a 1-D mesh (e.g. mesh['tp']), got a "
-                         f"{mesh.ndim}-D mesh of shape {mesh.shape}")
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({mesh.get_rank()}) is not in {mesh!r}")
-    return mesh.size()
+def _check_mesh(style: "ParallelStyle", path: str, mesh) -> None:
+    check_mesh(mesh, f"{type(style).__name__} on {_where(path)}", ndim=1)
 
 
 def _one_placement(value, what: str, allowed: Tuple[type, ...], default: Placement) -> Placement:
@@ -105,10 +102,35 @@ def _weight_name(cell: nn.Cell) -> str:
 
 
 class ParallelStyle:
-    """Base of the styles: :meth:`plan` returns the :class:`ModuleEdit` for one Cell."""
+    """Base of the styles. The built-in styles implement :meth:`plan` (a :class:`ModuleEdit`
+    prepared without touching the Cell, so a whole plan is checked before anything changes).
+    A user's style may instead implement :meth:`apply` (PyTorch's ``_apply``): it is called
+    with the matched Cell and the mesh when ``parallelize_module`` applies the plan, after the
+    built-in styles, with ``self.src_data_rank`` set.
+
+    Example::
+
+        class Doubled(ParallelStyle):
+            def apply(self, module, device_mesh):
+                module.register_forward_hook(lambda cell, args, out: out * 2)
+                return module
+    """
+
+    src_data_rank: Optional[int] = 0
 
     def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
-        raise NotImplementedError(f"{type(self).__name__} does not implement plan()")
+        """The :class:`ModuleEdit` of this style for ``cell`` (at ``path``), without changing it."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither plan() nor apply(module, device_mesh)")
+
+    def apply(self, module: nn.Cell, device_mesh) -> nn.Cell:
+        """Apply this style to ``module`` itself: ``parallelize_module(module, device_mesh, self)``."""
+        from ._parallelize import parallelize_module
+        return parallelize_module(module, device_mesh, self, src_data_rank=self.src_data_rank)
+
+    @classmethod
+    def _custom_apply(cls) -> bool:
+        """Whether this style is applied by its own :meth:`apply` rather than planned."""
+        return cls.plan is ParallelStyle.plan and cls.apply is not ParallelStyle.apply
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
