@@ -89,3 +89,30 @@ def test_user_style_apply_marker_and_path_rule():
     with pytest.raises(NotImplementedError, match="neither plan"):
         parallelize_module(fresh, mesh, {"blocks.0.up": ColwiseParallel(), "blocks.1.up": ParallelStyle()})
     assert parameter_sharding(fresh.blocks[0].up.weight) is None
+
+
+@multi_rank(2)
+def test_plans_that_differ_between_ranks_fail_on_every_rank_by_name():
+    from hyper_parallel_ms.nn import distribute_module
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_coordinate()[0]
+    net = Net()
+    plan = {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+    if rank == 1:
+        del plan["blocks.*.down"]                      # one rank leaves a key out
+    with pytest.raises(ValueError, match="apply different plans") as info:
+        parallelize_module(net, mesh, plan)
+    assert ("'blocks.0.down'" if rank == 0 else "nothing (its plan is shorter)") in str(info.value)
+    assert all(parameter_sharding(p) is None for p in net.trainable_params())      # nothing changed
+    # a key that matches on one rank only: that rank's error is compared, not left alone
+    with pytest.raises(ValueError, match="apply different plans|matches no sub-Cell"):
+        parallelize_module(net, mesh, {"blocks.0.up" if rank == 0 else "blocks.0.upp": ColwiseParallel()})
+    with pytest.raises(ValueError, match="first difference is entry 0, where this rank .* has 'blocks.0.up.weight'"):
+        shard_module(net, mesh, ShardingPlan(plan={"blocks.0.up.weight": (Shard(rank),)}))
+    assert parameter_sharding(net.blocks[0].up.weight) is None and not net.blocks[0].up.weight.__class__.__name__.startswith("Parameter_DT")
+    wide = Net() if rank == 0 else Block()
+    with pytest.raises(ValueError, match="apply different plans"):
+        distribute_module(wide, mesh)
+    # the same plan on every rank still applies
+    parallelize_module(net, mesh, {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})
+    assert parameter_sharding(net.blocks[1].down.weight).spec.placements == (Shard(1),)

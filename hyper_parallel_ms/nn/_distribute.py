@@ -25,6 +25,7 @@ from ..dtensor._spec import to_layout
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._consistency import agreed
 from ._rules import check_mesh, check_not_done, mark_done, match_path
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
@@ -50,6 +51,14 @@ def _replicate_rest(changes: CellChanges, module: nn.Cell, mesh) -> None:
                 changes.set_parameter(cell, name, _dtensor_parameter(p, mesh, [Replicate()] * mesh.ndim))
 
 
+def _module_entries(module: nn.Cell, *fns) -> List[Tuple[str, str]]:
+    """What the ranks must agree on before ``distribute_module`` runs the functions: every
+    parameter's name and shape, and which functions are given."""
+    entries = [(f"{path}.{name}" if path else name, str(tuple(p.shape)))
+               for path, cell in named_cells(module).items() for name, p in own_parameters(cell).items()]
+    return entries + [("functions", repr([getattr(fn, "__qualname__", None) for fn in fns]))]
+
+
 def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
                       partition_fn: Optional[Callable] = None, input_fn: Optional[Callable] = None,
                       output_fn: Optional[Callable] = None) -> nn.Cell:
@@ -73,6 +82,7 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
         if fn is not None and not callable(fn):
             raise TypeError(f"{what} must be callable, got {fn!r}")
     check_not_done(module, "distribute_module")
+    agreed(lambda: _module_entries(module, partition_fn, input_fn, output_fn), list, device_mesh, "distribute_module")
     snapshot = snapshot_parameters(module)
     try:
         with CellChanges() as changes:
@@ -171,24 +181,12 @@ def _cell_for(key: str, suffix: str, cells: Dict[str, nn.Cell]) -> str:
     return path
 
 
-def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: ShardingPlan) -> nn.Cell:
-    """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
-    and placement is checked before anything changes. PyNative.
-
-    Example::
-
-        shard_module(net, mesh, ShardingPlan(plan={"weight": (Shard(0), Replicate())}))
-    """
-    if not isinstance(model, nn.Cell):
-        raise TypeError(f"shard_module needs an nn.Cell, got {type(model).__name__}")
-    check_mesh(device_mesh, "shard_module")
-    if not isinstance(sharding_plan, ShardingPlan):
-        raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")
-    check_not_done(model, "shard_module")
+def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
+    """Every key and placement of ``sharding_plan`` checked against ``model`` (no change):
+    (cells, params, new placements, input plans, output plans, local paths)."""
     cells = named_cells(model)
     params = {f"{path}.{name}" if path else name: (cell, name, p)
               for path, cell in cells.items() for name, p in own_parameters(cell).items()}
-    # ---- check everything first
     new_params = {}
     for key, placements in sharding_plan.plan.items():
         if not isinstance(key, str):
@@ -213,6 +211,35 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
             raise ValueError(f"return_local_tensor entry {path!r} is not a sub-Cell path ('' is the model); "
                              f"near names: {near}")
         local.append(path)
+    return cells, params, new_params, inputs, outputs, local
+
+
+def _plan_entries(checked: tuple) -> List[Tuple[str, str]]:
+    """What the ranks must agree on: each parameter's shape and placements, the input and
+    output plans and the local outputs."""
+    _, params, new_params, inputs, outputs, local = checked
+    entries = [(n, f"{tuple(p.shape)} {new_params.get(n, 'replicated')}") for n, (_, _, p) in params.items()]
+    entries += [(f"{path}.input", repr(v)) for path, v in inputs.items()]
+    entries += [(f"{path}.output", repr(v)) for path, v in outputs.items()]
+    return entries + [("return_local_tensor", repr(local))]
+
+
+def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: ShardingPlan) -> nn.Cell:
+    """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
+    and placement is checked before anything changes. PyNative.
+
+    Example::
+
+        shard_module(net, mesh, ShardingPlan(plan={"weight": (Shard(0), Replicate())}))
+    """
+    if not isinstance(model, nn.Cell):
+        raise TypeError(f"shard_module needs an nn.Cell, got {type(model).__name__}")
+    check_mesh(device_mesh, "shard_module")
+    if not isinstance(sharding_plan, ShardingPlan):
+        raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")
+    check_not_done(model, "shard_module")
+    cells, params, new_params, inputs, outputs, local = agreed(
+        lambda: _checked(model, device_mesh, sharding_plan), _plan_entries, device_mesh, "shard_module")
     # ---- then change
     snapshot = snapshot_parameters(model)
     try:

@@ -61,7 +61,7 @@ class Conversion(nn.Cell):
     def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False, dim_sizes=None, where: str = "") -> None:
         super().__init__()
         self.move = LocalRedistribute(mesh, _layout(mesh, src), _layout(mesh, dst),
-                                      None if grad is None else _layout(mesh, grad), dim_sizes, where)
+                                      None if grad is None else _layout(mesh, grad), dim_sizes, where, to_dtensor)
         self.to_dtensor = to_dtensor
 
     def construct(self, x):

@@ -16,12 +16,13 @@ Example::
 from __future__ import annotations
 
 import difflib
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from mindspore import nn
 
 from ..mesh import DeviceMesh
-from ._adapter import CellChanges, named_cells, restore_parameters, snapshot_parameters
+from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._consistency import agreed
 from ._rules import check_mesh, check_not_done, mark_done, match_path
 from ._styles import ModuleEdit, ParallelStyle
 
@@ -41,15 +42,13 @@ def _no_match(root: nn.Cell, key: str, prefix: str) -> ValueError:
     return ValueError(f"parallelize_plan key '{key}' matches no sub-Cell {where}; near names: {near}")
 
 
-def _collect(root: nn.Cell, mesh, plan: Plan, prefix: str, src_data_rank, out: List[ModuleEdit]) -> None:
+Target = Tuple[str, nn.Cell, ParallelStyle]
+
+
+def _targets(root: nn.Cell, plan: Plan, prefix: str, out: List[Target]) -> None:
+    """(path, Cell, style) for every Cell the plan names, in plan order (no change, no communication)."""
     if isinstance(plan, ParallelStyle):
-        if type(plan)._custom_apply():
-            def custom(style=plan, cell=root):
-                style.src_data_rank = src_data_rank
-                return style.apply(cell, mesh)
-            out.append(ModuleEdit(prefix, root, custom_apply=custom))
-        else:
-            out.append(plan.plan(prefix, root, mesh, src_data_rank))
+        out.append((prefix, root, plan))
         return
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them, got {type(plan).__name__}")
@@ -62,8 +61,23 @@ def _collect(root: nn.Cell, mesh, plan: Plan, prefix: str, src_data_rank, out: L
         if not found:
             raise _no_match(root, key, prefix)
         for path, cell in found.items():
-            full = ".".join(p for p in (prefix, path) if p)
-            _collect(cell, mesh, value, full, src_data_rank, out)
+            _targets(cell, value, ".".join(p for p in (prefix, path) if p), out)
+
+
+def _described(targets: List[Target]) -> List[Tuple[str, str]]:
+    """(Cell path, what the plan does to it): what the ranks must agree on."""
+    return [(path or "<root>", f"{type(cell).__name__} {style!r} " +
+             " ".join(f"{n}{tuple(p.shape)}" for n, p in own_parameters(cell).items()))
+            for path, cell, style in targets]
+
+
+def _edit(path: str, cell: nn.Cell, style: ParallelStyle, mesh, src_data_rank) -> ModuleEdit:
+    if type(style)._custom_apply():
+        def custom():
+            style.src_data_rank = src_data_rank
+            return style.apply(cell, mesh)
+        return ModuleEdit(path, cell, custom_apply=custom)
+    return style.plan(path, cell, mesh, src_data_rank)
 
 
 def _defer_colwise_grads(edits: List[ModuleEdit]) -> None:
@@ -147,8 +161,12 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
                                       or not 0 <= src_data_rank < device_mesh.size()):
         raise ValueError(f"src_data_rank must be None or a rank index in [0, {device_mesh.size()}), "
                          f"got {src_data_rank!r}")
-    edits: List[ModuleEdit] = []
-    _collect(module, device_mesh, parallelize_plan, "", src_data_rank, edits)
+    def targets_of_plan() -> List[Target]:
+        out: List[Target] = []
+        _targets(module, parallelize_plan, "", out)
+        return out
+    targets = agreed(targets_of_plan, _described, device_mesh, "parallelize_module")
+    edits = [_edit(path, cell, style, device_mesh, src_data_rank) for path, cell, style in targets]
     _check_conflicts(edits)
     _defer_colwise_grads(edits)
     apply_edits(edits)

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 from mindspore import nn
 
-from .._jit import cached_in_python
+from .._jit import cached_in_python, is_compiling, run_in_python
 from ..layout import Layout
 from ._executor import lowered_steps, step_cells
 
@@ -49,10 +49,12 @@ def plan_layouts(plan_id: int) -> Tuple[object, Layout, Layout]:
     return _PLANS[plan_id][:3]
 
 
-def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "") -> Tuple[int, ...]:
+def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "",
+                      uneven_ok: bool = True) -> Tuple[int, ...]:
     """The global shape of a source piece of ``local_shape``: even pieces, except on the dims
-    whose size the plan knows. Raises if the piece does not fit, or if the conversion shards a
-    dim of unknown size that does not divide evenly (``where`` names the Cell in messages)."""
+    whose size the plan knows. Raises if the piece does not fit, or (unless ``uneven_ok``: the
+    result becomes a DTensor that records its global shape) if the conversion shards a dim of
+    unknown size that does not divide evenly (``where`` names the Cell in messages)."""
     mesh, src, dst, _, dim_sizes = _PLANS[plan_id]
     ndim = len(local_shape)
     src, dst = src.normalized(ndim), dst.normalized(ndim)
@@ -70,20 +72,26 @@ def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "
     src_axes, dst_axes = src.sharding_axes(ndim), dst.sharding_axes(ndim)
     for dim in range(ndim):
         n = prod(dst.mesh_shape[a] for a in dst_axes[dim] if a not in src_axes[dim])
-        if n > 1 and dim not in known and shape[dim] % n:
+        if n > 1 and dim not in known and shape[dim] % n and not uneven_ok:
             raise ValueError(f"the conversion{at} to {dst.placements} shards dim {dim} of length {shape[dim]} over {n} "
                              f"ranks unevenly; later conversions read such pieces as even (the global length cannot be "
                              f"told from a local piece): use a length divisible by {n}")
     return shape
 
 
+@run_in_python
+def _becomes_dtensor(wrapped: bool) -> bool:
+    """Whether a result asked to be a DTensor becomes one (PyNative; graphs keep it local)."""
+    return wrapped and not is_compiling()
+
+
 @cached_in_python
-def _cells(plan_id: int, local_shape: Tuple[int, ...], where: str) -> Tuple[tuple, tuple]:
+def _cells(plan_id: int, local_shape: Tuple[int, ...], where: str, uneven_ok: bool) -> Tuple[tuple, tuple]:
     """The (forward, backward) step Cells for a piece of ``local_shape`` (layouts normalised
     for its number of dims, the global shape from :func:`plan_global_shape`)."""
     mesh, src, dst, grad_src, _ = _PLANS[plan_id]
     ndim = len(local_shape)
-    shape = plan_global_shape(plan_id, local_shape, where)
+    shape = plan_global_shape(plan_id, local_shape, where, uneven_ok)
     forward, backward, scaling = lowered_steps(src.normalized(ndim), dst.normalized(ndim), shape,
                                                mesh.get_coordinate(),
                                                None if grad_src is None else grad_src.normalized(ndim))
@@ -94,21 +102,23 @@ class LocalRedistribute(nn.Cell):
     """Move a local piece from layout ``src`` to ``dst``; the gradient arrives as ``grad_src``
     (default: ``dst`` with Partial read as Replicate) and leaves as ``src`` (Partial as Replicate).
     ``dim_sizes``: {dim: global size} for dims whose pieces may be uneven (a layer's features);
-    ``where``: the Cell named in error messages."""
+    ``where``: the Cell named in error messages; ``wrapped``: the caller wraps the result as a
+    DTensor (PyNative), which records an uneven global shape."""
 
     def __init__(self, mesh, src: Layout, dst: Layout, grad_src: Optional[Layout] = None,
-                 dim_sizes: Optional[Dict[int, int]] = None, where: str = "") -> None:
+                 dim_sizes: Optional[Dict[int, int]] = None, where: str = "", wrapped: bool = False) -> None:
         super().__init__()
         self.mesh = mesh
         self.plan_id = _plan_id(mesh, src, dst, grad_src, tuple(sorted((dim_sizes or {}).items())))
         self.where = where
+        self.wrapped = wrapped
 
     def construct(self, x):
-        for cell in _cells(self.plan_id, x.shape, self.where)[0]:
+        for cell in _cells(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))[0]:
             x = cell(x)
         return x
 
     def bprop(self, x, out, dout):
-        for cell in _cells(self.plan_id, x.shape, self.where)[1]:
+        for cell in _cells(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))[1]:
             dout = cell(dout)
         return (dout,)
