@@ -116,3 +116,36 @@ def test_plans_that_differ_between_ranks_fail_on_every_rank_by_name():
     # the same plan on every rank still applies
     parallelize_module(net, mesh, {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()})
     assert parameter_sharding(net.blocks[1].down.weight).spec.placements == (Shard(1),)
+
+
+class Norm(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm((4,))
+        self.mix = Block()
+
+    def construct(self, x, y):
+        return self.mix(self.norm(x)) + y
+
+
+@multi_rank(2)
+def test_misuses_that_would_compute_silently_raise():
+    from hyper_parallel_ms.nn import PrepareModuleInput, SequenceParallel
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = Norm()
+    parallelize_module(model, mesh, {"norm": SequenceParallel(), "mix": PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)})
+    x = ms.Tensor(np.ones((2, 4, 4), np.float32))
+    with pytest.raises(ValueError, match="SequenceParallel on 'norm' needs inputs with a sequence dim"):
+        model(ms.Tensor(np.ones((2, 4), np.float32)), x)                  # 2-D: no sequence dim
+    twice = Norm()
+    parallelize_module(twice, mesh, {"": PrepareModuleInput(input_layouts=(Replicate(),),
+                                                            desired_input_layouts=(Replicate(),))})
+    with pytest.raises(ValueError, match="got 2 positional inputs but its PrepareModuleInput names 1"):
+        twice(x, x)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(RuntimeError, match="GRAPH_MODE cannot compile"):
+            shard_module(Net(), mesh, ShardingPlan(plan={"blocks.0.up.weight": (Shard(0),)}))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)

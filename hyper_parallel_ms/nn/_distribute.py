@@ -18,6 +18,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
 from ..dtensor import DTensor, distribute_tensor
@@ -30,6 +31,14 @@ from ._rules import check_mesh, check_not_done, mark_done, match_path
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
 
+
+
+def _check_pynative(what: str) -> None:
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        raise RuntimeError(f"{what} gives the Cell DTensor parameters, which GRAPH_MODE cannot compile (MindSpore fails "
+                           "with \"init_data() got an unexpected keyword argument 'set_sliced'\"): run it in "
+                           "PyNative (ms.jit works there), or use parallelize_module, whose local parameters compile "
+                           "in GRAPH_MODE")
 
 
 def _mark_all(changes: CellChanges, module: nn.Cell, engine: str) -> None:
@@ -77,6 +86,7 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     """
     if not isinstance(module, nn.Cell):
         raise TypeError(f"distribute_module needs an nn.Cell, got {type(module).__name__}")
+    _check_pynative("distribute_module")
     check_mesh(device_mesh, "distribute_module")
     for what, fn in (("partition_fn", partition_fn), ("input_fn", input_fn), ("output_fn", output_fn)):
         if fn is not None and not callable(fn):
@@ -234,6 +244,7 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
     """
     if not isinstance(model, nn.Cell):
         raise TypeError(f"shard_module needs an nn.Cell, got {type(model).__name__}")
+    _check_pynative("shard_module")
     check_mesh(device_mesh, "shard_module")
     if not isinstance(sharding_plan, ShardingPlan):
         raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")

@@ -97,9 +97,24 @@ class _PositionalConversions(nn.Cell):
 
 class InputHook(_PositionalConversions):
     """Forward pre-hook converting the positional inputs named in ``conversions`` (position ->
-    Conversion); the other inputs pass unchanged."""
+    Conversion); the other inputs pass unchanged. ``max_inputs``: more positional inputs raise
+    (PrepareModuleInput, as PyTorch); ``min_ndim``: a first input with fewer dims raises
+    (SequenceParallel: the sequence dim must not be the feature dim); ``where`` names the Cell."""
+
+    def __init__(self, conversions: Dict[int, Conversion], max_inputs: int = -1, min_ndim: int = 0,
+                 where: str = "") -> None:
+        super().__init__(conversions)
+        self.max_inputs = max_inputs
+        self.min_ndim = min_ndim
+        self.where = where
 
     def pre(self, cell, args):
+        if self.max_inputs >= 0 and len(args) > self.max_inputs:
+            raise ValueError(f"{self.where} got {len(args)} positional inputs but its PrepareModuleInput names "
+                             f"{self.max_inputs} input_layouts: give one layout per input (None to leave one alone)")
+        if self.min_ndim > 0 and args[0].ndim < self.min_ndim:
+            raise ValueError(f"SequenceParallel on {self.where} needs inputs with a sequence dim before the feature "
+                             f"dim ({self.min_ndim} dims or more), got {args[0].ndim} dims")
         return self.convert_tuple(args)
 
 

@@ -154,7 +154,14 @@ class _LayerStyle(ParallelStyle):
 
 
 class ColwiseParallel(_LayerStyle):
-    """Split a Dense/Linear by output features (an Embedding by embedding dim).
+    """Split a Dense/Linear by output features (an Embedding by embedding dim); features need
+    not divide the mesh size (pieces as ``torch.chunk`` cuts them).
+
+    ``input_layouts``: the layout the input arrives in (default ``Replicate()``; e.g.
+    ``Shard(1)`` for a sequence-sharded input, gathered first). ``output_layouts``: the layout
+    the output leaves in (default ``Shard(-1)``, the local features; ``Replicate()`` gathers
+    them). ``use_local_output`` (default True): return the local piece; False returns a
+    DTensor in PyNative (graphs always keep local pieces).
 
     Example::
 
@@ -204,6 +211,13 @@ class ColwiseParallel(_LayerStyle):
 
 class RowwiseParallel(_LayerStyle):
     """Split a Dense/Linear by input features (an Embedding by rows); the output is reduced.
+    Features and vocabulary need not divide the mesh size (``torch.chunk`` pieces).
+
+    ``input_layouts``: the layout the input arrives in (default ``Shard(-1)``, as a
+    ColwiseParallel layer leaves it; ``Replicate()`` for an Embedding's ids or a whole input,
+    cut here). ``output_layouts``: the layout of the reduced output (default ``Replicate()``,
+    an all-reduce; ``Shard(1)`` a reduce-scatter over the sequence). ``use_local_output``
+    (default True): return the local piece; False returns a DTensor in PyNative.
 
     Example::
 
@@ -256,6 +270,10 @@ class SequenceParallel(ParallelStyle):
     """Run a Cell (a norm, a dropout) on sequence-sharded activations with replicated
     parameters; each rank's parameter gradients are its share, summed by :class:`GradientReducer`.
 
+    Inputs and outputs are ``Shard(sequence_dim)`` pieces (a DTensor input is brought there);
+    an input without a sequence dim before its features raises. ``use_local_output`` (default
+    False): False returns a DTensor in PyNative, True the local piece.
+
     Example::
 
         parallelize_module(block, mesh["tp"], {"norm": SequenceParallel()})
@@ -274,7 +292,9 @@ class SequenceParallel(ParallelStyle):
             edit.parameters[name] = sharded_parameter(p, mesh, [Replicate()], src_data_rank=src_data_rank,
                                                       grad_partial_dims=(0,))
         layout = (Shard(self.sequence_dim),)
-        edit.pre_hooks.append(InputHook({0: Conversion(mesh, layout, layout, where=_where(path))}))
+        min_ndim = self.sequence_dim + 2 if self.sequence_dim >= 0 else -self.sequence_dim + 1
+        edit.pre_hooks.append(InputHook({0: Conversion(mesh, layout, layout, where=_where(path))}, min_ndim=min_ndim,
+                                        where=_where(path)))
         edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout, to_dtensor=not self.use_local_output,
                                                          where=_where(path))}))
         return edit
@@ -309,6 +329,12 @@ def _kwarg_layouts(value, what: str) -> Dict[str, Placement]:
 class PrepareModuleInput(ParallelStyle):
     """Convert a Cell's inputs (positional, and keyword in PyNative) from ``input_layouts`` to
     ``desired_input_layouts`` before its forward; ``None`` leaves an input alone.
+
+    ``input_layouts``: one layout per positional input, the layout it arrives in (a plain
+    tensor is this rank's piece of it); more positional inputs than layouts raise, as in
+    PyTorch. ``desired_input_layouts``: the layout the Cell computes on. ``use_local_output``
+    (default False): False hands the Cell DTensors in PyNative, True local pieces (graphs
+    always hand local pieces).
 
     ``defer_colwise_grads=True`` (an addition to PyTorch's arguments) when the replicated inputs
     reach only ColwiseParallel layers inside the Cell (as the attention and MLP inputs of a
@@ -350,8 +376,8 @@ class PrepareModuleInput(ParallelStyle):
         convs = {i: Conversion(mesh, (src,), (dst,), (Partial(),) if self.defer_colwise_grads and dst == Replicate()
                                else None, to_dtensor=to_dtensor, where=_where(path))
                  for i, src, dst in _converted(self.input_layouts, self.desired_input_layouts)}
-        if convs:
-            edit.pre_hooks.append(InputHook(convs))
+        if convs or self.input_layouts is not None:
+            edit.pre_hooks.append(InputHook(convs, max_inputs=len(self.input_layouts or ()), where=_where(path)))
         if self.input_kwarg_layouts:
             kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor,
                                 where=_where(path))
@@ -362,6 +388,10 @@ class PrepareModuleInput(ParallelStyle):
 
 class PrepareModuleOutput(ParallelStyle):
     """Convert a Cell's outputs from ``output_layouts`` to ``desired_output_layouts`` after its forward.
+
+    ``output_layouts``: the layout each output leaves the Cell in (``None`` leaves one alone);
+    ``desired_output_layouts``: the layout handed on. ``use_local_output`` (default True):
+    return local pieces; False returns DTensors in PyNative.
 
     Example::
 
