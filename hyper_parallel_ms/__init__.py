@@ -34,6 +34,7 @@ _EXPORTS: Dict[str, str] = {
     "ColwiseParallel": "nn", "RowwiseParallel": "nn", "SequenceParallel": "nn", "PrepareModuleInput": "nn",
     "PrepareModuleOutput": "nn", "PrepareModuleInputOutput": "nn", "parallelize_module": "nn",
     "distribute_module": "nn", "ShardingPlan": "nn", "shard_module": "nn", "GradientReducer": "nn",
+    "ParallelStyle": "nn", "parameter_sharding": "nn", "as_dtensor": "nn",
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
     "HSDPCell": "fsdp", "init_parameters": "fsdp",
 }

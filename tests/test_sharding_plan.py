@@ -53,22 +53,65 @@ def test_seed_example_on_2d_mesh(return_local):
     def record(cell, args, output):
         seen["relu"] = (args[0].placements, output.placements)
     net.relu.register_forward_hook(record)
-    out = net(_x())
+    dp = mesh.get_coordinate()[0]
+    out = net(_x()[2 * dp:2 * dp + 2])            # a plain input is this rank's piece: its dp rows
     assert seen["relu"] == ((S0, S1), (S0, S1))
     want = _reference()
     if return_local:
         assert not isinstance(out, DTensor)
-        dp = mesh.get_coordinate()[0]
         np.testing.assert_allclose(out.asnumpy(), want[2 * dp:2 * dp + 2], rtol=1e-5, atol=1e-5)
     else:
         assert isinstance(out, DTensor) and out.placements == (S0, R)
         np.testing.assert_allclose(out.full_tensor().asnumpy(), want, rtol=1e-5, atol=1e-5)
 
 
+class MatmulRelu(nn.Cell):
+    """The seed's ShardingPlan example model: a matmul with ``weight`` (in, out), then relu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = Parameter(ms.Tensor(np.random.default_rng(5).standard_normal((8, 6)).astype(np.float32)),
+                                name="weight")
+        self.relu = nn.ReLU()
+
+    def construct(self, x):
+        return self.relu(ops.matmul(x, self.weight))
+
+
+@pytest.mark.parametrize("root_local", [False, True])
+@multi_rank(4)
+def test_plain_inputs_are_local_pieces_and_local_outputs_are_not_cut_again(root_local):
+    """Every rank feeds its dp rows; ``relu`` returns a local tensor that the root's output plan
+    reads as this rank's piece: each rank gets its dp rows of the single-device output."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = ShardingPlan(plan={"weight": (R, S1)},
+                        input_plan={"input": (S0, R), "relu.input": (S0, R)},
+                        output_plan={"output": (S0, R), "relu.output": (S0, R)},
+                        return_local_tensor=["relu", ""] if root_local else ["relu"])
+    ref = MatmulRelu()
+    net = shard_module(MatmulRelu(), mesh, plan)
+    seen = {}
+
+    def record(cell, args, output):
+        seen["relu"] = output
+    net.relu.register_forward_hook(record)
+    dp = mesh.get_coordinate()[0]
+    x = _x()
+    out = net(x[2 * dp:2 * dp + 2])
+    assert not isinstance(seen["relu"], DTensor)
+    want = ref(x).asnumpy()[2 * dp:2 * dp + 2]
+    if root_local:
+        assert not isinstance(out, DTensor)
+    else:
+        assert isinstance(out, DTensor) and out.placements == (S0, R) and tuple(out.shape) == (4, 6)
+        out = out.to_local()
+    np.testing.assert_allclose(out.asnumpy(), want, rtol=1e-5, atol=1e-5)
+
+
 @multi_rank(2)
 def test_seed_example_on_1d_mesh_with_alias_layouts_and_training():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    plan = ShardingPlan(plan={"weight": ("tp", "None")}, input_plan={"relu.input": ("None", "tp")},
+    plan = ShardingPlan(plan={"weight": ("tp", "None")}, input_plan={"input": (R,), "relu.input": ("None", "tp")},
                         output_plan={"output": (R,)}, return_local_tensor=[""])
     net = shard_module(SeedNet(), mesh, plan)
     ref = SeedNet()
@@ -128,7 +171,7 @@ def test_distribute_module_partition_hooks_and_refusals():
     out = net(x)
     assert not isinstance(out, DTensor)
     np.testing.assert_allclose(out.asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="already called"):
+    with pytest.raises(RuntimeError, match="already sharded by distribute_module"):
         distribute_module(net, mesh, _shard_fc1)
     # a partition_fn that fails half-way leaves the module as it was
     fresh = TwoLayer()

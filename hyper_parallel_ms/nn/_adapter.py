@@ -1,5 +1,6 @@
 """The one place that touches Cell internals: sub-cells by dotted path, a Cell's own
-parameters, parameter replacement, forward hooks and class swaps. Every change goes
+parameters, parameter replacement, forward hooks, conversions run inside ``construct``
+and class swaps. Every change goes
 through a :class:`CellChanges`, which undoes all of them if applying a plan fails, so a
 failed call leaves the Cell as it was.
 
@@ -7,17 +8,25 @@ Example::
 
     with CellChanges() as changes:
         changes.set_parameter(dense, "weight", new_weight)
-        changes.add_forward_pre_hook(dense, hook.pre)
+        changes.add_construct_hooks(dense, pre=[input_hook])
+
+Conversions of the parallel styles run inside the Cell's own ``construct`` (a subclass
+made by :func:`converting_class`), not as MindSpore forward hooks: under ``ms.jit`` and
+GRAPH_MODE, MindSpore skips the forward hooks of a Cell reached by iterating a
+``CellList`` / ``SequentialCell``, and a compiled pre-hook returning a slice of its input
+fails with "Graph cycle exists". ``construct`` is compiled in every position.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 from mindspore import Parameter, nn
 
-__all__ = ["named_cells", "own_parameters", "CellChanges", "snapshot_parameters", "restore_parameters"]
+__all__ = ["named_cells", "own_parameters", "CellChanges", "snapshot_parameters", "restore_parameters",
+           "ConstructHooks", "converting_class"]
 
 _MISSING = object()
+_HOOKS = "_hpms_construct_hooks"
 
 
 def named_cells(root: nn.Cell) -> Dict[str, nn.Cell]:
@@ -40,6 +49,46 @@ def restore_parameters(root: nn.Cell, snapshot: List[tuple]) -> None:
     for cell, name, p in snapshot:
         if cell._params.get(name) is not p:
             cell._params[name] = p
+
+
+class ConstructHooks(nn.Cell):
+    """The hooks run inside one Cell's ``construct``: ``pre`` Cells have a method
+    ``pre(cell, args) -> args``, ``post`` Cells a method ``post(cell, args, output) -> output``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre_hooks = nn.CellList()
+        self.post_hooks = nn.CellList()
+
+    def before(self, cell, args):
+        for hook in self.pre_hooks:
+            args = hook.pre(cell, args)
+        return args
+
+    def after(self, cell, args, output):
+        for hook in self.post_hooks:
+            output = hook.post(cell, args, output)
+        return output
+
+
+def converting_class(base: type) -> type:
+    """A subclass of the Cell class ``base`` whose ``construct`` runs the instance's
+    :class:`ConstructHooks` around ``base.construct`` (they see the positional inputs; keywords pass through)."""
+    cached = _CONVERTING.get(base)
+    if cached is not None:
+        return cached
+
+    def construct(self, *args, **kwargs):
+        hooks = getattr(self, _HOOKS)
+        args = hooks.before(self, args)
+        return hooks.after(self, args, base.construct(self, *args, **kwargs))
+    cls = type(base.__name__, (base,), {"construct": construct, "__module__": base.__module__,
+                                        "__qualname__": base.__qualname__, "_hpms_converting": True})
+    _CONVERTING[base] = cls
+    return cls
+
+
+_CONVERTING: Dict[type, type] = {}
 
 
 class CellChanges:
@@ -83,6 +132,27 @@ class CellChanges:
     def add_forward_hook(self, cell: nn.Cell, fn: Callable, *, with_kwargs: bool = False) -> None:
         handle = cell.register_forward_hook(fn, with_kwargs=with_kwargs)
         self._undo.append(handle.remove)
+
+    def add_construct_hooks(self, cell: nn.Cell, pre: Sequence[nn.Cell] = (), post: Sequence[nn.Cell] = ()) -> None:
+        """Run ``pre`` / ``post`` hook Cells inside ``cell``'s ``construct`` (after any earlier ones)."""
+        if not pre and not post:
+            return
+        hooks = cell.__dict__.get(_HOOKS)
+        if hooks is None:
+            hooks = ConstructHooks()
+            self.set_attribute(cell, _HOOKS, hooks)
+        if not getattr(type(cell), "_hpms_converting", False):
+            self.swap_class(cell, converting_class(type(cell)))
+        old_pre, old_post = len(hooks.pre_hooks), len(hooks.post_hooks)
+        for h in pre:
+            hooks.pre_hooks.append(h)
+        for h in post:
+            hooks.post_hooks.append(h)
+
+        def undo():
+            del hooks.pre_hooks[old_pre:]
+            del hooks.post_hooks[old_post:]
+        self._undo.append(undo)
 
     def swap_class(self, cell: nn.Cell, cls: type) -> None:
         old = cell.__class__

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
 from ..dtensor import DTensor, distribute_tensor
@@ -26,17 +26,26 @@ from ..dtensor._spec import to_layout
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._consistency import agreed
+from ._rules import check_mesh, check_not_done, mark_done, match_path
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
 
-_MARK = "_hpms_distributed"
 
 
-def _check_mesh(mesh, what: str) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{what} needs a DeviceMesh, got {mesh!r}")
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({mesh.get_rank()}) is not in {mesh!r}")
+def _check_pynative(what: str) -> None:
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        raise RuntimeError(f"{what} gives the Cell DTensor parameters, which GRAPH_MODE cannot compile (MindSpore fails "
+                           "with \"init_data() got an unexpected keyword argument 'set_sliced'\"): run it in "
+                           "PyNative (ms.jit works there), or use parallelize_module, whose local parameters compile "
+                           "in GRAPH_MODE")
+
+
+def _mark_all(changes: CellChanges, module: nn.Cell, engine: str) -> None:
+    """Mark ``module`` and every Cell holding parameters (all of them are DTensors now)."""
+    for cell in named_cells(module).values():
+        if cell is module or own_parameters(cell):
+            mark_done(changes, cell, engine)
 
 
 def _dtensor_parameter(param: Parameter, mesh, placements, src_data_rank: Optional[int] = 0) -> Parameter:
@@ -49,6 +58,14 @@ def _replicate_rest(changes: CellChanges, module: nn.Cell, mesh) -> None:
         for name, p in own_parameters(cell).items():
             if not isinstance(p, DTensor):
                 changes.set_parameter(cell, name, _dtensor_parameter(p, mesh, [Replicate()] * mesh.ndim))
+
+
+def _module_entries(module: nn.Cell, *fns) -> List[Tuple[str, str]]:
+    """What the ranks must agree on before ``distribute_module`` runs the functions: every
+    parameter's name and shape, and which functions are given."""
+    entries = [(f"{path}.{name}" if path else name, str(tuple(p.shape)))
+               for path, cell in named_cells(module).items() for name, p in own_parameters(cell).items()]
+    return entries + [("functions", repr([getattr(fn, "__qualname__", None) for fn in fns]))]
 
 
 def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
@@ -69,12 +86,13 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     """
     if not isinstance(module, nn.Cell):
         raise TypeError(f"distribute_module needs an nn.Cell, got {type(module).__name__}")
-    _check_mesh(device_mesh, "distribute_module")
+    _check_pynative("distribute_module")
+    check_mesh(device_mesh, "distribute_module")
     for what, fn in (("partition_fn", partition_fn), ("input_fn", input_fn), ("output_fn", output_fn)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{what} must be callable, got {fn!r}")
-    if getattr(module, _MARK, False):
-        raise RuntimeError("distribute_module was already called on this module; its parameters are DTensors")
+    check_not_done(module, "distribute_module")
+    agreed(lambda: _module_entries(module, partition_fn, input_fn, output_fn), list, device_mesh, "distribute_module")
     snapshot = snapshot_parameters(module)
     try:
         with CellChanges() as changes:
@@ -90,7 +108,7 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
                 def post(cell, args, output):
                     return output_fn(cell, output, device_mesh)
                 changes.add_forward_hook(module, post)
-            changes.set_attribute(module, _MARK, True)
+            _mark_all(changes, module, "distribute_module")
     except BaseException:
         restore_parameters(module, snapshot)
         raise
@@ -102,10 +120,13 @@ Placements = Sequence
 
 @dataclass
 class ShardingPlan:
-    """How to shard a Cell: ``plan`` maps parameter names (dotted, ``fnmatch`` wildcards) to
+    """How to shard a Cell: ``plan`` maps parameter names (dotted, ``fnmatch`` wildcards per
+    segment as in ``parallelize_module``: ``"layers.*.weight"``) to
     placements or alias layouts; ``input_plan`` / ``output_plan`` map ``"input"`` /
     ``"output"`` (the Cell itself) or ``"<path>.input"`` / ``"<path>.output"`` to the
-    placements of the first tensor (or a tuple of them, one per position, ``None`` to skip);
+    placements of the first tensor (or a tuple of them, one per position, ``None`` to skip):
+    a DTensor is redistributed to them, a plain Tensor is read as this rank's local piece in
+    them (``DTensor.from_local``, as in PyTorch: e.g. each rank feeds its own batch rows);
     ``return_local_tensor`` lists Cell paths (``""``: the Cell itself) whose outputs become
     local tensors after their output plan.
 
@@ -135,13 +156,14 @@ def _positions(value, key: str, mesh) -> Tuple[Optional[tuple], ...]:
 
 
 def _convert(x, mesh, placements):
-    """``x`` in ``placements``: a DTensor is redistributed, a plain Tensor is read as the whole tensor (Replicate)."""
+    """``x`` in ``placements``: a DTensor is redistributed; a plain Tensor is this rank's local
+    piece in ``placements`` (``DTensor.from_local``, even pieces), as in PyTorch."""
     if placements is None or not isinstance(x, Tensor):
         return x
     layout = to_layout(mesh, placements, x.ndim)
     if isinstance(x, DTensor):
         return x if x.layout == layout else x.redistribute(mesh, layout)
-    return distribute_tensor(x, mesh, layout, src_data_rank=None)
+    return DTensor.from_local(x, mesh, layout)
 
 
 def _convert_all(values, mesh, entries):
@@ -169,30 +191,17 @@ def _cell_for(key: str, suffix: str, cells: Dict[str, nn.Cell]) -> str:
     return path
 
 
-def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: ShardingPlan) -> nn.Cell:
-    """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
-    and placement is checked before anything changes. PyNative.
-
-    Example::
-
-        shard_module(net, mesh, ShardingPlan(plan={"weight": (Shard(0), Replicate())}))
-    """
-    if not isinstance(model, nn.Cell):
-        raise TypeError(f"shard_module needs an nn.Cell, got {type(model).__name__}")
-    _check_mesh(device_mesh, "shard_module")
-    if not isinstance(sharding_plan, ShardingPlan):
-        raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")
-    if getattr(model, _MARK, False):
-        raise RuntimeError("this module was already sharded (shard_module / distribute_module)")
+def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
+    """Every key and placement of ``sharding_plan`` checked against ``model`` (no change):
+    (cells, params, new placements, input plans, output plans, local paths)."""
     cells = named_cells(model)
     params = {f"{path}.{name}" if path else name: (cell, name, p)
               for path, cell in cells.items() for name, p in own_parameters(cell).items()}
-    # ---- check everything first
     new_params = {}
     for key, placements in sharding_plan.plan.items():
         if not isinstance(key, str):
             raise TypeError(f"plan keys must be parameter names, got {key!r}")
-        found = [n for n in params if fnmatchcase(n, key)]
+        found = [n for n in params if match_path(key, n)]
         if not found:
             near = difflib.get_close_matches(key, list(params), n=5, cutoff=0.5)
             raise ValueError(f"plan key '{key}' matches no parameter; near names: {near}")
@@ -212,6 +221,36 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
             raise ValueError(f"return_local_tensor entry {path!r} is not a sub-Cell path ('' is the model); "
                              f"near names: {near}")
         local.append(path)
+    return cells, params, new_params, inputs, outputs, local
+
+
+def _plan_entries(checked: tuple) -> List[Tuple[str, str]]:
+    """What the ranks must agree on: each parameter's shape and placements, the input and
+    output plans and the local outputs."""
+    _, params, new_params, inputs, outputs, local = checked
+    entries = [(n, f"{tuple(p.shape)} {new_params.get(n, 'replicated')}") for n, (_, _, p) in params.items()]
+    entries += [(f"{path}.input", repr(v)) for path, v in inputs.items()]
+    entries += [(f"{path}.output", repr(v)) for path, v in outputs.items()]
+    return entries + [("return_local_tensor", repr(local))]
+
+
+def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: ShardingPlan) -> nn.Cell:
+    """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
+    and placement is checked before anything changes. PyNative.
+
+    Example::
+
+        shard_module(net, mesh, ShardingPlan(plan={"weight": (Shard(0), Replicate())}))
+    """
+    if not isinstance(model, nn.Cell):
+        raise TypeError(f"shard_module needs an nn.Cell, got {type(model).__name__}")
+    _check_pynative("shard_module")
+    check_mesh(device_mesh, "shard_module")
+    if not isinstance(sharding_plan, ShardingPlan):
+        raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")
+    check_not_done(model, "shard_module")
+    cells, params, new_params, inputs, outputs, local = agreed(
+        lambda: _checked(model, device_mesh, sharding_plan), _plan_entries, device_mesh, "shard_module")
     # ---- then change
     snapshot = snapshot_parameters(model)
     try:
@@ -224,7 +263,7 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
                 changes.add_forward_pre_hook(cells[path], _input_hook(device_mesh, entries))
             for path in set(outputs) | set(local):
                 changes.add_forward_hook(cells[path], _output_hook(device_mesh, outputs.get(path), path in local))
-            changes.set_attribute(model, _MARK, True)
+            _mark_all(changes, model, "shard_module")
     except BaseException:
         restore_parameters(model, snapshot)
         raise

@@ -1,5 +1,6 @@
-"""The forward hooks of the parallel styles, as small Cells whose methods are registered
-with ``register_forward_pre_hook`` / ``register_forward_hook``.
+"""The input and output conversions of the parallel styles, as small Cells with a ``pre`` /
+``post`` method that the Cell runs inside its ``construct`` (see ``CellChanges.add_construct_hooks``;
+keyword inputs use a PyNative forward pre-hook).
 
 A :class:`Conversion` moves one tensor between layouts on the local pieces with a
 :class:`~hyper_parallel_ms.redistribute.LocalRedistribute` (planned for the shape it meets,
@@ -10,7 +11,7 @@ the conversion's source layout and unwrapped, and an output may be wrapped as a 
 Example::
 
     f = Conversion(mesh, (Replicate(),), (Replicate(),), grad=(Partial(),))   # Megatron's f
-    dense.register_forward_pre_hook(InputHook({0: f}).pre)
+    CellChanges().add_construct_hooks(dense, pre=[InputHook({0: f})])
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from mindspore import nn, ops
 from .._mindspore import is_compiling, run_in_python
 from ..dtensor import DTensor
 from ..layout import Layout
-from ..redistribute import LocalRedistribute, plan_layouts
+from ..redistribute import LocalRedistribute, plan_global_shape, plan_layouts
 
 __all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class"]
 
@@ -43,9 +44,8 @@ def _wrap(x, plan_id: int, source_shape):
     taken from the source piece's (graphs keep it local)."""
     if _in_graph():
         return x
-    mesh, src, dst = plan_layouts(plan_id)
-    shape = src.even_global_shape(source_shape)
-    return DTensor.from_local(x, mesh, dst.normalized(x.ndim), shape=shape)
+    mesh, _, dst = plan_layouts(plan_id)
+    return DTensor.from_local(x, mesh, dst.normalized(x.ndim), shape=plan_global_shape(plan_id, tuple(source_shape)))
 
 
 def _layout(mesh, placements) -> Layout:
@@ -54,12 +54,14 @@ def _layout(mesh, placements) -> Layout:
 
 class Conversion(nn.Cell):
     """One tensor: ``src`` placements to ``dst`` placements (the gradient arrives as ``grad``
-    placements, default ``dst`` with Partial as Replicate); ``to_dtensor`` wraps the result."""
+    placements, default ``dst`` with Partial as Replicate); ``to_dtensor`` wraps the result.
+    ``dim_sizes``: {dim: global size} of dims that may be split unevenly (a layer's features);
+    ``where``: the Cell named in error messages."""
 
-    def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False) -> None:
+    def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False, dim_sizes=None, where: str = "") -> None:
         super().__init__()
         self.move = LocalRedistribute(mesh, _layout(mesh, src), _layout(mesh, dst),
-                                      None if grad is None else _layout(mesh, grad))
+                                      None if grad is None else _layout(mesh, grad), dim_sizes, where, to_dtensor)
         self.to_dtensor = to_dtensor
 
     def construct(self, x):
@@ -95,9 +97,24 @@ class _PositionalConversions(nn.Cell):
 
 class InputHook(_PositionalConversions):
     """Forward pre-hook converting the positional inputs named in ``conversions`` (position ->
-    Conversion); the other inputs pass unchanged."""
+    Conversion); the other inputs pass unchanged. ``max_inputs``: more positional inputs raise
+    (PrepareModuleInput, as PyTorch); ``min_ndim``: a first input with fewer dims raises
+    (SequenceParallel: the sequence dim must not be the feature dim); ``where`` names the Cell."""
+
+    def __init__(self, conversions: Dict[int, Conversion], max_inputs: int = -1, min_ndim: int = 0,
+                 where: str = "") -> None:
+        super().__init__(conversions)
+        self.max_inputs = max_inputs
+        self.min_ndim = min_ndim
+        self.where = where
 
     def pre(self, cell, args):
+        if self.max_inputs >= 0 and len(args) > self.max_inputs:
+            raise ValueError(f"{self.where} got {len(args)} positional inputs but its PrepareModuleInput names "
+                             f"{self.max_inputs} input_layouts: give one layout per input (None to leave one alone)")
+        if self.min_ndim > 0 and args[0].ndim < self.min_ndim:
+            raise ValueError(f"SequenceParallel on {self.where} needs inputs with a sequence dim before the feature "
+                             f"dim ({self.min_ndim} dims or more), got {args[0].ndim} dims")
         return self.convert_tuple(args)
 
 

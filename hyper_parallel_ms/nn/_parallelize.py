@@ -1,9 +1,9 @@
 """``parallelize_module``: apply parallel styles to the Cells of a model by dotted path.
 
-The plan is a style (for the module itself) or a dict whose keys are dotted paths with
-``fnmatch`` wildcards per segment (``"layers.*.attn.q"``), ``""`` for the module itself, and
-whose values are styles or nested dicts (paths relative to the matched Cell). Every key and
-style is checked first; only then is anything changed, and a failure while changing undoes
+The plan is a style (for the module itself) or a dict whose keys are dotted paths matched
+by the rule of :mod:`._rules` (``fnmatch`` wildcards per segment: ``"layers.*.attn.q"``), ``""``
+for the module itself, and whose values are styles or nested dicts (paths relative to the
+matched Cell). Every key and style is checked first; only then is anything changed, and a failure while changing undoes
 it all, so a failed call leaves the model as it was.
 
 Example::
@@ -16,29 +16,23 @@ Example::
 from __future__ import annotations
 
 import difflib
-from fnmatch import fnmatchcase
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from mindspore import nn
 
 from ..mesh import DeviceMesh, current_mesh
-from ._adapter import CellChanges, named_cells
+from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._consistency import agreed
+from ._rules import check_mesh, check_not_done, mark_done, match_path
 from ._styles import ModuleEdit, ParallelStyle
 
 __all__ = ["parallelize_module", "apply_edits"]
 
 Plan = Union[ParallelStyle, Dict[str, Union[ParallelStyle, dict]]]
-_MARK = "_hpms_parallelized"
 
 
 def _matches(root: nn.Cell, key: str) -> Dict[str, nn.Cell]:
-    cells = named_cells(root)
-    if key == "":
-        return {"": root}
-    parts = key.split(".")
-    return {path: cell for path, cell in cells.items()
-            if path and len(path.split(".")) == len(parts)
-            and all(fnmatchcase(seg, pat) for seg, pat in zip(path.split("."), parts))}
+    return {path: cell for path, cell in named_cells(root).items() if match_path(key, path)}
 
 
 def _no_match(root: nn.Cell, key: str, prefix: str) -> ValueError:
@@ -48,9 +42,13 @@ def _no_match(root: nn.Cell, key: str, prefix: str) -> ValueError:
     return ValueError(f"parallelize_plan key '{key}' matches no sub-Cell {where}; near names: {near}")
 
 
-def _collect(root: nn.Cell, mesh, plan: Plan, prefix: str, src_data_rank, out: List[ModuleEdit]) -> None:
+Target = Tuple[str, nn.Cell, ParallelStyle]
+
+
+def _targets(root: nn.Cell, plan: Plan, prefix: str, out: List[Target]) -> None:
+    """(path, Cell, style) for every Cell the plan names, in plan order (no change, no communication)."""
     if isinstance(plan, ParallelStyle):
-        out.append(plan.plan(prefix, root, mesh, src_data_rank))
+        out.append((prefix, root, plan))
         return
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them, got {type(plan).__name__}")
@@ -63,8 +61,23 @@ def _collect(root: nn.Cell, mesh, plan: Plan, prefix: str, src_data_rank, out: L
         if not found:
             raise _no_match(root, key, prefix)
         for path, cell in found.items():
-            full = ".".join(p for p in (prefix, path) if p)
-            _collect(cell, mesh, value, full, src_data_rank, out)
+            _targets(cell, value, ".".join(p for p in (prefix, path) if p), out)
+
+
+def _described(targets: List[Target]) -> List[Tuple[str, str]]:
+    """(Cell path, what the plan does to it): what the ranks must agree on."""
+    return [(path or "<root>", f"{type(cell).__name__} {style!r} " +
+             " ".join(f"{n}{tuple(p.shape)}" for n, p in own_parameters(cell).items()))
+            for path, cell, style in targets]
+
+
+def _edit(path: str, cell: nn.Cell, style: ParallelStyle, mesh, src_data_rank) -> ModuleEdit:
+    if type(style)._custom_apply():
+        def custom():
+            style.src_data_rank = src_data_rank
+            return style.apply(cell, mesh)
+        return ModuleEdit(path, cell, custom_apply=custom)
+    return style.plan(path, cell, mesh, src_data_rank)
 
 
 def _defer_colwise_grads(edits: List[ModuleEdit]) -> None:
@@ -83,36 +96,55 @@ def _defer_colwise_grads(edits: List[ModuleEdit]) -> None:
 def _check_conflicts(edits: List[ModuleEdit]) -> None:
     owners: Dict[int, str] = {}
     for edit in edits:
-        if getattr(edit.cell, _MARK, False) and edit.parameters:
-            raise ValueError(f"'{edit.path}' was already parallelized; its parameters are pieces already")
         if edit.parameters:
+            check_not_done(edit.cell, "parallelize_module", edit.path)
             if id(edit.cell) in owners:
                 raise ValueError(f"two styles of the plan shard the parameters of '{edit.path}'")
             owners[id(edit.cell)] = edit.path
 
 
 def apply_edits(edits: List[ModuleEdit]) -> None:
-    """Make the prepared changes; if any fails, undo those already made and re-raise."""
-    with CellChanges() as changes:
-        for edit in edits:
-            for name, param in edit.parameters.items():
-                changes.set_parameter(edit.cell, name, param)
-            for name, value in edit.attributes.items():
-                changes.set_attribute(edit.cell, name, value)
-            if edit.swap_class is not None:
-                changes.swap_class(edit.cell, edit.swap_class)
-            for hook, with_kwargs in edit.pre_hooks + edit.input_grad_reduction:
-                changes.add_forward_pre_hook(edit.cell, hook, with_kwargs=with_kwargs)
-            for hook in edit.post_hooks:
-                changes.add_forward_hook(edit.cell, hook)
-            if edit.parameters:
-                changes.set_attribute(edit.cell, _MARK, True)
+    """Make the prepared changes, then run the user styles' own ``apply``; if anything fails,
+    undo the changes already made (and put back parameters a user style replaced) and re-raise."""
+    custom = [e for e in edits if e.custom_apply is not None]
+    snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in custom]
+    try:
+        with CellChanges() as changes:
+            for edit in edits:
+                for name, param in edit.parameters.items():
+                    changes.set_parameter(edit.cell, name, param)
+                for name, value in edit.attributes.items():
+                    changes.set_attribute(edit.cell, name, value)
+                if edit.swap_class is not None:
+                    changes.swap_class(edit.cell, edit.swap_class)
+                changes.add_construct_hooks(edit.cell, pre=edit.pre_hooks + edit.input_grad_reduction,
+                                            post=edit.post_hooks)
+                for hook in edit.kwarg_hooks:
+                    changes.add_forward_pre_hook(edit.cell, hook.pre, with_kwargs=True)
+                if edit.parameters:
+                    mark_done(changes, edit.cell, "parallelize_module")
+            for edit in custom:
+                edit.custom_apply()
+    except BaseException:
+        for cell, snapshot in snapshots:
+            restore_parameters(cell, snapshot)
+        raise
 
 
 def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
                        parallelize_plan: Optional[Plan] = None, *, src_data_rank: Optional[int] = 0) -> nn.Cell:
     """Apply ``parallelize_plan`` to ``module`` over the 1-D ``device_mesh`` (default: the
     current mesh, ``with mesh:``) and return it.
+
+    ``parallelize_plan`` is a :class:`ParallelStyle` (applied to ``module`` itself) or a dict
+    ``{path: style or dict}``. A path is dotted and matched one segment at a time with
+    ``fnmatch`` wildcards (``*`` never crosses a dot: ``"layers.*.attn.w[qkv]"`` matches
+    ``layers.0.attn.wq``); ``""`` is ``module`` itself; a nested dict's paths are relative to
+    the Cell its key matched (``{"layers.*": {"attn.q": ColwiseParallel()}}``). Every key must
+    match a Cell; every key and style is checked before anything changes, and a failure leaves
+    ``module`` as it was. A Cell whose parameters were already sharded (by this function,
+    ``shard_module`` or ``distribute_module``) is refused. A user's style implementing
+    ``apply(module, device_mesh)`` is called after the built-in ones.
 
     ``src_data_rank``: the rank whose initial parameter values are cut into pieces
     (``None``: every rank cuts its own values, which must then agree).
@@ -128,17 +160,19 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
         if device_mesh is None:
             raise ValueError("parallelize_module got no device_mesh and no mesh is current: pass device_mesh=, "
                              "or call it inside `with mesh:`")
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"parallelize_module needs a DeviceMesh (e.g. init_device_mesh(...)['tp']), got "
-                        f"{device_mesh!r}")
+    check_mesh(device_mesh, "parallelize_module")
     if parallelize_plan is None:
         raise ValueError("parallelize_module needs a parallelize_plan: a ParallelStyle or a dict of them")
     if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)
                                       or not 0 <= src_data_rank < device_mesh.size()):
         raise ValueError(f"src_data_rank must be None or a rank index in [0, {device_mesh.size()}), "
                          f"got {src_data_rank!r}")
-    edits: List[ModuleEdit] = []
-    _collect(module, device_mesh, parallelize_plan, "", src_data_rank, edits)
+    def targets_of_plan() -> List[Target]:
+        out: List[Target] = []
+        _targets(module, parallelize_plan, "", out)
+        return out
+    targets = agreed(targets_of_plan, _described, device_mesh, "parallelize_module")
+    edits = [_edit(path, cell, style, device_mesh, src_data_rank) for path, cell, style in targets]
     _check_conflicts(edits)
     _defer_colwise_grads(edits)
     apply_edits(edits)

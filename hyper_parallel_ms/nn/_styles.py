@@ -34,6 +34,7 @@ from ..placement import Partial, Placement, Replicate, Shard
 from ._adapter import own_parameters
 from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook, masked_rows_class
 from ._parameter import sharded_parameter
+from ._rules import check_mesh
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "PrepareModuleInputOutput", "ModuleEdit"]
@@ -49,28 +50,25 @@ class ModuleEdit:
     path: str
     cell: nn.Cell
     parameters: Dict[str, Parameter] = field(default_factory=dict)
-    pre_hooks: List[Tuple[Callable, bool]] = field(default_factory=list)   # (hook, with_kwargs)
-    post_hooks: List[Callable] = field(default_factory=list)
+    pre_hooks: List[InputHook] = field(default_factory=list)       # run inside the Cell's construct
+    kwarg_hooks: List[KwargInputHook] = field(default_factory=list)   # forward pre-hooks (PyNative)
+    post_hooks: List[OutputHook] = field(default_factory=list)
     # a Colwise layer's all-reduce of its input gradient (Megatron's f), left out when an
     # enclosing PrepareModuleInput(defer_colwise_grads=True) reduces the summed gradient once
-    input_grad_reduction: List[Tuple[Callable, bool]] = field(default_factory=list)
-    without_grad_reduction: List[Tuple[Callable, bool]] = field(default_factory=list)   # the same hooks, minus f
+    input_grad_reduction: List[InputHook] = field(default_factory=list)
+    without_grad_reduction: List[InputHook] = field(default_factory=list)   # the same hooks, minus f
     defers_colwise_grads: bool = False
     swap_class: Optional[type] = None
     attributes: Dict[str, Any] = field(default_factory=dict)
+    custom_apply: Optional[Callable[[], Any]] = None     # a user style's own apply(module, device_mesh)
 
 
 def _where(path: str) -> str:
     return f"'{path}'" if path else "the root Cell"
 
 
-def _check_mesh(style: "ParallelStyle", path: str, mesh) -> int:
-    if mesh.ndim != 1:
-        raise ValueError(f"{type(style).__name__} on {_where(path)} needs a 1-D mesh (e.g. mesh['tp']), got a "
-                         f"{mesh.ndim}-D mesh of shape {mesh.shape}")
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({mesh.get_rank()}) is not in {mesh!r}")
-    return mesh.size()
+def _check_mesh(style: "ParallelStyle", path: str, mesh) -> None:
+    check_mesh(mesh, f"{type(style).__name__} on {_where(path)}", ndim=1)
 
 
 def _one_placement(value, what: str, allowed: Tuple[type, ...], default: Placement) -> Placement:
@@ -103,17 +101,36 @@ def _weight_name(cell: nn.Cell) -> str:
     return "embedding_table" if isinstance(cell, nn.Embedding) else "weight"
 
 
-def _divisible(path: str, what: str, size: int, n: int, style: "ParallelStyle") -> None:
-    if size % n:
-        raise ValueError(f"{type(style).__name__} on {_where(path)}: {what} ({size}) is not divisible by the "
-                         f"mesh size {n}")
-
-
 class ParallelStyle:
-    """Base of the styles: :meth:`plan` returns the :class:`ModuleEdit` for one Cell."""
+    """Base of the styles. The built-in styles implement :meth:`plan` (a :class:`ModuleEdit`
+    prepared without touching the Cell, so a whole plan is checked before anything changes).
+    A user's style may instead implement :meth:`apply` (PyTorch's ``_apply``): it is called
+    with the matched Cell and the mesh when ``parallelize_module`` applies the plan, after the
+    built-in styles, with ``self.src_data_rank`` set.
+
+    Example::
+
+        class Doubled(ParallelStyle):
+            def apply(self, module, device_mesh):
+                module.register_forward_hook(lambda cell, args, out: out * 2)
+                return module
+    """
+
+    src_data_rank: Optional[int] = 0
 
     def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
-        raise NotImplementedError(f"{type(self).__name__} does not implement plan()")
+        """The :class:`ModuleEdit` of this style for ``cell`` (at ``path``), without changing it."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither plan() nor apply(module, device_mesh)")
+
+    def apply(self, module: nn.Cell, device_mesh) -> nn.Cell:
+        """Apply this style to ``module`` itself: ``parallelize_module(module, device_mesh, self)``."""
+        from ._parallelize import parallelize_module
+        return parallelize_module(module, device_mesh, self, src_data_rank=self.src_data_rank)
+
+    @classmethod
+    def _custom_apply(cls) -> bool:
+        """Whether this style is applied by its own :meth:`apply` rather than planned."""
+        return cls.plan is ParallelStyle.plan and cls.apply is not ParallelStyle.apply
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -137,7 +154,14 @@ class _LayerStyle(ParallelStyle):
 
 
 class ColwiseParallel(_LayerStyle):
-    """Split a Dense/Linear by output features (an Embedding by embedding dim).
+    """Split a Dense/Linear by output features (an Embedding by embedding dim); features need
+    not divide the mesh size (pieces as ``torch.chunk`` cuts them).
+
+    ``input_layouts``: the layout the input arrives in (default ``Replicate()``; e.g.
+    ``Shard(1)`` for a sequence-sharded input, gathered first). ``output_layouts``: the layout
+    the output leaves in (default ``Shard(-1)``, the local features; ``Replicate()`` gathers
+    them). ``use_local_output`` (default True): return the local piece; False returns a
+    DTensor in PyNative (graphs always keep local pieces).
 
     Example::
 
@@ -148,13 +172,12 @@ class ColwiseParallel(_LayerStyle):
     desired_input_layouts = (Replicate(),)
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
-        n = _check_mesh(self, path, mesh)
+        _check_mesh(self, path, mesh)
         kind = _layer_kind(self, path, cell)
         edit = ModuleEdit(path, cell)
         params = own_parameters(cell)
         weight = params[_weight_name(cell)]
         if kind == "linear":
-            _divisible(path, "out_features (weight dim 0)", weight.shape[0], n, self)
             edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, [Shard(0)],
                                                                     src_data_rank=src_data_rank)
             if params.get("bias") is not None:
@@ -165,27 +188,36 @@ class ColwiseParallel(_LayerStyle):
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"ColwiseParallel on the embedding {_where(path)} takes replicated ids, got "
                                  f"input_layouts={self.input_layouts[0]}")
-            _divisible(path, "embedding dim (table dim 1)", weight.shape[1], n, self)
             piece = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
             edit.parameters[_weight_name(cell)] = piece
             if isinstance(cell, nn.Embedding):      # its lookup reshapes to (..., embedding_size)
                 edit.attributes["embedding_size"] = piece.shape[1]
             grad = None
+        features = {-1: weight.shape[0] if kind == "linear" else weight.shape[1]}   # may be split unevenly
+        where = _where(path)
         if kind == "linear" or self.input_layouts != self.desired_input_layouts:
-            conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad)
+            conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad, where=where)
             if self.input_layouts == self.desired_input_layouts and grad is not None:
-                edit.input_grad_reduction.append((InputHook({0: conv}).pre, False))
-                plain = Conversion(mesh, self.input_layouts, self.desired_input_layouts)
-                edit.without_grad_reduction.append((InputHook({0: plain}).pre, False))
+                edit.input_grad_reduction.append(InputHook({0: conv}))
+                plain = Conversion(mesh, self.input_layouts, self.desired_input_layouts, where=where)
+                edit.without_grad_reduction.append(InputHook({0: plain}))
             else:
-                edit.pre_hooks.append((InputHook({0: conv}).pre, False))
+                edit.pre_hooks.append(InputHook({0: conv}))
         edit.post_hooks.append(OutputHook({0: Conversion(mesh, (Shard(-1),), self.output_layouts,
-                                                         to_dtensor=not self.use_local_output)}).post)
+                                                         to_dtensor=not self.use_local_output, dim_sizes=features,
+                                                         where=where)}))
         return edit
 
 
 class RowwiseParallel(_LayerStyle):
     """Split a Dense/Linear by input features (an Embedding by rows); the output is reduced.
+    Features and vocabulary need not divide the mesh size (``torch.chunk`` pieces).
+
+    ``input_layouts``: the layout the input arrives in (default ``Shard(-1)``, as a
+    ColwiseParallel layer leaves it; ``Replicate()`` for an Embedding's ids or a whole input,
+    cut here). ``output_layouts``: the layout of the reduced output (default ``Replicate()``,
+    an all-reduce; ``Shard(1)`` a reduce-scatter over the sequence). ``use_local_output``
+    (default True): return the local piece; False returns a DTensor in PyNative.
 
     Example::
 
@@ -195,18 +227,18 @@ class RowwiseParallel(_LayerStyle):
     default_input, default_output = Shard(-1), Replicate()
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
-        n = _check_mesh(self, path, mesh)
+        _check_mesh(self, path, mesh)
         kind = _layer_kind(self, path, cell)
         edit = ModuleEdit(path, cell)
         params = own_parameters(cell)
         name = _weight_name(cell)
         weight = params[name]
-        output = Conversion(mesh, (Partial(),), self.output_layouts, to_dtensor=not self.use_local_output)
+        where = _where(path)
+        output = Conversion(mesh, (Partial(),), self.output_layouts, to_dtensor=not self.use_local_output, where=where)
         if kind == "linear":
             if getattr(cell, "activation_flag", False):
                 raise ValueError(f"RowwiseParallel on {_where(path)}: the Dense applies an activation to a partial "
                                  "sum; move the activation out of the Dense (activation=None)")
-            _divisible(path, "in_features (weight dim 1)", weight.shape[1], n, self)
             edit.parameters[name] = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
             has_bias = params.get("bias") is not None
             if has_bias:
@@ -215,8 +247,9 @@ class RowwiseParallel(_LayerStyle):
                     params["bias"], mesh, [Replicate()], src_data_rank=src_data_rank,
                     grad_partial_dims=(0,) if self.output_layouts[0].is_shard() else ())
             desired = (Shard(-1),)
-            edit.pre_hooks.append((InputHook({0: Conversion(mesh, self.input_layouts, desired)}).pre, False))
-            edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias).post)
+            edit.pre_hooks.append(InputHook({0: Conversion(mesh, self.input_layouts, desired,
+                                                           dim_sizes={-1: weight.shape[1]}, where=where)}))
+            edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias))
         else:
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"RowwiseParallel on the embedding {_where(path)} takes replicated ids: pass "
@@ -229,13 +262,17 @@ class RowwiseParallel(_LayerStyle):
             if isinstance(cell, nn.Embedding):      # its one-hot lookup counts the rows
                 edit.attributes["vocab_size"] = spec.local_shape()[0]
             edit.swap_class = masked_rows_class(type(cell))
-            edit.post_hooks.append(OutputHook({0: output}).post)
+            edit.post_hooks.append(OutputHook({0: output}))
         return edit
 
 
 class SequenceParallel(ParallelStyle):
     """Run a Cell (a norm, a dropout) on sequence-sharded activations with replicated
     parameters; each rank's parameter gradients are its share, summed by :class:`GradientReducer`.
+
+    Inputs and outputs are ``Shard(sequence_dim)`` pieces (a DTensor input is brought there);
+    an input without a sequence dim before its features raises. ``use_local_output`` (default
+    False): False returns a DTensor in PyNative, True the local piece.
 
     Example::
 
@@ -255,9 +292,11 @@ class SequenceParallel(ParallelStyle):
             edit.parameters[name] = sharded_parameter(p, mesh, [Replicate()], src_data_rank=src_data_rank,
                                                       grad_partial_dims=(0,))
         layout = (Shard(self.sequence_dim),)
-        edit.pre_hooks.append((InputHook({0: Conversion(mesh, layout, layout)}).pre, False))
-        edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout,
-                                                         to_dtensor=not self.use_local_output)}).post)
+        min_ndim = self.sequence_dim + 2 if self.sequence_dim >= 0 else -self.sequence_dim + 1
+        edit.pre_hooks.append(InputHook({0: Conversion(mesh, layout, layout, where=_where(path))}, min_ndim=min_ndim,
+                                        where=_where(path)))
+        edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout, to_dtensor=not self.use_local_output,
+                                                         where=_where(path))}))
         return edit
 
 
@@ -290,6 +329,12 @@ def _kwarg_layouts(value, what: str) -> Dict[str, Placement]:
 class PrepareModuleInput(ParallelStyle):
     """Convert a Cell's inputs (positional, and keyword in PyNative) from ``input_layouts`` to
     ``desired_input_layouts`` before its forward; ``None`` leaves an input alone.
+
+    ``input_layouts``: one layout per positional input, the layout it arrives in (a plain
+    tensor is this rank's piece of it); more positional inputs than layouts raise, as in
+    PyTorch. ``desired_input_layouts``: the layout the Cell computes on. ``use_local_output``
+    (default False): False hands the Cell DTensors in PyNative, True local pieces (graphs
+    always hand local pieces).
 
     ``defer_colwise_grads=True`` (an addition to PyTorch's arguments) when the replicated inputs
     reach only ColwiseParallel layers inside the Cell (as the attention and MLP inputs of a
@@ -329,19 +374,24 @@ class PrepareModuleInput(ParallelStyle):
         edit = ModuleEdit(path, cell, defers_colwise_grads=self.defer_colwise_grads)
         to_dtensor = not self.use_local_output
         convs = {i: Conversion(mesh, (src,), (dst,), (Partial(),) if self.defer_colwise_grads and dst == Replicate()
-                               else None, to_dtensor=to_dtensor)
+                               else None, to_dtensor=to_dtensor, where=_where(path))
                  for i, src, dst in _converted(self.input_layouts, self.desired_input_layouts)}
-        if convs:
-            edit.pre_hooks.append((InputHook(convs).pre, False))
+        if convs or self.input_layouts is not None:
+            edit.pre_hooks.append(InputHook(convs, max_inputs=len(self.input_layouts or ()), where=_where(path)))
         if self.input_kwarg_layouts:
-            kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor)
+            kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor,
+                                where=_where(path))
                   for k, v in self.input_kwarg_layouts.items()}
-            edit.pre_hooks.append((KwargInputHook(kw).pre, True))
+            edit.kwarg_hooks.append(KwargInputHook(kw))
         return edit
 
 
 class PrepareModuleOutput(ParallelStyle):
     """Convert a Cell's outputs from ``output_layouts`` to ``desired_output_layouts`` after its forward.
+
+    ``output_layouts``: the layout each output leaves the Cell in (``None`` leaves one alone);
+    ``desired_output_layouts``: the layout handed on. ``use_local_output`` (default True):
+    return local pieces; False returns DTensors in PyNative.
 
     Example::
 
@@ -360,9 +410,9 @@ class PrepareModuleOutput(ParallelStyle):
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
-        convs = {i: Conversion(mesh, (src,), (dst,), to_dtensor=not self.use_local_output)
+        convs = {i: Conversion(mesh, (src,), (dst,), to_dtensor=not self.use_local_output, where=_where(path))
                  for i, src, dst in _converted(self.output_layouts, self.desired_output_layouts)}
-        edit.post_hooks.append(OutputHook(convs).post)
+        edit.post_hooks.append(OutputHook(convs))
         return edit
 
 

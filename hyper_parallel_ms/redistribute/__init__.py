@@ -7,8 +7,8 @@ Example::
     y_local = redistribution(mesh, src_layout, dst_layout, (8, 8))(x_local)
 """
 from ._executor import Redistribution, execute, lower, redistribution, replicate_partials
-from ._local import LocalRedistribute, plan_layouts
+from ._local import LocalRedistribute, plan_global_shape, plan_layouts
 from ._planner import Step, plan_redistribute, step_bytes
 
-__all__ = ["LocalRedistribute", "plan_layouts", "Step", "plan_redistribute", "step_bytes", "lower", "execute",
+__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "Step", "plan_redistribute", "step_bytes", "lower", "execute",
            "Redistribution", "redistribution", "replicate_partials"]

@@ -2,11 +2,15 @@
 
 Layer hooks see local tensors of any batch size and sequence length; the global shape is
 this rank's shape times the mesh sizes on the sharded dims (even shards, as
-``DTensor.from_local`` assumes). :class:`LocalRedistribute` plans for the shape it meets:
-in PyNative on every call (cached per shape), inside ``ms.jit`` once while the graph
-compiles, so that the compiled graph holds only the collectives. The backward follows
-PyTorch's ``redistribute`` (see :func:`.redistribution`), with an optional ``grad_src``
-layout for the incoming gradient.
+``DTensor.from_local`` assumes), except on the dims whose global size the plan knows
+(``dim_sizes``: a layer's features, which may be split unevenly as ``torch.chunk`` does).
+A dim that a conversion newly shards without a known size must divide evenly, since later
+conversions read its pieces as even; a piece that does not fit the plan raises with the
+expected local shape. :class:`LocalRedistribute` plans for the shape it meets: in PyNative
+on every call (cached per shape), inside ``ms.jit`` once while the graph compiles, so that
+the compiled graph holds only the collectives. The backward follows PyTorch's
+``redistribute`` (see :func:`.redistribution`), with an optional ``grad_src`` layout for
+the incoming gradient.
 
 Example::
 
@@ -16,22 +20,24 @@ Example::
 """
 from __future__ import annotations
 
+from math import prod
 from typing import Dict, List, Optional, Tuple
 
 from mindspore import nn
 
-from .._mindspore import cached_in_python
+from .._mindspore import cached_in_python, is_compiling, run_in_python
 from ..layout import Layout
 from ._executor import lowered_steps, step_cells
 
-__all__ = ["LocalRedistribute", "plan_layouts"]
+__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape"]
 
 _PLANS: List[tuple] = []
 _IDS: Dict[tuple, int] = {}
+DimSizes = Tuple[Tuple[int, int], ...]
 
 
-def _plan_id(mesh, src: Layout, dst: Layout, grad_src: Optional[Layout]) -> int:
-    key = (mesh, src, dst, grad_src)  # layouts may use negative dims: normalised per call's ndim
+def _plan_id(mesh, src: Layout, dst: Layout, grad_src: Optional[Layout], dim_sizes: DimSizes) -> int:
+    key = (mesh, src, dst, grad_src, dim_sizes)  # layouts may use negative dims: normalised per call's ndim
     if key not in _IDS:
         _IDS[key] = len(_PLANS)
         _PLANS.append(key)
@@ -43,34 +49,76 @@ def plan_layouts(plan_id: int) -> Tuple[object, Layout, Layout]:
     return _PLANS[plan_id][:3]
 
 
-@cached_in_python
-def _cells(plan_id: int, local_shape: Tuple[int, ...]) -> Tuple[tuple, tuple]:
-    """The (forward, backward) step Cells for a piece of ``local_shape`` (layouts normalised
-    for its number of dims, the global shape read as even pieces)."""
-    mesh, src, dst, grad_src = _PLANS[plan_id]
+def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "",
+                      uneven_ok: bool = True) -> Tuple[int, ...]:
+    """The global shape of a source piece of ``local_shape``: even pieces, except on the dims
+    whose size the plan knows. Raises if the piece does not fit, or (unless ``uneven_ok``: the
+    result becomes a DTensor that records its global shape) if the conversion shards a dim of
+    unknown size that does not divide evenly (``where`` names the Cell in messages)."""
+    mesh, src, dst, _, dim_sizes = _PLANS[plan_id]
     ndim = len(local_shape)
     src, dst = src.normalized(ndim), dst.normalized(ndim)
-    shape = src.even_global_shape(local_shape)
-    forward, backward, scaling = lowered_steps(src, dst, shape, mesh.get_coordinate(),
+    shape = list(src.even_global_shape(local_shape))
+    known = set()
+    for dim, size in dim_sizes:
+        shape[dim % ndim] = size
+        known.add(dim % ndim)
+    shape = tuple(shape)
+    at = f" in {where}" if where else ""
+    expected = src.local_shape(shape, mesh.get_coordinate())
+    if expected != tuple(local_shape):
+        raise ValueError(f"the conversion{at} from {src.placements} met a local piece of shape {tuple(local_shape)}; "
+                         f"this rank's piece of the global shape {shape} is {expected}")
+    src_axes, dst_axes = src.sharding_axes(ndim), dst.sharding_axes(ndim)
+    for dim in range(ndim):
+        n = prod(dst.mesh_shape[a] for a in dst_axes[dim] if a not in src_axes[dim])
+        if n > 1 and dim not in known and shape[dim] % n and not uneven_ok:
+            raise ValueError(f"the conversion{at} to {dst.placements} shards dim {dim} of length {shape[dim]} over {n} "
+                             f"ranks unevenly; later conversions read such pieces as even (the global length cannot be "
+                             f"told from a local piece): use a length divisible by {n}")
+    return shape
+
+
+@run_in_python
+def _becomes_dtensor(wrapped: bool) -> bool:
+    """Whether a result asked to be a DTensor becomes one (PyNative; graphs keep it local)."""
+    return wrapped and not is_compiling()
+
+
+@cached_in_python
+def _cells(plan_id: int, local_shape: Tuple[int, ...], where: str, uneven_ok: bool) -> Tuple[tuple, tuple]:
+    """The (forward, backward) step Cells for a piece of ``local_shape`` (layouts normalised
+    for its number of dims, the global shape from :func:`plan_global_shape`)."""
+    mesh, src, dst, grad_src, _ = _PLANS[plan_id]
+    ndim = len(local_shape)
+    shape = plan_global_shape(plan_id, local_shape, where, uneven_ok)
+    forward, backward, scaling = lowered_steps(src.normalized(ndim), dst.normalized(ndim), shape,
+                                               mesh.get_coordinate(),
                                                None if grad_src is None else grad_src.normalized(ndim))
     return tuple(step_cells(mesh, forward)), tuple(step_cells(mesh, backward + scaling))
 
 
 class LocalRedistribute(nn.Cell):
     """Move a local piece from layout ``src`` to ``dst``; the gradient arrives as ``grad_src``
-    (default: ``dst`` with Partial read as Replicate) and leaves as ``src`` (Partial as Replicate)."""
+    (default: ``dst`` with Partial read as Replicate) and leaves as ``src`` (Partial as Replicate).
+    ``dim_sizes``: {dim: global size} for dims whose pieces may be uneven (a layer's features);
+    ``where``: the Cell named in error messages; ``wrapped``: the caller wraps the result as a
+    DTensor (PyNative), which records an uneven global shape."""
 
-    def __init__(self, mesh, src: Layout, dst: Layout, grad_src: Optional[Layout] = None) -> None:
+    def __init__(self, mesh, src: Layout, dst: Layout, grad_src: Optional[Layout] = None,
+                 dim_sizes: Optional[Dict[int, int]] = None, where: str = "", wrapped: bool = False) -> None:
         super().__init__()
         self.mesh = mesh
-        self.plan_id = _plan_id(mesh, src, dst, grad_src)
+        self.plan_id = _plan_id(mesh, src, dst, grad_src, tuple(sorted((dim_sizes or {}).items())))
+        self.where = where
+        self.wrapped = wrapped
 
     def construct(self, x):
-        for cell in _cells(self.plan_id, x.shape)[0]:
+        for cell in _cells(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))[0]:
             x = cell(x)
         return x
 
     def bprop(self, x, out, dout):
-        for cell in _cells(self.plan_id, x.shape)[1]:
+        for cell in _cells(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))[1]:
             dout = cell(dout)
         return (dout,)

@@ -1,0 +1,79 @@
+"""Plans must be the same on every rank: a digest of what a call applies is compared across
+the mesh before anything changes, and a difference raises naming the first Cell or parameter
+that differs (instead of a collective failing or pairing up wrongly later).
+
+Each entry's description is hashed to 60 bits, carried as three 20-bit chunks in float32
+(exact), and reduced with max and min over the mesh: an entry differs where they disagree.
+Every rank sees the same reduction, so every rank raises.
+
+Example::
+
+    check_same_on_all_ranks([("up", "ColwiseParallel() weight (16, 8) S(0)")], mesh, "parallelize_module")
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, List, Sequence, Tuple, TypeVar
+
+import numpy as np
+from mindspore import Tensor
+
+from .. import comm
+
+__all__ = ["check_same_on_all_ranks", "agreed"]
+
+T = TypeVar("T")
+
+_CHUNK_BITS, _CHUNKS = 20, 3
+_ABSENT = -1.0
+
+
+def _chunks(description: str) -> List[float]:
+    h = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "big")
+    mask = (1 << _CHUNK_BITS) - 1
+    return [float((h >> (_CHUNK_BITS * i)) & mask) for i in range(_CHUNKS)]
+
+
+def _max_and_min(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
+    both = Tensor(np.concatenate([values, -values]).astype(np.float32))
+    for dim in range(mesh.ndim):
+        both = comm.all_reduce(both, mesh, dim, op="max")
+    both = both.asnumpy()
+    return both[:len(values)], -both[len(values):]
+
+
+def check_same_on_all_ranks(entries: Sequence[Tuple[str, str]], mesh, what: str) -> None:
+    """Raise ``ValueError`` on every rank of ``mesh`` if the ``(name, description)`` entries
+    differ between ranks, naming the first entry that differs."""
+    if mesh.size() == 1:
+        return
+    high, low = _max_and_min(np.array([float(len(entries))]), mesh)
+    count = int(high[0])
+    digest = np.full((count, _CHUNKS), _ABSENT)
+    for i, (_, description) in enumerate(entries):
+        digest[i] = _chunks(description)
+    high, low = _max_and_min(digest.reshape(-1), mesh)
+    differs = (high != low).reshape(count, _CHUNKS).any(axis=1)
+    if not differs.any():
+        return
+    first = int(np.argmax(differs))
+    mine = f"'{entries[first][0]}' ({entries[first][1]})" if first < len(entries) else "nothing (its plan is shorter)"
+    raise ValueError(f"{what}: the ranks of {mesh!r} apply different plans; the first difference is entry {first}, "
+                     f"where this rank (rank {mesh.get_rank()}) has {mine}. Every rank must apply the same plan to the "
+                     f"same model (same keys, styles and sizes)")
+
+
+def agreed(prepare: Callable[[], T], describe: Callable[[T], Sequence[Tuple[str, str]]], mesh, what: str) -> T:
+    """``prepare()`` (checks only, no change, no communication), once every rank of ``mesh``
+    agrees on ``describe`` of its result. A ``TypeError`` / ``ValueError`` of ``prepare`` is
+    compared too and re-raised after, so a rank failing alone fails every rank instead of
+    leaving the others waiting in a collective."""
+    try:
+        result, error = prepare(), None
+    except (TypeError, ValueError) as exc:
+        result, error = None, exc
+    entries = [("<plan error>", f"{type(error).__name__}: {error}")] if error is not None else describe(result)
+    check_same_on_all_ranks(entries, mesh, what)
+    if error is not None:
+        raise error
+    return result
