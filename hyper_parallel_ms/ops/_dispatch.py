@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from mindspore import Tensor
 from mindspore._c_expression import NoFallbackGuard
@@ -38,13 +38,12 @@ from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..placement import Partial
 from ..redistribute import redistribution
-from ._registry import ignored_args, rule_for
+from ._registry import propagator
 from ._rules._common import replicate_all
 from ._schema import OpSchema, OutputSharding, TensorArg
 
 __all__ = ["dispatch", "strict_plain_tensors", "clear_cache"]
 
-_CACHE: Dict[tuple, "_Decision"] = {}
 _STRICT: List[bool] = [False]
 
 
@@ -66,8 +65,8 @@ def strict_plain_tensors(enabled: bool = True) -> Iterator[None]:
 
 
 def clear_cache() -> None:
-    """Forget the cached sharding decisions (after re-registering a rule)."""
-    _CACHE.clear()
+    """Forget the cached sharding decisions (``register_sharding`` does this itself)."""
+    propagator.clear_cache()
 
 
 def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
@@ -126,7 +125,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
     inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args))
     mesh, signature = None, []
-    ignored = ignored_args(name)
+    ignored = propagator.ignored_args(name)
     for i, a in enumerate(inputs):
         if i in ignored:
             signature.append(None)
@@ -150,14 +149,14 @@ def dispatch(func, args: tuple, kwargs: dict):
         raise TypeError(f"{name}: no DTensor among the arguments {inputs!r}")
     key = (name, tuple(signature), tuple(sorted(kwargs.items())) if kwargs else (), attrs)
     try:
-        decision = _CACHE.get(key)
+        decision = propagator.cached(key)
     except TypeError:  # an unhashable argument: decide without the cache
         key, decision = None, None
     if decision is None:
         decision = _decide(name, tuple(None if i in ignored else a for i, a in enumerate(inputs)),
                            kwargs, attrs, mesh)
         if key is not None:
-            _CACHE[key] = decision
+            propagator.remember(key, decision)
     if decision.passthrough:  # every argument already as the rule needs it: pass the DTensors themselves
         local_inputs = inputs
     else:
@@ -188,7 +187,7 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
                       TensorArg(replicated, tuple(a.shape), is_dtensor=False) if isinstance(a, Tensor) else a
                       for a in inputs)
     schema = OpSchema(name, described, tuple(sorted(kwargs.items())), attrs)
-    rule = rule_for(name)
+    rule = propagator.rule_for(name)
     if rule is None:
         raise NotImplementedError(
             f"no sharding rule for MindSpore op '{name}' called as {schema}. Register one with "
