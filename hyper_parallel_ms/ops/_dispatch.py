@@ -38,6 +38,7 @@ from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..placement import Partial
 from ..redistribute import redistribution
+from ._empty import run_on_empty_pieces
 from ._registry import propagator
 from ._rules._common import replicate_all
 from ._schema import OpSchema, OutputSharding, TensorArg
@@ -118,6 +119,7 @@ class _Decision:
     local_fn: Optional[Any] = None             # runs instead of the op on the local inputs
     verified: bool = False                     # the rule's local shapes were checked once
     passthrough: bool = False                  # no argument needs redistribution or a gradient Cell
+    empty_inputs: Tuple[int, ...] = ()         # positions of tensor inputs whose local piece is empty
 
 
 def dispatch(func, args: tuple, kwargs: dict):
@@ -168,7 +170,10 @@ def dispatch(func, args: tuple, kwargs: dict):
         local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
                                            for a in local_inputs[1:]]
     with NoFallbackGuard():
-        if decision.local_fn is not None:
+        if decision.empty_inputs:
+            out = run_on_empty_pieces(lambda new: func(*rebuild(new), **kwargs), local_inputs,
+                                      decision.empty_inputs, decision.out_specs, decision.local_shapes)
+        elif decision.local_fn is not None:
             out = decision.local_fn(*local_inputs, **kwargs)
         else:
             out = func(*rebuild(local_inputs), **kwargs)
@@ -211,10 +216,13 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
     passthrough = not sharding.inplace and overrides is None and all(
         cell is None and (not isinstance(d, TensorArg) or (need is d.layout if d.is_dtensor else need.is_replicated()))
         for d, need, cell in zip(described, needs, cells))
+    empty = () if overrides is not None or sharding.local_fn is not None or sharding.inplace else tuple(
+        i for i, (d, need) in enumerate(zip(described, needs))
+        if isinstance(d, TensorArg) and 0 in need.local_shape(d.shape, coord) and 0 not in d.shape)
     return _Decision(tuple(needs), tuple(cells), specs,
                      tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
                      sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord),
-                     passthrough=passthrough)
+                     passthrough=passthrough and not empty, empty_inputs=empty)
 
 
 def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):
