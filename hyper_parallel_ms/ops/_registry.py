@@ -54,6 +54,13 @@ class ShardingPropagator:
         self._decisions.clear()
         return rule
 
+    def unregister(self, *op_names: str) -> None:
+        """Remove the rules of ``op_names`` (calls of them raise again) and forget cached decisions."""
+        for name in op_names:
+            self._rules.pop(name, None)
+            self._ignored.pop(name, None)
+        self._decisions.clear()
+
     def rule_for(self, op: str) -> Optional[Rule]:
         """The rule registered for ``op``, or ``None``."""
         return self._rules.get(op)
