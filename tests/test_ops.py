@@ -12,7 +12,7 @@ from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.ops import OpSchema, OutputSharding, register_sharding, strict_plain_tensors
+from hyper_parallel_ms.ops import OpSchema, OutputSharding, propagator, register_sharding, strict_plain_tensors
 from hyper_parallel_ms.placement import Partial
 from hyper_parallel_ms.testing import multi_rank
 from tests._ops_check import S0, S1, S2, P, R, _rand, check_op
@@ -187,8 +187,8 @@ def test_reductions():
     check_op(mesh, _sum_dim0, [a], [[P, S2]], [P, S1])
 
 
-def _cumsum(a):
-    return ops.cumsum(a, 0)
+def _trace(a):
+    return ops.trace(a)
 
 
 @multi_rank(2)
@@ -196,9 +196,9 @@ def test_missing_rule_strict_mode_and_registration():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     a = distribute_tensor(ms.Tensor(_rand(4, 6)), mesh, [S0])
     with pytest.raises(NotImplementedError, match=r"no sharding rule for MindSpore op '\w+' called as .*S\(0\)"):
-        _cumsum(a)
+        _trace(a)
     with pytest.raises(NotImplementedError, match="register_sharding"):
-        _cumsum(a)
+        _trace(a)
     with strict_plain_tensors():
         with pytest.raises(TypeError, match="plain Tensor of shape"):
             a + ms.Tensor(np.ones((4, 6), np.float32))
@@ -213,18 +213,21 @@ def test_missing_rule_strict_mode_and_registration():
         name = str(err).split("'")[1]
 
     @register_sharding(name)
-    def cumsum_rule(schema: OpSchema) -> OutputSharding:
+    def trace_rule(schema: OpSchema) -> OutputSharding:
         x = schema.args[0]
-        dim = schema.args[1] % x.ndim
-        placements = tuple(R if p.is_shard(dim) or p.is_partial() else p for p in x.layout.placements)
-        layout = Layout(x.layout.mesh_shape, placements, mesh_dim_names=x.layout.mesh_dim_names)
-        return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, x.shape),))
-    out = check_op(mesh, _cumsum, [_rand(4, 6)], [[S1]], [S1])
-    assert out.shape == (4, 6)
+        layout = Layout(x.layout.mesh_shape, (R,) * len(x.layout.mesh_shape), mesh_dim_names=x.layout.mesh_dim_names)
+        return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, ()),))
+    try:
+        out = check_op(mesh, _trace, [_rand(4, 6)], [[S1]], [R])
+        assert out.shape == ()
+    finally:
+        propagator.unregister(name)
+    with pytest.raises(NotImplementedError):
+        _trace(a)
 
 
 def _op_name(a):
-    return _cumsum(a)
+    return _trace(a)
 
 
 @multi_rank(2)

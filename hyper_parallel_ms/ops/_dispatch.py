@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from mindspore import Tensor
 from mindspore.ops import Primitive
@@ -38,13 +38,13 @@ from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..placement import Partial
 from ..redistribute import redistribution
-from ._registry import ignored_args, rule_for
+from ._empty import run_on_empty_pieces
+from ._registry import propagator
 from ._rules._common import replicate_all
 from ._schema import OpSchema, OutputSharding, TensorArg
 
 __all__ = ["dispatch", "strict_plain_tensors", "clear_cache"]
 
-_CACHE: Dict[tuple, "_Decision"] = {}
 _STRICT: List[bool] = [False]
 
 
@@ -66,8 +66,8 @@ def strict_plain_tensors(enabled: bool = True) -> Iterator[None]:
 
 
 def clear_cache() -> None:
-    """Forget the cached sharding decisions (after re-registering a rule)."""
-    _CACHE.clear()
+    """Forget the cached sharding decisions (``register_sharding`` does this itself)."""
+    propagator.clear_cache()
 
 
 def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
@@ -119,6 +119,7 @@ class _Decision:
     local_fn: Optional[Any] = None             # runs instead of the op on the local inputs
     verified: bool = False                     # the rule's local shapes were checked once
     passthrough: bool = False                  # no argument needs redistribution or a gradient Cell
+    empty_inputs: Tuple[int, ...] = ()         # positions of tensor inputs whose local piece is empty
 
 
 def dispatch(func, args: tuple, kwargs: dict):
@@ -126,7 +127,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
     inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args))
     mesh, signature = None, []
-    ignored = ignored_args(name)
+    ignored = propagator.ignored_args(name)
     for i, a in enumerate(inputs):
         if i in ignored:
             signature.append(None)
@@ -150,14 +151,14 @@ def dispatch(func, args: tuple, kwargs: dict):
         raise TypeError(f"{name}: no DTensor among the arguments {inputs!r}")
     key = (name, tuple(signature), tuple(sorted(kwargs.items())) if kwargs else (), attrs)
     try:
-        decision = _CACHE.get(key)
+        decision = propagator.cached(key)
     except TypeError:  # an unhashable argument: decide without the cache
         key, decision = None, None
     if decision is None:
         decision = _decide(name, tuple(None if i in ignored else a for i, a in enumerate(inputs)),
                            kwargs, attrs, mesh)
         if key is not None:
-            _CACHE[key] = decision
+            propagator.remember(key, decision)
     if decision.passthrough:  # every argument already as the rule needs it: pass the DTensors themselves
         local_inputs = inputs
     else:
@@ -169,7 +170,10 @@ def dispatch(func, args: tuple, kwargs: dict):
         local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
                                            for a in local_inputs[1:]]
     with no_hook():
-        if decision.local_fn is not None:
+        if decision.empty_inputs:
+            out = run_on_empty_pieces(lambda new: func(*rebuild(new), **kwargs), local_inputs,
+                                      decision.empty_inputs, decision.out_specs, decision.local_shapes)
+        elif decision.local_fn is not None:
             out = decision.local_fn(*local_inputs, **kwargs)
         else:
             out = func(*rebuild(local_inputs), **kwargs)
@@ -188,7 +192,7 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
                       TensorArg(replicated, tuple(a.shape), is_dtensor=False) if isinstance(a, Tensor) else a
                       for a in inputs)
     schema = OpSchema(name, described, tuple(sorted(kwargs.items())), attrs)
-    rule = rule_for(name)
+    rule = propagator.rule_for(name)
     if rule is None:
         raise NotImplementedError(
             f"no sharding rule for MindSpore op '{name}' called as {schema}. Register one with "
@@ -216,10 +220,13 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
     passthrough = not sharding.inplace and overrides is None and all(
         cell is None and (not isinstance(d, TensorArg) or (need is d.layout if d.is_dtensor else need.is_replicated()))
         for d, need, cell in zip(described, needs, cells))
+    empty = () if overrides is not None or sharding.local_fn is not None or sharding.inplace else tuple(
+        i for i, (d, need) in enumerate(zip(described, needs))
+        if isinstance(d, TensorArg) and 0 in need.local_shape(d.shape, coord) and 0 not in d.shape)
     return _Decision(tuple(needs), tuple(cells), specs,
                      tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
                      sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord),
-                     passthrough=passthrough)
+                     passthrough=passthrough and not empty, empty_inputs=empty)
 
 
 def _explain_plain_broadcast(name: str, described: tuple, error: ValueError) -> None:

@@ -5,4 +5,4 @@ Example::
     from hyper_parallel_ms.ops import registered_ops
     "MatMulExt" in registered_ops()
 """
-from . import indexing, matmul, nn_ops, pointwise, random, reduction, view  # noqa: F401  (registration by import)
+from . import expand, indexing, matmul, nn_ops, pointwise, random, reduction, scan, view  # noqa: F401  (registration by import)

@@ -102,7 +102,7 @@ def _replicated(schema: OpSchema) -> OutputSharding:
     return OutputSharding(tuple(rep if isinstance(x, TensorArg) else None for x in schema.args), ((rep, out_shape),))
 
 
-@register_sharding("MatMulExt", "BatchMatMulExt")
+@register_sharding("MatMulExt", "BatchMatMulExt", "Mm")
 def matmul_ext_rule(schema: OpSchema) -> OutputSharding:
     """``ops.matmul`` / ``mint.matmul``: numpy matmul semantics."""
     return _matmul(schema, False, False)

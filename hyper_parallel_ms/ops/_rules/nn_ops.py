@@ -28,7 +28,8 @@ from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all, whole_and_reduced
 
-__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "inplace_rule"]
+__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "index_select_rule",
+           "gather_elements_rule", "inplace_rule"]
 
 
 def _norm(schema: OpSchema, axis: int, statistics: int) -> OutputSharding:
@@ -69,10 +70,7 @@ def gather_rule(schema: OpSchema) -> OutputSharding:
     table, ids = schema.args[0], schema.args[1]
     axis = (schema.args[2] if len(schema.args) > 2 and isinstance(schema.args[2], int) else 0) % table.ndim
     if axis != 0 or table.ndim != 2:
-        rep = replicate_all(table.layout)
-        out_shape = table.shape[:axis] + ids.shape + table.shape[axis + 1:]
-        return OutputSharding(tuple(rep if isinstance(a, TensorArg) else None for a in schema.args),
-                              ((rep, out_shape),))
+        return _select_along(schema, table, ids, axis)
     out_shape = ids.shape + (table.shape[1],)
     need_table: List[Placement] = []
     need_ids: List[Placement] = []
@@ -98,6 +96,59 @@ def gather_rule(schema: OpSchema) -> OutputSharding:
     return OutputSharding(inputs, ((layout_like(table.layout, out, ndim=len(out_shape)), out_shape),))
 
 
+def _select_along(schema: OpSchema, x: TensorArg, ids: TensorArg, axis: int) -> OutputSharding:
+    """``Gather(x, ids, axis)`` / ``IndexSelect(x, axis, ids)`` in general: ``axis`` gathered,
+    ``ids`` replicated, the other dims of ``x`` keep their sharding (shifted past the ids'
+    dims); Partial(sum) values stay Partial (picking entries is linear)."""
+    out_shape = x.shape[:axis] + ids.shape + x.shape[axis + 1:]
+    need: List[Placement] = []
+    out: List[Placement] = []
+    for p in x.layout.placements:
+        if (p.is_shard() and p.dim == axis) or (p.is_partial() and not p.is_partial("sum")):
+            need.append(Replicate())
+            out.append(Replicate())
+        else:
+            need.append(p)
+            out.append(Shard(p.dim if p.dim < axis else p.dim - 1 + ids.ndim) if p.is_shard() else p)
+    need_x = layout_like(x.layout, need, ndim=x.ndim)
+    rep_ids = layout_like(x.layout, [Replicate()] * len(need), ndim=ids.ndim)
+    inputs = tuple(need_x if a is x else rep_ids if a is ids else None for a in schema.args)
+    return OutputSharding(inputs, ((layout_like(x.layout, out, ndim=len(out_shape)), out_shape),))
+
+
+@register_sharding("IndexSelect")
+def index_select_rule(schema: OpSchema) -> OutputSharding:
+    """``mint.index_select(x, dim, index)``: like ``Gather`` along ``dim``."""
+    x, dim, ids = schema.args[0], int(schema.args[1]), schema.args[2]
+    return _select_along(schema, x, ids, dim % x.ndim)
+
+
+@register_sharding("GatherD")
+def gather_elements_rule(schema: OpSchema) -> OutputSharding:
+    """``mint.gather(x, dim, index)`` / ``ops.gather_elements``: ``dim`` gathered on both; a
+    dim of the same size in ``x`` and ``index`` stays sharded on both (the output is placed
+    like ``index``); a Partial(sum) ``x`` stays Partial."""
+    x, dim, index = schema.args[0], int(schema.args[1]) % schema.args[0].ndim, schema.args[2]
+    need_x: List[Placement] = []
+    need_i: List[Placement] = []
+    for px, pi in zip(x.layout.placements, index.layout.placements):
+        shard = next((p for p in (px, pi) if p.is_shard() and p.dim != dim
+                      and x.shape[p.dim] == index.shape[p.dim]), None)
+        if shard is not None:
+            need_x.append(shard)
+            need_i.append(shard)
+        elif px.is_partial("sum"):
+            need_x.append(px)
+            need_i.append(Replicate())
+        else:
+            need_x.append(Replicate())
+            need_i.append(Replicate())
+    out = layout_like(x.layout, need_i if not any(p.is_partial() for p in need_x) else
+                      [px if px.is_partial() else pi for px, pi in zip(need_x, need_i)], ndim=index.ndim)
+    return OutputSharding((layout_like(x.layout, need_x, ndim=x.ndim), None,
+                           layout_like(x.layout, need_i, ndim=index.ndim)), ((out, index.shape),))
+
+
 def _masked_gather(schema: OpSchema, table: TensorArg, ids: TensorArg, row_axis: int,
                    out_shape) -> OutputSharding:
     """A table row-sharded on one mesh dim: output Partial(sum) there, by a masked local lookup."""
@@ -114,6 +165,8 @@ def _masked_gather(schema: OpSchema, table: TensorArg, ids: TensorArg, row_axis:
         rows = table_layout.local_shape(table.shape, coord)[0]
 
         def lookup(local_table, local_ids, *rest):
+            if rows == 0:  # an empty piece of the table: every id is elsewhere
+                return ops.zeros(tuple(local_ids.shape) + tuple(local_table.shape[1:]), local_table.dtype)
             shifted = local_ids - start
             outside = ops.logical_or(shifted < 0, shifted >= rows)
             safe = ops.select(outside, ops.zeros_like(shifted), shifted)

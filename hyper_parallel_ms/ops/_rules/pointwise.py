@@ -22,17 +22,36 @@ from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all
 
-__all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY"]
+__all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY", "MONOTONE"]
 
-LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast")
+LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast", "Clone")
 UNARY = ("ReLU", "Exp", "Log", "Erf", "Sqrt", "Rsqrt", "Square", "Sigmoid", "Tanh", "SiLU", "GeLU", "Abs",
          "Reciprocal", "Sin", "Cos", "Softplus", "PowTensorScalar", "AddScalar", "SubScalar", "Sign", "Floor",
-         "Ceil", "Round", "LogicalNot", "IsNan", "IsInf", "ZerosLike", "OnesLike", "Clamp", "ClampScalar")
+         "Ceil", "Round", "LogicalNot", "IsNan", "IsInf", "ZerosLike", "OnesLike", "Clamp", "ClampScalar",
+         "Log1p", "Expm1", "Trunc", "ReLU6", "Softsign", "Mish", "MishExt", "Elu", "EluExt", "HSwish", "HSigmoid",
+         "SoftplusExt", "LeakyReLUExt", "Hardtanh", "LogSigmoid", "GeluExt", "IsFinite", "NanToNum", "FmodScalar",
+         "RemainderTensorScalar", "FloorDivScalar", "EqScalar", "Log2", "Exp2", "Frac", "AtanExt", "AsinExt",
+         "Sinh", "Cosh", "Tan", "Erfinv", "ZerosLikeExt", "OnesLikeExt", "FullLike", "EmptyLike")
 ADDITIVE = ("AddExt", "Add", "SubExt", "Sub")
 MULTIPLICATIVE = ("Mul", "Div", "RealDiv")
 OTHER_BINARY = ("Maximum", "Minimum", "Pow", "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
-                "Atan2", "LogicalAnd", "LogicalOr", "SquaredDifference")
+                "Atan2", "LogicalAnd", "LogicalOr", "LogicalXor", "SquaredDifference", "FloorDiv",
+                "BitwiseAndTensor", "BitwiseOrTensor", "RemainderTensorTensor", "FmodTensor", "Lerp",
+                "ClampTensor", "Select", "MaskedFill", "MaskedFillScalar")
+# Monotonic non-decreasing and defined everywhere: max_i f(x_i) = f(max_i x_i), so a Partial(max)
+# or Partial(min) operand stays Partial (Muls / Divs only by a non-negative / positive scalar).
+MONOTONE = ("ReLU", "Exp", "Sigmoid", "Tanh", "Erf", "Floor", "Ceil", "Round", "Trunc", "Sign", "ClampScalar",
+            "Softplus", "SoftplusExt", "AddScalar", "SubScalar", "Expm1", "ReLU6", "HSigmoid", "Hardtanh",
+            "LogSigmoid", "ToDtype", "Cast", "Clone", "Muls", "Divs")
 _LINEAR_PARTIALS = ("sum", "avg")
+_CASTS = ("ToDtype", "Cast")
+
+
+def _to_float(schema: OpSchema) -> bool:
+    """Whether a cast's target type is floating (a cast to int or bool rounds, so a sum of
+    cast pieces is not the cast of the sum)."""
+    target = schema.args[1] if len(schema.args) > 1 else schema.kwarg("dtype")
+    return target is None or str(target).lower().startswith(("float", "bfloat"))
 
 
 def _partial_kept(schema: OpSchema, placements: List[Placement]) -> bool:
@@ -40,8 +59,14 @@ def _partial_kept(schema: OpSchema, placements: List[Placement]) -> bool:
     tensors = [a for a in schema.args if isinstance(a, TensorArg)]
     partial = [p for p in placements if p.is_partial()]
     ops = {p.reduce_op for p in partial}
-    if len(ops) != 1 or next(iter(ops)) not in _LINEAR_PARTIALS:
+    if len(ops) != 1:
         return False
+    if next(iter(ops)) in ("max", "min"):
+        return _extremum_kept(schema, len(tensors), len(partial))
+    if next(iter(ops)) not in _LINEAR_PARTIALS:
+        return False
+    if schema.op in _CASTS:
+        return _to_float(schema)
     if schema.op in LINEAR_UNARY:
         return True
     operands = schema.args[:2]
@@ -52,6 +77,18 @@ def _partial_kept(schema: OpSchema, placements: List[Placement]) -> bool:
     if schema.op in MULTIPLICATIVE:
         return len(partial) == 1 and (schema.op == "Mul" or placements[0].is_partial())
     return False
+
+
+def _extremum_kept(schema: OpSchema, tensors: int, partials: int) -> bool:
+    """A Partial(max / min) stays through a monotonic op of it alone. Not through
+    ``maximum(p, r)``: every rank where ``r`` wins would hold the maximum and receive its
+    gradient (n times the single-device gradient)."""
+    if tensors != 1 or schema.op not in MONOTONE:
+        return False
+    if schema.op in ("Muls", "Divs"):
+        factor = schema.args[1] if len(schema.args) > 1 else None
+        return isinstance(factor, (int, float)) and (factor > 0 or (factor == 0 and schema.op == "Muls"))
+    return partials == 1
 
 
 def pointwise_rule(schema: OpSchema) -> OutputSharding:

@@ -1,7 +1,11 @@
 """Reductions: ``SumExt`` / ``MeanExt`` (``x.sum(dim, keepdim)``, ``x.mean(dim)``, ``ops.sum``),
 ``ReduceMax`` / ``ReduceMin`` / ``Max`` / ``Min`` (``ops.amax``, ``x.max()``) and the forms
 that also return indices, ``MaxDim`` / ``MinDim`` / ``ArgMaxWithValue`` / ``ArgMinWithValue``
-(``x.max(dim)``, ``ops.max(x, dim)``).
+(``x.max(dim)``, ``ops.max(x, dim)``); the legacy Tensor-method spellings (``DeprecatedSum``
+for ``x.sum(axis=1, keepdims=True)``, ``DeprecatedMean``, ``DeprecatedMax`` ...) and legacy
+primitives (``ReduceSum``, ``ReduceMean``); and reductions with no Partial of their own
+(``prod``, ``all`` / ``any``, ``argmax`` / ``argmin``, ``std`` / ``var``, ``logsumexp``), which
+gather a sharded reduced dim.
 
 Reducing over a sharded dim leaves a Partial: sum -> P(sum); mean -> P(avg) when the dim
 splits evenly (an uneven mean must see the whole dim, so that input is gathered first);
@@ -24,14 +28,30 @@ from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like
 
-__all__ = ["reduction_rule", "extremum_rule", "extremum_with_index_rule"]
+__all__ = ["reduction_rule", "extremum_rule", "extremum_with_index_rule", "gathering_reduction_rule"]
+
+
+# Where each op takes its reduced dims and keepdim: (dim position, keepdim position); keyword
+# forms (dim= / axis=, keepdim= / keepdims= / keep_dims=) are read for every op.
+_SIGNATURES = {
+    "DeprecatedSum": (1, 3), "DeprecatedMean": (1, 2), "DeprecatedMax": (1, 2), "DeprecatedMin": (1, 2),
+    "DeprecatedProd": (1, 2), "DeprecatedArgmax": (1, 2), "DeprecatedArgmin": (1, 2),
+    "DeprecatedStd": (1, 3), "DeprecatedVar": (1, 3), "ReduceStd": (1, 3),
+}
+_DIM_NAMES = ("dim", "axis")
+_KEEP_NAMES = ("keepdim", "keepdims", "keep_dims")
 
 
 def _reduced_dims(schema: OpSchema, ndim: int) -> Tuple[Tuple[int, ...], bool]:
+    """(sorted reduced dims, keepdim) of a reduction call, in any of MindSpore's spellings."""
     args = schema.args
-    dim = args[1] if len(args) > 1 else schema.kwarg("dim")
-    keepdim = args[2] if len(args) > 2 and isinstance(args[2], bool) else bool(schema.kwarg("keepdim", False))
-    if dim is None or dim == ():
+    dim_at, keep_at = _SIGNATURES.get(schema.op, (1, 2))
+    dim = args[dim_at] if len(args) > dim_at else next(
+        (schema.kwarg(n) for n in _DIM_NAMES if schema.kwarg(n) is not None), None)
+    keep = args[keep_at] if len(args) > keep_at and isinstance(args[keep_at], bool) else next(
+        (schema.kwarg(n) for n in _KEEP_NAMES if schema.kwarg(n) is not None), schema.attr("keep_dims", False))
+    keepdim = bool(keep)
+    if dim is None or dim == () or dim == []:
         return tuple(range(ndim)), keepdim
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     if any(not -ndim <= d < ndim for d in dims):
@@ -39,21 +59,48 @@ def _reduced_dims(schema: OpSchema, ndim: int) -> Tuple[Tuple[int, ...], bool]:
     return tuple(sorted(d % ndim for d in dims)) or tuple(range(ndim)), keepdim
 
 
-@register_sharding("SumExt", "MeanExt")
+SUMS = ("SumExt", "DeprecatedSum", "ReduceSum")
+MEANS = ("MeanExt", "DeprecatedMean", "ReduceMean")
+MAXIMA = ("ReduceMax", "Max", "DeprecatedMax")
+MINIMA = ("ReduceMin", "Min", "DeprecatedMin")
+# Reductions without a Partial of their own (no Partial(prod) / Partial(all), indices need the
+# whole dim): a sharded reduced dim is gathered first.
+GATHERING = ("ProdExt", "DeprecatedProd", "ReduceProd", "ReduceAll", "ReduceAny", "AnyExt", "Any", "All",
+             "Argmax", "Argmin", "ArgMaxExt", "ArgMinExt", "DeprecatedArgmax", "DeprecatedArgmin",
+             "DeprecatedStd", "DeprecatedVar", "Std", "Var", "LogSumExp")
+
+
+@register_sharding(*SUMS, *MEANS)
 def reduction_rule(schema: OpSchema) -> OutputSharding:
     """The sharding of ``sum`` / ``mean`` over some dims (see the module docstring)."""
-    return _reduce(schema, "avg" if schema.op == "MeanExt" else "sum", outputs=1)
+    return _reduce(schema, "avg" if schema.op in MEANS else "sum", outputs=1)
 
 
-@register_sharding("ReduceMax", "ReduceMin", "Max", "Min")
+@register_sharding(*MAXIMA, *MINIMA)
 def extremum_rule(schema: OpSchema) -> OutputSharding:
-    """``amax`` / ``amin`` / ``x.max()``: a sharded reduced dim gives Partial(max / min)."""
-    return _reduce(schema, "max" if "Max" in schema.op else "min", outputs=1)
+    """``amax`` / ``amin`` / ``x.max()`` / ``x.max(axis=1)``: a sharded reduced dim gives
+    Partial(max / min); the legacy ``return_indices=True`` form gathers it (values and indices)."""
+    if schema.kwarg("return_indices", False):
+        return _reduce(schema, None, outputs=2)
+    return _reduce(schema, "max" if schema.op in MAXIMA else "min", outputs=1)
 
 
 @register_sharding("MaxDim", "MinDim", "ArgMaxWithValue", "ArgMinWithValue")
 def extremum_with_index_rule(schema: OpSchema) -> OutputSharding:
     """``x.max(dim)`` / ``ops.max(x, dim)``: values and indices; the reduced dim is gathered."""
+    return _reduce(schema, None, outputs=2)
+
+
+@register_sharding(*GATHERING)
+def gathering_reduction_rule(schema: OpSchema) -> OutputSharding:
+    """``prod``, ``all`` / ``any``, ``argmax`` / ``argmin``, ``std`` / ``var``, ``logsumexp``:
+    a sharded reduced dim is gathered, Partial inputs are reduced, kept dims stay sharded."""
+    return _reduce(schema, None, outputs=1)
+
+
+@register_sharding("ReduceStd")
+def reduce_std_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.std`` / ``ops.var``: ``ReduceStd(x, axis, unbiased, keep_dims)`` gives (std, mean)."""
     return _reduce(schema, None, outputs=2)
 
 

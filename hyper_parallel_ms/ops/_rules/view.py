@@ -76,7 +76,7 @@ def transpose_rule(schema: OpSchema) -> OutputSharding:
     return _moved(schema, x, lambda d: None if d in nested else swap.get(d, d), shape)
 
 
-@register_sharding("ExpandDims", "Unsqueeze")
+@register_sharding("ExpandDims", "ExpandDimsView", "Unsqueeze")
 def unsqueeze_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
     axis = _ints(schema.args[1:2])[0] % (x.ndim + 1)
@@ -261,3 +261,44 @@ def narrow_rule(schema: OpSchema) -> OutputSharding:
         return (None, None, None, layout.local_shape(x.shape, coord)[dim])
     return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, tuple(shape)),),
                           local_args if whole else None)
+
+
+@register_sharding("TExt")
+def t_rule(schema: OpSchema) -> OutputSharding:
+    """``x.t()`` / ``mint.t``: a transpose of dims 0 and 1 (a 1-D tensor is unchanged)."""
+    x = schema.args[0]
+    if x.ndim < 2:
+        return _moved(schema, x, lambda d: d, x.shape)
+    return _moved(schema, x, lambda d: 1 - d, x.shape[::-1])
+
+
+@register_sharding("Unstack", "UnstackExtView", "UnstackExt")
+def unstack_rule(schema: OpSchema) -> OutputSharding:
+    """``unbind`` / ``unstack``: ``Unstack(x)`` with the ``axis`` attribute, or ``(x, dim)``;
+    one output per index of the dim (gathered when sharded), the other dims shift down."""
+    x = schema.args[0]
+    axis = int(schema.args[1]) if len(schema.args) > 1 else int(schema.kwarg("dim", schema.attr("axis", 0)))
+    axis %= x.ndim
+    shape = x.shape[:axis] + x.shape[axis + 1:]
+    one = _moved(schema, x, lambda d: None if d == axis else d - (d > axis), shape)
+    return OutputSharding(one.inputs, one.outputs * x.shape[axis])
+
+
+@register_sharding("Flatten", "FlattenExt")
+def flatten_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.flatten`` (legacy ``Flatten``: all dims after the first) and ``mint.flatten`` /
+    ``x.flatten()`` (``FlattenExt(x, start_dim, end_dim)``): sharded like the equal reshape
+    (the local op flattens the local piece, so no size argument changes)."""
+    x = schema.args[0]
+    if schema.op == "Flatten":
+        start, end = min(1, x.ndim), x.ndim - 1
+    else:
+        start = int(schema.args[1]) if len(schema.args) > 1 else int(schema.kwarg("start_dim", 0))
+        end = int(schema.args[2]) if len(schema.args) > 2 else int(schema.kwarg("end_dim", -1))
+    if x.ndim == 0:
+        shape: Tuple[int, ...] = (1,)
+    else:
+        start, end = start % x.ndim, end % x.ndim
+        shape = x.shape[:start] + (prod(x.shape[start:end + 1]),) + x.shape[end + 1:]
+    as_reshape = reshape_rule(OpSchema("Reshape", (x, shape), (), ()))
+    return OutputSharding(as_reshape.inputs[:1] + (None,) * (len(schema.args) - 1), as_reshape.outputs)

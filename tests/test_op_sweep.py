@@ -1,0 +1,124 @@
+"""The op sweep: every entry of tests/_op_table.py on DTensors against the single-device op
+(values and gradients), on meshes (2,) and (2, 2), each mesh in one rank-function call; the
+propagator's rule replacement; Partial(max) through monotonic ops; empty local pieces."""
+from __future__ import annotations
+
+import collections
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+from hyper_parallel_ms.dtensor import distribute_tensor
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.ops import OpSchema, OutputSharding, propagator, register_sharding
+from hyper_parallel_ms.placement import Partial
+from hyper_parallel_ms.testing import multi_rank, run_on_ranks
+from tests import _op_table
+from tests._ops_check import S0, S1, R, _rand, check_op
+
+
+def coverage() -> dict:
+    """{family: Counter of entry statuses}: "ok" (run against the single-device op),
+    "cpu_kernel" (rule present, no CPU kernel), "unsupported" (no rule), "bypass"."""
+    table: dict = collections.defaultdict(collections.Counter)
+    for c in _op_table.CASES:
+        table[c.family][c.status] += 1
+    return dict(table)
+
+
+def test_table_size_and_coverage():
+    families = coverage()
+    total = sum(sum(counts.values()) for counts in families.values())
+    assert total >= 200, total
+    assert len({c.name for c in _op_table.CASES}) == total          # one entry per entry point
+    print(f"{'family':22s} with a rule / entries (of which no CPU kernel)")
+    for family, counts in sorted(families.items()):
+        ruled = counts["ok"] + counts["cpu_kernel"]
+        print(f"{family:22s} {ruled:4d} / {sum(counts.values()):4d} ({counts['cpu_kernel']})")
+    ruled = sum(c["ok"] + c["cpu_kernel"] for c in families.values())
+    print(f"{'all':22s} {ruled:4d} / {total:4d}")
+
+
+def _assert_clean(results):
+    for rank, result in enumerate(results):
+        assert not result["failures"], f"rank {rank}:\n" + "\n".join(result["failures"])
+    assert results[0]["checked"] > 0
+
+
+def test_sweep_on_1d_mesh():
+    _assert_clean(run_on_ranks(_op_table.sweep, 2, (2,)))
+
+
+def test_sweep_on_2d_mesh():
+    _assert_clean(run_on_ranks(_op_table.sweep, 4, (2, 2)))
+
+
+def _exp_of_max(a):
+    return ops.exp(ops.amax(a, 1)) + 1.0
+
+
+def _relu_of_max(a):
+    return ops.relu(ops.amax(a, 1) * 2.0)
+
+
+@multi_rank(2)
+def test_propagator_replaces_rules_and_keeps_partial_max():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    out = check_op(mesh, _exp_of_max, [_rand(4, 6)], [[S1]], [Partial("max")])      # monotone: stays P(max)
+    assert out.placements == (Partial("max"),)
+    check_op(mesh, _relu_of_max, [_rand(4, 6)], [[S1]], [Partial("max")])
+    x = distribute_tensor(ms.Tensor(_rand(4, 6)), mesh, [S0])
+    assert ops.neg(x).placements == (S0,)                 # a decision is cached for Neg on S(0)
+    old = propagator.rule_for("Neg")
+
+    def replicating(schema: OpSchema) -> OutputSharding:
+        layout = schema.args[0].layout.with_placements((R,))
+        return OutputSharding((layout,), ((layout, schema.args[0].shape),))
+    try:
+        register_sharding("Neg")(replicating)
+        assert propagator.rule_for("Neg") is replicating
+        y = ops.neg(x)                                    # the new rule is used, not the cached decision
+        assert y.placements == (R,)
+        np.testing.assert_allclose(y.full_tensor().asnumpy(), -x.full_tensor().asnumpy())
+    finally:
+        register_sharding("Neg")(old)
+    assert ops.neg(x).placements == (S0,)
+
+
+def _layer_norm_cell():
+    norm = nn.LayerNorm((6,), begin_norm_axis=-1, begin_params_axis=-1)
+
+    def run(a):
+        return norm(a)
+    return run
+
+
+def _max_over_rows(a):
+    return ops.amax(a, 0)
+
+
+def _tile_rows(a):
+    return ops.tile(a, (1, 2))
+
+
+def _argmax_rows(a):
+    return ops.argmax(a, 1).astype(ms.float32)
+
+
+@multi_rank(4)
+def test_empty_pieces_skip_the_kernel():
+    """5 rows on 4 ranks: 2, 2, 1, 0. LayerNorm / Tile / Argmax kernels raise on the empty
+    piece and ReduceMax returns uninitialised memory there; every rank must get on."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    check_op(mesh, _layer_norm_cell(), [_rand(2, 5, 6)], [[S1, S1]], [S1, S1])
+    check_op(mesh, _tile_rows, [_rand(5, 3)], [[S0, S0]], [S0, S0])
+    check_op(mesh, _argmax_rows, [_rand(5, 3)], [[S0, S0]], [S0, S0])
+    negative = -np.abs(_rand(5, 3)) - 1.0           # the maximum is negative: a 0 from the empty piece would win
+    out = check_op(mesh, _max_over_rows, [negative], [[S0, S0]], [Partial("max"), Partial("max")])
+    assert out.placements == (Partial("max"), Partial("max"))
+    table = _rand(5, 4)                             # an embedding table of 5 rows, row-sharded on 4 ranks
+    table_dt = distribute_tensor(ms.Tensor(table), mesh, [S0, S0])
+    ids = ms.Tensor(np.array([[4, 0, 3]], np.int32))
+    np.testing.assert_allclose(ops.gather(table_dt, ids, 0).full_tensor().asnumpy(), table[[[4, 0, 3]]],
+                               rtol=1e-6)
