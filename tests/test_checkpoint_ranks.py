@@ -1,0 +1,198 @@
+"""Checkpoints across layouts on 4 ranks: save on every layout of {single device, tp2 (x2
+replicas), tp4, dp2 x tp2 fully-sharded pieces (one dim over two mesh dims, tp major),
+fsdp (Shard(0) over 4 ranks, uneven: 7 rows as 2, 2, 2, 1)} and load into every other, model and Adam state,
+bit-exact; training resumed from a checkpoint (on the same and on another layout) gives
+the losses of the uninterrupted run."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+from mindspore.mint import distributed as dist
+
+from hyper_parallel_ms import checkpoint as dcp
+from hyper_parallel_ms import comm
+from hyper_parallel_ms.checkpoint._pieces import flatten
+from hyper_parallel_ms.layout import Layout
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.nn import ColwiseParallel, GradientReducer, RowwiseParallel, parallelize_module
+from hyper_parallel_ms.nn._parameter import sharded_parameter
+from hyper_parallel_ms.placement import Replicate, Shard
+from hyper_parallel_ms.testing import multi_rank
+
+WORLD = 4
+LAYOUTS = ("single", "tp2", "tp4", "dp2xtp2_fsdp", "fsdp")
+
+
+class MLP(nn.Cell):
+    def __init__(self, dim: int = 7, hidden: int = 12) -> None:
+        super().__init__()
+        self.up = nn.Dense(dim, hidden)
+        self.down = nn.Dense(hidden, dim)
+
+    def construct(self, x):
+        return self.down(ops.relu(self.up(x)))
+
+
+def _hand_made(model: MLP, mesh, layouts) -> None:
+    """Pieces as fully_shard records them: a ParameterSharding per parameter (no hooks)."""
+    for cell_name, attr in (("up", "weight"), ("up", "bias"), ("down", "weight"), ("down", "bias")):
+        cell = getattr(model, cell_name)
+        param = getattr(cell, attr)
+        setattr(cell, attr, sharded_parameter(param, mesh, layouts[f"{cell_name}.{attr}"], src_data_rank=None))
+
+
+def build(layout: str, seed: int = 0):
+    """(model, dp mesh or None) on ``layout``."""
+    ms.set_seed(seed)
+    model = MLP()
+    if layout in ("tp2", "tp4"):
+        shape, names = ((2, 2), ("dp", "tp")) if layout == "tp2" else ((4,), ("tp",))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        return model, (mesh if layout == "tp2" else None)
+    if layout == "dp2xtp2_fsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        s00 = (Shard(0), Shard(0))
+        _hand_made(model, mesh, {"up.weight": Layout((2, 2), s00, shard_order={0: (1, 0)}), "up.bias": s00,
+                                 "down.weight": (Shard(0), Shard(1)), "down.bias": (Shard(0), Replicate())})
+    elif layout == "fsdp":
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        _hand_made(model, mesh, dict.fromkeys(("up.weight", "up.bias", "down.weight", "down.bias"), (Shard(0),)))
+    return model, None
+
+
+def _expected(seed: int):
+    """Full values for every model and optimizer tensor (the same keys on every layout)."""
+    rng = np.random.default_rng(seed)
+    ref = MLP()
+    model = {n: rng.standard_normal(p.shape).astype(np.float32) for n, p in ref.parameters_and_names()}
+    state = {n: {s: rng.standard_normal(p.shape).astype(np.float32) for s in ("moment1", "moment2")}
+             for n, p in ref.parameters_and_names()}
+    group = {"global_step": np.array([seed + 7], np.int32), "learning_rate": np.array(0.01 * (seed + 1), np.float32),
+             "beta1_power": np.array(0.9 ** (seed + 1), np.float32),
+             "beta2_power": np.array(0.999 ** (seed + 1), np.float32), "params": list(model)}
+    return model, {"state": state, "param_groups": [group]}
+
+
+def _flat_expected(seed: int):
+    model, optim = _expected(seed)
+    out = {f"model.{k}": v for k, v in model.items()}
+    out.update({f"optim.state.{k}.{s}": v for k, slots in optim["state"].items() for s, v in slots.items()})
+    out.update({f"optim.param_groups.0.{k}": v for k, v in optim["param_groups"][0].items() if k != "params"})
+    return out
+
+
+def _check_pieces(state, seed: int, context: str) -> int:
+    refs, _ = flatten(state, for_save=False)
+    expected = _flat_expected(seed)
+    assert set(refs) == set(expected), context
+    for key, ref in refs.items():
+        box = tuple(slice(o, o + s) for o, s in zip(ref.piece.offsets, ref.piece.sizes))
+        np.testing.assert_array_equal(ref.local_numpy(), expected[key][box], err_msg=f"{key}: {context}")
+    return len(refs)
+
+
+def _shared_dir() -> str:
+    out = [None] * WORLD
+    dist.all_gather_object(out, tempfile.mkdtemp(prefix="hpms_ckpt_") if ms.communication.get_rank() == 0 else None)
+    return out[0]
+
+
+@multi_rank(WORLD)
+def test_save_on_each_layout_load_on_every_other_bit_exact():
+    base = _shared_dir()
+    rank = ms.communication.get_rank()
+    try:
+        for i, layout in enumerate(LAYOUTS):
+            model, _ = build(layout)
+            opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
+            full_model, full_optim = _expected(i)
+            dcp.set_state_dict(model, opt, model_state_dict=full_model, optim_state_dict=full_optim)
+            model_sd, optim_sd = dcp.get_state_dict(model, opt)
+            meta = dcp.save({"model": model_sd, "optim": optim_sd, "saved_on": layout},
+                            checkpoint_id=os.path.join(base, layout))
+            chunks = len(meta.tensors["model.up.weight"].chunks)
+            assert chunks == {"single": 1, "tp2": 2, "tp4": 4, "dp2xtp2_fsdp": 4, "fsdp": 4}[layout], (layout, chunks)
+            files = sorted(os.listdir(os.path.join(base, layout)))
+            if layout == "single":                                       # replicas written once, by rank 0
+                assert files == ["metadata.json", "rank_0.safetensors"], files
+        for i, saved in enumerate(LAYOUTS):
+            for target in LAYOUTS:
+                model, _ = build(target, seed=100)
+                opt = nn.Adam(model.trainable_params(), learning_rate=0.5)
+                state = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt),
+                         "saved_on": ""}
+                dcp.load(state, checkpoint_id=os.path.join(base, saved))
+                assert state["saved_on"] == saved
+                state.pop("saved_on")
+                # the model and optimizer themselves (not only the dict) hold the saved values
+                live = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)}
+                assert _check_pieces(live, i, f"saved on {saved}, loaded on {target}, rank {rank}") == 16
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _batch(step: int):
+    return ms.Tensor(np.random.default_rng(50 + step).standard_normal((4, 3, 7)).astype(np.float32))
+
+
+def _train(model, opt, dp_mesh, steps) -> list:
+    params = opt.parameters
+    reducer = GradientReducer(params, dp_mesh=dp_mesh, dp_dim="dp" if dp_mesh is not None else None)
+    dp_index, dp_size = (dp_mesh.get_coordinate()[0], 2) if dp_mesh is not None else (0, 1)
+
+    def loss_fn(x):
+        return (model(x) ** 2).mean()
+    grad_fn = ms.value_and_grad(loss_fn, None, params)
+    losses = []
+    for step in steps:
+        x = _batch(step)
+        rows = 4 // dp_size
+        loss, grads = grad_fn(x[dp_index * rows:(dp_index + 1) * rows])
+        opt(reducer(grads))
+        if dp_mesh is not None:
+            loss = comm.all_reduce(loss, dp_mesh, "dp", op="avg")
+        losses.append(float(loss.asnumpy()))
+    return losses
+
+
+def _sgd(model):
+    return nn.SGD(model.trainable_params(), learning_rate=0.05, momentum=0.9)
+
+
+@multi_rank(WORLD)
+def test_training_resumed_from_a_checkpoint_matches_the_uninterrupted_run():
+    base = _shared_dir()
+    rank = ms.communication.get_rank()
+    try:
+        model, dp = build("tp4")
+        opt = _sgd(model)
+        reference = _train(model, opt, dp, range(6))
+        model, dp = build("tp4")
+        opt = _sgd(model)
+        first = _train(model, opt, dp, range(3))
+        assert first == reference[:3]
+        model_sd, optim_sd = dcp.get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": 3}, checkpoint_id=os.path.join(base, "step_3"))
+        for layout in ("tp4", "tp2", "single"):
+            model, dp = build(layout, seed=9)
+            opt = _sgd(model)
+            model_sd, optim_sd = dcp.get_state_dict(model, opt)
+            state = {"model": model_sd, "optim": optim_sd, "step": 0}
+            dcp.load(state, checkpoint_id=os.path.join(base, "step_3"))
+            resumed = _train(model, opt, dp, range(state["step"], 6))
+            np.testing.assert_allclose(resumed, reference[3:], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"resumed on {layout}, rank {rank}")
+            if layout == "tp4":
+                assert resumed == reference[3:]
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
