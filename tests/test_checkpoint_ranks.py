@@ -1,8 +1,10 @@
 """Checkpoints across layouts on 4 ranks: save on every layout of {single device, tp2 (x2
 replicas), tp4, dp2 x tp2 fully-sharded pieces (one dim over two mesh dims, tp major),
-fsdp (Shard(0) over 4 ranks, uneven: 7 rows as 2, 2, 2, 1)} and load into every other, model and Adam state,
-bit-exact; training resumed from a checkpoint (on the same and on another layout) gives
-the losses of the uninterrupted run."""
+fsdp (Shard(0) over 4 ranks, uneven: 7 rows as 2, 2, 2, 1), DTensor parameters} and load
+into every other, model and Adam state, bit-exact; training resumed from a checkpoint (on
+the same and on another layout) gives the losses of the uninterrupted run; a rank failing
+during a save or a load makes every rank fail with the cause, nothing committed or
+changed."""
 from __future__ import annotations
 
 import os
@@ -11,7 +13,7 @@ import tempfile
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import Parameter, nn, ops
 from mindspore.mint import distributed as dist
 
 from hyper_parallel_ms import checkpoint as dcp
@@ -19,13 +21,15 @@ from hyper_parallel_ms import comm
 from hyper_parallel_ms.checkpoint._pieces import flatten
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import ColwiseParallel, GradientReducer, RowwiseParallel, parallelize_module
+from hyper_parallel_ms.dtensor import distribute_tensor
+from hyper_parallel_ms.nn import (ColwiseParallel, GradientReducer, RowwiseParallel, distribute_module,
+                                  parallelize_module)
 from hyper_parallel_ms.nn._parameter import sharded_parameter
 from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
 WORLD = 4
-LAYOUTS = ("single", "tp2", "tp4", "dp2xtp2_fsdp", "fsdp")
+LAYOUTS = ("single", "tp2", "tp4", "dp2xtp2_fsdp", "fsdp", "dtensor")
 
 
 class MLP(nn.Cell):
@@ -60,6 +64,14 @@ def build(layout: str, seed: int = 0):
         s00 = (Shard(0), Shard(0))
         _hand_made(model, mesh, {"up.weight": Layout((2, 2), s00, shard_order={0: (1, 0)}), "up.bias": s00,
                                  "down.weight": (Shard(0), Shard(1)), "down.bias": (Shard(0), Replicate())})
+    elif layout == "dtensor":                    # Parameter(DTensor), as distribute_module / shard_module make them
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+
+        def partition(name, cell, mesh):
+            if name in ("up", "down"):
+                cell.weight = Parameter(distribute_tensor(cell.weight, mesh, [Shard(0 if name == "up" else 1)]),
+                                        name=cell.weight.name)
+        distribute_module(model, mesh, partition)
     elif layout == "fsdp":
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         _hand_made(model, mesh, dict.fromkeys(("up.weight", "up.bias", "down.weight", "down.bias"), (Shard(0),)))
@@ -117,7 +129,8 @@ def test_save_on_each_layout_load_on_every_other_bit_exact():
             meta = dcp.save({"model": model_sd, "optim": optim_sd, "saved_on": layout},
                             checkpoint_id=os.path.join(base, layout))
             chunks = len(meta.tensors["model.up.weight"].chunks)
-            assert chunks == {"single": 1, "tp2": 2, "tp4": 4, "dp2xtp2_fsdp": 4, "fsdp": 4}[layout], (layout, chunks)
+            assert chunks == {"single": 1, "tp2": 2, "tp4": 4, "dp2xtp2_fsdp": 4, "fsdp": 4,
+                              "dtensor": 4}[layout], (layout, chunks)
             files = sorted(os.listdir(os.path.join(base, layout)))
             if layout == "single":                                       # replicas written once, by rank 0
                 assert files == ["metadata.json", "rank_0.safetensors"], files
@@ -192,6 +205,65 @@ def test_training_resumed_from_a_checkpoint_matches_the_uninterrupted_run():
                                        err_msg=f"resumed on {layout}, rank {rank}")
             if layout == "tp4":
                 assert resumed == reference[3:]
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+@multi_rank(WORLD)
+def test_a_rank_failing_fails_every_rank_and_changes_nothing():
+    from hyper_parallel_ms.checkpoint import _save
+    base = _shared_dir()
+    rank = ms.communication.get_rank()
+    path = os.path.join(base, "ckpt")
+    try:
+        model, _ = build("fsdp")
+        opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
+        dcp.set_state_dict(model, opt, model_state_dict=_expected(1)[0], optim_state_dict=_expected(1)[1])
+        state = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)}
+        dcp.save(state, checkpoint_id=path)
+        # a second save to the same id dies on rank 1 (disk full): every rank raises, nothing is committed
+        dcp.set_state_dict(model, opt, model_state_dict=_expected(2)[0], optim_state_dict=_expected(2)[1])
+        real = _save.write_file
+
+        def disk_full(*args, **kwargs):
+            raise OSError("No space left on device")
+        _save.write_file = disk_full if rank == 1 else real
+        try:
+            dcp.save(state, checkpoint_id=path)
+            raise AssertionError("save succeeded although rank 1 failed")
+        except dcp.CheckpointError as exc:
+            assert "nothing was committed" in str(exc) and "rank 1: writing" in str(exc) and "No space" in str(exc)
+        finally:
+            _save.write_file = real
+        dcp.load(state, checkpoint_id=path)                          # the previous checkpoint is intact
+        assert _check_pieces(state, 1, "previous checkpoint after a failed save") == 16
+        # a corrupted file read by rank 2 only: every rank fails before any value changes
+        dist.barrier()
+        if rank == 0:
+            data = os.path.join(path, "rank_2.safetensors")
+            raw = bytearray(open(data, "rb").read())
+            raw[-1] ^= 0x55
+            open(data, "wb").write(bytes(raw))
+        dist.barrier()
+        dcp.set_state_dict(model, opt, model_state_dict=_expected(3)[0], optim_state_dict=_expected(3)[1])
+        try:
+            dcp.load(state, checkpoint_id=path)
+            raise AssertionError("load of a corrupted checkpoint succeeded")
+        except dcp.CheckpointError as exc:
+            assert "rank 2: tensor" in str(exc) and "rank_2.safetensors fails its checksum" in str(exc), str(exc)
+        assert _check_pieces(state, 3, "values after a failed load") == 16
+        # without collectives every rank writes its own part and metadata; a load merges them
+        dcp.save(state, checkpoint_id=os.path.join(base, "local"), use_collectives=False)
+        dist.barrier()                                               # the save itself does not synchronise
+        assert sorted(f for f in os.listdir(os.path.join(base, "local")) if f.startswith("metadata_rank_")) == [
+            f"metadata_rank_{r}.json" for r in range(WORLD)]
+        model, _ = build("tp2", seed=5)
+        opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
+        other = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)}
+        dcp.load(other, checkpoint_id=os.path.join(base, "local"))
+        assert _check_pieces(other, 3, "rank-local save loaded on tp2") == 16
     finally:
         dist.barrier()
         if rank == 0:
