@@ -268,3 +268,22 @@ def test_a_rank_failing_fails_every_rank_and_changes_nothing():
         dist.barrier()
         if rank == 0:
             shutil.rmtree(base, ignore_errors=True)
+
+
+@multi_rank(WORLD, timeout=600)
+def test_example_saves_every_n_steps_and_resumes_on_another_layout():
+    from examples.train_tp import TrainConfig, latest_checkpoint, train
+    base = _shared_dir()
+    rank = ms.communication.get_rank()
+    small = dict(seq=8, dim=16, hidden=32, vocab=32, layers=1, mode="pynative", checkpoint_dir=base)
+    try:
+        first = train(TrainConfig(dp=2, tp=2, steps=3, save_every=2, check=False, **small), log=lambda line: None)
+        assert latest_checkpoint(base) == os.path.join(base, "step_2")
+        resumed = train(TrainConfig(dp=1, tp=4, steps=4, resume=True, **small), log=lambda line: None)
+        assert resumed["start_step"] == 2 and len(resumed["losses"]) == 2
+        np.testing.assert_allclose(resumed["losses"][0], first["losses"][2], rtol=1e-5)
+        assert resumed["max_relative_difference"] <= 1e-4, (resumed["losses"], resumed["reference_losses"])
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)

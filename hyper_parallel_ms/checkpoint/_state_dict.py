@@ -5,10 +5,11 @@ Model: fully qualified parameter name -> the Parameter itself (sharded ones keep
 sharding record or are DTensors, so :func:`save` writes pieces and :func:`load` fills them
 in place). Optimizer: ``{"state": {fqn: {slot: moment}}, "param_groups": [{...}]}`` where a
 moment of a sharded parameter is a :class:`ShardedTensor` laid out as its parameter (the
-optimizer's per-parameter Parameters named ``<slot>.<parameter name>``: ``adam_m``/``adam_v``
-of AdamWeightDecay, ``moment1``/``moment2`` of Adam, ``accum``/``stat`` of SGD), and the
-group holds the optimizer's other Parameters (``global_step``, ``learning_rate``,
-``beta1_power``, ...) and the fqns of its parameters.
+slots are the optimizer's ParameterTuples aligned with its parameters, named by attribute:
+``moments1``/``moments2`` of AdamWeightDecay, ``moment1``/``moment2`` of Adam,
+``accum``/``stat`` of SGD, ``moments`` of Momentum), and the group holds the optimizer's
+other Parameters by attribute (``global_step``, ``learning_rate``, ``beta1_power``, ...)
+and the fqns of its parameters.
 
 Example::
 
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from ..dtensor import DTensor
 from ..nn import as_dtensor, parameter_sharding
+from ..nn._adapter import own_parameters
 from ._metadata import CheckpointError
 from ._pieces import ShardedTensor, TensorRef, flatten, to_numpy
 
@@ -94,30 +96,33 @@ def get_model_state_dict(model: nn.Cell, *, options: Optional[StateDictOptions] 
 def _slots(model: nn.Cell, optimizer: nn.Optimizer) -> Tuple[Dict[str, Dict[str, Parameter]], Dict[str, Parameter],
                                                               List[str]]:
     """Per-parameter slots (fqn -> slot -> Parameter), the optimizer's other Parameters, and
-    the fqns of the parameters it updates."""
+    the fqns of the parameters it updates. A slot is a ParameterTuple attribute of the
+    optimizer aligned with its parameters (same length, each the parameter's local shape),
+    named by the attribute (``moment1``, ``moments1``, ``accum``, ...): Parameter names are
+    not stable (MindSpore prefixes them when the optimizer is placed inside another Cell)."""
     fqn_of = {id(p): name for name, p in model.parameters_and_names()}
     params = list(optimizer.parameters)
-    by_name = {}
-    for p in params:
-        if id(p) not in fqn_of:
-            raise CheckpointError(f"optimizer parameter {p.name!r} is not a parameter of the model")
-        by_name[p.name] = p
+    missing = [p.name for p in params if id(p) not in fqn_of]
+    if missing:
+        raise CheckpointError(f"optimizer parameters {missing} are not parameters of the model")
+    fqns = [fqn_of[id(p)] for p in params]
     own = {id(p) for p in params}
     slots: Dict[str, Dict[str, Parameter]] = {}
-    scalars: Dict[str, Parameter] = {}
-    for q in optimizer.get_parameters():
-        if id(q) in own:
+    in_slots = set()
+    for attr, value in sorted(vars(optimizer).items()):
+        if not isinstance(value, ParameterTuple) or len(value) != len(params) or attr in _NOT_SLOTS:
             continue
-        slot, _, pname = q.name.partition(".")
-        p = by_name.get(pname)
-        if p is not None and tuple(q.shape) == tuple(_local_shape(p)):
-            slots.setdefault(fqn_of[id(p)], {})[slot] = q
-        elif "." in q.name:
-            raise CheckpointError(f"optimizer state {q.name!r} of shape {tuple(q.shape)} cannot be matched to a "
-                                  "parameter (expected '<slot>.<parameter name>' with the parameter's local shape)")
-        else:
-            scalars[q.name] = q
-    return slots, scalars, [fqn_of[id(p)] for p in params]
+        if any(id(q) in own for q in value):
+            continue
+        if all(tuple(q.shape) == _local_shape(p) for p, q in zip(params, value)):
+            for fqn, q in zip(fqns, value):
+                slots.setdefault(fqn, {})[attr] = q
+                in_slots.add(id(q))
+    scalars = {name: q for name, q in own_parameters(optimizer).items() if id(q) not in own and id(q) not in in_slots}
+    return slots, scalars, fqns
+
+
+_NOT_SLOTS = ("parameters", "_parameters")
 
 
 def _local_shape(p: Parameter) -> Tuple[int, ...]:
