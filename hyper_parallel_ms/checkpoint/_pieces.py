@@ -63,8 +63,8 @@ class TensorRef:
         if isinstance(target, np.ndarray):
             target[...] = data
             return
-        local = _local_of(target)
-        _local_view(local).copy_(Tensor(data, dtype=local.dtype))
+        # from_numpy shares the buffer (no copy); copy_ writes into the tensor's own storage
+        _local_view(_local_of(target)).copy_(Tensor.from_numpy(np.asarray(data, order="C")))
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,6 +17,7 @@ import json
 import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -83,17 +84,17 @@ def write_file(path: str, arrays: Mapping[str, np.ndarray], metadata: Optional[D
         offset += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    sums = {}
-    with open(path, "wb") as f:
+    with ThreadPoolExecutor(max_workers=1) as checksums, open(path, "wb") as f:
+        # the CRCs are computed beside the writes (both release the GIL)
+        pending = {key: checksums.submit(crc32, a) for key, a in contiguous.items()}
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for key, a in contiguous.items():
+        for a in contiguous.values():
             f.write(_bytes(a))
-            sums[key] = (crc32(a), a.nbytes)
         f.flush()
         if fsync:
             os.fsync(f.fileno())
-    return sums
+        return {key: (future.result(), contiguous[key].nbytes) for key, future in pending.items()}
 
 
 class SafetensorsFile:
