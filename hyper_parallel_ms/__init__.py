@@ -10,7 +10,7 @@ Example::
     dt = distribute_tensor(x, mesh, [Shard(0), Replicate()])
     y = dt.redistribute(mesh, [Replicate(), Shard(1)]).full_tensor()
 """
-from . import comm, nn, ops
+from . import checkpoint, comm, nn, ops
 from .dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
                       visualize_sharding, zeros)
 from .layout import Layout
@@ -23,5 +23,5 @@ __all__ = ["DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", 
            "DTensor", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
            "visualize_sharding", "sharding_table", "nn", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
-           "distribute_module", "ShardingPlan", "shard_module", "GradientReducer"]
+           "distribute_module", "ShardingPlan", "shard_module", "GradientReducer", "checkpoint"]
 __version__ = "0.1.0"

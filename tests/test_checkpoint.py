@@ -234,3 +234,15 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
         dcp.load(state, checkpoint_id=str(tmp_path / "never"))
     meta = json.load(open(os.path.join(path, "metadata.json")))
     assert meta["values"]["i"] == state["i"]
+
+
+def test_a_save_dying_between_the_renames_leaves_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "c")
+    dcp.save({"w": np.ones(3, np.float32)}, checkpoint_id=path)
+    os.replace(path, path + ".old")                     # the state between commit's two renames
+    state = {"w": np.zeros(3, np.float32)}
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [1, 1, 1]
+    dcp.save({"w": np.full(3, 2, np.float32)}, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [2, 2, 2] and not os.path.exists(path + ".old")

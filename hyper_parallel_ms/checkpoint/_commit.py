@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 
-__all__ = ["staging_dir", "prepare_staging", "write_durable", "commit"]
+__all__ = ["staging_dir", "previous_dir", "prepare_staging", "write_durable", "commit"]
 
 
 def staging_dir(checkpoint_id: str) -> str:
@@ -35,6 +35,11 @@ def prepare_staging(checkpoint_id: str) -> str:
     return staging
 
 
+def previous_dir(checkpoint_id: str) -> str:
+    """Where the replaced checkpoint of the same name waits while a new one is moved in."""
+    return os.path.normpath(checkpoint_id) + ".old"
+
+
 def write_durable(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file, fsync'd, then renamed."""
     tmp = path + ".tmp"
@@ -50,11 +55,13 @@ def commit(staging: str, checkpoint_id: str) -> None:
     checkpoint of that name only once the new one is complete)."""
     target = os.path.normpath(checkpoint_id)
     _fsync_dir(staging)
-    old = target + ".old"
-    if os.path.exists(old):
-        shutil.rmtree(old)
+    old = previous_dir(target)
     if os.path.exists(target):
+        if os.path.exists(old):
+            shutil.rmtree(old)
         os.replace(target, old)
+    # between the two renames the checkpoint is <target>.old (readers fall back to it); an old
+    # copy left by a save that died there stays until the new one is in place
     os.replace(staging, target)
     _fsync_dir(os.path.dirname(os.path.abspath(target)))
     if os.path.exists(old):

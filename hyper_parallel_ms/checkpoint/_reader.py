@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ._commit import staging_dir
+from ._commit import previous_dir, staging_dir
 from ._metadata import METADATA_FILE, CheckpointError, Chunk, Metadata, TensorEntry
 from ._safetensors import SafetensorsFile, crc32
 
@@ -63,6 +63,8 @@ def open_checkpoint(checkpoint_id: str) -> CheckpointReader:
     path = os.fspath(checkpoint_id)
     if os.path.isfile(path):
         return _full_file(path)
+    if not os.path.isdir(path) and os.path.exists(os.path.join(previous_dir(path), METADATA_FILE)):
+        path = previous_dir(path)      # a save died while replacing it: the previous one is complete
     if not os.path.isdir(path):
         if os.path.isdir(staging_dir(path)):
             raise CheckpointError(f"checkpoint {path} was never committed: only {staging_dir(path)} exists (a save "
