@@ -37,7 +37,7 @@ class Piece:
     sizes: Tuple[int, ...]
 
     @property
-    def nbytes_hint(self) -> int:
+    def elements(self) -> int:
         return prod(self.sizes)
 
 
@@ -73,10 +73,10 @@ def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = T
                 holders.setdefault(box, []).append(rank)
                 first.setdefault(box, p)
     load = [0] * len(plans)
-    for box in sorted(holders, key=lambda b: (-first[b].nbytes_hint, b)):
+    for box in sorted(holders, key=lambda b: (-first[b].elements, b)):
         ranks = holders[box]
         writer = ranks[0] if save_to_minimum_rank else min(ranks, key=lambda r: (load[r], r))
-        load[writer] += first[box].nbytes_hint
+        load[writer] += first[box].elements
         writes[writer].append(first[box])
     for pieces in writes:
         pieces.sort(key=lambda p: (p.key, p.offsets))

@@ -44,7 +44,8 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = Fals
         state_dict: a (nested) dict of tensors (DTensors, sharded Parameters,
             :class:`ShardedTensor`, plain tensors) and JSON-serialisable values.
         checkpoint_id: the checkpoint directory.
-        no_dist: this process alone saves everything it holds (no collectives).
+        no_dist: this process alone saves everything it holds, as a world of one (no
+            collectives; give each process its own ``checkpoint_id``).
         use_collectives: coordinate the ranks (plan, dedup, one metadata, atomic commit). With
             ``False`` each rank writes its pieces and a rank-local ``metadata_rank_K.json``
             (each rank's part is atomic; replicas are written by every holder).
@@ -58,11 +59,15 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = Fals
     checkpoint_id = os.fspath(checkpoint_id)
     tensors, values = flatten(state_dict, for_save=True)
     plain_values = {k: v.value for k, v in values.items()}
-    coordinated = use_collectives and not no_dist
-    coord = Coordinator(distributed=coordinated)
-    world = Coordinator(distributed=True)
-    if not coordinated and not no_dist and world.world_size > 1:
+    world = Coordinator(distributed=not no_dist)
+    if not use_collectives and world.world_size > 1:
         return _save_rank_local(tensors, plain_values, checkpoint_id, world.rank, world.world_size)
+    return _save_coordinated(tensors, plain_values, checkpoint_id, world, remove_redundancy, save_to_minimum_rank)
+
+
+def _save_coordinated(tensors: Dict[str, TensorRef], values: Dict[str, Any], checkpoint_id: str,
+                      coord: Coordinator, remove_redundancy: bool, save_to_minimum_rank: bool) -> Metadata:
+    """Stage, plan, write, then commit once every rank has written (see :mod:`._commit`)."""
     error = None
     if coord.rank == 0:
         try:
@@ -70,28 +75,26 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = Fals
         except OSError as exc:
             error = f"cannot create {staging_dir(checkpoint_id)}: {exc}"
     coord.agree(error)
-    staging = staging_dir(checkpoint_id)
     plans = coord.all_gather([ref.piece for ref in tensors.values()])
     mine = plan_writes(plans, remove_redundancy=remove_redundancy,
                        save_to_minimum_rank=save_to_minimum_rank)[coord.rank]
+    path = os.path.join(staging_dir(checkpoint_id), data_file_name(coord.rank))
     written: Optional[List[Tuple[Piece, int, int]]] = None
-    error = None
     try:
-        written = _write_pieces(mine, tensors, os.path.join(staging, data_file_name(coord.rank)))
+        written = _write_pieces(mine, tensors, path)
     except Exception as exc:  # every rank must reach the next collective
-        error = f"writing {os.path.join(staging, data_file_name(coord.rank))} failed: {type(exc).__name__}: {exc}"
+        error = f"writing {path} failed: {type(exc).__name__}: {exc}"
     results = coord.all_gather((error, written))
     failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
-    metadata = _metadata([(r, w) for r, (_, w) in enumerate(results)], plain_values, coord.world_size)
-    error = None
-    if not failures and coord.rank == 0:
-        try:
-            write_durable(os.path.join(staging, METADATA_FILE), metadata.to_json())
-            commit(staging, checkpoint_id)
-        except OSError as exc:
-            error = f"committing {checkpoint_id} failed: {exc}"
     if failures:
         raise CheckpointError(f"save to {checkpoint_id} failed, nothing was committed: " + "; ".join(failures))
+    metadata = _metadata([(r, w) for r, (_, w) in enumerate(results)], values, coord.world_size)
+    if coord.rank == 0:
+        try:
+            write_durable(os.path.join(staging_dir(checkpoint_id), METADATA_FILE), metadata.to_json())
+            commit(staging_dir(checkpoint_id), checkpoint_id)
+        except OSError as exc:
+            error = f"committing {checkpoint_id} failed: {exc}"
     coord.agree(error)
     return metadata
 
