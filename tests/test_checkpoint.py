@@ -246,3 +246,15 @@ def test_a_save_dying_between_the_renames_leaves_the_previous_checkpoint(tmp_pat
     dcp.save({"w": np.full(3, 2, np.float32)}, checkpoint_id=path)
     dcp.load(state, checkpoint_id=path)
     assert state["w"].tolist() == [2, 2, 2] and not os.path.exists(path + ".old")
+
+
+def test_async_save_snapshots_the_state_and_commits_on_result(tmp_path):
+    path = str(tmp_path / "c")
+    param = ms.Parameter(ms.Tensor(np.arange(4, dtype=np.float32)), name="w")
+    pending = dcp.async_save({"w": param, "step": 1}, checkpoint_id=path, no_dist=True)
+    param.set_data(ms.Tensor(np.zeros(4, np.float32)))          # training goes on
+    meta = pending.result()
+    assert pending.done() and meta.values["step"] == 1
+    state = {"w": np.full(4, -1, np.float32), "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [0, 1, 2, 3] and state["step"] == 1
