@@ -267,6 +267,15 @@ def test_a_rank_failing_fails_every_rank_and_changes_nothing():
         other = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)}
         dcp.load(other, checkpoint_id=os.path.join(base, "local"))
         assert _check_pieces(other, 3, "rank-local save loaded on tp2") == 16
+        # host copies (cpu_offload) of pieces stay pieces
+        model, _ = build("fsdp", seed=6)
+        opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
+        dcp.set_state_dict(model, opt, model_state_dict=_expected(4)[0], optim_state_dict=_expected(4)[1])
+        model_sd, optim_sd = dcp.get_state_dict(model, opt, options=dcp.StateDictOptions(cpu_offload=True))
+        assert isinstance(model_sd["down.weight"], dcp.ShardedTensor)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(base, "offload"))
+        dcp.load(other, checkpoint_id=os.path.join(base, "offload"))
+        assert _check_pieces(other, 4, "cpu_offload pieces loaded on tp2") == 16
     finally:
         dist.barrier()
         if rank == 0:

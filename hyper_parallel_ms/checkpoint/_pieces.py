@@ -34,10 +34,11 @@ __all__ = ["ShardedTensor", "TensorRef", "ValueRef", "flatten", "is_tensor_like"
 
 @dataclass(frozen=True, eq=False)
 class ShardedTensor:
-    """``local``: this rank's piece of the global tensor described by ``spec`` (mesh,
-    layout, global shape). Used for optimizer moments, laid out as their parameters."""
+    """``local``: this rank's piece (a Tensor, or a numpy host copy) of the global tensor
+    described by ``spec`` (mesh, layout, global shape). Used for optimizer moments, laid out
+    as their parameters, and for host copies of sharded values."""
 
-    local: Tensor
+    local: Union[Tensor, np.ndarray]
     spec: DTensorSpec
 
 
@@ -59,12 +60,12 @@ class TensorRef:
 
     def assign(self, data: np.ndarray) -> None:
         """Write ``data`` (the piece's shape and dtype) into the target, in place."""
-        target = self.target
-        if isinstance(target, np.ndarray):
-            target[...] = data
+        local = _local_of(self.target)
+        if isinstance(local, np.ndarray):
+            local[...] = data
             return
         # from_numpy shares the buffer (no copy); copy_ writes into the tensor's own storage
-        _local_view(_local_of(target)).copy_(Tensor.from_numpy(np.asarray(data, order="C")))
+        _local_view(local).copy_(Tensor.from_numpy(np.asarray(data, order="C")))
 
 
 @dataclass(frozen=True, eq=False)

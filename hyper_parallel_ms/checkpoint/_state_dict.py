@@ -25,6 +25,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from ..dtensor import DTensor
+from ..dtensor._dtensor import _local_view
 from ..nn import as_dtensor, parameter_sharding
 from ..nn._adapter import own_parameters
 from ._metadata import CheckpointError
@@ -61,20 +62,24 @@ def _spec_of(param: Parameter):
 
 
 def _export(value: Union[Tensor, ShardedTensor], options: StateDictOptions) -> Any:
+    """``value`` as the options ask: itself, a host copy (sharded ones stay
+    :class:`ShardedTensor` pieces: a bare numpy piece would read as a whole tensor), or the
+    whole tensor."""
     if options.full_state_dict:
         full = _full(value)
-        return to_numpy(full) if options.cpu_offload else full
-    if options.cpu_offload:
-        return to_numpy(value.local if isinstance(value, ShardedTensor) else value).copy() \
-            if not isinstance(value, DTensor) else to_numpy(value).copy()
-    return value
+        return to_numpy(full).copy() if options.cpu_offload else full
+    if not options.cpu_offload:
+        return value
+    spec = value.spec if isinstance(value, ShardedTensor) else _spec_of(value)
+    host = to_numpy(value.local if isinstance(value, ShardedTensor) else value).copy()
+    return host if spec is None else ShardedTensor(host, spec)
 
 
 def _full(value: Union[Tensor, ShardedTensor]) -> Tensor:
     if isinstance(value, ShardedTensor):
-        from ..dtensor._dtensor import _local_view
         spec = value.spec
-        return DTensor.from_local(_local_view(value.local), spec.mesh, spec.layout, shape=spec.shape).full_tensor()
+        local = Tensor(value.local) if isinstance(value.local, np.ndarray) else _local_view(value.local)
+        return DTensor.from_local(local, spec.mesh, spec.layout, shape=spec.shape).full_tensor()
     if isinstance(value, DTensor):
         return value.full_tensor()
     if parameter_sharding(value) is not None:
