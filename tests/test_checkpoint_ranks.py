@@ -267,6 +267,12 @@ def test_a_rank_failing_fails_every_rank_and_changes_nothing():
         other = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)}
         dcp.load(other, checkpoint_id=os.path.join(base, "local"))
         assert _check_pieces(other, 3, "rank-local save loaded on tp2") == 16
+        # a plain tensor said replicated whose copies differ (a piece without its layout) is refused
+        try:
+            dcp.save({"w": np.full(3, rank // 2, np.float32)}, checkpoint_id=os.path.join(base, "bad"))
+            raise AssertionError("ranks holding different data as one replicated tensor were saved")
+        except dcp.CheckpointError as exc:
+            assert "'w' is a plain tensor" in str(exc) and "ranks [0, 1] vs ranks [2, 3]" in str(exc), str(exc)
         # host copies (cpu_offload) of pieces stay pieces
         model, _ = build("fsdp", seed=6)
         opt = nn.Adam(model.trainable_params(), learning_rate=0.01)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._metadata import CheckpointError, Chunk, TensorEntry
 
@@ -28,13 +28,15 @@ Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Piece:
-    """A box of the global tensor ``key`` (of ``shape`` and ``dtype``) held by one rank."""
+    """A box of the global tensor ``key`` (of ``shape`` and ``dtype``) held by one rank;
+    ``crc32`` of its data when the ranks' copies must agree (plain tensors, said replicated)."""
 
     key: str
     shape: Tuple[int, ...]
     dtype: str
     offsets: Tuple[int, ...]
     sizes: Tuple[int, ...]
+    crc32: Optional[int] = None      # of the data, for values said to be replicated (plain tensors)
 
     @property
     def elements(self) -> int:
@@ -56,9 +58,10 @@ def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = T
     """For each rank, the pieces it writes. With ``remove_redundancy`` each distinct box is
     written once: by the lowest rank holding it (``save_to_minimum_rank``) or by the holder
     with the fewest elements to write so far (spreads the writes). Empty boxes are skipped.
-    Raises :class:`CheckpointError` when ranks disagree on a tensor's shape or dtype, or
-    when the pieces do not cover a tensor."""
+    Raises :class:`CheckpointError` when ranks disagree on a tensor's shape or dtype or on
+    the data of a replicated piece, or when the pieces do not cover a tensor."""
     _check_consistent(plans)
+    _check_replicas(plans)
     writes: List[List[Piece]] = [[] for _ in plans]
     if not remove_redundancy:
         for rank, pieces in enumerate(plans):
@@ -100,6 +103,20 @@ def _check_consistent(plans: Sequence[Sequence[Piece]]) -> None:
             raise CheckpointError(f"tensor {key!r} of shape {seen[key][0]}: the ranks' pieces cover {covered} of "
                                   f"{prod(seen[key][0])} elements (overlapping or missing pieces); every element "
                                   "must be held by some rank")
+
+
+def _check_replicas(plans: Sequence[Sequence[Piece]]) -> None:
+    sums: Dict[Tuple[str, Box], Dict[int, List[int]]] = {}
+    for rank, pieces in enumerate(plans):
+        for p in pieces:
+            if p.crc32 is not None:
+                sums.setdefault((p.key, (p.offsets, p.sizes)), {}).setdefault(p.crc32, []).append(rank)
+    for (key, _), by_sum in sums.items():
+        if len(by_sum) > 1:
+            groups = " vs ".join(f"ranks {ranks}" for ranks in by_sum.values())
+            raise CheckpointError(f"tensor {key!r} is a plain tensor (saved as replicated) but its data differs "
+                                  f"between {groups}; if it is a piece of a sharded tensor, give its layout "
+                                  "(a DTensor, a sharded Parameter or a ShardedTensor)")
 
 
 @dataclass(frozen=True)

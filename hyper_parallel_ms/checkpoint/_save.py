@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from math import prod
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -17,7 +18,7 @@ from ._dist import Coordinator
 from ._metadata import METADATA_FILE, CheckpointError, Chunk, Metadata, TensorEntry
 from ._pieces import TensorRef, flatten
 from ._planner import Piece, chunk_key, plan_writes
-from ._safetensors import write_file
+from ._safetensors import crc32, write_file
 
 __all__ = ["save", "async_save", "AsyncSave", "data_file_name", "rank_metadata_name"]
 
@@ -90,7 +91,8 @@ class _SaveJob:
             except OSError as exc:
                 error = f"cannot create {staging_dir(checkpoint_id)}: {exc}"
         coord.agree(error)
-        plans = coord.all_gather([ref.piece for ref in tensors.values()])
+        plans = coord.all_gather([_plan_piece(ref) for ref in tensors.values()] if coord.world_size > 1
+                                 else [ref.piece for ref in tensors.values()])
         self.pieces = plan_writes(plans, remove_redundancy=remove_redundancy,
                                   save_to_minimum_rank=save_to_minimum_rank)[coord.rank]
         # host copies when the caller goes on training while the file is written
@@ -166,6 +168,12 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool 
     job = _SaveJob(tensors, {k: v.value for k, v in values.items()}, checkpoint_id,
                    Coordinator(distributed=not no_dist), remove_redundancy, save_to_minimum_rank, snapshot=True)
     return AsyncSave(job)
+
+
+def _plan_piece(ref: TensorRef) -> Piece:
+    """The piece as the plan sees it: with a checksum when it is a plain tensor, whose
+    copies on the ranks must agree since only one of them is written."""
+    return ref.piece if ref.spec is not None else replace(ref.piece, crc32=crc32(ref.local_numpy()))
 
 
 def _arrays(pieces: List[Piece], tensors: Dict[str, TensorRef], copy: bool = False) -> Dict[str, Any]:
