@@ -14,9 +14,8 @@ from typing import Dict
 import numpy as np
 
 from ._metadata import CheckpointError
-from ._planner import plan_reads
 from ._reader import open_checkpoint
-from ._safetensors import numpy_dtype, write_file
+from ._safetensors import write_file
 
 __all__ = ["export_full"]
 
@@ -30,10 +29,7 @@ def export_full(checkpoint_id: str, path: str, *, prefix: str = "") -> Dict[str,
     for key, entry in sorted(reader.metadata.tensors.items()):
         if not key.startswith(prefix):
             continue
-        full = np.empty(entry.shape, dtype=numpy_dtype(entry.dtype))
-        for read in plan_reads(key, entry, (0,) * len(entry.shape), entry.shape, reader.source):
-            full[read.dst] = reader.read_chunk(key, read.chunk)[read.src]
-        arrays[key[len(prefix):]] = full
+        arrays[key[len(prefix):]] = reader.read_box(key, (0,) * len(entry.shape), entry.shape)
     if not arrays:
         raise CheckpointError(f"checkpoint {reader.source} has no tensor whose key starts with {prefix!r}")
     tmp = os.fspath(path) + ".tmp"

@@ -17,9 +17,7 @@ import numpy as np
 from ._dist import Coordinator
 from ._metadata import CheckpointError
 from ._pieces import TensorRef, ValueRef, flatten
-from ._planner import plan_reads
 from ._reader import CheckpointReader, open_checkpoint
-from ._safetensors import numpy_dtype
 
 __all__ = ["load"]
 
@@ -77,16 +75,6 @@ def _read_all(reader: CheckpointReader, tensors: Dict[str, TensorRef],
         if tuple(entry.shape) != ref.piece.shape or entry.dtype != ref.piece.dtype:
             raise CheckpointError(f"tensor {key!r}: checkpoint {reader.source} holds shape {tuple(entry.shape)} "
                                   f"{entry.dtype}, the state dict expects {ref.piece.shape} {ref.piece.dtype}")
-    data: Dict[str, np.ndarray] = {}
-    for key, ref in tensors.items():
-        piece = ref.piece
-        reads = plan_reads(key, meta.tensors[key], piece.offsets, piece.sizes, reader.source)
-        if len(reads) == 1 and reads[0].chunk.sizes == piece.sizes:
-            data[key] = reader.read_chunk(key, reads[0].chunk)
-            continue
-        out = np.empty(piece.sizes, dtype=numpy_dtype(meta.tensors[key].dtype))
-        for read in reads:
-            out[read.dst] = reader.read_chunk(key, read.chunk)[read.src]
-        data[key] = out
+    data = {key: reader.read_box(key, ref.piece.offsets, ref.piece.sizes) for key, ref in tensors.items()}
     return data, {k: meta.values[k] for k in values}
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
 from ._commit import previous_dir, staging_dir
 from ._metadata import METADATA_FILE, CheckpointError, Chunk, Metadata, TensorEntry
-from ._safetensors import SafetensorsFile, crc32
+from ._planner import plan_reads
+from ._safetensors import SafetensorsFile, crc32, numpy_dtype
 
 __all__ = ["CheckpointReader", "open_checkpoint", "NO_CHECKSUM"]
 
@@ -56,6 +57,19 @@ class CheckpointReader:
                 raise CheckpointError(f"tensor {key!r}: chunk {chunk.key!r} in {path} fails its checksum (CRC-32 "
                                       f"{got:#010x}, expected {chunk.crc32:#010x}): the file is corrupted")
         return data
+
+
+    def read_box(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+        """The box (``offsets``, ``sizes``) of tensor ``key``, assembled from the saved chunks
+        that overlap it (each read whole and checked)."""
+        entry = self.metadata.tensors[key]
+        reads = plan_reads(key, entry, offsets, sizes, self.source)
+        if len(reads) == 1 and tuple(reads[0].chunk.sizes) == tuple(sizes):
+            return self.read_chunk(key, reads[0].chunk)
+        out = np.empty(tuple(sizes), dtype=numpy_dtype(entry.dtype))
+        for read in reads:
+            out[read.dst] = self.read_chunk(key, read.chunk)[read.src]
+        return out
 
 
 def open_checkpoint(checkpoint_id: str) -> CheckpointReader:
