@@ -75,6 +75,7 @@ def _read_all(reader: CheckpointReader, tensors: Dict[str, TensorRef],
         if tuple(entry.shape) != ref.piece.shape or entry.dtype != ref.piece.dtype:
             raise CheckpointError(f"tensor {key!r}: checkpoint {reader.source} holds shape {tuple(entry.shape)} "
                                   f"{entry.dtype}, the state dict expects {ref.piece.shape} {ref.piece.dtype}")
-    data = {key: reader.read_box(key, ref.piece.offsets, ref.piece.sizes) for key, ref in tensors.items()}
+    with reader.overlapped_checks():
+        data = {key: reader.read_box(key, ref.piece.offsets, ref.piece.sizes) for key, ref in tensors.items()}
     return data, {k: meta.values[k] for k in values}
 

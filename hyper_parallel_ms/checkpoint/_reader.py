@@ -14,7 +14,9 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Dict, Optional, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,6 +37,8 @@ class CheckpointReader:
                  arrays: Optional[Dict[str, np.ndarray]] = None) -> None:
         self.source, self.metadata, self.directory, self._arrays = source, metadata, directory, arrays
         self._files: Dict[str, SafetensorsFile] = {}
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._checks: Optional[List[Tuple[str, Chunk, str, Future]]] = None
 
     def read_chunk(self, key: str, chunk: Chunk) -> np.ndarray:
         """The chunk's data; raises :class:`CheckpointError` naming the tensor and the file
@@ -52,11 +56,24 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {key!r}: chunk {chunk.key!r} in {path} has shape {data.shape}, the metadata "
                                   f"says {chunk.sizes}: the file does not belong to this checkpoint")
         if chunk.crc32 != NO_CHECKSUM:
-            got = crc32(data)
-            if got != chunk.crc32:
-                raise CheckpointError(f"tensor {key!r}: chunk {chunk.key!r} in {path} fails its checksum (CRC-32 "
-                                      f"{got:#010x}, expected {chunk.crc32:#010x}): the file is corrupted")
+            if self._checks is None:
+                _verify(key, chunk, path, crc32(data))
+            else:
+                self._checks.append((key, chunk, path, self._pool.submit(crc32, data)))
         return data
+
+    @contextmanager
+    def overlapped_checks(self) -> Iterator[None]:
+        """Within this block, CRCs are computed in a thread beside the next reads, and all
+        are checked when the block ends (raising for the first chunk that fails)."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            self._pool, self._checks = pool, []
+            try:
+                yield
+                for key, chunk, path, future in self._checks:
+                    _verify(key, chunk, path, future.result())
+            finally:
+                self._pool, self._checks = None, None
 
 
     def read_box(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
@@ -70,6 +87,12 @@ class CheckpointReader:
         for read in reads:
             out[read.dst] = self.read_chunk(key, read.chunk)[read.src]
         return out
+
+
+def _verify(key: str, chunk: Chunk, path: str, got: int) -> None:
+    if got != chunk.crc32:
+        raise CheckpointError(f"tensor {key!r}: chunk {chunk.key!r} in {path} fails its checksum (CRC-32 "
+                              f"{got:#010x}, expected {chunk.crc32:#010x}): the file is corrupted")
 
 
 def open_checkpoint(checkpoint_id: str) -> CheckpointReader:
