@@ -14,8 +14,9 @@ default). Cases, each timed once after one warm-up of the same size:
 The cases run interleaved ``--repeat`` times (after one warm-up round) and each reports its
 fastest run, so that a busy machine disturbs every case alike.
 
-Files go to ``--dir`` (default: a fresh temporary directory, removed afterwards). Reads
-follow the writes, so both readers find the data in the page cache alike.
+Files go to ``--dir`` (default: a fresh temporary directory, removed afterwards). Every save
+writes new files (the previous ones are removed and the page cache flushed before it, outside
+the timing); reads follow the writes, so both readers find the data in the page cache alike.
 
 Usage: .venv/bin/python scripts/bench_checkpoint.py [--tensors 16] [--rows 4096] [--repeat 3] [--dir /tmp/x]
 """
@@ -87,12 +88,23 @@ def main(argv) -> int:
     def ck_load():
         checkpoint.load({"model": params}, checkpoint_id=ck_path, no_dist=True)
 
+    def fresh(path):
+        """Writers create new files (as a save of a new step does): nothing to overwrite."""
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        os.sync()
+
     try:
-        cases = (("safetensors save_file", st_save), ("safetensors save_file + fsync", st_save_fsync),
-                 ("checkpoint.save", ck_save), ("safetensors load_file", st_load), ("checkpoint.load", ck_load))
-        times = {name: float("inf") for name, _ in cases}
+        cases = (("safetensors save_file", st_save, st_path), ("safetensors save_file + fsync", st_save_fsync, st_path),
+                 ("checkpoint.save", ck_save, ck_path), ("safetensors load_file", st_load, None),
+                 ("checkpoint.load", ck_load, None))
+        times = {name: float("inf") for name, _, _ in cases}
         for round_ in range(args.repeat + 1):                      # round 0 warms up (allocations, page cache)
-            for name, fn in cases:
+            for name, fn, writes in cases:
+                if writes:
+                    fresh(writes)
                 seconds = _timed(fn)
                 if round_:
                     times[name] = min(times[name], seconds)
