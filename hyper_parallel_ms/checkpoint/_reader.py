@@ -41,8 +41,9 @@ class CheckpointReader:
         self._checks: Optional[List[Tuple[str, Chunk, str, Future]]] = None
 
     def read_chunk(self, key: str, chunk: Chunk) -> np.ndarray:
-        """The chunk's data; raises :class:`CheckpointError` naming the tensor and the file
-        when the file is missing, truncated or corrupted."""
+        """The chunk's data (read-only, over a memory map of its file); raises
+        :class:`CheckpointError` naming the tensor and the file when the file is missing,
+        truncated or corrupted."""
         if self._arrays is not None:
             return self._arrays[chunk.key]
         path = os.path.join(self.directory, chunk.file)
@@ -51,7 +52,7 @@ class CheckpointReader:
                 raise CheckpointError(f"tensor {key!r}: its data file {path} is missing (the checkpoint {self.source} "
                                       "is incomplete)")
             self._files[chunk.file] = SafetensorsFile(path)
-        data = self._files[chunk.file].read(chunk.key)
+        data = self._files[chunk.file].view(chunk.key)
         if tuple(data.shape) != tuple(chunk.sizes):
             raise CheckpointError(f"tensor {key!r}: chunk {chunk.key!r} in {path} has shape {data.shape}, the metadata "
                                   f"says {chunk.sizes}: the file does not belong to this checkpoint")
@@ -64,9 +65,9 @@ class CheckpointReader:
 
     @contextmanager
     def overlapped_checks(self) -> Iterator[None]:
-        """Within this block, CRCs are computed in a thread beside the next reads, and all
-        are checked when the block ends (raising for the first chunk that fails)."""
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        """Within this block, CRCs are computed in threads beside the next reads, and all are
+        checked when the block ends (raising for the first chunk that fails)."""
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             self._pool, self._checks = pool, []
             try:
                 yield
@@ -77,8 +78,8 @@ class CheckpointReader:
 
 
     def read_box(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
-        """The box (``offsets``, ``sizes``) of tensor ``key``, assembled from the saved chunks
-        that overlap it (each read whole and checked)."""
+        """The box (``offsets``, ``sizes``) of tensor ``key`` (read-only), assembled from the
+        saved chunks that overlap it (each checked whole)."""
         entry = self.metadata.tensors[key]
         reads = plan_reads(key, entry, offsets, sizes, self.source)
         if len(reads) == 1 and tuple(reads[0].chunk.sizes) == tuple(sizes):

@@ -99,7 +99,8 @@ def write_file(path: str, arrays: Mapping[str, np.ndarray], metadata: Optional[D
 
 
 class SafetensorsFile:
-    """A safetensors file opened for reading single tensors (header parsed once)."""
+    """A safetensors file opened for reading single tensors (header parsed once; the data
+    memory-mapped on first use: a committed checkpoint is never modified)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -120,6 +121,7 @@ class SafetensorsFile:
             raise CheckpointError(f"{path} has a corrupted safetensors header ({exc})") from exc
         self.data_start = 8 + length
         self.size = size
+        self._map: Optional[mmap.mmap] = None
         self.metadata: Dict[str, str] = header.pop("__metadata__", None) or {}
         self.entries: Dict[str, dict] = header
 
@@ -133,7 +135,12 @@ class SafetensorsFile:
         return tuple(self._entry(key)["shape"])
 
     def read(self, key: str) -> np.ndarray:
-        """The tensor stored under ``key`` (a copy: only its bytes are read)."""
+        """The tensor stored under ``key``, as a copy."""
+        return self.view(key).copy()
+
+    def view(self, key: str) -> np.ndarray:
+        """The tensor stored under ``key`` as a read-only array over a memory map of the file
+        (no copy; only the pages touched are read). The map lives as long as its views."""
         entry = self._entry(key)
         begin, end = entry["data_offsets"]
         dtype = from_safetensors_dtype(entry["dtype"])
@@ -147,12 +154,11 @@ class SafetensorsFile:
                                   f"{dtype}: corrupted header")
         if not nbytes:
             return np.empty(shape, dtype)
-        # a copy out of a memory map: faster than read() into a fresh buffer
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=self.data_start + begin)
-            out = view.view(dtype).reshape(shape).copy()
-            del view
-        return out
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=self.data_start + begin)
+        return raw.view(dtype).reshape(shape)
 
     def _entry(self, key: str) -> dict:
         if key not in self.entries:
