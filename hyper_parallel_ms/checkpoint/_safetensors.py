@@ -85,8 +85,8 @@ def write_file(path: str, arrays: Mapping[str, np.ndarray], metadata: Optional[D
         offset += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with ThreadPoolExecutor(max_workers=1) as checksums, open(path, "wb") as f:
-        # the CRCs are computed beside the writes (both release the GIL)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as checksums, open(path, "wb") as f:
+        # the CRCs are computed in threads beside the writes (both release the GIL)
         pending = {key: checksums.submit(crc32, a) for key, a in contiguous.items()}
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
