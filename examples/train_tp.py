@@ -236,8 +236,8 @@ def main(argv: List[str]) -> int:
     result = train(cfg, log)
     rate = float(np.median(result["tokens_per_s"][1:] or result["tokens_per_s"]))
     summary = (f"train_tp: rank {rank} of {world}, dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
-               f"sp={cfg.sequence_parallel}: steps {result['start_step'] + 1}-{cfg.steps}, loss {result['losses'][0]:.4f} -> "
-               f"{result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
+               f"sp={cfg.sequence_parallel}: steps {result['start_step'] + 1}-{cfg.steps}, "
+               f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
     ok = True
     if cfg.check:
         diff = result["max_relative_difference"]

@@ -180,7 +180,8 @@ def test_corrupted_truncated_or_missing_file_fails_before_any_change(tmp_path):
     raw = bytearray(open(data, "rb").read())
     raw[-3] ^= 0xFF                                         # a flipped byte in the last tensor (up.weight)
     open(data, "wb").write(bytes(raw))
-    with pytest.raises(dcp.CheckpointError, match=r"tensor 'model\.up\.weight'.*rank_0\.safetensors fails its checksum"):
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"tensor 'model\.up\.weight'.*rank_0\.safetensors fails its checksum"):
         dcp.load({"model": dcp.get_model_state_dict(fresh)}, checkpoint_id=path)
     _unchanged(fresh, before)
     open(data, "wb").write(bytes(raw[:len(raw) // 2]))

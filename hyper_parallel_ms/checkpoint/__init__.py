@@ -25,7 +25,7 @@ from ._save import AsyncSave, async_save, save
 from ._state_dict import (IncompatibleKeys, StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                           get_state_dict, set_model_state_dict, set_optimizer_state_dict, set_state_dict)
 
-__all__ = ["save", "async_save", "AsyncSave", "load", "export_full", "open_checkpoint", "CheckpointError", "Metadata", "TensorEntry", "Chunk",
-           "ShardedTensor", "StateDictOptions", "IncompatibleKeys", "get_model_state_dict",
+__all__ = ["save", "async_save", "AsyncSave", "load", "export_full", "open_checkpoint", "CheckpointError", "Metadata",
+           "TensorEntry", "Chunk", "ShardedTensor", "StateDictOptions", "IncompatibleKeys", "get_model_state_dict",
            "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
            "set_state_dict"]
