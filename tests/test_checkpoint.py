@@ -80,6 +80,9 @@ def test_plan_writes_rejects_inconsistent_or_incomplete_pieces():
         plan_writes([[Piece("w", (2, 3), "float32", (0, 0), (1, 3))]])
     with pytest.raises(dcp.CheckpointError, match="rank 0 has global shape"):
         plan_writes([[Piece("w", (2, 3), "float32", (0, 0), (2, 3))], [Piece("w", (2, 3), "float16", (0, 0), (2, 3))]])
+    replicas = [[Piece("w", (2,), "float32", (0,), (2,), crc32=c)] for c in (1, 2)]
+    with pytest.raises(dcp.CheckpointError, match=r"plain tensor .* differs between ranks \[0\] vs ranks \[1\]"):
+        plan_writes(replicas)
 
 
 def test_plan_reads_overlaps_saved_chunks():
