@@ -9,7 +9,8 @@ default). Cases, each timed once after one warm-up of the same size:
 * ``checkpoint.save`` in this process (``no_dist``: one data file, CRC-32 of every chunk,
   metadata, atomic commit by rename);
 * safetensors ``load_file`` (into numpy arrays) against ``checkpoint.load`` into the model's
-  Parameters in place (reads, CRC-32 checks, copies into the Parameters).
+  Parameters in place (reads, CRC-32 checks, copies into the Parameters, waited for);
+* the CRC-32 of the same bytes alone (what a save and a load spend beyond the copies).
 
 The cases run interleaved ``--repeat`` times (after one warm-up round) and each reports its
 fastest run, so that a busy machine disturbs every case alike.
@@ -37,6 +38,7 @@ import numpy as np  # noqa: E402
 from mindspore import Parameter  # noqa: E402
 
 from hyper_parallel_ms import checkpoint  # noqa: E402
+from hyper_parallel_ms.checkpoint._safetensors import crc32  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -87,6 +89,12 @@ def main(argv) -> int:
 
     def ck_load():
         checkpoint.load({"model": params}, checkpoint_id=ck_path, no_dist=True)
+        for p in params.values():                                  # wait for the (asynchronous) copies
+            p.asnumpy()
+
+    def crc_only():
+        for a in arrays.values():
+            crc32(a)
 
     def fresh(path):
         """Writers create new files (as a save of a new step does): nothing to overwrite."""
@@ -99,7 +107,7 @@ def main(argv) -> int:
     try:
         cases = (("safetensors save_file", st_save, st_path), ("safetensors save_file + fsync", st_save_fsync, st_path),
                  ("checkpoint.save", ck_save, ck_path), ("safetensors load_file", st_load, None),
-                 ("checkpoint.load", ck_load, None))
+                 ("checkpoint.load", ck_load, None), ("CRC-32 of the same bytes (part of both)", crc_only, None))
         times = {name: float("inf") for name, _, _ in cases}
         for round_ in range(args.repeat + 1):                      # round 0 warms up (allocations, page cache)
             for name, fn, writes in cases:
@@ -115,7 +123,7 @@ def main(argv) -> int:
             shutil.rmtree(base, ignore_errors=True)
     print(f"model: {args.tensors} fp32 tensors of {args.rows} x 4096 = {gigabytes:.3f} GB, files in {base}")
     for name, seconds in times.items():
-        print(f"  {name:32s} {seconds:7.3f} s  {gigabytes / seconds:6.2f} GB/s")
+        print(f"  {name:40s} {seconds:7.3f} s  {gigabytes / seconds:6.2f} GB/s")
     save_ratio = times["safetensors save_file + fsync"] / times["checkpoint.save"]
     save_ratio_nosync = times["safetensors save_file"] / times["checkpoint.save"]
     load_ratio = times["safetensors load_file"] / times["checkpoint.load"]
