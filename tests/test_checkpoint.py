@@ -262,3 +262,18 @@ def test_async_save_snapshots_the_state_and_commits_on_result(tmp_path):
     state = {"w": np.full(4, -1, np.float32), "step": 0}
     dcp.load(state, checkpoint_id=path)
     assert state["w"].tolist() == [0, 1, 2, 3] and state["step"] == 1
+
+
+def test_bfloat16_int_and_scalar_tensors_round_trip(tmp_path):
+    src = {"b": ms.Parameter(ms.Tensor(np.array([1.5, -2.25, 3.0], np.float32)).astype(ms.bfloat16), name="b"),
+           "i": ms.Tensor(np.array([[1, 2]], np.int64)), "s": ms.Parameter(ms.Tensor(0.125, ms.float32), name="s")}
+    dcp.save(src, checkpoint_id=str(tmp_path / "c"))
+    dst = {"b": ms.Parameter(ms.Tensor(np.zeros(3, np.float32)).astype(ms.bfloat16), name="b2"),
+           "i": ms.Tensor(np.zeros((1, 2), np.int64)), "s": ms.Parameter(ms.Tensor(0.0, ms.float32), name="s2")}
+    dcp.load(dst, checkpoint_id=str(tmp_path / "c"))
+    assert dst["b"].dtype == ms.bfloat16
+    assert dst["b"].astype(ms.float32).asnumpy().tolist() == [1.5, -2.25, 3.0]
+    assert dst["i"].asnumpy().tolist() == [[1, 2]] and float(dst["s"].asnumpy()) == 0.125
+    dcp.export_full(str(tmp_path / "c"), str(tmp_path / "full.safetensors"))
+    loaded = ms.load_checkpoint(str(tmp_path / "full.safetensors"), format="safetensors")
+    assert loaded["b"].dtype == ms.bfloat16 and loaded["b"].astype(ms.float32).asnumpy().tolist() == [1.5, -2.25, 3.0]
