@@ -4,12 +4,15 @@ fsdp (Shard(0) over 4 ranks, uneven: 7 rows as 2, 2, 2, 1), DTensor parameters} 
 into every other, model and Adam state, bit-exact; training resumed from a checkpoint (on
 the same and on another layout) gives the losses of the uninterrupted run; a rank failing
 during a save or a load makes every rank fail with the cause, nothing committed or
-changed."""
+changed; a rank killed while writing leaves the previous checkpoint loadable (that test runs
+last: the killed pool restarts for the next test that needs 4 ranks)."""
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+
+import pytest
 
 import mindspore as ms
 import numpy as np
@@ -26,7 +29,7 @@ from hyper_parallel_ms.nn import (ColwiseParallel, GradientReducer, RowwiseParal
                                   parallelize_module)
 from hyper_parallel_ms.nn._parameter import sharded_parameter
 from hyper_parallel_ms.placement import Replicate, Shard
-from hyper_parallel_ms.testing import multi_rank
+from hyper_parallel_ms.testing import RankFailure, multi_rank, run_on_ranks
 
 WORLD = 4
 LAYOUTS = ("single", "tp2", "tp4", "dp2xtp2_fsdp", "fsdp", "dtensor")
@@ -305,3 +308,42 @@ def test_example_saves_every_n_steps_and_resumes_on_another_layout():
         dist.barrier()
         if rank == 0:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def save_then_die_midway(base: str) -> None:
+    """Rank function: a committed save, then a second save to the same id during which rank 1
+    is killed half-way through writing its file."""
+    from hyper_parallel_ms.checkpoint import _save
+    model, _ = build("fsdp")
+    opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
+    dcp.set_state_dict(model, opt, model_state_dict=_expected(1)[0], optim_state_dict=_expected(1)[1])
+    state = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=os.path.join(base, "ckpt"))
+    dcp.set_state_dict(model, opt, model_state_dict=_expected(2)[0], optim_state_dict=_expected(2)[1])
+    if ms.communication.get_rank() == 1:
+        def killed_while_writing(path, arrays, *args, **kwargs):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 1000)
+                f.flush()
+            os._exit(9)
+        _save.write_file = killed_while_writing
+    dcp.save(state, checkpoint_id=os.path.join(base, "ckpt"))
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint():
+    base = tempfile.mkdtemp(prefix="hpms_ckpt_kill_")
+    try:
+        with pytest.raises(RankFailure, match="rank 1 died"):
+            run_on_ranks(save_then_die_midway, WORLD, base)
+        partial = os.path.join(base, "ckpt.partial")
+        assert os.path.isdir(partial) and "metadata.json" not in os.listdir(partial)      # never committed
+        os.rename(partial, os.path.join(base, "other.partial"))   # a save with no committed predecessor
+        with pytest.raises(dcp.CheckpointError, match="was never committed"):
+            dcp.load({"w": np.zeros(1, np.float32)}, checkpoint_id=os.path.join(base, "other"), no_dist=True)
+        model = MLP()                                        # the previous checkpoint, into a single device
+        opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
+        state = {"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=os.path.join(base, "ckpt"), no_dist=True)
+        assert _check_pieces(state, 1, "previous checkpoint after a rank was killed during a save") == 16
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
