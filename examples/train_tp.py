@@ -12,20 +12,26 @@ tokens/s; the last line says whether every loss matched the single-device run.
 ``--fsdp`` (PyNative) also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
 with R replicas of dp/R-way shards.
+Checkpoints: ``--checkpoint-dir DIR --save-every N`` saves the model, the optimizer and the
+step to ``DIR/step_K`` every N steps; ``--resume`` continues from the latest one (on any
+dp x tp layout), and the check compares the resumed steps with the uninterrupted
+single-device run.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import mindspore as ms
 import numpy as np
 from mindspore import communication, nn
 
-from hyper_parallel_ms import comm, fully_shard
+from hyper_parallel_ms import checkpoint, comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parallelize_module
 
@@ -57,6 +63,9 @@ class TrainConfig:
     tolerance: float = 1e-4
     fsdp: bool = False                 # fully_shard per block and at the root over dp (PyNative)
     hsdp_replicate: int = 1            # with fsdp: dp = replicate x shard (HSDP)
+    checkpoint_dir: Optional[str] = None
+    save_every: int = 0                # save to checkpoint_dir/step_K every save_every steps (0: never)
+    resume: bool = False               # continue from the latest checkpoint in checkpoint_dir
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
@@ -114,12 +123,37 @@ def _runner(cfg: TrainConfig, step_cell: TrainStep) -> Callable:
     return step_cell                   # GRAPH_MODE compiles the Cell
 
 
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """The committed ``step_K`` checkpoint with the largest K in ``directory``, or ``None``."""
+    steps = [int(m.group(1)) for m in (re.fullmatch(r"step_(\d+)", d) for d in
+                                       (os.listdir(directory) if os.path.isdir(directory) else [])) if m]
+    return os.path.join(directory, f"step_{max(steps)}") if steps else None
+
+
+def _checkpoint_state(model: nn.Cell, optimizer: nn.Optimizer, step: int) -> Dict[str, object]:
+    model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "step": step}
+
+
+def _resume(cfg: TrainConfig, model: nn.Cell, optimizer: nn.Optimizer, log: Callable[[str], None]) -> int:
+    """Load the latest checkpoint into the model and optimizer (in place); the step to start at."""
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume: no step_K checkpoint in {cfg.checkpoint_dir}")
+    state = _checkpoint_state(model, optimizer, 0)
+    checkpoint.load(state, checkpoint_id=path)
+    log(f"[parallel] resumed from {path} at step {state['step']}")
+    return int(state["step"])
+
+
 def _run(cfg: TrainConfig, model: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
-         log: Callable[[str], None], label: str, dp_dims: tuple = ("dp",)) -> Dict[str, List[float]]:
+         log: Callable[[str], None], label: str, dp_dims: tuple = ("dp",),
+         checkpoints: bool = False) -> Dict[str, List[float]]:
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=cfg.lr, weight_decay=0.01)
+    start = _resume(cfg, model, optimizer, log) if checkpoints and cfg.resume else 0
     step = _runner(cfg, TrainStep(model, optimizer, reducer, dp_mesh, dp_dims))
     losses, rates = [], []
-    for i in range(cfg.steps):
+    for i in range(start, cfg.steps):
         ids, onehot = batch(cfg, i, dp_index, dp_size)
         began = time.perf_counter()
         loss = float(step(ids, onehot).asnumpy())
@@ -127,7 +161,11 @@ def _run(cfg: TrainConfig, model: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: 
         losses.append(loss)
         rates.append(cfg.batch * cfg.seq / seconds)
         log(f"[{label}] step {i + 1}/{cfg.steps} loss {loss:.6f} tokens/s {rates[-1]:.0f}")
-    return {"losses": losses, "tokens_per_s": rates}
+        if checkpoints and cfg.save_every and (i + 1) % cfg.save_every == 0:
+            path = os.path.join(cfg.checkpoint_dir, f"step_{i + 1}")
+            checkpoint.save(_checkpoint_state(model, optimizer, i + 1), checkpoint_id=path)
+            log(f"[{label}] saved {path}")
+    return {"losses": losses, "tokens_per_s": rates, "start_step": start}
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, object]:
@@ -135,6 +173,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     losses, tokens/s and the largest relative loss difference."""
     if cfg.mode not in ("pynative", "jit", "graph"):
         raise ValueError(f"mode must be pynative, jit or graph, got {cfg.mode!r}")
+    if (cfg.save_every or cfg.resume) and not cfg.checkpoint_dir:
+        raise ValueError("--save-every and --resume need --checkpoint-dir")
     if cfg.batch % cfg.dp or cfg.seq % cfg.tp or cfg.heads % cfg.tp:
         raise ValueError(f"batch {cfg.batch} must divide by dp={cfg.dp}, seq {cfg.seq} and heads {cfg.heads} by "
                          f"tp={cfg.tp}")
@@ -158,14 +198,14 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
         ms.set_context(mode=ms.GRAPH_MODE)
     try:
         result: Dict[str, object] = dict(_run(cfg, model, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel",
-                                              dp_dims))
+                                              dp_dims, checkpoints=True))
         if cfg.check:
             ms.set_seed(cfg.seed)
             single = Llama(model_config(cfg))
             ref = _run(cfg, single, _Identity(), None, 0, 1, log, "single device")
             parallel = np.array(result["losses"])
-            reference = np.array(ref["losses"])
-            result["reference_losses"] = ref["losses"]
+            reference = np.array(ref["losses"][result["start_step"]:])
+            result["reference_losses"] = ref["losses"][result["start_step"]:]
             result["max_relative_difference"] = float(np.max(np.abs(parallel - reference) / np.abs(reference)))
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -212,12 +252,16 @@ def parse_args(argv: List[str]) -> TrainConfig:
     parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
     parser.add_argument("--fsdp", action="store_true", help="fully_shard per block over dp (PyNative)")
     parser.add_argument("--hsdp-replicate", type=int, default=1, help="with --fsdp: HSDP with this many replicas")
+    parser.add_argument("--checkpoint-dir", default=None, help="where step_K checkpoints are saved and resumed from")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("dp", "tp", "steps", "batch", "seq", "vocab", "dim",
                                                        "layers", "heads", "hidden", "seed", "lr", "mode")})
     return replace(cfg, sequence_parallel=not args.no_sequence_parallel, check=not args.no_check, fsdp=args.fsdp,
-                   hsdp_replicate=args.hsdp_replicate)
+                   hsdp_replicate=args.hsdp_replicate, checkpoint_dir=args.checkpoint_dir,
+                   save_every=args.save_every, resume=args.resume)
 
 
 def main(argv: List[str]) -> int:
@@ -235,8 +279,8 @@ def main(argv: List[str]) -> int:
     rate = float(np.median(result["tokens_per_s"][1:] or result["tokens_per_s"]))
     summary = (f"train_tp: rank {rank} of {world}, dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
                f"{'fsdp' + (f' hsdp x{cfg.hsdp_replicate} ' if cfg.hsdp_replicate > 1 else ' ') if cfg.fsdp else ''}"
-               f"sp={cfg.sequence_parallel}: {cfg.steps} steps, loss {result['losses'][0]:.4f} -> "
-               f"{result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
+               f"sp={cfg.sequence_parallel}: steps {result['start_step'] + 1}-{cfg.steps}, "
+               f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
     ok = True
     if cfg.check:
         diff = result["max_relative_difference"]

@@ -23,7 +23,7 @@ SUPPORTED_MINDSPORE = ((2, 8), (2, 10))   # oldest and newest supported releases
 
 # Each public name and the submodule that defines it.
 _EXPORTS: Dict[str, str] = {
-    "comm": "", "ops": "", "nn": "",
+    "comm": "", "ops": "", "nn": "", "checkpoint": "", "fsdp": "",
     "Placement": "placement", "Shard": "placement", "Replicate": "placement", "Partial": "placement",
     "Layout": "layout",
     "DeviceMesh": "mesh", "init_device_mesh": "mesh", "current_mesh": "mesh",

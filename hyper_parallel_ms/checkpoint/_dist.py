@@ -1,0 +1,42 @@
+"""How the ranks of a save or load agree: this rank, the world, an all-gather of small
+Python objects and a barrier. ``distributed=False`` (``no_dist``, or no collectives) makes
+this process a world of its own.
+
+Example:
+    >>> c = Coordinator(distributed=False)
+    >>> c.rank, c.world_size, c.all_gather({"a": 1})
+    (0, 1, [{'a': 1}])
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+from .. import _cluster
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Rank, world size and object collectives over the world group (PyNative)."""
+
+    def __init__(self, distributed: bool) -> None:
+        self.distributed = distributed and _cluster.world_size() > 1
+        self.rank = _cluster.world_rank() if self.distributed else 0
+        self.world_size = _cluster.world_size() if self.distributed else 1
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order (also a barrier)."""
+        if not self.distributed:
+            return [obj]
+        from mindspore.mint import distributed as dist
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, error: str | None) -> None:
+        """Barrier that fails on every rank when any rank reports an ``error``."""
+        errors = self.all_gather(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            from ._metadata import CheckpointError
+            raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))

@@ -1,0 +1,90 @@
+"""What a checkpoint holds: for every tensor its global shape, dtype and the chunks that
+cover it (global offsets, sizes, the file and key they are stored under, a CRC-32), plus
+the non-tensor values (step counters, settings) of the state dict.
+
+Stored as ``metadata.json`` beside the data files. Pure Python: no MindSpore import.
+
+Example:
+    >>> chunk = Chunk((0, 0), (2, 3), "rank_0.safetensors", "w@0,0", 123, 24)
+    >>> meta = Metadata({"w": TensorEntry((4, 3), "float32", (chunk,))}, {"step": 5})
+    >>> Metadata.from_json(meta.to_json()) == meta
+    True
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Tuple
+
+__all__ = ["CheckpointError", "Chunk", "TensorEntry", "Metadata", "FORMAT", "VERSION", "METADATA_FILE"]
+
+FORMAT = "hyper_parallel_ms.checkpoint"
+VERSION = 1
+METADATA_FILE = "metadata.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the tensor and the file."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a global tensor stored in one file: ``offsets`` and ``sizes`` per dim."""
+
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    file: str
+    key: str
+    crc32: int
+    nbytes: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file, "key": self.key,
+                "crc32": self.crc32, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "Chunk":
+        return cls(tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["key"], int(d["crc32"]), int(d["nbytes"]))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A saved tensor: global ``shape``, numpy ``dtype`` name and the ``chunks`` covering it."""
+
+    shape: Tuple[int, ...]
+    dtype: str
+    chunks: Tuple[Chunk, ...]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "chunks": [c.to_json() for c in self.chunks]}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "TensorEntry":
+        return cls(tuple(d["shape"]), d["dtype"], tuple(Chunk.from_json(c) for c in d["chunks"]))
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """Every tensor (flat key -> :class:`TensorEntry`) and non-tensor value of a checkpoint."""
+
+    tensors: Dict[str, TensorEntry]
+    values: Dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "version": VERSION,
+                           "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
+                           "values": self.values, "world_size": self.world_size}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "metadata") -> "Metadata":
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise CheckpointError(f"{source} is not valid JSON ({exc}): the file is truncated or corrupted") from exc
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise CheckpointError(f"{source} is not a {FORMAT} metadata file")
+        if d.get("version") != VERSION:
+            raise CheckpointError(f"{source} has format version {d.get('version')}; this release reads {VERSION}")
+        return cls({k: TensorEntry.from_json(v) for k, v in d["tensors"].items()}, dict(d["values"]),
+                   int(d.get("world_size", 1)))

@@ -1,0 +1,151 @@
+"""Which rank writes which chunk, and which saved chunks fill which part of a piece.
+
+Pure Python over boxes (global offsets and sizes): a rank describes each tensor piece it
+holds as a :class:`Piece`; :func:`plan_writes` takes every rank's pieces and gives each
+distinct box one writer (the lowest rank holding it, or the least loaded one), and
+:func:`plan_reads` intersects a piece to fill with the saved chunks. Layouts of any
+kind (styles, DTensors, fully-sharded pieces, nested or uneven shards) reduce to boxes.
+
+Example:
+    >>> a = [Piece("w", (4, 2), "float32", (0, 0), (2, 2))]
+    >>> b = [Piece("w", (4, 2), "float32", (2, 0), (2, 2))]
+    >>> c = [Piece("w", (4, 2), "float32", (0, 0), (2, 2))]          # a replica of rank 0's piece
+    >>> [[p.offsets for p in mine] for mine in plan_writes([a, b, c])]
+    [[(0, 0)], [(2, 0)], []]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ._metadata import CheckpointError, Chunk, TensorEntry
+
+__all__ = ["Piece", "plan_writes", "Read", "plan_reads", "chunk_key"]
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of the global tensor ``key`` (of ``shape`` and ``dtype``) held by one rank;
+    ``crc32`` of its data when the ranks' copies must agree (plain tensors, said replicated)."""
+
+    key: str
+    shape: Tuple[int, ...]
+    dtype: str
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    crc32: Optional[int] = None      # of the data, for values said to be replicated (plain tensors)
+
+    @property
+    def elements(self) -> int:
+        return prod(self.sizes)
+
+
+def chunk_key(key: str, offsets: Sequence[int]) -> str:
+    """Name of a chunk inside a data file: the tensor key and its global offsets.
+
+    Example:
+        >>> chunk_key("up.weight", (4, 0))
+        'up.weight@4,0'
+    """
+    return f"{key}@{','.join(str(o) for o in offsets)}"
+
+
+def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = True,
+                save_to_minimum_rank: bool = True) -> List[List[Piece]]:
+    """For each rank, the pieces it writes. With ``remove_redundancy`` each distinct box is
+    written once: by the lowest rank holding it (``save_to_minimum_rank``) or by the holder
+    with the fewest elements to write so far (spreads the writes). Empty boxes are skipped.
+    Raises :class:`CheckpointError` when ranks disagree on a tensor's shape or dtype or on
+    the data of a replicated piece, or when the pieces do not cover a tensor."""
+    _check_consistent(plans)
+    _check_replicas(plans)
+    writes: List[List[Piece]] = [[] for _ in plans]
+    if not remove_redundancy:
+        for rank, pieces in enumerate(plans):
+            writes[rank] = [p for p in pieces if prod(p.sizes)]
+        return writes
+    holders: Dict[Tuple[str, Box], List[int]] = {}
+    first: Dict[Tuple[str, Box], Piece] = {}
+    for rank, pieces in enumerate(plans):
+        for p in pieces:
+            if prod(p.sizes):
+                box = (p.key, (p.offsets, p.sizes))
+                holders.setdefault(box, []).append(rank)
+                first.setdefault(box, p)
+    load = [0] * len(plans)
+    for box in sorted(holders, key=lambda b: (-first[b].elements, b)):
+        ranks = holders[box]
+        writer = ranks[0] if save_to_minimum_rank else min(ranks, key=lambda r: (load[r], r))
+        load[writer] += first[box].elements
+        writes[writer].append(first[box])
+    for pieces in writes:
+        pieces.sort(key=lambda p: (p.key, p.offsets))
+    return writes
+
+
+def _check_consistent(plans: Sequence[Sequence[Piece]]) -> None:
+    seen: Dict[str, Tuple[Tuple[int, ...], str, int]] = {}
+    boxes: Dict[str, set] = {}
+    for rank, pieces in enumerate(plans):
+        for p in pieces:
+            if p.key in seen and seen[p.key][:2] != (p.shape, p.dtype):
+                shape, dtype, other = seen[p.key]
+                raise CheckpointError(f"tensor {p.key!r}: rank {other} has global shape {shape} {dtype}, rank "
+                                      f"{rank} has {p.shape} {p.dtype}; every rank must describe the same tensor")
+            seen.setdefault(p.key, (p.shape, p.dtype, rank))
+            boxes.setdefault(p.key, set()).add((p.offsets, p.sizes))
+    for key, distinct in boxes.items():
+        covered = sum(prod(sizes) for _, sizes in distinct)
+        if covered != prod(seen[key][0]):
+            raise CheckpointError(f"tensor {key!r} of shape {seen[key][0]}: the ranks' pieces cover {covered} of "
+                                  f"{prod(seen[key][0])} elements (overlapping or missing pieces); every element "
+                                  "must be held by some rank")
+
+
+def _check_replicas(plans: Sequence[Sequence[Piece]]) -> None:
+    sums: Dict[Tuple[str, Box], Dict[int, List[int]]] = {}
+    for rank, pieces in enumerate(plans):
+        for p in pieces:
+            if p.crc32 is not None:
+                sums.setdefault((p.key, (p.offsets, p.sizes)), {}).setdefault(p.crc32, []).append(rank)
+    for (key, _), by_sum in sums.items():
+        if len(by_sum) > 1:
+            groups = " vs ".join(f"ranks {ranks}" for ranks in by_sum.values())
+            raise CheckpointError(f"tensor {key!r} is a plain tensor (saved as replicated) but its data differs "
+                                  f"between {groups}; if it is a piece of a sharded tensor, give its layout "
+                                  "(a DTensor, a sharded Parameter or a ShardedTensor)")
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy ``chunk[src]`` into ``piece[dst]`` (slices relative to the chunk and the piece)."""
+
+    chunk: Chunk
+    src: Tuple[slice, ...]
+    dst: Tuple[slice, ...]
+
+
+def plan_reads(key: str, entry: TensorEntry, offsets: Sequence[int], sizes: Sequence[int],
+               source: str) -> List[Read]:
+    """The reads that fill the box (``offsets``, ``sizes``) of tensor ``key`` from the saved
+    chunks; raises :class:`CheckpointError` naming ``source`` if they do not cover it."""
+    reads, covered, seen = [], 0, set()
+    for chunk in entry.chunks:
+        box = (chunk.offsets, chunk.sizes)
+        if box in seen:          # a replica written twice (remove_redundancy=False)
+            continue
+        seen.add(box)
+        lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
+        hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+        if all(h > l for l, h in zip(lo, hi)):
+            reads.append(Read(chunk, tuple(slice(l - c, h - c) for l, h, c in zip(lo, hi, chunk.offsets)),
+                              tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))))
+            covered += prod(h - l for l, h in zip(lo, hi))
+    if covered != prod(sizes):
+        raise CheckpointError(f"tensor {key!r}: the saved chunks in {source} cover {covered} of the {prod(sizes)} "
+                              f"elements of the box at {tuple(offsets)} of size {tuple(sizes)}; the checkpoint "
+                              "is incomplete")
+    return reads

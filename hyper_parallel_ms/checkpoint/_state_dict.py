@@ -1,0 +1,256 @@
+"""Model and optimizer state dicts of parallelized Cells (PyTorch's
+``torch.distributed.checkpoint.state_dict`` functions).
+
+Model: fully qualified parameter name -> the Parameter itself (sharded ones keep their
+sharding record or are DTensors, so :func:`save` writes pieces and :func:`load` fills them
+in place). Optimizer: ``{"state": {fqn: {slot: moment}}, "param_groups": [{...}]}`` where a
+moment of a sharded parameter is a :class:`ShardedTensor` laid out as its parameter (the
+slots are the optimizer's ParameterTuples aligned with its parameters, named by attribute:
+``moments1``/``moments2`` of AdamWeightDecay, ``moment1``/``moment2`` of Adam,
+``accum``/``stat`` of SGD, ``moments`` of Momentum), and the group holds the optimizer's
+other Parameters by attribute (``global_step``, ``learning_rate``, ``beta1_power``, ...)
+and the fqns of its parameters.
+
+Example::
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    save({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt/step_10")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn
+
+from ..dtensor import DTensor
+from ..dtensor._dtensor import _local_view
+from ..nn import as_dtensor, parameter_sharding
+from ..nn._adapter import own_parameters
+from ._metadata import CheckpointError
+from ._pieces import ShardedTensor, TensorRef, flatten, to_numpy
+
+__all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
+           "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict", "IncompatibleKeys"]
+
+
+@dataclass(frozen=True)
+class StateDictOptions:
+    """``full_state_dict``: whole tensors instead of pieces (gathered: call on every rank);
+    ``cpu_offload``: host (numpy) copies instead of the live tensors; ``ignore_frozen_params``:
+    leave out parameters with ``requires_grad=False``; ``strict``: ``set_*`` raise on missing
+    or unexpected keys."""
+
+    full_state_dict: bool = False
+    cpu_offload: bool = False
+    ignore_frozen_params: bool = False
+    strict: bool = True
+
+
+@dataclass(frozen=True)
+class IncompatibleKeys:
+    missing_keys: Tuple[str, ...]
+    unexpected_keys: Tuple[str, ...]
+
+
+def _spec_of(param: Parameter):
+    if isinstance(param, DTensor):
+        return param._dt_spec
+    sharding = parameter_sharding(param)
+    return None if sharding is None else sharding.spec
+
+
+def _export(value: Union[Tensor, ShardedTensor], options: StateDictOptions) -> Any:
+    """``value`` as the options ask: itself, a host copy (sharded ones stay
+    :class:`ShardedTensor` pieces: a bare numpy piece would read as a whole tensor), or the
+    whole tensor."""
+    if options.full_state_dict:
+        full = _full(value)
+        return to_numpy(full).copy() if options.cpu_offload else full
+    if not options.cpu_offload:
+        return value
+    spec = value.spec if isinstance(value, ShardedTensor) else _spec_of(value)
+    host = to_numpy(value.local if isinstance(value, ShardedTensor) else value).copy()
+    return host if spec is None else ShardedTensor(host, spec)
+
+
+def _full(value: Union[Tensor, ShardedTensor]) -> Tensor:
+    if isinstance(value, ShardedTensor):
+        spec = value.spec
+        local = Tensor(value.local) if isinstance(value.local, np.ndarray) else _local_view(value.local)
+        return DTensor.from_local(local, spec.mesh, spec.layout, shape=spec.shape).full_tensor()
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if parameter_sharding(value) is not None:
+        return as_dtensor(value).full_tensor()
+    return value
+
+
+def _model_params(model: nn.Cell, options: StateDictOptions) -> Dict[str, Parameter]:
+    return {name: p for name, p in model.parameters_and_names()
+            if not (options.ignore_frozen_params and not p.requires_grad)}
+
+
+def get_model_state_dict(model: nn.Cell, *, options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
+    """Fully qualified name -> parameter (its piece; whole with ``full_state_dict``)."""
+    options = options or StateDictOptions()
+    return {name: _export(p, options) for name, p in _model_params(model, options).items()}
+
+
+def _slots(model: nn.Cell, optimizer: nn.Optimizer) -> Tuple[Dict[str, Dict[str, Parameter]], Dict[str, Parameter],
+                                                              List[str]]:
+    """Per-parameter slots (fqn -> slot -> Parameter), the optimizer's other Parameters, and
+    the fqns of the parameters it updates. A slot is a ParameterTuple attribute of the
+    optimizer aligned with its parameters (same length, each the parameter's local shape),
+    named by the attribute (``moment1``, ``moments1``, ``accum``, ...): Parameter names are
+    not stable (MindSpore prefixes them when the optimizer is placed inside another Cell)."""
+    fqn_of = {id(p): name for name, p in model.parameters_and_names()}
+    params = list(optimizer.parameters)
+    missing = [p.name for p in params if id(p) not in fqn_of]
+    if missing:
+        raise CheckpointError(f"optimizer parameters {missing} are not parameters of the model")
+    fqns = [fqn_of[id(p)] for p in params]
+    own = {id(p) for p in params}
+    slots: Dict[str, Dict[str, Parameter]] = {}
+    in_slots = set()
+    for attr, value in sorted(vars(optimizer).items()):
+        if not isinstance(value, ParameterTuple) or len(value) != len(params) or attr in _NOT_SLOTS:
+            continue
+        if any(id(q) in own for q in value):
+            continue
+        if all(tuple(q.shape) == _local_shape(p) for p, q in zip(params, value)):
+            for fqn, q in zip(fqns, value):
+                slots.setdefault(fqn, {})[attr] = q
+                in_slots.add(id(q))
+    scalars = {name: q for name, q in own_parameters(optimizer).items() if id(q) not in own and id(q) not in in_slots}
+    return slots, scalars, fqns
+
+
+_NOT_SLOTS = ("parameters", "_parameters")
+
+
+def _local_shape(p: Parameter) -> Tuple[int, ...]:
+    return tuple(p.local_shape) if isinstance(p, DTensor) else tuple(p.shape)
+
+
+def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]], *,
+                             options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
+    """``{"state": {fqn: {slot: moment}}, "param_groups": [group per optimizer]}``; moments of
+    sharded parameters are :class:`ShardedTensor` pieces with their parameter's layout."""
+    options = options or StateDictOptions()
+    state: Dict[str, Dict[str, Any]] = {}
+    groups = []
+    for optimizer in ([optimizers] if isinstance(optimizers, nn.Optimizer) else list(optimizers)):
+        slots, scalars, fqns = _slots(model, optimizer)
+        params = dict(model.parameters_and_names())
+        for fqn, named in slots.items():
+            spec = _spec_of(params[fqn])
+            state[fqn] = {slot: _export(q if spec is None else ShardedTensor(q, spec), options)
+                          for slot, q in named.items()}
+        group: Dict[str, Any] = {k: _export(v, options) for k, v in scalars.items()}
+        group["params"] = fqns
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def get_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]], *,
+                   options: Optional[StateDictOptions] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``."""
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, optimizers, options=options))
+
+
+def _stage(key: str, target: Union[Parameter, ShardedTensor], value: Any) -> Optional[Tuple[TensorRef, np.ndarray]]:
+    """Check ``value`` (the target's piece, or the whole tensor to cut) against ``target``;
+    return the reference and the data to assign (``None`` when value is the target itself)."""
+    local = target.local if isinstance(target, ShardedTensor) else target
+    if value is local or value is target or (isinstance(value, ShardedTensor) and value.local is local):
+        return None
+    refs, _ = flatten({key: target}, for_save=False)
+    ref = refs[key]
+    data = to_numpy(value.local if isinstance(value, ShardedTensor) else value)
+    piece = ref.piece
+    if tuple(data.shape) == piece.shape and piece.sizes != piece.shape:
+        data = data[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes))]
+    if tuple(data.shape) != piece.sizes:
+        raise CheckpointError(f"state dict entry {key!r} has shape {tuple(data.shape)}; expected this rank's piece "
+                              f"{piece.sizes} or the whole tensor {piece.shape}")
+    if data.dtype.name != piece.dtype:
+        raise CheckpointError(f"state dict entry {key!r} has dtype {data.dtype.name}; the parameter is {piece.dtype}")
+    return ref, np.asarray(data, order="C")
+
+
+def _check_keys(kind: str, expected: Sequence[str], given: Sequence[str], strict: bool) -> IncompatibleKeys:
+    keys = IncompatibleKeys(tuple(k for k in expected if k not in set(given)),
+                            tuple(k for k in given if k not in set(expected)))
+    if strict and (keys.missing_keys or keys.unexpected_keys):
+        raise CheckpointError(f"{kind} state dict does not match: missing keys {list(keys.missing_keys)}, "
+                              f"unexpected keys {list(keys.unexpected_keys)}")
+    return keys
+
+
+def _model_staged(model: nn.Cell, state_dict: Dict[str, Any], options: StateDictOptions):
+    params = _model_params(model, options)
+    keys = _check_keys("model", list(params), list(state_dict), options.strict)
+    staged = [_stage(k, params[k], v) for k, v in state_dict.items() if k in params]
+    return keys, staged
+
+
+def _optimizer_staged(model: nn.Cell, optimizers, state_dict: Dict[str, Any], options: StateDictOptions):
+    current = get_optimizer_state_dict(model, optimizers)
+    given_state, given_groups = state_dict.get("state", {}), state_dict.get("param_groups", [])
+    flat_now = {f"{fqn}.{slot}": v for fqn, slots in current["state"].items() for slot, v in slots.items()}
+    flat_given = {f"{fqn}.{slot}": v for fqn, slots in given_state.items() for slot, v in slots.items()}
+    if len(given_groups) != len(current["param_groups"]):
+        raise CheckpointError(f"optimizer state dict has {len(given_groups)} param_groups, the optimizers have "
+                              f"{len(current['param_groups'])}")
+    for i, (now, given) in enumerate(zip(current["param_groups"], given_groups)):
+        if list(given.get("params", now["params"])) != list(now["params"]):
+            raise CheckpointError(f"param_groups[{i}] lists other parameters than the optimizer updates")
+        for k, v in now.items():
+            if k != "params":
+                flat_now[f"param_groups.{i}.{k}"] = v
+        for k, v in given.items():
+            if k != "params":
+                flat_given[f"param_groups.{i}.{k}"] = v
+    keys = _check_keys("optimizer", list(flat_now), list(flat_given), options.strict)
+    staged = [_stage(k, flat_now[k], v) for k, v in flat_given.items() if k in flat_now]
+    return keys, staged
+
+
+def _assign(staged) -> None:
+    for item in staged:
+        if item is not None:
+            item[0].assign(item[1])
+
+
+def set_model_state_dict(model: nn.Cell, model_state_dict: Dict[str, Any], *,
+                         options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
+    """Copy ``model_state_dict`` into the model's parameters; each value may be this rank's
+    piece or the whole tensor (cut to the piece). Everything is checked before any change."""
+    keys, staged = _model_staged(model, model_state_dict, options or StateDictOptions())
+    _assign(staged)
+    return keys
+
+
+def set_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]],
+                             optim_state_dict: Dict[str, Any], *,
+                             options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
+    """Copy an optimizer state dict (as :func:`get_optimizer_state_dict` makes it, pieces or
+    whole tensors) into the optimizers' moments and scalars."""
+    keys, staged = _optimizer_staged(model, optimizers, optim_state_dict, options or StateDictOptions())
+    _assign(staged)
+    return keys
+
+
+def set_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]], *,
+                   model_state_dict: Dict[str, Any], optim_state_dict: Dict[str, Any],
+                   options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
+    """:func:`set_model_state_dict` and :func:`set_optimizer_state_dict`, all checked first."""
+    options = options or StateDictOptions()
+    model_keys, model_staged = _model_staged(model, model_state_dict, options)
+    optim_keys, optim_staged = _optimizer_staged(model, optimizers, optim_state_dict, options)
+    _assign(model_staged + optim_staged)
+    return IncompatibleKeys(model_keys.missing_keys + optim_keys.missing_keys,
+                            model_keys.unexpected_keys + optim_keys.unexpected_keys)

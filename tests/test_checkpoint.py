@@ -1,0 +1,279 @@
+"""Checkpoints in one process: planner and file format, model + optimizer round trips,
+export to and import from a full MindSpore checkpoint, and the faults (killed save,
+corrupted, truncated or missing files, mismatched shapes, another model): each fails with
+an error naming the tensor and the file, before any parameter changes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn, ops
+
+from hyper_parallel_ms import checkpoint as dcp
+from hyper_parallel_ms.checkpoint._metadata import TensorEntry
+from hyper_parallel_ms.checkpoint._planner import Piece, plan_reads, plan_writes
+from hyper_parallel_ms.checkpoint._safetensors import SafetensorsFile, write_file
+from hyper_parallel_ms.layout import Layout
+from hyper_parallel_ms.placement import Replicate, Shard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class MLP(nn.Cell):
+    def __init__(self, dim: int = 6, hidden: int = 12) -> None:
+        super().__init__()
+        self.up = nn.Dense(dim, hidden)
+        self.down = nn.Dense(hidden, dim)
+
+    def construct(self, x):
+        return self.down(ops.relu(self.up(x)))
+
+
+def _trained(seed: int = 0, steps: int = 2):
+    ms.set_seed(seed)
+    model = MLP()
+    opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
+    x = ms.Tensor(np.random.default_rng(seed).standard_normal((4, 6)).astype(np.float32))
+    grad_fn = ms.value_and_grad(lambda: (model(x) ** 2).mean(), None, opt.parameters)
+    for _ in range(steps):
+        _, grads = grad_fn()
+        opt(grads)
+    return model, opt
+
+
+def _snapshot(model, opt):
+    return {p.name: p.asnumpy().copy() for p in list(model.get_parameters()) + list(opt.get_parameters())}
+
+
+# ------------------------------------------------------------------ planner, format
+def _pieces_of(layout: Layout, shape, ranks_of_coord):
+    plans = [[] for _ in range(max(ranks_of_coord.values()) + 1)]
+    for coord, rank in ranks_of_coord.items():
+        plans[rank].append(Piece("w", shape, "float32", layout.global_offset(shape, coord),
+                                 layout.local_shape(shape, coord)))
+    return plans
+
+
+def test_plan_writes_dedups_replicas_and_handles_uneven_and_ordered_shards():
+    lay = Layout((2, 2), (Replicate(), Shard(0)))
+    ranks = {c: i for i, c in enumerate(lay.coordinates())}
+    writes = plan_writes(_pieces_of(lay, (5, 3), ranks))
+    assert [[(p.offsets, p.sizes) for p in w] for w in writes] == [[((0, 0), (3, 3))], [((3, 0), (2, 3))], [], []]
+    spread = plan_writes(_pieces_of(lay, (5, 3), ranks), save_to_minimum_rank=False)
+    assert sorted(len(w) for w in spread) == [0, 0, 1, 1]
+    assert sum(len(w) for w in plan_writes(_pieces_of(lay, (5, 3), ranks), remove_redundancy=False)) == 4
+    nested = Layout((2, 2), (Shard(0), Shard(0)), shard_order={0: (1, 0)})   # tp major, dp minor: uneven 7 rows
+    writes = plan_writes(_pieces_of(nested, (7, 2), {c: i for i, c in enumerate(nested.coordinates())}))
+    assert [w[0].offsets[0] for w in writes] == [0, 4, 2, 6]
+    assert [w[0].sizes[0] for w in writes] == [2, 2, 2, 1]
+
+
+def test_plan_writes_rejects_inconsistent_or_incomplete_pieces():
+    with pytest.raises(dcp.CheckpointError, match="'w'.*cover 3 of 6"):
+        plan_writes([[Piece("w", (2, 3), "float32", (0, 0), (1, 3))]])
+    with pytest.raises(dcp.CheckpointError, match="rank 0 has global shape"):
+        plan_writes([[Piece("w", (2, 3), "float32", (0, 0), (2, 3))], [Piece("w", (2, 3), "float16", (0, 0), (2, 3))]])
+    replicas = [[Piece("w", (2,), "float32", (0,), (2,), crc32=c)] for c in (1, 2)]
+    with pytest.raises(dcp.CheckpointError, match=r"plain tensor .* differs between ranks \[0\] vs ranks \[1\]"):
+        plan_writes(replicas)
+
+
+def test_plan_reads_overlaps_saved_chunks():
+    chunks = tuple(dcp.Chunk((o, 0), (2, 3), "f", f"w@{o}", 0, 24) for o in (0, 2, 4))
+    reads = plan_reads("w", TensorEntry((6, 3), "float32", chunks), (1, 1), (4, 2), "ckpt")
+    assert [(r.chunk.offsets, r.src, r.dst) for r in reads] == [
+        ((0, 0), (slice(1, 2), slice(1, 3)), (slice(0, 1), slice(0, 2))),
+        ((2, 0), (slice(0, 2), slice(1, 3)), (slice(1, 3), slice(0, 2))),
+        ((4, 0), (slice(0, 1), slice(1, 3)), (slice(3, 4), slice(0, 2)))]
+    with pytest.raises(dcp.CheckpointError, match="cover 2 of the 6"):
+        plan_reads("w", TensorEntry((6, 3), "float32", chunks[:1] + chunks[2:]), (1, 0), (3, 2), "ckpt")
+
+
+def test_safetensors_files_are_read_by_the_safetensors_package_and_mindspore(tmp_path):
+    from safetensors.numpy import load_file
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, 2], np.int64),
+              "c": np.zeros((0, 2), np.float16)}
+    path = str(tmp_path / "x.safetensors")
+    write_file(path, arrays)
+    for k, v in load_file(path).items():
+        np.testing.assert_array_equal(v, arrays[k])
+    loaded = ms.load_checkpoint(path, format="safetensors")
+    np.testing.assert_array_equal(loaded["a"].asnumpy(), arrays["a"])
+    assert SafetensorsFile(path).read("b").tolist() == [1, 2]
+
+
+# ------------------------------------------------------------------ round trips
+def test_model_and_optimizer_round_trip_with_values(tmp_path):
+    model, opt = _trained(0)
+    expected = _snapshot(model, opt)
+    model_sd, optim_sd = dcp.get_state_dict(model, opt)
+    assert set(optim_sd["state"]["up.weight"]) == {"moment1", "moment2"}
+    assert {"global_step", "learning_rate", "beta1_power", "beta2_power"} <= set(optim_sd["param_groups"][0])
+    meta = dcp.save({"model": model_sd, "optim": optim_sd, "step": 2, "note": "x"},
+                    checkpoint_id=str(tmp_path / "c"))
+    assert meta.tensors["model.up.weight"].shape == (12, 6) and meta.values["step"] == 2
+    assert meta.values["optim.param_groups.0.params"] == ["up.weight", "up.bias", "down.weight", "down.bias"]
+    other, other_opt = _trained(1, steps=1)
+    assert not np.array_equal(other.up.weight.asnumpy(), expected["up.weight"])
+    state = {"model": dcp.get_model_state_dict(other), "optim": dcp.get_optimizer_state_dict(other, other_opt),
+             "step": 0, "note": ""}
+    dcp.load(state, checkpoint_id=str(tmp_path / "c"))
+    assert state["step"] == 2 and state["note"] == "x"
+    got = _snapshot(other, other_opt)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_full_state_dict_and_set_functions(tmp_path):
+    model, opt = _trained(0)
+    full_model = dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_optim = dcp.get_optimizer_state_dict(model, opt, options=dcp.StateDictOptions(cpu_offload=True))
+    assert isinstance(full_model["up.weight"], np.ndarray)
+    other, other_opt = _trained(1, steps=1)
+    keys = dcp.set_state_dict(other, other_opt, model_state_dict=full_model, optim_state_dict=full_optim)
+    assert keys.missing_keys == () and keys.unexpected_keys == ()
+    for name, value in _snapshot(model, opt).items():
+        np.testing.assert_array_equal(_snapshot(other, other_opt)[name], value, err_msg=name)
+    with pytest.raises(dcp.CheckpointError, match="missing keys \\['down.bias'\\]"):
+        dcp.set_model_state_dict(other, {k: v for k, v in full_model.items() if k != "down.bias"})
+
+
+def test_export_to_mindspore_and_import_full_checkpoint(tmp_path):
+    model, opt = _trained(0)
+    dcp.save({"model": dcp.get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "c"))
+    shapes = dcp.export_full(str(tmp_path / "c"), str(tmp_path / "full.safetensors"), prefix="model.")
+    assert shapes["up.weight"] == (12, 6)
+    plain = MLP()
+    not_loaded, _ = ms.load_param_into_net(plain, ms.load_checkpoint(str(tmp_path / "full.safetensors"),
+                                                                     format="safetensors"))
+    assert not_loaded == []
+    np.testing.assert_array_equal(plain.down.weight.asnumpy(), model.down.weight.asnumpy())
+    ms.save_checkpoint(model, str(tmp_path / "net.ckpt"))
+    for path in ("full.safetensors", "net.ckpt"):
+        fresh = MLP()
+        dcp.load(dcp.get_model_state_dict(fresh), checkpoint_id=str(tmp_path / path))
+        np.testing.assert_array_equal(fresh.up.weight.asnumpy(), model.up.weight.asnumpy())
+
+
+# ------------------------------------------------------------------ faults
+def _saved(tmp_path):
+    model, opt = _trained(0)
+    path = str(tmp_path / "c")
+    dcp.save({"model": dcp.get_model_state_dict(model)}, checkpoint_id=path)
+    fresh = MLP()
+    before = {n: p.asnumpy().copy() for n, p in fresh.parameters_and_names()}
+    return path, fresh, before
+
+
+def _unchanged(fresh, before):
+    for n, p in fresh.parameters_and_names():
+        np.testing.assert_array_equal(p.asnumpy(), before[n], err_msg=f"{n} changed by a failed load")
+
+
+def test_corrupted_truncated_or_missing_file_fails_before_any_change(tmp_path):
+    path, fresh, before = _saved(tmp_path)
+    data = os.path.join(path, "rank_0.safetensors")
+    raw = bytearray(open(data, "rb").read())
+    raw[-3] ^= 0xFF                                         # a flipped byte in the last tensor (up.weight)
+    open(data, "wb").write(bytes(raw))
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"tensor 'model\.up\.weight'.*rank_0\.safetensors fails its checksum"):
+        dcp.load({"model": dcp.get_model_state_dict(fresh)}, checkpoint_id=path)
+    _unchanged(fresh, before)
+    open(data, "wb").write(bytes(raw[:len(raw) // 2]))
+    with pytest.raises(dcp.CheckpointError, match="rank_0.safetensors is truncated"):
+        dcp.load({"model": dcp.get_model_state_dict(fresh)}, checkpoint_id=path)
+    os.remove(data)
+    with pytest.raises(dcp.CheckpointError, match=r"'model\.\w+\.\w+': its data file .*rank_0\.safetensors is missing"):
+        dcp.load({"model": dcp.get_model_state_dict(fresh)}, checkpoint_id=path)
+    _unchanged(fresh, before)
+
+
+def test_shape_mismatch_or_another_model_fails_before_any_change(tmp_path):
+    path, _, _ = _saved(tmp_path)
+    wider = MLP(hidden=16)
+    before = {n: p.asnumpy().copy() for n, p in wider.parameters_and_names()}
+    with pytest.raises(dcp.CheckpointError, match=r"'model\.down\.bias'|'model\.up\.weight'.*holds shape \(12, 6\)"):
+        dcp.load({"model": dcp.get_model_state_dict(wider)}, checkpoint_id=path)
+    _unchanged(wider, before)
+    other = nn.Dense(3, 3)
+    with pytest.raises(dcp.CheckpointError, match="not in checkpoint .*'model.weight'.*another model"):
+        dcp.load({"model": dcp.get_model_state_dict(other)}, checkpoint_id=path)
+
+
+_KILL_SCRIPT = """
+import sys, numpy as np
+from hyper_parallel_ms import checkpoint as dcp
+path, i = sys.argv[1], 0
+while True:
+    i += 1
+    dcp.save({"w": np.full((1 << 20,), float(i), np.float32), "i": i}, checkpoint_id=path)
+    print(i, flush=True)
+"""
+
+
+def test_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = str(tmp_path / "ckpt")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, path], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        for _ in range(3):                  # let a few saves commit, then kill during a later one
+            assert proc.stdout.readline(), "the saving process died"
+        time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    state = {"w": np.zeros((1 << 20,), np.float32), "i": 0}
+    dcp.load(state, checkpoint_id=path)
+    assert state["i"] >= 3 and np.all(state["w"] == float(state["i"]))
+    with pytest.raises(dcp.CheckpointError, match="was never committed"):
+        os.makedirs(str(tmp_path / "never.partial"))
+        dcp.load(state, checkpoint_id=str(tmp_path / "never"))
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    assert meta["values"]["i"] == state["i"]
+
+
+def test_a_save_dying_between_the_renames_leaves_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "c")
+    dcp.save({"w": np.ones(3, np.float32)}, checkpoint_id=path)
+    os.replace(path, path + ".old")                     # the state between commit's two renames
+    state = {"w": np.zeros(3, np.float32)}
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [1, 1, 1]
+    dcp.save({"w": np.full(3, 2, np.float32)}, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [2, 2, 2] and not os.path.exists(path + ".old")
+
+
+def test_async_save_snapshots_the_state_and_commits_on_result(tmp_path):
+    path = str(tmp_path / "c")
+    param = ms.Parameter(ms.Tensor(np.arange(4, dtype=np.float32)), name="w")
+    pending = dcp.async_save({"w": param, "step": 1}, checkpoint_id=path, no_dist=True)
+    param.set_data(ms.Tensor(np.zeros(4, np.float32)))          # training goes on
+    meta = pending.result()
+    assert pending.done() and meta.values["step"] == 1
+    state = {"w": np.full(4, -1, np.float32), "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [0, 1, 2, 3] and state["step"] == 1
+
+
+def test_bfloat16_int_and_scalar_tensors_round_trip(tmp_path):
+    src = {"b": ms.Parameter(ms.Tensor(np.array([1.5, -2.25, 3.0], np.float32)).astype(ms.bfloat16), name="b"),
+           "i": ms.Tensor(np.array([[1, 2]], np.int64)), "s": ms.Parameter(ms.Tensor(0.125, ms.float32), name="s")}
+    dcp.save(src, checkpoint_id=str(tmp_path / "c"))
+    dst = {"b": ms.Parameter(ms.Tensor(np.zeros(3, np.float32)).astype(ms.bfloat16), name="b2"),
+           "i": ms.Tensor(np.zeros((1, 2), np.int64)), "s": ms.Parameter(ms.Tensor(0.0, ms.float32), name="s2")}
+    dcp.load(dst, checkpoint_id=str(tmp_path / "c"))
+    assert dst["b"].dtype == ms.bfloat16
+    assert dst["b"].astype(ms.float32).asnumpy().tolist() == [1.5, -2.25, 3.0]
+    assert dst["i"].asnumpy().tolist() == [[1, 2]] and float(dst["s"].asnumpy()) == 0.125
+    dcp.export_full(str(tmp_path / "c"), str(tmp_path / "full.safetensors"))
+    loaded = ms.load_checkpoint(str(tmp_path / "full.safetensors"), format="safetensors")
+    assert loaded["b"].dtype == ms.bfloat16 and loaded["b"].astype(ms.float32).asnumpy().tolist() == [1.5, -2.25, 3.0]
