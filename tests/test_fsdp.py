@@ -16,7 +16,7 @@ from mindspore.nn.utils import no_init_parameters
 
 from hyper_parallel_ms.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, init_parameters
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import parameter_sharding
+from hyper_parallel_ms.nn import GradientReducer, parameter_sharding
 from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
@@ -46,6 +46,12 @@ def test_fully_shard_2_ranks_sgd_adamw_and_schedule():
     # per step: one all-gather per unit in forward, one reduce-scatter per unit in backward
     assert counts == [{"all_gather": 3, "reduce_scatter": 3}] * 5, counts
     compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, optimizer="adamw", loss_mesh=mesh)
+
+    # a GradientReducer over dp leaves fully_shard's pieces alone: their gradients are reduced already
+    def reduced(model, step, x):
+        loss, grads = step(x)
+        return loss, GradientReducer(model.trainable_params(), dp_mesh=mesh, dp_dim="dp")(grads)
+    compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, loss_mesh=mesh, steps=2, train=reduced)
     # deferred init: each rank keeps only its pieces, equal to the eager model's from the same seed
     compare(lambda m: init_parameters(_fsdp_per_block(m, mesh)), rank, 2, loss_mesh=mesh, steps=1,
             make_par=_deferred_net)

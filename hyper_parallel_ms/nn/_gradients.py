@@ -20,6 +20,9 @@ from ._parameter import parameter_sharding
 
 __all__ = ["GradientReducer"]
 
+# set by fully_shard / hsdp on their pieces: the gradient they return is already averaged over dp
+_DP_REDUCED = "_hpms_grad_reduced_dims"
+
 
 class _AllReduce(nn.Cell):
     def __init__(self, mesh, mesh_dim, op: str) -> None:
@@ -49,7 +52,8 @@ class _Chain(nn.Cell):
 class GradientReducer(nn.Cell):
     """Reduce a tuple of gradients (in the order of ``parameters``): summed over the mesh
     dims where a parameter's gradient is partial, then averaged over ``dp_dim`` of ``dp_mesh``
-    (if given). Works in PyNative and inside ms.jit.
+    (if given; skipped for the pieces of ``fully_shard`` / ``hsdp``, whose gradients arrive
+    already reduced over data parallelism). Works in PyNative and inside ms.jit.
 
     Example::
 
@@ -72,7 +76,7 @@ class GradientReducer(nn.Cell):
             sharding = parameter_sharding(p)
             if sharding is not None:
                 steps += [_AllReduce(sharding.spec.mesh, d, "sum") for d in sharding.grad_partial_dims]
-            if dp_mesh is not None:
+            if dp_mesh is not None and not getattr(p, _DP_REDUCED, ()):
                 steps.append(_AllReduce(dp_mesh, dp_dim, "avg"))
             chains.append(_Chain(steps))
         self.chains = nn.CellList(chains)
