@@ -1,6 +1,7 @@
 """Checkpoints across layouts on 4 ranks: save on every layout of {single device, tp2 (x2
 replicas), tp4, dp2 x tp2 fully-sharded pieces (one dim over two mesh dims, tp major),
-fsdp (Shard(0) over 4 ranks, uneven: 7 rows as 2, 2, 2, 1), DTensor parameters} and load
+fsdp (Shard(0) over 4 ranks, uneven: 7 rows as 2, 2, 2, 1), DTensor parameters, tp2 styles then
+fully_shard over dp2} and load
 into every other, model and Adam state, bit-exact; training resumed from a checkpoint (on
 the same and on another layout) gives the losses of the uninterrupted run; a rank failing
 during a save or a load makes every rank fail with the cause, nothing committed or
@@ -25,6 +26,7 @@ from hyper_parallel_ms.checkpoint._pieces import flatten
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.dtensor import distribute_tensor
+from hyper_parallel_ms.fsdp import fully_shard
 from hyper_parallel_ms.nn import (ColwiseParallel, GradientReducer, RowwiseParallel, distribute_module,
                                   parallelize_module)
 from hyper_parallel_ms.nn._parameter import sharded_parameter
@@ -32,7 +34,7 @@ from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import RankFailure, multi_rank, run_on_ranks
 
 WORLD = 4
-LAYOUTS = ("single", "tp2", "tp4", "dp2xtp2_fsdp", "fsdp", "dtensor")
+LAYOUTS = ("single", "tp2", "tp4", "dp2xtp2_fsdp", "fsdp", "dtensor", "fully_shard_x_tp")
 
 
 class MLP(nn.Cell):
@@ -75,6 +77,10 @@ def build(layout: str, seed: int = 0):
                 cell.weight = Parameter(distribute_tensor(cell.weight, mesh, [Shard(0 if name == "up" else 1)]),
                                         name=cell.weight.name)
         distribute_module(model, mesh, partition)
+    elif layout == "fully_shard_x_tp":          # the real thing: tp styles, then fully_shard over dp
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
     elif layout == "fsdp":
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         _hand_made(model, mesh, dict.fromkeys(("up.weight", "up.bias", "down.weight", "down.bias"), (Shard(0),)))
@@ -136,7 +142,7 @@ def test_save_on_each_layout_load_on_every_other_bit_exact():
                 meta = dcp.save(state, checkpoint_id=os.path.join(base, layout))
             chunks = len(meta.tensors["model.up.weight"].chunks)
             assert chunks == {"single": 1, "tp2": 2, "tp4": 4, "dp2xtp2_fsdp": 4, "fsdp": 4,
-                              "dtensor": 4}[layout], (layout, chunks)
+                              "dtensor": 4, "fully_shard_x_tp": 4}[layout], (layout, chunks)
             files = sorted(os.listdir(os.path.join(base, layout)))
             if layout == "single":                                       # replicas written once, by rank 0
                 assert files == ["metadata.json", "rank_0.safetensors"], files
