@@ -186,3 +186,36 @@ def test_partial_max_conversion_masks_the_gradient_as_a_single_device_max(jit):
     want = both[winner, np.arange(3)] * np.array([1.0, 2.0, 3.0])
     total = comm.all_reduce(g, mesh, 0).asnumpy()    # x is replicated: its gradient is the sum of the ranks' shares
     np.testing.assert_allclose(total, want, rtol=1e-6)
+
+
+class KwargBlock(nn.Cell):
+    def construct(self, x, scale=None):
+        return x * scale
+
+
+class KwargList(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.CellList([KwargBlock()])
+
+    def construct(self, x, scale):
+        for b in self.blocks:
+            x = b(x, scale=scale)
+        return x
+
+
+@multi_rank(2)
+def test_keyword_conversions_refuse_to_compile_instead_of_being_skipped():
+    from hyper_parallel_ms.nn import PrepareModuleInput
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = KwargList()
+    parallelize_module(model, mesh, {"blocks.0": PrepareModuleInput(
+        input_kwarg_layouts={"scale": Shard(0)}, desired_input_kwarg_layouts={"scale": Replicate()},
+        use_local_output=True)})
+    x, scale = ms.Tensor(np.ones((4, 2), np.float32)), ms.Tensor(np.full((2, 2), 3.0, np.float32))
+    assert model(x, scale).shape == (4, 2)                         # PyNative: the keyword is gathered
+
+    def run(a, b):
+        return model(a, b)
+    with pytest.raises(RuntimeError, match="converts keyword inputs .* PyNative only"):
+        ms.jit(run)(x, scale)
