@@ -149,3 +149,73 @@ def test_misuses_that_would_compute_silently_raise():
             shard_module(Net(), mesh, ShardingPlan(plan={"blocks.0.up.weight": (Shard(0),)}))
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+class RankScaled(nn.Cell):
+    """Each rank's output is its own multiple of the input: a Partial(max) over the ranks."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def construct(self, x):
+        return x * self.factor
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@multi_rank(2)
+def test_partial_max_conversion_masks_the_gradient_as_a_single_device_max(jit):
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.nn import PrepareModuleOutput
+    from hyper_parallel_ms.placement import Partial
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    factors = (np.array([1.0, -2.0, 3.0], np.float32), np.array([2.0, 1.0, -1.0], np.float32))
+    rank = mesh.get_coordinate()[0]
+    cell = RankScaled(ms.Tensor(factors[rank]))
+    parallelize_module(cell, mesh, PrepareModuleOutput(output_layouts=(Partial("max"),),
+                                                       desired_output_layouts=(Replicate(),)))
+    x = ms.Tensor(np.array([1.0, 1.0, 1.0], np.float32))
+
+    def loss(v):
+        return (cell(v) * ms.Tensor(np.array([1.0, 2.0, 3.0], np.float32))).sum()
+    grad = ms.grad(loss)
+    g = (ms.jit(grad) if jit else grad)(x)
+    both = np.stack(factors)
+    np.testing.assert_allclose(cell(x).asnumpy(), both.max(0), rtol=1e-6)
+    winner = both.argmax(0)                         # the single-device max's gradient reaches the maximum only
+    want = both[winner, np.arange(3)] * np.array([1.0, 2.0, 3.0])
+    total = comm.all_reduce(g, mesh, 0).asnumpy()    # x is replicated: its gradient is the sum of the ranks' shares
+    np.testing.assert_allclose(total, want, rtol=1e-6)
+
+
+class KwargBlock(nn.Cell):
+    def construct(self, x, scale=None):
+        return x * scale
+
+
+class KwargList(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.CellList([KwargBlock()])
+
+    def construct(self, x, scale):
+        for b in self.blocks:
+            x = b(x, scale=scale)
+        return x
+
+
+@multi_rank(2)
+def test_keyword_conversions_refuse_to_compile_instead_of_being_skipped():
+    from hyper_parallel_ms.nn import PrepareModuleInput
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = KwargList()
+    parallelize_module(model, mesh, {"blocks.0": PrepareModuleInput(
+        input_kwarg_layouts={"scale": Shard(0)}, desired_input_kwarg_layouts={"scale": Replicate()},
+        use_local_output=True)})
+    x, scale = ms.Tensor(np.ones((4, 2), np.float32)), ms.Tensor(np.full((2, 2), 3.0, np.float32))
+    assert model(x, scale).shape == (4, 2)                         # PyNative: the keyword is gathered
+
+    def run(a, b):
+        return model(a, b)
+    with pytest.raises(RuntimeError, match="converts keyword inputs .* PyNative only"):
+        ms.jit(run)(x, scale)

@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Sequence
 
 from mindspore import Parameter, nn
 
+from .._jit import is_compiling, run_in_python
+
 __all__ = ["named_cells", "own_parameters", "CellChanges", "snapshot_parameters", "restore_parameters",
            "ConstructHooks", "converting_class"]
 
@@ -59,6 +61,7 @@ class ConstructHooks(nn.Cell):
         super().__init__()
         self.pre_hooks = nn.CellList()
         self.post_hooks = nn.CellList()
+        self.graph_error = ""          # why this Cell cannot run compiled (raised while compiling)
 
     def before(self, cell, args):
         for hook in self.pre_hooks:
@@ -80,6 +83,7 @@ def converting_class(base: type) -> type:
 
     def construct(self, *args, **kwargs):
         hooks = getattr(self, _HOOKS)
+        _refuse_in_graph(hooks.graph_error)
         args = hooks.before(self, args)
         return hooks.after(self, args, base.construct(self, *args, **kwargs))
     cls = type(base.__name__, (base,), {"construct": construct, "__module__": base.__module__,
@@ -89,6 +93,14 @@ def converting_class(base: type) -> type:
 
 
 _CONVERTING: Dict[type, type] = {}
+
+
+@run_in_python
+def _refuse_in_graph(message: str) -> bool:
+    """Raise ``message`` (if any) when ms.jit / GRAPH_MODE compiles the Cell."""
+    if message and is_compiling():
+        raise RuntimeError(message)
+    return True
 
 
 class CellChanges:
@@ -133,9 +145,11 @@ class CellChanges:
         handle = cell.register_forward_hook(fn, with_kwargs=with_kwargs)
         self._undo.append(handle.remove)
 
-    def add_construct_hooks(self, cell: nn.Cell, pre: Sequence[nn.Cell] = (), post: Sequence[nn.Cell] = ()) -> None:
-        """Run ``pre`` / ``post`` hook Cells inside ``cell``'s ``construct`` (after any earlier ones)."""
-        if not pre and not post:
+    def add_construct_hooks(self, cell: nn.Cell, pre: Sequence[nn.Cell] = (), post: Sequence[nn.Cell] = (),
+                            graph_error: str = "") -> None:
+        """Run ``pre`` / ``post`` hook Cells inside ``cell``'s ``construct`` (after any earlier ones);
+        ``graph_error``: raised if ms.jit / GRAPH_MODE compiles ``cell`` (what it cannot do there)."""
+        if not pre and not post and not graph_error:
             return
         hooks = cell.__dict__.get(_HOOKS)
         if hooks is None:
@@ -143,7 +157,8 @@ class CellChanges:
             self.set_attribute(cell, _HOOKS, hooks)
         if not getattr(type(cell), "_hpms_converting", False):
             self.swap_class(cell, converting_class(type(cell)))
-        old_pre, old_post = len(hooks.pre_hooks), len(hooks.post_hooks)
+        old_pre, old_post, old_error = len(hooks.pre_hooks), len(hooks.post_hooks), hooks.graph_error
+        hooks.graph_error = graph_error or old_error
         for h in pre:
             hooks.pre_hooks.append(h)
         for h in post:
@@ -152,6 +167,7 @@ class CellChanges:
         def undo():
             del hooks.pre_hooks[old_pre:]
             del hooks.post_hooks[old_post:]
+            hooks.graph_error = old_error
         self._undo.append(undo)
 
     def swap_class(self, cell: nn.Cell, cls: type) -> None:

@@ -103,6 +103,15 @@ def _check_conflicts(edits: List[ModuleEdit]) -> None:
             owners[id(edit.cell)] = edit.path
 
 
+def _kwargs_in_graph(edit: ModuleEdit) -> str:
+    if not edit.kwarg_hooks:
+        return ""
+    where = f"'{edit.path}'" if edit.path else "the root Cell"
+    return (f"PrepareModuleInput on {where} converts keyword inputs (input_kwarg_layouts), which runs in PyNative "
+            "only: ms.jit / GRAPH_MODE do not run keyword forward hooks. Pass those inputs positionally "
+            "(input_layouts) to compile this Cell")
+
+
 def apply_edits(edits: List[ModuleEdit]) -> None:
     """Make the prepared changes, then run the user styles' own ``apply``; if anything fails,
     undo the changes already made (and put back parameters a user style replaced) and re-raise."""
@@ -118,7 +127,7 @@ def apply_edits(edits: List[ModuleEdit]) -> None:
                 if edit.swap_class is not None:
                     changes.swap_class(edit.cell, edit.swap_class)
                 changes.add_construct_hooks(edit.cell, pre=edit.pre_hooks + edit.input_grad_reduction,
-                                            post=edit.post_hooks)
+                                            post=edit.post_hooks, graph_error=_kwargs_in_graph(edit))
                 for hook in edit.kwarg_hooks:
                     changes.add_forward_pre_hook(edit.cell, hook.pre, with_kwargs=True)
                 if edit.parameters:

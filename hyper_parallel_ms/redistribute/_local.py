@@ -8,9 +8,9 @@ A dim that a conversion newly shards without a known size must divide evenly, si
 conversions read its pieces as even; a piece that does not fit the plan raises with the
 expected local shape. :class:`LocalRedistribute` plans for the shape it meets: in PyNative
 on every call (cached per shape), inside ``ms.jit`` once while the graph compiles, so that
-the compiled graph holds only the collectives. The backward follows PyTorch's
-``redistribute`` (see :func:`.redistribution`), with an optional ``grad_src`` layout for
-the incoming gradient.
+the compiled graph holds only the collectives. The steps run in the one step-running Cell,
+:class:`.Redistribution` (PyTorch's ``redistribute`` backward, masking of a reduced
+Partial(max / min)), with an optional ``grad_src`` layout for the incoming gradient.
 
 Example::
 
@@ -27,7 +27,7 @@ from mindspore import nn
 
 from .._mindspore import cached_in_python, is_compiling, run_in_python
 from ..layout import Layout
-from ._executor import lowered_steps, step_cells
+from ._executor import Redistribution, redistribution
 
 __all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape"]
 
@@ -86,16 +86,15 @@ def _becomes_dtensor(wrapped: bool) -> bool:
 
 
 @cached_in_python
-def _cells(plan_id: int, local_shape: Tuple[int, ...], where: str, uneven_ok: bool) -> Tuple[tuple, tuple]:
-    """The (forward, backward) step Cells for a piece of ``local_shape`` (layouts normalised
-    for its number of dims, the global shape from :func:`plan_global_shape`)."""
+def _redistribution(plan_id: int, local_shape: Tuple[int, ...], where: str, uneven_ok: bool) -> Redistribution:
+    """The step-running Cell (:func:`.redistribution`, with its backward and the masking of a
+    reduced Partial(max / min)) for a piece of ``local_shape``: layouts normalised for its
+    number of dims, the global shape from :func:`plan_global_shape`."""
     mesh, src, dst, grad_src, _ = _PLANS[plan_id]
     ndim = len(local_shape)
     shape = plan_global_shape(plan_id, local_shape, where, uneven_ok)
-    forward, backward, scaling = lowered_steps(src.normalized(ndim), dst.normalized(ndim), shape,
-                                               mesh.get_coordinate(),
-                                               None if grad_src is None else grad_src.normalized(ndim))
-    return tuple(step_cells(mesh, forward)), tuple(step_cells(mesh, backward + scaling))
+    return redistribution(mesh, src.normalized(ndim), dst.normalized(ndim), shape,
+                          None if grad_src is None else grad_src.normalized(ndim))
 
 
 class LocalRedistribute(nn.Cell):
@@ -114,11 +113,4 @@ class LocalRedistribute(nn.Cell):
         self.wrapped = wrapped
 
     def construct(self, x):
-        for cell in _cells(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))[0]:
-            x = cell(x)
-        return x
-
-    def bprop(self, x, out, dout):
-        for cell in _cells(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))[1]:
-            dout = cell(dout)
-        return (dout,)
+        return _redistribution(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))(x)
