@@ -225,7 +225,11 @@ class DTensor(Tensor):
         return self.redistribute(placements=replicate_partials(self._dt_spec.layout).placements)
 
     def to(self, dtype) -> "DTensor":
-        """Cast the local piece; placements are kept."""
+        """Cast the local piece; placements are kept, except that a Partial(sum / avg) is reduced
+        before a cast to an integer or bool type (the sum of rounded pieces is not the rounded sum)."""
+        rounding = not str(dtype).lower().startswith(("float", "bfloat"))
+        if rounding and any(p.is_partial("sum") or p.is_partial("avg") for p in self._dt_spec.placements):
+            return self.reduce_partial().to(dtype)
         return DTensor(_local_view(self).astype(dtype), self._dt_spec)
 
     def float(self) -> "DTensor":
