@@ -87,7 +87,8 @@ def main() -> None:
               f"{r[False]['read_bytes'] / mib:.1f} MiB gathered -> {r[True]['read_bytes'] / mib:.1f} MiB with "
               f"loss_parallel; largest logits gradient {r[False]['grad_bytes'] / mib:.1f} -> "
               f"{r[True]['grad_bytes'] / mib:.1f} MiB; peak RSS rise of the step {r[False]['peak_rise'] / mib:.1f} -> "
-              f"{r[True]['peak_rise'] / mib:.1f} MiB (ratio {r[True]['peak_rise'] / max(r[False]['peak_rise'], 1):.2f});"
+              f"{r[True]['peak_rise'] / mib:.1f} MiB "
+              f"(ratio {r[True]['peak_rise'] / max(r[False]['peak_rise'], 1):.2f});"
               f" |loss difference| {abs(r[True]['loss'] - r[False]['loss']):.2e}")
 
 if __name__ == "__main__":

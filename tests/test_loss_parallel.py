@@ -121,6 +121,15 @@ def test_parallel_cross_entropy_cell_pynative_and_jit():
     assert _cell_cases()
 
 
+def _raises(kind, words, fn, *args):
+    try:
+        fn(*args)
+    except kind as error:
+        assert words in str(error), error
+    else:
+        raise AssertionError(f"expected {kind.__name__} mentioning {words!r}")
+
+
 def _comm_check():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     logits, target, _ = _case(8, True)
@@ -141,6 +150,13 @@ def _comm_check():
         pass
     else:
         raise AssertionError("ops.cross_entropy on Shard(-1) logits outside loss_parallel should raise")
+    with loss_parallel():
+        _raises(NotImplementedError, "class weights", ops.cross_entropy, x, ms.Tensor(target),
+                ms.Tensor(np.ones(8, np.float32)))
+        _raises(ValueError, "replicated targets", ops.cross_entropy, x, DTensor.from_local(
+            ms.Tensor(target[3 * mesh.get_local_rank(0):][:3]), mesh, [Shard(0)]))
+    _raises(ValueError, "(N, 6) local logits", ParallelCrossEntropy(mesh, num_classes=12), x.to_local(),
+            ms.Tensor(target))
     counts = inside.get_comm_counts()
     return {str(k): v for k, v in counts.items()}, {str(k): v for k, v in outside.get_comm_counts().items()}
 
