@@ -155,6 +155,8 @@ def _comm_check():
                 ms.Tensor(np.ones(8, np.float32)))
         _raises(ValueError, "replicated targets", ops.cross_entropy, x, DTensor.from_local(
             ms.Tensor(target[3 * mesh.get_local_rank(0):][:3]), mesh, [Shard(0)]))
+    with loss_parallel():
+        _raises(ValueError, "class indices in [0, 8)", ops.cross_entropy, x, ms.Tensor(np.full(ROWS, 8, np.int32)))
     _raises(ValueError, "(N, 6) local logits", ParallelCrossEntropy(mesh, num_classes=12), x.to_local(),
             ms.Tensor(target))
     counts = inside.get_comm_counts()

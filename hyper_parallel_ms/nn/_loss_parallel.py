@@ -117,7 +117,9 @@ class ParallelCrossEntropy(nn.Cell):
 
     ``mesh``: the mesh (1-D tp mesh, or give ``mesh_dim``); ``num_classes``: the global class
     count (pieces are ``torch.chunk`` sizes of it). Call it with the local ``(N, c)`` logits
-    and the replicated ``(N,)`` targets.
+    and the replicated ``(N,)`` targets. Targets are not range-checked here (the check would
+    read them back to Python, which ``ms.jit`` cannot): an index outside the classes that is
+    not ``ignore_index`` counts as a target logit of 0.
 
     Example::
 
@@ -162,6 +164,15 @@ def _replicated_target(target, mesh):
     return target
 
 
+def _check_targets(target, num_classes: int, ignore_index: int) -> None:
+    """Raise for a class index outside [0, num_classes) other than ``ignore_index`` (the
+    masked gather would read it as a logit of 0 instead of failing as the plain op does)."""
+    bad = ops.logical_and(ops.logical_or(target < 0, target >= num_classes), target != ignore_index)
+    if bool(bad.any()):
+        raise ValueError(f"cross_entropy targets must be class indices in [0, {num_classes}) or ignore_index="
+                         f"{ignore_index}; got {target.asnumpy()[bad.asnumpy()].tolist()[:8]}")
+
+
 def _dtensor_cross_entropy(original: Callable) -> Callable:
     """``original`` (a cross_entropy function), with Shard(-1) DTensor logits run by
     :func:`parallel_cross_entropy`; any other call goes to ``original``."""
@@ -179,7 +190,9 @@ def _dtensor_cross_entropy(original: Callable) -> Callable:
             raise NotImplementedError("loss_parallel supports class-index targets only; class-probability targets "
                                       "need the gathered logits (.full_tensor())")
         mesh = input.device_mesh
-        loss = parallel_cross_entropy(input.to_local(), _replicated_target(target, mesh), mesh, mesh_dim,
+        target = _replicated_target(target, mesh)
+        _check_targets(target, input.shape[-1], ignore_index)
+        loss = parallel_cross_entropy(input.to_local(), target, mesh, mesh_dim,
                                       num_classes=input.shape[-1], ignore_index=ignore_index, reduction=reduction,
                                       label_smoothing=label_smoothing)
         return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, shape=tuple(loss.shape))
