@@ -35,6 +35,7 @@ _EXPORTS: Dict[str, str] = {
     "PrepareModuleOutput": "nn", "PrepareModuleInputOutput": "nn", "parallelize_module": "nn",
     "distribute_module": "nn", "ShardingPlan": "nn", "shard_module": "nn", "GradientReducer": "nn",
     "ParallelStyle": "nn", "parameter_sharding": "nn", "as_dtensor": "nn",
+    "loss_parallel": "nn", "ParallelCrossEntropy": "nn",
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
     "HSDPCell": "fsdp", "init_parameters": "fsdp",
 }

@@ -8,6 +8,7 @@ Example::
 """
 from ._distribute import ShardingPlan, distribute_module, shard_module
 from ._gradients import GradientReducer
+from ._loss_parallel import ParallelCrossEntropy, loss_parallel, parallel_cross_entropy
 from ._parallelize import parallelize_module
 from ._parameter import ParameterSharding, as_dtensor, parameter_sharding
 from ._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
@@ -16,4 +17,4 @@ from ._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Prepar
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "GradientReducer",
            "ParameterSharding", "parameter_sharding", "as_dtensor", "distribute_module", "ShardingPlan",
-           "shard_module"]
+           "shard_module", "loss_parallel", "ParallelCrossEntropy", "parallel_cross_entropy"]
