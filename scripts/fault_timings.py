@@ -9,7 +9,8 @@ exited, and msrun's exit code) and under the test harness
 ``RankFailure`` and until every worker has exited). Prints one table; asserts nothing on time.
 The environment is passed on to msrun, so MindSpore's timeouts can be compared: with
 ``MS_NODE_TIMEOUT=5`` (seconds) the scheduler gives up on a dead rank, and a rank waiting in a
-CPU collective gives up on its peer, after about 5 s instead of about 30 s.
+CPU collective gives up on its peer, after about 5 s instead of about 30 s; the same limit then
+fails a healthy job whose ranks reach a collective more than 5 s apart (scenario ``late``).
 
 Example::
 
@@ -30,6 +31,7 @@ from typing import Dict, List, Optional, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = ("raise", "kill", "hang")
+LATE_SECONDS = 10.0  # scenario "late" (no fault): rank 1 reaches the all-reduce this much later
 POLL = 0.2  # seconds between process checks
 
 
@@ -40,7 +42,10 @@ def _write(out_dir: str, name: str, value: object) -> None:
 
 
 def inject_fault(scenario: str, out_dir: str) -> float:
-    """Three all-reduces on a (2,) mesh, then rank 1 faults and rank 0 enters a fourth one."""
+    """Three all-reduces on a (2,) mesh, then rank 1 faults and rank 0 enters a fourth one.
+
+    ``late`` is not a fault: rank 1 joins the fourth all-reduce ``LATE_SECONDS`` late, to show
+    whether a timeout setting fails a slow but healthy job."""
     import numpy as np
     import mindspore as ms
     from mindspore import communication
@@ -60,6 +65,9 @@ def inject_fault(scenario: str, out_dir: str) -> float:
             raise RuntimeError("fault injected on rank 1")
         if scenario == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if scenario == "late":
+            time.sleep(LATE_SECONDS)
+            return float(all_reduce(x, mesh, "world").asnumpy()[0])
         while True:
             time.sleep(3600)
     return float(all_reduce(x, mesh, "world").asnumpy()[0])
@@ -216,13 +224,14 @@ def _print_table(rows: List[Dict[str, str]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"any of {', '.join(SCENARIOS)}, late (rank 1 {LATE_SECONDS:.0f} s late, no fault)")
     parser.add_argument("--launchers", default="msrun,harness")
     parser.add_argument("--port", type=int, default=8170, help="first msrun master port (one per scenario)")
     parser.add_argument("--cap", type=float, default=180.0, help="seconds after which an msrun run is killed")
     parser.add_argument("--harness-timeout", type=float,
                         default=float(os.environ.get("HPMS_TEST_TIMEOUT", "20")))
-    parser.add_argument("--rank-job", choices=SCENARIOS, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-job", choices=SCENARIOS + ("late",), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_job:
