@@ -1,0 +1,256 @@
+"""Fault timings: how long a 2-rank CPU job takes to stop after one rank fails.
+
+Three faults on rank 1, after a few all-reduces on a DeviceMesh: it raises (``raise``), it is
+killed with SIGKILL (``kill``), or it hangs in ``time.sleep`` while rank 0 enters the next
+all-reduce (``hang``). Each fault runs twice: under ``msrun`` (seconds from the fault to
+msrun's exit, to every worker having exited and to every process msrun started having
+exited, and msrun's exit code) and under the test harness
+(``hyper_parallel_ms.testing.run_on_ranks`` with a short timeout: seconds until it raises
+``RankFailure`` and until every worker has exited). Prints one table; asserts nothing on time.
+The environment is passed on to msrun, so MindSpore's timeouts can be compared: with
+``MS_NODE_TIMEOUT=5`` (seconds) the scheduler gives up on a dead rank, and a rank waiting in a
+CPU collective gives up on its peer, after about 5 s instead of about 30 s; the same limit then
+fails a healthy job whose ranks reach a collective more than 5 s apart (scenario ``late``).
+
+Example::
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --cap 180 --harness-timeout 20
+    MS_NODE_TIMEOUT=5 PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --launchers msrun
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Set
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIOS = ("raise", "kill", "hang")
+LATE_SECONDS = 10.0  # scenario "late" (no fault): rank 1 reaches the all-reduce this much later
+POLL = 0.2  # seconds between process checks
+
+
+# ---------------------------------------------------------------- on the ranks
+def _write(out_dir: str, name: str, value: object) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write(str(value))
+
+
+def inject_fault(scenario: str, out_dir: str) -> float:
+    """Three all-reduces on a (2,) mesh, then rank 1 faults and rank 0 enters a fourth one.
+
+    ``late`` is not a fault: rank 1 joins the fourth all-reduce ``LATE_SECONDS`` late, to show
+    whether a timeout setting fails a slow but healthy job."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import communication
+    from hyper_parallel_ms.comm import all_reduce
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
+    rank = communication.get_rank()
+    _write(out_dir, f"pid.{rank}", os.getpid())
+    x = ms.Tensor(np.ones(8, np.float32))
+    for _ in range(3):
+        x = all_reduce(x, mesh, "world")
+    x.asnumpy()
+    if rank == 1:
+        _write(out_dir, "fault", repr(time.time()))
+        if scenario == "raise":
+            raise RuntimeError("fault injected on rank 1")
+        if scenario == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if scenario == "late":
+            time.sleep(LATE_SECONDS)
+            return float(all_reduce(x, mesh, "world").asnumpy()[0])
+        while True:
+            time.sleep(3600)
+    return float(all_reduce(x, mesh, "world").asnumpy()[0])
+
+
+def _rank_main(scenario: str, out_dir: str) -> None:
+    import mindspore as ms
+    from mindspore import communication
+    ms.set_device("CPU")
+    communication.init()
+    inject_fault(scenario, out_dir)
+
+
+# ---------------------------------------------------------------- processes
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(root: int) -> Set[int]:
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _read_float(path: str) -> Optional[float]:
+    try:
+        with open(path) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _worker_pids(out_dir: str) -> Set[int]:
+    pids = set()
+    for rank in range(2):
+        value = _read_float(os.path.join(out_dir, f"pid.{rank}"))
+        if value is not None:
+            pids.add(int(value))
+    return pids
+
+
+def _seconds(end: Optional[float], start: Optional[float]) -> str:
+    return "n/a" if end is None or start is None else f"{end - start:6.1f}"
+
+
+# ---------------------------------------------------------------- under msrun
+def time_msrun(scenario: str, port: int, cap: float, work: str) -> Dict[str, str]:
+    """Launch the fault under msrun; follow msrun, its workers and every process it started."""
+    out_dir = os.path.join(work, f"msrun_{scenario}")
+    log_dir = os.path.join(out_dir, "logs")
+    os.makedirs(log_dir)
+    msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
+    msrun = msrun if os.path.exists(msrun) else shutil.which("msrun")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               GLOG_v=os.environ.get("GLOG_v", "3"), OMP_NUM_THREADS="1")
+    cmd = [msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}", f"--log_dir={log_dir}",
+           "--join=True", os.path.abspath(__file__), "--rank-job", scenario, "--out", out_dir]
+    with open(os.path.join(out_dir, "msrun.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    started: Set[int] = set()
+    msrun_end = workers_end = all_end = None
+    deadline = time.time() + cap
+    while time.time() < deadline:
+        now = time.time()
+        if proc.poll() is None:
+            started |= _descendants(proc.pid)
+        elif msrun_end is None:
+            msrun_end = now
+        workers = _worker_pids(out_dir)
+        if workers_end is None and len(workers) == 2 and not any(_alive(p) for p in workers):
+            workers_end = now
+        if msrun_end is not None and not any(_alive(p) for p in started | workers):
+            all_end = now
+            break
+        time.sleep(POLL)
+    for pid in sorted(started | _worker_pids(out_dir)):  # past the cap: stop what this run started
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if proc.poll() is None:
+        proc.kill()
+    rc = proc.wait()
+    fault = _read_float(os.path.join(out_dir, "fault"))
+    over = f">{cap:.0f}s cap"
+    return {"fault": scenario, "launcher": "msrun",
+            "to launcher exit": _seconds(msrun_end, fault) if msrun_end else over,
+            "to workers exited": _seconds(workers_end, fault) if workers_end else over,
+            "to all exited": _seconds(all_end, fault) if all_end else over,
+            "exit": f"rc={rc}" + (" (killed at cap)" if msrun_end is None else ""),
+            "logs": log_dir}
+
+
+# ---------------------------------------------------------------- under the test harness
+def time_harness(scenario: str, timeout: float, work: str) -> Dict[str, str]:
+    """Run the fault with run_on_ranks; time RankFailure and the workers' exit."""
+    from hyper_parallel_ms.testing import RankFailure, get_pool, run_on_ranks
+    out_dir = os.path.join(work, f"harness_{scenario}")
+    os.makedirs(out_dir)
+    get_pool(2)  # started before the clock matters: the fault time is written by rank 1
+    raised, outcome = None, "returned (no failure)"
+    try:
+        run_on_ranks(inject_fault, 2, scenario, out_dir, timeout=timeout)
+    except RankFailure as exc:
+        raised = time.time()
+        outcome = "RankFailure: " + ", ".join(line.split(":")[0] for line in str(exc).splitlines()
+                                              if line.startswith("rank ") and line.split(":")[0].split()[-1]
+                                              in ("raised", "died", "hung"))
+    workers = _worker_pids(out_dir)
+    workers_exited = all_exited = None
+    end = time.time() + 60
+    while time.time() < end and all_exited is None:  # the pool's scheduler and ranks are children of this process
+        now = time.time()
+        if workers_exited is None and not any(_alive(p) for p in workers):
+            workers_exited = now
+        if not any(_alive(p) for p in _descendants(os.getpid())):
+            all_exited = now
+        time.sleep(POLL)
+    fault = _read_float(os.path.join(out_dir, "fault"))
+    return {"fault": scenario, "launcher": f"run_on_ranks(timeout={timeout:.0f})",
+            "to launcher exit": _seconds(raised, fault), "to workers exited": _seconds(workers_exited, fault),
+            "to all exited": _seconds(all_exited, fault), "exit": outcome, "logs": out_dir}
+
+
+def _print_table(rows: List[Dict[str, str]]) -> None:
+    columns = ["fault", "launcher", "to launcher exit", "to workers exited", "to all exited", "exit"]
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in columns}
+    print("seconds from the fault on rank 1 (wall clock; 'launcher exit' = msrun returns / run_on_ranks raises)")
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(row[c].ljust(widths[c]) for c in columns))
+    print("logs: " + ", ".join(r["logs"] for r in rows))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"any of {', '.join(SCENARIOS)}, late (rank 1 {LATE_SECONDS:.0f} s late, no fault)")
+    parser.add_argument("--launchers", default="msrun,harness")
+    parser.add_argument("--port", type=int, default=8170, help="first msrun master port (one per scenario)")
+    parser.add_argument("--cap", type=float, default=180.0, help="seconds after which an msrun run is killed")
+    parser.add_argument("--harness-timeout", type=float,
+                        default=float(os.environ.get("HPMS_TEST_TIMEOUT", "20")))
+    parser.add_argument("--rank-job", choices=SCENARIOS + ("late",), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_job:
+        _rank_main(args.rank_job, args.out)
+        return 0
+    work = tempfile.mkdtemp(prefix="hpms_fault_timings_")
+    rows = []
+    launchers = args.launchers.split(",")
+    for i, scenario in enumerate(args.scenarios.split(",")):
+        if "msrun" in launchers:
+            rows.append(time_msrun(scenario, args.port + i, args.cap, work))
+            print(rows[-1], flush=True)
+    for scenario in args.scenarios.split(","):
+        if "harness" in launchers:
+            rows.append(time_harness(scenario, args.harness_timeout, work))
+            print(rows[-1], flush=True)
+    _print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
