@@ -23,20 +23,7 @@ import mindspore as ms
 import numpy as np
 
 from hyper_parallel_ms.testing import run_on_ranks, shutdown_pools
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS")
+from hyper_parallel_ms.testing._probes import reset_peak_rss, status_kb
 
 
 def _config(dim: int, layers: int, vocab: int):
@@ -96,9 +83,9 @@ def measure_rss(dim: int, layers: int, vocab: int, deferred: bool) -> int:
     from hyper_parallel_ms.mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
     config = _config(dim, layers, vocab)
-    base = _reset_peak()
+    base = reset_peak_rss()
     _sharded(config, mesh, deferred=deferred)
-    return (_status_kb("VmHWM") - base) * 1024
+    return (status_kb("VmHWM") - base) * 1024
 
 
 def measure(dim: int, layers: int, vocab: int, steps: int) -> Dict[str, object]:
@@ -111,7 +98,7 @@ def measure(dim: int, layers: int, vocab: int, steps: int) -> Dict[str, object]:
     config = _config(dim, layers, vocab)
     out: Dict[str, object] = {"n": n}
 
-    base = _reset_peak()
+    base = reset_peak_rss()
     ms.set_seed(0)
     full = Llama(config)
     out["full"] = _state_bytes(full)

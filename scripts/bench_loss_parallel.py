@@ -25,14 +25,7 @@ from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import loss_parallel
 from hyper_parallel_ms.placement import Shard
 from hyper_parallel_ms.testing import run_on_ranks, shutdown_pools
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+from hyper_parallel_ms.testing._probes import reset_peak_rss, status_kb
 
 
 def _step(local, target, mesh, shape, parallel: bool):
@@ -63,11 +56,9 @@ def measure(rows: int, vocab: int, parallel: bool) -> Dict[str, float]:
     small_logits, small_target, small_local = _case(8, 4 * tp, mesh)
     _step(small_local, small_target, mesh, small_logits.shape, parallel)
     logits, target, local = _case(rows, vocab, mesh)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                                                   # reset the peak resident set size
-    before = _status_kb("VmRSS")
+    before = reset_peak_rss()
     loss, grad = _step(local, target, mesh, logits.shape, parallel)
-    return {"tp": tp, "peak_rise": (_status_kb("VmHWM") - before) * 1024, "read_bytes": local.nbytes if parallel
+    return {"tp": tp, "peak_rise": (status_kb("VmHWM") - before) * 1024, "read_bytes": local.nbytes if parallel
             else logits.nbytes, "grad_bytes": grad.nbytes if parallel else logits.nbytes, "loss": loss}
 
 

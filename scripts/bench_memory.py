@@ -18,14 +18,7 @@ import mindspore as ms
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import parallelize_module, parameter_sharding
 from hyper_parallel_ms.testing import run_on_ranks, shutdown_pools
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+from hyper_parallel_ms.testing._probes import reset_peak_rss, status_kb
 
 
 def measure(dim: int, hidden: int, vocab: int, layers: int, heads: int) -> Dict[str, float]:
@@ -38,11 +31,9 @@ def measure(dim: int, hidden: int, vocab: int, layers: int, heads: int) -> Dict[
     ms.set_seed(0)
     model = Llama(LlamaConfig(vocab=vocab, dim=dim, layers=layers, heads=heads, hidden=hidden, max_seq=64))
     before = {p.name: p.nbytes for p in model.trainable_params()}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                                   # reset the peak resident set size
-    rss_before = _status_kb("VmRSS")
+    rss_before = reset_peak_rss()
     parallelize_module(model, mesh, tp_plan(sequence_parallel=True))
-    peak_rise = (_status_kb("VmHWM") - rss_before) * 1024
+    peak_rise = (status_kb("VmHWM") - rss_before) * 1024
     after = {p.name: (p.nbytes, parameter_sharding(p)) for p in model.trainable_params()}
     sharded = [n for n, (_, s) in after.items() if s is not None and not s.spec.layout.is_replicated()]
     ratios = {after[n][0] / before[n] for n in sharded}
