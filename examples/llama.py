@@ -114,9 +114,12 @@ def cross_entropy(logits, labels_onehot):
     return -(ops.log_softmax(logits, -1) * labels_onehot).sum(-1).mean()
 
 
-def tp_plan(sequence_parallel: bool = True) -> dict:
-    """PyTorch's Llama tensor-parallel plan (``sequence_parallel``: norms on sequence shards)."""
+def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
+    """PyTorch's Llama tensor-parallel plan (``sequence_parallel``: norms on sequence shards;
+    ``loss_parallel``: the head returns this rank's vocabulary piece of the logits, ``Shard(-1)``,
+    for :class:`hyper_parallel_ms.nn.ParallelCrossEntropy`, instead of gathering them)."""
     rep, seq = Replicate(), Shard(1)
+    logits = Shard(-1) if loss_parallel else rep
     if not sequence_parallel:
         return {
             "tok_embeddings": RowwiseParallel(input_layouts=rep),
@@ -128,7 +131,7 @@ def tp_plan(sequence_parallel: bool = True) -> dict:
             "layers.*.attention.wo": RowwiseParallel(),
             "layers.*.feed_forward.w[13]": ColwiseParallel(),
             "layers.*.feed_forward.w2": RowwiseParallel(),
-            "output": ColwiseParallel(output_layouts=rep),
+            "output": ColwiseParallel(output_layouts=logits),
         }
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=rep, output_layouts=seq),
@@ -145,5 +148,5 @@ def tp_plan(sequence_parallel: bool = True) -> dict:
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         },
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=rep),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=logits),
     }

@@ -9,6 +9,10 @@ Launch on N ranks with msrun (``scripts/run_tp.sh`` does it), e.g. 4 CPU ranks a
 ``--mode graph`` sets GRAPH_MODE and runs a train-step Cell. Each step logs the loss and
 tokens/s; the last line says whether every loss matched the single-device run.
 
+The output head keeps the logits split over the vocabulary (``Shard(-1)``) and the loss is
+``ParallelCrossEntropy`` on each rank's piece (loss parallelism: the logits are never gathered);
+``--no-loss-parallel`` gathers them and takes the one-hot cross-entropy instead.
+
 ``--fsdp`` (PyNative) also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
 with R replicas of dp/R-way shards.
@@ -33,7 +37,7 @@ from mindspore import communication, nn
 
 from hyper_parallel_ms import checkpoint, comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import GradientReducer, parallelize_module
+from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
 
 try:
     from examples.llama import Llama, LlamaConfig, cross_entropy, tp_plan
@@ -59,6 +63,7 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     sequence_parallel: bool = True
+    loss_parallel: bool = True         # vocabulary-sharded logits and ParallelCrossEntropy (tp > 1)
     check: bool = True                 # also train a single-device model and compare the losses
     tolerance: float = 1e-4
     fsdp: bool = False                 # fully_shard per block and at the root over dp (PyNative)
@@ -73,9 +78,10 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
                        max_seq=cfg.seq)
 
 
-def batch(cfg: TrainConfig, step: int, dp_index: int = 0, dp_size: int = 1):
+def batch(cfg: TrainConfig, step: int, dp_index: int = 0, dp_size: int = 1, onehot: bool = True):
     """Synthetic tokens for ``step`` (fixed seed): random starts, then ``t -> (3 t + 1) mod vocab``
-    (a rule the model can learn); this data-parallel rank's inputs and one-hot labels."""
+    (a rule the model can learn); this data-parallel rank's inputs and labels: one-hot
+    ``(rows, seq, vocab)``, or with ``onehot=False`` class indices ``(rows * seq,)``."""
     start = np.random.default_rng(cfg.seed * 1000 + step).integers(0, cfg.vocab, (cfg.batch, 1))
     tokens = [start]
     for _ in range(cfg.seq):
@@ -83,31 +89,51 @@ def batch(cfg: TrainConfig, step: int, dp_index: int = 0, dp_size: int = 1):
     tokens = np.concatenate(tokens, 1)
     rows = cfg.batch // dp_size
     part = tokens[dp_index * rows:(dp_index + 1) * rows]
-    onehot = np.eye(cfg.vocab, dtype=np.float32)[part[:, 1:]]
-    return ms.Tensor(part[:, :-1].astype(np.int32)), ms.Tensor(onehot)
+    targets = part[:, 1:]
+    labels = np.eye(cfg.vocab, dtype=np.float32)[targets] if onehot else targets.reshape(-1).astype(np.int32)
+    return ms.Tensor(part[:, :-1].astype(np.int32)), ms.Tensor(labels)
+
+
+class OneHotCrossEntropy(nn.Cell):
+    """Mean token cross-entropy of whole ``(b, s, vocab)`` logits against one-hot labels."""
+
+    def construct(self, logits, onehot):
+        return cross_entropy(logits, onehot)
+
+
+class VocabParallelCrossEntropy(nn.Cell):
+    """Mean token cross-entropy of this rank's ``(b, s, vocab / tp)`` logits piece against
+    ``(b * s,)`` class indices, by :class:`ParallelCrossEntropy` over ``tp_mesh``."""
+
+    def __init__(self, tp_mesh, vocab: int) -> None:
+        super().__init__()
+        self.loss = ParallelCrossEntropy(tp_mesh, num_classes=vocab)
+
+    def construct(self, local_logits, targets):
+        return self.loss(local_logits.reshape(-1, local_logits.shape[-1]), targets)
 
 
 class _WithLoss(nn.Cell):
-    def __init__(self, model: nn.Cell) -> None:
+    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.loss = model, loss
 
-    def construct(self, ids, onehot):
-        return cross_entropy(self.model(ids), onehot)
+    def construct(self, ids, labels):
+        return self.loss(self.model(ids), labels)
 
 
 class TrainStep(nn.Cell):
     """Loss, gradients, gradient reduction and the optimizer update (a Cell for GRAPH_MODE)."""
 
-    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None,
+    def __init__(self, model: nn.Cell, loss: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None,
                  dp_dims: tuple = ("dp",)) -> None:
         super().__init__()
-        self.with_loss = _WithLoss(model)
+        self.with_loss = _WithLoss(model, loss)
         self.optimizer, self.reducer, self.dp_mesh, self.dp_dims = optimizer, reducer, dp_mesh, dp_dims
         self.grad_fn = ms.value_and_grad(self.with_loss, None, optimizer.parameters)
 
-    def construct(self, ids, onehot):
-        loss, grads = self.grad_fn(ids, onehot)
+    def construct(self, ids, labels):
+        loss, grads = self.grad_fn(ids, labels)
         self.optimizer(self.reducer(grads))
         if self.dp_mesh is not None:
             for dim in self.dp_dims:
@@ -146,21 +172,22 @@ def _resume(cfg: TrainConfig, model: nn.Cell, optimizer: nn.Optimizer, log: Call
     return int(state["step"])
 
 
-def _run(cfg: TrainConfig, model: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
+def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
          log: Callable[[str], None], label: str, dp_dims: tuple = ("dp",),
          checkpoints: bool = False) -> Dict[str, List[float]]:
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=cfg.lr, weight_decay=0.01)
     start = _resume(cfg, model, optimizer, log) if checkpoints and cfg.resume else 0
-    step = _runner(cfg, TrainStep(model, optimizer, reducer, dp_mesh, dp_dims))
+    step = _runner(cfg, TrainStep(model, loss, optimizer, reducer, dp_mesh, dp_dims))
+    onehot = isinstance(loss, OneHotCrossEntropy)
     losses, rates = [], []
     for i in range(start, cfg.steps):
-        ids, onehot = batch(cfg, i, dp_index, dp_size)
+        ids, labels = batch(cfg, i, dp_index, dp_size, onehot)
         began = time.perf_counter()
-        loss = float(step(ids, onehot).asnumpy())
+        value = float(step(ids, labels).asnumpy())
         seconds = time.perf_counter() - began
-        losses.append(loss)
+        losses.append(value)
         rates.append(cfg.batch * cfg.seq / seconds)
-        log(f"[{label}] step {i + 1}/{cfg.steps} loss {loss:.6f} tokens/s {rates[-1]:.0f}")
+        log(f"[{label}] step {i + 1}/{cfg.steps} loss {value:.6f} tokens/s {rates[-1]:.0f}")
         if checkpoints and cfg.save_every and (i + 1) % cfg.save_every == 0:
             path = os.path.join(cfg.checkpoint_dir, f"step_{i + 1}")
             checkpoint.save(_checkpoint_state(model, optimizer, i + 1), checkpoint_id=path)
@@ -186,7 +213,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
         dp_index = mesh.get_coordinate()[0]
     ms.set_seed(cfg.seed)
     model = Llama(model_config(cfg))
-    parallelize_module(model, mesh["tp"], tp_plan(cfg.sequence_parallel))
+    parallelize_module(model, mesh["tp"], tp_plan(cfg.sequence_parallel, cfg.loss_parallel))
+    loss = VocabParallelCrossEntropy(mesh["tp"], cfg.vocab) if cfg.loss_parallel else OneHotCrossEntropy()
     dp_mesh = mesh if cfg.dp > 1 else None
     if cfg.fsdp:
         _fully_shard(model, mesh[dp_dims])
@@ -197,12 +225,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     if cfg.mode == "graph":
         ms.set_context(mode=ms.GRAPH_MODE)
     try:
-        result: Dict[str, object] = dict(_run(cfg, model, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel",
+        result: Dict[str, object] = dict(_run(cfg, model, loss, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel",
                                               dp_dims, checkpoints=True))
         if cfg.check:
             ms.set_seed(cfg.seed)
             single = Llama(model_config(cfg))
-            ref = _run(cfg, single, _Identity(), None, 0, 1, log, "single device")
+            ref = _run(cfg, single, OneHotCrossEntropy(), _Identity(), None, 0, 1, log, "single device")
             parallel = np.array(result["losses"])
             reference = np.array(ref["losses"][result["start_step"]:])
             result["reference_losses"] = ref["losses"][result["start_step"]:]
@@ -248,6 +276,8 @@ def parse_args(argv: List[str]) -> TrainConfig:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--mode", choices=["pynative", "jit", "graph"], default=defaults.mode)
     parser.add_argument("--no-sequence-parallel", action="store_true")
+    parser.add_argument("--no-loss-parallel", action="store_true",
+                        help="gather the logits and take the one-hot cross-entropy (no loss parallelism)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
     parser.add_argument("--fsdp", action="store_true", help="fully_shard per block over dp (PyNative)")
@@ -259,7 +289,8 @@ def parse_args(argv: List[str]) -> TrainConfig:
     ms.set_device(args.device)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("dp", "tp", "steps", "batch", "seq", "vocab", "dim",
                                                        "layers", "heads", "hidden", "seed", "lr", "mode")})
-    return replace(cfg, sequence_parallel=not args.no_sequence_parallel, check=not args.no_check, fsdp=args.fsdp,
+    return replace(cfg, sequence_parallel=not args.no_sequence_parallel, loss_parallel=not args.no_loss_parallel,
+                   check=not args.no_check, fsdp=args.fsdp,
                    hsdp_replicate=args.hsdp_replicate, checkpoint_dir=args.checkpoint_dir,
                    save_every=args.save_every, resume=args.resume)
 
@@ -279,7 +310,8 @@ def main(argv: List[str]) -> int:
     rate = float(np.median(result["tokens_per_s"][1:] or result["tokens_per_s"]))
     summary = (f"train_tp: rank {rank} of {world}, dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
                f"{'fsdp' + (f' hsdp x{cfg.hsdp_replicate} ' if cfg.hsdp_replicate > 1 else ' ') if cfg.fsdp else ''}"
-               f"sp={cfg.sequence_parallel}: steps {result['start_step'] + 1}-{cfg.steps}, "
+               f"sp={cfg.sequence_parallel} loss_parallel={cfg.loss_parallel}: "
+               f"steps {result['start_step'] + 1}-{cfg.steps}, "
                f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
     ok = True
     if cfg.check:

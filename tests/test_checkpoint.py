@@ -109,6 +109,18 @@ def test_safetensors_files_are_read_by_the_safetensors_package_and_mindspore(tmp
     assert SafetensorsFile(path).read("b").tolist() == [1, 2]
 
 
+def test_write_file_takes_given_checksums_and_computes_the_others(tmp_path, monkeypatch):
+    """A plain tensor's CRC-32 from the save plan is not computed a second time by the write."""
+    import zlib
+    from hyper_parallel_ms.checkpoint import _safetensors
+    arrays = {"a": np.arange(6, dtype=np.float32), "b": np.ones(3, np.int64)}
+    computed = []
+    monkeypatch.setattr(_safetensors, "crc32", lambda a: computed.append(a.nbytes) or zlib.crc32(a.tobytes()))
+    sums = write_file(str(tmp_path / "x.safetensors"), arrays, checksums={"a": 1234})
+    assert sums == {"a": (1234, 24), "b": (zlib.crc32(arrays["b"].tobytes()), 24)} and computed == [24]
+    np.testing.assert_array_equal(SafetensorsFile(str(tmp_path / "x.safetensors")).read("a"), arrays["a"])
+
+
 # ------------------------------------------------------------------ round trips
 def test_model_and_optimizer_round_trip_with_values(tmp_path):
     model, opt = _trained(0)

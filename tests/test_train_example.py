@@ -22,10 +22,12 @@ def _train(**overrides):
     return result["max_relative_difference"]
 
 
-@pytest.mark.parametrize("mode", ["jit", "pynative"])
+@pytest.mark.parametrize("mode, loss_parallel", [("jit", True), ("pynative", False)])
 @multi_rank(2, timeout=600)
-def test_example_trains_on_2_ranks(mode):
-    _train(tp=2, mode=mode)
+def test_example_trains_on_2_ranks(mode, loss_parallel):
+    """Loss parallelism (vocabulary-sharded logits, ParallelCrossEntropy) is the default; the
+    pynative case keeps the gathered-logits path of ``--no-loss-parallel``."""
+    _train(tp=2, mode=mode, loss_parallel=loss_parallel)
 
 
 @pytest.mark.parametrize("mode", ["jit", "graph", "pynative"])

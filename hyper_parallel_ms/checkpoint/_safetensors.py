@@ -70,9 +70,10 @@ def _bytes(array: np.ndarray) -> memoryview:
 
 
 def write_file(path: str, arrays: Mapping[str, np.ndarray], metadata: Optional[Dict[str, str]] = None,
-               *, fsync: bool = True) -> Dict[str, Tuple[int, int]]:
+               *, fsync: bool = True, checksums: Optional[Mapping[str, int]] = None) -> Dict[str, Tuple[int, int]]:
     """Write ``arrays`` to ``path`` in safetensors format (fsync'd); return each key's
-    ``(crc32, nbytes)``."""
+    ``(crc32, nbytes)``. ``checksums``: CRC-32s already computed of some of these very arrays
+    (not recomputed)."""
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -85,9 +86,10 @@ def write_file(path: str, arrays: Mapping[str, np.ndarray], metadata: Optional[D
         offset += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as checksums, open(path, "wb") as f:
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool, open(path, "wb") as f:
         # the CRCs are computed in threads beside the writes (both release the GIL)
-        pending = {key: checksums.submit(crc32, a) for key, a in contiguous.items()}
+        known = checksums or {}
+        pending = {key: pool.submit(crc32, a) for key, a in contiguous.items() if key not in known}
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for a in contiguous.values():
@@ -95,7 +97,8 @@ def write_file(path: str, arrays: Mapping[str, np.ndarray], metadata: Optional[D
         f.flush()
         if fsync:
             os.fsync(f.fileno())
-        return {key: (future.result(), contiguous[key].nbytes) for key, future in pending.items()}
+        return {key: (known[key] if key in known else pending[key].result(), a.nbytes)
+                for key, a in contiguous.items()}
 
 
 class SafetensorsFile:

@@ -183,10 +183,12 @@ def _arrays(pieces: List[Piece], tensors: Dict[str, TensorRef], copy: bool = Fal
 
 
 def _write_pieces(pieces: List[Piece], arrays: Dict[str, Any], path: str) -> List[Tuple[Piece, int, int]]:
-    """Write the pieces' data to ``path``; ``(piece, crc32, nbytes)`` of each."""
+    """Write the pieces' data to ``path``; ``(piece, crc32, nbytes)`` of each. A plain tensor's
+    CRC-32 from the plan (of the same data, agreed by its holders) is not computed again."""
     if not pieces:
         return []
-    sums = write_file(path, arrays)
+    known = {chunk_key(p.key, p.offsets): p.crc32 for p in pieces if p.crc32 is not None}
+    sums = write_file(path, arrays, checksums=known)
     return [(p, *sums[chunk_key(p.key, p.offsets)]) for p in pieces]
 
 
