@@ -50,13 +50,8 @@ def test_sweep_on_1d_mesh():
     _assert_clean(run_on_ranks(_op_table.sweep, 2, (2,)))
 
 
-# Views on mesh (2, 2) are open: a rank fails where the others wait (see the README), so the
-# 2-D sweep leaves that family out until it is fixed; mesh (2,) checks it.
-TWO_D_OPEN = ("view",)
-
-
 def test_sweep_on_2d_mesh():
-    _assert_clean(run_on_ranks(_op_table.sweep, 4, (2, 2), skip_families=TWO_D_OPEN))
+    _assert_clean(run_on_ranks(_op_table.sweep, 4, (2, 2)))
 
 
 def _exp_of_max(a):
