@@ -270,16 +270,12 @@ for _n, _f in {"Tensor.T": lambda t: t.T, "Tensor.t()": lambda t: t.t(), "mint.t
                "x[1]": lambda t: t[1], "x[:, 2:5]": lambda t: t[:, 2:5],
                "x[..., None]": lambda t: t[..., None]}.items():
     case(_n, "view", _f)
-_VIEW_SPLIT = ("found by this sweep, open: in the sweep (not alone) one rank's gradient through SplitTensorView "
-               "differs on mesh (2,), and on mesh (2, 2) a rank fails where the others wait")
-_MULTI = ("found by this sweep, open: on mesh (2, 2), after ops with several outputs (split / unbind) ranks fail "
-          "different collectives")
 for _n, _f in {"ops.unbind(x, 1)": lambda t: ops.unbind(t, 1)[2], "ops.unstack(x, 0)": lambda t: ops.unstack(t, 0)[0],
                "Tensor.unbind(1)": lambda t: t.unbind(1)[0], "ops.split(x, 3, 1)": lambda t: ops.split(t, 3, 1)[0],
                "ops.chunk(x, 2, 1)": lambda t: ops.chunk(t, 2, 1)[0]}.items():
-    case(_n, "view", _f, one_d_only=_MULTI)
-case("mint.split(x, 2, 1)", "view", lambda t: mint.split(t, 2, 1)[1], status="open", reason=_VIEW_SPLIT)
-case("mint.chunk(x, 2, 0)", "view", lambda t: mint.chunk(t, 2, 0)[1], status="open", reason=_VIEW_SPLIT)
+    case(_n, "view", _f)
+case("mint.split(x, 2, 1)", "view", lambda t: mint.split(t, 2, 1)[1])
+case("mint.chunk(x, 2, 0)", "view", lambda t: mint.chunk(t, 2, 0)[1])
 case("mint.unbind(x, 0)", "view", lambda t: mint.unbind(t, 0)[1], grad=False, reason=_NO_GRAD.format("UnstackExtView"))
 for _n, _f in {"mint.flatten(x, 1, 2)": lambda t: mint.flatten(t, 1, 2), "ops.flatten(3-D)": ops.flatten,
                "Tensor.view(4, 30)": lambda t: t.view(4, 30),

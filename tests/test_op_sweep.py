@@ -7,9 +7,9 @@ import collections
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import mint, nn, ops
 
-from hyper_parallel_ms.dtensor import distribute_tensor
+from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.ops import OpSchema, OutputSharding, propagator, register_sharding
 from hyper_parallel_ms.placement import Partial
@@ -50,13 +50,28 @@ def test_sweep_on_1d_mesh():
     _assert_clean(run_on_ranks(_op_table.sweep, 2, (2,)))
 
 
-# Views on mesh (2, 2) are open: a rank fails where the others wait (see the README), so the
-# 2-D sweep leaves that family out until it is fixed; mesh (2,) checks it.
-TWO_D_OPEN = ("view",)
-
-
 def test_sweep_on_2d_mesh():
-    _assert_clean(run_on_ranks(_op_table.sweep, 4, (2, 2), skip_families=TWO_D_OPEN))
+    _assert_clean(run_on_ranks(_op_table.sweep, 4, (2, 2)))
+
+
+def _second_split_piece_weighted(mesh, x, weights):
+    def loss(piece):
+        a = DTensor.from_local(piece, mesh, x.layout, shape=x.shape)
+        return (mint.split(a, 2, 1)[1].full_tensor() * weights).sum()
+    return ms.grad(loss)(x.to_local())
+
+
+@multi_rank(4)
+def test_gradient_through_a_split_view_of_a_gathered_piece():
+    """The gradient each rank gets back from a gather is a view at its offset into the whole
+    one; MindSpore's SplitTensorView backward read it from the start (every rank got rows 0..)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = distribute_tensor(ms.Tensor(_rand(5, 6)), mesh, [S0, S0])
+    weights = _rand(5, 2)
+    grad = _second_split_piece_weighted(mesh, x, ms.Tensor(weights)).asnumpy()
+    want = np.zeros((5, 6), np.float32)
+    want[:, 2:4] = weights
+    np.testing.assert_allclose(grad, want[x.layout.local_slices(x.shape, mesh.get_coordinate())], rtol=1e-6)
 
 
 def _exp_of_max(a):

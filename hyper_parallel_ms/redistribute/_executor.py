@@ -126,7 +126,10 @@ class Redistribution(nn.Cell):
             for cell in self.value_cells:
                 out = cell(out)
             dout = dout * ops.equal(x, out).astype(dout.dtype)
-        return (dout,)
+        # a gradient cut from a gathered one is a view at an offset into it; MindSpore's backward
+        # of view ops (SplitTensorView, ...) reads such a gradient from the start of its storage,
+        # so hand back a fresh tensor (the CPU backend has no Clone kernel)
+        return (dout * 1 if self.backward_cells else dout,)
 
 
 def lowered_steps(src: Layout, dst: Layout, shape: Tuple[int, ...], coordinate: Tuple[int, ...],

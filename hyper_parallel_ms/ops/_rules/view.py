@@ -20,6 +20,8 @@ from __future__ import annotations
 from math import prod
 from typing import List, Optional, Sequence, Tuple
 
+from mindspore import ops
+
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
@@ -92,7 +94,18 @@ def squeeze_rule(schema: OpSchema) -> OutputSharding:
     dims = {d % x.ndim for d in given if x.shape[d % x.ndim] == 1} if given else \
         {d for d, s in enumerate(x.shape) if s == 1}
     shape = [s for d, s in enumerate(x.shape) if d not in dims]
-    return _moved(schema, x, lambda d: None if d in dims else d - sum(1 for r in dims if r < d), shape)
+    moved = _moved(schema, x, lambda d: None if d in dims else d - sum(1 for r in dims if r < d), shape)
+    out_layout = moved.outputs[0][0]
+
+    def local_fn(coord):
+        # the local op would also drop dims whose piece happens to have size 1 on this rank
+        # (5 rows on 4 ranks: 2, 1, 1, 1), so each rank reshapes to its piece of the global result
+        local = tuple(out_layout.local_shape(tuple(shape), coord))
+
+        def squeeze(piece, *_args, **_kwargs):
+            return ops.reshape(piece, local)
+        return squeeze
+    return OutputSharding(moved.inputs, moved.outputs, local_fn=local_fn)
 
 
 def reshape_target(shape: Tuple[int, ...], requested: Tuple[int, ...]) -> Tuple[int, ...]:
