@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 from mindspore import Parameter, nn
 
-from .._jit import is_compiling, run_in_python
+from .._mindspore import is_compiling, run_in_python
 
 __all__ = ["named_cells", "own_parameters", "CellChanges", "snapshot_parameters", "restore_parameters",
            "ConstructHooks", "converting_class"]
