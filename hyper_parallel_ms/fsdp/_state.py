@@ -21,7 +21,7 @@ from mindspore import Parameter, Tensor, nn
 
 from .._mindspore import is_compiling, run_in_python
 from ._flat import FlatLayout, concat_flat, split_flat
-from ..nn._adapter import named_cells
+from ..nn._adapter import named_cells, put_parameter
 from ._mesh import dp_mesh_dims
 from ._pieces import DEFERRED
 from ._policy import MixedPrecisionPolicy
@@ -111,12 +111,12 @@ class FSDPState:
     def _install(self, values: Sequence) -> None:
         for slot, value in zip(self.slots, values):
             for holder, attr in slot.holders:
-                holder._params[attr] = value
+                put_parameter(holder, attr, value)
 
     def _restore(self) -> None:
         for slot in self.slots:
             for holder, attr in slot.holders:
-                holder._params[attr] = slot.piece
+                put_parameter(holder, attr, slot.piece)
 
     def gather(self) -> list:
         """The full values of every parameter of this Cell (one collective per group)."""

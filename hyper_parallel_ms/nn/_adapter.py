@@ -24,7 +24,7 @@ from mindspore import Parameter, nn
 
 from .._mindspore import is_compiling, run_in_python
 
-__all__ = ["named_cells", "own_parameters", "CellChanges", "snapshot_parameters", "restore_parameters",
+__all__ = ["named_cells", "own_parameters", "put_parameter", "CellChanges", "snapshot_parameters", "restore_parameters",
            "ConstructHooks", "converting_class"]
 
 _MISSING = object()
@@ -41,6 +41,12 @@ def own_parameters(cell: nn.Cell) -> Dict[str, Parameter]:
     return {name: p for name, p in cell._params.items() if p is not None}
 
 
+def put_parameter(cell: nn.Cell, name: str, value: Any) -> None:
+    """Make ``value`` (a Parameter, or a tensor standing in for one during a forward) what
+    ``cell`` reads as its own parameter ``name``, recording nothing (see :class:`CellChanges`)."""
+    cell._params[name] = value
+
+
 def snapshot_parameters(root: nn.Cell) -> List[tuple]:
     """(cell, attribute, parameter) for every parameter under ``root``: what :func:`restore_parameters` puts back."""
     return [(cell, name, p) for cell in named_cells(root).values() for name, p in own_parameters(cell).items()]
@@ -50,7 +56,7 @@ def restore_parameters(root: nn.Cell, snapshot: List[tuple]) -> None:
     """Put back the parameters recorded by :func:`snapshot_parameters`."""
     for cell, name, p in snapshot:
         if cell._params.get(name) is not p:
-            cell._params[name] = p
+            put_parameter(cell, name, p)
 
 
 class ConstructHooks(nn.Cell):
@@ -123,8 +129,8 @@ class CellChanges:
 
     def set_parameter(self, cell: nn.Cell, name: str, param: Parameter) -> None:
         old = cell._params[name]
-        cell._params[name] = param
-        self._undo.append(lambda: cell._params.__setitem__(name, old))
+        put_parameter(cell, name, param)
+        self._undo.append(lambda: put_parameter(cell, name, old))
 
     def set_attribute(self, obj: Any, name: str, value: Any) -> None:
         old = obj.__dict__.get(name, _MISSING)
