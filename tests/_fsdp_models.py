@@ -55,6 +55,21 @@ def make_optimizer(kind: str, params):
     return nn.AdamWeightDecay(params, learning_rate=0.01, weight_decay=0.01)
 
 
+def accumulate_4(set_sync: str) -> Callable:
+    """A ``train`` for :func:`compare`: 4 micro-steps with gradient sync (turned on and off by the
+    model's method ``set_sync``) on the last only; the mean loss and mean of the micro-gradients."""
+    def train(model, step, x):
+        rows = x.shape[0] // 4
+        total_loss, total = 0.0, None
+        for i in range(4):
+            getattr(model, set_sync)(i == 3)
+            loss, grads = step(x[i * rows:(i + 1) * rows])
+            total_loss = total_loss + loss
+            total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+        return total_loss / 4, tuple(g / 4 for g in total)
+    return train
+
+
 def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, optimizer: str = "sgd",
             steps: int = 5, tol: float = 1e-5, loss_mesh=None, make_model: Callable = Net,
             counts: Optional[List] = None, train: Optional[Callable] = None, dim: int = 8,

@@ -20,7 +20,7 @@ from hyper_parallel_ms.nn import GradientReducer, parameter_sharding
 from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
-from tests._fsdp_models import Net, compare
+from tests._fsdp_models import Net, accumulate_4, compare
 
 
 def _fsdp_per_block(model, mesh, **kwargs):
@@ -84,24 +84,13 @@ def _deferred_net():
         return Net()
 
 
-def _accumulate_4(model, step, x):
-    """4 micro-steps, gradient sync on the last only; the mean of the micro-gradients."""
-    rows = x.shape[0] // 4
-    total_loss, total = 0.0, None
-    for i in range(4):
-        model.set_requires_gradient_sync(i == 3)
-        loss, grads = step(x[i * rows:(i + 1) * rows])
-        total_loss = total_loss + loss
-        total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
-    return total_loss / 4, tuple(g / 4 for g in total)
-
-
 @multi_rank(2)
 def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     rank = mesh.get_local_rank(0)
     counts = []
-    compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, loss_mesh=mesh, counts=counts, train=_accumulate_4)
+    compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, loss_mesh=mesh, counts=counts,
+            train=accumulate_4("set_requires_gradient_sync"))
     # forward all-gathers on every micro-step; gradients reduced once, on the synchronised one
     assert counts == [{"all_gather": 12, "reduce_scatter": 3}] * 5, counts
     policy = MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32)

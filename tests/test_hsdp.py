@@ -8,7 +8,7 @@ import pytest
 from hyper_parallel_ms.fsdp import HSDPCell, hsdp
 from hyper_parallel_ms.testing import multi_rank
 
-from tests._fsdp_models import Net, compare
+from tests._fsdp_models import Net, accumulate_4, compare
 
 
 def _hsdp_per_block(model, **kwargs):
@@ -57,17 +57,6 @@ def test_hsdp_levels_fusion_and_threshold_2_ranks():
     assert counts == [{"all_gather": 5, "reduce_scatter": 5}] * 2, counts
 
 
-def _accumulate_4(model, step, x):
-    rows = x.shape[0] // 4
-    total_loss, total = 0.0, None
-    for i in range(4):
-        model.set_requires_grad_sync(i == 3)
-        loss, grads = step(x[i * rows:(i + 1) * rows])
-        total_loss = total_loss + loss
-        total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
-    return total_loss / 4, tuple(g / 4 for g in total)
-
-
 @multi_rank(4)
 def test_hsdp_levels_shard_size_and_accumulation_4_ranks():
     mesh, rank = _world_mesh(), _rank()
@@ -82,7 +71,8 @@ def test_hsdp_levels_shard_size_and_accumulation_4_ranks():
     # 16 rows on 4 ranks: 4 rows each, one per micro-step
     compare(lambda m: _hsdp_per_block(m, shard_size=2, threshold=0, optimizer_level="level3", comm_fusion=True,
                                       enable_grad_accumulation=True),
-            rank, 4, loss_mesh=mesh, counts=counts, train=_accumulate_4, steps=2, rows=16)
+            rank, 4, loss_mesh=mesh, counts=counts, train=accumulate_4("set_requires_grad_sync"), steps=2,
+            rows=16)
     assert counts == [{"all_gather": 12, "reduce_scatter": 3, "all_reduce": 3}] * 2, counts
 
 
