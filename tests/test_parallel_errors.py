@@ -155,15 +155,14 @@ def test_invalid_plans_raise_and_leave_the_cell_unchanged():
 
 @multi_rank(2)
 def test_a_failure_while_applying_undoes_the_changes_already_made():
-    from hyper_parallel_ms.nn._parallelize import apply_edits
-    from hyper_parallel_ms.nn._styles import ModuleEdit
+    from hyper_parallel_ms.nn._edit import InputSpec, ModuleEdit, apply_edits
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     model = Model()
     before = _state(model)
     good = ColwiseParallel().plan("up", model.up, mesh)            # parameters, hooks
     embed = RowwiseParallel(input_layouts=Replicate()).plan("embed", model.embed, mesh)   # class swap, attributes
-    bad = ModuleEdit("down", model.down, pre_hooks=["not a hook Cell"])
+    bad = ModuleEdit("down", model.down, inputs=InputSpec({0: "not a conversion"}))
     with pytest.raises(Exception):
-        apply_edits([good, embed, bad])
+        apply_edits([good, embed, bad], "parallelize_module")
     assert _state(model) == before
     assert type(model.embed) is nn.Embedding

@@ -34,7 +34,7 @@ from mindspore import Tensor
 from .. import _mindspore as _ms_seam
 from .. import comm
 from ..placement import Placement, Replicate
-from ..redistribute import redistribution, replicate_partials
+from ..redistribute import gradient_layout, redistribution, replicate_partials
 from ._spec import DTensorSpec, to_layout
 
 __all__ = ["DTensor"]
@@ -187,7 +187,7 @@ class DTensor(Tensor):
         """
         spec = self._dt_spec
         grad_layout = spec.layout if grad_placements is None else to_layout(spec.mesh, grad_placements, self.ndim)
-        if grad_layout == replicate_partials(spec.layout):
+        if grad_layout == gradient_layout(spec.layout):
             return _local_view(self)
         cell = redistribution(spec.mesh, spec.layout, spec.layout, spec.shape, grad_src=grad_layout)
         return _local_view(cell(_local_view(self)))

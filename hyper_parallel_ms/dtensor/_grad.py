@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import mindspore as ms
 from mindspore import Tensor
 
-from ..redistribute import replicate_partials
+from ..redistribute import gradient_layout
 from ._dtensor import DTensor
 
 __all__ = ["grad", "value_and_grad", "parallelize_value_and_grad"]
@@ -31,7 +31,7 @@ def _laid_out_like(gradient, like):
     if not isinstance(like, DTensor) or not isinstance(gradient, Tensor):
         return gradient
     spec = like._dt_spec
-    spec = spec.with_layout(replicate_partials(spec.layout))
+    spec = spec.with_layout(gradient_layout(spec.layout))
     local = gradient.to_local() if isinstance(gradient, DTensor) else gradient
     if tuple(local.shape) != like.local_shape:
         raise RuntimeError(f"the gradient piece of shape {tuple(local.shape)} does not match the local shape "

@@ -19,18 +19,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn
+from mindspore import Tensor, nn
 
-from ..dtensor import DTensor, distribute_tensor
+from ..dtensor import DTensor
 from ..dtensor._spec import to_layout
 from ..mesh import DeviceMesh
-from ..placement import Placement, Replicate
-from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ..placement import Placement
+from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
-from ._rules import check_mesh, check_not_done, mark_done, match_path
+from ._edit import ModuleEdit, apply_edits
+from ._parameter import dtensor_parameter
+from ._rules import check_mesh, check_not_done, match_path
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
-
 
 
 def _check_pynative(what: str) -> None:
@@ -41,23 +42,11 @@ def _check_pynative(what: str) -> None:
                            "in GRAPH_MODE")
 
 
-def _mark_all(changes: CellChanges, module: nn.Cell, engine: str) -> None:
-    """Mark ``module`` and every Cell holding parameters (all of them are DTensors now)."""
-    for cell in named_cells(module).values():
-        if cell is module or own_parameters(cell):
-            mark_done(changes, cell, engine)
-
-
-def _dtensor_parameter(param: Parameter, mesh, placements, src_data_rank: Optional[int] = 0) -> Parameter:
-    dt = distribute_tensor(Tensor(param.asnumpy()), mesh, placements, src_data_rank=src_data_rank)
-    return Parameter(dt, name=param.name, requires_grad=param.requires_grad)
-
-
-def _replicate_rest(changes: CellChanges, module: nn.Cell, mesh) -> None:
-    for cell in named_cells(module).values():
-        for name, p in own_parameters(cell).items():
-            if not isinstance(p, DTensor):
-                changes.set_parameter(cell, name, _dtensor_parameter(p, mesh, [Replicate()] * mesh.ndim))
+def _marked_edits(module: nn.Cell) -> List[ModuleEdit]:
+    """An edit marking each Cell holding parameters (all of them DTensors afterwards), and
+    ``module`` itself, as done, by path."""
+    return [ModuleEdit(path, cell, marks_done=True) for path, cell in named_cells(module).items()
+            if cell is module or own_parameters(cell)]
 
 
 def _module_entries(module: nn.Cell, *fns) -> List[Tuple[str, str]]:
@@ -93,25 +82,19 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
             raise TypeError(f"{what} must be callable, got {fn!r}")
     check_not_done(module, "distribute_module")
     agreed(lambda: _module_entries(module, partition_fn, input_fn, output_fn), list, device_mesh, "distribute_module")
-    snapshot = snapshot_parameters(module)
-    try:
-        with CellChanges() as changes:
-            if partition_fn is not None:
-                for name, cell in named_cells(module).items():
-                    partition_fn(name, cell, device_mesh)
-            _replicate_rest(changes, module, device_mesh)
-            if input_fn is not None:
-                def pre(cell, args):
-                    return input_fn(cell, args, device_mesh)
-                changes.add_forward_pre_hook(module, pre)
-            if output_fn is not None:
-                def post(cell, args, output):
-                    return output_fn(cell, output, device_mesh)
-                changes.add_forward_hook(module, post)
-            _mark_all(changes, module, "distribute_module")
-    except BaseException:
-        restore_parameters(module, snapshot)
-        raise
+    def partition():
+        for name, cell in named_cells(module).items():
+            partition_fn(name, cell, device_mesh)
+
+    def pre(cell, args):
+        return input_fn(cell, args, device_mesh)
+
+    def post(cell, args, output):
+        return output_fn(cell, output, device_mesh)
+    root = ModuleEdit("", module, custom_apply=partition if partition_fn is not None else None,
+                      replicate_rest=device_mesh, forward_pre_hooks=[pre] if input_fn is not None else [],
+                      forward_hooks=[post] if output_fn is not None else [])
+    apply_edits([root] + _marked_edits(module), "distribute_module")
     return module
 
 
@@ -251,22 +234,16 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
     check_not_done(model, "shard_module")
     cells, params, new_params, inputs, outputs, local = agreed(
         lambda: _checked(model, device_mesh, sharding_plan), _plan_entries, device_mesh, "shard_module")
-    # ---- then change
-    snapshot = snapshot_parameters(model)
-    try:
-        with CellChanges() as changes:
-            for n, placements in new_params.items():
-                cell, name, p = params[n]
-                changes.set_parameter(cell, name, _dtensor_parameter(p, device_mesh, placements))
-            _replicate_rest(changes, model, device_mesh)
-            for path, entries in inputs.items():
-                changes.add_forward_pre_hook(cells[path], _input_hook(device_mesh, entries))
-            for path in set(outputs) | set(local):
-                changes.add_forward_hook(cells[path], _output_hook(device_mesh, outputs.get(path), path in local))
-            _mark_all(changes, model, "shard_module")
-    except BaseException:
-        restore_parameters(model, snapshot)
-        raise
+    edits = {path: ModuleEdit(path, cell) for path, cell in cells.items()}
+    for n, placements in new_params.items():
+        _, name, p = params[n]
+        edits[n.rpartition(".")[0]].parameters[name] = dtensor_parameter(p, device_mesh, placements)
+    edits[""].replicate_rest = device_mesh
+    for path, entries in inputs.items():
+        edits[path].forward_pre_hooks.append(_input_hook(device_mesh, entries))
+    for path in set(outputs) | set(local):
+        edits[path].forward_hooks.append(_output_hook(device_mesh, outputs.get(path), path in local))
+    apply_edits(list(edits.values()) + _marked_edits(model), "shard_module")
     return model
 
 

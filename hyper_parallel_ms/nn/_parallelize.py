@@ -21,12 +21,13 @@ from typing import Dict, List, Optional, Tuple, Union
 from mindspore import nn
 
 from ..mesh import DeviceMesh, current_mesh
-from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
-from ._rules import check_mesh, check_not_done, mark_done, match_path
-from ._styles import ModuleEdit, ParallelStyle
+from ._edit import ModuleEdit, apply_edits, drop_enclosed_reductions
+from ._rules import check_mesh, check_not_done, match_path
+from ._styles import ParallelStyle
 
-__all__ = ["parallelize_module", "apply_edits"]
+__all__ = ["parallelize_module"]
 
 Plan = Union[ParallelStyle, Dict[str, Union[ParallelStyle, dict]]]
 
@@ -77,20 +78,9 @@ def _edit(path: str, cell: nn.Cell, style: ParallelStyle, mesh, src_data_rank) -
             style.src_data_rank = src_data_rank
             return style.apply(cell, mesh)
         return ModuleEdit(path, cell, custom_apply=custom)
-    return style.plan(path, cell, mesh, src_data_rank)
-
-
-def _defer_colwise_grads(edits: List[ModuleEdit]) -> None:
-    """Leave out the input-gradient all-reduce of the Colwise layers inside a Cell whose
-    PrepareModuleInput reduces their summed input gradient once (their hooks keep the rest)."""
-    for outer in (e for e in edits if e.defers_colwise_grads):
-        inner = [e for e in edits if e.input_grad_reduction and (outer.path == "" or
-                                                                  e.path.startswith(outer.path + "."))]
-        if not inner:
-            raise ValueError(f"PrepareModuleInput(defer_colwise_grads=True) on '{outer.path}': no ColwiseParallel "
-                             "layer with replicated input inside it takes its input")
-        for edit in inner:
-            edit.input_grad_reduction = edit.without_grad_reduction
+    edit = style.plan(path, cell, mesh, src_data_rank)
+    edit.marks_done = bool(edit.parameters)
+    return edit
 
 
 def _check_conflicts(edits: List[ModuleEdit]) -> None:
@@ -101,43 +91,6 @@ def _check_conflicts(edits: List[ModuleEdit]) -> None:
             if id(edit.cell) in owners:
                 raise ValueError(f"two styles of the plan shard the parameters of '{edit.path}'")
             owners[id(edit.cell)] = edit.path
-
-
-def _kwargs_in_graph(edit: ModuleEdit) -> str:
-    if not edit.kwarg_hooks:
-        return ""
-    where = f"'{edit.path}'" if edit.path else "the root Cell"
-    return (f"PrepareModuleInput on {where} converts keyword inputs (input_kwarg_layouts), which runs in PyNative "
-            "only: ms.jit / GRAPH_MODE do not run keyword forward hooks. Pass those inputs positionally "
-            "(input_layouts) to compile this Cell")
-
-
-def apply_edits(edits: List[ModuleEdit]) -> None:
-    """Make the prepared changes, then run the user styles' own ``apply``; if anything fails,
-    undo the changes already made (and put back parameters a user style replaced) and re-raise."""
-    custom = [e for e in edits if e.custom_apply is not None]
-    snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in custom]
-    try:
-        with CellChanges() as changes:
-            for edit in edits:
-                for name, param in edit.parameters.items():
-                    changes.set_parameter(edit.cell, name, param)
-                for name, value in edit.attributes.items():
-                    changes.set_attribute(edit.cell, name, value)
-                if edit.swap_class is not None:
-                    changes.swap_class(edit.cell, edit.swap_class)
-                changes.add_construct_hooks(edit.cell, pre=edit.pre_hooks + edit.input_grad_reduction,
-                                            post=edit.post_hooks, graph_error=_kwargs_in_graph(edit))
-                for hook in edit.kwarg_hooks:
-                    changes.add_forward_pre_hook(edit.cell, hook.pre, with_kwargs=True)
-                if edit.parameters:
-                    mark_done(changes, edit.cell, "parallelize_module")
-            for edit in custom:
-                edit.custom_apply()
-    except BaseException:
-        for cell, snapshot in snapshots:
-            restore_parameters(cell, snapshot)
-        raise
 
 
 def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
@@ -183,6 +136,6 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     targets = agreed(targets_of_plan, _described, device_mesh, "parallelize_module")
     edits = [_edit(path, cell, style, device_mesh, src_data_rank) for path, cell, style in targets]
     _check_conflicts(edits)
-    _defer_colwise_grads(edits)
-    apply_edits(edits)
+    drop_enclosed_reductions(edits)
+    apply_edits(edits, "parallelize_module")
     return module

@@ -3,7 +3,8 @@ piece (so that it works in graph mode and with every MindSpore optimizer), with 
 sharding recorded beside it.
 
 :func:`parameter_sharding` reads the record; :func:`as_dtensor` views the piece as a
-DTensor (PyNative); :func:`sharded_parameter` cuts a full parameter into its piece.
+DTensor (PyNative); :func:`sharded_parameter` cuts a full parameter into its piece, and
+:func:`dtensor_parameter` into a ``Parameter(DTensor)`` (``shard_module`` / ``distribute_module``).
 
 Example::
 
@@ -22,7 +23,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
 
-__all__ = ["ParameterSharding", "parameter_sharding", "as_dtensor", "sharded_parameter"]
+__all__ = ["ParameterSharding", "parameter_sharding", "as_dtensor", "sharded_parameter", "dtensor_parameter"]
 
 _ATTR = "_hpms_sharding"
 
@@ -55,9 +56,18 @@ def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_
                       grad_partial_dims: Tuple[int, ...] = ()) -> Parameter:
     """A new Parameter with ``param``'s name holding this rank's piece under ``placements``.
     ``src_data_rank``: whose full value is cut (``None``: every rank cuts its own)."""
-    piece = distribute_tensor(Tensor(param.asnumpy()), mesh, placements, src_data_rank=src_data_rank)
+    piece = _distributed(param, mesh, placements, src_data_rank)
     local = Parameter(Tensor(piece.to_local().asnumpy(), dtype=param.dtype), name=param.name,
                       requires_grad=param.requires_grad)
     object.__setattr__(local, _ATTR, ParameterSharding(piece._dt_spec, tuple(grad_partial_dims)))
     return local
 
+
+def dtensor_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_rank: Optional[int] = 0) -> Parameter:
+    """A new ``Parameter(DTensor)`` with ``param``'s name, laid out as ``placements``."""
+    return Parameter(_distributed(param, mesh, placements, src_data_rank), name=param.name,
+                     requires_grad=param.requires_grad)
+
+
+def _distributed(param: Parameter, mesh, placements: Sequence, src_data_rank: Optional[int]) -> DTensor:
+    return distribute_tensor(Tensor(param.asnumpy()), mesh, placements, src_data_rank=src_data_rank)

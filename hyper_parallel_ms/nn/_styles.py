@@ -2,8 +2,9 @@
 a 1-D mesh (its parameters, and the layouts of its inputs and outputs).
 
 A style only *plans*: :meth:`ParallelStyle.plan` validates the Cell and returns a
-:class:`ModuleEdit` (new parameters, hooks, a class swap) without touching it, so that
-:func:`parallelize_module` can check a whole plan before changing anything.
+:class:`~._edit.ModuleEdit` (new parameters, conversions with their gradient layouts, a class
+swap) without touching it, so that :func:`parallelize_module` can check a whole plan before
+changing anything. Gradient layouts come from :mod:`hyper_parallel_ms.redistribute._gradient`.
 
 Parameters become plain Parameters holding this rank's piece (see :mod:`._parameter`);
 the layer computes on local tensors and the hooks move activations between layouts, so the
@@ -25,42 +26,23 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from mindspore import Parameter, mint, nn
+from mindspore import mint, nn
 
 from ..placement import Partial, Placement, Replicate, Shard
+from ..redistribute._gradient import gradient_placements, shared_dims
 from ._adapter import own_parameters
-from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook, masked_rows_class
+from ._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
+from ._hooks import masked_rows_class
 from ._parameter import sharded_parameter
 from ._rules import check_mesh
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
-           "PrepareModuleOutput", "PrepareModuleInputOutput", "ModuleEdit"]
+           "PrepareModuleOutput", "PrepareModuleInputOutput"]
 
 _LINEAR_TYPES = (nn.Dense, mint.nn.Linear)
 _EMBEDDING_TYPES = (nn.Embedding, mint.nn.Embedding)
-
-
-@dataclass
-class ModuleEdit:
-    """What a style does to one Cell, prepared without changing it."""
-
-    path: str
-    cell: nn.Cell
-    parameters: Dict[str, Parameter] = field(default_factory=dict)
-    pre_hooks: List[InputHook] = field(default_factory=list)       # run inside the Cell's construct
-    kwarg_hooks: List[KwargInputHook] = field(default_factory=list)   # forward pre-hooks (PyNative)
-    post_hooks: List[OutputHook] = field(default_factory=list)
-    # a Colwise layer's all-reduce of its input gradient (Megatron's f), left out when an
-    # enclosing PrepareModuleInput(defer_colwise_grads=True) reduces the summed gradient once
-    input_grad_reduction: List[InputHook] = field(default_factory=list)
-    without_grad_reduction: List[InputHook] = field(default_factory=list)   # the same hooks, minus f
-    defers_colwise_grads: bool = False
-    swap_class: Optional[type] = None
-    attributes: Dict[str, Any] = field(default_factory=dict)
-    custom_apply: Optional[Callable[[], Any]] = None     # a user style's own apply(module, device_mesh)
 
 
 def _where(path: str) -> str:
@@ -178,12 +160,14 @@ class ColwiseParallel(_LayerStyle):
         params = own_parameters(cell)
         weight = params[_weight_name(cell)]
         if kind == "linear":
-            edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, [Shard(0)],
-                                                                    src_data_rank=src_data_rank)
+            by_rows = (Shard(0),)
+            edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, by_rows, src_data_rank=src_data_rank)
             if params.get("bias") is not None:
-                edit.parameters["bias"] = sharded_parameter(params["bias"], mesh, [Shard(0)],
+                edit.parameters["bias"] = sharded_parameter(params["bias"], mesh, by_rows,
                                                             src_data_rank=src_data_rank)
-            grad = (Partial(),)    # each rank's columns give a share of the input's gradient
+            # the replicated input meets a split weight: each rank's gradient is its share
+            desired = self.desired_input_layouts
+            grad = gradient_placements(desired, shared_dims(desired, by_rows))
         else:
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"ColwiseParallel on the embedding {_where(path)} takes replicated ids, got "
@@ -193,19 +177,14 @@ class ColwiseParallel(_LayerStyle):
             if isinstance(cell, nn.Embedding):      # its lookup reshapes to (..., embedding_size)
                 edit.attributes["embedding_size"] = piece.shape[1]
             grad = None
-        features = {-1: weight.shape[0] if kind == "linear" else weight.shape[1]}   # may be split unevenly
+        features = ((-1, weight.shape[0] if kind == "linear" else weight.shape[1]),)   # may be split unevenly
         where = _where(path)
         if kind == "linear" or self.input_layouts != self.desired_input_layouts:
-            conv = Conversion(mesh, self.input_layouts, self.desired_input_layouts, grad, where=where)
-            if self.input_layouts == self.desired_input_layouts and grad is not None:
-                edit.input_grad_reduction.append(InputHook({0: conv}))
-                plain = Conversion(mesh, self.input_layouts, self.desired_input_layouts, where=where)
-                edit.without_grad_reduction.append(InputHook({0: plain}))
-            else:
-                edit.pre_hooks.append(InputHook({0: conv}))
-        edit.post_hooks.append(OutputHook({0: Conversion(mesh, (Shard(-1),), self.output_layouts,
-                                                         to_dtensor=not self.use_local_output, dim_sizes=features,
-                                                         where=where)}))
+            edit.inputs = InputSpec({0: ConversionSpec(mesh, self.input_layouts, self.desired_input_layouts, grad,
+                                                       where=where)})
+        edit.outputs = OutputSpec({0: ConversionSpec(mesh, (Shard(-1),), self.output_layouts,
+                                                     to_dtensor=not self.use_local_output, dim_sizes=features,
+                                                     where=where)})
         return edit
 
 
@@ -234,7 +213,8 @@ class RowwiseParallel(_LayerStyle):
         name = _weight_name(cell)
         weight = params[name]
         where = _where(path)
-        output = Conversion(mesh, (Partial(),), self.output_layouts, to_dtensor=not self.use_local_output, where=where)
+        output = {0: ConversionSpec(mesh, (Partial(),), self.output_layouts, to_dtensor=not self.use_local_output,
+                                    where=where)}
         if kind == "linear":
             if getattr(cell, "activation_flag", False):
                 raise ValueError(f"RowwiseParallel on {_where(path)}: the Dense applies an activation to a partial "
@@ -243,13 +223,13 @@ class RowwiseParallel(_LayerStyle):
             has_bias = params.get("bias") is not None
             if has_bias:
                 # added after the reduction: on sharded outputs each rank adds it to its piece only
+                replicated = (Replicate(),)
                 edit.parameters["bias"] = sharded_parameter(
-                    params["bias"], mesh, [Replicate()], src_data_rank=src_data_rank,
-                    grad_partial_dims=(0,) if self.output_layouts[0].is_shard() else ())
-            desired = (Shard(-1),)
-            edit.pre_hooks.append(InputHook({0: Conversion(mesh, self.input_layouts, desired,
-                                                           dim_sizes={-1: weight.shape[1]}, where=where)}))
-            edit.post_hooks.append(OutputHook({0: output}, add_bias=has_bias))
+                    params["bias"], mesh, replicated, src_data_rank=src_data_rank,
+                    grad_partial_dims=shared_dims(replicated, self.output_layouts))
+            edit.inputs = InputSpec({0: ConversionSpec(mesh, self.input_layouts, (Shard(-1),),
+                                                       dim_sizes=((-1, weight.shape[1]),), where=where)})
+            edit.outputs = OutputSpec(output, add_bias=has_bias)
         else:
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"RowwiseParallel on the embedding {_where(path)} takes replicated ids: pass "
@@ -262,7 +242,7 @@ class RowwiseParallel(_LayerStyle):
             if isinstance(cell, nn.Embedding):      # its one-hot lookup counts the rows
                 edit.attributes["vocab_size"] = spec.local_shape()[0]
             edit.swap_class = masked_rows_class(type(cell))
-            edit.post_hooks.append(OutputHook({0: output}))
+            edit.outputs = OutputSpec(output)
         return edit
 
 
@@ -288,15 +268,15 @@ class SequenceParallel(ParallelStyle):
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
-        for name, p in own_parameters(cell).items():
-            edit.parameters[name] = sharded_parameter(p, mesh, [Replicate()], src_data_rank=src_data_rank,
-                                                      grad_partial_dims=(0,))
-        layout = (Shard(self.sequence_dim),)
+        layout, replicated = (Shard(self.sequence_dim),), (Replicate(),)
+        for name, p in own_parameters(cell).items():   # replicated, used on sequence pieces
+            edit.parameters[name] = sharded_parameter(p, mesh, replicated, src_data_rank=src_data_rank,
+                                                      grad_partial_dims=shared_dims(replicated, layout))
         min_ndim = self.sequence_dim + 2 if self.sequence_dim >= 0 else -self.sequence_dim + 1
-        edit.pre_hooks.append(InputHook({0: Conversion(mesh, layout, layout, where=_where(path))}, min_ndim=min_ndim,
-                                        where=_where(path)))
-        edit.post_hooks.append(OutputHook({0: Conversion(mesh, layout, layout, to_dtensor=not self.use_local_output,
-                                                         where=_where(path))}))
+        where = _where(path)
+        edit.inputs = InputSpec({0: ConversionSpec(mesh, layout, layout, where=where)}, min_ndim=min_ndim, where=where)
+        edit.outputs = OutputSpec({0: ConversionSpec(mesh, layout, layout, to_dtensor=not self.use_local_output,
+                                                     where=where)})
         return edit
 
 
@@ -371,18 +351,20 @@ class PrepareModuleInput(ParallelStyle):
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         _check_mesh(self, path, mesh)
-        edit = ModuleEdit(path, cell, defers_colwise_grads=self.defer_colwise_grads)
-        to_dtensor = not self.use_local_output
-        convs = {i: Conversion(mesh, (src,), (dst,), (Partial(),) if self.defer_colwise_grads and dst == Replicate()
-                               else None, to_dtensor=to_dtensor, where=_where(path))
-                 for i, src, dst in _converted(self.input_layouts, self.desired_input_layouts)}
+        edit = ModuleEdit(path, cell)
+        to_dtensor, where = not self.use_local_output, _where(path)
+        convs = {}
+        for i, src, dst in _converted(self.input_layouts, self.desired_input_layouts):
+            takes = self.defer_colwise_grads and dst == Replicate()
+            # deferred: the Colwise layers using it split the mesh dim, each hands back its share
+            grad = gradient_placements((dst,), shared=(0,)) if takes else None
+            convs[i] = ConversionSpec(mesh, (src,), (dst,), grad, to_dtensor=to_dtensor, where=where,
+                                      takes_enclosed_reductions=takes)
         if convs or self.input_layouts is not None:
-            edit.pre_hooks.append(InputHook(convs, max_inputs=len(self.input_layouts or ()), where=_where(path)))
-        if self.input_kwarg_layouts:
-            kw = {k: Conversion(mesh, (v,), (self.desired_input_kwarg_layouts[k],), to_dtensor=to_dtensor,
-                                where=_where(path))
-                  for k, v in self.input_kwarg_layouts.items()}
-            edit.kwarg_hooks.append(KwargInputHook(kw))
+            edit.inputs = InputSpec(convs, max_inputs=len(self.input_layouts or ()), where=where)
+        edit.kwarg_inputs = {k: ConversionSpec(mesh, (v,), (self.desired_input_kwarg_layouts[k],),
+                                               to_dtensor=to_dtensor, where=where)
+                             for k, v in self.input_kwarg_layouts.items()}
         return edit
 
 
@@ -409,11 +391,9 @@ class PrepareModuleOutput(ParallelStyle):
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         _check_mesh(self, path, mesh)
-        edit = ModuleEdit(path, cell)
-        convs = {i: Conversion(mesh, (src,), (dst,), to_dtensor=not self.use_local_output, where=_where(path))
+        convs = {i: ConversionSpec(mesh, (src,), (dst,), to_dtensor=not self.use_local_output, where=_where(path))
                  for i, src, dst in _converted(self.output_layouts, self.desired_output_layouts)}
-        edit.post_hooks.append(OutputHook(convs))
-        return edit
+        return ModuleEdit(path, cell, outputs=OutputSpec(convs))
 
 
 class PrepareModuleInputOutput(ParallelStyle):
@@ -438,7 +418,7 @@ class PrepareModuleInputOutput(ParallelStyle):
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> ModuleEdit:
         edit = self.prepare_input.plan(path, cell, mesh, src_data_rank)
-        edit.post_hooks.extend(self.prepare_output.plan(path, cell, mesh, src_data_rank).post_hooks)
+        edit.outputs = self.prepare_output.plan(path, cell, mesh, src_data_rank).outputs
         return edit
 
 

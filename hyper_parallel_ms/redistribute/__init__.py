@@ -6,9 +6,10 @@ Example::
     steps = plan_redistribute(src_layout, dst_layout, (8, 8))       # pure, cached
     y_local = redistribution(mesh, src_layout, dst_layout, (8, 8))(x_local)
 """
-from ._executor import Redistribution, execute, lower, redistribution, replicate_partials
+from ._executor import Redistribution, execute, lower, redistribution
+from ._gradient import gradient_layout, gradient_placements, replicate_partials, shared_dims
 from ._local import LocalRedistribute, plan_global_shape, plan_layouts
 from ._planner import Step, plan_redistribute, step_bytes
 
 __all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "Step", "plan_redistribute", "step_bytes", "lower", "execute",
-           "Redistribution", "redistribution", "replicate_partials"]
+           "Redistribution", "redistribution", "replicate_partials", "gradient_layout", "gradient_placements", "shared_dims"]

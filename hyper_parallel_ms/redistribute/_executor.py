@@ -22,11 +22,11 @@ from .._mindspore import cached_in_python
 from .. import comm
 from ..comm._tensor import narrow
 from ..layout import Layout, chunk_offsets, chunk_sizes
-from ..placement import Replicate
+from ._gradient import gradient_layout
 from ._planner import Step, plan_redistribute
 
 __all__ = ["lower", "lowered_steps", "execute", "step_cells", "Redistribution", "redistribution",
-           "replicate_partials", "average_scaling"]
+           "average_scaling"]
 
 # (kind, mesh_dim, dim, other_dim, sizes, op, offset, length)
 LocalStep = Tuple[str, int, int, int, Tuple[int, ...], str, int, int]
@@ -92,12 +92,6 @@ def execute(x, mesh, steps: Tuple[LocalStep, ...]):
     return x
 
 
-def replicate_partials(layout: Layout) -> Layout:
-    """``layout`` with every Partial placement replaced by Replicate (the layout of gradients)."""
-    placements = tuple(Replicate() if p.is_partial() else p for p in layout.placements)
-    return layout if placements == layout.placements else layout.with_placements(placements)
-
-
 class Redistribution(nn.Cell):
     """Forward: ``forward_steps`` on the local tensor; backward: ``backward_steps`` on its gradient.
 
@@ -139,8 +133,8 @@ def lowered_steps(src: Layout, dst: Layout, shape: Tuple[int, ...], coordinate: 
     Replicate); the backward steps bring it to ``src`` with Partial as Replicate, and the
     scaling steps divide it by the group size on the mesh dims where a Partial(avg) was averaged."""
     forward = lower(plan_redistribute(src, dst, shape), coordinate, shape)
-    grad_from = replicate_partials(dst) if grad_src is None else grad_src
-    backward = lower(plan_redistribute(grad_from, replicate_partials(src), shape), coordinate, shape)
+    grad_from = gradient_layout(dst) if grad_src is None else grad_src
+    backward = lower(plan_redistribute(grad_from, gradient_layout(src), shape), coordinate, shape)
     return forward, backward, average_scaling(src, dst)
 
 

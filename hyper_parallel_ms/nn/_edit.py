@@ -1,0 +1,195 @@
+"""The one description of what sharding does to a Cell, and the one function applying it.
+
+A parallel style, a :class:`ShardingPlan` and a ``distribute_module`` call each turn into a
+list of :class:`ModuleEdit` (new parameters, attributes, a class swap, input / output
+conversions with their gradient layouts, PyNative forward hooks, a user's own ``apply``),
+prepared without touching the Cells. :func:`apply_edits` makes them through one
+:class:`~._adapter.CellChanges`, so a failure leaves every Cell as it was.
+
+Conversions are described by :class:`ConversionSpec` and built only when applied, so that
+:func:`drop_enclosed_reductions` can first drop a gradient reduction an enclosing
+conversion already performs (see :func:`~hyper_parallel_ms.redistribute.reduction_taken_over`).
+
+Example::
+
+    edit = ModuleEdit("up", model.up, inputs=InputSpec({0: ConversionSpec(mesh, (Replicate(),), (Replicate(),),
+                                                                          grad=(Partial(),))}))
+    apply_edits([edit], "parallelize_module")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from mindspore import Parameter, nn
+
+from ..dtensor import DTensor
+from ..placement import Placement, Replicate
+from ..redistribute._gradient import reduction_taken_over
+from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook
+from ._parameter import dtensor_parameter
+from ._rules import mark_done
+
+__all__ = ["ConversionSpec", "InputSpec", "OutputSpec", "ModuleEdit", "apply_edits", "drop_enclosed_reductions"]
+
+Placements = Tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class ConversionSpec:
+    """One tensor moved from ``src`` to ``dst`` placements on ``mesh``; its gradient arrives
+    as ``grad`` (``None``: ``dst``'s own gradient layout). ``takes_enclosed_reductions``: the
+    Cell's users of this input hand back unreduced gradients (``defer_colwise_grads``).
+    The other fields are those of :class:`~._hooks.Conversion`."""
+
+    mesh: Any
+    src: Placements
+    dst: Placements
+    grad: Optional[Placements] = None
+    to_dtensor: bool = False
+    dim_sizes: Tuple[Tuple[int, int], ...] = ()
+    where: str = ""
+    takes_enclosed_reductions: bool = False
+
+    def build(self) -> Conversion:
+        return Conversion(self.mesh, self.src, self.dst, self.grad, to_dtensor=self.to_dtensor,
+                          dim_sizes=dict(self.dim_sizes), where=self.where)
+
+
+@dataclass
+class InputSpec:
+    """The positional inputs converted inside ``construct`` (see :class:`~._hooks.InputHook`)."""
+
+    conversions: Dict[int, ConversionSpec]
+    max_inputs: int = -1
+    min_ndim: int = 0
+    where: str = ""
+
+    def build(self) -> InputHook:
+        return InputHook({i: c.build() for i, c in self.conversions.items()}, self.max_inputs, self.min_ndim,
+                         self.where)
+
+
+@dataclass
+class OutputSpec:
+    """The outputs converted inside ``construct`` (see :class:`~._hooks.OutputHook`)."""
+
+    conversions: Dict[int, ConversionSpec]
+    add_bias: bool = False
+
+    def build(self) -> OutputHook:
+        return OutputHook({i: c.build() for i, c in self.conversions.items()}, add_bias=self.add_bias)
+
+
+@dataclass
+class ModuleEdit:
+    """What one entry point does to one Cell, prepared without changing it.
+
+    ``parameters``: new parameters by attribute name; ``inputs`` / ``outputs`` /
+    ``kwarg_inputs``: conversions run inside ``construct`` (keyword ones: a PyNative forward
+    pre-hook); ``forward_pre_hooks`` / ``forward_hooks``: plain PyNative forward hooks (the
+    DTensor path); ``custom_apply``: a user's code changing the Cell itself (run after every
+    other edit's changes); ``replicate_rest``: a mesh on which every parameter under the Cell
+    that is not a DTensor afterwards becomes a replicated one; ``marks_done``: record that
+    ``engine`` sharded this Cell (:func:`~._rules.check_not_done`)."""
+
+    path: str
+    cell: nn.Cell
+    parameters: Dict[str, Parameter] = field(default_factory=dict)
+    attributes: Dict[str, Any] = field(default_factory=dict)
+    swap_class: Optional[type] = None
+    inputs: Optional[InputSpec] = None
+    outputs: Optional[OutputSpec] = None
+    kwarg_inputs: Dict[str, ConversionSpec] = field(default_factory=dict)
+    forward_pre_hooks: List[Callable] = field(default_factory=list)
+    forward_hooks: List[Callable] = field(default_factory=list)
+    custom_apply: Optional[Callable[[], Any]] = None
+    replicate_rest: Any = None
+    marks_done: bool = False
+
+
+def _encloses(outer: ModuleEdit, inner: ModuleEdit) -> bool:
+    return inner is not outer and (outer.path == "" or inner.path.startswith(outer.path + "."))
+
+
+def drop_enclosed_reductions(edits: List[ModuleEdit]) -> None:
+    """Drop the gradient reduction of every input conversion that an enclosing Cell's input
+    conversion already performs (a ``PrepareModuleInput(defer_colwise_grads=True)`` reduces
+    the summed gradient of the Colwise layers inside it once), see
+    :func:`~hyper_parallel_ms.redistribute.reduction_taken_over`."""
+    for outer in edits:
+        takers = [c for c in (outer.inputs.conversions.values() if outer.inputs else ())
+                  if c.takes_enclosed_reductions]
+        if not takers:
+            continue
+        dropped = 0
+        for inner in (e for e in edits if e.inputs is not None and _encloses(outer, e)):
+            for i, conv in inner.inputs.conversions.items():
+                if any(t.mesh == conv.mesh and reduction_taken_over(t.dst, t.grad, conv.src, conv.grad)
+                       for t in takers):
+                    inner.inputs.conversions[i] = replace(conv, grad=None)
+                    dropped += 1
+        if not dropped:
+            raise ValueError(f"PrepareModuleInput(defer_colwise_grads=True) on '{outer.path}': no ColwiseParallel "
+                             "layer with replicated input inside it takes its input")
+
+
+def _kwargs_in_graph(edit: ModuleEdit) -> str:
+    if not edit.kwarg_inputs:
+        return ""
+    where = f"'{edit.path}'" if edit.path else "the root Cell"
+    return (f"PrepareModuleInput on {where} converts keyword inputs (input_kwarg_layouts), which runs in PyNative "
+            "only: ms.jit / GRAPH_MODE do not run keyword forward hooks. Pass those inputs positionally "
+            "(input_layouts) to compile this Cell")
+
+
+def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh) -> None:
+    for cell in named_cells(root).values():
+        for name, p in own_parameters(cell).items():
+            if not isinstance(p, DTensor):
+                changes.set_parameter(cell, name, dtensor_parameter(p, mesh, [Replicate()] * mesh.ndim))
+
+
+def _apply_own(changes: CellChanges, edit: ModuleEdit) -> None:
+    for name, param in edit.parameters.items():
+        changes.set_parameter(edit.cell, name, param)
+    for name, value in edit.attributes.items():
+        changes.set_attribute(edit.cell, name, value)
+    if edit.swap_class is not None:
+        changes.swap_class(edit.cell, edit.swap_class)
+    changes.add_construct_hooks(edit.cell, pre=[edit.inputs.build()] if edit.inputs else [],
+                                post=[edit.outputs.build()] if edit.outputs else [],
+                                graph_error=_kwargs_in_graph(edit))
+    if edit.kwarg_inputs:
+        hook = KwargInputHook({k: c.build() for k, c in edit.kwarg_inputs.items()})
+        changes.add_forward_pre_hook(edit.cell, hook.pre, with_kwargs=True)
+    for fn in edit.forward_pre_hooks:
+        changes.add_forward_pre_hook(edit.cell, fn)
+    for fn in edit.forward_hooks:
+        changes.add_forward_hook(edit.cell, fn)
+
+
+def apply_edits(edits: List[ModuleEdit], engine: str) -> None:
+    """Make ``edits`` in order: each one's own changes, then the user code (``custom_apply``),
+    then the replicated rest, then the done-markers of ``engine``. If anything fails, undo
+    every change (and put back parameters user code replaced) and re-raise."""
+    touched = [e for e in edits if e.custom_apply is not None or e.replicate_rest is not None]
+    snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]
+    try:
+        with CellChanges() as changes:
+            for edit in edits:
+                _apply_own(changes, edit)
+            for edit in edits:
+                if edit.custom_apply is not None:
+                    edit.custom_apply()
+            for edit in edits:
+                if edit.replicate_rest is not None:
+                    _replicate_rest(changes, edit.cell, edit.replicate_rest)
+            for edit in edits:
+                if edit.marks_done:
+                    mark_done(changes, edit.cell, engine)
+    except BaseException:
+        for cell, snapshot in reversed(snapshots):
+            restore_parameters(cell, snapshot)
+        raise
