@@ -37,9 +37,12 @@ __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
 def _check_pynative(what: str) -> None:
     if ms.get_context("mode") == ms.GRAPH_MODE:
         raise RuntimeError(f"{what} gives the Cell DTensor parameters, which GRAPH_MODE cannot compile (MindSpore fails "
-                           "with \"init_data() got an unexpected keyword argument 'set_sliced'\"): run it in "
-                           "PyNative (ms.jit works there), or use parallelize_module, whose local parameters compile "
-                           "in GRAPH_MODE")
+                           "with \"init_data() got an unexpected keyword argument 'set_sliced'\"), and the ops "
+                           "between them are laid out by the DTensor dispatcher, in Python. Local parameters cannot "
+                           "stand in: a plan names parameter placements only, and the ops between sharded layers "
+                           "would compute on local pieces with nothing converting them. Run it in PyNative (ms.jit "
+                           "works there), or use parallelize_module, whose styles place the conversions between "
+                           "layers and compile in GRAPH_MODE")
 
 
 def _marked_edits(module: nn.Cell) -> List[ModuleEdit]:

@@ -318,10 +318,12 @@ class PrepareModuleInput(ParallelStyle):
 
     ``defer_colwise_grads=True`` (an addition to PyTorch's arguments) when the replicated inputs
     reach only ColwiseParallel layers inside the Cell (as the attention and MLP inputs of a
-    transformer do): those layers then skip their own all-reduce of the input gradient and the
-    summed gradient is reduced once here (one reduce-scatter after a sequence-parallel gather),
-    as PyTorch's DTensor and Megatron-LM do. Any other use of such an input inside the Cell would
-    get its gradient counted once per rank.
+    transformer do): the gradient of such an input then arrives here unreduced and is reduced once
+    (one reduce-scatter after a sequence-parallel gather), as PyTorch's DTensor and Megatron-LM do,
+    and the reduction each layer inside would perform on it is dropped (the rule of
+    :func:`~hyper_parallel_ms.redistribute._gradient.reduction_taken_over`: only layers reading the
+    input as this Cell hands it on). Any other use of such an input inside the Cell would get its
+    gradient counted once per rank.
 
     Example::
 
