@@ -28,7 +28,7 @@ from ..placement import Placement
 from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
 from ._edit import ModuleEdit, apply_edits
-from ._parameter import dtensor_parameter
+from ._parameter import ParameterPlacement
 from ._rules import check_mesh, check_not_done, match_path
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
@@ -239,8 +239,8 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
         lambda: _checked(model, device_mesh, sharding_plan), _plan_entries, device_mesh, "shard_module")
     edits = {path: ModuleEdit(path, cell) for path, cell in cells.items()}
     for n, placements in new_params.items():
-        _, name, p = params[n]
-        edits[n.rpartition(".")[0]].parameters[name] = dtensor_parameter(p, device_mesh, placements)
+        _, name, _ = params[n]
+        edits[n.rpartition(".")[0]].parameters[name] = ParameterPlacement(device_mesh, placements, as_dtensor=True)
     edits[""].replicate_rest = device_mesh
     for path, entries in inputs.items():
         edits[path].forward_pre_hooks.append(_input_hook(device_mesh, entries))

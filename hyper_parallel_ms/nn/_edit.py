@@ -3,7 +3,7 @@
 A parallel style, a :class:`ShardingPlan` and a ``distribute_module`` call each turn into a
 list of :class:`ModuleEdit` (new parameters, attributes, a class swap, input / output
 conversions with their gradient layouts, PyNative forward hooks, a user's own ``apply``),
-prepared without touching the Cells. :func:`apply_edits` makes them through one
+prepared without touching the Cells or communicating. :func:`apply_edits` makes them through one
 :class:`~._adapter.CellChanges`, so a failure leaves every Cell as it was.
 
 Conversions are described by :class:`ConversionSpec` and built only when applied, so that
@@ -21,14 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindspore import Parameter, nn
+from mindspore import nn
 
 from ..dtensor import DTensor
 from ..placement import Placement, Replicate
 from ..redistribute._gradient import reduction_taken_over
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
 from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook
-from ._parameter import dtensor_parameter
+from ._parameter import ParameterPlacement
 from ._rules import mark_done
 
 __all__ = ["ConversionSpec", "InputSpec", "OutputSpec", "ModuleEdit", "apply_edits", "drop_enclosed_reductions"]
@@ -86,7 +86,7 @@ class OutputSpec:
 class ModuleEdit:
     """What one entry point does to one Cell, prepared without changing it.
 
-    ``parameters``: new parameters by attribute name; ``inputs`` / ``outputs`` /
+    ``parameters``: how each parameter (by attribute name) is cut; ``inputs`` / ``outputs`` /
     ``kwarg_inputs``: conversions run inside ``construct`` (keyword ones: a PyNative forward
     pre-hook); ``forward_pre_hooks`` / ``forward_hooks``: plain PyNative forward hooks (the
     DTensor path); ``custom_apply``: a user's code changing the Cell itself (run after every
@@ -96,7 +96,7 @@ class ModuleEdit:
 
     path: str
     cell: nn.Cell
-    parameters: Dict[str, Parameter] = field(default_factory=dict)
+    parameters: Dict[str, ParameterPlacement] = field(default_factory=dict)
     attributes: Dict[str, Any] = field(default_factory=dict)
     swap_class: Optional[type] = None
     inputs: Optional[InputSpec] = None
@@ -148,12 +148,13 @@ def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh) -> None:
     for cell in named_cells(root).values():
         for name, p in own_parameters(cell).items():
             if not isinstance(p, DTensor):
-                changes.set_parameter(cell, name, dtensor_parameter(p, mesh, [Replicate()] * mesh.ndim))
+                changes.set_parameter(cell, name, ParameterPlacement(mesh, (Replicate(),) * mesh.ndim,
+                                                                     as_dtensor=True).make(p))
 
 
 def _apply_own(changes: CellChanges, edit: ModuleEdit) -> None:
-    for name, param in edit.parameters.items():
-        changes.set_parameter(edit.cell, name, param)
+    for name, placement in edit.parameters.items():
+        changes.set_parameter(edit.cell, name, placement.make(own_parameters(edit.cell)[name]))
     for name, value in edit.attributes.items():
         changes.set_attribute(edit.cell, name, value)
     if edit.swap_class is not None:

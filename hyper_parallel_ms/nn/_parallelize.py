@@ -129,13 +129,15 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
                                       or not 0 <= src_data_rank < device_mesh.size()):
         raise ValueError(f"src_data_rank must be None or a rank index in [0, {device_mesh.size()}), "
                          f"got {src_data_rank!r}")
-    def targets_of_plan() -> List[Target]:
-        out: List[Target] = []
-        _targets(module, parallelize_plan, "", out)
-        return out
-    targets = agreed(targets_of_plan, _described, device_mesh, "parallelize_module")
-    edits = [_edit(path, cell, style, device_mesh, src_data_rank) for path, cell, style in targets]
+
+    def edits_of_plan() -> Tuple[List[Target], List[ModuleEdit]]:
+        targets: List[Target] = []
+        _targets(module, parallelize_plan, "", targets)
+        edits = [_edit(path, cell, style, device_mesh, src_data_rank) for path, cell, style in targets]
+        drop_enclosed_reductions(edits)
+        return targets, edits
+    targets, edits = agreed(edits_of_plan, lambda prepared: _described(prepared[0]), device_mesh,
+                            "parallelize_module")
     _check_conflicts(edits)
-    drop_enclosed_reductions(edits)
     apply_edits(edits, "parallelize_module")
     return module

@@ -3,8 +3,9 @@ piece (so that it works in graph mode and with every MindSpore optimizer), with 
 sharding recorded beside it.
 
 :func:`parameter_sharding` reads the record; :func:`as_dtensor` views the piece as a
-DTensor (PyNative); :func:`sharded_parameter` cuts a full parameter into its piece, and
-:func:`dtensor_parameter` into a ``Parameter(DTensor)`` (``shard_module`` / ``distribute_module``).
+DTensor (PyNative); :func:`sharded_parameter` cuts a full parameter into its piece. A
+:class:`ParameterPlacement` describes the cut before it is made (the styles' piece, or a
+``Parameter(DTensor)`` for ``shard_module`` / ``distribute_module``).
 
 Example::
 
@@ -15,15 +16,15 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from mindspore import Parameter, Tensor
 
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
-from ..dtensor._spec import DTensorSpec
+from ..dtensor._spec import DTensorSpec, to_layout
 
-__all__ = ["ParameterSharding", "parameter_sharding", "as_dtensor", "sharded_parameter", "dtensor_parameter"]
+__all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter"]
 
 _ATTR = "_hpms_sharding"
 
@@ -63,10 +64,36 @@ def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_
     return local
 
 
-def dtensor_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_rank: Optional[int] = 0) -> Parameter:
-    """A new ``Parameter(DTensor)`` with ``param``'s name, laid out as ``placements``."""
-    return Parameter(_distributed(param, mesh, placements, src_data_rank), name=param.name,
-                     requires_grad=param.requires_grad)
+@dataclass(frozen=True)
+class ParameterPlacement:
+    """How one parameter is to be cut, before it is: ``placements`` on ``mesh`` (or an alias
+    layout); ``as_dtensor``: a ``Parameter(DTensor)`` (the DTensor path) rather than a plain
+    Parameter holding the piece (the styles); ``grad_partial_dims`` as in :class:`ParameterSharding`;
+    ``src_data_rank``: whose values are cut (``None``: every rank its own).
+
+    Example::
+
+        ParameterPlacement(mesh, (Shard(0),)).make(dense.weight)       # the piece of rows
+    """
+
+    mesh: Any
+    placements: Any
+    as_dtensor: bool = False
+    grad_partial_dims: Tuple[int, ...] = ()
+    src_data_rank: Optional[int] = 0
+
+    def piece(self, global_shape: Sequence[int]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """(offset, shape) of this rank's piece of a parameter of ``global_shape``."""
+        layout, coordinate = to_layout(self.mesh, self.placements, len(global_shape)), self.mesh.get_coordinate()
+        return tuple(layout.global_offset(global_shape, coordinate)), tuple(layout.local_shape(global_shape, coordinate))
+
+    def make(self, param: Parameter) -> Parameter:
+        """The new Parameter, with ``param``'s name, cut from ``param``'s values."""
+        if self.as_dtensor:
+            return Parameter(_distributed(param, self.mesh, self.placements, self.src_data_rank), name=param.name,
+                             requires_grad=param.requires_grad)
+        return sharded_parameter(param, self.mesh, self.placements, src_data_rank=self.src_data_rank,
+                                 grad_partial_dims=self.grad_partial_dims)
 
 
 def _distributed(param: Parameter, mesh, placements: Sequence, src_data_rank: Optional[int]) -> DTensor:

@@ -35,7 +35,7 @@ from ..redistribute._gradient import gradient_placements, shared_dims
 from ._adapter import own_parameters
 from ._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
 from ._hooks import masked_rows_class
-from ._parameter import sharded_parameter
+from ._parameter import ParameterPlacement
 from ._rules import check_mesh
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
@@ -161,10 +161,9 @@ class ColwiseParallel(_LayerStyle):
         weight = params[_weight_name(cell)]
         if kind == "linear":
             by_rows = (Shard(0),)
-            edit.parameters[_weight_name(cell)] = sharded_parameter(weight, mesh, by_rows, src_data_rank=src_data_rank)
+            edit.parameters[_weight_name(cell)] = ParameterPlacement(mesh, by_rows, src_data_rank=src_data_rank)
             if params.get("bias") is not None:
-                edit.parameters["bias"] = sharded_parameter(params["bias"], mesh, by_rows,
-                                                            src_data_rank=src_data_rank)
+                edit.parameters["bias"] = ParameterPlacement(mesh, by_rows, src_data_rank=src_data_rank)
             # the replicated input meets a split weight: each rank's gradient is its share
             desired = self.desired_input_layouts
             grad = gradient_placements(desired, shared_dims(desired, by_rows))
@@ -172,10 +171,10 @@ class ColwiseParallel(_LayerStyle):
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"ColwiseParallel on the embedding {_where(path)} takes replicated ids, got "
                                  f"input_layouts={self.input_layouts[0]}")
-            piece = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
-            edit.parameters[_weight_name(cell)] = piece
+            placement = ParameterPlacement(mesh, (Shard(1),), src_data_rank=src_data_rank)
+            edit.parameters[_weight_name(cell)] = placement
             if isinstance(cell, nn.Embedding):      # its lookup reshapes to (..., embedding_size)
-                edit.attributes["embedding_size"] = piece.shape[1]
+                edit.attributes["embedding_size"] = placement.piece(weight.shape)[1][1]
             grad = None
         features = ((-1, weight.shape[0] if kind == "linear" else weight.shape[1]),)   # may be split unevenly
         where = _where(path)
@@ -219,13 +218,13 @@ class RowwiseParallel(_LayerStyle):
             if getattr(cell, "activation_flag", False):
                 raise ValueError(f"RowwiseParallel on {_where(path)}: the Dense applies an activation to a partial "
                                  "sum; move the activation out of the Dense (activation=None)")
-            edit.parameters[name] = sharded_parameter(weight, mesh, [Shard(1)], src_data_rank=src_data_rank)
+            edit.parameters[name] = ParameterPlacement(mesh, (Shard(1),), src_data_rank=src_data_rank)
             has_bias = params.get("bias") is not None
             if has_bias:
                 # added after the reduction: on sharded outputs each rank adds it to its piece only
                 replicated = (Replicate(),)
-                edit.parameters["bias"] = sharded_parameter(
-                    params["bias"], mesh, replicated, src_data_rank=src_data_rank,
+                edit.parameters["bias"] = ParameterPlacement(
+                    mesh, replicated, src_data_rank=src_data_rank,
                     grad_partial_dims=shared_dims(replicated, self.output_layouts))
             edit.inputs = InputSpec({0: ConversionSpec(mesh, self.input_layouts, (Shard(-1),),
                                                        dim_sizes=((-1, weight.shape[1]),), where=where)})
@@ -234,13 +233,12 @@ class RowwiseParallel(_LayerStyle):
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"RowwiseParallel on the embedding {_where(path)} takes replicated ids: pass "
                                  f"input_layouts=Replicate(), got {self.input_layouts[0]}")
-            piece = sharded_parameter(weight, mesh, [Shard(0)], src_data_rank=src_data_rank)
-            spec = piece._hpms_sharding.spec
-            edit.parameters[name] = piece
-            edit.attributes["hpms_row_start"] = spec.layout.global_offset(spec.shape, mesh.get_coordinate())[0]
-            edit.attributes["hpms_rows"] = spec.local_shape()[0]
+            placement = ParameterPlacement(mesh, (Shard(0),), src_data_rank=src_data_rank)
+            edit.parameters[name] = placement
+            offset, local = placement.piece(weight.shape)
+            edit.attributes["hpms_row_start"], edit.attributes["hpms_rows"] = offset[0], local[0]
             if isinstance(cell, nn.Embedding):      # its one-hot lookup counts the rows
-                edit.attributes["vocab_size"] = spec.local_shape()[0]
+                edit.attributes["vocab_size"] = local[0]
             edit.swap_class = masked_rows_class(type(cell))
             edit.outputs = OutputSpec(output)
         return edit
@@ -269,9 +267,9 @@ class SequenceParallel(ParallelStyle):
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
         layout, replicated = (Shard(self.sequence_dim),), (Replicate(),)
-        for name, p in own_parameters(cell).items():   # replicated, used on sequence pieces
-            edit.parameters[name] = sharded_parameter(p, mesh, replicated, src_data_rank=src_data_rank,
-                                                      grad_partial_dims=shared_dims(replicated, layout))
+        for name in own_parameters(cell):   # replicated, used on sequence pieces
+            edit.parameters[name] = ParameterPlacement(mesh, replicated, src_data_rank=src_data_rank,
+                                                       grad_partial_dims=shared_dims(replicated, layout))
         min_ndim = self.sequence_dim + 2 if self.sequence_dim >= 0 else -self.sequence_dim + 1
         where = _where(path)
         edit.inputs = InputSpec({0: ConversionSpec(mesh, layout, layout, where=where)}, min_ndim=min_ndim, where=where)
