@@ -80,3 +80,20 @@ def test_a_reduction_the_enclosing_conversion_does_not_perform_is_kept():
     # q's all-reduce is taken over by the enclosing reduce-scatter; k reads y as it arrives
     # (sequence pieces), gathers it itself and keeps its own reduce-scatter
     assert counts == {"all_gather": 2, "reduce_scatter": 2}, counts
+
+
+def test_the_rule_on_placements():
+    """Which reductions an enclosing conversion takes over, and the gradient layouts the
+    styles derive (pure, no ranks)."""
+    from hyper_parallel_ms.placement import Partial
+    from hyper_parallel_ms.redistribute._gradient import gradient_placements, reduction_taken_over, shared_dims
+    both, second = (Partial(), Partial()), (REP, Partial())
+    assert reduction_taken_over((REP, REP), both, (REP, REP), second)          # a subset of the outer's dims
+    assert not reduction_taken_over((REP, REP), second, (REP, REP), both)      # mesh dim 0 is not reduced outside
+    assert not reduction_taken_over((REP, REP), both, (SEQ, REP), second)      # reads another layout
+    assert not reduction_taken_over((REP, REP), both, (REP, REP), None)        # nothing to drop
+    assert not reduction_taken_over((REP, REP), None, (REP, REP), second)      # the outer reduces nothing
+    # Colwise input, SequenceParallel parameter, Rowwise bias on replicated / sequence-sharded outputs
+    assert gradient_placements((REP,), shared_dims((REP,), (Shard(0),))) == (Partial(),)
+    assert shared_dims((REP,), (SEQ,)) == (0,) and shared_dims((REP,), (REP,)) == ()
+    assert gradient_placements((Partial(), SEQ)) == (REP, SEQ)
