@@ -8,7 +8,9 @@ Example::
 """
 from ._executor import Redistribution, execute, lower, redistribution, replicate_partials
 from ._local import LocalRedistribute, plan_global_shape, plan_layouts
-from ._planner import Step, plan_redistribute, step_bytes
+from ._planner import Step, plan_redistribute
+from ._steps import AllGather, AllReduce, AllToAll, Chunk, LocalStep, Partition, ReduceScatter
 
-__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "Step", "plan_redistribute", "step_bytes", "lower", "execute",
-           "Redistribution", "redistribution", "replicate_partials"]
+__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "Step", "plan_redistribute", "lower", "execute",
+           "Redistribution", "redistribution", "replicate_partials",
+           "LocalStep", "AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition"]
