@@ -29,6 +29,11 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   generated primitives' ``__call__`` and ``mindspore.ops.functional_overload``; wrapping
   them restores hook errors. ``ops`` / ``mint`` sequence functions are wrapped to pass
   lists as tuples (:func:`route_list_arguments`).
+- **swappable entry points**: MindSpore's functions, Cell methods and compile entry points
+  are looked up as module / class attributes at call time, so replacing the attribute
+  reroutes every call made after it. :func:`swap_entry_points` (for the process) and
+  :func:`entry_points_swapped` (for a scope) are the only places that replace them, and
+  put back exactly what was there.
 
 :func:`guard_mindspore_for` installs the wrappers the first time a DTensor is made (never at
 import).
@@ -47,7 +52,7 @@ import inspect
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import mindspore
 from mindspore import Tensor
@@ -67,7 +72,8 @@ except ImportError:  # MindSpore 2.8
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
            "adopt", "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for",
-           "reject_in_compiled_args", "route_list_arguments", "seeded_dropout"]
+           "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments", "seeded_dropout",
+           "Swap", "swap_entry_points", "entry_points_swapped"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -81,6 +87,66 @@ HOOK_ERRORS_REACH_CALLER: bool = MINDSPORE_VERSION >= (2, 10)
 # ``_make_subclass`` (not by :func:`adopt`); 2.9 and later look at the class.
 ADOPTED_IN_SEQUENCES_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 9)
 _FALLBACK_FAILED = "Python fallback failed"
+
+
+# ------------------------------------------------------------ entry point swaps
+Swap = Tuple[Any, str, Callable[[Callable], Callable]]   # (owner, attribute, wrap: original -> replacement)
+_ABSENT = object()
+
+
+def swap_entry_points(swaps: Sequence[Swap]) -> Callable[[], None]:
+    """Replace each ``owner.name`` (a module function, a class's method) by ``wrap(current)``
+    and return the function that puts back exactly what was there (the same objects; an
+    attribute that ``owner`` only inherited is removed again), last swap first. If a ``wrap``
+    raises, the swaps made so far are undone before the error propagates.
+
+    >>> import types
+    >>> space = types.SimpleNamespace(double=lambda x: 2 * x)
+    >>> original = space.double
+    >>> undo = swap_entry_points([(space, "double", lambda f: lambda x: f(x) + 1)])
+    >>> space.double(3)
+    7
+    >>> undo(); space.double is original
+    True
+    """
+    saved: List[Tuple[Any, str, Any]] = []
+
+    def undo() -> None:
+        while saved:
+            owner, name, before = saved.pop()
+            if before is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+
+    try:
+        for owner, name, wrap in swaps:
+            before = vars(owner).get(name, _ABSENT)
+            replacement = wrap(getattr(owner, name) if before is _ABSENT else before)
+            setattr(owner, name, replacement)
+            saved.append((owner, name, before))
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+@contextmanager
+def entry_points_swapped(swaps: Sequence[Swap]) -> Iterator[None]:
+    """Inside, each ``owner.name`` is ``wrap(current)`` (:func:`swap_entry_points`); on leaving,
+    normally or by an exception, exactly what was there before is back. Scopes nest: an inner
+    scope wraps (and then restores) what the outer one installed.
+
+    Example::
+
+        with entry_points_swapped([(mindspore.ops, "cross_entropy", my_wrapper)]):
+            ops.cross_entropy(logits, target)      # my_wrapper(original)(logits, target)
+    """
+    undo = swap_entry_points(swaps)
+    try:
+        yield
+    finally:
+        undo()
 
 
 # ------------------------------------------------------------------ tensor hook
@@ -167,15 +233,13 @@ def _keep_hook_errors_in_mindspore() -> None:
     from mindspore.ops.auto_generate import gen_ops_prim, pyboost_inner_prim
     classes = [mindspore.ops.Primitive] + [c for module in (gen_ops_prim, pyboost_inner_prim)
                                             for c in vars(module).values() if isinstance(c, type)]
-    for cls in classes:
-        if "__call__" in vars(cls):
-            cls.__call__ = keep_hook_errors(vars(cls)["__call__"])
+    swaps = [(cls, "__call__", keep_hook_errors) for cls in classes if "__call__" in vars(cls)]
     overloads = {id(f): (name, f) for name, f in vars(functional_overload).items()
                  if inspect.isfunction(f) and not name.startswith("_")}
     for namespace in (functional_overload, mindspore.ops, mindspore.mint):
-        for name, value in list(vars(namespace).items()):
-            if id(value) in overloads and overloads[id(value)][1] is value:
-                setattr(namespace, name, keep_hook_errors(value))
+        swaps += [(namespace, name, keep_hook_errors) for name, value in list(vars(namespace).items())
+                  if id(value) in overloads and overloads[id(value)][1] is value]
+    swap_entry_points(swaps)
 
 
 _OPERATORS = ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift neg pos abs invert "
@@ -282,32 +346,40 @@ def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rej
 _GUARDED: list = []
 
 
+def compile_argument_checks(rejected: Sequence[type]) -> List[Swap]:
+    """Swaps of MindSpore's compile entry points (``ms.jit`` and GRAPH_MODE Cells) that raise
+    a ``TypeError`` naming the argument when a compiled call gets an object of a type in
+    ``rejected`` (read at each compile, so it may grow), for :func:`swap_entry_points`."""
+
+    def jit_compile(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def compile(self, method_name, *args, **kwargs):
+            given = args if self.obj is None else (self.obj,) + args
+            _check_compiled_call("the ms.jit function", self.fn, given,
+                                 {k: v for k, v in kwargs.items() if k != "phase"}, tuple(rejected))
+            return original(self, method_name, *args, **kwargs)
+        return compile
+
+    def cell_compile(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def compile(self, obj, *args, **kwargs):
+            _check_compiled_call("the GRAPH_MODE Cell", type(obj).construct, (obj,) + args,
+                                 {k: v for k, v in kwargs.items() if k not in ("phase", "do_convert", "jit_config_dict")},
+                                 tuple(rejected))
+            return original(self, obj, *args, **kwargs)
+        return compile
+
+    return [(_graph_api._JitExecutor, "compile", jit_compile), (_graph_api._CellGraphExecutor, "compile", cell_compile)]
+
+
 def reject_in_compiled_args(rejected: type) -> None:
     """From now on, ``ms.jit`` functions and GRAPH_MODE Cells raise a ``TypeError`` naming
     the argument when called with an object of type ``rejected``. Idempotent."""
     if rejected in _GUARDED:
         return
     _GUARDED.append(rejected)
-    if len(_GUARDED) > 1:
-        return
-
-    @functools.wraps(_JIT_COMPILE)
-    def jit_compile(self, method_name, *args, **kwargs):
-        fn = self.fn
-        given = args if self.obj is None else (self.obj,) + args
-        _check_compiled_call("the ms.jit function", fn, given, {k: v for k, v in kwargs.items() if k != "phase"},
-                             tuple(_GUARDED))
-        return _JIT_COMPILE(self, method_name, *args, **kwargs)
-
-    @functools.wraps(_CELL_COMPILE)
-    def cell_compile(self, obj, *args, **kwargs):
-        _check_compiled_call("the GRAPH_MODE Cell", type(obj).construct, (obj,) + args,
-                             {k: v for k, v in kwargs.items() if k not in ("phase", "do_convert", "jit_config_dict")},
-                             tuple(_GUARDED))
-        return _CELL_COMPILE(self, obj, *args, **kwargs)
-
-    _graph_api._JitExecutor.compile = jit_compile
-    _graph_api._CellGraphExecutor.compile = cell_compile
+    if len(_GUARDED) == 1:
+        swap_entry_points(compile_argument_checks(_GUARDED))
 
 
 # ------------------------------------------------------------ list arguments
@@ -371,13 +443,12 @@ def route_list_arguments(hooked: type) -> None:
     if len(_ROUTED) > 1:
         return
     namespaces = {"ops": mindspore.ops, "mint": mindspore.mint}
+    swaps = [(mindspore.ops, "stack", lambda fn: keep_hook_errors(_stack_through_mint(fn)))]
     if not LIST_ARGS_REACH_HOOK:
-        for space, names in _SEQUENCE_OPS.items():
-            for name in names:
-                fn = getattr(namespaces[space], name, None)
-                if fn is not None:
-                    setattr(namespaces[space], name, keep_hook_errors(_tuples_for_lists(fn)))
-    mindspore.ops.stack = keep_hook_errors(_stack_through_mint(mindspore.ops.stack))
+        swaps += [(namespaces[space], name, lambda fn: keep_hook_errors(_tuples_for_lists(fn)))
+                  for space, names in _SEQUENCE_OPS.items() for name in names
+                  if getattr(namespaces[space], name, None) is not None]
+    swap_entry_points(swaps)
 
 
 def guard_mindspore_for(hooked: type) -> None:

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from mindspore import Parameter  # noqa: E402
 
 from hyper_parallel_ms import checkpoint  # noqa: E402
+from hyper_parallel_ms.checkpoint._commit import fsync_path  # noqa: E402
 from hyper_parallel_ms.checkpoint._safetensors import crc32  # noqa: E402
 
 
@@ -45,14 +46,6 @@ def _timed(fn) -> float:
     began = time.perf_counter()
     fn()
     return time.perf_counter() - began
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def main(argv) -> int:
@@ -79,7 +72,7 @@ def main(argv) -> int:
 
     def st_save_fsync():
         save_file(arrays, st_path)
-        _fsync(st_path)
+        fsync_path(st_path)
 
     def ck_save():
         checkpoint.save({"model": params}, checkpoint_id=ck_path, no_dist=True)

@@ -182,6 +182,43 @@ def test_contract_compile_entry_points_see_the_arguments():
     np.testing.assert_allclose(ms.jit(_takes)(Tensor([1.0]), Tensor([2.0])).asnumpy(), [3.0])
 
 
+def _tagged(tag: str, calls: list):
+    def wrap(original):
+        def call(*args, **kwargs):
+            calls.append(tag)
+            return original(*args, **kwargs)
+        return call
+    return wrap
+
+
+def test_contract_entry_points_are_looked_up_at_call_time_and_swaps_restore_exactly():
+    """MindSpore's functions and Cell methods are module / class attributes looked up at each
+    call (``nn.CrossEntropyLoss`` reaches ``ops.cross_entropy`` so): swapping one reroutes every
+    later call; leaving a scope puts back the same objects, after an error too, scopes nest, an
+    inherited attribute is removed again, and a failing wrap leaves nothing swapped."""
+    calls: list = []
+    x, target = Tensor(np.ones((2, 3), np.float32)), Tensor(np.array([0, 2], np.int32))
+    original, construct = vars(ops)["cross_entropy"], vars(nn.CrossEntropyLoss)["construct"]
+    with seam.entry_points_swapped([(ops, "cross_entropy", _tagged("outer", calls))]):
+        outer = vars(ops)["cross_entropy"]
+        with seam.entry_points_swapped([(ops, "cross_entropy", _tagged("inner", calls)),
+                                        (nn.CrossEntropyLoss, "__call__", _tagged("cell", calls))]):
+            loss = nn.CrossEntropyLoss()(x, target)
+            assert calls == ["cell", "inner", "outer"]
+        assert vars(ops)["cross_entropy"] is outer and "__call__" not in vars(nn.CrossEntropyLoss)
+        np.testing.assert_allclose(ops.cross_entropy(x, target).asnumpy(), loss.asnumpy())
+        with pytest.raises(ValueError, match="inside"):
+            with seam.entry_points_swapped([(ops, "cross_entropy", _tagged("again", calls))]):
+                raise ValueError("raised inside")
+        assert vars(ops)["cross_entropy"] is outer
+
+    def refuse(fn):
+        raise RuntimeError("wrap refused")
+    with pytest.raises(RuntimeError, match="refused"):
+        seam.swap_entry_points([(ops, "cross_entropy", _tagged("x", calls)), (ops, "softmax", refuse)])
+    assert vars(ops)["cross_entropy"] is original and vars(nn.CrossEntropyLoss)["construct"] is construct
+
+
 def test_placement_and_layout_load_no_mindspore():
     code = ("import sys, hyper_parallel_ms.placement, hyper_parallel_ms.layout, hyper_parallel_ms\n"
             "hyper_parallel_ms.Shard(0)\n"

@@ -11,7 +11,9 @@ from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
-from hyper_parallel_ms.redistribute import redistribution, replicate_partials
+from hyper_parallel_ms.redistribute import (AllToAll, Chunk, ReduceScatter, Redistribution, redistribution,
+                                            replicate_partials)
+from hyper_parallel_ms.redistribute._executor import lowered_steps
 from hyper_parallel_ms.testing import multi_rank
 from hyper_parallel_ms.testing.redistribute_bytes import measure, placement_lists
 
@@ -208,3 +210,28 @@ def test_partial_avg_max_min():
                                            atol=1e-6)
         back = distribute_tensor(ms.Tensor(x_np), mesh, [Replicate(), Partial(op)])
         np.testing.assert_allclose(back.full_tensor().asnumpy(), x_np, rtol=1e-6)
+
+
+def test_gradient_copied_only_after_a_narrowing_step():
+    """The backward hands back a fresh copy only when its last step narrows (a chunk, the kept
+    piece of a reduce-scatter or all-to-all); other plans issue no copy (the test of the offset
+    view this guards: test_op_sweep.test_gradient_through_a_split_view_of_a_gathered_piece)."""
+    mesh4 = (4,)
+
+    def cell(src, dst, shape=(8, 4)):
+        src_l, dst_l = Layout(mesh4, (src,)), Layout(mesh4, (dst,))
+        forward, backward, scaling = lowered_steps(src_l, dst_l, shape, (1,))
+        return Redistribution(None, forward, backward + scaling), backward + scaling
+
+    copying = {(Shard(0), Replicate()): Chunk, (Shard(0), Shard(1)): AllToAll, (Shard(1), Partial()): Chunk}
+    for (src, dst), last in copying.items():
+        red, backward = cell(src, dst)
+        assert isinstance(backward[-1], last) and red.copies_gradient, (src, dst, backward)
+    for src, dst in [(Replicate(), Shard(0)), (Partial(), Replicate()), (Replicate(), Partial()),
+                     (Partial("avg"), Replicate()), (Replicate(), Replicate())]:
+        red, backward = cell(src, dst)
+        assert not any(isinstance(s, (Chunk, ReduceScatter, AllToAll)) for s in backward[-1:])
+        assert not red.copies_gradient, (src, dst, backward)
+    red, backward = cell(Partial(), Replicate())      # no backward step: the gradient itself goes back
+    dout = ms.Tensor(np.ones((8, 4), np.float32))
+    assert backward == () and red.bprop(dout, dout, dout)[0] is dout

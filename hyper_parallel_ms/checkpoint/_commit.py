@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 
-__all__ = ["staging_dir", "previous_dir", "prepare_staging", "write_durable", "commit"]
+__all__ = ["staging_dir", "previous_dir", "prepare_staging", "write_durable", "commit", "fsync_path"]
 
 
 def staging_dir(checkpoint_id: str) -> str:
@@ -54,7 +54,7 @@ def commit(staging: str, checkpoint_id: str) -> None:
     """Move the finished ``staging`` directory to ``checkpoint_id`` (replacing an older
     checkpoint of that name only once the new one is complete)."""
     target = os.path.normpath(checkpoint_id)
-    _fsync_dir(staging)
+    fsync_path(staging)
     old = previous_dir(target)
     if os.path.exists(target):
         if os.path.exists(old):
@@ -63,12 +63,13 @@ def commit(staging: str, checkpoint_id: str) -> None:
     # between the two renames the checkpoint is <target>.old (readers fall back to it); an old
     # copy left by a save that died there stays until the new one is in place
     os.replace(staging, target)
-    _fsync_dir(os.path.dirname(os.path.abspath(target)))
+    fsync_path(os.path.dirname(os.path.abspath(target)))
     if os.path.exists(old):
         shutil.rmtree(old)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file or directory (its entries: renames, new files) at ``path`` to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,9 +1,9 @@
 """Bytes each rank sends for one collective: the textbook figure and the issued one.
 
 ``textbook``: what a bandwidth-optimal (ring) implementation sends per rank for these
-tensors: all-gather ``out - local``, reduce-scatter ``in - local out``, all-reduce
-``2 (n-1)/n * size``, all-to-all ``in - the chunk kept``, broadcast ``size`` (the source's
-send). For even shards these are the usual ``(n-1)/n`` figures.
+tensors, by the one cost model (:func:`.._cost.textbook_sent`): all-gather ``out - local``,
+reduce-scatter ``in - local out``, all-reduce ``2 (n-1)/n * size``, all-to-all ``in - the
+chunk kept``, broadcast ``size`` (the source's send).
 ``wire``: the same measure for the primitives actually issued: padding of uneven pieces
 on the native path, and on the composed (CPU) path the all-reduce (ring, ``2 (n-1)/n``)
 of the buffer each collective becomes. ``wire_itemsize`` is the bytes per element the
@@ -20,6 +20,7 @@ from __future__ import annotations
 from math import prod
 from typing import Optional, Sequence, Tuple
 
+from .._cost import textbook_sent
 from ..layout import chunk_sizes
 
 __all__ = ["all_gather_bytes", "all_reduce_bytes", "reduce_scatter_bytes", "all_to_all_bytes",
@@ -29,7 +30,7 @@ Bytes = Tuple[int, int]
 
 
 def _ring_all_reduce(n: int, nbytes: int) -> int:
-    return 2 * (n - 1) * nbytes // n
+    return int(textbook_sent("all_reduce", n, nbytes))
 
 
 def _slice_bytes(shape: Sequence[int], dim: int, itemsize: int) -> int:
@@ -39,7 +40,8 @@ def _slice_bytes(shape: Sequence[int], dim: int, itemsize: int) -> int:
 def all_gather_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, dim: int,
                      sizes: Sequence[int], wire_itemsize: Optional[int] = None) -> Bytes:
     """(textbook, wire) bytes for gathering pieces of ``sizes`` slices along ``dim``."""
-    textbook = (sum(sizes) - shape[dim]) * _slice_bytes(shape, dim, itemsize)
+    slice_bytes = _slice_bytes(shape, dim, itemsize)
+    textbook = int(textbook_sent("all_gather", n, sum(sizes) * slice_bytes, shape[dim] * slice_bytes))
     row = _slice_bytes(shape, dim, wire_itemsize or itemsize)
     wire = (n - 1) * max(sizes) * row if path == "native" else _ring_all_reduce(n, sum(sizes) * row)
     return textbook, wire
@@ -66,7 +68,7 @@ def reduce_scatter_bytes(path: str, n: int, shape: Sequence[int], itemsize: int,
                          op: str, wire_itemsize: Optional[int] = None, gathered: Optional[bool] = None) -> Bytes:
     """(textbook, wire) bytes for reducing ``shape`` and keeping a chunk of ``dim``."""
     row = _slice_bytes(shape, dim, itemsize)
-    textbook = (shape[dim] - chunk_sizes(shape[dim], n)[rank]) * row
+    textbook = int(textbook_sent("reduce_scatter", n, shape[dim] * row, chunk_sizes(shape[dim], n)[rank] * row))
     if path == "native" and op in ("sum", "avg") and not gathered and wire_itemsize in (None, itemsize):
         return textbook, (n - 1) * -(-shape[dim] // n) * row
     return textbook, all_reduce_bytes(path, n, shape, itemsize, op, wire_itemsize, gathered)[1]
@@ -76,7 +78,7 @@ def all_to_all_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, spl
                      concat_sizes: Sequence[int], rank: int, wire_itemsize: Optional[int] = None) -> Bytes:
     """(textbook, wire) bytes for an all-to-all of ``shape`` (split ``split_dim``, concat ``concat_dim``)."""
     row = _slice_bytes(shape, split_dim, itemsize)
-    textbook = (shape[split_dim] - chunk_sizes(shape[split_dim], n)[rank]) * row
+    textbook = int(textbook_sent("all_to_all", n, shape[split_dim] * row, chunk_sizes(shape[split_dim], n)[rank] * row))
     item = wire_itemsize or itemsize
     if path == "native":
         block = -(-shape[split_dim] // n) * max(concat_sizes) * _bytes_without(shape, (split_dim, concat_dim), item)
@@ -89,7 +91,7 @@ def all_to_all_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, spl
 def broadcast_bytes(path: str, n: int, shape: Sequence[int], itemsize: int,
                     wire_itemsize: Optional[int] = None) -> Bytes:
     """(textbook, wire) bytes for broadcasting ``shape``."""
-    nbytes = prod(shape) * itemsize
+    nbytes = int(textbook_sent("broadcast", n, prod(shape) * itemsize))
     wire = prod(shape) * (wire_itemsize or itemsize)
     return nbytes, wire if path == "native" else _ring_all_reduce(n, wire)
 

@@ -27,12 +27,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import mindspore as ms
 from mindspore import nn, ops
 
 from .. import comm
+from .._mindspore import Swap, entry_points_swapped
 from ..layout import chunk_sizes
 
 __all__ = ["parallel_cross_entropy", "ParallelCrossEntropy", "loss_parallel"]
@@ -213,7 +214,7 @@ def _loss_cell_construct(original: Callable) -> Callable:
     return construct
 
 
-def _entry_points() -> List[Tuple[Any, str, Callable]]:
+def _entry_points() -> List[Swap]:
     """(owner, attribute, wrapper) of each cross_entropy function that user code and the loss
     Cells call."""
     import importlib
@@ -238,11 +239,5 @@ def loss_parallel() -> Iterator[None]:
         with loss_parallel():
             loss = nn.CrossEntropyLoss(label_smoothing=0.1)(logits_dt, target)
     """
-    saved = [(owner, name, owner.__dict__[name], wrap) for owner, name, wrap in _entry_points()]
-    try:
-        for owner, name, original, wrap in saved:
-            setattr(owner, name, wrap(original))
+    with entry_points_swapped(_entry_points()):
         yield
-    finally:
-        for owner, name, original, _ in saved:
-            setattr(owner, name, original)

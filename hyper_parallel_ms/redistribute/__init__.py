@@ -9,7 +9,9 @@ Example::
 from ._executor import Redistribution, execute, lower, redistribution
 from ._gradient import gradient_layout, gradient_placements, replicate_partials, shared_dims
 from ._local import LocalRedistribute, plan_global_shape, plan_layouts
-from ._planner import Step, plan_redistribute, step_bytes
+from ._planner import Step, plan_redistribute
+from ._steps import AllGather, AllReduce, AllToAll, Chunk, LocalStep, Partition, ReduceScatter
 
-__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "Step", "plan_redistribute", "step_bytes", "lower", "execute",
-           "Redistribution", "redistribution", "replicate_partials", "gradient_layout", "gradient_placements", "shared_dims"]
+__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "Step", "plan_redistribute", "lower", "execute",
+           "Redistribution", "redistribution", "replicate_partials", "gradient_layout", "gradient_placements",
+           "shared_dims", "LocalStep", "AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition"]

@@ -1,11 +1,11 @@
 """Run a redistribution plan on a local tensor, with the DTensor backward.
 
-:func:`lower` turns a plan into this rank's concrete steps (plain tuples of ints and
-strings: piece sizes and offsets for its mesh coordinate), so that executing them needs
-no layout objects and works in PyNative and inside ``ms.jit``. :class:`Redistribution`
-is a Cell running the forward steps, whose ``bprop`` runs the steps that carry the
-gradient back: from the target placements to the source placements with Partial turned
-into Replicate, as PyTorch's ``redistribute`` backward does.
+:func:`lower` turns a plan into this rank's concrete step records (:mod:`._steps`: piece
+sizes and offsets for its mesh coordinate), so that executing them needs no layout objects
+and works in PyNative and inside ``ms.jit``. :class:`Redistribution` is a Cell running the
+forward steps, whose ``bprop`` runs the steps that carry the gradient back: from the target
+placements to the source placements with Partial turned into Replicate, as PyTorch's
+``redistribute`` backward does.
 
 Example::
 
@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Tuple
 
 from mindspore import nn, ops
@@ -21,63 +22,63 @@ from mindspore import nn, ops
 from .._mindspore import cached_in_python
 from .. import comm
 from ..comm._tensor import narrow
-from ..layout import Layout, chunk_offsets, chunk_sizes
+from ..layout import Layout
 from ._gradient import gradient_layout
-from ._planner import Step, plan_redistribute
+from ._planner import plan_redistribute
+from ._steps import AllGather, AllReduce, AllToAll, Chunk, LocalStep, Partition, ReduceScatter, ends_in_narrow, lower
 
 __all__ = ["lower", "lowered_steps", "execute", "step_cells", "Redistribution", "redistribution",
            "average_scaling"]
 
-# (kind, mesh_dim, dim, other_dim, sizes, op, offset, length)
-LocalStep = Tuple[str, int, int, int, Tuple[int, ...], str, int, int]
 
-
-def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
-    """This rank's concrete steps for ``plan`` on a tensor of global ``shape``."""
-    out = []
-    for step in plan:
-        a, before = step.mesh_dim, step.before
-        n = before.mesh_shape[a]
-        if step.kind in ("all_gather", "all_to_all"):
-            sizes = before.shard_sizes(shape, coordinate, a)
-            out.append((step.kind, a, step.dim, step.to_dim, sizes, step.op, 0, 0))
-        elif step.kind == "chunk":
-            local = before.local_shape(shape, coordinate)[step.dim]
-            k = coordinate[a]
-            out.append(("chunk", a, step.dim, -1, (), "sum", chunk_offsets(local, n)[k], chunk_sizes(local, n)[k]))
-        elif step.kind == "partition" and step.op != "sum":
-            continue  # avg / max / min of equal values is the value itself
-        else:
-            out.append((step.kind, a, step.dim, -1, (), step.op, n, 0))
-    return tuple(out)
-
-
-class _Step(nn.Cell):
-    """One lowered step as a Cell: its kind and arguments are constants of the compiled graph."""
+class _StepCell(nn.Cell):
+    """One step record as a Cell: the record's fields become constants of the compiled graph."""
 
     def __init__(self, mesh, step: LocalStep) -> None:
         super().__init__()
         self.mesh = mesh
-        self.kind, self.mesh_dim, self.dim, self.other, self.sizes, self.op, self.offset, self.length = step
+        for field in dataclasses.fields(step):
+            setattr(self, field.name, getattr(step, field.name))
 
+
+class _AllGather(_StepCell):
     def construct(self, x):
-        if self.kind == "all_gather":
-            return comm.all_gather(x, self.mesh, self.mesh_dim, dim=self.dim, sizes=self.sizes)
-        if self.kind == "all_to_all":
-            return comm.all_to_all(x, self.mesh, self.mesh_dim, split_dim=self.other, concat_dim=self.dim,
-                                   concat_sizes=self.sizes)
-        if self.kind == "chunk":
-            return narrow(x, self.dim, self.offset, self.length)
-        if self.kind == "all_reduce":
-            return comm.all_reduce(x, self.mesh, self.mesh_dim, op=self.op)
-        if self.kind == "reduce_scatter":
-            return comm.reduce_scatter(x, self.mesh, self.mesh_dim, dim=self.dim, op=self.op)
-        return x / self.offset  # partition a replicated value into a sum: every rank holds value / n
+        return comm.all_gather(x, self.mesh, self.mesh_dim, dim=self.dim, sizes=self.sizes)
+
+
+class _AllToAll(_StepCell):
+    def construct(self, x):
+        return comm.all_to_all(x, self.mesh, self.mesh_dim, split_dim=self.split_dim, concat_dim=self.concat_dim,
+                               concat_sizes=self.concat_sizes)
+
+
+class _Chunk(_StepCell):
+    def construct(self, x):
+        return narrow(x, self.dim, self.offset, self.length)
+
+
+class _AllReduce(_StepCell):
+    def construct(self, x):
+        return comm.all_reduce(x, self.mesh, self.mesh_dim, op=self.op)
+
+
+class _ReduceScatter(_StepCell):
+    def construct(self, x):
+        return comm.reduce_scatter(x, self.mesh, self.mesh_dim, dim=self.dim, op=self.op)
+
+
+class _Partition(_StepCell):
+    def construct(self, x):
+        return x / self.divisor
+
+
+_CELLS = {AllGather: _AllGather, AllToAll: _AllToAll, Chunk: _Chunk, AllReduce: _AllReduce,
+          ReduceScatter: _ReduceScatter, Partition: _Partition}
 
 
 @cached_in_python
-def _step_cell(mesh, step: LocalStep) -> _Step:
-    return _Step(mesh, step)
+def _step_cell(mesh, step: LocalStep) -> _StepCell:
+    return _CELLS[type(step)](mesh, step)
 
 
 def step_cells(mesh, steps: Tuple[LocalStep, ...]) -> nn.CellList:
@@ -107,6 +108,11 @@ class Redistribution(nn.Cell):
         self.backward_cells = step_cells(mesh, backward_steps)
         self.masked = value_steps is not None
         self.value_cells = step_cells(mesh, value_steps or ())
+        # a gradient cut from a gathered one is a view at an offset into it; MindSpore's backward
+        # of view ops (SplitTensorView, ...) reads such a gradient from the start of its storage,
+        # so a gradient whose last step narrows is handed back as a fresh tensor (the CPU backend
+        # has no Clone kernel); masking makes a fresh one anyway
+        self.copies_gradient = bool(backward_steps) and ends_in_narrow(backward_steps[-1]) and not self.masked
 
     def construct(self, x):
         for cell in self.forward_cells:
@@ -120,10 +126,7 @@ class Redistribution(nn.Cell):
             for cell in self.value_cells:
                 out = cell(out)
             dout = dout * ops.equal(x, out).astype(dout.dtype)
-        # a gradient cut from a gathered one is a view at an offset into it; MindSpore's backward
-        # of view ops (SplitTensorView, ...) reads such a gradient from the start of its storage,
-        # so hand back a fresh tensor (the CPU backend has no Clone kernel)
-        return (dout * 1 if self.backward_cells else dout,)
+        return (dout * 1 if self.copies_gradient else dout,)
 
 
 def lowered_steps(src: Layout, dst: Layout, shape: Tuple[int, ...], coordinate: Tuple[int, ...],
@@ -152,6 +155,5 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
 def average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:
     """Backward steps for the mesh dims where the forward averaged a Partial(avg): each rank's
     value counts 1/n in the average, so its gradient is divided by n."""
-    return tuple(("partition", a, -1, -1, (), "sum", n, 0)
-                 for a, (p, q, n) in enumerate(zip(src.placements, dst.placements, src.mesh_shape))
+    return tuple(Partition(a, n) for a, (p, q, n) in enumerate(zip(src.placements, dst.placements, src.mesh_shape))
                  if p.is_partial("avg") and not q.is_partial("avg") and n > 1)

@@ -14,8 +14,8 @@ step               from -> to       condition / effect
 ``partition``      R -> P(op)       local: sum divides by the group size (PyTorch's rule)
 =================  ===============  =============================================
 
-A Dijkstra search over these states finds the plan that sends the fewest bytes per rank
-(textbook ring figures for the largest local piece; ties: fewer steps), so several mesh dims
+A Dijkstra search over these states finds the cheapest plan by :mod:`.._cost` (fewest
+textbook elements sent per rank for the largest local piece, then fewest steps), so several mesh dims
 change in the order that keeps the tensors small, and a tensor dim sharded over several mesh
 dims is un-sharded minor-first. Plans are cached per (source, target, global shape).
 
@@ -34,10 +34,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Sequence, Tuple
 
+from .._cost import Cost, step_elements
 from ..layout import Layout
 from ..placement import Partial, Placement, Replicate, Shard
 
-__all__ = ["Step", "plan_redistribute", "step_bytes"]
+__all__ = ["Step", "plan_redistribute"]
 
 Orders = Tuple[Tuple[int, ...], ...]  # per tensor dim, the sharding mesh dims, major first
 
@@ -102,17 +103,6 @@ def _local_elements(state: _State, mesh_shape: Tuple[int, ...], shape: Tuple[int
     return total
 
 
-def step_bytes(kind: str, n: int, local: int) -> float:
-    """Textbook (ring) elements sent per rank by ``kind`` over ``n`` ranks from a piece of ``local``."""
-    if kind == "all_gather":
-        return (n - 1) * local
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * local
-    if kind in ("all_to_all", "reduce_scatter"):
-        return (n - 1) / n * local
-    return 0.0
-
-
 def _moves(state: _State, ndim: int, ops_wanted: Sequence[str]) -> Iterator[Tuple[str, int, Placement, int, int]]:
     """(kind, mesh dim, new placement, dim, to_dim) for every legal step from ``state``."""
     for axis, p in enumerate(state.placements):
@@ -149,23 +139,23 @@ def plan_redistribute(src: Layout, dst: Layout, shape: Tuple[int, ...]) -> Tuple
     names = src.mesh_dim_names
     ops_wanted = tuple(sorted({p.reduce_op for p in goal.placements if p.is_partial()}))
     counter = itertools.count()
-    frontier: List = [(0.0, 0, next(counter), start, ())]
-    best: Dict[_State, Tuple[float, int]] = {start: (0.0, 0)}
+    frontier: List = [(Cost(), next(counter), start, ())]
+    best: Dict[_State, Cost] = {start: Cost()}
     while frontier:
-        cost, nsteps, _, state, path = heapq.heappop(frontier)
+        cost, _, state, path = heapq.heappop(frontier)
         if state == goal:
             return tuple(path)
-        if best.get(state, (float("inf"), 0)) < (cost, nsteps):
+        if best[state] < cost:
             continue
         local = _local_elements(state, mesh_shape, shape)
         for kind, axis, placement, dim, to_dim in _moves(state, ndim, ops_wanted):
             nxt = state.moved(axis, placement)
-            new = (cost + step_bytes(kind, mesh_shape[axis], local), nsteps + 1)
-            if new < best.get(nxt, (float("inf"), 0)):
+            new = cost + Cost(step_elements(kind, mesh_shape[axis], local), 1)
+            if nxt not in best or new < best[nxt]:
                 best[nxt] = new
                 op = placement.reduce_op if kind == "partition" else (
                     state.placements[axis].reduce_op if kind in ("all_reduce", "reduce_scatter") else "sum")
                 step = Step(kind, axis, state.layout(mesh_shape, names), dim, to_dim, op)
-                heapq.heappush(frontier, (new[0], new[1], next(counter), nxt, path + (step,)))
+                heapq.heappush(frontier, (new, next(counter), nxt, path + (step,)))
     raise ValueError(f"no redistribution from {src} to {dst} for shape {shape}")  # unreachable: R connects all
 

@@ -23,7 +23,8 @@ from ..comm import CommDebugMode
 from ..dtensor import distribute_tensor
 from ..layout import Layout
 from ..placement import Partial, Replicate, Shard
-from ..redistribute import plan_redistribute, step_bytes
+from .._cost import step_elements
+from ..redistribute import plan_redistribute
 
 __all__ = ["PairBytes", "measure", "measure_on", "placement_lists", "plan_bytes"]
 
@@ -49,7 +50,7 @@ def plan_bytes(src: Layout, dst: Layout, shape: Tuple[int, ...], itemsize: int =
     total = 0.0
     for step in plan_redistribute(src, dst, shape):
         local = max(int(np.prod(s)) for s in step.before.local_shapes(shape).values())
-        total += step_bytes(step.kind, step.before.mesh_shape[step.mesh_dim], local) * itemsize
+        total += step_elements(step.kind, step.before.mesh_shape[step.mesh_dim], local) * itemsize
     return total
 
 

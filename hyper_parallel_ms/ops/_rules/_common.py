@@ -11,7 +11,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from ...layout import Layout
 from ...placement import Placement, Replicate
 
-__all__ = ["layout_like", "replicate_all", "whole_and_reduced", "ring_cost"]
+__all__ = ["layout_like", "replicate_all", "whole_and_reduced"]
 
 
 def layout_like(template: Layout, placements: Sequence[Placement],
@@ -33,21 +33,3 @@ def whole_and_reduced(layout: Layout, dims, ndim: int) -> Layout:
     dims = set(dims)
     return layout_like(layout, [Replicate() if (p.is_shard() and p.dim in dims) or p.is_partial() else p
                                 for p in layout.placements], ndim=ndim)
-
-
-def ring_cost(src: Placement, dst: Placement, n: int) -> float:
-    """Relative bytes per element of the full tensor to change one mesh dim from ``src`` to
-    ``dst`` over ``n`` ranks, plus 0.01 for any change so that keeping a placement wins ties."""
-    if src == dst:
-        return 0.0
-    if n == 1:
-        return 1e-6                                       # nothing moves, but keeping wins
-    if src.is_replicate():
-        return 0.01                                       # local chunk or partition
-    if src.is_shard():
-        if dst.is_shard():
-            return (n - 1) / n / n + 0.01                 # all-to-all of a piece
-        return (n - 1) / n + (0.02 if dst.is_partial() else 0.01)   # all-gather (then partition)
-    if dst.is_shard():
-        return (n - 1) / n + 0.01                         # reduce-scatter
-    return 2 * (n - 1) / n + (0.02 if dst.is_partial() else 0.01)  # all-reduce (then partition)

@@ -7,7 +7,8 @@ candidate strategies are: shard a batch dim or ``m`` of the first input (output 
 there), shard ``n`` of the second (output sharded on its last dim), shard ``k`` of both
 (output Partial(sum): the contraction is completed by whoever reduces it), keep one
 input's Partial(sum) with the other replicated, or replicate both. The strategy with the
-least redistribution cost from the current placements wins. A bias follows the output:
+least redistribution cost from the current placements wins (:mod:`..._cost`: fewest elements
+sent, then fewest steps weighted by the size of the tensor they change). A bias follows the output:
 sharded with ``n``, Partial (its value split as ``b / n``, so it is added once) when the
 output is Partial, replicated otherwise.
 
@@ -22,10 +23,11 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from ..._cost import change_cost
 from ...placement import Partial, Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like, replicate_all, ring_cost
+from ._common import layout_like, replicate_all
 
 __all__ = ["contraction_rule"]
 
@@ -66,7 +68,7 @@ def contraction_rule(schema: OpSchema, a: TensorArg, b: TensorArg, labels: Tuple
     for axis, n in enumerate(mesh_shape):
         pa, pb = a.layout.placements[axis], b.layout.placements[axis]
         best = min(_strategies(la, lb, lo, a.shape, b.shape, out_shape),
-                   key=lambda s: ring_cost(pa, s[0], n) * elems_a + ring_cost(pb, s[1], n) * elems_b)
+                   key=lambda s: change_cost(pa, s[0], n).scaled(elems_a) + change_cost(pb, s[1], n).scaled(elems_b))
         need_a.append(best[0])
         need_b.append(best[1])
         out.append(best[2])

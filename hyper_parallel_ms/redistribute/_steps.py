@@ -1,0 +1,122 @@
+"""This rank's concrete redistribution steps: one small record per step kind.
+
+:func:`lower` turns a plan of :class:`.Step` (layouts, mesh dims) into records holding only
+what running the step on this rank needs: ints, tuples of ints and reduce-op names, so they
+hash (they key caches) and become constants of a compiled graph. Each field means one thing.
+
+Pure Python (no MindSpore).
+
+Example:
+    >>> from hyper_parallel_ms.layout import Layout
+    >>> from hyper_parallel_ms.placement import Shard, Replicate
+    >>> from hyper_parallel_ms.redistribute._planner import plan_redistribute
+    >>> src, dst = Layout((2,), (Replicate(),)), Layout((2,), (Shard(0),))
+    >>> lower(plan_redistribute(src, dst, (5, 4)), (1,), (5, 4))
+    (Chunk(mesh_dim=0, dim=0, offset=3, length=2),)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple, Union
+
+from ..layout import chunk_offsets, chunk_sizes
+from ._planner import Step
+
+__all__ = ["AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition", "LocalStep", "lower",
+           "ends_in_narrow"]
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Concatenate the pieces of the ranks along ``mesh_dim`` on tensor ``dim`` (piece ``i``
+    has ``sizes[i]`` slices)."""
+
+    mesh_dim: int
+    dim: int
+    sizes: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """Split tensor ``split_dim`` into ``torch.chunk`` pieces, one per rank along ``mesh_dim``,
+    and concatenate what arrives on ``concat_dim`` (piece ``i`` has ``concat_sizes[i]`` slices)."""
+
+    mesh_dim: int
+    split_dim: int
+    concat_dim: int
+    concat_sizes: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Keep slices ``offset .. offset + length`` of tensor ``dim`` (local, no communication)."""
+
+    mesh_dim: int
+    dim: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Reduce element-wise with ``op`` (sum, avg, max, min) over the ranks along ``mesh_dim``."""
+
+    mesh_dim: int
+    op: str
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """Reduce with ``op`` over the ranks along ``mesh_dim``, keep this rank's chunk of ``dim``."""
+
+    mesh_dim: int
+    dim: int
+    op: str
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Split a replicated value into a Partial(sum): every rank keeps ``value / divisor``."""
+
+    mesh_dim: int
+    divisor: int
+
+
+LocalStep = Union[AllGather, AllToAll, Chunk, AllReduce, ReduceScatter, Partition]
+
+
+def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
+    """This rank's records for ``plan`` on a tensor of global ``shape``.
+
+    A partition into Partial(avg / max / min) is left out: every rank keeps the value itself.
+    """
+    out = []
+    for step in plan:
+        a, before = step.mesh_dim, step.before
+        n = before.mesh_shape[a]
+        if step.kind == "all_gather":
+            out.append(AllGather(a, step.dim, before.shard_sizes(shape, coordinate, a)))
+        elif step.kind == "all_to_all":
+            out.append(AllToAll(a, step.to_dim, step.dim, before.shard_sizes(shape, coordinate, a)))
+        elif step.kind == "chunk":
+            local, k = before.local_shape(shape, coordinate)[step.dim], coordinate[a]
+            out.append(Chunk(a, step.dim, chunk_offsets(local, n)[k], chunk_sizes(local, n)[k]))
+        elif step.kind == "all_reduce":
+            out.append(AllReduce(a, step.op))
+        elif step.kind == "reduce_scatter":
+            out.append(ReduceScatter(a, step.dim, step.op))
+        elif step.kind == "partition" and step.op == "sum":
+            out.append(Partition(a, n))
+    return tuple(out)
+
+
+def ends_in_narrow(step: LocalStep) -> bool:
+    """Whether the result of ``step`` may be a narrowed view into a larger buffer (a chunk, the
+    kept piece of a reduce-scatter or all-to-all, a gather keeping one non-empty piece).
+
+    >>> ends_in_narrow(Chunk(0, 0, 2, 2)), ends_in_narrow(AllGather(0, 0, (2, 2)))
+    (True, False)
+    """
+    if isinstance(step, AllGather):
+        return sum(1 for s in step.sizes if s) == 1 and len(step.sizes) > 1
+    return isinstance(step, (Chunk, ReduceScatter, AllToAll))
