@@ -13,7 +13,7 @@ The output head keeps the logits split over the vocabulary (``Shard(-1)``) and t
 ``ParallelCrossEntropy`` on each rank's piece (loss parallelism: the logits are never gathered);
 ``--no-loss-parallel`` gathers them and takes the one-hot cross-entropy instead.
 
-``--fsdp`` (PyNative) also shards parameters, gradients and optimizer state over dp with
+``--fsdp`` (every mode) also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
 with R replicas of dp/R-way shards.
 Checkpoints: ``--checkpoint-dir DIR --save-every N`` saves the model, the optimizer and the
@@ -66,7 +66,7 @@ class TrainConfig:
     loss_parallel: bool = True         # vocabulary-sharded logits and ParallelCrossEntropy (tp > 1)
     check: bool = True                 # also train a single-device model and compare the losses
     tolerance: float = 1e-4
-    fsdp: bool = False                 # fully_shard per block and at the root over dp (PyNative)
+    fsdp: bool = False                 # fully_shard per block and at the root over dp
     hsdp_replicate: int = 1            # with fsdp: dp = replicate x shard (HSDP)
     checkpoint_dir: Optional[str] = None
     save_every: int = 0                # save to checkpoint_dir/step_K every save_every steps (0: never)
@@ -242,8 +242,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
 
 def _fsdp_mesh(cfg: TrainConfig):
     """(mesh with dims dp (or dp_replicate, dp_shard) and tp, the dp dim names, this rank's dp index)."""
-    if cfg.mode != "pynative":
-        raise ValueError(f"--fsdp runs in PyNative (--mode pynative), got --mode {cfg.mode}")
     if cfg.dp % cfg.hsdp_replicate:
         raise ValueError(f"--hsdp-replicate {cfg.hsdp_replicate} must divide dp={cfg.dp}")
     device = "cpu" if ms.get_context("device_target") == "CPU" else "npu"
@@ -280,7 +278,7 @@ def parse_args(argv: List[str]) -> TrainConfig:
                         help="gather the logits and take the one-hot cross-entropy (no loss parallelism)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
-    parser.add_argument("--fsdp", action="store_true", help="fully_shard per block over dp (PyNative)")
+    parser.add_argument("--fsdp", action="store_true", help="fully_shard per block and at the root over dp")
     parser.add_argument("--hsdp-replicate", type=int, default=1, help="with --fsdp: HSDP with this many replicas")
     parser.add_argument("--checkpoint-dir", default=None, help="where step_K checkpoints are saved and resumed from")
     parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")

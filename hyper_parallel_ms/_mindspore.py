@@ -52,7 +52,7 @@ import inspect
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import mindspore
 from mindspore import Tensor
@@ -71,9 +71,9 @@ except ImportError:  # MindSpore 2.8
 
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
-           "adopt", "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for",
-           "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments", "seeded_dropout",
-           "Swap", "swap_entry_points", "entry_points_swapped"]
+           "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
+           "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
+           "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -290,6 +290,30 @@ def adopt(result: Tensor, cls: type) -> Tensor:
     return result
 
 
+# ------------------------------------------------------------ class swaps
+def cell_subclass(name: str, bases: Tuple[type, ...], namespace: Dict[str, Any]) -> type:
+    """A Cell class for a class swap that MindSpore compiles like the classes it extends.
+
+    MindSpore's compiler runs a Cell's property as graph code only when the property is in the
+    Cell's own class; an inherited one is evaluated in Python while compiling, giving a constant
+    without gradient (silently zero gradients for the parameters it reads). Every property of
+    ``bases`` is therefore declared again in the new class. A ``construct`` in ``namespace`` that
+    wraps a base one must call it as a method of ``self`` (a class attribute holding the base
+    function): called as ``Base.construct(self, ...)``, the properties it reads are constants too.
+
+    >>> class A:
+    ...     @property
+    ...     def w(self): return 1
+    >>> "w" in cell_subclass("B", (A,), {}).__dict__
+    True
+    """
+    cls = type(name, bases, dict(namespace))
+    for attr in dir(cls):
+        if attr not in cls.__dict__ and isinstance(inspect.getattr_static(cls, attr), property):
+            setattr(cls, attr, inspect.getattr_static(cls, attr))
+    return cls
+
+
 # ------------------------------------------------------------ compile-time Python
 def cached_in_python(fn: F) -> F:
     """Memoise ``fn`` (hashable arguments); under ms.jit it runs in Python at compile time."""
@@ -315,6 +339,19 @@ def is_compiling() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@run_in_python
+def running_eagerly() -> bool:
+    """``False`` while ms.jit / GRAPH_MODE compiles the caller, ``True`` when Python runs it.
+
+    Inside compiled code the call is a constant, so ``if running_eagerly(): ...`` keeps
+    PyNative-only work out of graphs (the branch is never compiled).
+
+    >>> running_eagerly()
+    True
+    """
+    return not is_compiling()
 
 
 def _compiled_arguments(fn: Callable, args: tuple, kwargs: dict) -> Iterator[Tuple[str, Any]]:

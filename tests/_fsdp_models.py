@@ -70,13 +70,57 @@ def accumulate_4(set_sync: str) -> Callable:
     return train
 
 
+class GradStep(nn.Cell):
+    """The loss and the gradients of ``model``'s parameters, as one Cell (compiled in GRAPH_MODE)."""
+
+    def __init__(self, model, params) -> None:
+        super().__init__()
+        self.model = model
+        self.weights = ms.ParameterTuple(params)
+
+    def loss(self, x):
+        return loss_of(self.model, x)
+
+    def construct(self, x):
+        return ms.value_and_grad(self.loss, None, self.weights)(x)
+
+
+class _Graph:
+    """Run a callable in GRAPH_MODE."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            return self.fn(*args)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def compiled(mode: str, cell: nn.Cell) -> Callable:
+    """``cell`` called in ``mode``: ``"pynative"``, ``"jit"`` (inside ``ms.jit``) or ``"graph"`` (GRAPH_MODE)."""
+    if mode == "pynative":
+        return cell
+    if mode == "jit":
+        def run(*args):
+            return cell(*args)
+        return ms.jit(run)
+    if mode == "graph":
+        return _Graph(cell)
+    raise ValueError(f"mode must be 'pynative', 'jit' or 'graph', got {mode!r}")
+
+
 def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, optimizer: str = "sgd",
             steps: int = 5, tol: float = 1e-5, loss_mesh=None, make_model: Callable = Net,
             counts: Optional[List] = None, train: Optional[Callable] = None, dim: int = 8,
-            rows: int = 8, make_par: Optional[Callable] = None) -> List[float]:
+            rows: int = 8, make_par: Optional[Callable] = None, mode: str = "pynative",
+            compile_optimizer: bool = False) -> List[float]:
     """Train the single-device model on the whole batch and the sharded one on this dp rank's rows;
     compare the loss each step and every parameter after ``steps`` optimizer steps.
-    ``counts`` collects each step's CommDebugMode counts."""
+    ``counts`` collects each step's CommDebugMode counts; ``mode``: how the sharded model's gradient
+    step runs (see :func:`compiled`), its optimizer too with ``compile_optimizer``."""
     ms.set_seed(0)
     ref = make_model()
     ms.set_seed(0)
@@ -86,7 +130,11 @@ def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, op
     assert [p.name for p in ref_params] == [p.name for p in par_params]
     ref_opt, par_opt = make_optimizer(optimizer, ref_params), make_optimizer(optimizer, par_params)
     ref_step = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
-    par_step = ms.value_and_grad(lambda x: loss_of(par, x), None, par_params)
+    if mode == "pynative":
+        par_step = ms.value_and_grad(lambda x: loss_of(par, x), None, par_params)
+    else:
+        par_step = compiled(mode, GradStep(par, par_params))
+        par_opt = compiled(mode, par_opt) if compile_optimizer else par_opt
     losses = []
     for step in range(steps):
         x = batch(step, rows, dim)

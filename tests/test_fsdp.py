@@ -10,7 +10,6 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn
 
 from mindspore.nn.utils import no_init_parameters
 
@@ -70,15 +69,6 @@ def test_fully_shard_2_ranks_sgd_adamw_and_schedule():
     assert [id(p) for p in tied.get_parameters()] == before and not isinstance(tied, FSDPModule)
 
 
-class _Outer(nn.Cell):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def construct(self, x):
-        return self.inner(x)
-
-
 def _deferred_net():
     with no_init_parameters():
         return Net()
@@ -126,15 +116,6 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     _, fresh = ms.value_and_grad(lambda x: (model(x) ** 2).mean(), None, model.trainable_params())(x)
     for g, f in zip(grads, fresh):
         np.testing.assert_allclose(g.asnumpy(), f.asnumpy(), rtol=1e-6, atol=1e-6)
-    # compiled: the hooks cannot swap parameters inside a graph, so both paths refuse
-    with pytest.raises(NotImplementedError, match="PyNative"):
-        ms.jit(_Outer(model))(ms.Tensor(np.ones((2, 8), np.float32)))
-    ms.set_context(mode=ms.GRAPH_MODE)
-    try:
-        with pytest.raises(NotImplementedError, match="PYNATIVE_MODE"):
-            fully_shard(Net(), mesh=mesh)
-    finally:
-        ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
 @multi_rank(4)
@@ -175,6 +156,6 @@ def test_fully_shard_hsdp_and_tp_on_4_ranks():
 @multi_rank(4, timeout=600)
 def test_train_example_fsdp_x_tp_on_4_ranks():
     from examples.train_tp import TrainConfig, train
-    cfg = TrainConfig(dp=2, tp=2, mode="pynative", fsdp=True, steps=3, seq=8, dim=32, hidden=64, vocab=64)
+    cfg = TrainConfig(dp=2, tp=2, mode="graph", fsdp=True, steps=3, seq=8, dim=32, hidden=64, vocab=64)
     result = train(cfg, log=lambda line: None)
     assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])

@@ -237,3 +237,93 @@ def test_dtensor_ops_import_the_rules_on_first_use():
             "y = dt + dt\n"
             "assert isinstance(y, DTensor) and y.placements == (Shard(0),), y\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+_EAGER_CALLS: list = []
+
+
+def _eager_only_work(x):
+    _EAGER_CALLS.append(type(x).__name__)         # plain Python: never compiled
+    return x * 3
+
+
+class _EagerOrGraph(nn.Cell):
+    def construct(self, x):
+        if seam.running_eagerly():
+            return _eager_only_work(x)
+        return x * 2
+
+
+def test_contract_running_eagerly_keeps_a_branch_out_of_graphs():
+    _EAGER_CALLS.clear()
+    cell, x = _EagerOrGraph(), Tensor([1.0])
+    np.testing.assert_allclose(cell(x).asnumpy(), [3.0])
+    np.testing.assert_allclose(ms.jit(cell.construct)(x).asnumpy(), [2.0])
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        np.testing.assert_allclose(_EagerOrGraph()(x).asnumpy(), [2.0])
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert _EAGER_CALLS == ["Tensor"]
+
+
+class _Base(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = ms.Parameter(Tensor(np.ones((2,), np.float32)), name="w")
+
+    def construct(self, x):
+        return x * self.w
+
+
+class _Doubled(_Base):
+    """``w`` read through a property computing from the parameter table."""
+
+    @property
+    def w(self):
+        return self._params["w"] * 2.0
+
+
+class _Wrapped(_Doubled):
+    """Inherits the property and wraps the base construct: only right as a ``cell_subclass``."""
+    _inner = _Base.construct
+
+    def construct(self, x):
+        return self._inner(x)
+
+
+_SWAPPED = seam.cell_subclass("_Wrapped", (_Doubled,), {"_inner": _Base.construct, "construct": _Wrapped.construct})
+
+
+class _GradOf(nn.Cell):
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell
+        self.weights = ms.ParameterTuple(cell.trainable_params())
+
+    def loss(self, x):
+        return (self.cell(x) ** 2).sum()
+
+    def construct(self, x):
+        return ms.grad(self.loss, None, self.weights)(x)
+
+
+@pytest.mark.parametrize("mode", ["jit", "graph"])
+@pytest.mark.parametrize("cls", [_Doubled, _Wrapped, _SWAPPED])
+def test_contract_only_a_cells_own_properties_compile_as_graph_code(cls, mode):
+    # An inherited property is evaluated in Python while MindSpore compiles: a constant, no gradient.
+    # Every class swap (styles' construct wrappers, fully_shard's gathered properties) goes through
+    # seam.cell_subclass, which declares the properties again in the new class.
+    cell = _Base()
+    cell.__class__ = cls                      # as the engines swap a built Cell's class
+    step, x = _GradOf(cell), Tensor(np.array([1.0, 2.0], np.float32))
+    if mode == "jit":
+        g = ms.jit(step.construct)(x)
+    else:
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            g = step(x)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+    expected = [0.0, 0.0] if cls is _Wrapped else [8.0, 32.0]     # d/dw sum((2 w x)^2) = 8 w x^2
+    np.testing.assert_allclose(g[0].asnumpy(), expected)

@@ -33,6 +33,18 @@ class Scale(nn.Cell):
         return x * self.factor
 
 
+class PropertyDense(nn.Dense):
+    """A Dense reading its weight through a property: compiled as graph code only if the class a
+    style swaps in declares the property again (else a constant: no gradient for the weight)."""
+
+    @property
+    def scaled_weight(self):
+        return self.weight * 1.5
+
+    def construct(self, x):
+        return ops.matmul(x, self.scaled_weight.T) + self.bias
+
+
 class Block(nn.Cell):
     def __init__(self) -> None:
         super().__init__()
@@ -42,7 +54,7 @@ class Block(nn.Cell):
         self.up = nn.Dense(DIM, HIDDEN)       # Colwise
         self.down = nn.Dense(HIDDEN, DIM)     # Rowwise, P -> S(1)
         self.leave = Scale(2.0)               # S(1) -> R out
-        self.up2 = nn.Dense(DIM, HIDDEN)      # Colwise
+        self.up2 = PropertyDense(DIM, HIDDEN)  # Colwise, weight read through a property
         self.down2 = nn.Dense(HIDDEN, DIM)    # Rowwise, P -> R
 
     def construct(self, x):

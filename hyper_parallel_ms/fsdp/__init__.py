@@ -1,6 +1,6 @@
 """Sharding over data parallelism: ``fully_shard`` (PyTorch FSDP2) and ``hsdp`` (HyperParallel).
 
-Design (MindSpore 2.10, PyNative). Each sharded parameter is replaced by a plain
+Design (MindSpore 2.10; compiled code: :mod:`._compiled`). Each sharded parameter is replaced by a plain
 ``Parameter`` holding this rank's dim-0 piece: the optimizer, its state and the
 gradients all have the pieces' shapes. The Cell's pre-forward hook flattens its pieces,
 all-gathers them in one collective through a Cell with an explicit ``bprop`` and writes
@@ -18,9 +18,9 @@ Memory, stated plainly: parameters, gradients and optimizer state held between s
 1/N (plus parameters kept whole); during a training step the gathered values of a Cell
 are kept by the autodiff tape from its forward to its backward (as activations are), so
 the backward does not all-gather again and ``reshard_after_forward`` changes nothing
-but the Cell's own references. The forward hooks run in PyNative; under ``ms.jit`` or
-GRAPH_MODE they would be compiled and the Cell would compute with its pieces, so that
-raises (at apply time in GRAPH_MODE, at compile time under ms.jit).
+but the Cell's own references. The forward hooks do their work in PyNative only; inside
+``ms.jit`` or GRAPH_MODE each sharded attribute is a property that gathers the piece in the
+graph itself (:mod:`._compiled`).
 
 Example::
 

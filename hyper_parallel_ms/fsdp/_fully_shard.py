@@ -13,15 +13,16 @@ from __future__ import annotations
 from math import prod
 from typing import Any, Dict, List, Optional, Tuple
 
-import mindspore as ms
 from mindspore import Parameter, nn
 
+from .._mindspore import cell_subclass
 from ..layout import chunk_sizes
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 from ._mesh import default_mesh, dp_mesh_dims
 from ._pieces import is_piece, make_piece
 from ._policy import MixedPrecisionPolicy
-from ._state import FSDPState, Group, Slot
+from ._compiled import GATHER_PREFIX, GatherParameter, PassReplicated, gathering_class
+from ._state import FSDPState, Group, Slot, eager_hooks
 from ._sync import SyncState
 
 __all__ = ["fully_shard", "FSDPModule", "shard_cell"]
@@ -50,7 +51,13 @@ class FSDPModule:
         the next backward with ``True`` reduces the sum once (gradient accumulation)."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
-        for state in self._fsdp_states(recurse):
+        states = self._fsdp_states(recurse)
+        if not requires_gradient_sync and any(state.compiled for state in states):
+            raise NotImplementedError(
+                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE, where every backward reduces the "
+                "gradients, so turning sync off would not take effect there: keep sync on and add up the returned "
+                "gradients of the micro-steps (the same sum as one big batch)")
+        for state in states:
             state.sync.sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
@@ -85,7 +92,7 @@ def _extended_class(cls: type, mixin: type, prefix: str) -> type:
         return cls
     key = (cls, mixin)
     if key not in _CLASSES:
-        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+        _CLASSES[key] = cell_subclass(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
     return _CLASSES[key]
 
 
@@ -132,6 +139,24 @@ def _buckets(slots: List[Slot], bucket_bytes: Optional[int]) -> List[List[int]]:
     return out
 
 
+def _gather_when_compiled(changes: CellChanges, state: FSDPState, slots: List[Slot], reduce: str) -> None:
+    """Give every Cell holding one of ``slots`` the compiled read path of :mod:`._compiled`."""
+    mesh, dtype = state.mesh, state.policy.param_dtype
+    shard_dim, rep_dim = dp_mesh_dims(mesh)
+    rep_dim = rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None
+    attrs: Dict[int, Tuple[nn.Cell, List[str]]] = {}
+    for slot in slots:
+        for holder, attr in slot.holders:
+            if slot.sharded:
+                reader = GatherParameter(state, mesh, shard_dim, rep_dim, slot.shape, dtype, reduce)
+            else:
+                reader = PassReplicated(state, mesh, shard_dim if mesh.size(shard_dim) > 1 else None, rep_dim, dtype)
+            changes.set_attribute(holder, GATHER_PREFIX + attr, reader)
+            attrs.setdefault(id(holder), (holder, []))[1].append(attr)
+    for holder, names in attrs.values():
+        changes.swap_class(holder, gathering_class(type(holder), names))
+
+
 def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                mp_policy: Optional[MixedPrecisionPolicy] = None, threshold_bytes: int = 0,
                bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0,
@@ -141,9 +166,6 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
         raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
     if _STATE in cell.__dict__:
         raise ValueError(f"{type(cell).__name__} is already sharded by fully_shard; apply it once per Cell")
-    if ms.get_context("mode") == ms.GRAPH_MODE:
-        raise NotImplementedError("fully_shard gathers parameters in forward hooks, which run in PyNative only: "
-                                  "set mindspore.set_context(mode=mindspore.PYNATIVE_MODE)")
     mesh = default_mesh() if mesh is None else mesh
     shard_dim, _ = dp_mesh_dims(mesh)
     _check_reshard(reshard_after_forward)
@@ -162,15 +184,17 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
             piece = make_piece(p, mesh, sharded, state)
             for holder, attr in holders:
                 changes.set_parameter(holder, attr, piece)
-            slots[sharded].append(Slot(holders, piece, tuple(p.shape)))
+            slots[sharded].append(Slot(holders, piece, tuple(p.shape), sharded))
         for sharded in (True, False):
             group_slots = slots[sharded]
             for bucket in _buckets(group_slots, bucket_bytes):
                 state.groups.append(Group([group_slots[i] for i in bucket], sharded, mesh, sync,
                                           policy.param_dtype, reduce))
+        _gather_when_compiled(changes, state, slots[True] + slots[False], reduce)
         changes.set_attribute(cell, _STATE, state)
-        changes.add_forward_pre_hook(cell, state.pre_forward)
-        changes.add_forward_hook(cell, state.post_forward)
+        pre, post = eager_hooks(state)
+        changes.add_forward_pre_hook(cell, pre)
+        changes.add_forward_hook(cell, post)
         changes.swap_class(cell, _extended_class(type(cell), mixin, prefix))
     return cell
 

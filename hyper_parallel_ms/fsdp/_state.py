@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
-from .._mindspore import is_compiling, run_in_python
+from .._mindspore import running_eagerly
 from ._flat import FlatLayout, concat_flat, split_flat
 from ..nn._adapter import named_cells, put_parameter
 from ._mesh import dp_mesh_dims
@@ -27,16 +27,18 @@ from ._pieces import DEFERRED
 from ._policy import MixedPrecisionPolicy
 from ._sync import GatherPieces, SyncReplicas, SyncState
 
-__all__ = ["Slot", "Group", "FSDPState"]
+__all__ = ["Slot", "Group", "FSDPState", "eager_hooks"]
 
 
 @dataclass
 class Slot:
-    """One parameter: where it is held (cell, attribute), its piece, its full shape."""
+    """One parameter: where it is held (cell, attribute), its piece, its full shape, whether
+    the piece is a dim-0 shard (else the whole parameter)."""
 
     holders: List[Tuple[nn.Cell, str]]
     piece: Parameter
     shape: Tuple[int, ...]
+    sharded: bool = True
 
 
 class Group:
@@ -64,16 +66,6 @@ class Group:
         return split_flat(self.cell(concat_flat(pieces, shapes)), shapes)
 
 
-@run_in_python
-def _refuse_compiled(name: str) -> None:
-    if not is_compiling():
-        return
-    raise NotImplementedError(
-        f"fully_shard on {name}: gathering parameters by forward hooks runs in PyNative only; inside ms.jit or "
-        "GRAPH_MODE the hooks are compiled and the Cell would compute with its pieces. Run the training step in "
-        "PyNative (the collectives themselves compile; the parameter swap does not)")
-
-
 _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
@@ -95,6 +87,7 @@ class FSDPState:
         self.kept: Optional[list] = None       # values installed by unshard(), until reshard()
         self.deferred = True                   # until every piece is seen initialised
         self.checked = False                   # MindSpore's first-call checks of the Cells done
+        self.compiled = False                  # a graph gathering this Cell's parameters was compiled
 
     def _check_initialised(self, cell) -> None:
         waiting = [s.piece.name for s in self.slots if getattr(s.piece, DEFERRED, None) is not None]
@@ -132,8 +125,28 @@ class FSDPState:
                 sub._init_check()
         self.checked = True
 
+    def check_compilable(self) -> None:
+        """Called while ms.jit / GRAPH_MODE compiles a read of this Cell's parameters: refuse what
+        a compiled graph cannot do (see :mod:`._compiled`), naming the fix."""
+        name = type(self.cell).__name__
+        if self.deferred:
+            self._check_initialised(self.cell)
+        if not self.sync.sync:
+            raise NotImplementedError(
+                f"{name}: gradient sync is off, but inside ms.jit / GRAPH_MODE every backward reduces the gradients "
+                "(a compiled graph cannot keep unreduced ones between calls). Keep sync on and add up the returned "
+                "gradients of the micro-steps (the same sum as one big batch), or run the micro-steps in PyNative")
+        policy = self.policy
+        if (policy.param_dtype is not None and policy.cast_forward_inputs) or policy.output_dtype is not None:
+            raise NotImplementedError(
+                f"{name}: the mixed-precision policy casts the Cell's inputs or outputs, which fully_shard does in "
+                "PyNative forward hooks; inside ms.jit / GRAPH_MODE use MixedPrecisionPolicy(param_dtype=..., "
+                "cast_forward_inputs=False) without output_dtype and cast inputs in the model, or run in PyNative")
+        if self.kept is not None:
+            raise RuntimeError(f"{name} holds gathered parameters from unshard(): call reshard() before compiling")
+        self.compiled = True
+
     def pre_forward(self, cell, args):
-        _refuse_compiled(type(cell).__name__)
         if self.deferred:
             self._check_initialised(cell)
         if not self.checked:
@@ -166,3 +179,18 @@ class FSDPState:
     def clear_pending(self) -> None:
         for g in self.groups:
             g.cell.clear()
+
+
+def eager_hooks(state: FSDPState):
+    """``state``'s forward pre-hook and hook, doing nothing when MindSpore compiles them (inside a
+    graph the parameters are gathered where they are read, :mod:`._compiled`)."""
+    def pre(cell, args):
+        if running_eagerly():
+            return state.pre_forward(cell, args)
+        return None
+
+    def post(cell, args, output):
+        if running_eagerly():
+            return state.post_forward(cell, args, output)
+        return None
+    return pre, post

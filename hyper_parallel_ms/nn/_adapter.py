@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 from mindspore import Parameter, nn
 
-from .._mindspore import is_compiling, run_in_python
+from .._mindspore import cell_subclass, is_compiling, run_in_python
 
 __all__ = ["named_cells", "own_parameters", "put_parameter", "CellChanges", "snapshot_parameters", "restore_parameters",
            "ConstructHooks", "converting_class"]
@@ -91,9 +91,10 @@ def converting_class(base: type) -> type:
         hooks = getattr(self, _HOOKS)
         _refuse_in_graph(hooks.graph_error)
         args = hooks.before(self, args)
-        return hooks.after(self, args, base.construct(self, *args, **kwargs))
-    cls = type(base.__name__, (base,), {"construct": construct, "__module__": base.__module__,
-                                        "__qualname__": base.__qualname__, "_hpms_converting": True})
+        return hooks.after(self, args, self._hpms_converted_construct(*args, **kwargs))
+    cls = cell_subclass(base.__name__, (base,), {"construct": construct, "_hpms_converted_construct": base.construct,
+                                                 "__module__": base.__module__, "__qualname__": base.__qualname__,
+                                                 "_hpms_converting": True})
     _CONVERTING[base] = cls
     return cls
 

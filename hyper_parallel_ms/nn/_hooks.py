@@ -19,7 +19,7 @@ from typing import Dict
 
 from mindspore import nn, ops
 
-from .._mindspore import is_compiling, run_in_python
+from .._mindspore import cell_subclass, is_compiling, run_in_python
 from ..dtensor import DTensor
 from ..layout import Layout
 from ..redistribute import LocalRedistribute, plan_global_shape, plan_layouts
@@ -164,9 +164,10 @@ def masked_rows_class(base: type) -> type:
         local = ids - self.hpms_row_start
         outside = ops.logical_or(local < 0, local >= self.hpms_rows)
         safe = ops.select(outside, ops.zeros_like(local), local)
-        out = base.construct(self, safe)
+        out = self._hpms_masked_construct(safe)
         return out * ops.expand_dims(ops.logical_not(outside), -1).astype(out.dtype)
-    cls = type(f"RowSharded{base.__name__}", (base,), {"construct": construct, "__module__": __name__})
+    cls = cell_subclass(f"RowSharded{base.__name__}", (base,),
+                        {"construct": construct, "_hpms_masked_construct": base.construct, "__module__": __name__})
     _MASKED[base] = cls
     return cls
 
