@@ -309,8 +309,11 @@ def cell_subclass(name: str, bases: Tuple[type, ...], namespace: Dict[str, Any])
     """
     cls = type(name, bases, dict(namespace))
     for attr in dir(cls):
-        if attr not in cls.__dict__ and isinstance(inspect.getattr_static(cls, attr), property):
-            setattr(cls, attr, inspect.getattr_static(cls, attr))
+        owner = next((k for k in cls.__mro__ if attr in k.__dict__), cls)
+        value = owner.__dict__.get(attr)
+        # MindSpore's own Cell properties are its Python-side bookkeeping, never compiled
+        if owner is not cls and isinstance(value, property) and not owner.__module__.startswith("mindspore"):
+            setattr(cls, attr, value)
     return cls
 
 
