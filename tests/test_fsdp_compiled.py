@@ -90,5 +90,6 @@ def test_fully_shard_hsdp_and_tp_compiled_4_ranks():
     def fsdp_tp(model):
         parallelize_module(model, mesh["tp"], {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
         _fsdp_per_block(model, mesh["dp"])
+    # FSDP x TP: Rowwise's bias (a gathered property) read by its output conversion, in GRAPH_MODE
     compare(fsdp_tp, mesh.get_local_rank("dp"), 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6),
             mode="graph", steps=3)

@@ -92,16 +92,20 @@ class GatherParameter(_CompiledParameter):
         self.rows = self.sizes[0]                     # torch.chunk: the first piece is the longest
         self.rank = mesh.get_local_rank(shard_dim)
         self.local = self.sizes[self.rank]
+        self.total, self.padded = int(shape[0]), self.rows * n
 
     def construct(self, piece):
         _check_compiled(self._hpms_state)
-        return comm.all_gather(self._cast_in(piece), self.mesh, self.shard_dim, dim=0, sizes=self.sizes)
+        x = self._cast_in(piece)
+        if self.local != self.rows:
+            x = pad_dim(x, 0, 0, self.rows - self.local)
+        full = comm.all_gather(x, self.mesh, self.shard_dim, dim=0)
+        return full if self.padded == self.total else mint.narrow(full, 0, 0, self.total)
 
     def bprop(self, piece, out, dout):
         g = self._cast_reduce(dout)
-        padded = self.rows * len(self.sizes)
-        if padded != g.shape[0]:
-            g = pad_dim(g, 0, 0, padded - g.shape[0])
+        if self.padded != self.total:
+            g = pad_dim(g, 0, 0, self.padded - self.total)
         if self.reduce == "reduce_scatter":
             g = comm.reduce_scatter(g, self.mesh, self.shard_dim, dim=0, op="avg")
         else:

@@ -61,22 +61,28 @@ def restore_parameters(root: nn.Cell, snapshot: List[tuple]) -> None:
 
 class ConstructHooks(nn.Cell):
     """The hooks run inside one Cell's ``construct``: ``pre`` Cells have a method
-    ``pre(cell, args) -> args``, ``post`` Cells a method ``post(cell, args, output) -> output``."""
+    ``pre(cell, args) -> args``, ``post`` Cells a method ``post(cell, args, output, bias) -> output``.
+
+    A post hook that needs the Cell's ``bias`` says so with ``reads_bias``; the Cell's own
+    ``construct`` reads it as ``self.bias`` and passes it. Read from the ``cell`` argument (or with
+    ``getattr``), a property such as fully_shard's gathered parameters would be evaluated by
+    MindSpore's compiler as a constant."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pre_hooks = nn.CellList()
         self.post_hooks = nn.CellList()
         self.graph_error = ""          # why this Cell cannot run compiled (raised while compiling)
+        self.reads_bias = False        # a post hook needs the Cell's bias
 
     def before(self, cell, args):
         for hook in self.pre_hooks:
             args = hook.pre(cell, args)
         return args
 
-    def after(self, cell, args, output):
+    def after(self, cell, args, output, bias):
         for hook in self.post_hooks:
-            output = hook.post(cell, args, output)
+            output = hook.post(cell, args, output, bias)
         return output
 
 
@@ -91,7 +97,10 @@ def converting_class(base: type) -> type:
         hooks = getattr(self, _HOOKS)
         _refuse_in_graph(hooks.graph_error)
         args = hooks.before(self, args)
-        return hooks.after(self, args, self._hpms_converted_construct(*args, **kwargs))
+        output = self._hpms_converted_construct(*args, **kwargs)
+        if hooks.reads_bias:
+            return hooks.after(self, args, output, self.bias)
+        return hooks.after(self, args, output, None)
     cls = cell_subclass(base.__name__, (base,), {"construct": construct, "_hpms_converted_construct": base.construct,
                                                  "__module__": base.__module__, "__qualname__": base.__qualname__,
                                                  "_hpms_converting": True})
@@ -165,16 +174,18 @@ class CellChanges:
         if not getattr(type(cell), "_hpms_converting", False):
             self.swap_class(cell, converting_class(type(cell)))
         old_pre, old_post, old_error = len(hooks.pre_hooks), len(hooks.post_hooks), hooks.graph_error
+        old_reads = hooks.reads_bias
         hooks.graph_error = graph_error or old_error
         for h in pre:
             hooks.pre_hooks.append(h)
         for h in post:
+            hooks.reads_bias = hooks.reads_bias or getattr(h, "reads_bias", False)
             hooks.post_hooks.append(h)
 
         def undo():
             del hooks.pre_hooks[old_pre:]
             del hooks.post_hooks[old_post:]
-            hooks.graph_error = old_error
+            hooks.graph_error, hooks.reads_bias = old_error, old_reads
         self._undo.append(undo)
 
     def swap_class(self, cell: nn.Cell, cls: type) -> None:

@@ -136,19 +136,20 @@ class KwargInputHook(nn.Cell):
 
 class OutputHook(_PositionalConversions):
     """Forward hook converting the outputs named in ``conversions`` (index -> Conversion; a
-    single output is index 0). ``add_bias``: the Cell's ``bias`` was added on every rank to a
-    Partial result; it is taken out before the reduction and added once after it."""
+    single output is index 0). ``add_bias``: the Cell's ``bias`` (read by the Cell, see
+    ``ConstructHooks``) was added on every rank to a Partial result; it is taken out before the
+    reduction and added once after it."""
 
     def __init__(self, conversions: Dict[int, Conversion], add_bias: bool = False) -> None:
         super().__init__(conversions)
-        self.add_bias = add_bias
+        self.add_bias = self.reads_bias = add_bias
 
-    def post(self, cell, args, output):
+    def post(self, cell, args, output, bias):
         if isinstance(output, tuple):
             return self.convert_tuple(output)
         if self.add_bias:
             conv = self.convs[0]
-            return conv.finish(conv.move(output - cell.bias) + cell.bias, output.shape)
+            return conv.finish(conv.move(output - bias) + bias, output.shape)
         return self.convs[0](output)
 
 
