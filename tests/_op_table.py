@@ -49,7 +49,6 @@ class OpCase:
     reason: str = ""
     grad: bool = True
     prim: str = ""          # the primitive a "cpu_kernel" entry dispatches (its rule must exist)
-    one_d_only: str = ""    # why the entry is left out on the 2-D mesh
 
 
 A = (5, 6)          # uneven over 4 ranks on both dims (2, 2, 1, 0 and 2, 2, 2, 0): empty pieces
@@ -63,8 +62,8 @@ CASES: List[OpCase] = []
 _NO_GRAD = "value only: MindSpore has no CPU kernel for the backward of {}"
 
 
-def case(name, family, fn, *inputs, status="ok", reason="", grad=True, prim="", one_d_only=""):
-    CASES.append(OpCase(name, family, fn, tuple(inputs) or (X,), status, reason, grad, prim, one_d_only))
+def case(name, family, fn, *inputs, status="ok", reason="", grad=True, prim=""):
+    CASES.append(OpCase(name, family, fn, tuple(inputs) or (X,), status, reason, grad, prim))
 
 
 def gap(name, family, fn, prim, *inputs, grad=True):
@@ -319,11 +318,8 @@ case("ops.matmul", "matmul", ops.matmul, X, Arg((6, 3)))
 case("mint.matmul", "matmul", mint.matmul, X, Arg((6, 3)))
 case("x @ w", "matmul", lambda a, b: a @ b, X, Arg((6, 3)))
 case("Tensor.matmul", "matmul", lambda a, b: a.matmul(b), X, Arg((6, 3)))
-_NESTED = "on a 2-D mesh, with a dim sharded over both mesh dims, {} (found by this sweep, open)"
-case("mint.nn.functional.linear", "matmul", F.linear, X, Arg((3, 6)), Arg((3,)),
-     one_d_only=_NESTED.format("the bias gradient differs"))
-case("ops.bmm", "matmul", ops.bmm, Arg((2, 5, 6)), Arg((2, 6, 3)),
-     one_d_only=_NESTED.format("gradients differ and ranks fail different collectives"))
+case("mint.nn.functional.linear", "matmul", F.linear, X, Arg((3, 6)), Arg((3,)))
+case("ops.bmm", "matmul", ops.bmm, Arg((2, 5, 6)), Arg((2, 6, 3)))
 gap("mint.mm", "matmul", mint.mm, "Mm", X, Arg((6, 3)))
 for _n, _f in {"ops.softmax(x, 1)": lambda t: ops.softmax(t, 1), "mint.softmax(x, 0)": lambda t: mint.softmax(t, 0),
                "Tensor.softmax(1)": lambda t: t.softmax(1), "ops.log_softmax(x, 1)": lambda t: ops.log_softmax(t, 1),
@@ -458,8 +454,7 @@ def sweep(mesh_shape: Tuple[int, ...], names: Optional[Sequence[str]] = None,
     failures: List[str] = []
     checked = 0
     for c in CASES:
-        if (names is not None and c.name not in names) or (len(mesh_shape) > 1 and c.one_d_only) \
-                or c.family in skip_families:
+        if (names is not None and c.name not in names) or c.family in skip_families:
             continue
         rng = np.random.default_rng(zlib.crc32(c.name.encode()))
         arrays = [_array(a, rng) for a in c.inputs]

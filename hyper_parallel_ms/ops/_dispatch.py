@@ -36,7 +36,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
-from ..placement import Partial
+from ..placement import Partial, Replicate
 from ..redistribute import redistribution
 from ._empty import run_on_empty_pieces
 from ._registry import propagator
@@ -250,7 +250,9 @@ def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):
     shared = [a for a in split_axes if need.placements[a].is_replicate()]
     if not shared:
         return None
-    partial = need.with_placements(tuple(Partial() if a in shared else p for a, p in enumerate(need.placements)))
+    # the gradient of a Partial input is replicated on that mesh dim: only the shared dims are summed
+    partial = need.with_placements(tuple(Partial() if a in shared else Replicate() if p.is_partial() else p
+                                         for a, p in enumerate(need.placements)))
     return redistribution(mesh, need, need, shape, grad_src=partial)
 
 
