@@ -30,7 +30,8 @@ F = mint.nn.functional
 @dataclass(frozen=True)
 class Arg:
     """A sample input: ``kind`` is "f" (float), "pos" (positive float), "unit" (in (-1, 1)),
-    "b" (bool), "i<n>" (int64 in [0, n)), "i32<n>"; ``shard`` says which placements it takes:
+    "b" (bool), "i-<n>" (int64 in [0, n)), "i32-<n>" (int32), "z-<n>" (int64 in [-n, n)),
+    "z32-<n>" (int32 in [-n, n)); ``shard`` says which placements it takes:
     "all", "rep" (replicated), "tied" (the first input's placement) or a tuple of the tensor
     dims it may be sharded on."""
 
@@ -224,11 +225,10 @@ for _n, _f in {"ops.argmax(x, 1)": lambda t: ops.argmax(t, 1), "ops.argmin(x, 0)
                "Tensor.argmax()": lambda t: t.argmax(), "Tensor.max(dim=1) indices": lambda t: t.max(dim=1)[1],
                "Tensor.max(axis=1, return_indices=True)": lambda t: t.max(axis=1, return_indices=True)[1]}.items():
     case(_n, "reduction", _f, grad=False)
-_KEPT = (0,)        # bool inputs are sharded only on kept dims (all / any over dim 1): no bool collective
 for _n, _f in {"mint.all(b, 1)": lambda t: mint.all(t, 1), "mint.any(b, 1)": lambda t: mint.any(t, 1),
                "ops.all(b, 1)": lambda t: ops.all(t, 1), "ops.any(b, 1)": lambda t: ops.any(t, 1),
                "Tensor.all(axis=1)": lambda t: t.all(axis=1), "Tensor.any(1)": lambda t: t.any(1)}.items():
-    case(_n, "reduction", _f, Arg(A, "b", _KEPT), grad=False)
+    case(_n, "reduction", _f, Arg(A, "b"), grad=False)
 
 # ---- scans, sort, top-k, flip, triangles ----
 for _n, _f in {"ops.cumsum(x, 1)": lambda t: ops.cumsum(t, 1), "Tensor.cumsum(axis=1)": lambda t: t.cumsum(axis=1),
@@ -330,6 +330,49 @@ case("nn.LayerNorm (last two dims)", "softmax / norm", nn.LayerNorm((5, 6), begi
      Arg(A3))
 gap("mint.nn.functional.layer_norm", "softmax / norm", lambda t: F.layer_norm(t, (6,)), "LayerNormExt", Arg(A3))
 
+# ---- integer and bool values that collectives move (exact on CPU: comm/_exact.py) ----
+BIG32 = Arg(A, "z32-268435456")     # |x| < 2^28, beyond float32's 24-bit mantissa; 6 of them fit in int32
+BIG64 = Arg(A, "z-1099511627776")   # |x| < 2^40
+FEW32, FEW64 = Arg(A, "z32-3"), Arg(A, "z-3")   # in [-3, 3): products, equal pairs
+BOOL = Arg(A, "b")
+for _n, _f, _x in (("Tensor.sum(dim=1) int32", lambda t: t.sum(dim=1), BIG32),
+                   ("mint.sum(x, 0) int32", lambda t: mint.sum(t, 0), BIG32),
+                   ("Tensor.sum() int64", lambda t: t.sum(), BIG64), ("ops.sum(x, 1) int64", lambda t: ops.sum(t, 1), BIG64),
+                   ("Tensor.sum(1) bool", lambda t: t.sum(1), BOOL),
+                   ("ops.prod(x, 1) int32", lambda t: ops.prod(t, 1), FEW32),
+                   ("mint.prod(x, 0) int64", lambda t: mint.prod(t, 0), FEW64),
+                   ("ops.amax(x, 1) int32", lambda t: ops.amax(t, 1), BIG32),
+                   ("ops.amin(x, 0) int64", lambda t: ops.amin(t, 0), BIG64),
+                   ("Tensor.max() int32", lambda t: t.max(), BIG32),
+                   ("Tensor.min(axis=0) int64", lambda t: t.min(axis=0), BIG64),
+                   ("ops.argmax(x, 1) int32", lambda t: ops.argmax(t, 1), BIG32),
+                   ("ops.argmin(x, 0) int64", lambda t: ops.argmin(t, 0), BIG64),
+                   ("ops.cumsum(x, 1) int32", lambda t: ops.cumsum(t, 1), BIG32),
+                   ("Tensor.cumsum(dim=0) int64", lambda t: t.cumsum(dim=0), BIG64),
+                   ("ops.sort(x, 1) int32", lambda t: ops.sort(t, 1)[0], BIG32),
+                   ("ops.topk(x, 2) int64", lambda t: ops.topk(t, 2)[0], BIG64),
+                   ("Tensor.reshape(30) int64", lambda t: t.reshape(30), BIG64),
+                   ("Tensor.T int32", lambda t: t.T, BIG32), ("mint.flip(x, (0,)) int64", lambda t: mint.flip(t, (0,)), BIG64),
+                   ("ops.tile(b, (1, 2))", lambda t: ops.tile(t, (1, 2)), BOOL),
+                   ("Tensor.all()", lambda t: t.all(), BOOL), ("Tensor.any()", lambda t: t.any(), BOOL),
+                   ("mint.all(b, 0)", lambda t: mint.all(t, 0), BOOL)):
+    case(_n, "integer / bool", _f, _x, grad=False)
+for _n, _f, _x in (("x + y int32", lambda a, b: a + b, BIG32), ("ops.maximum int64", ops.maximum, BIG64),
+                   ("x == y int32", lambda a, b: a == b, FEW32), ("x > y int64", lambda a, b: a > b, BIG64),
+                   ("mint.cat([x, y], 0) int32", lambda a, b: mint.cat([a, b], 0), BIG32),
+                   ("mint.logical_and(b, c)", mint.logical_and, BOOL), ("b ^ c", lambda a, b: a ^ b, BOOL)):
+    case(_n, "integer / bool", _f, _x, _x, grad=False)
+case("(x > 0) & (y > 0)", "integer / bool", lambda a, b: (a > 0) & (b > 0), X, Y, grad=False)
+case("ops.where(c, x, y) int32", "integer / bool", lambda c, a, b: ops.where(c, a, b), BOOL, BIG32, BIG32, grad=False)
+case("Tensor.masked_fill(m, 7) int32", "integer / bool", lambda a, m: a.masked_fill(m, 7), BIG32, BOOL, grad=False)
+case("ops.gather(table, idx, 0) int64", "integer / bool", lambda a, i: ops.gather(a, i, 0), BIG64, IDX1, grad=False)
+case("ops.index_select(x, 1, idx) int32", "integer / bool", lambda a, i: ops.index_select(a, 1, i), BIG32,
+     Arg((3,), "i32-6", "rep"), grad=False)
+case("ops.gather(x, ids, 0), ids sharded", "integer / bool", lambda t, i: ops.gather(t, i, 0), X, Arg((2, 3), "i32-5"))
+case("mint.gather(x, 1, idx), idx sharded", "integer / bool", lambda a, i: mint.gather(a, 1, i), X, Arg(A, "i-6"))
+case("ops.gather_elements(x, 0, idx), idx sharded", "integer / bool", lambda a, i: ops.gather_elements(a, 0, i), X,
+     Arg(A, "i-5"))
+
 # ---- no rule (yet): the clear NotImplementedError ----
 case("ops.trace", "unsupported", ops.trace, status="unsupported")
 case("ops.diag", "unsupported", lambda t: ops.diag(t[0]), status="unsupported")
@@ -352,8 +395,9 @@ def _array(arg: Arg, rng) -> np.ndarray:
         return rng.uniform(-0.9, 0.9, shape).astype(np.float32)
     if kind == "b":
         return rng.random(shape) > 0.5
-    dtype, high = (np.int32, kind[4:]) if kind.startswith("i32-") else (np.int64, kind[2:])
-    return rng.integers(0, int(high), shape).astype(dtype)
+    signed, kind = kind.startswith("z"), kind[1:]
+    dtype, high = (np.int32, int(kind[3:])) if kind.startswith("32-") else (np.int64, int(kind[1:]))
+    return rng.integers(-high if signed else 0, high, shape).astype(dtype)
 
 
 def _options(arg: Arg, mesh_shape: Tuple[int, ...]) -> List[Tuple[Placement, ...]]:
@@ -396,6 +440,21 @@ def _is_float(t) -> bool:
     return t.dtype in (ms.float32, ms.float16, ms.float64, ms.bfloat16)
 
 
+def _numpy(t) -> np.ndarray:
+    """Float values as float32 (compared with a tolerance), integers and bools as they are
+    (compared exactly, dtype included)."""
+    return t.astype(ms.float32).asnumpy() if _is_float(t) else t.asnumpy()
+
+
+def _differs(got: np.ndarray, want: np.ndarray) -> Optional[str]:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape {got.shape} {got.dtype}, want {want.shape} {want.dtype}"
+    if want.dtype.kind in "biu":
+        return None if np.array_equal(got, want) else f"{int(np.sum(got != want))} elements differ (exact)"
+    return None if np.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True) else \
+        f"max error {np.max(np.abs(got - want))}"
+
+
 def _reference(c: OpCase, arrays):
     full = [Tensor(a) for a in arrays]
     outs = _outputs(c.fn(*full))
@@ -409,7 +468,7 @@ def _reference(c: OpCase, arrays):
                        if _is_float(o))
         grads = ms.grad(loss, grad_position=floats)(*full)
         grads = grads if isinstance(grads, tuple) else (grads,)
-    return [o.astype(ms.float32).asnumpy() for o in outs], weights, floats, grads
+    return [_numpy(o) for o in outs], weights, floats, grads
 
 
 def _check(c: OpCase, mesh, combo, arrays, ref) -> Optional[str]:
@@ -420,10 +479,9 @@ def _check(c: OpCase, mesh, combo, arrays, ref) -> Optional[str]:
         if not isinstance(o, DTensor):
             return f"returned a {type(o).__name__}, not a DTensor"
     for o, want in zip(outs, ref_outs):
-        got = o.astype(ms.float32).full_tensor().asnumpy()
-        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True):
-            error = np.max(np.abs(got - want)) if got.shape == want.shape else f"shape {got.shape}"
-            return f"value differs: placements {o.placements}, max error {error}"
+        problem = _differs((o.astype(ms.float32) if _is_float(o) else o).full_tensor().asnumpy(), want)
+        if problem:
+            return f"value differs: placements {o.placements}, {problem}"
     if ref_grads is None:
         return None
 
