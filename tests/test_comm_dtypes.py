@@ -136,6 +136,14 @@ def test_every_dtype_exact_on_2_ranks():
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
     assert np.array_equal(got[~nan].view(np.uint64), want[~nan].view(np.uint64)), (got, want)   # -0.0 too
+    weights = ms.Tensor(np.arange(2 * len(_FLOAT64_EDGES), dtype=np.float64) / 7.0)
+
+    def weighted(t):
+        return (comm.all_gather(t, mesh, "tp") * weights).sum()
+    finite = ms.Tensor(np.nan_to_num(pieces[rank], posinf=1.0, neginf=-1.0))
+    got = ms.jit(ms.grad(weighted))(finite).asnumpy()       # backward: a float64 sum over the ranks, in jit
+    want = 2 * weights.asnumpy()[rank * len(_FLOAT64_EDGES):(rank + 1) * len(_FLOAT64_EDGES)]
+    assert np.array_equal(got, want), (got, want)
 
 
 def test_float64_parts_inside_jit_are_exact():

@@ -117,7 +117,7 @@ def _times_power_of_two(x, k):
     """``x * 2**k`` for integral float64 ``k`` in [-1100, 1100], exact where the result is
     representable: two factors, each a normal float64."""
     half = ops.floor(k / 2)
-    two = ops.full_like(x, 2.0)
+    two = ops.fill(ms.float64, x.shape, 2.0)
     return x * ops.pow(two, half) * ops.pow(two, k - half)
 
 
@@ -127,11 +127,11 @@ def _float64_parts(x):
     zeros keeps them."""
     finite = ops.isfinite(x)
     nonzero = ops.logical_and(finite, x != 0)
-    size = ops.where(nonzero, ops.abs(x), ops.ones_like(x))
+    size = ops.where(nonzero, ops.abs(x), ops.ones(x.shape, ms.float64))
     exponent = ops.floor(ops.log2(size))
     significand = _times_power_of_two(size, -exponent)
     exponent = exponent + (significand >= 2).astype(ms.float64) - (significand < 1).astype(ms.float64)
-    significand = ops.where(nonzero, _times_power_of_two(size, -exponent), ops.zeros_like(x))
+    significand = ops.where(nonzero, _times_power_of_two(size, -exponent), ops.zeros(x.shape, ms.float64))
     significand = ops.where(x < 0, -significand, significand)
     high = significand.astype(ms.float32)
     rest = significand - high.astype(ms.float64)
@@ -139,7 +139,7 @@ def _float64_parts(x):
     low = (rest - middle.astype(ms.float64)).astype(ms.float32)
     negative_zero = ops.logical_and(x == 0, ops.reciprocal(x) < 0)
     exponent = ops.where(nonzero, exponent, negative_zero.astype(ms.float64))
-    special = ops.where(finite, ops.zeros_like(x), x).astype(ms.float32)
+    special = ops.where(finite, ops.zeros(x.shape, ms.float64), x).astype(ms.float32)
     return ops.stack([high, middle, low, exponent.astype(ms.float32), special])
 
 
@@ -148,7 +148,7 @@ def _float64_from_parts(parts):
     high, middle, low, exponent, special = (parts[i] for i in range(_FLOAT64_PARTS))
     significand = high.astype(ms.float64) + middle.astype(ms.float64) + low.astype(ms.float64)
     value = _times_power_of_two(significand, exponent.astype(ms.float64))
-    zero = ops.where(exponent > 0, ops.full_like(value, -0.0), ops.zeros_like(value))
+    zero = ops.where(exponent > 0, ops.fill(ms.float64, value.shape, -0.0), ops.zeros(value.shape, ms.float64))
     value = ops.where(high == 0, zero, value)
     is_special = ops.logical_or(special != 0, ops.isnan(special))
     return ops.where(is_special, special.astype(ms.float64), value)
