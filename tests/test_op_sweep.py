@@ -1,6 +1,7 @@
 """The op sweep: every entry of tests/_op_table/ on DTensors against the single-device op
 (values and gradients), on meshes (2,) and (2, 2), each mesh in one rank-function call; the
-propagator's rule replacement; Partial(max) through monotonic ops; empty local pieces."""
+propagator's rule replacement; Partial(max) through monotonic ops; empty local pieces; a wrong
+rule failing on some ranks only raises on every rank."""
 from __future__ import annotations
 
 import collections
@@ -142,3 +143,50 @@ def test_empty_pieces_skip_the_kernel():
     ids = ms.Tensor(np.array([[4, 0, 3]], np.int32))
     np.testing.assert_allclose(ops.gather(table_dt, ids, 0).full_tensor().asnumpy(), table[[[4, 0, 3]]],
                                rtol=1e-6)
+
+
+def _raised_everywhere(fn) -> str:
+    """``fn()`` must raise; return the exception's type and first line."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001  (the type is what the test compares)
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return "returned"
+
+
+def _wrong_rules_raise_on_every_rank():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = distribute_tensor(ms.Tensor(_rand(5, 6)), mesh, [S0])          # pieces of 3 and 2 rows
+    y = ms.Tensor(_rand(3, 6))                                          # broadcasts with rank 0's piece only
+    old_neg, old_mul = propagator.rule_for("Neg"), propagator.rule_for("Mul")
+
+    def four_rows(schema: OpSchema) -> OutputSharding:      # promises (2, 6) pieces: wrong on rank 0 only
+        return OutputSharding((schema.args[0].layout,), ((schema.args[0].layout, (4, 6)),))
+
+    def like_first(schema: OpSchema) -> OutputSharding:     # rank 1 multiplies (2, 6) by (3, 6): its kernel fails
+        a = schema.args[0]
+        return OutputSharding((a.layout, schema.args[1].layout), ((a.layout, a.shape),))
+    try:
+        register_sharding("Neg")(four_rows)
+        register_sharding("Mul")(like_first)
+        errors = [_raised_everywhere(lambda: ops.neg(x)), _raised_everywhere(lambda: ops.neg(x)),
+                  _raised_everywhere(lambda: ops.mul(x, y))]
+    finally:
+        register_sharding("Neg")(old_neg)
+        register_sharding("Mul")(old_mul)
+    whole = x.full_tensor().asnumpy()                  # a collective after the failures: nobody was left behind
+    np.testing.assert_allclose(whole, _rand(5, 6))
+    np.testing.assert_allclose(ops.neg(x).full_tensor().asnumpy(), -whole)
+    return errors
+
+
+def test_a_rule_failing_on_some_ranks_raises_on_every_rank():
+    """A wrong rule registered with register_sharding fails the shape check (or the kernel) on
+    one rank only; every rank must raise, and the next collective must still pair up."""
+    results = run_on_ranks(_wrong_rules_raise_on_every_rank, 2)
+    for rank, errors in enumerate(results):
+        assert all(e != "returned" for e in errors), (rank, errors)
+    assert "sharding rule of Neg is wrong" in results[0][0], results[0]
+    assert "failed on the ranks at mesh coordinates [(0,)]" in results[1][0], results[1]
+    assert results[1][0] == results[1][1]              # a second call is checked again, not waved through
+    assert "failed on the ranks at mesh coordinates [(1,)]" in results[0][2], results[0]

@@ -86,12 +86,13 @@ def _check_op_dtype(op: str, dtype) -> None:
                         "to a float dtype first")
 
 
-def _wire_form(path: str, kind: str, dtype, itemsize: int, n: int, op: str) -> Tuple[Optional[int], bool]:
+def _wire_form(path: str, kind: str, dtype, itemsize: int, n: int, op: str,
+               compiled: bool) -> Tuple[Optional[int], bool]:
     """(bytes per element the primitives carry, whether a reduction gathers every piece)."""
     reduces = kind in ("all_reduce", "reduce_scatter")
     if path == "composed":
         gathered = reduces and (op in ("max", "min") or dtype == ms.float64)
-        return _exact.wire_itemsize(dtype, itemsize, n), gathered
+        return _exact.wire_itemsize(dtype, itemsize, n, compiled), gathered
     if dtype == ms.bool_:
         return (4 if reduces else 1), False            # reductions as int32, movement as uint8
     if dtype == ms.uint8 and reduces:
@@ -101,13 +102,14 @@ def _wire_form(path: str, kind: str, dtype, itemsize: int, n: int, op: str) -> T
 
 @cached_in_python
 def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, dim: int = 0,
-          sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0) -> _Call:
+          sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0,
+          compiled: bool = False) -> _Call:
     group = mesh.comm_group(mesh_dim)
     path = select_path(_cluster.device_target(), kind)
     n = group.size
     if path == "composed" and n > 1:
         _composed.check_dtype(dtype)
-    wire = _wire_form(path, kind, dtype, itemsize, n, op)
+    wire = _wire_form(path, kind, dtype, itemsize, n, op, compiled)
     if kind in ("all_reduce", "reduce_scatter"):
         _check_op(op)
         _check_op_dtype(op, dtype)
@@ -145,12 +147,8 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
 def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, **options) -> _Call:
     """The planned call, checked for graph compilation, and counted by active CommDebugModes
     (inside ms.jit once, when the graph is compiled)."""
-    call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, **options)
-    if dtype == ms.float64 and not call.native and call.group.size > 1 and is_compiling():
-        raise NotImplementedError(
-            f"{kind} of a float64 tensor over mesh dim {mesh_dim!r} inside ms.jit: on CPU float64 moves as its "
-            "int64 bit pattern, and MindSpore cannot reinterpret bits (Tensor.view(dtype)) in a graph. Run it in "
-            "PyNative, or cast to float32 inside the jitted function")
+    call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, compiled=dtype == ms.float64 and is_compiling(),
+                 **options)
     if call.empty_output and call.group.size > 1 and is_compiling():
         raise NotImplementedError(
             f"{kind} over mesh dim {mesh_dim!r} would leave some rank an empty output piece (tensor shape "

@@ -13,12 +13,19 @@ values that the float32 sum keeps exact:
   int32 moves 2 float32 limbs per value (8 bytes), int64 4 (16 bytes), int8/int16/uint8 one.
 - bool: the float32 sum of 0/1 counts the ``True`` ranks (exact below 2**24 ranks); a
   nonzero count is ``True``: a bool sum is a logical or, as in PyTorch.
-- float64: the 64 bits of each value move as an int64 (``Tensor.view``), bit-exact, when at
-  most one rank contributes a nonzero value per element, which is how every data-moving
-  collective (gather, broadcast, all-to-all, the slots of max/min) uses the all-reduce. A
-  true float64 sum is never formed by adding bit patterns: :func:`sum_over` gathers the
-  pieces into slots that way and adds them locally in float64, in rank order. PyNative
-  only: MindSpore cannot reinterpret bits inside ``ms.jit`` (the planner refuses it there).
+- float64, in PyNative: the 64 bits of each value move as an int64 (``Tensor.view``),
+  bit-exact. Inside ``ms.jit``, where MindSpore cannot reinterpret bits, each value moves as
+  five float32 by arithmetic alone: the exponent ``e`` (``floor(log2|x|)``, corrected by one
+  where rounding missed), the significand ``x / 2**e`` in [1, 2) cut into three float32
+  (24 + 24 + 5 of its 53 bits), and a slot for inf / nan and the sign of zero (scaling by
+  ``2**e`` in two halves keeps the largest values exact). Every normal value, +-0 and +-inf
+  come back bit for bit, NaN as NaN (payload bits not kept); subnormals (below 2.2e-308) can
+  come back as 0, because MindSpore's CPU float64 kernels flush them to zero in some paths
+  (measured: ``a * a`` of ``2**-537`` gives 0 on a 2-element tensor). Both forms are exact
+  when at most one rank contributes a nonzero value per element, which is how every
+  data-moving collective (gather, broadcast, all-to-all, the slots of max/min) uses the
+  all-reduce. A true float64 sum is never formed from them: :func:`sum_over` gathers the
+  pieces into slots that way and adds them locally in float64, in rank order.
 - bfloat16 travels widened to float32 (exact, both ways).
 
 :func:`place_over` is the all-reduce of buffers in which each element comes from one rank
@@ -35,7 +42,7 @@ from typing import Tuple
 import mindspore as ms
 from mindspore import nn, ops
 
-from .._mindspore import cached_in_python
+from .._mindspore import cached_in_python, is_compiling, run_in_python
 from ._tensor import pad_dim
 
 __all__ = ["INTEGER_DTYPES", "WIRE_DTYPES", "check_dtype", "place_over", "sum_over", "wire_itemsize", "limb_width"]
@@ -63,18 +70,21 @@ def _limb_count(dtype, group_size: int) -> int:
     return -(-_BITS[dtype] // limb_width(group_size))
 
 
-def wire_itemsize(dtype, itemsize: int, group_size: int) -> int:
-    """Bytes per element that the float32 all-reduce carries for ``dtype``.
+def wire_itemsize(dtype, itemsize: int, group_size: int, compiled: bool = False) -> int:
+    """Bytes per element that the float32 all-reduce carries for ``dtype`` (``compiled``:
+    inside ``ms.jit``, where float64 moves as five float32).
 
-    >>> wire_itemsize(ms.int32, 4, 2), wire_itemsize(ms.int64, 8, 2), wire_itemsize(ms.bool_, 1, 2)
-    (8, 16, 4)
+    >>> wire_itemsize(ms.int32, 4, 2), wire_itemsize(ms.int64, 8, 2), wire_itemsize(ms.float64, 8, 2)
+    (8, 16, 16)
+    >>> wire_itemsize(ms.float64, 8, 2, compiled=True)
+    20
     """
     if dtype in WIRE_DTYPES:
         return itemsize
     if dtype in INTEGER_DTYPES:
         return 4 * _limb_count(dtype, group_size)
     if dtype == ms.float64:
-        return wire_itemsize(ms.int64, 8, group_size)
+        return 4 * _FLOAT64_PARTS if compiled else wire_itemsize(ms.int64, 8, group_size)
     return 4          # bool, bfloat16: one float32 per element
 
 
@@ -100,8 +110,53 @@ def _integer_sum(x, group):
     return total if x.dtype == ms.int64 else total.astype(x.dtype)
 
 
+_FLOAT64_PARTS = 5      # inside ms.jit: three significand parts, the exponent, inf / nan / sign of zero
+
+
+def _times_power_of_two(x, k):
+    """``x * 2**k`` for integral float64 ``k`` in [-1100, 1100], exact where the result is
+    representable: two factors, each a normal float64."""
+    half = ops.floor(k / 2)
+    two = ops.fill(ms.float64, x.shape, 2.0)
+    return x * ops.pow(two, half) * ops.pow(two, k - half)
+
+
+def _float64_parts(x):
+    """float64 ``x`` as a float32 tensor of shape ``(5,) + x.shape``, exact (see the module
+    docstring); zeros everywhere for +0, so that summing one rank's parts with other ranks'
+    zeros keeps them."""
+    finite = ops.isfinite(x)
+    nonzero = ops.logical_and(finite, x != 0)
+    size = ops.where(nonzero, ops.abs(x), ops.ones(x.shape, ms.float64))
+    exponent = ops.floor(ops.log2(size))
+    significand = _times_power_of_two(size, -exponent)
+    exponent = exponent + (significand >= 2).astype(ms.float64) - (significand < 1).astype(ms.float64)
+    significand = ops.where(nonzero, _times_power_of_two(size, -exponent), ops.zeros(x.shape, ms.float64))
+    significand = ops.where(x < 0, -significand, significand)
+    high = significand.astype(ms.float32)
+    rest = significand - high.astype(ms.float64)
+    middle = rest.astype(ms.float32)
+    low = (rest - middle.astype(ms.float64)).astype(ms.float32)
+    negative_zero = ops.logical_and(x == 0, ops.reciprocal(x) < 0)
+    exponent = ops.where(nonzero, exponent, negative_zero.astype(ms.float64))
+    special = ops.where(finite, ops.zeros(x.shape, ms.float64), x).astype(ms.float32)
+    return ops.stack([high, middle, low, exponent.astype(ms.float32), special])
+
+
+def _float64_from_parts(parts):
+    """The inverse of :func:`_float64_parts`."""
+    high, middle, low, exponent, special = (parts[i] for i in range(_FLOAT64_PARTS))
+    significand = high.astype(ms.float64) + middle.astype(ms.float64) + low.astype(ms.float64)
+    value = _times_power_of_two(significand, exponent.astype(ms.float64))
+    zero = ops.where(exponent > 0, ops.fill(ms.float64, value.shape, -0.0), ops.zeros(value.shape, ms.float64))
+    value = ops.where(high == 0, zero, value)
+    is_special = ops.logical_or(special != 0, ops.isnan(special))
+    return ops.where(is_special, special.astype(ms.float64), value)
+
+
 class _PlaceFloat64(nn.Cell):
-    """float64 buffers with one contributing rank per element, moved as int64 bit patterns.
+    """float64 buffers with one contributing rank per element (bit patterns in PyNative,
+    float32 parts inside ms.jit).
     Backward: the adjoint of an all-reduce sum, the float64 sum of the gradients."""
 
     def __init__(self, group) -> None:
@@ -109,7 +164,7 @@ class _PlaceFloat64(nn.Cell):
         self.group = group
 
     def construct(self, x):
-        return _integer_sum(x.view(ms.int64), self.group).view(ms.float64)
+        return _place_float64(x, self.group)
 
     def bprop(self, x, out, dout):
         return (_float64_sum(dout, self.group),)
@@ -120,9 +175,20 @@ def _place_float64_cell(group) -> _PlaceFloat64:
     return _PlaceFloat64(group)
 
 
+@run_in_python
+def _compiling() -> bool:
+    return is_compiling()
+
+
+def _place_float64(x, group):
+    if _compiling():
+        return _float64_from_parts(_all_reduce_sum_prim(group.name)(_float64_parts(x)))
+    return _integer_sum(x.view(ms.int64), group).view(ms.float64)
+
+
 def _float64_sum(x, group):
     slots = pad_dim(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank)
-    gathered = _integer_sum(slots.view(ms.int64), group).view(ms.float64)
+    gathered = _place_float64(slots, group)
     total = gathered[0]
     for r in range(1, group.size):
         total = total + gathered[r]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from mindspore import mint, ops
+from mindspore.common import dtype as mstype
 
 __all__ = ["narrow", "pad_dim", "shape_with", "move_to_front", "move_from_front", "select_pieces"]
 
@@ -29,8 +30,8 @@ def narrow(x, dim: int, start: int, length: int):
     """``x[..., start:start + length, ...]`` along ``dim`` (zero length allowed)."""
     if start == 0 and length == x.shape[dim]:
         return x
-    if length == 0:
-        return x[(slice(None),) * dim + (slice(start, start),)]
+    if length == 0 or x.dtype == mstype.float64:   # NarrowView inside ms.jit rejects float64
+        return x[(slice(None),) * dim + (slice(start, start + length),)]
     return mint.narrow(x, dim, start, length)
 
 

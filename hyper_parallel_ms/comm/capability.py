@@ -63,7 +63,8 @@ DTYPES: Tuple[Tuple[str, str, str], ...] = (
      "16-bit limbs as float32 (8-bit beyond 256 ranks), exact sums with carries; int32 moves 8 B per value, "
      "int64 16 B; avg refused"),
     ("CPU", "bool", "as float32 0/1; sum and max = or, min = and; avg refused"),
-    ("CPU", "float64", "int64 bit pattern (exact); sums gather every piece and add in rank order; PyNative only"),
+    ("CPU", "float64", "int64 bit pattern (bit-exact); inside ms.jit five float32 parts (exact but for "
+     "subnormals); sums gather every piece and add in rank order"),
     ("Ascend", "float16/32, bfloat16, int8/16/32/64", "as themselves (HCCL)"),
     ("Ascend", "bool, uint8", "reductions as int32 (bool sum = or); bool moves as uint8"),
     ("Ascend", "float64", "moved natively; reductions gather every piece and reduce in rank order"),

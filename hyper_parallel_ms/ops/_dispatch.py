@@ -11,7 +11,11 @@ plain; a minimal hook adds the guard (about 20 us).
 For each call: the arguments' layouts and shapes form the key of a cached
 :class:`OutputSharding` from the op's rule; tensor arguments are redistributed to the
 layouts the rule asks for; the op runs once on the local tensors (under
-``NoFallbackGuard``); each output is wrapped as a DTensor and its local shape checked.
+``NoFallbackGuard``); each output is wrapped as a DTensor and its local shape checked on the
+decision's first run. Where local shapes differ between ranks (uneven or empty pieces), that
+first run ends with the ranks agreeing on whether any of them failed (:mod:`._agreement`), so a
+wrong rule or a kernel failing on one rank's piece raises on every rank instead of leaving the
+others waiting in their next collective.
 
 Gradients: MindSpore differentiates the local op. Where an input is replicated on a mesh
 dim on which an output is sharded or partial, each rank's local gradient of that input is
@@ -36,8 +40,9 @@ from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
-from ..placement import Partial
+from ..placement import Partial, Replicate
 from ..redistribute import redistribution
+from ._agreement import failed_coordinates, shapes_alike
 from ._empty import run_on_empty_pieces
 from ._registry import propagator
 from ._rules._common import replicate_all
@@ -120,6 +125,7 @@ class _Decision:
     verified: bool = False                     # the rule's local shapes were checked once
     passthrough: bool = False                  # no argument needs redistribution or a gradient Cell
     empty_inputs: Tuple[int, ...] = ()         # positions of tensor inputs whose local piece is empty
+    alike: bool = False                        # every rank's local shapes are the same: no agreement needed
 
 
 def dispatch(func, args: tuple, kwargs: dict):
@@ -169,6 +175,25 @@ def dispatch(func, args: tuple, kwargs: dict):
     if decision.inplace:  # MindSpore's CPU in-place kernels reject strided views as sources
         local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
                                            for a in local_inputs[1:]]
+    if decision.verified or decision.alike:  # a failure here happens on every rank alike
+        return _run(func, rebuild, kwargs, inputs, local_inputs, decision, name)
+    try:
+        result, error = _run(func, rebuild, kwargs, inputs, local_inputs, decision, name), None
+    except Exception as exc:  # noqa: BLE001  (re-raised below, once every rank knows)
+        result, error = None, exc
+    failed = failed_coordinates(mesh, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        decision.verified = False   # the failed ranks did not verify it: every rank checks it again next time
+        raise RuntimeError(f"{name} failed on the ranks at mesh coordinates {failed} (their errors name the "
+                           f"cause); this rank ({mesh.get_coordinate()}) raises too, so that no rank waits in a "
+                           "collective the failed ones never reach")
+    return result
+
+
+def _run(func, rebuild, kwargs: dict, inputs, local_inputs, decision: "_Decision", name: str):
+    """The op on this rank's local inputs, wrapped as DTensors (checked on a first run)."""
     with no_hook():
         if decision.empty_inputs:
             out = run_on_empty_pieces(lambda new: func(*rebuild(new), **kwargs), local_inputs,
@@ -181,6 +206,7 @@ def dispatch(func, args: tuple, kwargs: dict):
             target = inputs[0]
             if out is not target:  # MindSpore's CPU kernels of add_/mul_/... compute out of place
                 target.copy_(out)
+            decision.verified = True
             return target
     return _wrap(out, decision, name)
 
@@ -223,10 +249,13 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
     empty = () if overrides is not None or sharding.local_fn is not None or sharding.inplace else tuple(
         i for i, (d, need) in enumerate(zip(described, needs))
         if isinstance(d, TensorArg) and 0 in need.local_shape(d.shape, coord) and 0 not in d.shape)
+    alike = overrides is None and sharding.local_fn is None and shapes_alike(
+        [(need, d.shape) for d, need in zip(described, needs) if isinstance(d, TensorArg)] +
+        [(spec.layout, spec.shape) for spec in specs])
     return _Decision(tuple(needs), tuple(cells), specs,
                      tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
                      sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord),
-                     passthrough=passthrough and not empty, empty_inputs=empty)
+                     passthrough=passthrough and not empty, empty_inputs=empty, alike=alike)
 
 
 def _explain_plain_broadcast(name: str, described: tuple, error: ValueError) -> None:
@@ -250,7 +279,9 @@ def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):
     shared = [a for a in split_axes if need.placements[a].is_replicate()]
     if not shared:
         return None
-    partial = need.with_placements(tuple(Partial() if a in shared else p for a, p in enumerate(need.placements)))
+    # the gradient of a Partial input is replicated on that mesh dim: only the shared dims are summed
+    partial = need.with_placements(tuple(Partial() if a in shared else Replicate() if p.is_partial() else p
+                                         for a, p in enumerate(need.placements)))
     return redistribution(mesh, need, need, shape, grad_src=partial)
 
 

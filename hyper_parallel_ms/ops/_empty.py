@@ -10,6 +10,11 @@ an output that is not empty (a reduction over the empty dim) is filled with the 
 its Partial: 0 for sum, -inf for max, +inf for min. Which ranks take this path is decided from
 layouts and global shapes alone, before anything runs.
 
+Padding appends ones to the piece, cutting narrows the result and filling selects from it, so
+every output stays connected to the inputs: the backward of every rank then runs the same
+collectives. (An output made afresh let MindSpore skip the backward of the redistribution that
+produced the empty piece, and the other ranks waited for it: ``bmm`` on mesh (2, 2).)
+
 Example::
 
     run_on_empty_pieces(op, args, {}, empty_positions, specs, local_shapes)
@@ -19,7 +24,8 @@ from __future__ import annotations
 from math import prod
 from typing import Any, Callable, Sequence, Tuple
 
-from mindspore import Tensor, ops
+from mindspore import Tensor, mint, ops
+from mindspore.common import dtype as mstype
 
 from ..dtensor._dtensor import _local_view
 
@@ -37,8 +43,16 @@ def partial_identity(spec) -> float:
 
 
 def _padded(arg: Any) -> Tensor:
+    """``arg``'s local piece with each empty dim grown to 1 by appending ones. Appended, not
+    made afresh: the result stays connected to the input, so the backward still reaches the
+    collectives that produced the piece (a rank skipping them would leave the others waiting)."""
     local = _local_view(arg) if isinstance(arg, Tensor) else arg
-    return ops.ones(tuple(max(1, s) for s in local.shape), local.dtype)
+    for dim, size in enumerate(local.shape):
+        if size == 0:
+            shape = list(local.shape)
+            shape[dim] = 1
+            local = ops.concat([local, ops.ones(tuple(shape), local.dtype)], dim)
+    return local
 
 
 def run_on_empty_pieces(call: Callable[[Sequence[Any]], Any], local_inputs: Sequence[Any],
@@ -49,9 +63,21 @@ def run_on_empty_pieces(call: Callable[[Sequence[Any]], Any], local_inputs: Sequ
     single = isinstance(out, Tensor)
     results = []
     for result, spec, shape in zip((out,) if single else out, specs, local_shapes):
-        if prod(shape) == 0:
-            result = result[tuple(slice(0, s) for s in shape)] if len(shape) else result
-        else:
-            result = ops.zeros_like(result) + partial_identity(spec)
-        results.append(result)
+        results.append(_cut(result, shape) if prod(shape) == 0 else _filled(result, partial_identity(spec)))
     return results[0] if single else type(out)(results)
+
+
+def _cut(result: Tensor, shape: Tuple[int, ...]) -> Tensor:
+    """``result`` narrowed to the empty ``shape`` (the backward of a slice to an empty tensor
+    fails on CPU, that of ``narrow`` does not)."""
+    for dim, size in enumerate(shape):
+        if result.shape[dim] != size:
+            result = mint.narrow(result, dim, 0, size)
+    return result
+
+
+def _filled(result: Tensor, value: float) -> Tensor:
+    """``value`` everywhere, still connected to ``result`` (its gradient is zero) so that the
+    backward of this rank reaches the same collectives as the others'."""
+    everywhere = ops.ones(result.shape, mstype.bool_)
+    return ops.select(everywhere, ops.zeros_like(result) + value, result)

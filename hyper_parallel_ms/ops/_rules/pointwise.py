@@ -36,8 +36,8 @@ ADDITIVE = ("AddExt", "Add", "SubExt", "Sub")
 MULTIPLICATIVE = ("Mul", "Div", "RealDiv")
 OTHER_BINARY = ("Maximum", "Minimum", "Pow", "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
                 "Atan2", "LogicalAnd", "LogicalOr", "LogicalXor", "SquaredDifference", "FloorDiv",
-                "BitwiseAndTensor", "BitwiseOrTensor", "RemainderTensorTensor", "FmodTensor", "Lerp",
-                "ClampTensor", "Select", "MaskedFill", "MaskedFillScalar")
+                "BitwiseAndTensor", "BitwiseOrTensor", "BitwiseXorTensor", "RemainderTensorTensor", "FmodTensor",
+                "Lerp", "ClampTensor", "Select", "MaskedFill", "MaskedFillScalar")
 # Monotonic non-decreasing and defined everywhere: max_i f(x_i) = f(max_i x_i), so a Partial(max)
 # or Partial(min) operand stays Partial (Muls / Divs only by a non-negative / positive scalar).
 MONOTONE = ("ReLU", "Exp", "Sigmoid", "Tanh", "Erf", "Floor", "Ceil", "Round", "Trunc", "Sign", "ClampScalar",
