@@ -21,7 +21,10 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   objects as on plain tensors (:func:`no_hook`).
 - **subclass views**: ``Tensor._make_subclass(cls, t)`` makes an object of ``cls``
   sharing storage and autodiff node with ``t`` (:func:`as_subclass`); assigning
-  ``__class__`` turns a fresh plain op result into a subclass (:func:`adopt`).
+  ``__class__`` turns a fresh plain op result into a subclass (:func:`adopt`). On 2.8 such
+  a swapped object does not reach the hook in legacy primitives (``ops.reduce_sum``,
+  ``P.Softplus``) nor inside tuples (:data:`ADOPTED_REACH_HOOK`), so there :func:`adopt`
+  makes a new object with ``_make_subclass`` instead.
 - **seeded dropout**: ``mindspore.ops.auto_generate.func_dropout_ext_op(x, p, training,
   inplace, seed, offset)``, the primitive behind ``ops.dropout``, draws its mask from
   explicit seed and offset tensors (:data:`seeded_dropout`).
@@ -71,7 +74,7 @@ try:  # MindSpore 2.9 and later
 except ImportError:  # MindSpore 2.8
     from mindspore.common import api as _graph_api
 
-__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
+__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
            "OVERLOAD_OPS_CALLABLE",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
            "adopt", "cached_in_python", "run_in_python", "is_compiling", "guard_mindspore_for",
@@ -85,9 +88,11 @@ MINDSPORE_VERSION: Tuple[int, int] = _release(mindspore.__version__)
 # and raise ``RuntimeError: Python fallback failed.`` instead.
 LIST_ARGS_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 10)
 HOOK_ERRORS_REACH_CALLER: bool = MINDSPORE_VERSION >= (2, 10)
-# On 2.8 a tuple argument reaches the hook only if its first tensor was made by
-# ``_make_subclass`` (not by :func:`adopt`); 2.9 and later look at the class.
-ADOPTED_IN_SEQUENCES_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 9)
+# On 2.8 an object whose ``__class__`` was swapped to the subclass reaches the hook in
+# generated ops (``ops.add``, ``mint.*``) but not in legacy primitives (``ops.reduce_sum``:
+# a silent local result) nor as the first tensor of a tuple argument; an object made by
+# ``_make_subclass`` reaches it everywhere. 2.9 and later look at the class.
+ADOPTED_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 9)
 # 2.8 / 2.9: the op object that an overloaded functional op (a function of
 # ``functional_overload``, ``return _<name>_instance(*args, **kwargs)``) hands the hook returns,
 # when called from Python, a result whose last reference it has already released.
@@ -255,8 +260,11 @@ def as_subclass(cls: type, t: Tensor) -> Tensor:
 
 
 def adopt(result: Tensor, cls: type) -> Tensor:
-    """Turn a fresh op result into an object of the subclass ``cls`` in place (no copy and,
-    unlike :func:`as_subclass`, no wait for the op to finish)."""
+    """A fresh op result as an object of the subclass ``cls``, no copy: the result itself
+    (``__class__`` swapped: unlike :func:`as_subclass`, no wait for the op to finish), or
+    on 2.8, where swapped objects miss the hook in places, a new object sharing it."""
+    if not ADOPTED_REACH_HOOK:
+        return as_subclass(cls, result)
     result.__class__ = cls
     return result
 
@@ -369,7 +377,7 @@ def _hook_visible(seq, hooked: tuple):
     """A sequence argument as one that reaches the hook: a tuple, of made objects on 2.8."""
     if not _has(seq, hooked):
         return seq
-    if ADOPTED_IN_SEQUENCES_REACH_HOOK:
+    if ADOPTED_REACH_HOOK:
         return tuple(seq)
     return tuple(_remade(t) if isinstance(t, hooked) else t for t in seq)
 

@@ -104,11 +104,23 @@ def test_contract_tuple_arguments_reach_the_hook_for_made_and_adopted_objects():
     _CALLS.clear()
     ops.cat((made, made))
     assert _CALLS, "a tuple of _make_subclass objects no longer reaches the hook"
-    adopted = ops.add(made, made)          # a result turned into the subclass by adopt()
-    assert type(adopted) is _Hooked
+    swapped = ops.add(Tensor([1.0]), Tensor([2.0]))
+    swapped.__class__ = _Hooked            # how adopt() makes the subclass where it can
     _CALLS.clear()
-    ops.cat((adopted, adopted))
-    assert bool(_CALLS) == seam.ADOPTED_IN_SEQUENCES_REACH_HOOK, (ms.__version__, _CALLS)
+    ops.cat((swapped, swapped))
+    assert bool(_CALLS) == seam.ADOPTED_REACH_HOOK, (ms.__version__, _CALLS)
+
+
+def test_contract_class_swapped_objects_reach_the_hook_in_legacy_primitives_where_declared():
+    swapped = ops.add(Tensor([1.0]), Tensor([2.0]))
+    swapped.__class__ = _Hooked
+    _CALLS.clear()
+    ops.reduce_sum(swapped)                # the legacy ReduceSum primitive
+    assert bool(_CALLS) == seam.ADOPTED_REACH_HOOK, (ms.__version__, _CALLS)
+    adopted = seam.adopt(ops.add(Tensor([1.0]), Tensor([2.0])), _Hooked)
+    for run in (lambda t: ops.reduce_sum(t), lambda t: ops.cat((t, t))):   # adopt() reaches it everywhere
+        _CALLS.clear()
+        assert type(run(adopted)) is _Hooked and _CALLS, (ms.__version__, _CALLS)
 
 
 def test_contract_make_subclass_shares_storage_and_gradients():
