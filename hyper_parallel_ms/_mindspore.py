@@ -366,20 +366,10 @@ def _has(seq, hooked: tuple) -> bool:
     return isinstance(seq, (list, tuple)) and any(isinstance(t, hooked) for t in seq)
 
 
-def _remade(t: Tensor) -> Tensor:
-    """``t`` as an object made by ``_make_subclass`` (same storage, autodiff node, attributes)."""
-    fresh = as_subclass(type(t), t)
-    fresh.__dict__.update(t.__dict__)
-    return fresh
-
-
 def _hook_visible(seq, hooked: tuple):
-    """A sequence argument as one that reaches the hook: a tuple, of made objects on 2.8."""
-    if not _has(seq, hooked):
-        return seq
-    if ADOPTED_REACH_HOOK:
-        return tuple(seq)
-    return tuple(_remade(t) if isinstance(t, hooked) else t for t in seq)
+    """A sequence argument as one that reaches the hook: a tuple (of objects that
+    :func:`adopt` made, which reach it on 2.8 too)."""
+    return tuple(seq) if _has(seq, hooked) else seq
 
 
 def _tuples_for_lists(fn: Callable) -> Callable:
