@@ -11,11 +11,20 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   replace an exception raised in it by ``RuntimeError: Python fallback failed.``
   (:func:`tensor_hook` keeps the original, :func:`original_hook_errors` restores it), and
   do not call it for tensors inside list arguments (:data:`LIST_ARGS_REACH_HOOK`).
+- **hook op objects**: the ``func`` handed to the hook can be called from Python and
+  returns a result the caller owns. On 2.8 / 2.9 the ``func`` of an overloaded functional
+  op (``mindspore.ops.functional_overload``: ``mint.add``, ``mint.max``, ``mint.where``,
+  ...) returns its result already released (use after free: garbage shapes, crashes);
+  :func:`tensor_hook` passes an op that calls the overloaded function itself instead
+  (:data:`OVERLOAD_OPS_CALLABLE`).
 - **no-hook guard**: ``mindspore._c_expression.NoFallbackGuard`` runs ops on subclass
   objects as on plain tensors (:func:`no_hook`).
 - **subclass views**: ``Tensor._make_subclass(cls, t)`` makes an object of ``cls``
   sharing storage and autodiff node with ``t`` (:func:`as_subclass`); assigning
-  ``__class__`` turns a fresh plain op result into a subclass (:func:`adopt`).
+  ``__class__`` turns a fresh plain op result into a subclass (:func:`adopt`). On 2.8 such
+  a swapped object does not reach the hook in legacy primitives (``ops.reduce_sum``,
+  ``P.Softplus``) nor inside tuples (:data:`ADOPTED_REACH_HOOK`), so there :func:`adopt`
+  makes a new object with ``_make_subclass`` instead.
 - **seeded dropout**: ``mindspore.ops.auto_generate.func_dropout_ext_op(x, p, training,
   inplace, seed, offset)``, the primitive behind ``ops.dropout``, draws its mask from
   explicit seed and offset tensors (:data:`seeded_dropout`).
@@ -62,6 +71,7 @@ from . import _check_mindspore, _release
 _check_mindspore(mindspore.__version__)  # before touching the internals below
 
 from mindspore._c_expression import NoFallbackGuard  # noqa: E402
+from mindspore.ops import functional_overload as _functional_overload  # noqa: E402
 from mindspore.ops.auto_generate import func_dropout_ext_op as seeded_dropout  # noqa: E402
 
 try:  # MindSpore 2.9 and later
@@ -69,7 +79,8 @@ try:  # MindSpore 2.9 and later
 except ImportError:  # MindSpore 2.8
     from mindspore.common import api as _graph_api
 
-__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_IN_SEQUENCES_REACH_HOOK",
+__all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
+           "OVERLOAD_OPS_CALLABLE",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
            "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
@@ -83,10 +94,18 @@ MINDSPORE_VERSION: Tuple[int, int] = _release(mindspore.__version__)
 # and raise ``RuntimeError: Python fallback failed.`` instead.
 LIST_ARGS_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 10)
 HOOK_ERRORS_REACH_CALLER: bool = MINDSPORE_VERSION >= (2, 10)
-# On 2.8 a tuple argument reaches the hook only if its first tensor was made by
-# ``_make_subclass`` (not by :func:`adopt`); 2.9 and later look at the class.
-ADOPTED_IN_SEQUENCES_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 9)
+# On 2.8 an object whose ``__class__`` was swapped to the subclass reaches the hook in
+# generated ops (``ops.add``, ``mint.*``) but not in legacy primitives (``ops.reduce_sum``:
+# a silent local result) nor as the first tensor of a tuple argument; an object made by
+# ``_make_subclass`` reaches it everywhere. 2.9 and later look at the class.
+ADOPTED_REACH_HOOK: bool = MINDSPORE_VERSION >= (2, 9)
+# 2.8 / 2.9: the op object that an overloaded functional op (a function of
+# ``functional_overload``, ``return _<name>_instance(*args, **kwargs)``) hands the hook returns,
+# when called from Python, a result whose last reference it has already released.
+OVERLOAD_OPS_CALLABLE: bool = MINDSPORE_VERSION >= (2, 10)
 _FALLBACK_FAILED = "Python fallback failed"
+_OVERLOADS = {f.__code__: f for f in map(inspect.unwrap, vars(_functional_overload).values())
+              if inspect.isfunction(f) and f.__module__ == _functional_overload.__name__}
 
 
 # ------------------------------------------------------------ entry point swaps
@@ -173,12 +192,33 @@ def tensor_hook(fn: Callable[[Any, tuple, dict], Any]) -> Callable:
         return __fallback__
 
     def __fallback__(self, func, args=(), kwargs=None):  # noqa: F811  (2.8 / 2.9)
+        overload = None if OVERLOAD_OPS_CALLABLE else _OVERLOADS.get(sys._getframe(1).f_code)
+        if overload is not None:
+            func = _OverloadOp(getattr(func, "name", overload.__name__), overload)
         try:
             return fn(func, args, kwargs or {})
         except BaseException as error:
             _HOOK_ERRORS.last = error
             raise
     return __fallback__
+
+
+class _OverloadOp:
+    """The op an overloaded functional op handed the hook (2.8 / 2.9), run by calling the
+    overloaded function again: on the hook's arguments it picks the same op, and (inside
+    :func:`no_hook`) runs it without the hook, returning a result the caller owns."""
+
+    __slots__ = ("name", "_overload")
+
+    def __init__(self, name: str, overload: Callable) -> None:
+        self.name = name
+        self._overload = overload
+
+    def __call__(self, *args, **kwargs):
+        return self._overload(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<op {self.name} through {self._overload.__name__}>"
 
 
 @contextmanager
@@ -284,8 +324,11 @@ def as_subclass(cls: type, t: Tensor) -> Tensor:
 
 
 def adopt(result: Tensor, cls: type) -> Tensor:
-    """Turn a fresh op result into an object of the subclass ``cls`` in place (no copy and,
-    unlike :func:`as_subclass`, no wait for the op to finish)."""
+    """A fresh op result as an object of the subclass ``cls``, no copy: the result itself
+    (``__class__`` swapped: unlike :func:`as_subclass`, no wait for the op to finish), or
+    on 2.8, where swapped objects miss the hook in places, a new object sharing it."""
+    if not ADOPTED_REACH_HOOK:
+        return as_subclass(cls, result)
     result.__class__ = cls
     return result
 
@@ -435,20 +478,10 @@ def _has(seq, hooked: tuple) -> bool:
     return isinstance(seq, (list, tuple)) and any(isinstance(t, hooked) for t in seq)
 
 
-def _remade(t: Tensor) -> Tensor:
-    """``t`` as an object made by ``_make_subclass`` (same storage, autodiff node, attributes)."""
-    fresh = as_subclass(type(t), t)
-    fresh.__dict__.update(t.__dict__)
-    return fresh
-
-
 def _hook_visible(seq, hooked: tuple):
-    """A sequence argument as one that reaches the hook: a tuple, of made objects on 2.8."""
-    if not _has(seq, hooked):
-        return seq
-    if ADOPTED_IN_SEQUENCES_REACH_HOOK:
-        return tuple(seq)
-    return tuple(_remade(t) if isinstance(t, hooked) else t for t in seq)
+    """A sequence argument as one that reaches the hook: a tuple (of objects that
+    :func:`adopt` made, which reach it on 2.8 too)."""
+    return tuple(seq) if _has(seq, hooked) else seq
 
 
 def _tuples_for_lists(fn: Callable) -> Callable:

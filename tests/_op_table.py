@@ -100,7 +100,10 @@ for _n, (_x, _m, _o, _meth, _g) in _UNARY.items():
 # ---- activations ----
 for _n, _f in {"relu": F.relu, "silu": F.silu, "sigmoid": F.sigmoid, "tanh": F.tanh}.items():
     case(f"mint.nn.functional.{_n}", "activation", _f)
-case("mint.nn.functional.softplus", "activation", F.softplus, grad=False, reason=_NO_GRAD.format("SoftplusGradExt"))
+if tuple(int(v) for v in ms.__version__.split(".")[:2]) >= (2, 10):
+    case("mint.nn.functional.softplus", "activation", F.softplus, grad=False, reason=_NO_GRAD.format("SoftplusGradExt"))
+else:  # MindSpore 2.8 / 2.9 have no CPU kernel for SoftplusExt itself
+    gap("mint.nn.functional.softplus", "activation", F.softplus, "SoftplusExt", grad=False)
 for _n, _f in {"relu": ops.relu, "silu": ops.silu, "gelu": ops.gelu, "relu6": ops.relu6, "softsign": ops.softsign,
                "mish": ops.mish, "elu": ops.elu, "hardswish": ops.hardswish, "softplus": ops.softplus}.items():
     case(f"ops.{_n}", "activation", _f)

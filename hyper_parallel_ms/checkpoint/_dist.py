@@ -9,6 +9,7 @@ Example:
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, List
 
 from .. import _cluster
@@ -25,13 +26,18 @@ class Coordinator:
         self.world_size = _cluster.world_size() if self.distributed else 1
 
     def all_gather(self, obj: Any) -> List[Any]:
-        """Every rank's ``obj``, in rank order (also a barrier)."""
+        """Every rank's ``obj``, in rank order (also a barrier).
+
+        The objects travel as pickled ``bytes``: MindSpore 2.8's ``all_gather_object``
+        unpickles only builtins (a checkpoint's dataclasses are refused), later releases
+        anything, so exchanging bytes works the same on every release.
+        """
         if not self.distributed:
             return [obj]
         from mindspore.mint import distributed as dist
         out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        dist.all_gather_object(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        return [pickle.loads(data) for data in out]
 
     def agree(self, error: str | None) -> None:
         """Barrier that fails on every rank when any rank reports an ``error``."""
