@@ -13,7 +13,7 @@ The output head keeps the logits split over the vocabulary (``Shard(-1)``) and t
 ``ParallelCrossEntropy`` on each rank's piece (loss parallelism: the logits are never gathered);
 ``--no-loss-parallel`` gathers them and takes the one-hot cross-entropy instead.
 
-``--fsdp`` (every mode) also shards parameters, gradients and optimizer state over dp with
+``--fsdp`` also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
 with R replicas of dp/R-way shards.
 Checkpoints: ``--checkpoint-dir DIR --save-every N`` saves the model, the optimizer and the
@@ -242,6 +242,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
 
 def _fsdp_mesh(cfg: TrainConfig):
     """(mesh with dims dp (or dp_replicate, dp_shard) and tp, the dp dim names, this rank's dp index)."""
+    if cfg.mode != "pynative" and cfg.sequence_parallel:
+        raise ValueError("--fsdp with sequence parallelism runs in --mode pynative: compiled, MindSpore's graph "
+                         "compiler fails on the sequence-parallel conversions of fully-sharded blocks (\"The func "
+                         "graph is empty ... all_gather\"); add --no-sequence-parallel to compile it")
     if cfg.dp % cfg.hsdp_replicate:
         raise ValueError(f"--hsdp-replicate {cfg.hsdp_replicate} must divide dp={cfg.dp}")
     device = "cpu" if ms.get_context("device_target") == "CPU" else "npu"

@@ -4,8 +4,8 @@
 # print rank 0's log and summary.
 # Usage: bash scripts/run_tp.sh [--nproc 4] [--tp 2] [--dp 2] [--device CPU|Ascend] [--mode graph|jit|pynative]
 #                               [--steps 10] [--port 8128] [--fsdp [--hsdp-replicate R]] [-- extra train_tp.py flags]
-# --fsdp shards parameters, gradients and optimizer state over dp (fully_shard, in every mode);
-# --hsdp-replicate R makes it HSDP with R replicas.
+# --fsdp shards parameters, gradients and optimizer state over dp (fully_shard, PyNative; the mode
+# defaults to pynative with it); --hsdp-replicate R makes it HSDP with R replicas.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NPROC=4 TP="" DP="" DEVICE=CPU MODE="" STEPS=10 PORT=8128 EXTRA=() FSDP=()
@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument: $1 (see the usage line at the top of $0)" >&2; exit 2 ;;
   esac
 done
-if [ -z "$MODE" ]; then MODE=graph; fi
+if [ -z "$MODE" ]; then MODE=$([ ${#FSDP[@]} -gt 0 ] && echo pynative || echo graph); fi
 TP="${TP:-$(( NPROC >= 2 ? 2 : 1 ))}"
 DP="${DP:-$(( NPROC / TP ))}"
 if [ $(( DP * TP )) -ne "$NPROC" ]; then
