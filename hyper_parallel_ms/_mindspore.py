@@ -334,6 +334,10 @@ def adopt(result: Tensor, cls: type) -> Tensor:
 
 
 # ------------------------------------------------------------ class swaps
+def _defined_by_mindspore(prop: property) -> bool:
+    return getattr(prop.fget, "__module__", "").startswith("mindspore")
+
+
 def cell_subclass(name: str, bases: Tuple[type, ...], namespace: Dict[str, Any]) -> type:
     """A Cell class for a class swap that MindSpore compiles like the classes it extends.
 
@@ -355,7 +359,7 @@ def cell_subclass(name: str, bases: Tuple[type, ...], namespace: Dict[str, Any])
         owner = next((k for k in cls.__mro__ if attr in k.__dict__), cls)
         value = owner.__dict__.get(attr)
         # MindSpore's own Cell properties are its Python-side bookkeeping, never compiled
-        if owner is not cls and isinstance(value, property) and not owner.__module__.startswith("mindspore"):
+        if owner is not cls and isinstance(value, property) and not _defined_by_mindspore(value):
             setattr(cls, attr, value)
     return cls
 

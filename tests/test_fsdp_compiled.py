@@ -21,6 +21,15 @@ def _fsdp_per_block(model, mesh, **kwargs):
     return fully_shard(model, mesh=mesh, **kwargs)
 
 
+def _fsdp_per_dense(model, mesh):
+    """Each Dense its own unit: the Cell holding the parameters is the one fully_shard swaps."""
+    for layer in model.layers:
+        fully_shard(layer.up, mesh=mesh)
+        fully_shard(layer.down, mesh=mesh)
+    fully_shard(model.inp, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _hsdp_per_block(model, **kwargs):
     for layer in model.layers:
         hsdp(layer, **kwargs)
@@ -46,6 +55,7 @@ def test_fully_shard_and_hsdp_in_jit_2_ranks():
     compare(lambda m: _hsdp_per_block(m, threshold=0, optimizer_level="level1"), rank, 2, loss_mesh=mesh,
             mode="jit", steps=2)
     compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, loss_mesh=mesh, mode="jit", steps=1, train=_sum_of_4)
+    compare(lambda m: _fsdp_per_dense(m, mesh), rank, 2, loss_mesh=mesh, mode="jit", steps=2)
     # what a compiled graph cannot do is refused while compiling, naming the fix
     x = ms.Tensor(np.ones((2, 8), np.float32))
     model = _fsdp_per_block(Net(), mesh)
@@ -94,3 +104,4 @@ def test_fully_shard_hsdp_and_tp_compiled_4_ranks():
     # FSDP x TP: Rowwise's bias (a gathered property) read by its output conversion, in GRAPH_MODE
     compare(fsdp_tp, mesh.get_local_rank("dp"), 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6),
             mode="graph", steps=3)
+
