@@ -47,7 +47,7 @@ def _sum_of_4(model, step, x):
     return total_loss / 4, tuple(g / 4 for g in total)
 
 
-@multi_rank(2)
+@multi_rank(2, timeout=600)
 def test_fully_shard_and_hsdp_in_jit_2_ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     rank = mesh.get_local_rank(0)
@@ -71,7 +71,7 @@ def test_fully_shard_and_hsdp_in_jit_2_ranks():
         compiled("jit", GradStep(cast, cast.trainable_params()))(x)
 
 
-@multi_rank(2)
+@multi_rank(2, timeout=600)
 def test_fully_shard_and_hsdp_in_graph_mode_2_ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     rank = mesh.get_local_rank(0)
@@ -85,7 +85,7 @@ def test_fully_shard_and_hsdp_in_graph_mode_2_ranks():
     compare(lambda m: _hsdp_per_block(m, optimizer_level="level3"), rank, 2, loss_mesh=mesh, mode="graph", steps=2)
 
 
-@multi_rank(4)
+@multi_rank(4, timeout=600)
 def test_fully_shard_hsdp_and_tp_compiled_4_ranks():
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
