@@ -16,6 +16,7 @@ import numpy as np
 
 from ._dist import Coordinator
 from ._metadata import CheckpointError
+from ._names import is_param_list, mindspore_names
 from ._pieces import TensorRef, ValueRef, flatten
 from ._reader import CheckpointReader, open_checkpoint
 
@@ -65,17 +66,40 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = Fals
 def _read_all(reader: CheckpointReader, tensors: Dict[str, TensorRef],
               values: Dict[str, ValueRef]) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
     meta = reader.metadata
-    missing = [k for k in tensors if k not in meta.tensors] + [k for k in values if k not in meta.values]
+    names, values = _checkpoint_names(reader, tensors, values)
+    missing = [k for k in tensors if names[k] not in meta.tensors] + [k for k in values if k not in meta.values]
     if missing:
-        shown = ", ".join(repr(k) for k in missing[:_LISTED]) + (" ..." if len(missing) > _LISTED else "")
+        shown = ", ".join(_shown(k, names) for k in missing[:_LISTED]) + (" ..." if len(missing) > _LISTED else "")
         raise CheckpointError(f"{len(missing)} entries of the state dict are not in checkpoint {reader.source}: "
                               f"{shown} (a checkpoint of another model, or other state dict keys?)")
     for key, ref in tensors.items():
-        entry = meta.tensors[key]
+        entry = meta.tensors[names[key]]
         if tuple(entry.shape) != ref.piece.shape or entry.dtype != ref.piece.dtype:
-            raise CheckpointError(f"tensor {key!r}: checkpoint {reader.source} holds shape {tuple(entry.shape)} "
-                                  f"{entry.dtype}, the state dict expects {ref.piece.shape} {ref.piece.dtype}")
+            raise CheckpointError(f"tensor {_shown(key, names)}: checkpoint {reader.source} holds shape "
+                                  f"{tuple(entry.shape)} {entry.dtype}, the state dict expects {ref.piece.shape} "
+                                  f"{ref.piece.dtype}")
     with reader.overlapped_checks():
-        data = {key: reader.read_box(key, ref.piece.offsets, ref.piece.sizes) for key, ref in tensors.items()}
+        data = {key: reader.read_box(names[key], ref.piece.offsets, ref.piece.sizes) for key, ref in tensors.items()}
     return data, {k: meta.values[k] for k in values}
 
+
+def _shown(key: str, names: Dict[str, str]) -> str:
+    return repr(key) if names.get(key, key) == key else f"{key!r} (MindSpore's name {names[key]!r})"
+
+
+def _checkpoint_names(reader: CheckpointReader, tensors: Dict[str, TensorRef],
+                      values: Dict[str, ValueRef]) -> Tuple[Dict[str, str], Dict[str, ValueRef]]:
+    """The checkpoint's key of each tensor, and the values to read. A full MindSpore checkpoint
+    holds its tensors under MindSpore's names (no values, no param lists) and must hold nothing
+    else: a tensor of the file that no entry of the state dict takes is refused."""
+    if not reader.full_file:
+        return {k: k for k in tensors}, values
+    names = mindspore_names({k: ref.piece.shape for k, ref in tensors.items()},
+                            {k: ref.value for k, ref in values.items()})
+    unused = sorted(set(reader.metadata.tensors) - set(names.values()))
+    if unused:
+        shown = ", ".join(repr(k) for k in unused[:_LISTED]) + (" ..." if len(unused) > _LISTED else "")
+        raise CheckpointError(f"{len(unused)} tensors of {reader.source} match no entry of the state dict: {shown} "
+                              "(load the model and the optimizer together as {'model': ..., 'optim': ...}, or "
+                              "export only what this state dict holds)")
+    return names, {k: v for k, v in values.items() if not is_param_list(k)}

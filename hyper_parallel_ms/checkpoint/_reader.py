@@ -34,8 +34,9 @@ class CheckpointReader:
     """Metadata of a checkpoint and verified reads of its chunks."""
 
     def __init__(self, source: str, metadata: Metadata, directory: Optional[str] = None,
-                 arrays: Optional[Dict[str, np.ndarray]] = None) -> None:
+                 arrays: Optional[Dict[str, np.ndarray]] = None, full_file: bool = False) -> None:
         self.source, self.metadata, self.directory, self._arrays = source, metadata, directory, arrays
+        self.full_file = full_file       # a full MindSpore checkpoint: tensors under MindSpore's names
         self._files: Dict[str, SafetensorsFile] = {}
         self._pool: Optional[ThreadPoolExecutor] = None
         self._checks: Optional[List[Tuple[str, Chunk, str, Future]]] = None
@@ -148,7 +149,8 @@ def _full_file(path: str) -> CheckpointReader:
             nbytes = int(np.prod(shape, dtype=np.int64)) * f.dtype(key).itemsize
             chunk = Chunk((0,) * len(shape), shape, os.path.basename(path), key, NO_CHECKSUM, nbytes)
             tensors[key] = TensorEntry(shape, f.dtype(key).name, (chunk,))
-        return CheckpointReader(path, Metadata(tensors), directory=os.path.dirname(os.path.abspath(path)))
+        return CheckpointReader(path, Metadata(tensors), directory=os.path.dirname(os.path.abspath(path)),
+                                full_file=True)
     if path.endswith(".ckpt"):
         import mindspore as ms
         try:
@@ -159,5 +161,5 @@ def _full_file(path: str) -> CheckpointReader:
         tensors = {k: TensorEntry(a.shape, a.dtype.name, (Chunk((0,) * a.ndim, a.shape, os.path.basename(path), k,
                                                                 NO_CHECKSUM, a.nbytes),))
                    for k, a in arrays.items()}
-        return CheckpointReader(path, Metadata(tensors), arrays=arrays)
+        return CheckpointReader(path, Metadata(tensors), arrays=arrays, full_file=True)
     raise CheckpointError(f"{path} is a file but neither a .safetensors nor a .ckpt checkpoint")
