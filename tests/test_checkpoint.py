@@ -232,7 +232,7 @@ def test_a_key_matching_nothing_or_a_tensor_in_another_role_is_refused(tmp_path)
     renamed = {("state.up.weight.moments1" if k == "adam_m.up.weight" else k): v for k, v in arrays.items()}
     with pytest.raises(dcp.CheckpointError, match=r"match no entry.*'state.up.weight.moments1'"):
         load(renamed)                                        # the names of earlier releases
-    with pytest.raises(dcp.CheckpointError, match=r"'optim.state.up.weight.adam_m' \(MindSpore's name "
+    with pytest.raises(dcp.CheckpointError, match=r"'optim.state.up.weight.adam_m' \(checkpoint key "
                                                   r"'adam_m.up.weight'\).*holds shape \(12,\)"):
         load(dict(arrays, **{"adam_m.up.weight": arrays["up.bias"]}))       # the bias's moment on a weight's
     with pytest.raises(dcp.CheckpointError, match=r"match no entry.*'extra'"):

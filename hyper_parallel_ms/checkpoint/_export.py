@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -21,14 +21,16 @@ from ._metadata import CheckpointError
 from ._names import mindspore_names
 from ._reader import open_checkpoint
 from ._safetensors import write_file
+from ._storage import StorageReader
 
 __all__ = ["export_full"]
 
 
-def export_full(checkpoint_id: str, path: str, *, prefix: str = "") -> Dict[str, tuple]:
+def export_full(checkpoint_id: str, path: str, *, prefix: str = "",
+                storage_reader: Optional[StorageReader] = None) -> Dict[str, tuple]:
     """Assemble every tensor whose key starts with ``prefix`` (the prefix removed) into one
     safetensors file at ``path`` under MindSpore's names; returns name -> global shape. Runs in
-    one process, no collectives.
+    one process, no collectives; ``storage_reader`` as for ``load``.
 
     Names (see :mod:`._names`): a state saved as ``{"model": model_sd, "optim": optim_sd}``
     (``get_state_dict``) gives the model's parameter names and the optimizer's
@@ -41,7 +43,7 @@ def export_full(checkpoint_id: str, path: str, *, prefix: str = "") -> Dict[str,
             wrong (an optimizer moment naming no parameter, of another shape than its
             parameter, two keys with one name).
     """
-    reader = open_checkpoint(os.fspath(checkpoint_id))
+    reader = open_checkpoint(checkpoint_id, storage_reader)
     meta = reader.metadata
     shapes = {key[len(prefix):]: tuple(entry.shape) for key, entry in meta.tensors.items() if key.startswith(prefix)}
     if not shapes:
