@@ -341,6 +341,51 @@ def test_a_save_dying_between_the_renames_leaves_the_previous_checkpoint(tmp_pat
     assert state["w"].tolist() == [2, 2, 2] and not os.path.exists(path + ".old")
 
 
+def test_a_save_over_an_existing_checkpoint_replaces_it_atomically(tmp_path):
+    path = str(tmp_path / "c")
+    dcp.save({"w": np.ones(3, np.float32), "a": np.full(2, 7, np.int64)}, checkpoint_id=path)
+    reading = dcp.open_checkpoint(path)                 # a reader that has opened the data file
+    assert reading.read_box("w", (0,), (3,)).tolist() == [1, 1, 1]
+    late = dcp.open_checkpoint(path)                    # a reader that has read the metadata only
+    dcp.save({"w": np.full(3, 2, np.float32), "b": np.zeros(1, np.float32)}, checkpoint_id=path)
+    assert sorted(os.listdir(tmp_path)) == ["c"]        # no .old, no .partial left
+    assert sorted(os.listdir(path)) == ["metadata.json", "rank_0.safetensors"]
+    state = {"w": np.zeros(3, np.float32), "b": np.ones(1, np.float32)}
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [2, 2, 2] and state["b"].tolist() == [0]
+    with pytest.raises(dcp.CheckpointError, match="not in checkpoint .*: 'a'"):
+        dcp.load({"a": np.zeros(2, np.int64)}, checkpoint_id=path)       # nothing of the old one left
+    # the first reader still reads the old checkpoint whole; the second is refused, not mixed
+    assert reading.read_box("a", (0,), (2,)).tolist() == [7, 7] and reading.read_box("w", (0,), (3,)).tolist() == [1] * 3
+    with pytest.raises(dcp.CheckpointError, match="'w'.*was replaced by another save while it was being read"):
+        late.read_box("w", (0,), (3,))
+
+
+def test_a_save_failing_midway_leaves_the_old_checkpoint_whole(tmp_path):
+    path = str(tmp_path / "c")
+    dcp.save({"w": np.ones(3, np.float32), "step": 1}, checkpoint_id=path)
+
+    class DiesWriting(dcp.FileSystemWriter):
+        def write_data(self, rank, arrays, checksums):
+            with open(os.path.join(path + ".partial", "rank_0.safetensors"), "wb") as f:
+                f.write(b"\0" * 100)                    # half a file, then the disk fills up
+            raise OSError("No space left on device")
+
+    class DiesCommitting(dcp.FileSystemWriter):
+        def finish(self, metadata):
+            os.replace(path, path + ".old")              # dies between the two renames of the commit
+            raise OSError("killed")
+    for writer, cause in ((DiesWriting(), "No space left"), (DiesCommitting(), "killed")):
+        with pytest.raises(dcp.CheckpointError, match=cause):
+            dcp.save({"w": np.full(3, 2, np.float32), "step": 2}, checkpoint_id=path, storage_writer=writer)
+        state = {"w": np.zeros(3, np.float32), "step": 0}
+        dcp.load(state, checkpoint_id=path)
+        assert state["w"].tolist() == [1, 1, 1] and state["step"] == 1
+    dcp.save({"w": np.full(3, 3, np.float32), "step": 3}, checkpoint_id=path)        # the next save recovers
+    dcp.load(state, checkpoint_id=path)
+    assert state["step"] == 3 and sorted(os.listdir(tmp_path)) == ["c"]
+
+
 def test_async_save_snapshots_the_state_and_commits_on_result(tmp_path):
     path = str(tmp_path / "c")
     param = ms.Parameter(ms.Tensor(np.arange(4, dtype=np.float32)), name="w")
