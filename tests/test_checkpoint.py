@@ -214,6 +214,19 @@ def test_export_writes_mindspore_optimizer_names_that_strict_loads_resume(tmp_pa
     assert set(dcp.get_optimizer_state_dict(model, opt)["state"]["up.weight"]) == {"mean_square", "moment"}
 
 
+def test_checkpoints_with_the_slot_names_of_earlier_releases_still_load(tmp_path):
+    model, opt = _filled(_OPTIMIZERS["AdamWeightDecay"], 0)
+    model_sd, optim_sd = dcp.get_state_dict(model, opt)
+    earlier = {fqn: {{"adam_m": "moments1", "adam_v": "moments2"}[s]: v for s, v in slots.items()}
+               for fqn, slots in optim_sd["state"].items()}
+    dcp.save({"model": model_sd, "optim": dict(optim_sd, state=earlier)}, checkpoint_id=str(tmp_path / "c"))
+    fresh, fresh_opt = _filled(_OPTIMIZERS["AdamWeightDecay"], 1)
+    dcp.load({"model": dcp.get_model_state_dict(fresh), "optim": dcp.get_optimizer_state_dict(fresh, fresh_opt)},
+             checkpoint_id=str(tmp_path / "c"))
+    for k, p in opt.parameters_dict().items():
+        np.testing.assert_array_equal(fresh_opt.parameters_dict()[k].asnumpy(), p.asnumpy(), err_msg=k)
+
+
 def test_a_key_matching_nothing_or_a_tensor_in_another_role_is_refused(tmp_path):
     from hyper_parallel_ms.checkpoint._names import mindspore_names
     model, opt = _filled(_OPTIMIZERS["AdamWeightDecay"], 0)

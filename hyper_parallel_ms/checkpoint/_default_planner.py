@@ -36,6 +36,17 @@ from ._safetensors import crc32
 __all__ = ["DefaultSavePlanner", "DefaultLoadPlanner", "LoadPlan"]
 
 _LISTED = 8
+# optimizer slots saved by earlier releases under the optimizer's attribute names
+_EARLIER_SLOTS = {"adam_m": "moments1", "adam_v": "moments2", "lamb_m": "moments1", "lamb_v": "moments2",
+                  "mean_square": "ms"}
+
+
+def _saved_key(key: str, metadata: Metadata) -> str:
+    """``key``, or the name an earlier release saved that optimizer slot under
+    (``state.<fqn>.moments1`` for ``adam_m``) when only that one is in the checkpoint."""
+    head, _, slot = key.rpartition(".")
+    earlier = f"{head}.{_EARLIER_SLOTS[slot]}" if slot in _EARLIER_SLOTS and ".state." in f".{head}" else None
+    return earlier if key not in metadata.tensors and earlier in metadata.tensors else key
 
 
 class DefaultSavePlanner:
@@ -92,7 +103,7 @@ class DefaultLoadPlanner:
         MindSpore's names and no values (param lists are structure, not read), and must hold
         nothing else: a tensor of the file that no entry takes is refused."""
         if not self.full_file:
-            return LoadPlan({k: k for k in self.tensors}, {k: k for k in self.values})
+            return LoadPlan({k: _saved_key(k, self.metadata) for k in self.tensors}, {k: k for k in self.values})
         names = mindspore_names({k: ref.piece.shape for k, ref in self.tensors.items()},
                                 {k: ref.value for k, ref in self.values.items()})
         unused = sorted(set(self.metadata.tensors) - set(names.values()))
