@@ -137,6 +137,7 @@ class FileSystemReader(StorageReader):
         if chunk.file not in self._files:
             path = self.location(chunk)
             if not os.path.exists(path):
+                self._check_not_replaced(key)
                 raise CheckpointError(f"tensor {key!r}: its data file {path} is missing (the checkpoint "
                                       f"{self.source} is incomplete)")
             opened = SafetensorsFile(path)

@@ -9,7 +9,6 @@ Example::
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np

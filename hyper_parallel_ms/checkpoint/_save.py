@@ -62,15 +62,22 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         The :class:`Metadata` of this checkpoint (on ranks not coordinating: this rank's part).
     """
     world = Coordinator(distributed=not no_dist)
-    writer = storage_writer if storage_writer is not None else FileSystemWriter()
-    writer.reset(None if checkpoint_id is None else os.fspath(checkpoint_id))
-    planner = planner if planner is not None else DefaultSavePlanner()
-    planner.set_up_planner(state_dict, is_coordinator=world.rank == 0)
+    writer, planner = _set_up(state_dict, checkpoint_id, storage_writer, planner, world)
     if not use_collectives and world.world_size > 1:
         return _save_rank_local(planner, writer, world.rank, world.world_size)
     job = _SaveJob(planner, writer, world, remove_redundancy, save_to_minimum_rank)
     job.write()
     return job.finish()
+
+
+def _set_up(state_dict: Dict[str, Any], checkpoint_id: Optional[str], writer: Optional[StorageWriter],
+            planner: Optional[DefaultSavePlanner], coord: Coordinator) -> Tuple[StorageWriter, DefaultSavePlanner]:
+    """The writer reset to ``checkpoint_id`` and the planner set up (defaults where ``None``)."""
+    writer = writer if writer is not None else FileSystemWriter()
+    writer.reset(None if checkpoint_id is None else os.fspath(checkpoint_id))
+    planner = planner if planner is not None else DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=coord.rank == 0)
+    return writer, planner
 
 
 class _SaveJob:
@@ -99,7 +106,7 @@ class _SaveJob:
         try:
             self.written = _write_pieces(self.pieces, self.arrays, self.writer, self.coord.rank)
         except Exception as exc:  # every rank must reach the collectives of finish()
-            self.error = f"writing failed: {_described(exc)}"
+            self.error = f"writing to {_target(self.writer)} failed: {_described(exc)}"
         self.arrays = {}
 
     def finish(self) -> Metadata:
@@ -160,6 +167,7 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     """:func:`save` whose file writing overlaps the caller's next steps. The pieces are
     copied to host memory before it returns (the state may change afterwards); call
     ``.result()`` on every rank to commit (the checkpoint is not visible before).
+    ``storage_writer`` and ``planner`` as for :func:`save`.
 
     Example::
 
@@ -168,10 +176,7 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
         pending.result()                    # every rank: committed
     """
     coord = Coordinator(distributed=not no_dist)
-    writer = storage_writer if storage_writer is not None else FileSystemWriter()
-    writer.reset(None if checkpoint_id is None else os.fspath(checkpoint_id))
-    planner = planner if planner is not None else DefaultSavePlanner()
-    planner.set_up_planner(state_dict, is_coordinator=coord.rank == 0)
+    writer, planner = _set_up(state_dict, checkpoint_id, storage_writer, planner, coord)
     return AsyncSave(_SaveJob(planner, writer, coord, remove_redundancy, save_to_minimum_rank, snapshot=True))
 
 
