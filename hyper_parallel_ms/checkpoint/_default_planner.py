@@ -88,10 +88,15 @@ class LoadPlan:
 
 class DefaultLoadPlanner:
     """Every entry of the state dict, from the checkpoint key of the same name (from
-    MindSpore's name, for a full MindSpore checkpoint)."""
+    MindSpore's name, for a full MindSpore checkpoint). ``allow_unused``: a full MindSpore
+    checkpoint may hold tensors that no entry takes (e.g. the model alone from a file that
+    also holds the optimizer); by default they are refused."""
 
     tensors: Dict[str, TensorRef]
     values: Dict[str, ValueRef]
+
+    def __init__(self, *, allow_unused: bool = False) -> None:
+        self.allow_unused = allow_unused
 
     def set_up_planner(self, state_dict: Dict[str, Any], metadata: Metadata, *, full_file: bool = False) -> None:
         """Flatten ``state_dict`` into :attr:`tensors` and :attr:`values` (what may be filled)."""
@@ -107,9 +112,10 @@ class DefaultLoadPlanner:
         names = mindspore_names({k: ref.piece.shape for k, ref in self.tensors.items()},
                                 {k: ref.value for k, ref in self.values.items()})
         unused = sorted(set(self.metadata.tensors) - set(names.values()))
-        if unused:
+        if unused and not self.allow_unused:
             shown = ", ".join(repr(k) for k in unused[:_LISTED]) + (" ..." if len(unused) > _LISTED else "")
             raise CheckpointError(f"{len(unused)} tensors of the checkpoint match no entry of the state dict: {shown} "
-                                  "(load the model and the optimizer together as {'model': ..., 'optim': ...}, or "
-                                  "export only what this state dict holds)")
+                                  "(load the model and the optimizer together as {'model': ..., 'optim': ...}, export "
+                                  "only what this state dict holds, or pass planner=DefaultLoadPlanner("
+                                  "allow_unused=True))")
         return LoadPlan(names, {k: k for k in self.values if not is_param_list(k)})
