@@ -258,6 +258,8 @@ def test_a_key_matching_nothing_or_a_tensor_in_another_role_is_refused(tmp_path)
     dcp.load({"model": dcp.get_model_state_dict(fresh)}, checkpoint_id=str(tmp_path / "full.safetensors"),
              planner=dcp.DefaultLoadPlanner(allow_unused=True))              # the model alone, asked for
     np.testing.assert_array_equal(fresh.up.weight.asnumpy(), model.up.weight.asnumpy())
+    assert mindspore_names({"model.w": (2,)}, {"step": 1}) == {"model.w": "w"}          # {"model": ...} alone
+    assert mindspore_names({"model.w": (2,), "x": (1,)}, {}) == {"model.w": "model.w", "x": "x"}   # a bare dict
     groups = {"optim.param_groups.0.params": ["w"]}
     with pytest.raises(dcp.CheckpointError, match="names no parameter"):
         mindspore_names({"model.w": (2,), "optim.state.v.adam_m": (2,)}, groups)

@@ -36,7 +36,8 @@ def export_full(checkpoint_id: str, path: str, *, prefix: str = "",
     (``get_state_dict``) gives the model's parameter names and the optimizer's
     (``adam_m.<fqn>``, ``moments.<fqn>``, ``global_step``, ``beta1_power``, ...), so that
     ``load_param_into_net(net, ...)`` and ``load_param_into_net(optimizer, ...)`` resume on one
-    device; ``prefix="model."`` exports the model alone, ``prefix="optim."`` the optimizer alone.
+    device (a state saved as ``{"model": model_sd}`` gives the parameter names too);
+    ``prefix="model."`` exports the model alone, ``prefix="optim."`` the optimizer alone.
 
     Raises:
         CheckpointError: no tensor under ``prefix``, or keys whose MindSpore names would be

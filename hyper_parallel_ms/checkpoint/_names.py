@@ -8,7 +8,8 @@ Flat keys (as :func:`~hyper_parallel_ms.checkpoint.save` stores them) map by rol
   lists of parameter names): the moment ``R.state.<fqn>.<slot>`` is ``<slot>.<fqn>``
   (``adam_m.fc.weight``: the slots are named as MindSpore's optimizers name their moments) and
   ``R.param_groups.<i>.<name>`` is ``<name>`` (``global_step``, ``beta1_power``, ...);
-- beside an optimizer, the model state dict under ``"model"``: ``model.<fqn>`` is ``<fqn>``;
+- the model state dict under ``"model"`` (beside an optimizer, or alone: every tensor under
+  ``"model"``): ``model.<fqn>`` is ``<fqn>``;
 - any other key keeps its name (a bare model state dict: its keys are the parameter names).
 
 A key of an optimizer that names no parameter, a moment whose shape differs from its
@@ -77,6 +78,7 @@ def mindspore_names(shapes: Mapping[str, Tuple[int, ...]], values: Mapping[str, 
     """Flat tensor key -> MindSpore name, for the keys of ``shapes`` (key -> global shape);
     ``values``: the non-tensor values of the same state dict (the ``params`` lists)."""
     roots = _optimizer_roots(values)
+    model_root = bool(roots) or all(_under(key, MODEL_ROOT) is not None for key in shapes)
     names: Dict[str, str] = {}
     moments: Dict[str, str] = {}
     for key in shapes:
@@ -85,7 +87,7 @@ def mindspore_names(shapes: Mapping[str, Tuple[int, ...]], values: Mapping[str, 
             names[key], fqn = _optimizer_name(key, _under(key, root), roots[root])
             if fqn is not None:
                 moments[key] = fqn
-        elif roots and _under(key, MODEL_ROOT) is not None:
+        elif model_root and _under(key, MODEL_ROOT) is not None:
             names[key] = _under(key, MODEL_ROOT)
         else:
             names[key] = key
