@@ -174,6 +174,101 @@ def test_export_to_mindspore_and_import_full_checkpoint(tmp_path):
         np.testing.assert_array_equal(fresh.up.weight.asnumpy(), model.up.weight.asnumpy())
 
 
+_OPTIMIZERS = {"AdamWeightDecay": lambda p: nn.AdamWeightDecay(p, 0.01), "Adam": lambda p: nn.Adam(p, 0.01),
+               "Momentum": lambda p: nn.Momentum(p, 0.01, 0.9), "SGD": lambda p: nn.SGD(p, 0.01, momentum=0.9),
+               "Lamb": lambda p: nn.Lamb(p, 0.01), "Adagrad": lambda p: nn.Adagrad(p, learning_rate=0.01),
+               "RMSProp": lambda p: nn.RMSProp(p, 0.01)}
+
+
+def _filled(make, seed: int):
+    """A model and its optimizer whose every Parameter holds distinct values (``seed``)."""
+    ms.set_seed(seed)
+    model = MLP()
+    opt = make(model.trainable_params())
+    rng = np.random.default_rng(seed)
+    for p in opt.parameters_dict().values():          # the model's weights, moments, step, lr, powers
+        p.set_data(ms.Tensor(rng.integers(1, 50, p.shape).astype(p.asnumpy().dtype)))
+    return model, opt
+
+
+def test_export_writes_mindspore_optimizer_names_that_strict_loads_resume(tmp_path):
+    for name, make in _OPTIMIZERS.items():
+        model, opt = _filled(make, 0)
+        model_sd, optim_sd = dcp.get_state_dict(model, opt)
+        path = str(tmp_path / name)
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": 2}, checkpoint_id=path)
+        dcp.export_full(path, path + ".safetensors")
+        params = ms.load_checkpoint(path + ".safetensors", format="safetensors")
+        assert set(params) == set(opt.parameters_dict()), name       # nothing more, nothing less
+        fresh, fresh_opt = _filled(make, 1)
+        not_loaded, rest = ms.load_param_into_net(fresh, params, strict_load=True)
+        assert not_loaded == [] and sorted(rest) == sorted(set(params) - set(dict(fresh.parameters_and_names())))
+        not_loaded, _ = ms.load_param_into_net(fresh_opt, params, strict_load=True)
+        assert not_loaded == [], (name, not_loaded)
+        again, again_opt = _filled(make, 2)                  # the exported file imported by load
+        dcp.load({"model": dcp.get_model_state_dict(again), "optim": dcp.get_optimizer_state_dict(again, again_opt)},
+                 checkpoint_id=path + ".safetensors")
+        for k, p in opt.parameters_dict().items():
+            np.testing.assert_array_equal(fresh_opt.parameters_dict()[k].asnumpy(), p.asnumpy(), err_msg=f"{name} {k}")
+            np.testing.assert_array_equal(again_opt.parameters_dict()[k].asnumpy(), p.asnumpy(), err_msg=f"{name} {k}")
+    assert set(dcp.get_optimizer_state_dict(model, opt)["state"]["up.weight"]) == {"mean_square", "moment"}
+
+
+def test_checkpoints_with_the_slot_names_of_earlier_releases_still_load(tmp_path):
+    model, opt = _filled(_OPTIMIZERS["AdamWeightDecay"], 0)
+    model_sd, optim_sd = dcp.get_state_dict(model, opt)
+    earlier = {fqn: {{"adam_m": "moments1", "adam_v": "moments2"}[s]: v for s, v in slots.items()}
+               for fqn, slots in optim_sd["state"].items()}
+    dcp.save({"model": model_sd, "optim": dict(optim_sd, state=earlier)}, checkpoint_id=str(tmp_path / "c"))
+    fresh, fresh_opt = _filled(_OPTIMIZERS["AdamWeightDecay"], 1)
+    dcp.load({"model": dcp.get_model_state_dict(fresh), "optim": dcp.get_optimizer_state_dict(fresh, fresh_opt)},
+             checkpoint_id=str(tmp_path / "c"))
+    for k, p in opt.parameters_dict().items():
+        np.testing.assert_array_equal(fresh_opt.parameters_dict()[k].asnumpy(), p.asnumpy(), err_msg=k)
+
+
+def test_a_key_matching_nothing_or_a_tensor_in_another_role_is_refused(tmp_path):
+    from hyper_parallel_ms.checkpoint._names import mindspore_names
+    model, opt = _filled(_OPTIMIZERS["AdamWeightDecay"], 0)
+    dcp.save({"model": dcp.get_model_state_dict(model), "optim": dcp.get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path / "c"))
+    dcp.export_full(str(tmp_path / "c"), str(tmp_path / "full.safetensors"))
+    arrays = {k: SafetensorsFile(str(tmp_path / "full.safetensors")).read(k) for k in
+              SafetensorsFile(str(tmp_path / "full.safetensors")).keys()}
+    fresh, fresh_opt = _filled(_OPTIMIZERS["AdamWeightDecay"], 1)
+    before = _snapshot(fresh, fresh_opt)
+
+    def load(named):
+        write_file(str(tmp_path / "x.safetensors"), named)
+        dcp.load({"model": dcp.get_model_state_dict(fresh), "optim": dcp.get_optimizer_state_dict(fresh, fresh_opt)},
+                 checkpoint_id=str(tmp_path / "x.safetensors"))
+    renamed = {("state.up.weight.moments1" if k == "adam_m.up.weight" else k): v for k, v in arrays.items()}
+    with pytest.raises(dcp.CheckpointError, match=r"match no entry.*'state.up.weight.moments1'"):
+        load(renamed)                                        # the names of earlier releases
+    with pytest.raises(dcp.CheckpointError, match=r"'optim.state.up.weight.adam_m' \(checkpoint key "
+                                                  r"'adam_m.up.weight'\).*holds shape \(12,\)"):
+        load(dict(arrays, **{"adam_m.up.weight": arrays["up.bias"]}))       # the bias's moment on a weight's
+    with pytest.raises(dcp.CheckpointError, match=r"match no entry.*'extra'"):
+        load(dict(arrays, extra=arrays["up.bias"]))
+    with pytest.raises(dcp.CheckpointError, match="match no entry of the state dict: .adam_m"):
+        dcp.load({"model": dcp.get_model_state_dict(fresh)}, checkpoint_id=str(tmp_path / "full.safetensors"))
+    assert _snapshot(fresh, fresh_opt).keys() == before.keys()
+    for k, v in _snapshot(fresh, fresh_opt).items():
+        np.testing.assert_array_equal(v, before[k], err_msg=f"{k} changed by a refused load")
+    dcp.load({"model": dcp.get_model_state_dict(fresh)}, checkpoint_id=str(tmp_path / "full.safetensors"),
+             planner=dcp.DefaultLoadPlanner(allow_unused=True))              # the model alone, asked for
+    np.testing.assert_array_equal(fresh.up.weight.asnumpy(), model.up.weight.asnumpy())
+    assert mindspore_names({"model.w": (2,)}, {"step": 1}) == {"model.w": "w"}          # {"model": ...} alone
+    assert mindspore_names({"model.w": (2,), "x": (1,)}, {}) == {"model.w": "model.w", "x": "x"}   # a bare dict
+    groups = {"optim.param_groups.0.params": ["w"]}
+    with pytest.raises(dcp.CheckpointError, match="names no parameter"):
+        mindspore_names({"model.w": (2,), "optim.state.v.adam_m": (2,)}, groups)
+    with pytest.raises(dcp.CheckpointError, match=r"moment 'optim.state.w.adam_m' has shape \(3,\)"):
+        mindspore_names({"model.w": (2,), "optim.state.w.adam_m": (3,)}, groups)
+    with pytest.raises(dcp.CheckpointError, match="both have MindSpore's name 'adam_m.w'"):
+        mindspore_names({"model.adam_m.w": (2,), "model.w": (2,), "optim.state.w.adam_m": (2,)}, groups)
+
+
 # ------------------------------------------------------------------ faults
 def _saved(tmp_path):
     model, opt = _trained(0)
@@ -262,6 +357,51 @@ def test_a_save_dying_between_the_renames_leaves_the_previous_checkpoint(tmp_pat
     dcp.save({"w": np.full(3, 2, np.float32)}, checkpoint_id=path)
     dcp.load(state, checkpoint_id=path)
     assert state["w"].tolist() == [2, 2, 2] and not os.path.exists(path + ".old")
+
+
+def test_a_save_over_an_existing_checkpoint_replaces_it_atomically(tmp_path):
+    path = str(tmp_path / "c")
+    dcp.save({"w": np.ones(3, np.float32), "a": np.full(2, 7, np.int64)}, checkpoint_id=path)
+    reading = dcp.open_checkpoint(path)                 # a reader that has opened the data file
+    assert reading.read_box("w", (0,), (3,)).tolist() == [1, 1, 1]
+    late = dcp.open_checkpoint(path)                    # a reader that has read the metadata only
+    dcp.save({"w": np.full(3, 2, np.float32), "b": np.zeros(1, np.float32)}, checkpoint_id=path)
+    assert sorted(os.listdir(tmp_path)) == ["c"]        # no .old, no .partial left
+    assert sorted(os.listdir(path)) == ["metadata.json", "rank_0.safetensors"]
+    state = {"w": np.zeros(3, np.float32), "b": np.ones(1, np.float32)}
+    dcp.load(state, checkpoint_id=path)
+    assert state["w"].tolist() == [2, 2, 2] and state["b"].tolist() == [0]
+    with pytest.raises(dcp.CheckpointError, match="not in checkpoint .*: 'a'"):
+        dcp.load({"a": np.zeros(2, np.int64)}, checkpoint_id=path)       # nothing of the old one left
+    # the first reader still reads the old checkpoint whole; the second is refused, not mixed
+    assert reading.read_box("a", (0,), (2,)).tolist() == [7, 7] and reading.read_box("w", (0,), (3,)).tolist() == [1] * 3
+    with pytest.raises(dcp.CheckpointError, match="'w'.*was replaced by another save while it was being read"):
+        late.read_box("w", (0,), (3,))
+
+
+def test_a_save_failing_midway_leaves_the_old_checkpoint_whole(tmp_path):
+    path = str(tmp_path / "c")
+    dcp.save({"w": np.ones(3, np.float32), "step": 1}, checkpoint_id=path)
+
+    class DiesWriting(dcp.FileSystemWriter):
+        def write_data(self, rank, arrays, checksums):
+            with open(os.path.join(path + ".partial", "rank_0.safetensors"), "wb") as f:
+                f.write(b"\0" * 100)                    # half a file, then the disk fills up
+            raise OSError("No space left on device")
+
+    class DiesCommitting(dcp.FileSystemWriter):
+        def finish(self, metadata):
+            os.replace(path, path + ".old")              # dies between the two renames of the commit
+            raise OSError("killed")
+    for writer, cause in ((DiesWriting(), "No space left"), (DiesCommitting(), "killed")):
+        with pytest.raises(dcp.CheckpointError, match=cause):
+            dcp.save({"w": np.full(3, 2, np.float32), "step": 2}, checkpoint_id=path, storage_writer=writer)
+        state = {"w": np.zeros(3, np.float32), "step": 0}
+        dcp.load(state, checkpoint_id=path)
+        assert state["w"].tolist() == [1, 1, 1] and state["step"] == 1
+    dcp.save({"w": np.full(3, 3, np.float32), "step": 3}, checkpoint_id=path)        # the next save recovers
+    dcp.load(state, checkpoint_id=path)
+    assert state["step"] == 3 and sorted(os.listdir(tmp_path)) == ["c"]
 
 
 def test_async_save_snapshots_the_state_and_commits_on_result(tmp_path):

@@ -225,7 +225,7 @@ def test_training_resumed_from_a_checkpoint_matches_the_uninterrupted_run():
 
 @multi_rank(WORLD)
 def test_a_rank_failing_fails_every_rank_and_changes_nothing():
-    from hyper_parallel_ms.checkpoint import _save
+    from hyper_parallel_ms.checkpoint import _filesystem
     base = _shared_dir()
     rank = ms.communication.get_rank()
     path = os.path.join(base, "ckpt")
@@ -237,18 +237,18 @@ def test_a_rank_failing_fails_every_rank_and_changes_nothing():
         dcp.save(state, checkpoint_id=path)
         # a second save to the same id dies on rank 1 (disk full): every rank raises, nothing is committed
         dcp.set_state_dict(model, opt, model_state_dict=_expected(2)[0], optim_state_dict=_expected(2)[1])
-        real = _save.write_file
+        real = _filesystem.write_file
 
         def disk_full(*args, **kwargs):
             raise OSError("No space left on device")
-        _save.write_file = disk_full if rank == 1 else real
+        _filesystem.write_file = disk_full if rank == 1 else real
         try:
             dcp.save(state, checkpoint_id=path)
             raise AssertionError("save succeeded although rank 1 failed")
         except dcp.CheckpointError as exc:
             assert "nothing was committed" in str(exc) and "rank 1: writing" in str(exc) and "No space" in str(exc)
         finally:
-            _save.write_file = real
+            _filesystem.write_file = real
         dcp.load(state, checkpoint_id=path)                          # the previous checkpoint is intact
         assert _check_pieces(state, 1, "previous checkpoint after a failed save") == 16
         # a corrupted file read by rank 2 only: every rank fails before any value changes
@@ -319,7 +319,7 @@ def test_example_saves_every_n_steps_and_resumes_on_another_layout():
 def save_then_die_midway(base: str) -> None:
     """Rank function: a committed save, then a second save to the same id during which rank 1
     is killed half-way through writing its file."""
-    from hyper_parallel_ms.checkpoint import _save
+    from hyper_parallel_ms.checkpoint import _filesystem
     model, _ = build("fsdp")
     opt = nn.Adam(model.trainable_params(), learning_rate=0.01)
     dcp.set_state_dict(model, opt, model_state_dict=_expected(1)[0], optim_state_dict=_expected(1)[1])
@@ -332,7 +332,7 @@ def save_then_die_midway(base: str) -> None:
                 f.write(b"\0" * 1000)
                 f.flush()
             os._exit(9)
-        _save.write_file = killed_while_writing
+        _filesystem.write_file = killed_while_writing
     dcp.save(state, checkpoint_id=os.path.join(base, "ckpt"))
 
 

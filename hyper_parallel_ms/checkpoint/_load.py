@@ -9,73 +9,93 @@ Example::
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from ._default_planner import DefaultLoadPlanner, LoadPlan
 from ._dist import Coordinator
 from ._metadata import CheckpointError
-from ._pieces import TensorRef, ValueRef, flatten
 from ._reader import CheckpointReader, open_checkpoint
+from ._storage import StorageReader
 
 __all__ = ["load"]
 
 _LISTED = 8
 
 
-def load(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = False,
-         use_collectives: bool = True) -> None:
+def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
+         storage_reader: Optional[StorageReader] = None, planner: Optional[DefaultLoadPlanner] = None,
+         no_dist: bool = False, use_collectives: bool = True) -> None:
     """Load a checkpoint into ``state_dict`` in place (PyTorch DCP's ``load``).
 
     Tensors are resharded from the saved layout to the layout of each value (DTensor,
     sharded Parameter, :class:`ShardedTensor`, plain tensor); Parameters are updated in
     place, non-tensor values are replaced in their dict. ``checkpoint_id`` may also be a
-    full MindSpore checkpoint (``.safetensors`` or ``.ckpt``), imported into any layout.
+    full MindSpore checkpoint (``.safetensors`` or ``.ckpt``), imported into any layout: its
+    tensors are matched by MindSpore's names (``{"model": ..., "optim": ...}`` from
+    ``get_state_dict`` takes the weights and the optimizer's moments and scalars), and a
+    tensor of the file that matches no entry is refused.
 
-    Every key of ``state_dict`` must be in the checkpoint, with the same global shape and
-    dtype; the data is checked (sizes, CRC-32) before any value changes. With
-    ``use_collectives`` (and not ``no_dist``) the ranks also agree that all of them
-    succeeded before any of them assigns, so that a failure leaves every rank unchanged.
+    Every entry the planner asks for (by default: every key of ``state_dict``) must be in the
+    checkpoint, with the same global shape and dtype; the data is checked (sizes, CRC-32)
+    before any value changes. With ``use_collectives`` (and not ``no_dist``) the ranks also
+    agree that all of them succeeded, and read the same save, before any of them assigns, so
+    that a failure leaves every rank unchanged.
+
+    Args:
+        storage_reader: where the data comes from (default :class:`FileSystemReader`).
+        planner: which entries are filled from which checkpoint keys (default
+            :class:`DefaultLoadPlanner`; subclass it to filter or rename keys).
 
     Raises:
         CheckpointError: naming the tensor and the file (missing, truncated, corrupted,
             mismatched or a checkpoint of another model).
     """
-    checkpoint_id = os.fspath(checkpoint_id)
-    tensors, values = flatten(state_dict, for_save=False)
+    planner = planner if planner is not None else DefaultLoadPlanner()
     coord = Coordinator(distributed=use_collectives and not no_dist)
-    staged, error = None, None
+    staged, error, save_id = None, None, None
     try:
-        staged = _read_all(open_checkpoint(checkpoint_id), tensors, values)
+        reader = open_checkpoint(checkpoint_id, storage_reader)
+        save_id = reader.metadata.save_id
+        planner.set_up_planner(state_dict, reader.metadata, full_file=reader.full_file)
+        staged = _read_all(reader, planner, planner.create_local_plan())
     except Exception as exc:  # every rank must reach the agreement below
         if not coord.distributed:
             raise
         error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-
+    ids = coord.all_gather(save_id)
+    if error is None and len({i for i in ids if i is not None}) > 1:
+        error = f"the ranks read different saves of {checkpoint_id} (it was replaced during the load); load again"
     coord.agree(error)
     data, new_values = staged
     for key, array in data.items():
-        tensors[key].assign(array)
+        planner.tensors[key].assign(array)
     for key, value in new_values.items():
-        ref = values[key]
+        ref = planner.values[key]
         ref.container[ref.index] = value
 
 
-def _read_all(reader: CheckpointReader, tensors: Dict[str, TensorRef],
-              values: Dict[str, ValueRef]) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
-    meta = reader.metadata
-    missing = [k for k in tensors if k not in meta.tensors] + [k for k in values if k not in meta.values]
+def _read_all(reader: CheckpointReader, planner: DefaultLoadPlanner,
+              plan: LoadPlan) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
+    meta, names = reader.metadata, plan.tensors
+    missing = [k for k, n in names.items() if n not in meta.tensors] + [
+        k for k, n in plan.values.items() if n not in meta.values]
     if missing:
-        shown = ", ".join(repr(k) for k in missing[:_LISTED]) + (" ..." if len(missing) > _LISTED else "")
+        shown = ", ".join(_shown(k, names) for k in missing[:_LISTED]) + (" ..." if len(missing) > _LISTED else "")
         raise CheckpointError(f"{len(missing)} entries of the state dict are not in checkpoint {reader.source}: "
                               f"{shown} (a checkpoint of another model, or other state dict keys?)")
-    for key, ref in tensors.items():
-        entry = meta.tensors[key]
-        if tuple(entry.shape) != ref.piece.shape or entry.dtype != ref.piece.dtype:
-            raise CheckpointError(f"tensor {key!r}: checkpoint {reader.source} holds shape {tuple(entry.shape)} "
-                                  f"{entry.dtype}, the state dict expects {ref.piece.shape} {ref.piece.dtype}")
+    for key, name in names.items():
+        piece, entry = planner.tensors[key].piece, meta.tensors[name]
+        if tuple(entry.shape) != piece.shape or entry.dtype != piece.dtype:
+            raise CheckpointError(f"tensor {_shown(key, names)}: checkpoint {reader.source} holds shape "
+                                  f"{tuple(entry.shape)} {entry.dtype}, the state dict expects {piece.shape} "
+                                  f"{piece.dtype}")
     with reader.overlapped_checks():
-        data = {key: reader.read_box(key, ref.piece.offsets, ref.piece.sizes) for key, ref in tensors.items()}
-    return data, {k: meta.values[k] for k in values}
+        data = {key: reader.read_box(name, planner.tensors[key].piece.offsets, planner.tensors[key].piece.sizes)
+                for key, name in names.items()}
+    return data, {k: meta.values[n] for k, n in plan.values.items()}
 
+
+def _shown(key: str, names: Dict[str, str]) -> str:
+    return repr(key) if names.get(key, key) == key else f"{key!r} (checkpoint key {names[key]!r})"

@@ -70,11 +70,12 @@ class Metadata:
     tensors: Dict[str, TensorEntry]
     values: Dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
+    save_id: str = ""                # unique per save: tells two saves to the same id apart
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "version": VERSION,
                            "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
-                           "values": self.values, "world_size": self.world_size}, indent=1)
+                           "values": self.values, "world_size": self.world_size, "save_id": self.save_id}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, source: str = "metadata") -> "Metadata":
@@ -87,4 +88,4 @@ class Metadata:
         if d.get("version") != VERSION:
             raise CheckpointError(f"{source} has format version {d.get('version')}; this release reads {VERSION}")
         return cls({k: TensorEntry.from_json(v) for k, v in d["tensors"].items()}, dict(d["values"]),
-                   int(d.get("world_size", 1)))
+                   int(d.get("world_size", 1)), str(d.get("save_id", "")))

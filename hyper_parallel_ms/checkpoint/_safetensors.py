@@ -102,14 +102,15 @@ def write_file(path: str, arrays: Mapping[str, np.ndarray], metadata: Optional[D
 
 
 class SafetensorsFile:
-    """A safetensors file opened for reading single tensors (header parsed once; the data
-    memory-mapped on first use: a committed checkpoint is never modified)."""
+    """A safetensors file opened for reading single tensors: opened once, its header parsed
+    and its data memory-mapped from that one open (a file replaced or removed afterwards is
+    still read whole, as it was; only the pages touched are read)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            size = os.path.getsize(path)
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 raw = f.read(8)
                 if len(raw) < 8:
                     raise CheckpointError(f"{path} is truncated: {size} bytes, no safetensors header")
@@ -118,13 +119,15 @@ class SafetensorsFile:
                     raise CheckpointError(f"{path} is truncated or corrupted: header of {length} bytes in a "
                                           f"file of {size} bytes")
                 header = json.loads(f.read(length))
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError as exc:
             raise CheckpointError(f"checkpoint file {path} is missing") from exc
         except ValueError as exc:
             raise CheckpointError(f"{path} has a corrupted safetensors header ({exc})") from exc
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path} has a corrupted safetensors header (not a JSON object)")
         self.data_start = 8 + length
         self.size = size
-        self._map: Optional[mmap.mmap] = None
         self.metadata: Dict[str, str] = header.pop("__metadata__", None) or {}
         self.entries: Dict[str, dict] = header
 
@@ -157,9 +160,6 @@ class SafetensorsFile:
                                   f"{dtype}: corrupted header")
         if not nbytes:
             return np.empty(shape, dtype)
-        if self._map is None:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=self.data_start + begin)
         return raw.view(dtype).reshape(shape)
 

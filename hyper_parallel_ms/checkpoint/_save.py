@@ -1,5 +1,5 @@
-"""``save``: every rank writes the chunks it was given by the write plan into its own
-safetensors file; the coordinator writes the metadata and commits the directory.
+"""``save``: every rank writes the chunks it was given by the write plan through the storage
+writer (by default one safetensors file per rank); the coordinator commits the metadata.
 
 Example::
 
@@ -9,43 +9,46 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import replace
+import uuid
 from math import prod
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._commit import commit, prepare_staging, staging_dir, write_durable
+from ._default_planner import DefaultSavePlanner
 from ._dist import Coordinator
-from ._metadata import METADATA_FILE, CheckpointError, Chunk, Metadata, TensorEntry
-from ._pieces import TensorRef, flatten
-from ._planner import Piece, chunk_key, plan_writes
-from ._safetensors import crc32, write_file
+from ._filesystem import FileSystemWriter
+from ._metadata import CheckpointError, Chunk, Metadata, TensorEntry
+from ._planner import Piece, chunk_key
+from ._storage import StorageWriter, StoredChunk
 
-__all__ = ["save", "async_save", "AsyncSave", "data_file_name", "rank_metadata_name"]
-
-
-def data_file_name(rank: int) -> str:
-    return f"rank_{rank}.safetensors"
+__all__ = ["save", "async_save", "AsyncSave"]
 
 
-def rank_metadata_name(rank: int) -> str:
-    return f"metadata_rank_{rank}.json"
-
-
-def save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = False, use_collectives: bool = True,
-         remove_redundancy: bool = True, save_to_minimum_rank: bool = True) -> Metadata:
+def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
+         storage_writer: Optional[StorageWriter] = None, planner: Optional[DefaultSavePlanner] = None,
+         no_dist: bool = False, use_collectives: bool = True, remove_redundancy: bool = True,
+         save_to_minimum_rank: bool = True) -> Metadata:
     """Save a state dict of pieces (PyTorch DCP's ``save``, HyperParallel's arguments).
 
     Every rank writes only pieces it holds; a piece held by several ranks (replicas) is
     written once when ``remove_redundancy`` (by the lowest rank holding it with
     ``save_to_minimum_rank``, else spread over its holders). The metadata records each
     tensor's global shape, dtype and chunks (offsets, sizes, CRC-32) and the non-tensor
-    values. The save is atomic: written to ``<checkpoint_id>.partial`` and renamed once all
-    ranks finished. Call it on every rank.
+    values. Call it on every rank.
+
+    Saving to an existing ``checkpoint_id`` replaces that checkpoint (as PyTorch's DCP
+    overwrites), atomically: the new one is written to ``<checkpoint_id>.partial`` and renamed
+    into place only once every rank has written; a reader sees the old checkpoint or the new
+    one whole, never a mix (a read that spans the replacement fails and says to load again),
+    and a save that fails or dies midway leaves the old checkpoint whole and loadable.
 
     Args:
         state_dict: a (nested) dict of tensors (DTensors, sharded Parameters,
             :class:`ShardedTensor`, plain tensors) and JSON-serialisable values.
-        checkpoint_id: the checkpoint directory.
+        checkpoint_id: the checkpoint directory (its meaning is the storage writer's).
+        storage_writer: where the data goes (default :class:`FileSystemWriter`); see
+            :class:`StorageWriter`.
+        planner: what is saved (default :class:`DefaultSavePlanner`; subclass it to filter or
+            rename keys).
         no_dist: this process alone saves everything it holds, as a world of one (no
             collectives; give each process its own ``checkpoint_id``).
         use_collectives: coordinate the ranks (plan, dedup, one metadata, atomic commit). With
@@ -58,72 +61,79 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = Fals
     Returns:
         The :class:`Metadata` of this checkpoint (on ranks not coordinating: this rank's part).
     """
-    checkpoint_id = os.fspath(checkpoint_id)
-    tensors, values = flatten(state_dict, for_save=True)
-    plain_values = {k: v.value for k, v in values.items()}
     world = Coordinator(distributed=not no_dist)
+    writer, planner = _set_up(state_dict, checkpoint_id, storage_writer, planner, world)
     if not use_collectives and world.world_size > 1:
-        return _save_rank_local(tensors, plain_values, checkpoint_id, world.rank, world.world_size)
-    return _save_coordinated(tensors, plain_values, checkpoint_id, world, remove_redundancy, save_to_minimum_rank)
-
-
-def _save_coordinated(tensors: Dict[str, TensorRef], values: Dict[str, Any], checkpoint_id: str,
-                      coord: Coordinator, remove_redundancy: bool, save_to_minimum_rank: bool) -> Metadata:
-    """Stage, plan, write, then commit once every rank has written (see :mod:`._commit`)."""
-    job = _SaveJob(tensors, values, checkpoint_id, coord, remove_redundancy, save_to_minimum_rank)
+        return _save_rank_local(planner, writer, world.rank, world.world_size)
+    job = _SaveJob(planner, writer, world, remove_redundancy, save_to_minimum_rank)
     job.write()
     return job.finish()
 
 
+def _set_up(state_dict: Dict[str, Any], checkpoint_id: Optional[str], writer: Optional[StorageWriter],
+            planner: Optional[DefaultSavePlanner], coord: Coordinator) -> Tuple[StorageWriter, DefaultSavePlanner]:
+    """The writer reset to ``checkpoint_id`` and the planner set up (defaults where ``None``)."""
+    writer = writer if writer is not None else FileSystemWriter()
+    writer.reset(None if checkpoint_id is None else os.fspath(checkpoint_id))
+    planner = planner if planner is not None else DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=coord.rank == 0)
+    return writer, planner
+
+
 class _SaveJob:
-    """The phases of a coordinated save: :meth:`__init__` stages the directory and plans
-    (collectives), :meth:`write` writes this rank's file (no collectives: may run in a
+    """The phases of a coordinated save: :meth:`__init__` sets up the store and plans
+    (collectives), :meth:`write` writes this rank's data (no collectives: may run in a
     thread), :meth:`finish` agrees that every rank wrote and commits (collectives)."""
 
-    def __init__(self, tensors: Dict[str, TensorRef], values: Dict[str, Any], checkpoint_id: str,
-                 coord: Coordinator, remove_redundancy: bool, save_to_minimum_rank: bool,
-                 snapshot: bool = False) -> None:
-        self.values, self.checkpoint_id, self.coord = values, checkpoint_id, coord
+    def __init__(self, planner: DefaultSavePlanner, writer: StorageWriter, coord: Coordinator,
+                 remove_redundancy: bool, save_to_minimum_rank: bool, snapshot: bool = False) -> None:
+        self.planner, self.writer, self.coord = planner, writer, coord
         error = None
-        if coord.rank == 0:
-            try:
-                prepare_staging(checkpoint_id)
-            except OSError as exc:
-                error = f"cannot create {staging_dir(checkpoint_id)}: {exc}"
+        try:
+            writer.set_up_storage_writer(coord.rank == 0, rank=coord.rank, use_collectives=True)
+        except Exception as exc:  # every rank must reach the agreement below
+            error = _described(exc)
         coord.agree(error)
-        plans = coord.all_gather([_plan_piece(ref) for ref in tensors.values()] if coord.world_size > 1
-                                 else [ref.piece for ref in tensors.values()])
-        self.pieces = plan_writes(plans, remove_redundancy=remove_redundancy,
-                                  save_to_minimum_rank=save_to_minimum_rank)[coord.rank]
-        # host copies when the caller goes on training while the file is written
-        self.arrays = _arrays(self.pieces, tensors, copy=snapshot)
-        self.path = os.path.join(staging_dir(checkpoint_id), data_file_name(coord.rank))
+        plans = coord.all_gather(planner.create_local_plan(with_checksums=coord.world_size > 1))
+        self.pieces = planner.create_global_plan(plans, remove_redundancy=remove_redundancy,
+                                                 save_to_minimum_rank=save_to_minimum_rank)[coord.rank]
+        # host copies when the caller goes on training while the data is written
+        self.arrays = _arrays(self.pieces, planner, copy=snapshot)
         self.error: Optional[str] = None
-        self.written: Optional[List[Tuple[Piece, int, int]]] = None
+        self.written: Optional[List[Tuple[Piece, StoredChunk]]] = None
 
     def write(self) -> None:
         try:
-            self.written = _write_pieces(self.pieces, self.arrays, self.path)
+            self.written = _write_pieces(self.pieces, self.arrays, self.writer, self.coord.rank)
         except Exception as exc:  # every rank must reach the collectives of finish()
-            self.error = f"writing {self.path} failed: {type(exc).__name__}: {exc}"
+            self.error = f"writing to {_target(self.writer)} failed: {_described(exc)}"
         self.arrays = {}
 
     def finish(self) -> Metadata:
-        coord, checkpoint_id = self.coord, self.checkpoint_id
+        coord = self.coord
         results = coord.all_gather((self.error, self.written))
         failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
         if failures:
-            raise CheckpointError(f"save to {checkpoint_id} failed, nothing was committed: " + "; ".join(failures))
-        metadata = _metadata([(r, w) for r, (_, w) in enumerate(results)], self.values, coord.world_size)
+            raise CheckpointError(f"save to {_target(self.writer)} failed, nothing was committed: " +
+                                  "; ".join(failures))
+        metadata = _metadata([w for _, w in results], self.planner.values, coord.world_size,
+                             coord.all_gather(uuid.uuid4().hex if coord.rank == 0 else None)[0])
         error = None
         if coord.rank == 0:
             try:
-                write_durable(os.path.join(staging_dir(checkpoint_id), METADATA_FILE), metadata.to_json())
-                commit(staging_dir(checkpoint_id), checkpoint_id)
-            except OSError as exc:
-                error = f"committing {checkpoint_id} failed: {exc}"
+                self.writer.finish(metadata)
+            except Exception as exc:
+                error = f"committing {_target(self.writer)} failed: {_described(exc)}"
         coord.agree(error)
         return metadata
+
+
+def _described(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def _target(writer: StorageWriter) -> str:
+    return str(getattr(writer, "path", None) or type(writer).__name__)
 
 
 class AsyncSave:
@@ -151,11 +161,13 @@ class AsyncSave:
         return self._metadata
 
 
-def async_save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool = False,
-               remove_redundancy: bool = True, save_to_minimum_rank: bool = True) -> AsyncSave:
+def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
+               storage_writer: Optional[StorageWriter] = None, planner: Optional[DefaultSavePlanner] = None,
+               no_dist: bool = False, remove_redundancy: bool = True, save_to_minimum_rank: bool = True) -> AsyncSave:
     """:func:`save` whose file writing overlaps the caller's next steps. The pieces are
     copied to host memory before it returns (the state may change afterwards); call
     ``.result()`` on every rank to commit (the checkpoint is not visible before).
+    ``storage_writer`` and ``planner`` as for :func:`save`.
 
     Example::
 
@@ -163,56 +175,49 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: str, no_dist: bool 
         ...                                 # train on
         pending.result()                    # every rank: committed
     """
-    checkpoint_id = os.fspath(checkpoint_id)
-    tensors, values = flatten(state_dict, for_save=True)
-    job = _SaveJob(tensors, {k: v.value for k, v in values.items()}, checkpoint_id,
-                   Coordinator(distributed=not no_dist), remove_redundancy, save_to_minimum_rank, snapshot=True)
-    return AsyncSave(job)
+    coord = Coordinator(distributed=not no_dist)
+    writer, planner = _set_up(state_dict, checkpoint_id, storage_writer, planner, coord)
+    return AsyncSave(_SaveJob(planner, writer, coord, remove_redundancy, save_to_minimum_rank, snapshot=True))
 
 
-def _plan_piece(ref: TensorRef) -> Piece:
-    """The piece as the plan sees it: with a checksum when it is a plain tensor, whose
-    copies on the ranks must agree since only one of them is written."""
-    return ref.piece if ref.spec is not None else replace(ref.piece, crc32=crc32(ref.local_numpy()))
-
-
-def _arrays(pieces: List[Piece], tensors: Dict[str, TensorRef], copy: bool = False) -> Dict[str, Any]:
+def _arrays(pieces: List[Piece], planner: DefaultSavePlanner, copy: bool = False) -> Dict[str, Any]:
     """Chunk key -> this rank's data of each piece (host copies with ``copy``)."""
-    return {chunk_key(p.key, p.offsets): (tensors[p.key].local_numpy().copy() if copy else
-                                          tensors[p.key].local_numpy()) for p in pieces}
+    return {chunk_key(p.key, p.offsets): (planner.resolve_data(p).copy() if copy else planner.resolve_data(p))
+            for p in pieces}
 
 
-def _write_pieces(pieces: List[Piece], arrays: Dict[str, Any], path: str) -> List[Tuple[Piece, int, int]]:
-    """Write the pieces' data to ``path``; ``(piece, crc32, nbytes)`` of each. A plain tensor's
-    CRC-32 from the plan (of the same data, agreed by its holders) is not computed again."""
+def _write_pieces(pieces: List[Piece], arrays: Dict[str, Any], writer: StorageWriter,
+                  rank: int) -> List[Tuple[Piece, StoredChunk]]:
+    """Write the pieces' data; ``(piece, stored chunk)`` of each. A plain tensor's CRC-32 from
+    the plan (of the same data, agreed by its holders) is not computed again."""
     if not pieces:
         return []
     known = {chunk_key(p.key, p.offsets): p.crc32 for p in pieces if p.crc32 is not None}
-    sums = write_file(path, arrays, checksums=known)
-    return [(p, *sums[chunk_key(p.key, p.offsets)]) for p in pieces]
+    stored = writer.write_data(rank, arrays, known)
+    missing = [k for k in arrays if k not in stored]
+    if missing:
+        raise CheckpointError(f"{type(writer).__name__}.write_data did not store {missing}")
+    return [(p, stored[chunk_key(p.key, p.offsets)]) for p in pieces]
 
 
-def _metadata(results, values: Dict[str, Any], world_size: int) -> Metadata:
-    """Metadata of the chunks each rank wrote: ``results`` lists ``(rank, written)``."""
+def _metadata(results, values: Dict[str, Any], world_size: int, save_id: str = "") -> Metadata:
+    """Metadata of the chunks the ranks wrote: ``results`` lists each rank's ``written``."""
     chunks: Dict[str, list] = {}
     shapes: Dict[str, Tuple[Tuple[int, ...], str]] = {}
-    for rank, written in results:
-        for piece, crc, nbytes in written or ():
-            chunks.setdefault(piece.key, []).append(Chunk(piece.offsets, piece.sizes, data_file_name(rank),
-                                                          chunk_key(piece.key, piece.offsets), crc, nbytes))
+    for written in results:
+        for piece, stored in written or ():
+            chunks.setdefault(piece.key, []).append(Chunk(piece.offsets, piece.sizes, stored.file,
+                                                          chunk_key(piece.key, piece.offsets), stored.crc32,
+                                                          stored.nbytes))
             shapes[piece.key] = (piece.shape, piece.dtype)
     return Metadata({k: TensorEntry(shapes[k][0], shapes[k][1], tuple(sorted(c, key=lambda c: c.offsets)))
-                     for k, c in chunks.items()}, values, world_size)
+                     for k, c in chunks.items()}, values, world_size, save_id)
 
 
-def _save_rank_local(tensors: Dict[str, TensorRef], values: Dict[str, Any], checkpoint_id: str, rank: int,
-                     world_size: int) -> Metadata:
-    os.makedirs(checkpoint_id, exist_ok=True)
-    pieces = [ref.piece for ref in tensors.values() if prod(ref.piece.sizes)]
-    final = os.path.join(checkpoint_id, data_file_name(rank))
-    written = _write_pieces(pieces, _arrays(pieces, tensors), final + ".tmp")
-    if written:
-        os.replace(final + ".tmp", final)
-    metadata = _metadata([(rank, written)], values, world_size)
-    write_durable(os.path.join(checkpoint_id, rank_metadata_name(rank)), metadata.to_json())
+def _save_rank_local(planner: DefaultSavePlanner, writer: StorageWriter, rank: int, world_size: int) -> Metadata:
+    writer.set_up_storage_writer(False, rank=rank, use_collectives=False)
+    pieces = [p for p in planner.create_local_plan(with_checksums=False) if prod(p.sizes)]
+    written = _write_pieces(pieces, _arrays(pieces, planner), writer, rank)
+    metadata = _metadata([written], planner.values, world_size, uuid.uuid4().hex)
+    writer.finish_rank(rank, metadata)
     return metadata

@@ -4,12 +4,14 @@
 Model: fully qualified parameter name -> the Parameter itself (sharded ones keep their
 sharding record or are DTensors, so :func:`save` writes pieces and :func:`load` fills them
 in place). Optimizer: ``{"state": {fqn: {slot: moment}}, "param_groups": [{...}]}`` where a
-moment of a sharded parameter is a :class:`ShardedTensor` laid out as its parameter (the
-slots are the optimizer's ParameterTuples aligned with its parameters, named by attribute:
-``moments1``/``moments2`` of AdamWeightDecay, ``moment1``/``moment2`` of Adam,
-``accum``/``stat`` of SGD, ``moments`` of Momentum), and the group holds the optimizer's
-other Parameters by attribute (``global_step``, ``learning_rate``, ``beta1_power``, ...)
-and the fqns of its parameters.
+moment of a sharded parameter is a :class:`ShardedTensor` laid out as its parameter. The slots
+are the optimizer's ParameterTuples aligned with its parameters, named as MindSpore names the
+moments (the prefix of their Parameter names: ``adam_m``/``adam_v`` of AdamWeightDecay,
+``moment1``/``moment2`` of Adam, ``moments`` of Momentum, ``accum``/``stat`` of SGD, ``lamb_m``/
+``lamb_v`` of Lamb), so that ``export_full`` writes ``<slot>.<fqn>``, the names
+``mindspore.load_param_into_net(optimizer, ...)`` matches; the group holds the optimizer's other
+Parameters by name (``global_step``, ``learning_rate``, ``beta1_power``, ...) and the fqns of
+its parameters.
 
 Example::
 
@@ -103,8 +105,7 @@ def _slots(model: nn.Cell, optimizer: nn.Optimizer) -> Tuple[Dict[str, Dict[str,
     """Per-parameter slots (fqn -> slot -> Parameter), the optimizer's other Parameters, and
     the fqns of the parameters it updates. A slot is a ParameterTuple attribute of the
     optimizer aligned with its parameters (same length, each the parameter's local shape),
-    named by the attribute (``moment1``, ``moments1``, ``accum``, ...): Parameter names are
-    not stable (MindSpore prefixes them when the optimizer is placed inside another Cell)."""
+    named by :func:`_slot_name`."""
     fqn_of = {id(p): name for name, p in model.parameters_and_names()}
     params = list(optimizer.parameters)
     missing = [p.name for p in params if id(p) not in fqn_of]
@@ -112,6 +113,8 @@ def _slots(model: nn.Cell, optimizer: nn.Optimizer) -> Tuple[Dict[str, Dict[str,
         raise CheckpointError(f"optimizer parameters {missing} are not parameters of the model")
     fqns = [fqn_of[id(p)] for p in params]
     own = {id(p) for p in params}
+    held = own_parameters(optimizer)
+    key_of = {id(q): name for name, q in held.items()}
     slots: Dict[str, Dict[str, Parameter]] = {}
     in_slots = set()
     for attr, value in sorted(vars(optimizer).items()):
@@ -120,11 +123,28 @@ def _slots(model: nn.Cell, optimizer: nn.Optimizer) -> Tuple[Dict[str, Dict[str,
         if any(id(q) in own for q in value):
             continue
         if all(tuple(q.shape) == _local_shape(p) for p, q in zip(params, value)):
+            slot = _slot_name(attr, [key_of.get(id(p)) for p in params], [key_of.get(id(q)) for q in value])
             for fqn, q in zip(fqns, value):
-                slots.setdefault(fqn, {})[attr] = q
+                if slot in slots.get(fqn, {}):
+                    raise CheckpointError(f"optimizer {type(optimizer).__name__} has two slots named {slot!r}")
+                slots.setdefault(fqn, {})[slot] = q
                 in_slots.add(id(q))
-    scalars = {name: q for name, q in own_parameters(optimizer).items() if id(q) not in own and id(q) not in in_slots}
+    scalars = {name: q for name, q in held.items() if id(q) not in own and id(q) not in in_slots}
     return slots, scalars, fqns
+
+
+def _slot_name(attr: str, param_names: List[Optional[str]], slot_names: List[Optional[str]]) -> str:
+    """MindSpore's name of a slot: the common prefix ``P`` of its Parameters' names
+    ``P.<parameter name>`` (``adam_m`` of AdamWeightDecay's ``moments1``), read from the names
+    under which the optimizer holds them (not changed when it is placed inside another Cell);
+    the attribute name when the Parameters are not named so."""
+    prefixes = set()
+    for p, q in zip(param_names, slot_names):
+        if p is None or q is None or not q.endswith("." + p):
+            return attr
+        prefixes.add(q[:-len(p) - 1])
+    prefix = prefixes.pop() if len(prefixes) == 1 else ""
+    return prefix if prefix and "." not in prefix else attr
 
 
 _NOT_SLOTS = ("parameters", "_parameters")
