@@ -1,8 +1,9 @@
 """The pure check of per-rank action lists, under blocking point-to-point semantics.
 
-:func:`validate` runs every rank's list the way a runtime with *blocking* send / recv would
-(a SEND waits until its peer stands at the matching RECV, and the other way round, as
-MindSpore's CPU ``send`` / ``recv`` do) and refuses, naming the rank and the action:
+:func:`validate` runs every rank's list the way a runtime with *rendezvous* send / recv would
+(a SEND waits until its peer stands at the matching RECV, and the other way round: the
+strictest blocking semantics; lists that pass also run where sends return early, as MindSpore's
+CPU ``send`` does) and refuses, naming the rank and the action:
 
 * an action on a rank that does not hold its stage, a SEND / RECV between two stages of one
   rank, a stage or micro-batch out of range;
