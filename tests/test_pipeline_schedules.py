@@ -216,6 +216,17 @@ def test_bubble_fractions_match_the_formulas():
                 assert inter == pytest.approx(_formula(pp, n, v=2), abs=1e-12)
 
 
+def test_peak_activations():
+    """Forward states held at once: GPipe all n, 1F1B pp - rank, ZBV at most 2 pp half-size stages
+    (the memory of 1F1B's first rank, on every rank)."""
+    for pp in RANKS:
+        for n in MICROBATCHES:
+            assert _plan("GPipe", pp, n).peak_activations() == (n,) * pp
+            assert max(_plan("ZBVZeroBubble", pp, n).peak_activations()) <= 2 * pp
+            if n >= pp:
+                assert _plan("1F1B", pp, n).peak_activations() == tuple(min(n, pp - r) for r in range(pp))
+
+
 def test_package_loads_no_mindspore():
     code = ("import sys, hyper_parallel_ms.pipelining as p; p.build_plan('ZBVZeroBubble', 2, 2); "
             "assert 'mindspore' not in sys.modules, 'mindspore was imported'")

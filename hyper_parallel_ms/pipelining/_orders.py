@@ -79,25 +79,31 @@ def interleaved_1f1b(pp: int, n_microbatches: int, stages_per_rank: int) -> Orde
     return order
 
 
+def _ready(stages, kind, next_mb: Dict, n_microbatches: int, made: set, num_stages: int) -> List[Action]:
+    """The next ``kind`` action of each of ``stages`` whose data exist; earliest micro-batch, then later stage, first."""
+    acts = [Action(s, kind, next_mb[s, kind]) for s in stages if next_mb[s, kind] < n_microbatches]
+    acts = [a for a in acts if all(d in made for d in needs(a, num_stages))]
+    return sorted(acts, key=lambda a: (a.microbatch, -a.stage))
+
+
 def zbv(pp: int, n_microbatches: int) -> Order:
     """Zero-bubble V order (see the module docstring), built by simulating unit-time steps."""
-    placement = stage_to_rank("v", pp, 2 * pp)
     num_stages = 2 * pp
+    placement = stage_to_rank("v", pp, num_stages)
     local = {r: stages_of_rank(placement, r) for r in range(pp)}
     next_mb = {(s, k): 0 for s in range(num_stages) for k in (F, I)}
     pending_w: Dict[int, List[Action]] = {r: [] for r in range(pp)}
-    made: set = set()
     in_flight = {r: 0 for r in range(pp)}     # forwards whose W has not run yet
+    made: set = set()
     order: Order = {r: [] for r in range(pp)}
-    total = 3 * num_stages * n_microbatches
-    while sum(map(len, order.values())) < total:
+    left = 3 * num_stages * n_microbatches
+    while left:
         chosen = []
         for r in range(pp):
-            def ready(kind):
-                acts = [Action(s, kind, next_mb[s, kind]) for s in local[r] if next_mb[s, kind] < n_microbatches]
-                acts = [a for a in acts if all(d in made for d in needs(a, num_stages))]
-                return sorted(acts, key=lambda a: (a.microbatch, -a.stage))
-            options = ready(I) + (ready(F) if in_flight[r] < 2 * pp else []) + pending_w[r][:1]
+            options = _ready(local[r], I, next_mb, n_microbatches, made, num_stages)
+            if in_flight[r] < 2 * pp:
+                options += _ready(local[r], F, next_mb, n_microbatches, made, num_stages)
+            options += pending_w[r][:1]
             if options:
                 chosen.append((r, options[0]))
         if not chosen:
@@ -113,4 +119,5 @@ def zbv(pp: int, n_microbatches: int) -> Order:
                 next_mb[action.stage, action.kind] += 1
             if action.kind is I:
                 pending_w[r].append(Action(action.stage, W, action.microbatch))
+        left -= len(chosen)
     return order

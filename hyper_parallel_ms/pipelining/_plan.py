@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._action import Action, ActionKind, ScheduleError
+from ._action import B, F, W, Action, ActionKind, ScheduleError
 from ._comms import add_comms
 from ._orders import gpipe, interleaved_1f1b, one_f_one_b, zbv
 from ._placement import stage_to_rank, stages_of_rank
@@ -107,6 +107,21 @@ class PipelinePlan:
     def bubble_fraction(self, durations: Optional[Mapping[ActionKind, float]] = None) -> float:
         """Idle share of the ranks' time in one step (unit-time actions by default)."""
         return self.timeline(durations).bubble_fraction
+
+    def peak_activations(self) -> Tuple[int, ...]:
+        """Per rank, the most forward states held at once (F run, its B or W not yet), in (stage, micro-batch) units.
+
+        >>> build_plan("1F1B", pp=4, n_microbatches=8).peak_activations()
+        (4, 3, 2, 1)
+        """
+        peaks = []
+        for acts in self.actions:
+            held = peak = 0
+            for a in acts:
+                held += (a.kind is F) - (a.kind in (B, W))
+                peak = max(peak, held)
+            peaks.append(peak)
+        return tuple(peaks)
 
     def table(self, *, timed: bool = False) -> str:
         """Per-rank lists side by side; ``timed=True``: compute actions by unit time slot, blanks are bubbles."""
