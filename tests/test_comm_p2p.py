@@ -57,6 +57,17 @@ def test_send_recv_both_ways_on_two_ranks():
             np.testing.assert_array_equal(got.astype(ms.float64).asnumpy(),
                                           _values(0, 3, dtype).astype(ms.float64).asnumpy())
 
+    # a runtime can execute a plan's lists as they are: each RECV gets what its SEND sent
+    from hyper_parallel_ms.pipelining import SEND_F, build_plan
+    for plan in (build_plan("ZBVZeroBubble", 2, 3), build_plan("Interleaved1F1B", 2, 3)):
+        for a in plan.actions[me]:
+            if a.kind.is_send:
+                comm.send(ms.Tensor([a.stage, a.microbatch, a.kind is SEND_F], ms.float32), mesh, "pp", dst=peer)
+            elif a.kind.is_recv:
+                got = comm.recv(ms.ops.zeros(3, ms.float32), mesh, "pp", src=peer)
+                sent = a.matching()
+                assert got.asnumpy().tolist() == [sent.stage, sent.microbatch, sent.kind is SEND_F], (a, got)
+
     with pytest.raises(ValueError, match=f"send dst must be the index of another rank along mesh dim 'pp' "
                                          f"\\(0..1, this rank is {me}\\), got {me}"):
         comm.send(like, mesh, "pp", dst=me)
