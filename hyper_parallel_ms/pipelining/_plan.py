@@ -46,7 +46,7 @@ __all__ = ["SCHEDULES", "PipelinePlan", "build_plan", "format_table"]
 class _Spec:
     placement: str
     stages_per_rank: Optional[int]          # None: any number >= 2 (default 2)
-    min_microbatches_is_pp: bool
+    needs_a_microbatch_per_stage: bool
     order: Callable[[int, int, int], Dict[int, List[Action]]]
 
 
@@ -151,7 +151,7 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
         want = spec.stages_per_rank or "2 or more"
         raise ScheduleError(f"{schedule} runs {want} stage(s) per rank, got stages_per_rank={v}")
     placement = stage_to_rank(spec.placement, pp, v * pp)
-    if spec.min_microbatches_is_pp and n_microbatches < len(placement):
+    if spec.needs_a_microbatch_per_stage and n_microbatches < len(placement):
         raise ScheduleError(f"{schedule} needs at least as many micro-batches as stages: got {n_microbatches} "
                             f"micro-batches for {len(placement)} stages; use n_microbatches >= {len(placement)} "
                             f"or GPipe")
