@@ -38,6 +38,11 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   generated primitives' ``__call__`` and ``mindspore.ops.functional_overload``; wrapping
   them restores hook errors. ``ops`` / ``mint`` sequence functions are wrapped to pass
   lists as tuples (:func:`route_list_arguments`).
+- **point-to-point kernels**: ``mindspore.ops.auto_generate.gen_ops_prim.dist_comm_isend_op(x,
+  dst, group, tag)`` and ``dist_comm_irecv_op(buffer, tag, src, group)`` (ranks in the group),
+  the kernels behind ``mint.distributed.send`` / ``recv``, return ``(tensor, handle)`` and run
+  on CPU (MCCL, any group) where ``mint.distributed.send`` itself fails: its own-rank check
+  reads the group ``hccl_world_group`` (:func:`p2p_send`, :func:`p2p_recv`).
 - **swappable entry points**: MindSpore's functions, Cell methods and compile entry points
   are looked up as module / class attributes at call time, so replacing the attribute
   reroutes every call made after it. :func:`swap_entry_points` (for the process) and
@@ -84,7 +89,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
            "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
-           "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped"]
+           "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -537,3 +542,22 @@ def guard_mindspore_for(hooked: type) -> None:
             _keep_hook_errors_in_mindspore()
         reject_in_compiled_args(hooked)
         route_list_arguments(hooked)
+
+
+# ------------------------------------------------------------ point-to-point kernels
+def _p2p_kernels() -> Tuple[Callable, Callable]:
+    """(isend, irecv) kernels; imported on first use so that a release without them fails here only."""
+    from mindspore.ops.auto_generate.gen_ops_prim import dist_comm_irecv_op, dist_comm_isend_op
+    return dist_comm_isend_op, dist_comm_irecv_op
+
+
+def p2p_send(x: Tensor, dst: int, group: str) -> None:
+    """Send ``x`` to rank ``dst`` of ``group``; returns when the kernel reports the send done."""
+    _p2p_kernels()[0](x, dst, group, 0)[1].wait()
+
+
+def p2p_recv(buffer: Tensor, src: int, group: str) -> Tensor:
+    """Receive from rank ``src`` of ``group`` a tensor of ``buffer``'s shape and dtype (blocks until it arrives)."""
+    out, handle = _p2p_kernels()[1](buffer, 0, src, group)
+    handle.wait()
+    return out

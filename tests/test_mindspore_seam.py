@@ -2,6 +2,7 @@
 on: after a MindSpore upgrade, the failing test names the contract that changed."""
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -247,6 +248,16 @@ def test_contract_entry_points_are_looked_up_at_call_time_and_swaps_restore_exac
     with pytest.raises(RuntimeError, match="refused"):
         seam.swap_entry_points([(ops, "cross_entropy", _tagged("x", calls)), (ops, "softmax", refuse)])
     assert vars(ops)["cross_entropy"] is original and vars(nn.CrossEntropyLoss)["construct"] is construct
+
+
+def test_contract_point_to_point_kernels_exist_and_mint_send_still_reads_the_ascend_world_group():
+    """The kernels behind mint.distributed.send / recv (their exchange on 2 ranks:
+    tests/test_comm_p2p.py); and the reason to call them directly: mint.distributed.send's
+    own-rank check still reads hccl_world_group, which a CPU process does not have."""
+    isend, irecv = seam._p2p_kernels()
+    assert callable(isend) and callable(irecv)
+    check = inspect.signature(mint.distributed.distributed.get_cache_group_rank).parameters["group"]
+    assert check.default == "hccl_world_group"
 
 
 def test_placement_and_layout_load_no_mindspore():

@@ -20,6 +20,9 @@ Pieces may be uneven (``torch.chunk`` sizes, or any ``sizes`` for all_gather). T
 Every dtype goes through exactly: on CPU integers, bool and float64 travel in float32 form
 (:mod:`._exact`); ``op="avg"`` on integers or bool raises ``TypeError``.
 
+``send`` / ``recv`` (:mod:`._p2p`) move one tensor between two ranks of a mesh dimension, in
+PyNative only and without a backward (pipeline schedules send gradients as actions of their own).
+
 Example::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -39,11 +42,12 @@ from ..layout import chunk_sizes
 from ..placement import REDUCE_OPS
 from . import _composed, _exact, _native, _traffic
 from ._broadcast import broadcast as _broadcast
-from .capability import CAPABILITIES, COLLECTIVES, force_path, select_path, table
+from ._p2p import recv, send
+from .capability import CAPABILITIES, COLLECTIVES, POINT_TO_POINT, force_path, select_path, table
 from .debug import CommDebugMode, CommRecord, record
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "CommDebugMode",
-           "CommRecord", "CAPABILITIES", "COLLECTIVES", "force_path", "select_path", "table"]
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "CommDebugMode",
+           "CommRecord", "CAPABILITIES", "COLLECTIVES", "POINT_TO_POINT", "force_path", "select_path", "table"]
 
 
 @dataclass(frozen=True)

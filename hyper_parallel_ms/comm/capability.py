@@ -17,11 +17,12 @@ import contextlib
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
-__all__ = ["Capability", "CAPABILITIES", "COLLECTIVES", "DTYPES", "select_path", "force_path", "table"]
+__all__ = ["Capability", "CAPABILITIES", "COLLECTIVES", "POINT_TO_POINT", "DTYPES", "select_path", "force_path", "table"]
 
 NATIVE = "native"
 COMPOSED = "composed"
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast")
+POINT_TO_POINT = ("send", "recv")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ _ROWS = [
     Capability("CPU", "reduce_scatter", COMPOSED, "all_reduce, then the local chunk"),
     Capability("CPU", "all_to_all", COMPOSED, "all_gather along concat_dim, then the local chunk of split_dim"),
     Capability("CPU", "broadcast", COMPOSED, "non-source ranks contribute zeros to ops.AllReduce sum"),
+    Capability("Ascend", "send", NATIVE, "HCCL isend kernel (mint.distributed.send's), waited on; PyNative only"),
+    Capability("Ascend", "recv", NATIVE, "HCCL irecv kernel (mint.distributed.recv's), waited on; PyNative only"),
+    Capability("CPU", "send", NATIVE,
+               "MCCL isend kernel, any group (mint.distributed.send fails on CPU: its own-rank check reads "
+               "hccl_world_group); returns before the matching recv (buffered); bool as uint8; PyNative only"),
+    Capability("CPU", "recv", NATIVE, "MCCL irecv kernel, any group; blocks until the data arrive; bool as uint8; "
+                                      "PyNative only"),
 ]
 
 CAPABILITIES: Dict[Tuple[str, str], Capability] = {(c.device, c.collective): c for c in _ROWS}

@@ -1,0 +1,60 @@
+"""Point-to-point: ``send`` a tensor to one rank along a mesh dimension, ``recv`` it there.
+
+Both run in PyNative only and have no backward (a pipeline runtime sends gradients itself,
+as actions of its schedule). Ranks are indices along ``mesh_dim``, as ``broadcast``'s ``src``.
+``recv`` blocks until the data arrive; ``send`` may return before the matching ``recv`` is
+posted (MindSpore's CPU backend buffers it) or wait for it: order the calls so that neither
+can deadlock, as :mod:`hyper_parallel_ms.pipelining` orders its actions. bool travels as uint8
+(MCCL refuses bool). Every call is counted by ``CommDebugMode`` (``recv`` with 0 bytes sent).
+
+Example (2 ranks on a 1-D mesh)::
+
+    if mesh.get_local_rank() == 0:
+        send(x, mesh, dst=1)
+    else:
+        y = recv(ms.ops.zeros((2, 3), ms.float32), mesh, src=0)   # shape and dtype of what arrives
+"""
+from __future__ import annotations
+
+from math import prod
+
+import mindspore as ms
+
+from .._mindspore import is_compiling, p2p_recv, p2p_send
+from .debug import CommRecord, record
+
+__all__ = ["send", "recv"]
+
+
+def _peer(kind: str, x, mesh, mesh_dim, peer: int, what: str):
+    """The group, after checking the call; records it in active CommDebugModes."""
+    if is_compiling():
+        raise NotImplementedError(f"{kind} runs in PyNative only (MindSpore's point-to-point calls have no "
+                                  "graph-mode kernel here); call it outside ms.jit / GRAPH_MODE")
+    if not isinstance(x, ms.Tensor):
+        raise TypeError(f"{kind} needs a MindSpore Tensor, got {type(x).__name__}")
+    group = mesh.comm_group(mesh_dim)
+    n = group.size
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < n or peer == group.rank:
+        raise ValueError(f"{kind} {what} must be the index of another rank along mesh dim {mesh_dim!r} "
+                         f"(0..{n - 1}, this rank is {group.rank}), got {peer!r}")
+    names = mesh.mesh_dim_names
+    index = mesh.dim_index(mesh_dim)
+    sent = prod(x.shape) * x.itemsize if kind == "send" else 0
+    record(CommRecord(kind, names[index] if names else str(index), n, "native", sent, sent, tuple(x.shape),
+                      str(x.dtype)))
+    return group
+
+
+def send(x, mesh, mesh_dim=0, *, dst: int) -> None:
+    """Send ``x`` to the rank at index ``dst`` along ``mesh_dim``."""
+    group = _peer("send", x, mesh, mesh_dim, dst, "dst")
+    p2p_send(x.astype(ms.uint8) if x.dtype == ms.bool_ else x, dst, group.name)
+
+
+def recv(x, mesh, mesh_dim=0, *, src: int):
+    """The tensor the rank at index ``src`` along ``mesh_dim`` sends; ``x`` gives its shape and dtype."""
+    group = _peer("recv", x, mesh, mesh_dim, src, "src")
+    if x.dtype == ms.bool_:
+        return p2p_recv(ms.ops.zeros(x.shape, ms.uint8), src, group.name).astype(ms.bool_)
+    return p2p_recv(ms.ops.zeros(x.shape, x.dtype), src, group.name)

@@ -1,0 +1,27 @@
+"""Pipeline parallelism: schedules as data (per-rank action lists), checked before they run.
+
+A schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble) lowers to one list of actions per
+pipeline rank: forward / backward / input-gradient / weight-gradient of a stage on a
+micro-batch, and the SEND / RECV between ranks, in an order that cannot deadlock with
+blocking point-to-point calls. :func:`validate` checks any such lists without processes.
+Pure Python: importing this package loads no MindSpore.
+
+Example:
+    >>> plan = build_plan("ZBVZeroBubble", pp=2, n_microbatches=4)
+    >>> plan.placement, plan.stages_of(0)
+    ((0, 1, 1, 0), (0, 3))
+    >>> plan.bubble_fraction() < build_plan("1F1B", pp=2, n_microbatches=4).bubble_fraction()
+    True
+"""
+from __future__ import annotations
+
+from ._action import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
+                      ScheduleError)
+from ._comms import add_comms, time_compute
+from ._placement import stage_to_rank, stages_of_rank
+from ._plan import SCHEDULES, PipelinePlan, build_plan, format_table
+from ._validate import Timeline, validate
+
+__all__ = ["Action", "ActionKind", "ScheduleError", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
+           "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
+           "time_compute", "stage_to_rank", "stages_of_rank", "format_table"]

@@ -1,0 +1,130 @@
+"""One step of a pipeline schedule: compute (F / B / I / W) or point-to-point (SEND / RECV).
+
+An :class:`Action` names a stage, a kind and a micro-batch, and prints compactly as PyTorch's
+``_Action`` does: ``"0F1"`` is the forward of stage 0 on micro-batch 1, ``"3SEND_B2"`` the
+send of stage 3's input gradient for micro-batch 2 (to stage 2).
+
+Conventions for the point-to-point kinds (the stage is always the one on this side):
+
+* ``SEND_F`` of stage ``s``: the output of ``F(s, m)``, sent to stage ``s + 1``;
+  it meets ``RECV_F`` of stage ``s + 1``.
+* ``SEND_B`` of stage ``s``: the input gradient of ``B``/``I(s, m)``, sent to stage ``s - 1``;
+  it meets ``RECV_B`` of stage ``s - 1``.
+
+Pure Python: no MindSpore import.
+
+Example:
+    >>> a = Action(0, ActionKind.FORWARD, 1)
+    >>> str(a), Action.parse("2W3"), Action.parse("3SEND_B2").peer_stage()
+    ('0F1', 2W3, 2)
+"""
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import NamedTuple, Optional
+
+__all__ = ["ActionKind", "Action", "ScheduleError", "F", "B", "I", "W",
+           "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+
+
+class ScheduleError(ValueError):
+    """A schedule or an action list that cannot run; the message names the action and rank."""
+
+
+class ActionKind(Enum):
+    """What an action does; its value is the code printed in an action string."""
+
+    FORWARD = "F"
+    BACKWARD = "B"           # full backward: input and weight gradients
+    BACKWARD_INPUT = "I"     # input gradient only (zero-bubble schedules)
+    BACKWARD_WEIGHT = "W"    # weight gradient of an earlier BACKWARD_INPUT
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    __hash__ = object.__hash__     # members are singletons; Enum's name hash is slow in hot loops
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_compute(self) -> bool:
+        """F, B, I or W."""
+        return self in _COMPUTE
+
+    @property
+    def is_send(self) -> bool:
+        """SEND_F or SEND_B."""
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        """RECV_F or RECV_B."""
+        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                      ActionKind.BACKWARD_WEIGHT})
+F = ActionKind.FORWARD
+B = ActionKind.BACKWARD
+I = ActionKind.BACKWARD_INPUT  # noqa: E741 (PyTorch's letter for the input gradient)
+W = ActionKind.BACKWARD_WEIGHT
+SEND_F = ActionKind.SEND_F
+RECV_F = ActionKind.RECV_F
+SEND_B = ActionKind.SEND_B
+RECV_B = ActionKind.RECV_B
+
+_PAIRS = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
+_PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+class Action(NamedTuple):
+    """``kind`` of stage ``stage`` on micro-batch ``microbatch``; prints as ``"0F1"``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    __repr__ = __str__
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """The action an action string names (the inverse of ``str``).
+
+        >>> Action.parse(" 1RECV_F0 ").kind
+        <ActionKind.RECV_F: 'RECV_F'>
+        """
+        match = _PATTERN.match(text.strip())
+        if match is None:
+            raise ValueError(f"invalid action string {text!r}: expected <stage><kind><microbatch> "
+                             f"with kind one of {[k.value for k in ActionKind]}, e.g. '2F0' or '1SEND_B3'")
+        stage, kind, mb = match.groups()
+        return Action(int(stage), ActionKind(kind), int(mb))
+
+    def peer_stage(self) -> Optional[int]:
+        """The stage at the other end of a SEND / RECV (None for compute actions).
+
+        >>> Action.parse("1SEND_F0").peer_stage(), Action.parse("1RECV_F0").peer_stage()
+        (2, 0)
+        """
+        if self.kind in (SEND_F, RECV_B):
+            return self.stage + 1
+        if self.kind in (SEND_B, RECV_F):
+            return self.stage - 1
+        return None
+
+    def matching(self) -> "Action":
+        """The action on the peer that pairs with this SEND / RECV.
+
+        >>> Action.parse("0SEND_F3").matching(), Action.parse("1RECV_B2").matching()
+        (1RECV_F3, 2SEND_B2)
+        """
+        pairs = _PAIRS
+        if self.kind not in pairs:
+            raise ValueError(f"{self} is a compute action; only SEND / RECV actions have a matching action")
+        return Action(self.peer_stage(), pairs[self.kind], self.microbatch)

@@ -1,0 +1,97 @@
+"""From per-rank compute orders to full action lists with SEND / RECV, deadlock-free when blocking.
+
+:func:`add_comms` first times the compute orders with zero-cost, non-blocking transfers
+(:func:`time_compute`): each action starts when its rank is free and its data exist anywhere.
+Every datum that crosses ranks becomes one transfer, keyed by ``(time it is made, stage, kind,
+micro-batch)``; both ranks place it by that key among their compute actions (a transfer goes
+before a compute that starts at the same time).
+
+Why blocking send / recv cannot deadlock on the result: on every rank the transfers appear in
+the order of their keys, one total order shared by all ranks; a SEND follows the compute that
+makes its datum (its key is that compute's end) and a RECV precedes the compute that reads it
+(which starts no earlier than the key). Compute actions never wait, so the pending transfer
+with the smallest key always finds both of its ranks at it.
+
+Example:
+    >>> from hyper_parallel_ms.pipelining._action import Action
+    >>> order = {0: [Action.parse(a) for a in ("0F0", "0B0")], 1: [Action.parse(a) for a in ("1F0", "1B0")]}
+    >>> add_comms(order, placement=(0, 1))
+    {0: [0F0, 0SEND_F0, 0RECV_B0, 0B0], 1: [1RECV_F0, 1F0, 1B0, 1SEND_B0]}
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind, ScheduleError
+from ._data import Datum, describe, makes, needs
+
+__all__ = ["time_compute", "add_comms"]
+
+
+def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
+                 durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[Action, float]:
+    """Start time of every compute action, transfers free and non-blocking.
+
+    Raises ``ScheduleError`` naming each rank's waiting action when the orders wait in a cycle
+    (or for data no action makes).
+    """
+    num_stages = len(placement)
+    cost = {k: 1.0 for k in (F, B, I, W)}
+    cost.update(durations or {})
+    made: Dict[Datum, float] = {}
+    starts: Dict[Action, float] = {}
+    pos = {r: 0 for r in order}
+    clock = {r: 0.0 for r in order}
+    moved = True
+    while moved:
+        moved = False
+        for rank in sorted(order):
+            while pos[rank] < len(order[rank]):
+                action = order[rank][pos[rank]]
+                if not action.kind.is_compute:
+                    raise ScheduleError(f"rank {rank}: {action} (step {pos[rank]}) is not a compute action; "
+                                        f"compute orders hold F, B, I and W only")
+                wanted = needs(action, num_stages)
+                if any(d not in made for d in wanted):
+                    break
+                start = max([clock[rank]] + [made[d] for d in wanted])
+                starts[action] = start
+                clock[rank] = start + cost[action.kind]
+                made.update((d, clock[rank]) for d in makes(action))
+                pos[rank] += 1
+                moved = True
+    stuck = [(r, order[r][pos[r]]) for r in sorted(order) if pos[r] < len(order[r])]
+    if stuck:
+        waits = "; ".join(f"rank {r} waits at {a} (step {pos[r]}) for "
+                          + ", ".join(describe(d) for d in needs(a, num_stages) if d not in made)
+                          for r, a in stuck)
+        raise ScheduleError(f"the compute order cannot run, ranks wait for each other: {waits}")
+    return starts
+
+
+def _transfers(action: Action, placement: Sequence[int]) -> Tuple[Tuple[Action, Action], ...]:
+    """The (SEND, RECV) pairs that carry what ``action`` makes to another rank."""
+    s, kind, m = action
+    if kind is F and s + 1 < len(placement) and placement[s + 1] != placement[s]:
+        return ((Action(s, SEND_F, m), Action(s + 1, RECV_F, m)),)
+    if kind in (B, I) and s > 0 and placement[s - 1] != placement[s]:
+        return ((Action(s, SEND_B, m), Action(s - 1, RECV_B, m)),)
+    return ()
+
+
+def add_comms(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
+              durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[int, List[Action]]:
+    """Per-rank lists: the compute ``order`` with SEND / RECV placed as the module docstring says."""
+    starts = time_compute(order, placement, durations)
+    cost = {k: 1.0 for k in (F, B, I, W)}
+    cost.update(durations or {})
+    keyed: Dict[int, List[tuple]] = {r: [] for r in order}
+    for rank, actions in order.items():
+        for step, action in enumerate(actions):
+            keyed[rank].append((starts[action], 1, step, action))
+            made = starts[action] + cost[action.kind]
+            for send, recv in _transfers(action, placement):
+                tie = (send.stage, send.kind.value, send.microbatch)
+                keyed[rank].append((made, 0, tie, send))
+                keyed[placement[recv.stage]].append((made, 0, tie, recv))
+    return {r: [item[-1] for item in sorted(keyed[r], key=lambda k: k[:3])] for r in sorted(keyed)}

@@ -1,0 +1,180 @@
+"""The pure check of per-rank action lists, under blocking point-to-point semantics.
+
+:func:`validate` runs every rank's list the way a runtime with *rendezvous* send / recv would
+(a SEND waits until its peer stands at the matching RECV, and the other way round: the
+strictest blocking semantics; lists that pass also run where sends return early, as MindSpore's
+CPU ``send`` does) and refuses, naming the rank and the action:
+
+* an action on a rank that does not hold its stage, a SEND / RECV between two stages of one
+  rank, a stage or micro-batch out of range;
+* an action listed twice, a missing forward or backward (each (stage, micro-batch) needs one
+  F and either one B or one I and one W), a SEND without its RECV or the reverse;
+* a compute or SEND that runs before what it needs is on its rank (F before its input is
+  received, B before its own F or before the output gradient arrives, W before its I);
+* a deadlock: ranks that wait for each other, reported with the action each is blocked on.
+
+Compute actions take ``durations[kind]`` time units (1 by default), SEND / RECV none; the
+returned :class:`Timeline` gives each compute action's start time and the bubble fraction.
+
+Example:
+    >>> from hyper_parallel_ms.pipelining._action import Action
+    >>> lists = {0: [Action.parse(a) for a in ("0F0", "0SEND_F0", "0RECV_B0", "0B0")],
+    ...          1: [Action.parse(a) for a in ("1RECV_F0", "1F0", "1B0", "1SEND_B0")]}
+    >>> validate(lists, placement=(0, 1), n_microbatches=1).bubble_fraction
+    0.5
+    >>> lists[1][2:] = lists[1][3:] + lists[1][2:3]      # send the gradient before computing it
+    >>> validate(lists, placement=(0, 1), n_microbatches=1)
+    Traceback (most recent call last):
+    ...
+    hyper_parallel_ms.pipelining._action.ScheduleError: rank 1: 1SEND_B0 (step 2) runs before the input gradient of stage 1, micro-batch 0 is on rank 1
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from ._action import B, F, I, W, Action, ActionKind, ScheduleError
+from ._data import Datum, describe, makes, needs
+
+__all__ = ["Timeline", "validate", "check_static"]
+
+Durations = Optional[Mapping[ActionKind, float]]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """When each compute action starts, and how busy each rank is, in one simulated step."""
+
+    starts: Mapping[Action, float]
+    busy: Tuple[float, ...]          # compute time per rank
+    makespan: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time: ``1 - sum(busy) / (ranks * makespan)``."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+
+
+def _where(rank: int, step: int, action: Action) -> str:
+    return f"rank {rank}: {action} (step {step})"
+
+
+def check_static(actions: Mapping[int, Sequence[Action]], placement: Sequence[int],
+                 n_microbatches: int) -> None:
+    """Refuse misplaced, out-of-range, duplicated, missing or unmatched actions."""
+    num_stages, pp = len(placement), max(placement) + 1
+    if sorted(actions) != list(range(pp)):
+        raise ScheduleError(f"the schedule must list actions for ranks 0..{pp - 1} (the placement "
+                            f"{tuple(placement)} uses {pp} ranks), got ranks {sorted(actions)}")
+    seen: Dict[Action, Tuple[int, int]] = {}
+    for rank in range(pp):
+        for step, action in enumerate(actions[rank]):
+            if not isinstance(action, Action):
+                raise ScheduleError(f"rank {rank}, step {step}: {action!r} is not an Action")
+            s, kind, m = action
+            if not (0 <= s < num_stages and 0 <= m < n_microbatches):
+                raise ScheduleError(f"{_where(rank, step, action)} is out of range: {num_stages} stages, "
+                                    f"{n_microbatches} micro-batches")
+            if placement[s] != rank:
+                raise ScheduleError(f"{_where(rank, step, action)} acts for stage {s}, which rank "
+                                    f"{placement[s]} holds")
+            if action in seen:
+                raise ScheduleError(f"{_where(rank, step, action)} is listed twice (also at step "
+                                    f"{seen[action][1]} of rank {seen[action][0]})")
+            seen[action] = (rank, step)
+            if kind.is_compute:
+                continue
+            peer = action.peer_stage()
+            if not 0 <= peer < num_stages:
+                raise ScheduleError(f"{_where(rank, step, action)} has no peer: stage {peer} does not exist")
+            if placement[peer] == rank:
+                raise ScheduleError(f"{_where(rank, step, action)} goes between stages {s} and {peer}, "
+                                    f"both on rank {rank}: stages of one rank pass data without SEND/RECV")
+    for action, (rank, step) in seen.items():
+        if not action.kind.is_compute and action.matching() not in seen:
+            raise ScheduleError(f"{_where(rank, step, action)} has no matching {action.matching()} on rank "
+                                f"{placement[action.peer_stage()]}")
+    for s in range(num_stages):
+        for m in range(n_microbatches):
+            has = {k for k in (F, B, I, W) if Action(s, k, m) in seen}
+            missing = ({F} - has) or (({I, W} - has) if (I in has or W in has) else ({B} - has))
+            if missing:
+                what = " and ".join(str(Action(s, k, m)) for k in sorted(missing, key=lambda k: k.value))
+                raise ScheduleError(f"rank {placement[s]} lacks {what}: every stage and micro-batch needs one "
+                                    f"F and either one B or one I and one W")
+            if B in has and I in has:
+                raise ScheduleError(f"rank {placement[s]} lists both {Action(s, B, m)} and {Action(s, I, m)}: a "
+                                    f"backward is either full (B) or split (I then W)")
+
+
+def _deadlock(actions, pos: List[int]) -> ScheduleError:
+    blocked = {r: actions[r][pos[r]] for r in actions if pos[r] < len(actions[r])}
+    waits = {}
+    lines = []
+    for rank, action in sorted(blocked.items()):
+        match = action.matching()
+        peer = next(r for r in actions if match in actions[r])
+        waits[rank] = peer
+        at = f"at {blocked[peer]}" if peer in blocked else "finished"
+        lines.append(f"rank {rank} is blocked on {action} (step {pos[rank]}) waiting for rank {peer} "
+                     f"to reach {match} (rank {peer} is {at})")
+    start = next(iter(sorted(waits)))
+    path: List[int] = []
+    while start not in path:
+        path.append(start)
+        start = waits.get(start, start)
+    cycle = path[path.index(start):] + [start]
+    return ScheduleError("deadlock under blocking send/recv, ranks waiting in a cycle "
+                         f"{' -> '.join(map(str, cycle))}: " + "; ".join(lines))
+
+
+def validate(actions: Mapping[int, Sequence[Action]], placement: Sequence[int], n_microbatches: int,
+             durations: Durations = None) -> Timeline:
+    """Check per-rank action lists (see the module docstring) and return their timeline."""
+    check_static(actions, placement, n_microbatches)
+    num_stages = len(placement)
+    cost = {k: 1.0 for k in (F, B, I, W)}
+    cost.update(durations or {})
+    ranks = sorted(actions)
+    pos = [0] * len(ranks)
+    clock = [0.0] * len(ranks)
+    busy = [0.0] * len(ranks)
+    have: List[Set[Datum]] = [set() for _ in ranks]
+    starts: Dict[Action, float] = {}
+
+    def ready(rank: int, action: Action) -> None:
+        for datum in needs(action, num_stages):
+            if datum not in have[rank]:
+                raise ScheduleError(f"{_where(rank, pos[rank], action)} runs before {describe(datum)} "
+                                    f"is on rank {rank}")
+
+    def head(rank: int) -> Optional[Action]:
+        return actions[rank][pos[rank]] if pos[rank] < len(actions[rank]) else None
+
+    moved = True
+    while moved:
+        moved = False
+        for rank in ranks:
+            while (action := head(rank)) is not None:
+                ready(rank, action)
+                if action.kind.is_compute:
+                    starts[action] = clock[rank]
+                    clock[rank] += cost[action.kind]
+                    busy[rank] += cost[action.kind]
+                    have[rank].update(makes(action))
+                    pos[rank] += 1
+                    moved = True
+                    continue
+                peer = placement[action.peer_stage()]
+                other = head(peer)
+                if other != action.matching():
+                    break
+                ready(peer, other)
+                clock[rank] = clock[peer] = max(clock[rank], clock[peer])
+                for r, a in ((rank, action), (peer, other)):
+                    have[r].update(makes(a))
+                    pos[r] += 1
+                moved = True
+    if any(head(r) is not None for r in ranks):
+        raise _deadlock(actions, pos)
+    return Timeline(starts, tuple(busy), max(clock))

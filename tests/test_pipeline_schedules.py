@@ -1,0 +1,244 @@
+"""Pipeline schedules as data (pure Python, no processes): every schedule's per-rank lists pass
+the blocking send/recv validator for 2..8 ranks and 1..16 micro-batches, corrupted lists are
+refused naming the action, tables print, and bubble fractions match the textbook formulas."""
+from __future__ import annotations
+
+import functools
+import random
+import subprocess
+import sys
+
+import pytest
+
+from hyper_parallel_ms.pipelining import (B, F, I, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
+                                          PipelinePlan, ScheduleError, SCHEDULES, add_comms,
+                                          build_plan, stage_to_rank, validate)
+
+RANKS = range(2, 9)
+MICROBATCHES = range(1, 17)
+_plan = functools.lru_cache(maxsize=None)(build_plan)     # plans are immutable: build each once per file
+
+
+def _lists(plan: PipelinePlan) -> dict:
+    return {r: list(acts) for r, acts in enumerate(plan.actions)}
+
+
+def _check(lists: dict, plan: PipelinePlan):
+    return validate(lists, plan.placement, plan.n_microbatches)
+
+
+def test_action_strings_round_trip():
+    for kind in ActionKind:
+        action = Action(12, kind, 3)
+        assert Action.parse(str(action)) == action and str(action) == f"12{kind.value}3"
+    assert [str(Action.parse(a)) for a in ("0F1", "1B0", "2W3", "2I3")] == ["0F1", "1B0", "2W3", "2I3"]
+    assert Action.parse("3SEND_F1").matching() == Action(4, RECV_F, 1)
+    assert Action.parse("3SEND_B1").matching() == Action.parse("2RECV_B1")
+    with pytest.raises(ValueError, match="invalid action string 'F0'"):
+        Action.parse("F0")
+    with pytest.raises(ValueError, match="compute action"):
+        Action.parse("0F0").matching()
+
+
+def test_placements():
+    assert stage_to_rank("loop", 3, 6) == (0, 1, 2, 0, 1, 2)
+    assert stage_to_rank("v", 3, 6) == (0, 1, 2, 2, 1, 0)
+    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+        stage_to_rank("v", 3, 9)
+    with pytest.raises(ValueError, match="do not divide evenly"):
+        stage_to_rank("loop", 3, 4)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_schedule_passes_the_validator(schedule):
+    """2..8 ranks x 1..16 micro-batches: each plan is valid (checked when made) and complete."""
+    split = schedule == "ZBVZeroBubble"
+    for pp in RANKS:
+        for n in MICROBATCHES:
+            if schedule == "1F1B" and n < pp:
+                with pytest.raises(ScheduleError, match=f"1F1B needs at least as many micro-batches as "
+                                                        f"stages: got {n} micro-batches for {pp} stages"):
+                    build_plan(schedule, pp, n)
+                continue
+            plan = _plan(schedule, pp, n)
+            assert plan.pp == pp and plan.num_stages == pp * (1 if schedule in ("GPipe", "1F1B") else 2)
+            for rank, acts in enumerate(plan.actions):
+                compute = sorted((a for a in acts if a.kind.is_compute), key=lambda a: (a.stage, a.kind.value, a.microbatch))
+                kinds = (F, I, W) if split else (F, B)
+                assert compute == sorted((Action(s, k, m) for s in plan.stages_of(rank) for k in kinds
+                                          for m in range(n)), key=lambda a: (a.stage, a.kind.value, a.microbatch))
+                for a in acts:       # no transfer between two stages of one rank
+                    assert a.kind.is_compute or plan.placement[a.peer_stage()] != rank
+
+
+def test_interleaved_three_stages_per_rank_and_uneven_rounds():
+    for pp, n in ((2, 5), (3, 7), (4, 9), (4, 3)):
+        plan = build_plan("Interleaved1F1B", pp, n, stages_per_rank=3)
+        assert plan.num_stages == 3 * pp and plan.stages_of(1) == (1, 1 + pp, 1 + 2 * pp)
+
+
+def test_construction_refusals():
+    with pytest.raises(ScheduleError, match="unknown schedule 'PipeDream'"):
+        build_plan("PipeDream", 2, 4)
+    with pytest.raises(ScheduleError, match="1F1B runs 1 stage"):
+        build_plan("1F1B", 2, 4, stages_per_rank=2)
+    with pytest.raises(ScheduleError, match="ZBVZeroBubble runs 2 stage"):
+        build_plan("ZBVZeroBubble", 2, 4, stages_per_rank=3)
+    with pytest.raises(ScheduleError, match="Interleaved1F1B runs 2 or more"):
+        build_plan("Interleaved1F1B", 2, 4, stages_per_rank=1)
+    with pytest.raises(ScheduleError, match="n_microbatches must be a positive int, got 0"):
+        build_plan("GPipe", 2, 0)
+
+
+ONE_F_ONE_B_TABLE = """\
+        rank 0    rank 1
+step 0  0F0       1RECV_F0
+step 1  0SEND_F0  1F0
+step 2  0F1       1RECV_F1
+step 3  0SEND_F1  1B0
+step 4  0RECV_B0  1SEND_B0
+step 5  0B0       1F1
+step 6  0RECV_B1  1B1
+step 7  0B1       1SEND_B1"""
+
+GPIPE_TIMED = """\
+     rank 0  rank 1
+t 0  0F0
+t 1  0F1     1F0
+t 2          1F1
+t 3          1B0
+t 4  0B0     1B1
+t 5  0B1"""
+
+
+def test_tables_print():
+    plan = build_plan("1F1B", 2, 2)
+    assert plan.table() == ONE_F_ONE_B_TABLE
+    assert str(plan) == "1F1B: 2 ranks, 2 stages, 2 micro-batches\n" + ONE_F_ONE_B_TABLE
+    assert build_plan("GPipe", 2, 2).table(timed=True) == GPIPE_TIMED
+
+
+def _corrupt(lists: dict, rank: int, edit) -> dict:
+    out = {r: list(a) for r, a in lists.items()}
+    out[rank] = edit([str(a) for a in out[rank]])
+    out[rank] = [Action.parse(a) for a in out[rank]]
+    return out
+
+
+def _move(items, name, to):
+    items.remove(name)
+    items.insert(to, name)
+    return items
+
+
+CORRUPTIONS = [
+    # (schedule, pp, n, rank, edit, expected message)
+    ("1F1B", 2, 2, 0, lambda a: _move(a, "0RECV_B0", a.index("0SEND_F1")),      # swapped send/recv
+     r"deadlock under blocking send/recv, ranks waiting in a cycle 0 -> 1 -> 0: rank 0 is blocked on "
+     r"0RECV_B0 \(step 3\) waiting for rank 1 to reach 1SEND_B0 \(rank 1 is at 1RECV_F1\); rank 1 is "
+     r"blocked on 1RECV_F1 \(step 2\) waiting for rank 0 to reach 0SEND_F1 \(rank 0 is at 0RECV_B0\)"),
+    ("1F1B", 2, 2, 1, lambda a: [x for x in a if x != "1RECV_F1"],               # missing recv
+     r"rank 0: 0SEND_F1 \(step 3\) has no matching 1RECV_F1 on rank 1"),
+    ("1F1B", 2, 2, 1, lambda a: _move(a, "1F0", 0),                              # F before its input
+     r"rank 1: 1F0 \(step 0\) runs before the output of 0F0 is on rank 1"),
+    ("1F1B", 2, 2, 0, lambda a: a + ["0F1"],                                     # duplicated action
+     r"rank 0: 0F1 \(step 8\) is listed twice \(also at step 2 of rank 0\)"),
+    ("1F1B", 2, 2, 0, lambda a: _move(a, "0RECV_B0", 0),                         # cyclic wait
+     r"cycle 0 -> 1 -> 0: rank 0 is blocked on 0RECV_B0 \(step 0\)"),
+    ("Interleaved1F1B", 3, 1, 0, lambda a: _move(a, "3RECV_F0", 0),              # three-rank cycle
+     r"cycle 0 -> 2 -> 1 -> 0: rank 0 is blocked on 3RECV_F0 \(step 0\)"),
+    ("1F1B", 2, 2, 1, lambda a: _move(a, "1B0", a.index("1F0")),                 # loss stage: B before F
+     r"rank 1: 1B0 \(step 1\) runs before the forward state of 1F0 is on rank 1"),
+    ("ZBVZeroBubble", 2, 2, 0, lambda a: _move(a, "3W0", a.index("3I0")),        # W before its I
+     r"rank 0: 3W0 \(step \d+\) runs before the saved state of 3I0 is on rank 0"),
+    ("1F1B", 2, 2, 1, lambda a: a + ["0F0"],                                     # stage on the wrong rank
+     r"rank 1: 0F0 \(step 8\) acts for stage 0, which rank 0 holds"),
+    ("ZBVZeroBubble", 2, 2, 1, lambda a: a + ["1SEND_F0"],                       # transfer within a rank
+     r"rank 1: 1SEND_F0 \(step \d+\) goes between stages 1 and 2, both on rank 1"),
+    ("1F1B", 2, 2, 0, lambda a: [x for x in a if x != "0B1"],                    # missing backward
+     r"rank 0 lacks 0B1: every stage and micro-batch needs one F"),
+    ("1F1B", 2, 2, 1, lambda a: _move(a, "1SEND_B0", a.index("1B0")),            # send before computing
+     r"rank 1: 1SEND_B0 \(step 3\) runs before the input gradient of stage 1, micro-batch 0 is on rank 1"),
+]
+
+
+@pytest.mark.parametrize("case", CORRUPTIONS, ids=lambda c: c[-1][:40])
+def test_corrupted_orders_are_refused_naming_the_action(case):
+    schedule, pp, n, rank, edit, message = case
+    plan = build_plan(schedule, pp, n)
+    lists = _lists(plan)
+    _check(lists, plan)
+    with pytest.raises(ScheduleError, match=message):
+        _check(_corrupt(lists, rank, edit), plan)
+    with pytest.raises(ScheduleError, match=message):       # a plan cannot even be made from them
+        PipelinePlan(schedule, n, plan.placement, tuple(tuple(a) for a in _corrupt(lists, rank, edit).values()))
+
+
+def test_a_compute_order_that_cannot_run_is_refused_before_comms_are_added():
+    order = {0: [Action(0, B, 0), Action(0, F, 0)], 1: [Action(1, F, 0), Action(1, B, 0)]}
+    with pytest.raises(ScheduleError, match=r"rank 0 waits at 0B0 \(step 0\) for the forward state of 0F0, "
+                                            r"the input gradient of stage 1, micro-batch 0; rank 1 waits at "
+                                            r"1F0 \(step 0\) for the output of 0F0"):
+        add_comms(order, (0, 1))
+
+
+def test_transfers_placed_with_any_durations_never_deadlock():
+    """The ordering argument of add_comms holds for any positive durations, not only unit ones."""
+    rng = random.Random(0)
+    for schedule in sorted(SCHEDULES):
+        for pp, n in ((2, 3), (3, 5), (4, 8), (5, 16)):
+            plan = _plan(schedule, pp, n)
+            order = {r: [a for a in acts if a.kind.is_compute] for r, acts in enumerate(plan.actions)}
+            for _ in range(3):
+                durations = {k: rng.uniform(0.1, 3.0) for k in (F, B, I, W)}
+                lists = add_comms(order, plan.placement, durations)
+                assert validate(lists, plan.placement, n, durations).makespan > 0
+
+
+def _formula(pp: int, n: int, v: int = 1) -> float:
+    return (pp - 1) / (v * n + pp - 1)
+
+
+def test_bubble_fractions_match_the_formulas():
+    for pp in RANKS:
+        for n in MICROBATCHES:
+            assert _plan("GPipe", pp, n).bubble_fraction() == pytest.approx(_formula(pp, n), abs=1e-12)
+            zbv = _plan("ZBVZeroBubble", pp, n).bubble_fraction()
+            assert zbv < _formula(pp, n), (pp, n, zbv)
+            if n >= pp:
+                one = _plan("1F1B", pp, n)
+                assert one.bubble_fraction() == pytest.approx(_formula(pp, n), abs=1e-12)
+                # backward twice as long as forward: blocking transfers still cost 1F1B nothing
+                assert one.bubble_fraction({B: 2.0}) == pytest.approx(_formula(pp, n), abs=1e-12)
+                assert zbv < _formula(pp, n, v=2), (pp, n, zbv)
+            if n % pp == 0:
+                inter = _plan("Interleaved1F1B", pp, n).bubble_fraction()
+                assert inter == pytest.approx(_formula(pp, n, v=2), abs=1e-12)
+
+
+def test_peak_activations():
+    """Forward states held at once: GPipe all n, 1F1B pp - rank, ZBV at most 2 pp half-size stages
+    (the memory of 1F1B's first rank, on every rank)."""
+    for pp in RANKS:
+        for n in MICROBATCHES:
+            assert _plan("GPipe", pp, n).peak_activations() == (n,) * pp
+            assert max(_plan("ZBVZeroBubble", pp, n).peak_activations()) <= 2 * pp
+            if n >= pp:
+                assert _plan("1F1B", pp, n).peak_activations() == tuple(min(n, pp - r) for r in range(pp))
+
+
+def test_package_loads_no_mindspore():
+    code = ("import sys, hyper_parallel_ms.pipelining as p; p.build_plan('ZBVZeroBubble', 2, 2); "
+            "assert 'mindspore' not in sys.modules, 'mindspore was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_validate_checks_the_rank_set_and_types():
+    plan = build_plan("GPipe", 2, 1)
+    with pytest.raises(ScheduleError, match=r"ranks 0..1 .* got ranks \[0\]"):
+        validate({0: list(plan.actions[0])}, plan.placement, 1)
+    with pytest.raises(ScheduleError, match="rank 0, step 0: '0F0' is not an Action"):
+        validate({0: ["0F0"], 1: list(plan.actions[1])}, plan.placement, 1)
+    with pytest.raises(ScheduleError, match=r"rank 0: 0F0 \(step 0\) is out of range: 2 stages, 0 micro-batches"):
+        validate(_lists(plan), plan.placement, 0)
+    assert SEND_F.is_send and SEND_B.is_send and RECV_F.is_recv and not F.is_send and W.is_compute
