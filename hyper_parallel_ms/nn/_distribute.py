@@ -97,7 +97,7 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     root = ModuleEdit("", module, custom_apply=partition if partition_fn is not None else None,
                       replicate_rest=device_mesh, forward_pre_hooks=[pre] if input_fn is not None else [],
                       forward_hooks=[post] if output_fn is not None else [])
-    apply_edits([root] + _marked_edits(module), "distribute_module")
+    apply_edits([root] + _marked_edits(module), "distribute_module", module)
     return module
 
 
@@ -197,6 +197,7 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
             if any(isinstance(q, Placement) and q.is_partial() for q in placements):
                 raise ValueError(f"plan['{key}']: a parameter cannot be Partial, got {placements}")
             new_params[n] = placements
+    _tie_planned(params, new_params, device_mesh)
     inputs = {_cell_for(k, "input", cells): _positions(v, k, device_mesh) for k, v in sharding_plan.input_plan.items()}
     outputs = {_cell_for(k, "output", cells): _positions(v, k, device_mesh)
                for k, v in sharding_plan.output_plan.items()}
@@ -208,6 +209,27 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
                              f"near names: {near}")
         local.append(path)
     return cells, params, new_params, inputs, outputs, local
+
+
+def _tie_planned(params: Dict[str, tuple], new_params: Dict[str, Placements], mesh) -> None:
+    """A parameter shared by several Cells (tied) is one tensor with one placement: the plan's
+    entry for one of its names places every use; two entries placing it differently are refused."""
+    names: Dict[int, List[str]] = {}
+    for n, (_, _, p) in params.items():
+        names.setdefault(id(p), []).append(n)
+    for tied in (ns for ns in names.values() if len(ns) > 1):
+        planned = [n for n in tied if n in new_params]
+        if not planned:
+            continue
+        first, p = planned[0], params[planned[0]][2]
+        for other in planned[1:]:
+            if to_layout(mesh, new_params[other], p.ndim) != to_layout(mesh, new_params[first], p.ndim):
+                raise ValueError(f"shard_module: the parameter {p.name!r} is shared (tied) by '{first}' and '{other}', "
+                                 f"which the plan places differently: {new_params[first]} and {new_params[other]}. "
+                                 "A shared parameter is one tensor cut one way: give one placement (naming one of "
+                                 "its uses places them all), or untie it")
+        for n in tied:
+            new_params[n] = new_params[first]
 
 
 def _plan_entries(checked: tuple) -> List[Tuple[str, str]]:
@@ -246,7 +268,7 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
         edits[path].forward_pre_hooks.append(_input_hook(device_mesh, entries))
     for path in set(outputs) | set(local):
         edits[path].forward_hooks.append(_output_hook(device_mesh, outputs.get(path), path in local))
-    apply_edits(list(edits.values()) + _marked_edits(model), "shard_module")
+    apply_edits(list(edits.values()) + _marked_edits(model), "shard_module", model)
     return model
 
 

@@ -139,5 +139,5 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     targets, edits = agreed(edits_of_plan, lambda prepared: _described(prepared[0]), device_mesh,
                             "parallelize_module")
     _check_conflicts(edits)
-    apply_edits(edits, "parallelize_module")
+    apply_edits(edits, "parallelize_module", module)
     return module
