@@ -83,6 +83,14 @@ def _tp(mesh, check_one=True):
     return shard
 
 
+def _fsdp_root(dp):
+    def shard(model):
+        fully_shard(model.mid, mesh=dp)
+        fully_shard(model, mesh=dp)          # the unit holding both uses of the table
+        assert _tied(model) and len(model.trainable_params()) == 3
+    return shard
+
+
 @multi_rank(2)
 def test_tied_head_under_tp_shard_module_distribute_module_and_fully_shard():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -137,11 +145,7 @@ def test_tied_head_under_tp_shard_module_distribute_module_and_fully_shard():
     dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     counts = []
 
-    def root(model):
-        fully_shard(model.mid, mesh=dp)
-        fully_shard(model, mesh=dp)
-        assert _tied(model) and len(model.trainable_params()) == 3
-    compare(root, dp.get_local_rank(0), 2, optimizer="adamw", make_model=TiedLM, loss_mesh=dp, counts=counts)
+    compare(_fsdp_root(dp), dp.get_local_rank(0), 2, optimizer="adamw", make_model=TiedLM, loss_mesh=dp, counts=counts)
     assert counts == [{"all_gather": 2, "reduce_scatter": 2}] * 5, counts
     model = TiedLM()
     fully_shard(model.embed, mesh=dp)
@@ -158,6 +162,9 @@ def test_tied_head_under_tp_shard_module_distribute_module_and_fully_shard():
 def test_tied_head_under_tp_in_graph_mode():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     compare(_tp(mesh), 0, 1, optimizer="adamw", make_model=TiedLM, mode="graph")
+    dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    compare(_fsdp_root(dp), dp.get_local_rank(0), 2, optimizer="adamw", make_model=TiedLM, loss_mesh=dp,
+            mode="graph")
 
 
 @multi_rank(4)

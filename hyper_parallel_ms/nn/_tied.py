@@ -10,7 +10,7 @@ others.
 
 Example::
 
-    holders = parameter_holders(model)     # {id(table): [("embed", embed, "embedding_table"), ("head", head, "weight")]}
+    holders = parameter_holders(model)   # {id(table): [("embed", embed, "embedding_table"), ("head", head, "weight")]}
     check_tied(holders, {(id(embed), "embedding_table"): rows, (id(head), "weight"): rows}, "parallelize_module")
 """
 from __future__ import annotations
@@ -67,8 +67,8 @@ def check_tied(holders: Dict[int, List[Holder]], planned: Dict[Tuple[int, str], 
                     f"{engine}: the parameter {name!r} is shared (tied) by {describe_use(first[0], first[2])} and "
                     f"{describe_use(other[0], other[2])}, which place it differently: {_placement_text(first[3])} "
                     f"and {_placement_text(other[3])}. A shared parameter is one tensor cut one way: place it "
-                    "alike in every Cell using it (e.g. RowwiseParallel on the embedding and ColwiseParallel on "
-                    "the head both cut the (vocab, dim) table as (Shard(dim=0),)), or untie it")
+                    "alike in every Cell using it, in the same call (e.g. RowwiseParallel on the embedding and "
+                    "ColwiseParallel on the head both cut the (vocab, dim) table as (S(0))), or untie it")
 
 
 def retie(changes: CellChanges, root: nn.Cell, snapshot: List[tuple], engine: str) -> None:
