@@ -24,6 +24,8 @@ from hyper_parallel_ms.fsdp import fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import (ColwiseParallel, RowwiseParallel, ShardingPlan, distribute_module,
                                   parallelize_module, shard_module)
+from hyper_parallel_ms.nn._parameter import ParameterPlacement
+from hyper_parallel_ms.nn._tied import check_tied, parameter_holders
 from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
@@ -83,6 +85,22 @@ def _tp(mesh, check_one=True):
     return shard
 
 
+def test_every_use_of_a_shared_parameter_is_found_and_disagreements_name_both():
+    model = TiedLM()
+    holders = parameter_holders(model)
+    uses = [(path, attr) for path, _, attr in holders[id(model.embed.embedding_table)]]
+    assert uses == [("embed", "embedding_table"), ("head", "weight")]
+    rows, cols = ParameterPlacement(None, (Shard(0),)), ParameterPlacement(None, (Shard(1),))
+    embed, head = (id(model.embed), "embedding_table"), (id(model.head), "weight")
+    check_tied(holders, {embed: rows, head: rows}, "parallelize_module")      # alike: one piece
+    check_tied(holders, {}, "parallelize_module")                            # whole everywhere
+    for planned, text in (({embed: cols, head: rows}, "(S(1)) and (S(0))"), ({head: rows}, "left whole")):
+        with pytest.raises(ValueError) as info:
+            check_tied(holders, planned, "parallelize_module")
+        for fragment in ("'embed.embedding_table'", "'head.weight'", text):
+            assert fragment in str(info.value), (fragment, str(info.value))
+
+
 def _fsdp_root(dp):
     def shard(model):
         fully_shard(model.mid, mesh=dp)
@@ -134,10 +152,10 @@ def test_tied_head_under_tp_shard_module_distribute_module_and_fully_shard():
     assert len(model.trainable_params()) == 3
 
     def each(name, cell, mesh):
-        for attr in ("embedding_table", "weight"):
-            if name in ("embed", "head") and attr in cell._params:
-                setattr(cell, attr, Parameter(distribute_tensor(getattr(cell, attr), mesh, [Shard(0)]),
-                                              name=getattr(cell, attr).name))
+        attr = {"embed": "embedding_table", "head": "weight"}.get(name)
+        if attr is not None:
+            setattr(cell, attr, Parameter(distribute_tensor(getattr(cell, attr), mesh, [Shard(0)]),
+                                          name=getattr(cell, attr).name))
     _refused(TiedLM(), lambda m: distribute_module(m, mesh, each), "'embed.embedding_table'", "'head.weight'",
              "replace it once")
 

@@ -183,10 +183,12 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Dict[int, Parameter
 def _check_tied(edits: List[ModuleEdit], root: Optional[nn.Cell], engine: str) -> None:
     """Refuse, before any change, a parameter shared by several Cells under ``root`` (default:
     under the edited Cells) that the edits would place differently in them."""
+    roots = [root] if root is not None else list({id(e.cell): e.cell for e in edits}.values())
     holders: Dict[int, list] = {}
-    for cell in ([root] if root is not None else list({id(e.cell): e.cell for e in edits}.values())):
+    for cell in roots:
         for key, users in parameter_holders(cell).items():
-            holders.setdefault(key, []).extend(u for u in users if u not in holders.get(key, ()))
+            known = holders.setdefault(key, [])
+            known.extend(u for u in users if not any(u[1] is k[1] and u[2] == k[2] for k in known))
     planned = {(id(e.cell), name): placement for e in edits for name, placement in e.parameters.items()}
     check_tied(holders, planned, engine)
 

@@ -83,7 +83,7 @@ def retie(changes: CellChanges, root: nn.Cell, snapshot: List[tuple], engine: st
         if len(users) < 2:
             continue
         original = users[0][2]
-        new = [(cell, attr, cell._params.get(attr)) for cell, attr, _ in users]
+        new = [(cell, attr, own_parameters(cell).get(attr)) for cell, attr, _ in users]
         replaced = {id(p): (cell, attr, p) for cell, attr, p in new if p is not original}
         if len(replaced) > 1:
             (c1, a1, p1), (c2, a2, p2) = list(replaced.values())[:2]
