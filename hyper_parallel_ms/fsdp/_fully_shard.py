@@ -216,7 +216,9 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
                 mp_policy: Optional[MixedPrecisionPolicy] = None) -> nn.Cell:
     """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0
     over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
-    :class:`FSDPModule`. Apply bottom-up: each block, then the root.
+    :class:`FSDPModule`. Apply bottom-up: each block, then the root. A parameter shared by
+    several Cells (tied) belongs to the lowest Cell holding every use: one piece, gathered once;
+    a call finding it already taken by another unit raises.
 
     Example::
 

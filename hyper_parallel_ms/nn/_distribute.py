@@ -67,7 +67,8 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     ``Parameter(distribute_tensor(...))``), the other parameters replicated, then
     ``input_fn(module, inputs, mesh)`` / ``output_fn(module, outputs, mesh)`` registered as
     forward pre / post hooks. A second call on the same module is refused; a failure
-    leaves the module as it was. PyNative.
+    leaves the module as it was. PyNative. A parameter shared by several Cells (tied) that
+    ``partition_fn`` replaces in one of them gets the same replacement in the others.
 
     Example::
 
@@ -244,7 +245,8 @@ def _plan_entries(checked: tuple) -> List[Tuple[str, str]]:
 
 def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: ShardingPlan) -> nn.Cell:
     """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
-    and placement is checked before anything changes. PyNative.
+    and placement is checked before anything changes. PyNative. A parameter shared by several
+    Cells (tied) is placed by the entry of any of its names, for every use (one DTensor parameter).
 
     Example::
 
