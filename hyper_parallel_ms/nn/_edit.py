@@ -145,15 +145,19 @@ def _kwargs_in_graph(edit: ModuleEdit) -> str:
             "(input_layouts) to compile this Cell")
 
 
-def _made(made: Dict[int, Parameter], param: Parameter, placement: ParameterPlacement) -> Parameter:
+Made = Dict[int, Tuple[Parameter, Parameter]]          # id(original): (original, its new Parameter)
+
+
+def _made(made: Made, param: Parameter, placement: ParameterPlacement) -> Parameter:
     """``param`` cut by ``placement``, once: a parameter shared by several Cells (tied) gets one
     new Parameter, put into each of them (their placements agree, :func:`~._tied.check_tied`)."""
-    if id(param) not in made:
-        made[id(param)] = placement.make(param)
-    return made[id(param)]
+    known = made.get(id(param))
+    if known is None or known[0] is not param:
+        known = made[id(param)] = (param, placement.make(param))
+    return known[1]
 
 
-def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh, made: Dict[int, Parameter]) -> None:
+def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh, made: Made) -> None:
     replicated = ParameterPlacement(mesh, (Replicate(),) * mesh.ndim, as_dtensor=True)
     for cell in named_cells(root).values():
         for name, p in own_parameters(cell).items():
@@ -161,7 +165,7 @@ def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh, made: Dict[int, P
                 changes.set_parameter(cell, name, _made(made, p, replicated))
 
 
-def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Dict[int, Parameter]) -> None:
+def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
     for name, placement in edit.parameters.items():
         changes.set_parameter(edit.cell, name, _made(made, own_parameters(edit.cell)[name], placement))
     for name, value in edit.attributes.items():
@@ -205,7 +209,7 @@ def apply_edits(edits: List[ModuleEdit], engine: str, root: Optional[nn.Cell] = 
     _check_tied(edits, root, engine)
     touched = [e for e in edits if e.custom_apply is not None or e.replicate_rest is not None]
     snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]
-    made: Dict[int, Parameter] = {}
+    made: Made = {}
     try:
         with CellChanges() as changes:
             for edit in edits:
