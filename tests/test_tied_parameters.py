@@ -205,7 +205,8 @@ def test_tied_head_under_fsdp_x_tp_and_checkpoints():
         fsdp_tp(saved)
         state = dcp.get_model_state_dict(saved)
         assert sorted(state) == ["embed.embedding_table", "mid.bias", "mid.weight"]
-        dcp.save({"model": state}, checkpoint_id=path)
+        meta = dcp.save({"model": state}, checkpoint_id=path)
+        assert sorted(meta.tensors) == ["model.embed.embedding_table", "model.mid.bias", "model.mid.weight"]
         full = gathered(saved.embed.embedding_table, saved.embed.embedding_table)
         for target in ("fsdp_tp", "one device"):
             ms.set_seed(2)
