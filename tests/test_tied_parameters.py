@@ -18,7 +18,6 @@ from mindspore import Parameter, nn, ops
 from mindspore.mint import distributed as dist
 
 from hyper_parallel_ms import checkpoint as dcp
-from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.fsdp import fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
