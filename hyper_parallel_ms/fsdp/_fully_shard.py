@@ -19,7 +19,7 @@ from .._mindspore import cell_subclass
 from ..layout import chunk_sizes
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 from ._mesh import default_mesh, dp_mesh_dims
-from ._pieces import is_piece, make_piece
+from ._pieces import TAKEN_BY, is_piece, make_piece
 from ._policy import MixedPrecisionPolicy
 from ._compiled import GATHER_PREFIX, GatherParameter, PassReplicated, gathering_class
 from ._state import FSDPState, Group, Slot, eager_hooks
@@ -97,21 +97,30 @@ def _extended_class(cls: type, mixin: type, prefix: str) -> type:
 
 
 def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
-    """Parameters under ``cell`` not yet taken by a unit, each with every (cell, attr) holding it."""
+    """Parameters under ``cell`` not yet taken by a unit, each with every (cell, attr) holding it
+    (a parameter shared by several of them is one slot: one piece, gathered once). A parameter
+    an earlier unit took (its piece replaced it there) but still held here is refused."""
     found: Dict[int, Tuple[Parameter, List[Tuple[nn.Cell, str]]]] = {}
-    pieces: Dict[str, str] = {}
     for path, sub in named_cells(cell).items():
         for attr, p in own_parameters(sub).items():
             if is_piece(p):
-                pieces[p.name] = f"{path}.{attr}" if path else attr
                 continue
+            taken = getattr(p, TAKEN_BY, None)
+            if taken is not None:
+                unit, use = taken
+                here = f"{path}.{attr}" if path else attr
+                raise ValueError(
+                    f"fully_shard({type(cell).__name__}): the parameter {p.name!r} is shared (tied): "
+                    f"{type(sub).__name__} '{here}' here uses it, and the earlier fully_shard({unit}) took it as "
+                    f"its own '{use}'. A shared parameter belongs to one unit, the lowest Cell holding every use "
+                    "(as in FSDP2): apply fully_shard to their common parent (or the root) and not to a Cell "
+                    "holding only one of the uses")
             found.setdefault(id(p), (p, []))[1].append((sub, attr))
-    for p, holders in found.values():
-        if p.name in pieces:
-            raise ValueError(f"parameter {p.name!r} is shared: a sharded sub-Cell holds it as {pieces[p.name]!r} "
-                             f"and {type(holders[0][0]).__name__} uses it too; shard the Cell that holds every use "
-                             "(apply fully_shard to their common parent only)")
     return list(found.values())
+
+
+def _holder_paths(cell: nn.Cell) -> Dict[int, str]:
+    return {id(sub): path for path, sub in named_cells(cell).items()}
 
 
 def _shardable(p: Parameter, n: int, threshold_bytes: int) -> bool:
@@ -176,6 +185,7 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
                      grad_scale=grad_scale)
     owned = _own_slots(cell)
+    paths = _holder_paths(cell)
     with CellChanges() as changes:
         state = FSDPState(cell, mesh, [], sync, policy, reshard_after_forward)
         slots: Dict[bool, List[Slot]] = {True: [], False: []}
@@ -184,6 +194,9 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
             piece = make_piece(p, mesh, sharded, state)
             for holder, attr in holders:
                 changes.set_parameter(holder, attr, piece)
+            path = paths[id(holders[0][0])]
+            changes.set_attribute(p, TAKEN_BY, (type(cell).__name__, f"{path}.{holders[0][1]}" if path else
+                                                holders[0][1]))
             slots[sharded].append(Slot(holders, piece, tuple(p.shape), sharded))
         for sharded in (True, False):
             group_slots = slots[sharded]
@@ -203,7 +216,9 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
                 mp_policy: Optional[MixedPrecisionPolicy] = None) -> nn.Cell:
     """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0
     over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
-    :class:`FSDPModule`. Apply bottom-up: each block, then the root.
+    :class:`FSDPModule`. Apply bottom-up: each block, then the root. A parameter shared by
+    several Cells (tied) belongs to the lowest Cell holding every use: one piece, gathered once;
+    a call finding it already taken by another unit raises.
 
     Example::
 

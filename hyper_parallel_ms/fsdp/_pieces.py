@@ -31,10 +31,11 @@ from ..nn._parameter import ParameterSharding, parameter_sharding
 from ..placement import Replicate, Shard
 from ._mesh import dp_mesh_dims, join_meshes
 
-__all__ = ["make_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "PIECE_OF", "DEFERRED", "is_piece"]
+__all__ = ["make_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "PIECE_OF", "TAKEN_BY", "DEFERRED", "is_piece"]
 
 GRAD_REDUCED = "_hpms_grad_reduced_dims"
 PIECE_OF = "_hpms_fsdp_unit"
+TAKEN_BY = "_hpms_fsdp_taken_by"      # on a parameter a unit replaced by its piece: (unit class, use)
 DEFERRED = "_hpms_deferred_source"
 _SHARDING = "_hpms_sharding"
 

@@ -67,7 +67,8 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     ``Parameter(distribute_tensor(...))``), the other parameters replicated, then
     ``input_fn(module, inputs, mesh)`` / ``output_fn(module, outputs, mesh)`` registered as
     forward pre / post hooks. A second call on the same module is refused; a failure
-    leaves the module as it was. PyNative.
+    leaves the module as it was. PyNative. A parameter shared by several Cells (tied) that
+    ``partition_fn`` replaces in one of them gets the same replacement in the others.
 
     Example::
 
@@ -97,7 +98,7 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     root = ModuleEdit("", module, custom_apply=partition if partition_fn is not None else None,
                       replicate_rest=device_mesh, forward_pre_hooks=[pre] if input_fn is not None else [],
                       forward_hooks=[post] if output_fn is not None else [])
-    apply_edits([root] + _marked_edits(module), "distribute_module")
+    apply_edits([root] + _marked_edits(module), "distribute_module", module)
     return module
 
 
@@ -197,6 +198,7 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
             if any(isinstance(q, Placement) and q.is_partial() for q in placements):
                 raise ValueError(f"plan['{key}']: a parameter cannot be Partial, got {placements}")
             new_params[n] = placements
+    _tie_planned(params, new_params, device_mesh)
     inputs = {_cell_for(k, "input", cells): _positions(v, k, device_mesh) for k, v in sharding_plan.input_plan.items()}
     outputs = {_cell_for(k, "output", cells): _positions(v, k, device_mesh)
                for k, v in sharding_plan.output_plan.items()}
@@ -208,6 +210,27 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
                              f"near names: {near}")
         local.append(path)
     return cells, params, new_params, inputs, outputs, local
+
+
+def _tie_planned(params: Dict[str, tuple], new_params: Dict[str, Placements], mesh) -> None:
+    """A parameter shared by several Cells (tied) is one tensor with one placement: the plan's
+    entry for one of its names places every use; two entries placing it differently are refused."""
+    names: Dict[int, List[str]] = {}
+    for n, (_, _, p) in params.items():
+        names.setdefault(id(p), []).append(n)
+    for tied in (ns for ns in names.values() if len(ns) > 1):
+        planned = [n for n in tied if n in new_params]
+        if not planned:
+            continue
+        first, p = planned[0], params[planned[0]][2]
+        for other in planned[1:]:
+            if to_layout(mesh, new_params[other], p.ndim) != to_layout(mesh, new_params[first], p.ndim):
+                raise ValueError(f"shard_module: the parameter {p.name!r} is shared (tied) by '{first}' and '{other}', "
+                                 f"which the plan places differently: {new_params[first]} and {new_params[other]}. "
+                                 "A shared parameter is one tensor cut one way: give one placement (naming one of "
+                                 "its uses places them all), or untie it")
+        for n in tied:
+            new_params[n] = new_params[first]
 
 
 def _plan_entries(checked: tuple) -> List[Tuple[str, str]]:
@@ -222,7 +245,8 @@ def _plan_entries(checked: tuple) -> List[Tuple[str, str]]:
 
 def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: ShardingPlan) -> nn.Cell:
     """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
-    and placement is checked before anything changes. PyNative.
+    and placement is checked before anything changes. PyNative. A parameter shared by several
+    Cells (tied) is placed by the entry of any of its names, for every use (one DTensor parameter).
 
     Example::
 
@@ -246,7 +270,7 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
         edits[path].forward_pre_hooks.append(_input_hook(device_mesh, entries))
     for path in set(outputs) | set(local):
         edits[path].forward_hooks.append(_output_hook(device_mesh, outputs.get(path), path in local))
-    apply_edits(list(edits.values()) + _marked_edits(model), "shard_module")
+    apply_edits(list(edits.values()) + _marked_edits(model), "shard_module", model)
     return model
 
 

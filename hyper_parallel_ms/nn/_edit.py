@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindspore import nn
+from mindspore import Parameter, nn
 
 from ..dtensor import DTensor
 from ..placement import Placement, Replicate
@@ -30,6 +30,7 @@ from ._adapter import CellChanges, named_cells, own_parameters, restore_paramete
 from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook
 from ._parameter import ParameterPlacement
 from ._rules import mark_done
+from ._tied import check_tied, parameter_holders, retie
 
 __all__ = ["ConversionSpec", "InputSpec", "OutputSpec", "ModuleEdit", "apply_edits", "drop_enclosed_reductions"]
 
@@ -144,17 +145,29 @@ def _kwargs_in_graph(edit: ModuleEdit) -> str:
             "(input_layouts) to compile this Cell")
 
 
-def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh) -> None:
+Made = Dict[int, Tuple[Parameter, Parameter]]          # id(original): (original, its new Parameter)
+
+
+def _made(made: Made, param: Parameter, placement: ParameterPlacement) -> Parameter:
+    """``param`` cut by ``placement``, once: a parameter shared by several Cells (tied) gets one
+    new Parameter, put into each of them (their placements agree, :func:`~._tied.check_tied`)."""
+    known = made.get(id(param))
+    if known is None or known[0] is not param:
+        known = made[id(param)] = (param, placement.make(param))
+    return known[1]
+
+
+def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh, made: Made) -> None:
+    replicated = ParameterPlacement(mesh, (Replicate(),) * mesh.ndim, as_dtensor=True)
     for cell in named_cells(root).values():
         for name, p in own_parameters(cell).items():
             if not isinstance(p, DTensor):
-                changes.set_parameter(cell, name, ParameterPlacement(mesh, (Replicate(),) * mesh.ndim,
-                                                                     as_dtensor=True).make(p))
+                changes.set_parameter(cell, name, _made(made, p, replicated))
 
 
-def _apply_own(changes: CellChanges, edit: ModuleEdit) -> None:
+def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
     for name, placement in edit.parameters.items():
-        changes.set_parameter(edit.cell, name, placement.make(own_parameters(edit.cell)[name]))
+        changes.set_parameter(edit.cell, name, _made(made, own_parameters(edit.cell)[name], placement))
     for name, value in edit.attributes.items():
         changes.set_attribute(edit.cell, name, value)
     if edit.swap_class is not None:
@@ -171,22 +184,44 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit) -> None:
         changes.add_forward_hook(edit.cell, fn)
 
 
-def apply_edits(edits: List[ModuleEdit], engine: str) -> None:
+def _check_tied(edits: List[ModuleEdit], root: Optional[nn.Cell], engine: str) -> None:
+    """Refuse, before any change, a parameter shared by several Cells under ``root`` (default:
+    under the edited Cells) that the edits would place differently in them."""
+    roots = [root] if root is not None else list({id(e.cell): e.cell for e in edits}.values())
+    holders: Dict[int, list] = {}
+    for cell in roots:
+        for key, users in parameter_holders(cell).items():
+            known = holders.setdefault(key, [])
+            known.extend(u for u in users if not any(u[1] is k[1] and u[2] == k[2] for k in known))
+    planned = {(id(e.cell), name): placement for e in edits for name, placement in e.parameters.items()}
+    check_tied(holders, planned, engine)
+
+
+def apply_edits(edits: List[ModuleEdit], engine: str, root: Optional[nn.Cell] = None) -> None:
     """Make ``edits`` in order: each one's own changes, then the user code (``custom_apply``),
     then the replicated rest, then the done-markers of ``engine``. If anything fails, undo
-    every change (and put back parameters user code replaced) and re-raise."""
+    every change (and put back parameters user code replaced) and re-raise.
+
+    A parameter shared by several Cells under ``root`` (tied weights) is cut once and the one new
+    Parameter put into every Cell using it; edits placing it differently (or one Cell leaving it
+    whole) are refused before anything changes. A shared parameter that user code replaced in one
+    Cell gets that replacement in the others too."""
+    _check_tied(edits, root, engine)
     touched = [e for e in edits if e.custom_apply is not None or e.replicate_rest is not None]
     snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]
+    made: Made = {}
     try:
         with CellChanges() as changes:
             for edit in edits:
-                _apply_own(changes, edit)
+                _apply_own(changes, edit, made)
             for edit in edits:
                 if edit.custom_apply is not None:
                     edit.custom_apply()
+            for cell, snapshot in snapshots:
+                retie(changes, cell, snapshot, engine)
             for edit in edits:
                 if edit.replicate_rest is not None:
-                    _replicate_rest(changes, edit.cell, edit.replicate_rest)
+                    _replicate_rest(changes, edit.cell, edit.replicate_rest, made)
             for edit in edits:
                 if edit.marks_done:
                     mark_done(changes, edit.cell, engine)

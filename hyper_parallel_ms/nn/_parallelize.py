@@ -107,6 +107,8 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     ``module`` as it was. A Cell whose parameters were already sharded (by this function,
     ``shard_module`` or ``distribute_module``) is refused. A user's style implementing
     ``apply(module, device_mesh)`` is called after the built-in ones.
+    A parameter shared by several Cells (tied weights) is cut once and stays one Parameter; every
+    Cell using it must be styled in this call and place it alike, else the call is refused.
 
     ``src_data_rank``: the rank whose initial parameter values are cut into pieces
     (``None``: every rank cuts its own values, which must then agree).
@@ -139,5 +141,5 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     targets, edits = agreed(edits_of_plan, lambda prepared: _described(prepared[0]), device_mesh,
                             "parallelize_module")
     _check_conflicts(edits)
-    apply_edits(edits, "parallelize_module")
+    apply_edits(edits, "parallelize_module", module)
     return module
