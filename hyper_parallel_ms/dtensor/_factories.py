@@ -21,8 +21,6 @@ import mindspore as ms
 from mindspore import Tensor, ops
 
 from .. import comm
-from ..layout import Layout
-from ..redistribute import execute, lower, plan_redistribute
 from ._dtensor import DTensor
 from ._spec import DTensorSpec
 
@@ -36,13 +34,6 @@ def _size(size: Size) -> Tuple[int, ...]:
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
         raise ValueError(f"size must be non-negative ints, got {size!r}")
     return shape
-
-
-def _local_piece(full: Tensor, spec: DTensorSpec) -> Tensor:
-    """This rank's piece of a replicated global tensor (Partial dims: PyTorch's partition)."""
-    replicated = Layout.replicated(spec.mesh.shape, spec.mesh.mesh_dim_names)
-    steps = lower(plan_redistribute(replicated, spec.layout, spec.shape), spec.mesh.get_coordinate(), spec.shape)
-    return execute(full, spec.mesh, steps).copy()  # own storage: a view would alias ``full``
 
 
 def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
@@ -64,7 +55,7 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
                 raise ValueError(f"src_data_rank {src_data_rank} is not a rank index on mesh dim {a} of size "
                                  f"{device_mesh.shape[a]}")
             tensor = comm.broadcast(tensor, device_mesh, a, src=src_data_rank)
-    return DTensor(_local_piece(tensor, spec), spec)
+    return DTensor(spec.piece_of(tensor), spec)
 
 
 def full(size: Size, fill_value, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
@@ -95,7 +86,7 @@ def empty(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) ->
 
 def _random(draw, size: Size, device_mesh, placements: Sequence, dtype) -> DTensor:
     spec = DTensorSpec.build(device_mesh, placements, _size(size))
-    return DTensor(_local_piece(draw(spec.shape, dtype=dtype), spec), spec)
+    return DTensor(spec.piece_of(draw(spec.shape, dtype=dtype)), spec)
 
 
 def rand(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:

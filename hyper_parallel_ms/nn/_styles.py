@@ -36,6 +36,7 @@ from ._adapter import own_parameters
 from ._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
 from ._hooks import masked_rows_class
 from ._parameter import ParameterPlacement
+from ._parallelize import ParallelStyle
 from ._rules import check_mesh
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
@@ -81,42 +82,6 @@ def _layer_kind(style: "ParallelStyle", path: str, cell: nn.Cell) -> str:
 
 def _weight_name(cell: nn.Cell) -> str:
     return "embedding_table" if isinstance(cell, nn.Embedding) else "weight"
-
-
-class ParallelStyle:
-    """Base of the styles. The built-in styles implement :meth:`plan` (a :class:`ModuleEdit`
-    prepared without touching the Cell, so a whole plan is checked before anything changes).
-    A user's style may instead implement :meth:`apply` (PyTorch's ``_apply``): it is called
-    with the matched Cell and the mesh when ``parallelize_module`` applies the plan, after the
-    built-in styles, with ``self.src_data_rank`` set.
-
-    Example::
-
-        class Doubled(ParallelStyle):
-            def apply(self, module, device_mesh):
-                module.register_forward_hook(lambda cell, args, out: out * 2)
-                return module
-    """
-
-    src_data_rank: Optional[int] = 0
-
-    def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
-        """The :class:`ModuleEdit` of this style for ``cell`` (at ``path``), without changing it."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither plan() nor apply(module, device_mesh)")
-
-    def apply(self, module: nn.Cell, device_mesh) -> nn.Cell:
-        """Apply this style to ``module`` itself: ``parallelize_module(module, device_mesh, self)``."""
-        from ._parallelize import parallelize_module
-        return parallelize_module(module, device_mesh, self, src_data_rank=self.src_data_rank)
-
-    @classmethod
-    def _custom_apply(cls) -> bool:
-        """Whether this style is applied by its own :meth:`apply` rather than planned."""
-        return cls.plan is ParallelStyle.plan and cls.apply is not ParallelStyle.apply
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({fields})"
 
 
 class _LayerStyle(ParallelStyle):
