@@ -23,7 +23,18 @@ __all__ = ["export_full"]
 def export_full(checkpoint_id: str, path: str, *, prefix: str = "") -> Dict[str, tuple]:
     """Assemble every tensor whose key starts with ``prefix`` (the prefix removed: with
     ``prefix="model."`` the names are the model's parameter names) into one safetensors file
-    at ``path``; returns name -> global shape. Runs in one process, no collectives."""
+    at ``path``; returns name -> global shape. Runs in one process, no collectives.
+
+    Args:
+        checkpoint_id: the checkpoint directory.
+        path: the safetensors file to write.
+        prefix: only keys starting with it, with it removed (``"model."``: the model's parameter names).
+
+    Example::
+
+        shapes = export_full("ckpt/step_10", "model.safetensors", prefix="model.")
+        ms.load_checkpoint("model.safetensors", net, format="safetensors")
+    """
     reader = open_checkpoint(os.fspath(checkpoint_id))
     arrays: Dict[str, np.ndarray] = {}
     for key, entry in sorted(reader.metadata.tensors.items()):

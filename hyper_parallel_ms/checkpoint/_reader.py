@@ -97,7 +97,16 @@ def _verify(key: str, chunk: Chunk, path: str, got: int) -> None:
 
 
 def open_checkpoint(checkpoint_id: str) -> CheckpointReader:
-    """A reader for a checkpoint directory or a full ``.safetensors`` / ``.ckpt`` file."""
+    """A reader for a checkpoint directory or a full ``.safetensors`` / ``.ckpt`` file.
+
+    Args:
+        checkpoint_id: a checkpoint directory or a full ``.safetensors`` / ``.ckpt`` file.
+
+    Example::
+
+        reader = open_checkpoint("ckpt/step_10")
+        reader.metadata.tensors["model.fc.weight"].shape
+    """
     path = os.fspath(checkpoint_id)
     if os.path.isfile(path):
         return _full_file(path)

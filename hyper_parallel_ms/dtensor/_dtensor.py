@@ -67,6 +67,11 @@ class DTensor(Tensor):
     Build one with :meth:`from_local`, :func:`distribute_tensor` or a factory
     (``zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``).
 
+    Args:
+        local: this rank's piece (a plain Tensor; storage is shared, not copied).
+        spec: its :class:`DTensorSpec` (mesh, layout, global shape); ``None`` only when
+            MindSpore re-creates a DTensor (``Parameter(dtensor)``).
+
     Example::
 
         dt = DTensor.from_local(ms.ops.ones((2, 3)), mesh, [Shard(0)])   # 2 ranks: global (4, 3)

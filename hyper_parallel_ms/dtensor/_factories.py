@@ -40,6 +40,14 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
                       src_data_rank: Optional[int] = 0) -> DTensor:
     """Distribute a full tensor: each rank keeps its piece of group rank ``src_data_rank``'s data.
 
+    Args:
+        tensor: the whole tensor (a plain MindSpore Tensor, the same shape on every rank).
+        device_mesh: the :class:`DeviceMesh` it is laid out on.
+        placements: one ``Shard`` / ``Replicate`` / ``Partial`` per mesh dim, or alias entries per tensor
+            dim (``("dp", "None")``).
+        src_data_rank: the group rank (on every mesh dim) whose values every rank takes; ``None``: each
+            rank cuts its own ``tensor`` (no communication).
+
     Example::
 
         dt = distribute_tensor(ms.ops.randn((8, 8)), mesh, [Shard(0), Replicate()])
@@ -60,7 +68,19 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
 
 def full(size: Size, fill_value, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
     """A DTensor whose global tensor is filled with ``fill_value`` (Partial(sum): rank pieces
-    hold fill_value / n so that the sum is right)."""
+    hold fill_value / n so that the sum is right).
+
+    Args:
+        size: the global shape (an int or a sequence of ints).
+        fill_value: the value of every element of the global tensor.
+        device_mesh: the :class:`DeviceMesh`.
+        placements: one placement per mesh dim (or alias entries per tensor dim).
+        dtype: the MindSpore dtype (default ``float32``).
+
+    Example::
+
+        dt = full((8, 4), 2.0, device_mesh=mesh, placements=[Shard(0)])
+    """
     spec = DTensorSpec.build(device_mesh, placements, _size(size))
     value = ops.full(spec.layout.local_shape(spec.shape, device_mesh.get_coordinate()), fill_value, dtype=dtype)
     for a, p in enumerate(spec.placements):
@@ -70,17 +90,41 @@ def full(size: Size, fill_value, *, device_mesh, placements: Sequence, dtype=ms.
 
 
 def zeros(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor of zeros. Example: ``zeros((8, 4), device_mesh=mesh, placements=[Shard(0)])``."""
+    """A DTensor of zeros.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = zeros((8, 4), device_mesh=mesh, placements=[Shard(0)])
+    """
     return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
 
 
 def ones(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor of ones. Example: ``ones((8, 4), device_mesh=mesh, placements=[Replicate()])``."""
+    """A DTensor of ones.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = ones((8, 4), device_mesh=mesh, placements=[Replicate()])
+    """
     return full(size, 1, device_mesh=device_mesh, placements=placements, dtype=dtype)
 
 
 def empty(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor with unspecified values (zeros here: MindSpore has no uninitialised CPU kernel)."""
+    """A DTensor with unspecified values (zeros here: MindSpore has no uninitialised CPU kernel).
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = empty((8, 4), device_mesh=mesh, placements=[Shard(0)])
+    """
     return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
 
 
@@ -90,10 +134,27 @@ def _random(draw, size: Size, device_mesh, placements: Sequence, dtype) -> DTens
 
 
 def rand(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """Uniform [0, 1) values; equal to the single-device ``ops.rand`` with the same seed."""
+    """Uniform [0, 1) values; equal to the single-device ``ops.rand`` with the same seed.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        ms.set_seed(0)
+        dt = rand((8, 4), device_mesh=mesh, placements=[Shard(0)])   # == ops.rand((8, 4)) after the same seed
+    """
     return _random(ops.rand, size, device_mesh, placements, dtype)
 
 
 def randn(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """Standard normal values; equal to the single-device ``ops.randn`` with the same seed."""
+    """Standard normal values; equal to the single-device ``ops.randn`` with the same seed.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = randn((8, 4), device_mesh=mesh, placements=[Replicate()])
+    """
     return _random(ops.randn, size, device_mesh, placements, dtype)

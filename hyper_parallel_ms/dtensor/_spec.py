@@ -49,8 +49,18 @@ def to_layout(mesh, placements: Sequence, ndim: int) -> Layout:
 
 @dataclass(frozen=True, eq=False)
 class DTensorSpec:
-    """Where a distributed tensor lives: ``mesh``, ``layout`` (placements) and global ``shape``.
-    Hashable (the hash is kept: specs key the ops dispatcher's cache on every call)."""
+    """Where a distributed tensor lives. Hashable (the hash is kept: specs key the ops
+    dispatcher's cache on every call).
+
+    Args:
+        mesh: the :class:`DeviceMesh`.
+        layout: the :class:`Layout` (placements, sharding order).
+        shape: the global shape.
+
+    Example::
+
+        spec = DTensorSpec.build(mesh, [Shard(0)], (8, 4))    # DTensorSpec(mesh, Layout(...), (8, 4))
+    """
 
     mesh: object
     layout: Layout

@@ -133,18 +133,21 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     """Apply ``parallelize_plan`` to ``module`` over the 1-D ``device_mesh`` (default: the
     current mesh, ``with mesh:``) and return it.
 
-    ``parallelize_plan`` is a :class:`ParallelStyle` (applied to ``module`` itself) or a dict
-    ``{path: style or dict}``. A path is dotted and matched one segment at a time with
-    ``fnmatch`` wildcards (``*`` never crosses a dot: ``"layers.*.attn.w[qkv]"`` matches
-    ``layers.0.attn.wq``); ``""`` is ``module`` itself; a nested dict's paths are relative to
-    the Cell its key matched (``{"layers.*": {"attn.q": ColwiseParallel()}}``). Every key must
-    match a Cell; every key and style is checked before anything changes, and a failure leaves
-    ``module`` as it was. A Cell whose parameters were already sharded (by this function,
-    ``shard_module`` or ``distribute_module``) is refused. A user's style implementing
+    Every key must match a Cell; every key and style is checked before anything changes, and a
+    failure leaves ``module`` as it was. A Cell whose parameters were already sharded (by this
+    function, ``shard_module`` or ``distribute_module``) is refused. A user's style implementing
     ``apply(module, device_mesh)`` is called after the built-in ones.
 
-    ``src_data_rank``: the rank whose initial parameter values are cut into pieces
-    (``None``: every rank cuts its own values, which must then agree).
+    Args:
+        module: the Cell to parallelize (returned, changed in place).
+        device_mesh: a 1-D :class:`DeviceMesh` (``mesh["tp"]``); default: the current mesh.
+        parallelize_plan: a :class:`ParallelStyle` (applied to ``module`` itself) or a dict
+            ``{path: style or dict}``. A path is dotted and matched one segment at a time with
+            ``fnmatch`` wildcards (``*`` never crosses a dot: ``"layers.*.attn.w[qkv]"`` matches
+            ``layers.0.attn.wq``); ``""`` is ``module`` itself; a nested dict's paths are relative
+            to the Cell its key matched (``{"layers.*": {"attn.q": ColwiseParallel()}}``).
+        src_data_rank: the rank whose initial parameter values are cut into pieces (``None``:
+            every rank cuts its own values, which must then agree).
 
     Example::
 

@@ -56,6 +56,10 @@ def strict_plain_tensors(enabled: bool = True) -> Iterator[None]:
     """Inside, an op mixing DTensors with plain Tensors raises instead of reading the plain
     Tensor as Replicate.
 
+    Args:
+        enabled: ``True`` refuses plain Tensors next to DTensors; ``False`` reads them as Replicate
+            (inside an enclosing strict block too).
+
     Example::
 
         with strict_plain_tensors():
@@ -69,7 +73,12 @@ def strict_plain_tensors(enabled: bool = True) -> Iterator[None]:
 
 
 def clear_cache() -> None:
-    """Forget the cached sharding decisions (``register_sharding`` does this itself)."""
+    """Forget the cached sharding decisions (``register_sharding`` does this itself).
+
+    Example::
+
+        clear_cache()            # the next op of each kind decides again
+    """
     propagator.clear_cache()
 
 
@@ -127,7 +136,17 @@ class _Decision:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring)."""
+    """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring).
+
+    Args:
+        func: the MindSpore op (a function or primitive) the tensor hook received.
+        args: its positional arguments (DTensors, plain tensors, other values).
+        kwargs: its keyword arguments.
+
+    Example::
+
+        y = dispatch(ops.matmul, (x_dt, w_dt), {})       # what ``ops.matmul(x_dt, w_dt)`` runs
+    """
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
     inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args))
     mesh, signature, template = None, [], None
