@@ -57,11 +57,13 @@ class Feature:
 
 
 _STYLES = "tests/test_parallel_styles.py::"
+_MATRIX = "tests/test_styles_graph_matrix.py::"
+_ENGINE = "tests/test_engine_rules.py::"
 FEATURES: Tuple[Feature, ...] = (
     Feature("`parallelize_module` styles, `GradientReducer`, collectives, redistribution of local tensors",
             ModeCell("yes", (_STYLES + "test_dp_x_tp_on_2x2_mesh", "tests/test_comm.py::test_all_gather",
                              "tests/test_local_redistribute.py::test_local_redistribute_values_and_gradients")),
-            ModeCell("yes", ("tests/test_styles_graph_matrix.py::test_styles_and_conversions_in_every_mode_and_container",
+            ModeCell("yes", (_MATRIX + "test_styles_and_conversions_in_every_mode_and_container",
                              _STYLES + "test_transformer_trains_inside_ms_jit", "tests/test_comm.py::test_all_gather",
                              "tests/test_redistribute.py::test_plans_execute_inside_jit",
                              "tests/test_local_redistribute.py::test_local_redistribute_values_and_gradients"))),
@@ -73,14 +75,14 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("`shard_module` / `distribute_module` (DTensor parameters)",
             ModeCell("yes", ("tests/test_sharding_plan.py::test_seed_example_on_2d_mesh",
                              "tests/test_sharding_plan.py::test_distribute_module_partition_hooks_and_refusals")),
-            ModeCell("no: raises", ("tests/test_engine_rules.py::test_misuses_that_would_compute_silently_raise",))),
+            ModeCell("no: raises", (_ENGINE + "test_misuses_that_would_compute_silently_raise",))),
     Feature("`use_local_output=False` (DTensor outputs), DTensor inputs to styled Cells",
             ModeCell("yes", (_STYLES + "test_prepare_module_input_output_kwargs_and_dtensor_outputs",)),
             ModeCell("outputs stay local")),
     Feature("`PrepareModuleInput(input_kwarg_layouts=...)` (keyword inputs)",
             ModeCell("yes", (_STYLES + "test_prepare_module_input_output_kwargs_and_dtensor_outputs",)),
             ModeCell("no: raises (MindSpore compiles no kwargs hooks)",
-                     ("tests/test_engine_rules.py::test_keyword_conversions_refuse_to_compile_instead_of_being_skipped",))),
+                     (_ENGINE + "test_keyword_conversions_refuse_to_compile_instead_of_being_skipped",))),
     Feature("`fully_shard`, `hsdp`",
             ModeCell("yes", ("tests/test_fsdp.py::test_fully_shard_2_ranks_sgd_adamw_and_schedule",
                              "tests/test_hsdp.py::test_hsdp_levels_fusion_and_threshold_2_ranks")),
