@@ -3,7 +3,7 @@ against a single-device run of the same steps.
 
 Launch on N ranks with msrun (``scripts/run_tp.sh`` does it), e.g. 4 CPU ranks as dp=2 x tp=2::
 
-    msrun --worker_num=4 --local_worker_num=4 --join=True examples/train_tp.py --dp 2 --tp 2 --mode graph
+    bash scripts/msrun.sh --worker_num=4 --local_worker_num=4 --join=True examples/train_tp.py --dp 2 --tp 2 --mode graph
 
 ``--mode pynative`` runs eagerly, ``--mode jit`` compiles the train step with ``ms.jit``,
 ``--mode graph`` sets GRAPH_MODE and runs a train-step Cell. Each step logs the loss and

@@ -87,7 +87,7 @@ except ImportError:  # MindSpore 2.8
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
            "OVERLOAD_OPS_CALLABLE",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
-           "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
+           "plain_view", "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv"]
 
@@ -326,6 +326,16 @@ def as_subclass(cls: type, t: Tensor) -> Tensor:
     'Tensor'
     """
     return Tensor._make_subclass(cls, t)
+
+
+def plain_view(t: Tensor) -> Tensor:
+    """A plain ``Tensor`` sharing storage and the autodiff node with ``t`` (a DTensor's local
+    piece, no copy).
+
+    >>> type(plain_view(Tensor([1.0]))).__name__
+    'Tensor'
+    """
+    return as_subclass(Tensor, t)
 
 
 def adopt(result: Tensor, cls: type) -> Tensor:

@@ -320,6 +320,14 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     ``init_backend=False`` (HyperParallel) builds the mesh without communication groups,
     for planning; collectives on it raise.
 
+    Args:
+        device_type: ``"cpu"`` or ``"npu"`` / ``"Ascend"``: the device of the ranks.
+        mesh_shape: ranks per mesh dimension, e.g. ``(2, 4)``; its product is the world size (or
+            ``len(rank_list)``).
+        mesh_dim_names: one name per mesh dimension (``("dp", "tp")``), for ``mesh["tp"]`` and alias layouts.
+        rank_list: the ranks of the mesh, row-major (default: every rank of the job).
+        init_backend: ``False`` builds the mesh without communication groups (planning only).
+
     Example:
         >>> init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")).mesh.tolist()
         [[0]]

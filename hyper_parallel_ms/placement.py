@@ -27,7 +27,12 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
 class Placement:
-    """Base class of the three placements; never instantiated directly."""
+    """Base class of the three placements; never instantiated directly.
+
+    Example:
+        >>> Shard(0).is_shard(), Replicate().is_shard()
+        (True, False)
+    """
 
     __slots__ = ()
 
@@ -46,6 +51,9 @@ class Placement:
 
 class Shard(Placement):
     """The tensor is split along tensor dimension ``dim`` (negative dims allowed).
+
+    Args:
+        dim: the tensor dimension split over the mesh dimension (``torch.chunk`` sizes).
 
     Example:
         >>> Shard(-1), str(Shard(0))
@@ -113,6 +121,9 @@ class Replicate(Placement):
 
 class Partial(Placement):
     """Every rank holds a partial value, reduced by ``reduce_op`` over the mesh dimension.
+
+    Args:
+        reduce_op: ``"sum"`` (default), ``"avg"``, ``"max"`` or ``"min"``: how the pieces combine.
 
     Example:
         >>> Partial(), str(Partial("avg"))

@@ -7,7 +7,7 @@ all ranks and (for an even world of 4 or more) a 2-D ("dp", "tp") mesh.
 
 Example::
 
-    msrun --worker_num=4 --local_worker_num=4 --join=True scripts/comm_selfcheck.py --device CPU
+    bash scripts/msrun.sh --worker_num=4 --local_worker_num=4 --join=True scripts/comm_selfcheck.py --device CPU
 """
 from __future__ import annotations
 

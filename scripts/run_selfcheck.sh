@@ -13,14 +13,12 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument: $1 (expected --nproc N, --device CPU|Ascend, --port P)" >&2; exit 2 ;;
   esac
 done
-bash "$ROOT/scripts/setup_env.sh"
-VENV="${HPMS_VENV:-$ROOT/.venv}"
+bash "$ROOT/scripts/setup_env.sh"     # first run: create the venv (progress shown here)
 LOG_DIR="$ROOT/rank_logs/selfcheck"
 rm -rf "$LOG_DIR"
-export PATH="$VENV/bin:$PATH"
 export GLOG_v="${GLOG_v:-3}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 status=0
-"$VENV/bin/msrun" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
+bash "$ROOT/scripts/msrun.sh" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
   --log_dir="$LOG_DIR" --join=True "$ROOT/scripts/comm_selfcheck.py" --device "$DEVICE" > "$LOG_DIR.msrun.log" 2>&1 || status=$?
 for k in $(seq 0 $((NPROC - 1))); do
   grep -h "FAIL\|Error" "$LOG_DIR/worker_$k.log" 2>/dev/null | head -n 20 || true

@@ -30,15 +30,13 @@ DP="${DP:-$(( NPROC / TP ))}"
 if [ $(( DP * TP )) -ne "$NPROC" ]; then
   echo "dp ($DP) x tp ($TP) must equal --nproc ($NPROC)" >&2; exit 2
 fi
-bash "$ROOT/scripts/setup_env.sh"
-VENV="${HPMS_VENV:-$ROOT/.venv}"
+bash "$ROOT/scripts/setup_env.sh"     # first run: create the venv (progress shown here)
 LOG_DIR="$ROOT/rank_logs/train_tp"
 rm -rf "$LOG_DIR"
 mkdir -p "$LOG_DIR"
-export PATH="$VENV/bin:$PATH" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_v="${GLOG_v:-3}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 status=0
-"$VENV/bin/msrun" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
+bash "$ROOT/scripts/msrun.sh" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
   --log_dir="$LOG_DIR" --join=True "$ROOT/examples/train_tp.py" --dp "$DP" --tp "$TP" --mode "$MODE" \
   --steps "$STEPS" --device "$DEVICE" "${FSDP[@]}" "${EXTRA[@]}" > "$LOG_DIR.msrun.log" 2>&1 || status=$?
 grep -h "^\[parallel\]\|^\[single device\]" "$LOG_DIR/worker_0.log" 2>/dev/null || true

@@ -1,4 +1,4 @@
-"""The op sweep: every entry of tests/_op_table.py on DTensors against the single-device op
+"""The op sweep: every entry of tests/_op_table/ on DTensors against the single-device op
 (values and gradients), on meshes (2,) and (2, 2), each mesh in one rank-function call; the
 propagator's rule replacement; Partial(max) through monotonic ops; empty local pieces; a wrong
 rule failing on some ranks only raises on every rank."""

@@ -39,6 +39,19 @@ def export_full(checkpoint_id: str, path: str, *, prefix: str = "",
     device (a state saved as ``{"model": model_sd}`` gives the parameter names too);
     ``prefix="model."`` exports the model alone, ``prefix="optim."`` the optimizer alone.
 
+    Args:
+        checkpoint_id: the checkpoint (a directory for the default reader).
+        path: the safetensors file to write.
+        prefix: only keys starting with it, with it removed (``"model."``: the model alone).
+        storage_reader: where the checkpoint is read from (default: :class:`FileSystemReader`).
+
+    Example::
+
+        shapes = export_full("ckpt/step_10", "resume.safetensors")
+        params = ms.load_checkpoint("resume.safetensors", format="safetensors")
+        ms.load_param_into_net(net, params, strict_load=True)
+        ms.load_param_into_net(optimizer, params, strict_load=True)
+
     Raises:
         CheckpointError: no tensor under ``prefix``, or keys whose MindSpore names would be
             wrong (an optimizer moment naming no parameter, of another shape than its

@@ -48,9 +48,20 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         planner: which entries are filled from which checkpoint keys (default
             :class:`DefaultLoadPlanner`; subclass it to filter or rename keys).
 
+    Args:
+        state_dict: a (nested) dict of values to fill, laid out as this run needs them.
+        checkpoint_id: the checkpoint directory, or a full ``.safetensors`` / ``.ckpt`` file.
+        no_dist: this process alone loads (no collectives), as a world of one.
+        use_collectives: agree with the other ranks before assigning (a failure changes no rank).
+
     Raises:
         CheckpointError: naming the tensor and the file (missing, truncated, corrupted,
             mismatched or a checkpoint of another model).
+
+    Example::
+
+        state = {"model": get_model_state_dict(model), "step": 0}
+        load(state, checkpoint_id="ckpt/step_10")      # parameters filled in place, state["step"] == 10
     """
     planner = planner if planner is not None else DefaultLoadPlanner()
     coord = Coordinator(distributed=use_collectives and not no_dist)

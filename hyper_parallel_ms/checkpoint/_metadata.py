@@ -24,12 +24,32 @@ METADATA_FILE = "metadata.json"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the tensor and the file."""
+    """A checkpoint cannot be saved or loaded; the message names the tensor and the file.
+
+    Example::
+
+        try:
+            dcp.load(state, checkpoint_id="ckpt/step_10")
+        except CheckpointError as error:     # nothing was changed
+            print(error)
+    """
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A box of a global tensor stored in one file: ``offsets`` and ``sizes`` per dim."""
+    """A box of a global tensor stored in one file: ``offsets`` and ``sizes`` per dim.
+
+    Args:
+        offsets: the box's first index along each dim of the global tensor.
+        sizes: the box's length along each dim.
+        file: the safetensors file (relative to the checkpoint folder) holding it.
+        key: its tensor name in that file.
+        crc32: the CRC-32 of its bytes.
+        nbytes: its size in bytes.
+
+    >>> Chunk((2, 0), (2, 3), "data_1.safetensors", "w#1", 0, 24).to_json()["offsets"]
+    [2, 0]
+    """
 
     offsets: Tuple[int, ...]
     sizes: Tuple[int, ...]
@@ -49,7 +69,16 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """A saved tensor: global ``shape``, numpy ``dtype`` name and the ``chunks`` covering it."""
+    """A saved tensor: global ``shape``, numpy ``dtype`` name and the ``chunks`` covering it.
+
+    Args:
+        shape: the global shape.
+        dtype: the numpy dtype name (``"float32"``, ``"bfloat16"``, ...).
+        chunks: the :class:`Chunk` s covering the tensor, each element once.
+
+    >>> TensorEntry((4,), "float32", ()).to_json()
+    {'shape': [4], 'dtype': 'float32', 'chunks': []}
+    """
 
     shape: Tuple[int, ...]
     dtype: str
@@ -65,7 +94,16 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Metadata:
-    """Every tensor (flat key -> :class:`TensorEntry`) and non-tensor value of a checkpoint."""
+    """Every tensor (flat key -> :class:`TensorEntry`) and non-tensor value of a checkpoint.
+
+    Args:
+        tensors: flat key (``"model.fc.weight"``) -> :class:`TensorEntry`.
+        values: flat key -> a non-tensor value (JSON: ints, floats, strings, lists, dicts).
+        world_size: the number of ranks that saved it.
+
+    >>> Metadata({}, {"step": 10}, world_size=2).world_size
+    2
+    """
 
     tensors: Dict[str, TensorEntry]
     values: Dict[str, Any] = field(default_factory=dict)

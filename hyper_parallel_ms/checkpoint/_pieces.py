@@ -34,9 +34,17 @@ __all__ = ["ShardedTensor", "TensorRef", "ValueRef", "flatten", "is_tensor_like"
 
 @dataclass(frozen=True, eq=False)
 class ShardedTensor:
-    """``local``: this rank's piece (a Tensor, or a numpy host copy) of the global tensor
-    described by ``spec`` (mesh, layout, global shape). Used for optimizer moments, laid out
-    as their parameters, and for host copies of sharded values."""
+    """This rank's piece of a global tensor, for optimizer moments (laid out as their parameters)
+    and host copies of sharded values.
+
+    Args:
+        local: this rank's piece (a Tensor, or a numpy host copy).
+        spec: the ``DTensorSpec`` of the global tensor (mesh, layout, global shape).
+
+    Example::
+
+        moment = ShardedTensor(optimizer.moment1[0], parameter_sharding(model.fc.weight).spec)
+    """
 
     local: Union[Tensor, np.ndarray]
     spec: DTensorSpec

@@ -84,7 +84,18 @@ def _verify(key: str, chunk: Chunk, where: str, got: int) -> None:
 
 def open_checkpoint(checkpoint_id: Optional[str], storage_reader: Optional[StorageReader] = None) -> CheckpointReader:
     """A reader for ``checkpoint_id`` through ``storage_reader`` (default: a
-    :class:`FileSystemReader`: a checkpoint directory or a full ``.safetensors`` / ``.ckpt`` file)."""
+    :class:`FileSystemReader`: a checkpoint directory or a full ``.safetensors`` / ``.ckpt`` file).
+
+    Args:
+        checkpoint_id: a checkpoint directory or a full ``.safetensors`` / ``.ckpt`` file (``None``: the
+            reader's own location).
+        storage_reader: where to read from (default: :class:`FileSystemReader`).
+
+    Example::
+
+        reader = open_checkpoint("ckpt/step_10")
+        reader.metadata.tensors["model.fc.weight"].shape
+    """
     storage = storage_reader if storage_reader is not None else FileSystemReader()
     storage.reset(None if checkpoint_id is None else os.fspath(checkpoint_id))
     return CheckpointReader(storage, storage.read_metadata())

@@ -60,6 +60,10 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
 
     Returns:
         The :class:`Metadata` of this checkpoint (on ranks not coordinating: this rank's part).
+
+    Example::
+
+        save({"model": get_model_state_dict(model), "step": 10}, checkpoint_id="ckpt/step_10")
     """
     world = Coordinator(distributed=not no_dist)
     writer, planner = _set_up(state_dict, checkpoint_id, storage_writer, planner, world)
@@ -141,6 +145,15 @@ class AsyncSave:
 
     ``result()`` is collective: call it on every rank, in the same order as other
     collectives (e.g. before the next save, or at the end of training).
+
+    Args:
+        job: the save in progress (made by :func:`async_save`, not by users).
+
+    Example::
+
+        pending = async_save(state, checkpoint_id="ckpt/step_20")
+        ...                                   # train on
+        pending.result()                      # every rank: committed
     """
 
     def __init__(self, job: _SaveJob) -> None:
@@ -168,6 +181,9 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     copied to host memory before it returns (the state may change afterwards); call
     ``.result()`` on every rank to commit (the checkpoint is not visible before).
     ``storage_writer`` and ``planner`` as for :func:`save`.
+
+    Args:
+        state_dict, checkpoint_id, no_dist, remove_redundancy, save_to_minimum_rank: as in :func:`save`.
 
     Example::
 

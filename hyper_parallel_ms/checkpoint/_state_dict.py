@@ -39,10 +39,17 @@ __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict
 
 @dataclass(frozen=True)
 class StateDictOptions:
-    """``full_state_dict``: whole tensors instead of pieces (gathered: call on every rank);
-    ``cpu_offload``: host (numpy) copies instead of the live tensors; ``ignore_frozen_params``:
-    leave out parameters with ``requires_grad=False``; ``strict``: ``set_*`` raise on missing
-    or unexpected keys."""
+    """Options of the state-dict functions (PyTorch's ``StateDictOptions``).
+
+    Args:
+        full_state_dict: whole tensors instead of pieces (gathered: call on every rank).
+        cpu_offload: host (numpy) copies instead of the live tensors.
+        ignore_frozen_params: leave out parameters with ``requires_grad=False``.
+        strict: ``set_*`` raise on missing or unexpected keys.
+
+    >>> StateDictOptions(full_state_dict=True).strict
+    True
+    """
 
     full_state_dict: bool = False
     cpu_offload: bool = False
@@ -52,6 +59,16 @@ class StateDictOptions:
 
 @dataclass(frozen=True)
 class IncompatibleKeys:
+    """What ``set_*_state_dict`` with ``strict=False`` did not match (as PyTorch's ``load_state_dict``).
+
+    Args:
+        missing_keys: keys of the model / optimizer that the state dict did not give.
+        unexpected_keys: keys of the state dict that the model / optimizer does not have.
+
+    >>> IncompatibleKeys(("fc.bias",), ()).missing_keys
+    ('fc.bias',)
+    """
+
     missing_keys: Tuple[str, ...]
     unexpected_keys: Tuple[str, ...]
 
@@ -95,7 +112,16 @@ def _model_params(model: nn.Cell, options: StateDictOptions) -> Dict[str, Parame
 
 
 def get_model_state_dict(model: nn.Cell, *, options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
-    """Fully qualified name -> parameter (its piece; whole with ``full_state_dict``)."""
+    """Fully qualified name -> parameter (its piece; whole with ``full_state_dict``).
+
+    Args:
+        model: the Cell.
+        options: a :class:`StateDictOptions` (default: pieces, live tensors).
+
+    Example::
+
+        model_sd = get_model_state_dict(model)          # {"fc.weight": <this rank's piece>, ...}
+    """
     options = options or StateDictOptions()
     return {name: _export(p, options) for name, p in _model_params(model, options).items()}
 
@@ -157,7 +183,17 @@ def _local_shape(p: Parameter) -> Tuple[int, ...]:
 def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]], *,
                              options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
     """``{"state": {fqn: {slot: moment}}, "param_groups": [group per optimizer]}``; moments of
-    sharded parameters are :class:`ShardedTensor` pieces with their parameter's layout."""
+    sharded parameters are :class:`ShardedTensor` pieces with their parameter's layout.
+
+    Args:
+        model: the Cell the optimizers train (names the moments by parameter).
+        optimizers: one optimizer or a sequence of them.
+        options: a :class:`StateDictOptions`.
+
+    Example::
+
+        optim_sd = get_optimizer_state_dict(model, optimizer)   # {"state": {"fc.weight": {"moment1": ...}}, ...}
+    """
     options = options or StateDictOptions()
     state: Dict[str, Dict[str, Any]] = {}
     groups = []
@@ -176,7 +212,15 @@ def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
 
 def get_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]], *,
                    options: Optional[StateDictOptions] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``."""
+    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``.
+
+    Args:
+        model, optimizers, options: as in :func:`get_optimizer_state_dict`.
+
+    Example::
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    """
     return (get_model_state_dict(model, options=options),
             get_optimizer_state_dict(model, optimizers, options=options))
 
@@ -248,7 +292,17 @@ def _assign(staged) -> None:
 def set_model_state_dict(model: nn.Cell, model_state_dict: Dict[str, Any], *,
                          options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
     """Copy ``model_state_dict`` into the model's parameters; each value may be this rank's
-    piece or the whole tensor (cut to the piece). Everything is checked before any change."""
+    piece or the whole tensor (cut to the piece). Everything is checked before any change.
+
+    Args:
+        model: the Cell.
+        model_state_dict: name -> value (a piece, the whole tensor, a DTensor or a ShardedTensor).
+        options: a :class:`StateDictOptions` (``strict``: raise on missing or unexpected keys).
+
+    Example::
+
+        keys = set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))
+    """
     keys, staged = _model_staged(model, model_state_dict, options or StateDictOptions())
     _assign(staged)
     return keys
@@ -258,7 +312,18 @@ def set_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
                              optim_state_dict: Dict[str, Any], *,
                              options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
     """Copy an optimizer state dict (as :func:`get_optimizer_state_dict` makes it, pieces or
-    whole tensors) into the optimizers' moments and scalars."""
+    whole tensors) into the optimizers' moments and scalars.
+
+    Args:
+        model: the Cell the optimizers train.
+        optimizers: one optimizer or a sequence of them.
+        optim_state_dict: as :func:`get_optimizer_state_dict` makes it.
+        options: a :class:`StateDictOptions`.
+
+    Example::
+
+        set_optimizer_state_dict(model, optimizer, optim_sd)
+    """
     keys, staged = _optimizer_staged(model, optimizers, optim_state_dict, options or StateDictOptions())
     _assign(staged)
     return keys
@@ -267,7 +332,18 @@ def set_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
 def set_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]], *,
                    model_state_dict: Dict[str, Any], optim_state_dict: Dict[str, Any],
                    options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
-    """:func:`set_model_state_dict` and :func:`set_optimizer_state_dict`, all checked first."""
+    """:func:`set_model_state_dict` and :func:`set_optimizer_state_dict`, all checked first.
+
+    Args:
+        model, optimizers: as in :func:`set_optimizer_state_dict`.
+        model_state_dict: as in :func:`set_model_state_dict`.
+        optim_state_dict: as in :func:`set_optimizer_state_dict`.
+        options: a :class:`StateDictOptions`.
+
+    Example::
+
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    """
     options = options or StateDictOptions()
     model_keys, model_staged = _model_staged(model, model_state_dict, options)
     optim_keys, optim_staged = _optimizer_staged(model, optimizers, optim_state_dict, options)

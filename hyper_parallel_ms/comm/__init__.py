@@ -169,6 +169,13 @@ def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[in
 
     ``sizes`` gives every rank's length along ``dim`` (default: all equal to this rank's).
 
+    Args:
+        x: this rank's piece (a plain Tensor).
+        mesh: the :class:`DeviceMesh`.
+        mesh_dim: the name or index of the mesh dim whose ranks gather (default 0).
+        dim: the tensor dim the pieces are concatenated on.
+        sizes: every rank's length along ``dim``, in group order (default: all equal to this rank's).
+
     Example::
 
         y = all_gather(x, mesh, "tp", dim=1, sizes=(3, 2))   # uneven pieces, width 5
@@ -185,6 +192,12 @@ def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[in
 def all_reduce(x, mesh, mesh_dim=0, *, op: str = "sum"):
     """Element-wise reduction (``sum``, ``avg``, ``max``, ``min``) over the ranks along ``mesh_dim``.
 
+    Args:
+        x: this rank's tensor.
+        mesh: the :class:`DeviceMesh`.
+        mesh_dim: the name or index of the mesh dim whose ranks reduce (default 0).
+        op: ``"sum"`` (default), ``"avg"``, ``"max"`` or ``"min"``.
+
     Example::
 
         total = all_reduce(partial_sums, mesh, "tp")
@@ -199,6 +212,13 @@ def all_reduce(x, mesh, mesh_dim=0, *, op: str = "sum"):
 
 def reduce_scatter(x, mesh, mesh_dim=0, *, dim: int = 0, op: str = "sum"):
     """Reduce over the ranks along ``mesh_dim``; each keeps its ``torch.chunk`` piece of ``dim``.
+
+    Args:
+        x: this rank's whole tensor.
+        mesh: the :class:`DeviceMesh`.
+        mesh_dim: the name or index of the mesh dim (default 0).
+        dim: the tensor dim cut into ``torch.chunk`` pieces after the reduction.
+        op: ``"sum"`` (default), ``"avg"``, ``"max"`` or ``"min"``.
 
     Example::
 
@@ -219,6 +239,14 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
 
     ``concat_sizes`` gives every rank's length along ``concat_dim`` (default: all equal).
 
+    Args:
+        x: this rank's tensor.
+        mesh: the :class:`DeviceMesh`.
+        mesh_dim: the name or index of the mesh dim (default 0).
+        split_dim: the tensor dim chunked and sent out.
+        concat_dim: the tensor dim the received chunks are concatenated on.
+        concat_sizes: every rank's length along ``concat_dim`` (default: all equal).
+
     Example::
 
         y = all_to_all(x, mesh, "tp", split_dim=1, concat_dim=0)   # S(0) -> S(1)
@@ -235,6 +263,12 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
 
 def broadcast(x, mesh, mesh_dim=0, *, src: int = 0):
     """Every rank along ``mesh_dim`` receives the tensor of the rank at index ``src`` there.
+
+    Args:
+        x: the tensor (the same shape and dtype on every rank).
+        mesh: the :class:`DeviceMesh`.
+        mesh_dim: the name or index of the mesh dim (default 0).
+        src: the index, along ``mesh_dim``, of the rank whose tensor everyone receives.
 
     Example::
 

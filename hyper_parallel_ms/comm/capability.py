@@ -82,7 +82,15 @@ _FORCED: List[str] = []
 
 
 def select_path(device: str, collective: str) -> str:
-    """``native`` or ``composed`` for ``collective`` on ``device`` (``CPU``/``Ascend``)."""
+    """``native`` or ``composed`` for ``collective`` on ``device`` (``CPU``/``Ascend``).
+
+    Args:
+        device: MindSpore's device target, ``"CPU"`` or ``"Ascend"``.
+        collective: ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``, ``"all_to_all"`` or ``"broadcast"``.
+
+    >>> select_path("CPU", "all_reduce") in ("native", "composed")
+    True
+    """
     if _FORCED:
         return _FORCED[-1]
     cap = CAPABILITIES.get((device, collective))
@@ -98,6 +106,9 @@ def force_path(path: Optional[str]) -> Iterator[None]:
 
     Used to test the native implementations on CPU where MCCL has the primitive (the
     world group's AllGather and Broadcast).
+
+    Args:
+        path: ``"native"`` or ``"composed"``.
 
     Example:
         >>> with force_path("composed"):

@@ -40,14 +40,13 @@ from ._spec import DTensorSpec, to_layout
 __all__ = ["DTensor"]
 
 
-def _local_view(t) -> Tensor:
-    """A plain Tensor sharing storage (and the autodiff node) with ``t``."""
-    return _ms_seam.as_subclass(Tensor, t)
+_local_view = _ms_seam.plain_view   # a plain Tensor sharing storage (and the autodiff node) with ``t``
 
 
 def _dispatch(func, args: tuple, kwargs: dict):
-    """Sharding propagation for one op (the ops package depends on this module, so it is
-    imported on the first op rather than at import)."""
+    """Sharding propagation for one op (the ops package, imported on the first op so that importing
+    DTensor loads no op rules; it does not import this module: it reads DTensors through
+    ``spec_of`` and makes them with the static ``_adopt``)."""
     from ..ops._dispatch import dispatch
     return dispatch(func, args, kwargs)
 
@@ -68,6 +67,11 @@ class DTensor(Tensor):
     Build one with :meth:`from_local`, :func:`distribute_tensor` or a factory
     (``zeros``, ``ones``, ``full``, ``empty``, ``rand``, ``randn``).
 
+    Args:
+        local: this rank's piece (a plain Tensor; storage is shared, not copied).
+        spec: its :class:`DTensorSpec` (mesh, layout, global shape); ``None`` only when
+            MindSpore re-creates a DTensor (``Parameter(dtensor)``).
+
     Example::
 
         dt = DTensor.from_local(ms.ops.ones((2, 3)), mesh, [Shard(0)])   # 2 ranks: global (4, 3)
@@ -82,11 +86,13 @@ class DTensor(Tensor):
         obj._dt_spec = spec
         return obj
 
-    @classmethod
-    def _adopt(cls, result: Tensor, spec: DTensorSpec) -> "DTensor":
+    @staticmethod
+    def _adopt(result: Tensor, spec: DTensorSpec) -> "DTensor":
         """Turn a fresh op result into a DTensor in place (no copy and, unlike building a new
-        object, no wait for the op to finish)."""
-        result = _ms_seam.adopt(result, cls)
+        object, no wait for the op to finish). A static method: ``dtensor._adopt`` on any DTensor
+        (a ``Parameter(DTensor)`` too) makes a DTensor, so the ops dispatcher needs no import of
+        this class."""
+        result = _ms_seam.adopt(result, DTensor)
         result._dt_spec = spec
         return result
 
@@ -207,8 +213,8 @@ class DTensor(Tensor):
                 raise ValueError(f"cannot redistribute from {spec.mesh!r} to {device_mesh!r}: a DTensor moves "
                                  "only onto a mesh over the same ranks")
             # another layout of the same ranks: every rank takes the whole tensor, then its new piece
-            from ._factories import distribute_tensor
-            return distribute_tensor(self.full_tensor(), device_mesh, placements, src_data_rank=None)
+            new = DTensorSpec.build(device_mesh, placements, spec.shape)
+            return DTensor(new.piece_of(self.full_tensor()), new)
         layout = to_layout(spec.mesh, placements, self.ndim)
         if layout == spec.layout:
             return self

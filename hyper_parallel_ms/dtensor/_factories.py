@@ -21,8 +21,6 @@ import mindspore as ms
 from mindspore import Tensor, ops
 
 from .. import comm
-from ..layout import Layout
-from ..redistribute import execute, lower, plan_redistribute
 from ._dtensor import DTensor
 from ._spec import DTensorSpec
 
@@ -38,16 +36,17 @@ def _size(size: Size) -> Tuple[int, ...]:
     return shape
 
 
-def _local_piece(full: Tensor, spec: DTensorSpec) -> Tensor:
-    """This rank's piece of a replicated global tensor (Partial dims: PyTorch's partition)."""
-    replicated = Layout.replicated(spec.mesh.shape, spec.mesh.mesh_dim_names)
-    steps = lower(plan_redistribute(replicated, spec.layout, spec.shape), spec.mesh.get_coordinate(), spec.shape)
-    return execute(full, spec.mesh, steps).copy()  # own storage: a view would alias ``full``
-
-
 def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
                       src_data_rank: Optional[int] = 0) -> DTensor:
     """Distribute a full tensor: each rank keeps its piece of group rank ``src_data_rank``'s data.
+
+    Args:
+        tensor: the whole tensor (a plain MindSpore Tensor, the same shape on every rank).
+        device_mesh: the :class:`DeviceMesh` it is laid out on.
+        placements: one ``Shard`` / ``Replicate`` / ``Partial`` per mesh dim, or alias entries per tensor
+            dim (``("dp", "None")``).
+        src_data_rank: the group rank (on every mesh dim) whose values every rank takes; ``None``: each
+            rank cuts its own ``tensor`` (no communication).
 
     Example::
 
@@ -64,12 +63,24 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
                 raise ValueError(f"src_data_rank {src_data_rank} is not a rank index on mesh dim {a} of size "
                                  f"{device_mesh.shape[a]}")
             tensor = comm.broadcast(tensor, device_mesh, a, src=src_data_rank)
-    return DTensor(_local_piece(tensor, spec), spec)
+    return DTensor(spec.piece_of(tensor), spec)
 
 
 def full(size: Size, fill_value, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
     """A DTensor whose global tensor is filled with ``fill_value`` (Partial(sum): rank pieces
-    hold fill_value / n so that the sum is right)."""
+    hold fill_value / n so that the sum is right).
+
+    Args:
+        size: the global shape (an int or a sequence of ints).
+        fill_value: the value of every element of the global tensor.
+        device_mesh: the :class:`DeviceMesh`.
+        placements: one placement per mesh dim (or alias entries per tensor dim).
+        dtype: the MindSpore dtype (default ``float32``).
+
+    Example::
+
+        dt = full((8, 4), 2.0, device_mesh=mesh, placements=[Shard(0)])
+    """
     spec = DTensorSpec.build(device_mesh, placements, _size(size))
     value = ops.full(spec.layout.local_shape(spec.shape, device_mesh.get_coordinate()), fill_value, dtype=dtype)
     for a, p in enumerate(spec.placements):
@@ -79,30 +90,71 @@ def full(size: Size, fill_value, *, device_mesh, placements: Sequence, dtype=ms.
 
 
 def zeros(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor of zeros. Example: ``zeros((8, 4), device_mesh=mesh, placements=[Shard(0)])``."""
+    """A DTensor of zeros.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = zeros((8, 4), device_mesh=mesh, placements=[Shard(0)])
+    """
     return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
 
 
 def ones(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor of ones. Example: ``ones((8, 4), device_mesh=mesh, placements=[Replicate()])``."""
+    """A DTensor of ones.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = ones((8, 4), device_mesh=mesh, placements=[Replicate()])
+    """
     return full(size, 1, device_mesh=device_mesh, placements=placements, dtype=dtype)
 
 
 def empty(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor with unspecified values (zeros here: MindSpore has no uninitialised CPU kernel)."""
+    """A DTensor with unspecified values (zeros here: MindSpore has no uninitialised CPU kernel).
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = empty((8, 4), device_mesh=mesh, placements=[Shard(0)])
+    """
     return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
 
 
 def _random(draw, size: Size, device_mesh, placements: Sequence, dtype) -> DTensor:
     spec = DTensorSpec.build(device_mesh, placements, _size(size))
-    return DTensor(_local_piece(draw(spec.shape, dtype=dtype), spec), spec)
+    return DTensor(spec.piece_of(draw(spec.shape, dtype=dtype)), spec)
 
 
 def rand(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """Uniform [0, 1) values; equal to the single-device ``ops.rand`` with the same seed."""
+    """Uniform [0, 1) values; equal to the single-device ``ops.rand`` with the same seed.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        ms.set_seed(0)
+        dt = rand((8, 4), device_mesh=mesh, placements=[Shard(0)])   # == ops.rand((8, 4)) after the same seed
+    """
     return _random(ops.rand, size, device_mesh, placements, dtype)
 
 
 def randn(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """Standard normal values; equal to the single-device ``ops.randn`` with the same seed."""
+    """Standard normal values; equal to the single-device ``ops.randn`` with the same seed.
+
+    Args:
+        size, device_mesh, placements, dtype: as in :func:`full`.
+
+    Example::
+
+        dt = randn((8, 4), device_mesh=mesh, placements=[Replicate()])
+    """
     return _random(ops.randn, size, device_mesh, placements, dtype)

@@ -61,6 +61,12 @@ def _as_dtensors(grads, grad_position: Positions, weights, args: tuple):
 def grad(fn: Callable, grad_position: Positions = 0, weights=None, has_aux: bool = False) -> Callable:
     """``mindspore.grad`` returning DTensor gradients for DTensor inputs and parameters.
 
+    Args:
+        fn: the function to differentiate (DTensors and plain tensors as arguments).
+        grad_position: which positional inputs get gradients (an int, a tuple, or ``None`` for none).
+        weights: parameters to differentiate too (``net.trainable_params()``), or ``None``.
+        has_aux: ``fn`` returns ``(output, aux)``; only ``output`` is differentiated.
+
     Example::
 
         gx = grad(lambda x: (x * x).sum())(x_dt)          # a DTensor laid out like x_dt
@@ -77,6 +83,9 @@ def grad(fn: Callable, grad_position: Positions = 0, weights=None, has_aux: bool
 
 def value_and_grad(fn: Callable, grad_position: Positions = 0, weights=None, has_aux: bool = False) -> Callable:
     """``mindspore.value_and_grad`` returning DTensor gradients for DTensor inputs and parameters.
+
+    Args:
+        fn, grad_position, weights, has_aux: as in :func:`grad`.
 
     Example::
 
@@ -115,6 +124,11 @@ def parallelize_value_and_grad(fn: Callable, weights, sens: Optional[Sequence[fl
     the gradients as DTensors for DTensor parameters. With several outputs, ``sens`` gives
     each output's sensitivity (default: 1 for the first, 0 for the others), i.e. the
     gradient of ``sum(sens[i] * outputs[i].sum())``; with one output it must be None.
+
+    Args:
+        fn: the function (or Cell) computing the outputs.
+        weights: the parameters whose gradients are returned, in this order.
+        sens: one float per output of ``fn`` (its weight in the differentiated sum), or ``None``.
 
     Example::
 

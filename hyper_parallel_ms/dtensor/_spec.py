@@ -15,8 +15,9 @@ from typing import Optional, Sequence, Tuple
 
 from ..layout import Layout
 from ..placement import Placement
+from ..redistribute import execute, lower, plan_redistribute
 
-__all__ = ["DTensorSpec", "to_layout"]
+__all__ = ["DTensorSpec", "to_layout", "spec_of"]
 
 
 def to_layout(mesh, placements: Sequence, ndim: int) -> Layout:
@@ -48,8 +49,18 @@ def to_layout(mesh, placements: Sequence, ndim: int) -> Layout:
 
 @dataclass(frozen=True, eq=False)
 class DTensorSpec:
-    """Where a distributed tensor lives: ``mesh``, ``layout`` (placements) and global ``shape``.
-    Hashable (the hash is kept: specs key the ops dispatcher's cache on every call)."""
+    """Where a distributed tensor lives. Hashable (the hash is kept: specs key the ops
+    dispatcher's cache on every call).
+
+    Args:
+        mesh: the :class:`DeviceMesh`.
+        layout: the :class:`Layout` (placements, sharding order).
+        shape: the global shape.
+
+    Example::
+
+        spec = DTensorSpec.build(mesh, [Shard(0)], (8, 4))    # DTensorSpec(mesh, Layout(...), (8, 4))
+    """
 
     mesh: object
     layout: Layout
@@ -84,3 +95,22 @@ class DTensorSpec:
 
     def with_layout(self, layout: Layout) -> "DTensorSpec":
         return DTensorSpec(self.mesh, layout, self.shape)
+
+    def piece_of(self, full):
+        """This rank's piece (own storage) of ``full``, the whole tensor replicated on every rank
+        (Partial dims: PyTorch's partition)."""
+        replicated = Layout.replicated(self.mesh.shape, self.mesh.mesh_dim_names)
+        steps = lower(plan_redistribute(replicated, self.layout, self.shape), self.mesh.get_coordinate(), self.shape)
+        return execute(full, self.mesh, steps).copy()  # own storage: a view would alias ``full``
+
+
+def spec_of(obj) -> Optional[DTensorSpec]:
+    """The :class:`DTensorSpec` of a DTensor (a ``Parameter(DTensor)`` too); ``None`` for
+    anything else (a plain Tensor, a local view of a DTensor, a non-tensor). Lets code below
+    the DTensor class (the ops dispatcher) tell DTensors apart without importing it.
+
+    >>> spec_of(3) is None
+    True
+    """
+    spec = getattr(obj, "_dt_spec", None)
+    return spec if isinstance(spec, DTensorSpec) else None

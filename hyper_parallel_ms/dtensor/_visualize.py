@@ -15,7 +15,15 @@ __all__ = ["visualize_sharding"]
 
 
 def sharding_table(dtensor: DTensor) -> str:
-    """The table as a string (pure: computed from the layout, no communication)."""
+    """The table as a string (pure: computed from the layout, no communication).
+
+    Args:
+        dtensor: the DTensor to describe.
+
+    Example::
+
+        print(sharding_table(dt))      # one row per rank: mesh coordinate, local shape, global slice
+    """
     spec = dtensor.spec
     ranks = spec.mesh.mesh
     partial = [f"{p}@{a}" for a, p in enumerate(spec.placements) if p.is_partial()]
@@ -31,7 +39,16 @@ def sharding_table(dtensor: DTensor) -> str:
 
 
 def visualize_sharding(dtensor: DTensor, *, header: str = "") -> str:
-    """Print (and return) which rank holds which slice of ``dtensor``."""
+    """Print (and return) which rank holds which slice of ``dtensor``.
+
+    Args:
+        dtensor: the DTensor to describe.
+        header: a line printed above the table.
+
+    Example::
+
+        visualize_sharding(dt, header="weight")
+    """
     text = (header + "\n" if header else "") + sharding_table(dtensor)
     print(text)
     return text

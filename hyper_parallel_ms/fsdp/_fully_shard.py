@@ -32,7 +32,14 @@ _CLASSES: Dict[Tuple[type, type], type] = {}
 
 
 class FSDPModule:
-    """Methods of a Cell sharded by :func:`fully_shard` (its class becomes ``FSDP<Name>``)."""
+    """Methods of a Cell sharded by :func:`fully_shard` (its class becomes ``FSDP<Name>``).
+
+    Example::
+
+        fully_shard(model, mesh=mesh)
+        model.set_requires_gradient_sync(False)    # micro-steps accumulate locally
+        model.unshard(); model.reshard()
+    """
 
     def _fsdp_states(self, recurse: bool = True) -> List[FSDPState]:
         cells = [c for _, c in self.cells_and_names()] if recurse else [self]
@@ -219,6 +226,17 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
     :class:`FSDPModule`. Apply bottom-up: each block, then the root. A parameter shared by
     several Cells (tied) belongs to the lowest Cell holding every use: one piece, gathered once;
     a call finding it already taken by another unit raises.
+
+    Args:
+        module: the Cell whose parameters are sharded (returned, changed in place).
+        mesh: a 1-D :class:`DeviceMesh` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP); default: every
+            rank on one dim. For a TP model, the dp mesh (``mesh["dp"]``): TP parameters get a joint
+            (dp, tp) layout.
+        reshard_after_forward: ``True`` (default), ``False`` or a positive int (PyTorch's values); recorded:
+            MindSpore's autodiff keeps the gathered values from forward to backward in any case, so the
+            backward never gathers again (README, "Sharding over data parallelism").
+        mp_policy: a :class:`MixedPrecisionPolicy`: the dtype parameters are gathered in, gradients
+            reduced in, outputs cast to (default: none, the pieces' dtype).
 
     Example::
 

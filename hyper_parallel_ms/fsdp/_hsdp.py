@@ -34,7 +34,13 @@ _DTYPES = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 class HSDPCell(FSDPModule):
-    """Methods of a Cell given to :func:`hsdp` (its class becomes ``HSDP<Name>``)."""
+    """Methods of a Cell given to :func:`hsdp` (its class becomes ``HSDP<Name>``).
+
+    Example::
+
+        hsdp(model, enable_grad_accumulation=True)
+        model.set_requires_grad_sync(False)         # accumulate, then sync on the last micro-step
+    """
 
     def set_requires_grad_sync(self, requires_grad_sync: bool) -> None:
         """``False``: backward passes accumulate locally, without communication, until ``True``."""
@@ -82,6 +88,19 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
     """Shard ``cell``'s own parameters over data parallelism (HyperParallel's signature);
     returns ``cell``, now an :class:`HSDPCell`. ``threshold`` and ``bucket_size`` are in KB.
     ``comm_async`` is accepted; the collectives run synchronously.
+
+    Args:
+        cell: the Cell whose own parameters (those no earlier call took) are sharded.
+        shard_size: ranks per shard group (-1: all); fewer than all: HSDP, replicated across groups.
+        threshold: parameters smaller than this many KB stay replicated (their gradient all-reduced).
+        optimizer_level: ``"level1"`` (all-reduce the gradient, keep this rank's slot), ``"level2"`` or
+            ``"level3"`` (reduce-scatter); every level holds pieces between steps.
+        enable_grad_accumulation: allow ``set_requires_grad_sync(False)`` (local accumulation).
+        grad_scale: a float multiplying every reduced gradient.
+        reduce_dtype: the floating dtype gradients are reduced in (default: the parameter's).
+        comm_async: accepted and recorded; the collectives run synchronously.
+        comm_fusion: one collective per Cell (or per bucket) instead of one per parameter.
+        bucket_size: with ``comm_fusion``, the bucket size in KB (-1: one bucket per Cell).
 
     Example::
 

@@ -39,6 +39,9 @@ def _initial_value(source) -> np.ndarray:
 def init_parameters(module: nn.Cell) -> nn.Cell:
     """Initialise every deferred parameter of ``module`` in definition order; returns ``module``.
 
+    Args:
+        module: the Cell built under ``mindspore.nn.utils.no_init_parameters`` and sharded.
+
     Example::
 
         init_parameters(model)

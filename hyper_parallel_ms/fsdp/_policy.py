@@ -20,7 +20,19 @@ __all__ = ["MixedPrecisionPolicy"]
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Like ``torch.distributed.fsdp.MixedPrecisionPolicy``; ``None`` keeps the piece's dtype."""
+    """Like ``torch.distributed.fsdp.MixedPrecisionPolicy``; ``None`` keeps the piece's dtype.
+
+    Args:
+        param_dtype: the dtype pieces are gathered in (the forward's compute dtype); pieces stay in theirs.
+        reduce_dtype: the dtype gradients are reduced in.
+        output_dtype: the dtype a sharded Cell's floating outputs are cast to.
+        cast_forward_inputs: cast floating inputs to ``param_dtype`` (refused in compiled code:
+            use ``False`` and cast in the model).
+
+    Example::
+
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=ms.bfloat16, reduce_dtype=ms.float32))
+    """
 
     param_dtype: Optional[Any] = None
     reduce_dtype: Optional[Any] = None

@@ -70,6 +70,14 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
     leaves the module as it was. PyNative. A parameter shared by several Cells (tied) that
     ``partition_fn`` replaces in one of them gets the same replacement in the others.
 
+    Args:
+        module: the Cell (returned, changed in place).
+        device_mesh: the :class:`DeviceMesh` handed to the functions.
+        partition_fn: ``partition_fn(name, cell, mesh)``, called for every sub-Cell (``None``:
+            every parameter replicated).
+        input_fn: ``input_fn(module, inputs, mesh)`` -> new inputs, a forward pre-hook.
+        output_fn: ``output_fn(module, outputs, mesh)`` -> new outputs, a forward hook.
+
     Example::
 
         def shard_fc(name, cell, mesh):
@@ -107,15 +115,18 @@ Placements = Sequence
 
 @dataclass
 class ShardingPlan:
-    """How to shard a Cell: ``plan`` maps parameter names (dotted, ``fnmatch`` wildcards per
-    segment as in ``parallelize_module``: ``"layers.*.weight"``) to
-    placements or alias layouts; ``input_plan`` / ``output_plan`` map ``"input"`` /
-    ``"output"`` (the Cell itself) or ``"<path>.input"`` / ``"<path>.output"`` to the
-    placements of the first tensor (or a tuple of them, one per position, ``None`` to skip):
-    a DTensor is redistributed to them, a plain Tensor is read as this rank's local piece in
-    them (``DTensor.from_local``, as in PyTorch: e.g. each rank feeds its own batch rows);
-    ``return_local_tensor`` lists Cell paths (``""``: the Cell itself) whose outputs become
-    local tensors after their output plan.
+    """How to shard a Cell (for :func:`shard_module`).
+
+    Args:
+        plan: parameter names (dotted, ``fnmatch`` wildcards per segment as in
+            ``parallelize_module``: ``"layers.*.weight"``) -> placements or alias layouts.
+        input_plan: ``"input"`` (the Cell itself) or ``"<path>.input"`` -> the placements of the
+            first tensor input (or a tuple of them, one per position, ``None`` to skip): a
+            DTensor is redistributed to them, a plain Tensor is read as this rank's local piece
+            in them (``DTensor.from_local``, as in PyTorch: e.g. each rank feeds its own batch rows).
+        output_plan: ``"output"`` or ``"<path>.output"`` -> placements, as ``input_plan``.
+        return_local_tensor: Cell paths (``""``: the Cell itself) whose outputs become local
+            tensors after their output plan.
 
     Example::
 
@@ -247,6 +258,11 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
     """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
     and placement is checked before anything changes. PyNative. A parameter shared by several
     Cells (tied) is placed by the entry of any of its names, for every use (one DTensor parameter).
+
+    Args:
+        model: the Cell; its parameters become ``Parameter(DTensor)`` (returned, changed in place).
+        device_mesh: the :class:`DeviceMesh` of the placements.
+        sharding_plan: the :class:`ShardingPlan`.
 
     Example::
 

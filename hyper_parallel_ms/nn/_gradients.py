@@ -55,6 +55,11 @@ class GradientReducer(nn.Cell):
     (if given; skipped for the pieces of ``fully_shard`` / ``hsdp``, whose gradients arrive
     already reduced over data parallelism). Works in PyNative and inside ms.jit.
 
+    Args:
+        parameters: the parameters, in the order of the gradient tuples it will reduce.
+        dp_mesh: the :class:`DeviceMesh` holding the data-parallel dim (``None``: no averaging).
+        dp_dim: the name or index of the data-parallel dim of ``dp_mesh``.
+
     Example::
 
         reducer = GradientReducer(params, dp_mesh=mesh, dp_dim="dp")

@@ -67,9 +67,18 @@ def class_range(num_classes: int, mesh, mesh_dim) -> Tuple[int, int]:
 
 def parallel_cross_entropy(local_logits, target, mesh, mesh_dim=0, *, num_classes: int, ignore_index: int = -100,
                            reduction: str = "mean", label_smoothing: float = 0.0):
-    """Cross-entropy of ``(N, C)`` logits whose class dim is split over ``mesh_dim``
-    (``local_logits``: this rank's ``(N, c)`` piece, ``torch.chunk`` sizes); ``target``:
-    ``(N,)`` class indices, the same on every rank. Returns the loss every rank agrees on.
+    """Cross-entropy of ``(N, C)`` logits whose class dim is split over ``mesh_dim``. Returns the
+    loss every rank agrees on.
+
+    Args:
+        local_logits: this rank's ``(N, c)`` piece of the logits (``torch.chunk`` sizes of ``num_classes``).
+        target: ``(N,)`` class indices, the same on every rank.
+        mesh: the :class:`DeviceMesh` whose ``mesh_dim`` splits the classes.
+        mesh_dim: the name or index of that mesh dim (default 0).
+        num_classes: the global class count ``C``.
+        ignore_index: targets equal to it add no loss and are not counted in the mean.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (one loss per row).
+        label_smoothing: in ``[0, 1]``, as in ``mindspore.ops.cross_entropy``.
 
     Example::
 
@@ -116,11 +125,14 @@ def parallel_cross_entropy(local_logits, target, mesh, mesh_dim=0, *, num_classe
 class ParallelCrossEntropy(nn.Cell):
     """Cross-entropy on this rank's piece of class-sharded logits (PyNative and ``ms.jit``).
 
-    ``mesh``: the mesh (1-D tp mesh, or give ``mesh_dim``); ``num_classes``: the global class
-    count (pieces are ``torch.chunk`` sizes of it). Call it with the local ``(N, c)`` logits
-    and the replicated ``(N,)`` targets. Targets are not range-checked here (the check would
-    read them back to Python, which ``ms.jit`` cannot): an index outside the classes that is
-    not ``ignore_index`` counts as a target logit of 0.
+    Call it with the local ``(N, c)`` logits and the replicated ``(N,)`` targets. Targets are not
+    range-checked here (the check would read them back to Python, which ``ms.jit`` cannot): an
+    index outside the classes that is not ``ignore_index`` counts as a target logit of 0.
+
+    Args:
+        mesh: the mesh (a 1-D tp mesh, or give ``mesh_dim``).
+        num_classes: the global class count (pieces are ``torch.chunk`` sizes of it).
+        mesh_dim, ignore_index, reduction, label_smoothing: as in :func:`parallel_cross_entropy`.
 
     Example::
 

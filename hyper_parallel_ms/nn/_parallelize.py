@@ -25,9 +25,44 @@ from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
 from ._edit import ModuleEdit, apply_edits, drop_enclosed_reductions
 from ._rules import check_mesh, check_not_done, match_path
-from ._styles import ParallelStyle
 
-__all__ = ["parallelize_module"]
+__all__ = ["ParallelStyle", "parallelize_module"]
+
+
+class ParallelStyle:
+    """Base of the styles. The built-in styles implement :meth:`plan` (a :class:`ModuleEdit`
+    prepared without touching the Cell, so a whole plan is checked before anything changes).
+    A user's style may instead implement :meth:`apply` (PyTorch's ``_apply``): it is called
+    with the matched Cell and the mesh when ``parallelize_module`` applies the plan, after the
+    built-in styles, with ``self.src_data_rank`` set.
+
+    Example::
+
+        class Doubled(ParallelStyle):
+            def apply(self, module, device_mesh):
+                module.register_forward_hook(lambda cell, args, out: out * 2)
+                return module
+    """
+
+    src_data_rank: Optional[int] = 0
+
+    def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
+        """The :class:`ModuleEdit` of this style for ``cell`` (at ``path``), without changing it."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither plan() nor apply(module, device_mesh)")
+
+    def apply(self, module: nn.Cell, device_mesh) -> nn.Cell:
+        """Apply this style to ``module`` itself: ``parallelize_module(module, device_mesh, self)``."""
+        return parallelize_module(module, device_mesh, self, src_data_rank=self.src_data_rank)
+
+    @classmethod
+    def _custom_apply(cls) -> bool:
+        """Whether this style is applied by its own :meth:`apply` rather than planned."""
+        return cls.plan is ParallelStyle.plan and cls.apply is not ParallelStyle.apply
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
 
 Plan = Union[ParallelStyle, Dict[str, Union[ParallelStyle, dict]]]
 
@@ -98,20 +133,23 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     """Apply ``parallelize_plan`` to ``module`` over the 1-D ``device_mesh`` (default: the
     current mesh, ``with mesh:``) and return it.
 
-    ``parallelize_plan`` is a :class:`ParallelStyle` (applied to ``module`` itself) or a dict
-    ``{path: style or dict}``. A path is dotted and matched one segment at a time with
-    ``fnmatch`` wildcards (``*`` never crosses a dot: ``"layers.*.attn.w[qkv]"`` matches
-    ``layers.0.attn.wq``); ``""`` is ``module`` itself; a nested dict's paths are relative to
-    the Cell its key matched (``{"layers.*": {"attn.q": ColwiseParallel()}}``). Every key must
-    match a Cell; every key and style is checked before anything changes, and a failure leaves
-    ``module`` as it was. A Cell whose parameters were already sharded (by this function,
-    ``shard_module`` or ``distribute_module``) is refused. A user's style implementing
+    Every key must match a Cell; every key and style is checked before anything changes, and a
+    failure leaves ``module`` as it was. A Cell whose parameters were already sharded (by this
+    function, ``shard_module`` or ``distribute_module``) is refused. A user's style implementing
     ``apply(module, device_mesh)`` is called after the built-in ones.
     A parameter shared by several Cells (tied weights) is cut once and stays one Parameter; every
     Cell using it must be styled in this call and place it alike, else the call is refused.
 
-    ``src_data_rank``: the rank whose initial parameter values are cut into pieces
-    (``None``: every rank cuts its own values, which must then agree).
+    Args:
+        module: the Cell to parallelize (returned, changed in place).
+        device_mesh: a 1-D :class:`DeviceMesh` (``mesh["tp"]``); default: the current mesh.
+        parallelize_plan: a :class:`ParallelStyle` (applied to ``module`` itself) or a dict
+            ``{path: style or dict}``. A path is dotted and matched one segment at a time with
+            ``fnmatch`` wildcards (``*`` never crosses a dot: ``"layers.*.attn.w[qkv]"`` matches
+            ``layers.0.attn.wq``); ``""`` is ``module`` itself; a nested dict's paths are relative
+            to the Cell its key matched (``{"layers.*": {"attn.q": ColwiseParallel()}}``).
+        src_data_rank: the rank whose initial parameter values are cut into pieces (``None``:
+            every rank cuts its own values, which must then agree).
 
     Example::
 

@@ -31,21 +31,47 @@ _ATTR = "_hpms_sharding"
 
 @dataclass(frozen=True)
 class ParameterSharding:
-    """``spec``: mesh, placements and global shape of the parameter. ``grad_partial_dims``:
-    mesh dims over which each rank's gradient is only its share of the whole (a replicated
-    parameter used on sequence-sharded activations); :class:`GradientReducer` sums them."""
+    """The sharding of a parameter holding this rank's piece.
+
+    Args:
+        spec: mesh, placements and global shape of the parameter (a ``DTensorSpec``).
+        grad_partial_dims: mesh dims over which each rank's gradient is only its share of the
+            whole (a replicated parameter used on sequence-sharded activations);
+            :class:`GradientReducer` sums them.
+
+    Example::
+
+        record = parameter_sharding(model.fc1.weight)   # ParameterSharding(spec=..., grad_partial_dims=())
+        record.spec.placements, record.spec.shape
+    """
 
     spec: DTensorSpec
     grad_partial_dims: Tuple[int, ...] = ()
 
 
 def parameter_sharding(param: Parameter) -> Optional[ParameterSharding]:
-    """The sharding recorded on ``param`` by a parallel style, or ``None``."""
+    """The sharding recorded on ``param`` by a parallel style, or ``None``.
+
+    Args:
+        param: a Parameter (any: those no engine sharded give ``None``).
+
+    Example::
+
+        parameter_sharding(model.fc1.weight).spec.placements      # (Shard(dim=0),)
+    """
     return getattr(param, _ATTR, None)
 
 
 def as_dtensor(param: Parameter) -> DTensor:
-    """A DTensor view of a sharded parameter's piece (PyNative)."""
+    """A DTensor view of a sharded parameter's piece (PyNative).
+
+    Args:
+        param: a Parameter sharded by a parallel style or ``fully_shard`` (else ``ValueError``).
+
+    Example::
+
+        whole = as_dtensor(model.fc1.weight).full_tensor()
+    """
     sharding = parameter_sharding(param)
     if sharding is None:
         raise ValueError(f"parameter {param.name!r} has no sharding: it was not placed by a parallel style")

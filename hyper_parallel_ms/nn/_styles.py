@@ -36,6 +36,7 @@ from ._adapter import own_parameters
 from ._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
 from ._hooks import masked_rows_class
 from ._parameter import ParameterPlacement
+from ._parallelize import ParallelStyle
 from ._rules import check_mesh
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
@@ -83,42 +84,6 @@ def _weight_name(cell: nn.Cell) -> str:
     return "embedding_table" if isinstance(cell, nn.Embedding) else "weight"
 
 
-class ParallelStyle:
-    """Base of the styles. The built-in styles implement :meth:`plan` (a :class:`ModuleEdit`
-    prepared without touching the Cell, so a whole plan is checked before anything changes).
-    A user's style may instead implement :meth:`apply` (PyTorch's ``_apply``): it is called
-    with the matched Cell and the mesh when ``parallelize_module`` applies the plan, after the
-    built-in styles, with ``self.src_data_rank`` set.
-
-    Example::
-
-        class Doubled(ParallelStyle):
-            def apply(self, module, device_mesh):
-                module.register_forward_hook(lambda cell, args, out: out * 2)
-                return module
-    """
-
-    src_data_rank: Optional[int] = 0
-
-    def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
-        """The :class:`ModuleEdit` of this style for ``cell`` (at ``path``), without changing it."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither plan() nor apply(module, device_mesh)")
-
-    def apply(self, module: nn.Cell, device_mesh) -> nn.Cell:
-        """Apply this style to ``module`` itself: ``parallelize_module(module, device_mesh, self)``."""
-        from ._parallelize import parallelize_module
-        return parallelize_module(module, device_mesh, self, src_data_rank=self.src_data_rank)
-
-    @classmethod
-    def _custom_apply(cls) -> bool:
-        """Whether this style is applied by its own :meth:`apply` rather than planned."""
-        return cls.plan is ParallelStyle.plan and cls.apply is not ParallelStyle.apply
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({fields})"
-
-
 class _LayerStyle(ParallelStyle):
     """Colwise / Rowwise: one input and one output layout (a Placement each), ``use_local_output``."""
 
@@ -139,11 +104,13 @@ class ColwiseParallel(_LayerStyle):
     """Split a Dense/Linear by output features (an Embedding by embedding dim); features need
     not divide the mesh size (pieces as ``torch.chunk`` cuts them).
 
-    ``input_layouts``: the layout the input arrives in (default ``Replicate()``; e.g.
-    ``Shard(1)`` for a sequence-sharded input, gathered first). ``output_layouts``: the layout
-    the output leaves in (default ``Shard(-1)``, the local features; ``Replicate()`` gathers
-    them). ``use_local_output`` (default True): return the local piece; False returns a
-    DTensor in PyNative (graphs always keep local pieces).
+    Args:
+        input_layouts: the layout the input arrives in (default ``Replicate()``; e.g.
+            ``Shard(1)`` for a sequence-sharded input, gathered first).
+        output_layouts: the layout the output leaves in (default ``Shard(-1)``, the local
+            features; ``Replicate()`` gathers them).
+        use_local_output: return the local piece (default True); False returns a DTensor in
+            PyNative (graphs always keep local pieces).
 
     Example::
 
@@ -191,11 +158,14 @@ class RowwiseParallel(_LayerStyle):
     """Split a Dense/Linear by input features (an Embedding by rows); the output is reduced.
     Features and vocabulary need not divide the mesh size (``torch.chunk`` pieces).
 
-    ``input_layouts``: the layout the input arrives in (default ``Shard(-1)``, as a
-    ColwiseParallel layer leaves it; ``Replicate()`` for an Embedding's ids or a whole input,
-    cut here). ``output_layouts``: the layout of the reduced output (default ``Replicate()``,
-    an all-reduce; ``Shard(1)`` a reduce-scatter over the sequence). ``use_local_output``
-    (default True): return the local piece; False returns a DTensor in PyNative.
+    Args:
+        input_layouts: the layout the input arrives in (default ``Shard(-1)``, as a
+            ColwiseParallel layer leaves it; ``Replicate()`` for an Embedding's ids or a whole
+            input, cut here).
+        output_layouts: the layout of the reduced output (default ``Replicate()``, an
+            all-reduce; ``Shard(1)`` a reduce-scatter over the sequence).
+        use_local_output: return the local piece (default True); False returns a DTensor in
+            PyNative.
 
     Example::
 
@@ -249,8 +219,11 @@ class SequenceParallel(ParallelStyle):
     parameters; each rank's parameter gradients are its share, summed by :class:`GradientReducer`.
 
     Inputs and outputs are ``Shard(sequence_dim)`` pieces (a DTensor input is brought there);
-    an input without a sequence dim before its features raises. ``use_local_output`` (default
-    False): False returns a DTensor in PyNative, True the local piece.
+    an input without a sequence dim before its features raises.
+
+    Args:
+        sequence_dim: the tensor dim of the sequence (default 1: ``(batch, seq, features)``).
+        use_local_output: False (default) returns a DTensor in PyNative, True the local piece.
 
     Example::
 
@@ -308,20 +281,25 @@ class PrepareModuleInput(ParallelStyle):
     """Convert a Cell's inputs (positional, and keyword in PyNative) from ``input_layouts`` to
     ``desired_input_layouts`` before its forward; ``None`` leaves an input alone.
 
-    ``input_layouts``: one layout per positional input, the layout it arrives in (a plain
-    tensor is this rank's piece of it); more positional inputs than layouts raise, as in
-    PyTorch. ``desired_input_layouts``: the layout the Cell computes on. ``use_local_output``
-    (default False): False hands the Cell DTensors in PyNative, True local pieces (graphs
-    always hand local pieces).
-
-    ``defer_colwise_grads=True`` (an addition to PyTorch's arguments) when the replicated inputs
-    reach only ColwiseParallel layers inside the Cell (as the attention and MLP inputs of a
-    transformer do): the gradient of such an input then arrives here unreduced and is reduced once
-    (one reduce-scatter after a sequence-parallel gather), as PyTorch's DTensor and Megatron-LM do,
-    and the reduction each layer inside would perform on it is dropped (the rule of
-    :func:`~hyper_parallel_ms.redistribute._gradient.reduction_taken_over`: only layers reading the
-    input as this Cell hands it on). Any other use of such an input inside the Cell would get its
-    gradient counted once per rank.
+    Args:
+        input_layouts: one layout per positional input, the layout it arrives in (a plain
+            tensor is this rank's piece of it); more positional inputs than layouts raise, as in
+            PyTorch.
+        desired_input_layouts: the layout the Cell computes on, one per positional input.
+        input_kwarg_layouts: ``{keyword: layout}`` of keyword inputs as they arrive (PyNative
+            only: a compiled call raises).
+        desired_input_kwarg_layouts: ``{keyword: layout}`` the Cell computes on.
+        use_local_output: False (default) hands the Cell DTensors in PyNative, True local
+            pieces (graphs always hand local pieces).
+        defer_colwise_grads: True (an addition to PyTorch's arguments) when the replicated
+            inputs reach only ColwiseParallel layers inside the Cell (as the attention and MLP
+            inputs of a transformer do): the gradient of such an input then arrives here
+            unreduced and is reduced once (one reduce-scatter after a sequence-parallel
+            gather), as PyTorch's DTensor and Megatron-LM do, and the reduction each layer
+            inside would perform on it is dropped (the rule of
+            :func:`~hyper_parallel_ms.redistribute._gradient.reduction_taken_over`: only layers
+            reading the input as this Cell hands it on). Any other use of such an input inside
+            the Cell would get its gradient counted once per rank.
 
     Example::
 
@@ -371,9 +349,10 @@ class PrepareModuleInput(ParallelStyle):
 class PrepareModuleOutput(ParallelStyle):
     """Convert a Cell's outputs from ``output_layouts`` to ``desired_output_layouts`` after its forward.
 
-    ``output_layouts``: the layout each output leaves the Cell in (``None`` leaves one alone);
-    ``desired_output_layouts``: the layout handed on. ``use_local_output`` (default True):
-    return local pieces; False returns DTensors in PyNative.
+    Args:
+        output_layouts: the layout each output leaves the Cell in (``None`` leaves one alone).
+        desired_output_layouts: the layout handed on.
+        use_local_output: return local pieces (default True); False returns DTensors in PyNative.
 
     Example::
 
@@ -398,6 +377,14 @@ class PrepareModuleOutput(ParallelStyle):
 
 class PrepareModuleInputOutput(ParallelStyle):
     """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one Cell.
+
+    Args:
+        input_layouts, desired_input_layouts, input_kwarg_layouts, desired_input_kwarg_layouts:
+            as in :class:`PrepareModuleInput`.
+        use_local_input: hand the Cell local pieces (True) or DTensors in PyNative (False,
+            default): :class:`PrepareModuleInput`'s ``use_local_output``.
+        output_layouts, desired_output_layouts, use_local_output: as in :class:`PrepareModuleOutput`.
+        defer_colwise_grads: as in :class:`PrepareModuleInput`.
 
     Example::
 

@@ -35,10 +35,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 from mindspore import Tensor
 from mindspore.ops import Primitive
 
-from .._mindspore import no_hook
-from ..dtensor import DTensor, distribute_tensor
-from ..dtensor._dtensor import _local_view
-from ..dtensor._spec import DTensorSpec
+from .._mindspore import no_hook, plain_view
+from ..dtensor._spec import DTensorSpec, spec_of
 from ..layout import Layout
 from ..placement import Partial, Replicate
 from ..redistribute import redistribution
@@ -58,6 +56,10 @@ def strict_plain_tensors(enabled: bool = True) -> Iterator[None]:
     """Inside, an op mixing DTensors with plain Tensors raises instead of reading the plain
     Tensor as Replicate.
 
+    Args:
+        enabled: ``True`` refuses plain Tensors next to DTensors; ``False`` reads them as Replicate
+            (inside an enclosing strict block too).
+
     Example::
 
         with strict_plain_tensors():
@@ -71,7 +73,12 @@ def strict_plain_tensors(enabled: bool = True) -> Iterator[None]:
 
 
 def clear_cache() -> None:
-    """Forget the cached sharding decisions (``register_sharding`` does this itself)."""
+    """Forget the cached sharding decisions (``register_sharding`` does this itself).
+
+    Example::
+
+        clear_cache()            # the next op of each kind decides again
+    """
     propagator.clear_cache()
 
 
@@ -129,18 +136,28 @@ class _Decision:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring)."""
+    """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring).
+
+    Args:
+        func: the MindSpore op (a function or primitive) the tensor hook received.
+        args: its positional arguments (DTensors, plain tensors, other values).
+        kwargs: its keyword arguments.
+
+    Example::
+
+        y = dispatch(ops.matmul, (x_dt, w_dt), {})       # what ``ops.matmul(x_dt, w_dt)`` runs
+    """
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
     inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args))
-    mesh, signature = None, []
+    mesh, signature, template = None, [], None
     ignored = propagator.ignored_args(name)
     for i, a in enumerate(inputs):
+        spec = spec_of(a)
         if i in ignored:
             signature.append(None)
-        elif isinstance(a, DTensor):
-            spec = a._dt_spec
+        elif spec is not None:
             if mesh is None:
-                mesh = spec.mesh
+                mesh, template = spec.mesh, a
             elif spec.mesh is not mesh and spec.mesh != mesh:
                 raise ValueError(f"{name}: argument {i} lives on {spec.mesh!r}, an earlier one on {mesh!r}; "
                                  "DTensors of one op must share a mesh")
@@ -168,17 +185,17 @@ def dispatch(func, args: tuple, kwargs: dict):
     if decision.passthrough:  # every argument already as the rule needs it: pass the DTensors themselves
         local_inputs = inputs
     else:
-        local_inputs = [_prepare(a, need, cell, mesh) for a, need, cell in
+        local_inputs = [_prepare(a, need, cell, mesh, template) for a, need, cell in
                         zip(inputs, decision.needs, decision.grad_cells)]
     if decision.arg_overrides is not None:
         local_inputs = [a if o is None else o for a, o in zip(local_inputs, decision.arg_overrides)]
     if decision.inplace:  # MindSpore's CPU in-place kernels reject strided views as sources
-        local_inputs = local_inputs[:1] + [_local_view(a).copy() if isinstance(a, Tensor) else a
+        local_inputs = local_inputs[:1] + [plain_view(a).copy() if isinstance(a, Tensor) else a
                                            for a in local_inputs[1:]]
     if decision.verified or decision.alike:  # a failure here happens on every rank alike
-        return _run(func, rebuild, kwargs, inputs, local_inputs, decision, name)
+        return _run(func, rebuild, kwargs, inputs, local_inputs, decision, name, template)
     try:
-        result, error = _run(func, rebuild, kwargs, inputs, local_inputs, decision, name), None
+        result, error = _run(func, rebuild, kwargs, inputs, local_inputs, decision, name, template), None
     except Exception as exc:  # noqa: BLE001  (re-raised below, once every rank knows)
         result, error = None, exc
     failed = failed_coordinates(mesh, error is not None)
@@ -192,7 +209,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     return result
 
 
-def _run(func, rebuild, kwargs: dict, inputs, local_inputs, decision: "_Decision", name: str):
+def _run(func, rebuild, kwargs: dict, inputs, local_inputs, decision: "_Decision", name: str, template):
     """The op on this rank's local inputs, wrapped as DTensors (checked on a first run)."""
     with no_hook():
         if decision.empty_inputs:
@@ -208,13 +225,13 @@ def _run(func, rebuild, kwargs: dict, inputs, local_inputs, decision: "_Decision
                 target.copy_(out)
             decision.verified = True
             return target
-    return _wrap(out, decision, name)
+    return _wrap(out, decision, name, template)
 
 
 def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Decision:
-    template = next(a.layout for a in inputs if isinstance(a, DTensor))
+    template = next(spec_of(a).layout for a in inputs if spec_of(a) is not None)
     replicated = replicate_all(template)
-    described = tuple(TensorArg(a.layout, a.shape) if isinstance(a, DTensor) else
+    described = tuple(TensorArg(a.layout, a.shape) if spec_of(a) is not None else
                       TensorArg(replicated, tuple(a.shape), is_dtensor=False) if isinstance(a, Tensor) else a
                       for a in inputs)
     schema = OpSchema(name, described, tuple(sorted(kwargs.items())), attrs)
@@ -285,24 +302,27 @@ def _gradient_sum_cell(mesh, need: Layout, shape, split_axes):
     return redistribution(mesh, need, need, shape, grad_src=partial)
 
 
-def _prepare(arg, need: Optional[Layout], cell, mesh):
+def _prepare(arg, need: Optional[Layout], cell, mesh, template):
     """The tensor to pass: ``arg`` redistributed to ``need``, through ``cell`` if any. A
     DTensor itself is passed where possible: under the guard the op sees its local data, and
-    making a view of a pending result would wait for it."""
+    making a view of a pending result would wait for it. A plain tensor read as Replicate is
+    cut into this rank's piece of ``need`` (``template``: a DTensor argument, which makes it a DTensor)."""
     if need is None:
         return arg
-    if isinstance(arg, DTensor):
-        layout = arg._dt_spec.layout
-        if need is not layout and need != layout:
+    spec = spec_of(arg)
+    if spec is not None:
+        if need is not spec.layout and need != spec.layout:
             arg = arg.redistribute(mesh, need)
     elif not need.is_replicated():
-        arg = distribute_tensor(arg, mesh, need, src_data_rank=None)
-    return arg if cell is None else cell(_local_view(arg))
+        cut = DTensorSpec.build(mesh, need, arg.shape)
+        arg = template._adopt(cut.piece_of(arg), cut)
+    return arg if cell is None else cell(plain_view(arg))
 
 
-def _wrap(out, decision: _Decision, name: str):
+def _wrap(out, decision: _Decision, name: str, template):
+    """``out`` as DTensors (``template``: a DTensor argument, whose static ``_adopt`` makes them)."""
     if decision.verified and type(out) is Tensor:   # the common case: one output, its rule checked before
-        return DTensor._adopt(out, decision.out_specs[0])
+        return template._adopt(out, decision.out_specs[0])
     single = isinstance(out, Tensor)
     results = (out,) if single else tuple(out)
     if len(results) != len(decision.out_specs):
@@ -315,5 +335,5 @@ def _wrap(out, decision: _Decision, name: str):
                 raise RuntimeError(f"the sharding rule of {name} is wrong: it promised a local shape {expected} "
                                    f"(global {spec.shape}, {spec.layout}) but the op produced {got}")
         decision.verified = True
-    wrapped = tuple(DTensor._adopt(result, spec) for result, spec in zip(results, decision.out_specs))
+    wrapped = tuple(template._adopt(result, spec) for result, spec in zip(results, decision.out_specs))
     return wrapped[0] if single else wrapped

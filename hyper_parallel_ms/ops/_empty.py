@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence, Tuple
 from mindspore import Tensor, mint, ops
 from mindspore.common import dtype as mstype
 
-from ..dtensor._dtensor import _local_view
+from .._mindspore import plain_view
 
 __all__ = ["run_on_empty_pieces", "partial_identity"]
 
@@ -46,7 +46,7 @@ def _padded(arg: Any) -> Tensor:
     """``arg``'s local piece with each empty dim grown to 1 by appending ones. Appended, not
     made afresh: the result stays connected to the input, so the backward still reaches the
     collectives that produced the piece (a rank skipping them would leave the others waiting)."""
-    local = _local_view(arg) if isinstance(arg, Tensor) else arg
+    local = plain_view(arg) if isinstance(arg, Tensor) else arg
     for dim, size in enumerate(local.shape):
         if size == 0:
             shape = list(local.shape)

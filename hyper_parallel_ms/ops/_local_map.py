@@ -27,7 +27,20 @@ __all__ = ["local_map"]
 
 def local_map(func: Callable, out_placements: Sequence, in_placements: Optional[Sequence] = None, *,
               device_mesh=None, redistribute_inputs: bool = False) -> Callable:
-    """Wrap ``func`` to take DTensors and return DTensors (see the module docstring)."""
+    """Wrap ``func`` to take DTensors and return DTensors (see the module docstring).
+
+    Args:
+        func: the function on local tensors.
+        out_placements: the placements of each result (one list per result; ``None`` for a non-tensor).
+        in_placements: the placements each positional argument must have (``None`` per argument:
+            any; default: no check).
+        device_mesh: the mesh of the results (default: the first DTensor argument's).
+        redistribute_inputs: move arguments to ``in_placements`` instead of raising when they differ.
+
+    Example::
+
+        scaled = local_map(lambda x: x * 2, out_placements=[Shard(0)], in_placements=([Shard(0)],))(x_dt)
+    """
     outs = list(out_placements)
     single_out = bool(outs) and (outs[0] is None or not isinstance(outs[0], (list, tuple)))
     out_list = [outs] if single_out else outs

@@ -89,10 +89,21 @@ propagator = ShardingPropagator()
 
 
 def register_sharding(*op_names: str, ignored_args: Iterable[int] = ()) -> Callable[[Rule], Rule]:
-    """Register a rule for MindSpore primitives named ``op_names`` (``func.name``, e.g.
-    ``"MatMulExt"``); a later registration replaces an earlier one and the decisions made
-    with it are forgotten. ``ignored_args``: positions of arguments that never change the
-    sharding (random seeds), left out of the cache key; the rule sees them as ``None``."""
+    """Register a rule for MindSpore primitives; a later registration replaces an earlier one
+    and the decisions made with it are forgotten.
+
+    Args:
+        op_names: primitive names (``func.name``, e.g. ``"MatMulExt"``).
+        ignored_args: positions of arguments that never change the sharding (random seeds): left out
+            of the cache key, the rule sees them as ``None``.
+
+    Example::
+
+        @register_sharding("MyElementwiseOp")
+        def my_rule(schema: OpSchema) -> OutputSharding:
+            x = schema.args[0]
+            return OutputSharding(inputs=(x.layout,), outputs=((x.layout, x.shape),))
+    """
     _check_names(op_names)
 
     def add(rule: Rule) -> Rule:
@@ -101,5 +112,9 @@ def register_sharding(*op_names: str, ignored_args: Iterable[int] = ()) -> Calla
 
 
 def registered_ops() -> tuple:
-    """Names of the ops that have a rule."""
+    """Names of the ops that have a rule.
+
+    >>> "MatMulExt" in registered_ops()
+    True
+    """
     return propagator.ops()

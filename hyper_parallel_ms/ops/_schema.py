@@ -24,7 +24,17 @@ __all__ = ["TensorArg", "OpSchema", "OutputSharding"]
 
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor argument: its layout and global shape (a plain Tensor is read as Replicate)."""
+    """A tensor argument: its layout and global shape (a plain Tensor is read as Replicate).
+
+    Args:
+        layout: the tensor's :class:`Layout`.
+        shape: its global shape.
+        is_dtensor: ``False`` for a plain Tensor read as Replicate.
+
+    >>> from hyper_parallel_ms.placement import Shard
+    >>> TensorArg(Layout((2,), (Shard(0),)), (4, 3)).ndim
+    2
+    """
 
     layout: Layout
     shape: Tuple[int, ...]
@@ -37,7 +47,19 @@ class TensorArg:
 
 @dataclass(frozen=True)
 class OpSchema:
-    """One op call as the rule sees it."""
+    """One op call as the rule sees it.
+
+    Args:
+        op: the primitive's name.
+        args: the positional arguments (tensors as :class:`TensorArg`, other values as they are).
+        kwargs: the keyword arguments, as sorted ``(name, value)`` pairs.
+        attrs: a legacy primitive's attributes, as ``(name, value)`` pairs.
+
+    >>> from hyper_parallel_ms.placement import Shard
+    >>> x = TensorArg(Layout((2,), (Shard(0),)), (4, 3))
+    >>> str(OpSchema("Exp", (x,)))
+    'Exp((4, 3) (S(0)))'
+    """
 
     op: str
     args: Tuple[Any, ...]
@@ -63,12 +85,22 @@ class OpSchema:
 
 @dataclass(frozen=True)
 class OutputSharding:
-    """Required layout per positional argument (``None`` for non-tensors) and (layout, shape)
-    per output. ``local_args``, given this rank's mesh coordinate, returns replacements for
-    non-tensor arguments that name global sizes (``None`` keeps an argument), e.g. the
-    target shape of a reshape. ``inplace``: the op updates its first argument, which is
-    returned as the result. ``local_fn``, given this rank's mesh coordinate, returns a function
-    to run on the local inputs instead of the op (a masked lookup into a row-sharded table)."""
+    """What a rule decides: the layout each argument must have and each output's layout and shape.
+
+    Args:
+        inputs: the layout each positional argument must have (``None`` for non-tensors).
+        outputs: ``(layout, global shape)`` of each output.
+        local_args: given this rank's mesh coordinate, replacements for non-tensor arguments that
+            name global sizes (``None`` keeps an argument), e.g. the target shape of a reshape.
+        inplace: the op updates its first argument, which is returned as the result.
+        local_fn: given this rank's mesh coordinate, a function run on the local inputs instead of the
+            op (a masked lookup into a row-sharded table).
+
+    >>> from hyper_parallel_ms.placement import Shard
+    >>> s0 = Layout((2,), (Shard(0),))
+    >>> OutputSharding(inputs=(s0,), outputs=((s0, (4, 3)),)).inplace
+    False
+    """
 
     inputs: Tuple[Optional[Layout], ...]
     outputs: Tuple[Tuple[Layout, Tuple[int, ...]], ...]

@@ -87,7 +87,18 @@ def step_cells(mesh, steps: Tuple[LocalStep, ...]) -> nn.CellList:
 
 
 def execute(x, mesh, steps: Tuple[LocalStep, ...]):
-    """Apply lowered steps to the local tensor ``x`` (PyNative; in graphs use :class:`Redistribution`)."""
+    """Apply lowered steps to the local tensor ``x`` (PyNative; in graphs use :class:`Redistribution`).
+
+    Args:
+        x: this rank's piece.
+        mesh: the :class:`DeviceMesh`.
+        steps: the steps of :func:`lower` for this rank.
+
+    Example::
+
+        steps = lower(plan_redistribute(src, dst, shape), mesh.get_coordinate(), shape)
+        y = execute(x, mesh, steps)
+    """
     for step in steps:
         x = _step_cell(mesh, step)(x)
     return x
@@ -99,6 +110,18 @@ class Redistribution(nn.Cell):
     ``value_steps`` (when the forward reduces a Partial(max / min)): they bring the result
     back to the source layout, and the gradient reaches only the elements equal to it (the
     ranks that held the maximum), as the gradient of a single-device max does.
+
+    Args:
+        mesh: the :class:`DeviceMesh`.
+        forward_steps: this rank's steps on the value.
+        backward_steps: this rank's steps on the gradient.
+        value_steps: for a Partial(max / min) reduced in forward, the steps that bring the result
+            back to the source layout (``None`` otherwise).
+
+    Example::
+
+        cell = redistribution(mesh, src, dst, shape)     # a cached Redistribution
+        y = cell(x)                                      # PyNative or inside ms.jit
     """
 
     def __init__(self, mesh, forward_steps: Tuple[LocalStep, ...], backward_steps: Tuple[LocalStep, ...],
@@ -145,7 +168,19 @@ def lowered_steps(src: Layout, dst: Layout, shape: Tuple[int, ...], coordinate: 
 def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
                    grad_src: Layout = None) -> Redistribution:
     """The cached Cell moving a tensor of global ``shape`` from ``src`` to ``dst`` on ``mesh``,
-    with the backward of :func:`lowered_steps`."""
+    with the backward of :func:`lowered_steps`.
+
+    Args:
+        mesh: the :class:`DeviceMesh`.
+        src: the :class:`Layout` of the input.
+        dst: the :class:`Layout` of the output.
+        shape: the global shape.
+        grad_src: the layout the gradient arrives in (default: ``dst`` with Partial as Replicate).
+
+    Example::
+
+        y = redistribution(mesh, Layout((2,), (Shard(0),)), Layout((2,), (Replicate(),)), (4, 3))(x)
+    """
     forward, backward, scaling = lowered_steps(src, dst, shape, mesh.get_coordinate(), grad_src)
     extremum = any(p.is_partial() and p.reduce_op in ("max", "min") and q != p
                    for p, q in zip(src.placements, dst.placements))

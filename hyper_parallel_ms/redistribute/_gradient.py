@@ -29,28 +29,63 @@ Placements = Sequence[Placement]
 
 
 def replicate_partials(layout: Layout) -> Layout:
-    """``layout`` with every Partial placement replaced by Replicate."""
+    """``layout`` with every Partial placement replaced by Replicate.
+
+    Args:
+        layout: a :class:`Layout`.
+
+    >>> from hyper_parallel_ms.placement import Partial
+    >>> replicate_partials(Layout((2,), (Partial(),))).placements
+    (Replicate(),)
+    """
     placements = tuple(Replicate() if p.is_partial() else p for p in layout.placements)
     return layout if placements == layout.placements else layout.with_placements(placements)
 
 
 def shared_dims(value: Placements, *uses: Placements) -> Tuple[int, ...]:
     """Mesh dims where ``value`` is replicated but one of the placements it is computed with
-    (``uses``) is not: there each rank's gradient of ``value`` is only its share."""
+    (``uses``) is not: there each rank's gradient of ``value`` is only its share.
+
+    Args:
+        value: the placements of the value.
+        uses: the placements of what it is computed with (one argument each).
+
+    >>> from hyper_parallel_ms.placement import Replicate, Shard
+    >>> shared_dims((Replicate(),), (Shard(0),))
+    (0,)
+    """
     return tuple(a for a, p in enumerate(value)
                  if p.is_replicate() and any(not u[a].is_replicate() for u in uses))
 
 
 def gradient_placements(placements: Placements, shared: Iterable[int] = ()) -> Tuple[Placement, ...]:
     """The placements of the gradient of a tensor laid out as ``placements``: Partial read as
-    Replicate, and Partial(sum) on the ``shared`` mesh dims (see :func:`shared_dims`)."""
+    Replicate, and Partial(sum) on the ``shared`` mesh dims (see :func:`shared_dims`).
+
+    Args:
+        placements: the tensor's placements.
+        shared: mesh dims where the gradient is a Partial(sum) share.
+
+    >>> from hyper_parallel_ms.placement import Replicate, Shard
+    >>> gradient_placements((Replicate(),), shared=(0,))
+    (Partial(reduce_op='sum'),)
+    """
     shared = set(shared)
     return tuple(Partial() if a in shared else (Replicate() if p.is_partial() else p)
                  for a, p in enumerate(placements))
 
 
 def gradient_layout(layout: Layout, shared: Iterable[int] = ()) -> Layout:
-    """:func:`gradient_placements` for a :class:`~hyper_parallel_ms.layout.Layout`."""
+    """:func:`gradient_placements` for a :class:`~hyper_parallel_ms.layout.Layout`.
+
+    Args:
+        layout: the tensor's :class:`Layout`.
+        shared: as in :func:`gradient_placements`.
+
+    >>> from hyper_parallel_ms.placement import Replicate, Shard
+    >>> gradient_layout(Layout((2,), (Replicate(),)), (0,)).placements
+    (Partial(reduce_op='sum'),)
+    """
     shared = tuple(shared)
     if not shared:
         return replicate_partials(layout)

@@ -45,7 +45,15 @@ def _plan_id(mesh, src: Layout, dst: Layout, grad_src: Optional[Layout], dim_siz
 
 
 def plan_layouts(plan_id: int) -> Tuple[object, Layout, Layout]:
-    """(mesh, src, dst) of a registered plan."""
+    """(mesh, src, dst) of a registered plan.
+
+    Args:
+        plan_id: the id :class:`LocalRedistribute` registered.
+
+    Example::
+
+        mesh, src, dst = plan_layouts(cell.plan_id)
+    """
     return _PLANS[plan_id][:3]
 
 
@@ -54,7 +62,18 @@ def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "
     """The global shape of a source piece of ``local_shape``: even pieces, except on the dims
     whose size the plan knows. Raises if the piece does not fit, or (unless ``uneven_ok``: the
     result becomes a DTensor that records its global shape) if the conversion shards a dim of
-    unknown size that does not divide evenly (``where`` names the Cell in messages)."""
+    unknown size that does not divide evenly (``where`` names the Cell in messages).
+
+    Args:
+        plan_id: the id :class:`LocalRedistribute` registered.
+        local_shape: the shape of the source piece.
+        where: the Cell named in error messages.
+        uneven_ok: accept an uneven split of a dim of unknown size (the caller records the shape).
+
+    Example::
+
+        shape = plan_global_shape(cell.plan_id, (2, 8, 3), where="'layers.0.norm'")
+    """
     mesh, src, dst, _, dim_sizes = _PLANS[plan_id]
     ndim = len(local_shape)
     src, dst = src.normalized(ndim), dst.normalized(ndim)
@@ -102,7 +121,22 @@ class LocalRedistribute(nn.Cell):
     (default: ``dst`` with Partial read as Replicate) and leaves as ``src`` (Partial as Replicate).
     ``dim_sizes``: {dim: global size} for dims whose pieces may be uneven (a layer's features);
     ``where``: the Cell named in error messages; ``wrapped``: the caller wraps the result as a
-    DTensor (PyNative), which records an uneven global shape."""
+    DTensor (PyNative), which records an uneven global shape.
+
+    Args:
+        mesh: the :class:`DeviceMesh`.
+        src: the :class:`Layout` of the input piece.
+        dst: the :class:`Layout` of the output piece.
+        grad_src: the layout the gradient arrives in (default: ``dst`` with Partial as Replicate).
+        dim_sizes: ``{dim: global size}`` of dims whose pieces may be uneven (a layer's features).
+        where: the Cell named in error messages.
+        wrapped: the caller wraps the result as a DTensor (PyNative), which records an uneven global shape.
+
+    Example::
+
+        gather = LocalRedistribute(mesh, Layout((2,), (Shard(1),)), Layout((2,), (Replicate(),)))
+        y = gather(x_piece)                       # PyNative or inside ms.jit
+    """
 
     def __init__(self, mesh, src: Layout, dst: Layout, grad_src: Optional[Layout] = None,
                  dim_sizes: Optional[Dict[int, int]] = None, where: str = "", wrapped: bool = False) -> None:

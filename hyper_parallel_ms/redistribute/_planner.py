@@ -49,6 +49,19 @@ class Step:
 
     ``dim``: the gathered / chunked / scattered tensor dim; for ``all_to_all`` the dim
     sharded before (concatenated) and ``to_dim`` the dim sharded after (split).
+
+    Args:
+        kind: ``"all_gather"``, ``"all_to_all"``, ``"chunk"``, ``"all_reduce"``, ``"reduce_scatter"``
+            or ``"partition"``.
+        mesh_dim: the index of the mesh dim.
+        before: the :class:`Layout` the step starts from.
+        dim: the tensor dim gathered / chunked / scattered (for ``all_to_all``: the dim sharded before).
+        to_dim: for ``all_to_all``, the dim sharded after.
+        op: the reduce op (``all_reduce``, ``reduce_scatter``, ``partition``).
+
+    >>> from hyper_parallel_ms.placement import Shard
+    >>> Step("all_gather", 0, Layout((2,), (Shard(0),)), dim=0).kind
+    'all_gather'
     """
 
     kind: str
@@ -130,6 +143,15 @@ def plan_redistribute(src: Layout, dst: Layout, shape: Tuple[int, ...]) -> Tuple
 
     Raises ``ValueError`` when the layouts are for different meshes or the placements do
     not fit the shape.
+
+    Args:
+        src: the :class:`Layout` the tensor is in.
+        dst: the :class:`Layout` it should be in (same mesh shape).
+        shape: its global shape.
+
+    >>> from hyper_parallel_ms.placement import Replicate, Shard
+    >>> [s.kind for s in plan_redistribute(Layout((2,), (Shard(0),)), Layout((2,), (Replicate(),)), (4, 3))]
+    ['all_gather']
     """
     shape = tuple(shape)
     if src.mesh_shape != dst.mesh_shape:

@@ -29,7 +29,16 @@ __all__ = ["AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Part
 @dataclass(frozen=True)
 class AllGather:
     """Concatenate the pieces of the ranks along ``mesh_dim`` on tensor ``dim`` (piece ``i``
-    has ``sizes[i]`` slices)."""
+    has ``sizes[i]`` slices).
+
+    Args:
+        mesh_dim: the index of the mesh dim whose ranks gather.
+        dim: the tensor dim the pieces are concatenated on.
+        sizes: every rank's length along ``dim``, in group order.
+
+    >>> AllGather(mesh_dim=0, dim=1, sizes=(3, 2))
+    AllGather(mesh_dim=0, dim=1, sizes=(3, 2))
+    """
 
     mesh_dim: int
     dim: int
@@ -39,7 +48,17 @@ class AllGather:
 @dataclass(frozen=True)
 class AllToAll:
     """Split tensor ``split_dim`` into ``torch.chunk`` pieces, one per rank along ``mesh_dim``,
-    and concatenate what arrives on ``concat_dim`` (piece ``i`` has ``concat_sizes[i]`` slices)."""
+    and concatenate what arrives on ``concat_dim`` (piece ``i`` has ``concat_sizes[i]`` slices).
+
+    Args:
+        mesh_dim: the index of the mesh dim.
+        split_dim: the tensor dim chunked and sent out.
+        concat_dim: the tensor dim the received chunks are concatenated on.
+        concat_sizes: every rank's length along ``concat_dim``.
+
+    >>> AllToAll(mesh_dim=0, split_dim=1, concat_dim=0, concat_sizes=(2, 2)).split_dim
+    1
+    """
 
     mesh_dim: int
     split_dim: int
@@ -49,7 +68,17 @@ class AllToAll:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Keep slices ``offset .. offset + length`` of tensor ``dim`` (local, no communication)."""
+    """Keep slices ``offset .. offset + length`` of tensor ``dim`` (local, no communication).
+
+    Args:
+        mesh_dim: the index of the mesh dim the cut is for.
+        dim: the tensor dim cut.
+        offset: the first slice kept.
+        length: the number of slices kept.
+
+    >>> Chunk(mesh_dim=0, dim=0, offset=3, length=2)
+    Chunk(mesh_dim=0, dim=0, offset=3, length=2)
+    """
 
     mesh_dim: int
     dim: int
@@ -59,7 +88,15 @@ class Chunk:
 
 @dataclass(frozen=True)
 class AllReduce:
-    """Reduce element-wise with ``op`` (sum, avg, max, min) over the ranks along ``mesh_dim``."""
+    """Reduce element-wise with ``op`` (sum, avg, max, min) over the ranks along ``mesh_dim``.
+
+    Args:
+        mesh_dim: the index of the mesh dim whose ranks reduce.
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+
+    >>> AllReduce(mesh_dim=1, op="avg").op
+    'avg'
+    """
 
     mesh_dim: int
     op: str
@@ -67,7 +104,16 @@ class AllReduce:
 
 @dataclass(frozen=True)
 class ReduceScatter:
-    """Reduce with ``op`` over the ranks along ``mesh_dim``, keep this rank's chunk of ``dim``."""
+    """Reduce with ``op`` over the ranks along ``mesh_dim``, keep this rank's chunk of ``dim``.
+
+    Args:
+        mesh_dim: the index of the mesh dim.
+        dim: the tensor dim scattered in ``torch.chunk`` pieces.
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+
+    >>> ReduceScatter(mesh_dim=0, dim=0, op="sum").dim
+    0
+    """
 
     mesh_dim: int
     dim: int
@@ -76,7 +122,15 @@ class ReduceScatter:
 
 @dataclass(frozen=True)
 class Partition:
-    """Split a replicated value into a Partial(sum): every rank keeps ``value / divisor``."""
+    """Split a replicated value into a Partial(sum): every rank keeps ``value / divisor``.
+
+    Args:
+        mesh_dim: the index of the mesh dim of the new Partial(sum).
+        divisor: the number of ranks along it.
+
+    >>> Partition(mesh_dim=0, divisor=2).divisor
+    2
+    """
 
     mesh_dim: int
     divisor: int
@@ -89,6 +143,17 @@ def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int,
     """This rank's records for ``plan`` on a tensor of global ``shape``.
 
     A partition into Partial(avg / max / min) is left out: every rank keeps the value itself.
+
+    Args:
+        plan: the steps of :func:`plan_redistribute`.
+        coordinate: this rank's mesh coordinate.
+        shape: the tensor's global shape.
+
+    >>> from hyper_parallel_ms.layout import Layout
+    >>> from hyper_parallel_ms.placement import Replicate, Shard
+    >>> from hyper_parallel_ms.redistribute import plan_redistribute
+    >>> lower(plan_redistribute(Layout((2,), (Replicate(),)), Layout((2,), (Shard(0),)), (5, 3)), (1,), (5, 3))
+    (Chunk(mesh_dim=0, dim=0, offset=3, length=2),)
     """
     out = []
     for step in plan:

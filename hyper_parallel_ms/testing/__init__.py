@@ -29,7 +29,16 @@ _POOLS: Dict[int, RankPool] = {}
 
 
 def get_pool(world_size: int) -> RankPool:
-    """The shared, started pool of ``world_size`` ranks (restarted if it failed)."""
+    """The shared, started pool of ``world_size`` ranks (restarted if it failed).
+
+    Args:
+        world_size: the number of ranks (one process each).
+
+    Example::
+
+        pool = get_pool(2)
+        pool.run(my_module.rank_of_me)         # [0, 1]
+    """
     pool = _POOLS.get(world_size)
     if pool is None:
         pool = _POOLS[world_size] = RankPool(world_size)
@@ -45,6 +54,13 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: Optional[fl
                  **kwargs: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return results in rank order.
 
+    Args:
+        fn: a module-level function (each rank imports it by module and name).
+        world_size: the number of ranks.
+        args: positional arguments for ``fn`` (picklable).
+        timeout: seconds each rank may take (default: ``HPMS_TEST_TIMEOUT``, 180).
+        kwargs: keyword arguments for ``fn`` (picklable).
+
     Example::
 
         assert run_on_ranks(my_module.rank_of_me, 2) == [0, 1]
@@ -56,6 +72,10 @@ def multi_rank(world_size: int, *, timeout: Optional[float] = None) -> Callable[
     """Decorate a module-level test so that pytest runs its body on ``world_size`` ranks.
 
     The test's arguments (from ``pytest.mark.parametrize``) are passed to every rank.
+
+    Args:
+        world_size: the number of ranks.
+        timeout: seconds each rank may take (default: ``HPMS_TEST_TIMEOUT``, 180).
 
     Example::
 
@@ -74,7 +94,12 @@ def multi_rank(world_size: int, *, timeout: Optional[float] = None) -> Callable[
 
 
 def shutdown_pools() -> None:
-    """Stop every shared pool."""
+    """Stop every shared pool.
+
+    Example::
+
+        shutdown_pools()         # registered with atexit; call it to free the processes earlier
+    """
     for pool in _POOLS.values():
         pool.stop()
     _POOLS.clear()

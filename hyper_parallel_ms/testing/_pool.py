@@ -38,7 +38,13 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 class RankFailure(AssertionError):
-    """One or more ranks failed: raised, died, or did not answer in time."""
+    """One or more ranks failed: raised, died, or did not answer in time.
+
+    Example::
+
+        with pytest.raises(RankFailure, match="rank 1"):
+            run_on_ranks(my_module.fail_on_rank_1, 2)
+    """
 
 
 def _free_port() -> int:
