@@ -50,7 +50,16 @@ def _saved_key(key: str, metadata: Metadata) -> str:
 
 
 class DefaultSavePlanner:
-    """Every tensor and value of the state dict, each distinct box written once."""
+    """Every tensor and value of the state dict, each distinct box written once.
+
+    Example::
+
+        class ModelOnly(DefaultSavePlanner):                 # leave the optimizer out of a save
+            def set_up_planner(self, state_dict, *, is_coordinator):
+                super().set_up_planner({"model": state_dict["model"]}, is_coordinator=is_coordinator)
+
+        save({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt/model", planner=ModelOnly())
+    """
 
     tensors: Dict[str, TensorRef]
     values: Dict[str, Any]
@@ -80,7 +89,18 @@ class DefaultSavePlanner:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """State-dict key -> checkpoint key, for the tensors and the values to fill."""
+    """State-dict key -> checkpoint key, for the tensors and the values to fill (entries
+    of the state dict left out keep their values).
+
+    Args:
+        tensors: flat state-dict key of each tensor to fill -> its key in the checkpoint.
+        values: flat state-dict key of each non-tensor value to replace -> its key in the checkpoint.
+
+    Example:
+        >>> plan = LoadPlan({"model.fc.weight": "net.fc.weight"}, {"step": "step"})
+        >>> plan.tensors["model.fc.weight"]
+        'net.fc.weight'
+    """
 
     tensors: Dict[str, str]
     values: Dict[str, str]
@@ -88,9 +108,18 @@ class LoadPlan:
 
 class DefaultLoadPlanner:
     """Every entry of the state dict, from the checkpoint key of the same name (from
-    MindSpore's name, for a full MindSpore checkpoint). ``allow_unused``: a full MindSpore
-    checkpoint may hold tensors that no entry takes (e.g. the model alone from a file that
-    also holds the optimizer); by default they are refused."""
+    MindSpore's name, for a full MindSpore checkpoint).
+
+    Args:
+        allow_unused: a full MindSpore checkpoint may hold tensors that no entry takes (e.g.
+            the model alone from a file that also holds the optimizer); by default
+            (``False``) they are refused with a :class:`CheckpointError`.
+
+    Example::
+
+        load({"model": get_model_state_dict(model)}, checkpoint_id="full.safetensors",
+             planner=DefaultLoadPlanner(allow_unused=True))          # the optimizer's tensors skipped
+    """
 
     tensors: Dict[str, TensorRef]
     values: Dict[str, ValueRef]

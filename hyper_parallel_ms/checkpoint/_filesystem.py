@@ -49,7 +49,14 @@ def _path(checkpoint_id: Optional[str], current: Optional[str], role: str) -> st
 class FileSystemWriter(StorageWriter):
     """Safetensors files in a directory, committed atomically (the default writer).
 
-    ``path``: the checkpoint directory when ``save`` is given no ``checkpoint_id``."""
+    Args:
+        path: the checkpoint directory, used when ``save`` is given no ``checkpoint_id`` (a
+            ``checkpoint_id`` replaces it).
+
+    Example::
+
+        save(state, storage_writer=FileSystemWriter("ckpt/step_10"))   # = checkpoint_id="ckpt/step_10"
+    """
 
     def __init__(self, path: Optional[str] = None) -> None:
         self.path = None if path is None else os.fspath(path)
@@ -93,7 +100,16 @@ class FileSystemWriter(StorageWriter):
 
 class FileSystemReader(StorageReader):
     """Reads what :class:`FileSystemWriter` wrote, rank-local parts, or a full MindSpore
-    checkpoint file (the default reader). ``path``: as for :class:`FileSystemWriter`."""
+    checkpoint file (the default reader).
+
+    Args:
+        path: the checkpoint directory or full ``.safetensors`` / ``.ckpt`` file, used when
+            ``load`` is given no ``checkpoint_id`` (a ``checkpoint_id`` replaces it).
+
+    Example::
+
+        load(state, storage_reader=FileSystemReader("ckpt/step_10"))   # = checkpoint_id="ckpt/step_10"
+    """
 
     def __init__(self, path: Optional[str] = None) -> None:
         self.path = None if path is None else os.fspath(path)

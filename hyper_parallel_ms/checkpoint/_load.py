@@ -44,13 +44,12 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     that a failure leaves every rank unchanged.
 
     Args:
+        state_dict: a (nested) dict of values to fill, laid out as this run needs them.
+        checkpoint_id: the checkpoint directory, or a full ``.safetensors`` / ``.ckpt`` file
+            (``None``: the storage reader's own location).
         storage_reader: where the data comes from (default :class:`FileSystemReader`).
         planner: which entries are filled from which checkpoint keys (default
             :class:`DefaultLoadPlanner`; subclass it to filter or rename keys).
-
-    Args:
-        state_dict: a (nested) dict of values to fill, laid out as this run needs them.
-        checkpoint_id: the checkpoint directory, or a full ``.safetensors`` / ``.ckpt`` file.
         no_dist: this process alone loads (no collectives), as a world of one.
         use_collectives: agree with the other ranks before assigning (a failure changes no rank).
 

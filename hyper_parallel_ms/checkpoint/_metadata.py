@@ -100,6 +100,8 @@ class Metadata:
         tensors: flat key (``"model.fc.weight"``) -> :class:`TensorEntry`.
         values: flat key -> a non-tensor value (JSON: ints, floats, strings, lists, dicts).
         world_size: the number of ranks that saved it.
+        save_id: an id unique to each save (``""`` where none is recorded, e.g. a full MindSpore
+            checkpoint); the ranks of a load compare it to be sure they read the same save.
 
     >>> Metadata({}, {"step": 10}, world_size=2).world_size
     2

@@ -29,7 +29,20 @@ Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 @dataclass(frozen=True)
 class Piece:
     """A box of the global tensor ``key`` (of ``shape`` and ``dtype``) held by one rank;
-    ``crc32`` of its data when the ranks' copies must agree (plain tensors, said replicated)."""
+    ``crc32`` of its data when the ranks' copies must agree (plain tensors, said replicated).
+
+    Args:
+        key: the flat state-dict key of the tensor (``"model.fc.weight"``).
+        shape: the global shape of the tensor.
+        dtype: the numpy dtype name (``"float32"``, ``"bfloat16"``, ...).
+        offsets: the box's first index along each dim of the global tensor.
+        sizes: the box's length along each dim.
+        crc32: the CRC-32 of the box's data, or ``None`` (the default) when not compared.
+
+    Example:
+        >>> Piece("w", (4, 2), "float32", (2, 0), (2, 2)).elements        # rows 2..3 of a 4x2 tensor
+        4
+    """
 
     key: str
     shape: Tuple[int, ...]

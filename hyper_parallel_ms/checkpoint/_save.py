@@ -180,10 +180,15 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     """:func:`save` whose file writing overlaps the caller's next steps. The pieces are
     copied to host memory before it returns (the state may change afterwards); call
     ``.result()`` on every rank to commit (the checkpoint is not visible before).
-    ``storage_writer`` and ``planner`` as for :func:`save`.
 
     Args:
         state_dict, checkpoint_id, no_dist, remove_redundancy, save_to_minimum_rank: as in :func:`save`.
+        storage_writer: where the data goes (default :class:`FileSystemWriter`), as in :func:`save`;
+            its ``write_data`` runs in a background thread.
+        planner: what is saved (default :class:`DefaultSavePlanner`), as in :func:`save`.
+
+    Returns:
+        An :class:`AsyncSave`; its ``result()`` commits and returns the :class:`Metadata`.
 
     Example::
 

@@ -53,7 +53,17 @@ NO_CHECKSUM = -1          # a chunk stored without a CRC-32: read unchecked
 @dataclass(frozen=True)
 class StoredChunk:
     """Where a writer put one array: ``file`` (any name the reader understands, recorded in
-    the metadata as :attr:`Chunk.file`), its CRC-32 (or :data:`NO_CHECKSUM`) and size."""
+    the metadata as :attr:`Chunk.file`), its CRC-32 (or :data:`NO_CHECKSUM`) and size.
+
+    Args:
+        file: where the array is stored, as the matching reader understands it.
+        crc32: the CRC-32 of the array's bytes, or :data:`NO_CHECKSUM` (then read unchecked).
+        nbytes: the array's size in bytes.
+
+    Example:
+        >>> StoredChunk("rank_0.safetensors", NO_CHECKSUM, 24)
+        StoredChunk(file='rank_0.safetensors', crc32=-1, nbytes=24)
+    """
 
     file: str
     crc32: int
@@ -61,7 +71,25 @@ class StoredChunk:
 
 
 class StorageWriter(abc.ABC):
-    """Writes the arrays of a save and commits them (see the module docstring for the calls)."""
+    """Writes the arrays of a save and commits them (see the module docstring for the calls).
+
+    Example::
+
+        class MemoryWriter(StorageWriter):                   # an in-memory store
+            def __init__(self): self.store, self.metadata = {}, None
+            def reset(self, checkpoint_id): pass
+            def set_up_storage_writer(self, is_coordinator, *, rank=0, use_collectives=True): pass
+            def write_data(self, rank, arrays, checksums):
+                out = {}
+                for key, a in arrays.items():
+                    self.store[key] = np.array(a)
+                    out[key] = StoredChunk("memory", checksums.get(key, NO_CHECKSUM), a.nbytes)
+                return out
+            def finish(self, metadata): self.metadata = metadata
+
+        writer = MemoryWriter()
+        save(state, storage_writer=writer, no_dist=True)
+    """
 
     @abc.abstractmethod
     def reset(self, checkpoint_id: Optional[str]) -> None:
@@ -89,7 +117,18 @@ class StorageWriter(abc.ABC):
 
 
 class StorageReader(abc.ABC):
-    """Reads a checkpoint's metadata and chunks (see the module docstring for the calls)."""
+    """Reads a checkpoint's metadata and chunks (see the module docstring for the calls).
+
+    Example::
+
+        class MemoryReader(StorageReader):    # reads what StorageWriter's example MemoryWriter stored
+            def __init__(self, writer): self.writer = writer
+            def reset(self, checkpoint_id): pass
+            def read_metadata(self): return self.writer.metadata
+            def read_chunk(self, key, chunk): return self.writer.store[chunk.key]
+
+        load(state, storage_reader=MemoryReader(writer), no_dist=True)
+    """
 
     #: a full MindSpore checkpoint (tensors under MindSpore's names, no values)
     full_file: bool = False

@@ -47,13 +47,44 @@ def _peer(kind: str, x, mesh, mesh_dim, peer: int, what: str):
 
 
 def send(x, mesh, mesh_dim=0, *, dst: int) -> None:
-    """Send ``x`` to the rank at index ``dst`` along ``mesh_dim``."""
+    """Send ``x`` to the rank at index ``dst`` along ``mesh_dim`` (PyNative only, no backward).
+
+    ``send`` may return before the matching :func:`recv` is posted or wait for it: order the
+    calls of the ranks so that neither can deadlock.
+
+    Args:
+        x: the MindSpore Tensor to send (bool travels as uint8).
+        mesh: the :class:`DeviceMesh`.
+        mesh_dim: the name or index of the mesh dim the two ranks share (default 0).
+        dst: the index, along ``mesh_dim``, of the receiving rank (not this rank).
+
+    Example::
+
+        if mesh.get_local_rank() == 0:
+            send(x, mesh, dst=1)                 # rank 1 calls recv(..., src=0)
+    """
     group = _peer("send", x, mesh, mesh_dim, dst, "dst")
     p2p_send(x.astype(ms.uint8) if x.dtype == ms.bool_ else x, dst, group.name)
 
 
 def recv(x, mesh, mesh_dim=0, *, src: int):
-    """The tensor the rank at index ``src`` along ``mesh_dim`` sends; ``x`` gives its shape and dtype."""
+    """The tensor the rank at index ``src`` along ``mesh_dim`` sends; ``x`` gives its shape and
+    dtype. Blocks until the data arrive (PyNative only, no backward).
+
+    Args:
+        x: a MindSpore Tensor of the shape and dtype of what arrives (its values are not used).
+        mesh: the :class:`DeviceMesh`.
+        mesh_dim: the name or index of the mesh dim the two ranks share (default 0).
+        src: the index, along ``mesh_dim``, of the sending rank (not this rank).
+
+    Returns:
+        A new tensor holding the data sent by ``src``.
+
+    Example::
+
+        if mesh.get_local_rank() == 1:
+            y = recv(ms.ops.zeros((2, 3), ms.float32), mesh, src=0)   # what rank 0 sent
+    """
     group = _peer("recv", x, mesh, mesh_dim, src, "src")
     if x.dtype == ms.bool_:
         return p2p_recv(ms.ops.zeros(x.shape, ms.uint8), src, group.name).astype(ms.bool_)
