@@ -1,0 +1,161 @@
+"""Deferred initialisation gives the eager values for the same seed, in creation order.
+
+MindSpore draws each random initialiser's seed from numpy's global generator when the
+Parameter is made; ``hyper_parallel_ms.no_init_parameters()`` records that point, and
+``init_parameters`` / the parallel styles replay it. Compared bitwise (``assert_array_equal``):
+the same initialiser run from the same numpy state gives the same bits."""
+from __future__ import annotations
+
+import itertools
+from contextlib import nullcontext as _eager
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, Tensor, nn
+from mindspore.common.initializer import (HeUniform, Initializer, Normal, Orthogonal, TruncatedNormal, Uniform,
+                                          XavierUniform, initializer)
+from mindspore.nn.utils import no_init_parameters as mindspore_no_init_parameters
+
+from hyper_parallel_ms import init_parameters, no_init_parameters
+from hyper_parallel_ms.nn._deferred import initial_value
+from hyper_parallel_ms.testing import multi_rank
+
+from tests._parity import gathered
+
+
+class NumpyInit(Initializer):
+    """A user's initialiser drawing from numpy's global generator (draws depend on the shape)."""
+
+    def _initialize(self, arr):
+        arr[:] = np.random.standard_normal(arr.shape)
+
+
+class Counting(Initializer):
+    """A user's initialiser that gives other values each run: its eager value cannot be replayed."""
+
+    runs = itertools.count()
+
+    def _initialize(self, arr):
+        arr[:] = next(self.runs)
+
+
+class Inner(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Dense(8, 6)
+        self.scale = Parameter(initializer(TruncatedNormal(0.02), (6,)), name="scale")
+
+
+class Orders(nn.Cell):
+    """Parameters defined between sub-Cells, a sub-Cell assigned after one made later, a shared
+    sub-Cell in two places, nesting, tied and re-initialised weights, every kind of initialiser,
+    and numpy draws of the model's own in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Dense(8, 6)
+        self.p = Parameter(initializer(Normal(0.02), (6, 8)), name="p")
+        self.own = Parameter(Tensor(np.random.standard_normal((4, 8)).astype(np.float32)), name="own")
+        later = nn.Dense(8, 8, weight_init=XavierUniform(), bias_init=0.5)
+        self.b = nn.Dense(8, 8, weight_init=Uniform(0.3))
+        self.later = later
+        self.shared = Inner()
+        self.deep = nn.SequentialCell([nn.SequentialCell([Inner()]), nn.Dense(6, 4)])
+        self.again = self.shared
+        self.he = Parameter(initializer(HeUniform(), (6, 8)), name="he")
+        self.orth = Parameter(initializer(Orthogonal(), (5, 8)), name="orth")
+        self.numpy_init = Parameter(initializer(NumpyInit(), (4, 8)), name="numpy_init")
+        self.consts = Parameter(initializer(0.25, (5,)), name="consts")
+        self.ones = Parameter(initializer("ones", (3, 8)), name="ones")
+        self.tensor_init = Parameter(initializer(Tensor(np.arange(8, dtype=np.float32)), (8,)), name="tensor_init")
+        self.tied = nn.Dense(8, 6)
+        self.tied.weight = self.a.weight
+        self.b.weight.set_data(initializer(Normal(0.5), (8, 8)))
+
+
+def _built(make, context):
+    ms.set_seed(0)
+    with context():
+        model = make()
+    return model, np.random.get_state()[1].copy()
+
+
+def _assert_equal_params(got: nn.Cell, want: nn.Cell, value=lambda p: p.asnumpy()) -> None:
+    pairs = list(zip(got.parameters_and_names(), want.parameters_and_names()))
+    assert [n for (n, _), _ in pairs] == [n for _, (n, _) in pairs]
+    for (name, g), (_, w) in pairs:
+        np.testing.assert_array_equal(value(g), w.asnumpy(), err_msg=name)
+
+
+def test_deferred_values_equal_eager_in_creation_order():
+    eager, eager_state = _built(Orders, _eager)
+    lazy, lazy_state = _built(Orders, no_init_parameters)
+    np.testing.assert_array_equal(lazy_state, eager_state)      # the generator is where eager leaves it
+    assert lazy.p.has_init and lazy.a.weight.has_init
+    # in any order (here: last made first), each value is its eager one
+    for param, want in reversed(list(zip(lazy.get_parameters(), eager.get_parameters()))):
+        np.testing.assert_array_equal(initial_value(param), want.asnumpy(), err_msg=param.name)
+    assert init_parameters(lazy) is lazy
+    _assert_equal_params(lazy, eager)
+    assert not any(p.has_init for p in lazy.get_parameters())
+    np.testing.assert_array_equal(np.random.get_state()[1], eager_state)
+
+
+def test_unrecorded_random_initialisers_are_refused_and_the_model_left_as_it_was():
+    model, _ = _built(Orders, mindspore_no_init_parameters)
+    pending = [p.name for p in model.get_parameters() if p.has_init]
+    with pytest.raises(ValueError, match=r"parameter 'p' .*Normal.*hyper_parallel_ms.no_init_parameters"):
+        init_parameters(model)
+    assert [p.name for p in model.get_parameters() if p.has_init] == pending
+    # an initialiser set after the recording context ended was not recorded either
+    with no_init_parameters():
+        dense = nn.Dense(4, 4)
+    dense.weight.set_data(initializer(Normal(0.1), (4, 4)))
+    with pytest.raises(ValueError, match="parameter 'weight' .*was not recorded"):
+        init_parameters(dense)
+    # constant initialisers draw nothing: their value does not depend on the order
+    with mindspore_no_init_parameters():
+        constant = nn.Dense(4, 3, weight_init="ones", bias_init=0.5)
+    init_parameters(constant)
+    np.testing.assert_array_equal(constant.weight.asnumpy(), np.ones((3, 4), np.float32))
+    np.testing.assert_array_equal(constant.bias.asnumpy(), np.full((3,), 0.5, np.float32))
+
+
+def test_initialisers_that_do_not_replay_are_refused():
+    with no_init_parameters():
+        model = nn.Dense(4, 3, weight_init=Counting())
+    with pytest.raises(ValueError, match="parameter 'weight': its initializer Counting gave other values"):
+        init_parameters(model)
+    assert model.weight.has_init and model.bias.has_init
+
+
+def _llama():
+    from examples.llama import Llama, LlamaConfig
+    return Llama(LlamaConfig(vocab=32, dim=16, layers=2, heads=2, hidden=24, max_seq=8))
+
+
+@multi_rank(2)
+def test_deferred_pieces_equal_eager_on_2_ranks():
+    from examples.llama import tp_plan
+    from hyper_parallel_ms.fsdp import fully_shard
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.nn import parallelize_module
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+
+    def check(make, shard):
+        eager, _ = _built(make, _eager)
+        lazy, _ = _built(make, no_init_parameters)
+        shard(lazy)
+        init_parameters(lazy)
+        _assert_equal_params(lazy, eager, value=lambda p: gathered(p, p))
+
+    def per_block(model):
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    check(Orders, lambda m: fully_shard(m, mesh=mesh))
+    check(_llama, per_block)
+    # tensor parallelism cuts the deferred weights from their eager values (Colwise / Rowwise)
+    check(_llama, lambda m: parallelize_module(m, mesh, tp_plan(sequence_parallel=False)))
