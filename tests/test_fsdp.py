@@ -11,8 +11,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from mindspore.nn.utils import no_init_parameters
-
+from hyper_parallel_ms import no_init_parameters
 from hyper_parallel_ms.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, init_parameters
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parameter_sharding

@@ -357,3 +357,50 @@ def test_contract_only_a_cells_own_properties_compile_as_graph_code(cls, mode):
             ms.set_context(mode=ms.PYNATIVE_MODE)
     expected = [0.0, 0.0] if cls is _Wrapped else [8.0, 32.0]     # d/dw sum((2 w x)^2) = 8 w x^2
     np.testing.assert_allclose(g[0].asnumpy(), expected)
+
+
+def _initializers():
+    from mindspore.common import initializer as init
+    shapes = {"Identity": (4, 6), "Dirac": (4, 4, 3)}
+    return [(getattr(init, n)(*([0.5] if n == "Constant" else [])), shapes.get(n, (5, 6)), draws)
+            for n, draws in [("Zero", 0), ("One", 0), ("Constant", 0), ("Identity", 0), ("Dirac", 0), ("Normal", 1),
+                             ("Uniform", 1), ("TruncatedNormal", 1), ("XavierNormal", 1), ("XavierUniform", 1),
+                             ("HeNormal", 1), ("HeUniform", 1), ("VarianceScaling", 1)]]
+
+
+@pytest.mark.parametrize("dtype", [ms.float32, ms.float16])
+def test_contract_initializers_draw_only_their_declared_numpy_draws(dtype):
+    from mindspore import Parameter
+    from mindspore.common.initializer import Orthogonal, initializer
+    assert seam.initializer_draws(Orthogonal()) is None                       # shape-dependent draws
+    for init, shape, draws in _initializers():
+        assert seam.initializer_draws(init) == draws, type(init).__name__
+        ms.set_seed(3)
+        values = seam.initial_array(init, shape, dtype)
+        after = np.random.get_state()
+        ms.set_seed(3)
+        for _ in range(draws):
+            seam.draw_numpy_seed()
+        np.testing.assert_array_equal(np.random.get_state()[1], after[1], err_msg=type(init).__name__)
+        assert np.random.get_state()[2] == after[2]
+        ms.set_seed(3)                                   # eagerly, a Parameter runs it at once, the same way
+        eager = Parameter(initializer(init, shape, dtype), name="w")
+        np.testing.assert_array_equal(eager.asnumpy(), values, err_msg=type(init).__name__)
+
+
+def test_contract_deferred_creation_is_seen_where_eager_initialisation_happens():
+    from mindspore import Parameter
+    from mindspore.common.initializer import Normal, initializer
+    from mindspore.nn.utils import no_init_parameters
+    seen, new_args, set_data = [], vars(Parameter)["_get_parameter_new_args"], Parameter.set_data
+    with no_init_parameters(), seam.deferred_creation_hooked(seen.append):
+        made = initializer(Normal(), (3, 4))
+        p = Parameter(made, name="p")
+        plain = Parameter(Tensor(np.ones(2, np.float32)), name="plain")
+        assert seen == [made] and seam.pending_init(p) is made and seam.pending_init(plain) is None
+        later = initializer("uniform", (3, 4))
+        p.set_data(later)                                # deferred: kept as the initialiser, not run
+        assert seen == [made, later] and seam.pending_init(p) is later and later.has_init
+    eager = Parameter(initializer(Normal(), (3, 4)), name="eager")            # outside: run at once
+    assert len(seen) == 2 and seam.pending_init(eager) is None
+    assert vars(Parameter)["_get_parameter_new_args"] is new_args and Parameter.set_data is set_data
