@@ -159,3 +159,9 @@ def test_deferred_pieces_equal_eager_on_2_ranks():
     check(_llama, per_block)
     # tensor parallelism cuts the deferred weights from their eager values (Colwise / Rowwise)
     check(_llama, lambda m: parallelize_module(m, mesh, tp_plan(sequence_parallel=False)))
+    # built under MindSpore's own no_init_parameters(): refused by name, the model left as it was
+    unrecorded, _ = _built(_llama, mindspore_no_init_parameters)
+    before = [(p.name, id(p), p.has_init) for p in unrecorded.get_parameters()]
+    with pytest.raises(ValueError, match="parameter 'tok_embeddings.embedding_table' .*was not recorded"):
+        parallelize_module(unrecorded, mesh, tp_plan(sequence_parallel=False))
+    assert [(p.name, id(p), p.has_init) for p in unrecorded.get_parameters()] == before
