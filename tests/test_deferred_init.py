@@ -18,7 +18,7 @@ from mindspore.common.initializer import (HeUniform, Initializer, Normal, Orthog
 from mindspore.nn.utils import no_init_parameters as mindspore_no_init_parameters
 
 from hyper_parallel_ms import init_parameters, no_init_parameters
-from hyper_parallel_ms.nn._deferred import initial_value
+from hyper_parallel_ms._deferred import initial_value
 from hyper_parallel_ms.testing import multi_rank
 
 from tests._parity import gathered
@@ -138,9 +138,11 @@ def _llama():
 @multi_rank(2)
 def test_deferred_pieces_equal_eager_on_2_ranks():
     from examples.llama import tp_plan
+    from hyper_parallel_ms.dtensor import distribute_tensor
     from hyper_parallel_ms.fsdp import fully_shard
     from hyper_parallel_ms.mesh import init_device_mesh
     from hyper_parallel_ms.nn import parallelize_module
+    from hyper_parallel_ms.placement import Shard
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
 
     def check(make, shard):
@@ -159,6 +161,12 @@ def test_deferred_pieces_equal_eager_on_2_ranks():
     check(_llama, per_block)
     # tensor parallelism cuts the deferred weights from their eager values (Colwise / Rowwise)
     check(_llama, lambda m: parallelize_module(m, mesh, tp_plan(sequence_parallel=False)))
+    # distribute_tensor of a deferred Parameter (e.g. in a distribute_module partition_fn): its eager value
+    eager, _ = _built(Orders, _eager)
+    lazy, _ = _built(Orders, no_init_parameters)
+    piece = distribute_tensor(lazy.b.weight, mesh, [Shard(0)])
+    np.testing.assert_array_equal(piece.full_tensor().asnumpy(), eager.b.weight.asnumpy())
+    assert lazy.b.weight.has_init                                       # the Parameter itself left deferred
     # built under MindSpore's own no_init_parameters(): refused by name, the model left as it was
     unrecorded, _ = _built(_llama, mindspore_no_init_parameters)
     before = [(p.name, id(p), p.has_init) for p in unrecorded.get_parameters()]

@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple, Union
 
 import mindspore as ms
-from mindspore import Tensor, ops
+from mindspore import Parameter, Tensor, ops
 
 from .. import comm
+from .._deferred import initial_value
 from ..layout import Layout
 from ..redistribute import execute, lower, plan_redistribute
 from ._dtensor import DTensor
@@ -48,6 +49,7 @@ def _local_piece(full: Tensor, spec: DTensorSpec) -> Tensor:
 def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
                       src_data_rank: Optional[int] = 0) -> DTensor:
     """Distribute a full tensor: each rank keeps its piece of group rank ``src_data_rank``'s data.
+    A Parameter built under ``no_init_parameters()`` is distributed with its eager value.
 
     Example::
 
@@ -57,6 +59,8 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
         raise TypeError("distribute_tensor needs a plain Tensor; use DTensor.redistribute for a DTensor")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor needs a mindspore Tensor, got {type(tensor).__name__}")
+    if isinstance(tensor, Parameter) and tensor.has_init:      # deferred (no_init_parameters): its eager value
+        tensor = Tensor(initial_value(tensor), dtype=tensor.dtype)
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape)
     if src_data_rank is not None:
         for a in range(device_mesh.ndim):

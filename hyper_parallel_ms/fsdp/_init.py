@@ -2,7 +2,7 @@
 
 Each deferred parameter gets the value it has eagerly for the same seed: its initialiser is
 replayed from the point of numpy's random stream recorded when the Parameter was made
-(:mod:`hyper_parallel_ms.nn._deferred`), so the order in which this runs does not matter.
+(:mod:`hyper_parallel_ms._deferred`), so the order in which this runs does not matter.
 Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
 once, keeps its piece and drops the rest before the next parameter: the peak is the pieces
 plus the largest single parameter, never the whole model. What cannot be given its eager value
@@ -23,7 +23,7 @@ from typing import List
 
 from mindspore import Parameter, Tensor, nn
 
-from ..nn._deferred import check_initial_values, initial_value, initialise
+from .._deferred import check_initial_values, initial_value, initialise
 from ._pieces import DEFERRED, cut_piece
 
 __all__ = ["init_parameters"]

@@ -6,7 +6,7 @@ Example::
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
     parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 """
-from ._deferred import no_init_parameters
+from .._deferred import no_init_parameters
 from ._distribute import ShardingPlan, distribute_module, shard_module
 from ._gradients import GradientReducer
 from ._loss_parallel import ParallelCrossEntropy, loss_parallel, parallel_cross_entropy

@@ -23,7 +23,7 @@ from mindspore import Parameter, Tensor
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec, to_layout
-from ._deferred import initial_value
+from .._deferred import initial_value
 
 __all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter"]
 

@@ -32,7 +32,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 from mindspore.nn.utils import no_init_parameters as _mindspore_no_init_parameters
 
-from .._mindspore import deferred_creation_hooked, draw_numpy_seed, initial_array, initializer_draws, pending_init
+from ._mindspore import deferred_creation_hooked, draw_numpy_seed, initial_array, initializer_draws, pending_init
 
 __all__ = ["no_init_parameters", "initial_value", "initialise", "check_initial_values"]
 
