@@ -32,7 +32,8 @@ import numpy as np
 from mindspore import Parameter, Tensor
 from mindspore.nn.utils import no_init_parameters as _mindspore_no_init_parameters
 
-from ._mindspore import deferred_creation_hooked, draw_numpy_seed, initial_array, initializer_draws, pending_init
+from ._mindspore import (deferred_creation_hooked, draw_numpy_seed, fill_deferred, initial_array, initializer_draws,
+                         pending_init)
 
 __all__ = ["no_init_parameters", "initial_value", "initialise", "check_initial_values"]
 
@@ -92,12 +93,10 @@ def _refusal(name: str, init) -> str:
 
 @contextmanager
 def _drawing_from(record: Optional[_Record]) -> Iterator[None]:
-    """Inside, numpy's global generator is at ``record``'s state (unchanged if ``None``); after, where it was."""
-    if record is None:
-        yield
-        return
+    """Inside, numpy's global generator is at ``record``'s state (where it is, for ``None``); after, where it was."""
     saved = np.random.get_state()
-    np.random.set_state(record.state)
+    if record is not None:
+        np.random.set_state(record.state)
     try:
         yield
     finally:
@@ -154,8 +153,8 @@ def check_initial_values(params: Iterable[Parameter]) -> None:
 
 
 def initialise(param: Parameter) -> None:
-    """Give a deferred ``param`` its eager value in place (MindSpore's own ``init_data``, run
-    from the recorded random state); raises ``ValueError`` as :func:`initial_value`.
+    """Give a deferred ``param`` its eager value in place; raises ``ValueError`` as
+    :func:`initial_value`.
 
     Example::
 
@@ -163,5 +162,4 @@ def initialise(param: Parameter) -> None:
     """
     pending = pending_init(param)
     if pending is not None:
-        with _drawing_from(_checked_record(param.name, pending)):
-            param.init_data()
+        fill_deferred(param, _replay(param.name, pending))

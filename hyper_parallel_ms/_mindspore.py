@@ -50,7 +50,8 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   (:func:`initializer_draws`, :func:`draw_numpy_seed`), and fill from that draw alone. Under
   ``no_init_parameters()`` the Parameter keeps the initialiser Tensor as ``init_mode``
   (:func:`pending_init`); Parameters are made through ``Parameter._get_parameter_new_args``
-  (:func:`deferred_creation_hooked`); :func:`initial_array` computes what ``init_data`` would.
+  (:func:`deferred_creation_hooked`); :func:`initial_array` computes what ``init_data`` would, and
+  :func:`fill_deferred` stores it as ``init_data`` does.
 
 :func:`guard_mindspore_for` installs the wrappers the first time a DTensor is made (never at
 import).
@@ -95,7 +96,8 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped",
-           "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "deferred_creation_hooked"]
+           "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
+           "deferred_creation_hooked"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -588,6 +590,13 @@ def initial_array(init: Any, shape: Sequence[int], dtype: Any) -> np.ndarray:
     data = np.ndarray(tuple(shape), dtype=nptype)
     init(data)
     return data
+
+
+def fill_deferred(param: Any, values: np.ndarray) -> None:
+    """Give a not yet initialised ``param`` ``values`` as ``init_data`` would (in place, its
+    initialiser dropped), leaving the initialiser Tensor itself untouched (others may share it)."""
+    param.set_data(Tensor(values, dtype=param.dtype))
+    param.init_mode = None
 
 
 def deferred_creation_hooked(record: Callable[[Tensor], None]) -> Iterator[None]:

@@ -49,11 +49,13 @@ class Inner(nn.Cell):
 
 class Orders(nn.Cell):
     """Parameters defined between sub-Cells, a sub-Cell assigned after one made later, a shared
-    sub-Cell in two places, nesting, tied and re-initialised weights, every kind of initialiser,
-    and numpy draws of the model's own in between."""
+    sub-Cell in two places, nesting, tied and re-initialised weights, an initialiser Tensor made
+    early and taken by two Parameters late, every kind of initialiser, and numpy draws of the
+    model's own in between."""
 
     def __init__(self) -> None:
         super().__init__()
+        early = initializer(Uniform(0.2), (3, 8))       # made now, run (eagerly) when a Parameter takes it
         self.a = nn.Dense(8, 6)
         self.p = Parameter(initializer(Normal(0.02), (6, 8)), name="p")
         self.own = Parameter(Tensor(np.random.standard_normal((4, 8)).astype(np.float32)), name="own")
@@ -69,6 +71,8 @@ class Orders(nn.Cell):
         self.consts = Parameter(initializer(0.25, (5,)), name="consts")
         self.ones = Parameter(initializer("ones", (3, 8)), name="ones")
         self.tensor_init = Parameter(initializer(Tensor(np.arange(8, dtype=np.float32)), (8,)), name="tensor_init")
+        self.late = Parameter(early, name="late")
+        self.late_copy = Parameter(early, name="late_copy")    # eagerly a copy of the data it became
         self.tied = nn.Dense(8, 6)
         self.tied.weight = self.a.weight
         self.b.weight.set_data(initializer(Normal(0.5), (8, 8)))

@@ -404,3 +404,6 @@ def test_contract_deferred_creation_is_seen_where_eager_initialisation_happens()
     eager = Parameter(initializer(Normal(), (3, 4)), name="eager")            # outside: run at once
     assert len(seen) == 2 and seam.pending_init(eager) is None
     assert vars(Parameter)["_get_parameter_new_args"] is new_args and Parameter.set_data is set_data
+    seam.fill_deferred(p, np.full((3, 4), 2.0, np.float32))        # as init_data: in place, initialiser dropped
+    assert not p.has_init and p.init_mode is None and later.has_init
+    np.testing.assert_array_equal(p.asnumpy(), np.full((3, 4), 2.0, np.float32))
