@@ -407,3 +407,48 @@ def test_contract_deferred_creation_is_seen_where_eager_initialisation_happens()
     seam.fill_deferred(p, np.full((3, 4), 2.0, np.float32))        # as init_data: in place, initialiser dropped
     assert not p.has_init and p.init_mode is None and later.has_init
     np.testing.assert_array_equal(p.asnumpy(), np.full((3, 4), 2.0, np.float32))
+
+
+def test_contract_mindspore_initialises_deferred_parameters_in_attribute_order_and_on_first_read():
+    """init_parameters follows init_parameters_data()'s order by iterating parameters_and_names();
+    a deferred Parameter read before that is initialised then, from the generator where it is."""
+    from mindspore import Parameter, nn
+    from mindspore.common.initializer import Initializer, Normal, initializer
+    from mindspore.nn.utils import no_init_parameters
+    ran = []
+
+    class Logged(Initializer):
+        def __init__(self, tag):
+            super().__init__()
+            self.tag = tag
+
+        def _initialize(self, arr):
+            ran.append(self.tag)
+            arr[:] = 0.0
+
+    def dense():
+        cell = nn.Dense(2, 2)
+        cell.weight, cell.bias = (Parameter(initializer(Logged(n), s), name=n) for n, s in (("w", (2, 2)), ("b", (2,))))
+        return cell
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = dense()
+            self.p = Parameter(initializer(Logged("p"), (3,)), name="p")      # listed before self.a's
+            self.b = dense()
+            self.again = self.a
+            self.b.bias = self.a.weight
+    with no_init_parameters():
+        net = Net()
+    order = [name for name, _ in net.parameters_and_names()]
+    net.init_parameters_data()
+    assert order == ["p", "a.weight", "a.bias", "b.weight"]
+    assert ran == ["p", "w", "b", "w"] and not any(q.has_init for q in net.get_parameters())
+    with no_init_parameters():
+        lazy = Parameter(initializer(Normal(), (2, 3)), name="lazy")
+    ms.set_seed(1)
+    read = lazy.asnumpy()
+    ms.set_seed(1)
+    np.testing.assert_array_equal(read, Parameter(initializer(Normal(), (2, 3)), name="eager").asnumpy())
+    assert not lazy.has_init

@@ -49,7 +49,8 @@ def _local_piece(full: Tensor, spec: DTensorSpec) -> Tensor:
 def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
                       src_data_rank: Optional[int] = 0) -> DTensor:
     """Distribute a full tensor: each rank keeps its piece of group rank ``src_data_rank``'s data.
-    A Parameter built under ``no_init_parameters()`` is distributed with its eager value.
+    A deferred Parameter is distributed with :func:`~hyper_parallel_ms._deferred.initial_value`
+    (its eager value under ``hyper_parallel_ms.no_init_parameters()``) and left deferred.
 
     Example::
 
@@ -59,7 +60,7 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
         raise TypeError("distribute_tensor needs a plain Tensor; use DTensor.redistribute for a DTensor")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor needs a mindspore Tensor, got {type(tensor).__name__}")
-    if isinstance(tensor, Parameter) and tensor.has_init:      # deferred (no_init_parameters): its eager value
+    if isinstance(tensor, Parameter) and tensor.has_init:      # deferred: its eager (or first-use) value
         tensor = Tensor(initial_value(tensor), dtype=tensor.dtype)
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape)
     if src_data_rank is not None:

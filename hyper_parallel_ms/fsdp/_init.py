@@ -5,9 +5,10 @@ replayed from the point of numpy's random stream recorded when the Parameter was
 (:mod:`hyper_parallel_ms._deferred`), so the order in which this runs does not matter.
 Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
 once, keeps its piece and drops the rest before the next parameter: the peak is the pieces
-plus the largest single parameter, never the whole model. What cannot be given its eager value
-(a random initialiser made under MindSpore's own ``no_init_parameters()``, which records
-nothing) is refused, naming the parameter, before anything changes.
+plus the largest single parameter, never the whole model. Random initialisers made under
+MindSpore's own ``no_init_parameters()`` (no record) run from numpy's current state in
+attribute order, as ``Cell.init_parameters_data()`` runs them on the one-device model, with
+one warning; a model mixing both kinds is refused, naming them, before anything changes.
 
 Example::
 
@@ -23,7 +24,7 @@ from typing import List
 
 from mindspore import Parameter, Tensor, nn
 
-from .._deferred import check_initial_values, initial_value, initialise
+from .._deferred import check_initial_values, initial_value, initialise, unrecorded_notice
 from ._pieces import DEFERRED, cut_piece
 
 __all__ = ["init_parameters"]
@@ -39,8 +40,11 @@ def _distinct(module: nn.Cell) -> List[Parameter]:
 
 
 def init_parameters(module: nn.Cell) -> nn.Cell:
-    """Give every deferred parameter of ``module`` its eager value; returns ``module``. Raises
-    ``ValueError`` (``module`` unchanged) for a parameter whose eager value cannot be given.
+    """Give every deferred parameter of ``module`` its eager value (built under
+    ``hyper_parallel_ms.no_init_parameters()``), or, built under MindSpore's own context, the
+    value ``module.init_parameters_data()`` gives it on one device (attribute order, one
+    warning); returns ``module``. Raises ``ValueError`` (``module`` unchanged) for a mix of both
+    or a recorded initialiser that does not replay.
 
     Example::
 
@@ -51,13 +55,14 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
     params = _distinct(module)
     sources = [getattr(p, DEFERRED, None) for p in params]
     check_initial_values([s[0] if s is not None else p for p, s in zip(params, sources)])
-    for param, deferred in zip(params, sources):
-        if deferred is not None:
-            source, mesh, sharded = deferred
-            object.__setattr__(param, DEFERRED, None)
-            full = initial_value(source)
-            param.set_data(Tensor(cut_piece(full, mesh, sharded), dtype=param.dtype))
-            del full, source, deferred
-        else:
-            initialise(param)
+    with unrecorded_notice("at this init_parameters call, in attribute order (as Cell.init_parameters_data())"):
+        for param, deferred in zip(params, sources):     # attribute order: parameters_and_names()
+            if deferred is not None:
+                source, mesh, sharded = deferred
+                object.__setattr__(param, DEFERRED, None)
+                full = initial_value(source)
+                param.set_data(Tensor(cut_piece(full, mesh, sharded), dtype=param.dtype))
+                del full, source, deferred
+            else:
+                initialise(param)
     return module

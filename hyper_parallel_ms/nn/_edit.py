@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindspore import nn
 
+from .._deferred import unrecorded_notice
 from ..dtensor import DTensor
 from ..placement import Placement, Replicate
 from ..redistribute._gradient import reduction_taken_over
@@ -178,7 +179,7 @@ def apply_edits(edits: List[ModuleEdit], engine: str) -> None:
     touched = [e for e in edits if e.custom_apply is not None or e.replicate_rest is not None]
     snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]
     try:
-        with CellChanges() as changes:
+        with unrecorded_notice("when cut by the plan, in its order"), CellChanges() as changes:
             for edit in edits:
                 _apply_own(changes, edit)
             for edit in edits:

@@ -98,5 +98,5 @@ class ParameterPlacement:
 
 
 def _distributed(param: Parameter, mesh, placements: Sequence, src_data_rank: Optional[int]) -> DTensor:
-    # a deferred parameter (no_init_parameters) is cut from its eager value, itself left as it was
+    # a deferred parameter is cut from initial_value (eager, or first-use), itself left as it was
     return distribute_tensor(Tensor(initial_value(param)), mesh, placements, src_data_rank=src_data_rank)
