@@ -51,8 +51,9 @@ _UNRECORDED: ContextVar[Optional[List[str]]] = ContextVar("hpms_unrecorded_initi
 
 @dataclass(frozen=True)
 class _Record:
-    """numpy's global generator state just before the initialiser would have drawn, and for an
-    initialiser whose draws are not known, the digest of the value it gave then."""
+    """numpy's global generator state just before the initialiser would have drawn eagerly
+    (``eager``; else: just before it first ran, unrecorded), and for an initialiser whose draws
+    are not known, the digest of the value it gave then."""
 
     state: Tuple
     digest: Optional[bytes]
@@ -97,9 +98,10 @@ def _warn(names: List[str], when: str) -> None:
     shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     warnings.warn(f"deferred parameters {shown} have random initializers that hyper_parallel_ms.no_init_parameters() "
                   "did not record (built under mindspore.nn.utils.no_init_parameters(), or set after the recording "
-                  f"context ended): they were initialised from numpy's random state {when}. That is MindSpore's "
-                  "deferred order, which differs from the eager values when a Parameter is created in another order "
-                  "than its Cell lists it; build the model under hyper_parallel_ms.no_init_parameters() for the eager "
+                  f"context ended): they were initialised from numpy's random state {when}, as MindSpore initialises "
+                  "deferred Parameters (init_parameters_data(): attribute order; a Parameter alone: when first "
+                  "read). These values differ from the eager ones when a Parameter is created in another order than "
+                  "its Cell lists it; build the model under hyper_parallel_ms.no_init_parameters() for the eager "
                   "values", UserWarning, stacklevel=4)
 
 

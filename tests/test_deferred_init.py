@@ -1,9 +1,12 @@
-"""Deferred initialisation gives the eager values for the same seed, in creation order.
+"""Deferred initialisation gives the single-device values bitwise.
 
 MindSpore draws each random initialiser's seed from numpy's global generator when the
 Parameter is made; ``hyper_parallel_ms.no_init_parameters()`` records that point, and
-``init_parameters`` / the parallel styles replay it. Compared bitwise (``assert_array_equal``):
-the same initialiser run from the same numpy state gives the same bits."""
+``init_parameters`` / the parallel styles replay it: the eager values, in creation order.
+Under MindSpore's own ``no_init_parameters()`` (no record) they follow MindSpore's deferred
+order: the one-device model initialised by ``init_parameters_data()`` (attribute order), a
+Parameter used alone when first read; one warning per call. Compared bitwise
+(``assert_array_equal``): the same initialiser run from the same numpy state gives the same bits."""
 from __future__ import annotations
 
 import itertools
