@@ -37,7 +37,7 @@ _EXPORTS: Dict[str, str] = {
     "ParallelStyle": "nn", "parameter_sharding": "nn", "as_dtensor": "nn",
     "loss_parallel": "nn", "ParallelCrossEntropy": "nn",
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
-    "HSDPCell": "fsdp", "init_parameters": "fsdp",
+    "HSDPCell": "fsdp", "init_parameters": "fsdp", "no_init_parameters": "nn",
 }
 __all__ = list(_EXPORTS)
 

@@ -49,6 +49,15 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   :func:`entry_points_swapped` (for a scope) are the only places that replace them, and
   put back exactly what was there.
 
+- **deferred initialisers**: eagerly, ``Parameter(initializer(...))`` (and ``set_data`` of an
+  initialiser Tensor) runs the ``Initializer`` at once on a numpy array; the random ones draw
+  only from numpy's global generator, a fixed number of times for MindSpore's own classes
+  (:func:`initializer_draws`, :func:`draw_numpy_seed`), and fill from that draw alone. Under
+  ``no_init_parameters()`` the Parameter keeps the initialiser Tensor as ``init_mode``
+  (:func:`pending_init`); Parameters are made through ``Parameter._get_parameter_new_args``
+  (:func:`deferred_creation_hooked`); :func:`initial_array` computes what ``init_data`` would, and
+  :func:`fill_deferred` stores it as ``init_data`` does.
+
 :func:`guard_mindspore_for` installs the wrappers the first time a DTensor is made (never at
 import).
 
@@ -69,6 +78,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import mindspore
+import numpy as np
 from mindspore import Tensor
 
 from . import _check_mindspore, _release
@@ -76,6 +86,7 @@ from . import _check_mindspore, _release
 _check_mindspore(mindspore.__version__)  # before touching the internals below
 
 from mindspore._c_expression import NoFallbackGuard  # noqa: E402
+from mindspore.common import dtype as _mstype, initializer as _initializers  # noqa: E402
 from mindspore.ops import functional_overload as _functional_overload  # noqa: E402
 from mindspore.ops.auto_generate import func_dropout_ext_op as seeded_dropout  # noqa: E402
 
@@ -89,7 +100,9 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
            "plain_view", "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
-           "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv"]
+           "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
+           "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
+           "deferred_creation_hooked"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -571,3 +584,75 @@ def p2p_recv(buffer: Tensor, src: int, group: str) -> Tensor:
     out, handle = _p2p_kernels()[1](buffer, 0, src, group)
     handle.wait()
     return out
+
+
+# ------------------------------------------------------------ deferred initialisation
+# MindSpore's own initialisers whose every run draws a fixed number of times from numpy's global
+# generator: ``_numpy_seed()`` (one ``np.random.randint``) seeds the C++ fill; the constant ones
+# draw nothing. Others (Orthogonal, Sparse, a user's class) draw an amount that depends on the shape.
+_NUMPY_DRAWS: Dict[type, int] = {
+    **{getattr(_initializers, n): 0 for n in ("Zero", "One", "Constant", "Identity", "Dirac")},
+    **{getattr(_initializers, n): 1 for n in ("Normal", "Uniform", "TruncatedNormal", "XavierNormal",
+                                              "XavierUniform", "HeNormal", "HeUniform", "VarianceScaling")}}
+
+
+def initializer_draws(init: Any) -> Optional[int]:
+    """How many numpy draws one run of ``init`` makes (``None``: not known without running it)."""
+    return _NUMPY_DRAWS.get(type(init))
+
+
+def draw_numpy_seed() -> int:
+    """The draw MindSpore's random initialisers make from numpy's global generator."""
+    return _initializers._numpy_seed()  # pylint: disable=protected-access
+
+
+def pending_init(tensor: Any) -> Optional[Tensor]:
+    """The initialiser Tensor a not yet initialised ``Parameter`` (or initialiser Tensor) will
+    run (``Parameter.init_mode``, whose ``init`` is the ``Initializer``), or ``None``."""
+    if not isinstance(tensor, Tensor) or not tensor.has_init:
+        return None
+    pending = getattr(tensor, "init_mode", None) if isinstance(tensor, mindspore.Parameter) else tensor
+    return pending if pending is not None and pending.has_init else None
+
+
+def initial_array(init: Any, shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """What ``Tensor.init_data()`` computes for an ``Initializer``, as a numpy array, drawing
+    from numpy's global generator exactly as it does (without a slice index)."""
+    nptype = _mstype._dtype_to_nptype(dtype)  # pylint: disable=protected-access
+    if isinstance(init, _initializers.Zero):
+        return np.zeros(tuple(shape), dtype=nptype)
+    data = np.ndarray(tuple(shape), dtype=nptype)
+    init(data)
+    return data
+
+
+def fill_deferred(param: Any, values: np.ndarray) -> None:
+    """Give a not yet initialised ``param`` ``values`` as ``init_data`` would (in place, its
+    initialiser dropped), leaving the initialiser Tensor itself untouched (others may share it)."""
+    param.set_data(Tensor(values, dtype=param.dtype))
+    param.init_mode = None
+
+
+def deferred_creation_hooked(record: Callable[[Tensor], None]) -> Iterator[None]:
+    """Inside, ``record(init_tensor)`` runs at the moment MindSpore would have run an
+    initialiser eagerly but defers it (``no_init_parameters()``): when a ``Parameter`` is made
+    from it (``Parameter._get_parameter_new_args``) and when ``set_data`` hands one to a deferred
+    Parameter (eagerly, ``set_data`` initialises it there)."""
+    def new_args(original: Any) -> Any:
+        def wrapped(data, *args, **kwargs):
+            result = original.__func__(data, *args, **kwargs)
+            if pending_init(data) is not None:
+                record(data)
+            return result
+        return staticmethod(wrapped)
+
+    def set_data(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapped(self, data, *args, **kwargs):
+            result = original(self, data, *args, **kwargs)
+            if pending_init(data) is not None and getattr(self, "init_mode", None) is data:
+                record(data)
+            return result
+        return wrapped
+    return entry_points_swapped([(mindspore.Parameter, "_get_parameter_new_args", new_args),
+                                 (mindspore.Parameter, "set_data", set_data)])

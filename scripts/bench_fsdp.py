@@ -35,9 +35,8 @@ def _config(dim: int, layers: int, vocab: int):
 
 
 def _sharded(config, mesh, deferred: bool):
-    from mindspore.nn.utils import no_init_parameters
     from examples.llama import Llama
-    from hyper_parallel_ms import fully_shard, init_parameters
+    from hyper_parallel_ms import fully_shard, init_parameters, no_init_parameters
     ms.set_seed(0)
     if deferred:
         with no_init_parameters():

@@ -11,8 +11,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from mindspore.nn.utils import no_init_parameters
-
+from hyper_parallel_ms import no_init_parameters
 from hyper_parallel_ms.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, init_parameters
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parameter_sharding
@@ -20,6 +19,7 @@ from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
 from tests._fsdp_models import Net, accumulate_4, compare
+from tests._parity import gathered
 
 
 def _fsdp_per_block(model, mesh, **kwargs):
@@ -151,6 +151,20 @@ def test_fully_shard_hsdp_and_tp_on_4_ranks():
         assert spec.layout.sharding_axes(2) == ((1, 0), ())                  # tp first, dp within the tp piece
         assert model.layers[0].up.weight.shape == ((2, 8) if dp_index == 0 else (1, 8))   # (3, 8) tp piece split
     compare(fsdp_tp, dp_index, 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6))
+
+    # README's flow: the example Llama built deferred, tp plan (sequence parallel), fully_shard per
+    # block, init_parameters: every parameter equal to the eager model's from the same seed
+    from examples.llama import Llama, LlamaConfig, tp_plan
+    config = LlamaConfig(vocab=32, dim=16, layers=2, heads=2, hidden=24, max_seq=8)
+    ms.set_seed(0)
+    eager = Llama(config)
+    ms.set_seed(0)
+    with no_init_parameters():
+        lazy = Llama(config)
+    parallelize_module(lazy, mesh["tp"], tp_plan())
+    init_parameters(_fsdp_per_block(lazy, mesh["dp"]))
+    for (name, got), want in zip(lazy.parameters_and_names(), eager.get_parameters()):
+        np.testing.assert_array_equal(gathered(got, got), want.asnumpy(), err_msg=name)
 
 
 @multi_rank(4, timeout=600)

@@ -368,3 +368,98 @@ def test_contract_only_a_cells_own_properties_compile_as_graph_code(cls, mode):
             ms.set_context(mode=ms.PYNATIVE_MODE)
     expected = [0.0, 0.0] if cls is _Wrapped else [8.0, 32.0]     # d/dw sum((2 w x)^2) = 8 w x^2
     np.testing.assert_allclose(g[0].asnumpy(), expected)
+
+
+def _initializers():
+    from mindspore.common import initializer as init
+    shapes = {"Identity": (4, 6), "Dirac": (4, 4, 3)}
+    return [(getattr(init, n)(*([0.5] if n == "Constant" else [])), shapes.get(n, (5, 6)), draws)
+            for n, draws in [("Zero", 0), ("One", 0), ("Constant", 0), ("Identity", 0), ("Dirac", 0), ("Normal", 1),
+                             ("Uniform", 1), ("TruncatedNormal", 1), ("XavierNormal", 1), ("XavierUniform", 1),
+                             ("HeNormal", 1), ("HeUniform", 1), ("VarianceScaling", 1)]]
+
+
+@pytest.mark.parametrize("dtype", [ms.float32, ms.float16])
+def test_contract_initializers_draw_only_their_declared_numpy_draws(dtype):
+    from mindspore import Parameter
+    from mindspore.common.initializer import Orthogonal, initializer
+    assert seam.initializer_draws(Orthogonal()) is None                       # shape-dependent draws
+    for init, shape, draws in _initializers():
+        assert seam.initializer_draws(init) == draws, type(init).__name__
+        ms.set_seed(3)
+        values = seam.initial_array(init, shape, dtype)
+        after = np.random.get_state()
+        ms.set_seed(3)
+        for _ in range(draws):
+            seam.draw_numpy_seed()
+        np.testing.assert_array_equal(np.random.get_state()[1], after[1], err_msg=type(init).__name__)
+        assert np.random.get_state()[2] == after[2]
+        ms.set_seed(3)                                   # eagerly, a Parameter runs it at once, the same way
+        eager = Parameter(initializer(init, shape, dtype), name="w")
+        np.testing.assert_array_equal(eager.asnumpy(), values, err_msg=type(init).__name__)
+
+
+def test_contract_deferred_creation_is_seen_where_eager_initialisation_happens():
+    from mindspore import Parameter
+    from mindspore.common.initializer import Normal, initializer
+    from mindspore.nn.utils import no_init_parameters
+    seen, new_args, set_data = [], vars(Parameter)["_get_parameter_new_args"], Parameter.set_data
+    with no_init_parameters(), seam.deferred_creation_hooked(seen.append):
+        made = initializer(Normal(), (3, 4))
+        p = Parameter(made, name="p")
+        plain = Parameter(Tensor(np.ones(2, np.float32)), name="plain")
+        assert seen == [made] and seam.pending_init(p) is made and seam.pending_init(plain) is None
+        later = initializer("uniform", (3, 4))
+        p.set_data(later)                                # deferred: kept as the initialiser, not run
+        assert seen == [made, later] and seam.pending_init(p) is later and later.has_init
+    eager = Parameter(initializer(Normal(), (3, 4)), name="eager")            # outside: run at once
+    assert len(seen) == 2 and seam.pending_init(eager) is None
+    assert vars(Parameter)["_get_parameter_new_args"] is new_args and Parameter.set_data is set_data
+    seam.fill_deferred(p, np.full((3, 4), 2.0, np.float32))        # as init_data: in place, initialiser dropped
+    assert not p.has_init and p.init_mode is None and later.has_init
+    np.testing.assert_array_equal(p.asnumpy(), np.full((3, 4), 2.0, np.float32))
+
+
+def test_contract_mindspore_initialises_deferred_parameters_in_attribute_order_and_on_first_read():
+    """init_parameters follows init_parameters_data()'s order by iterating parameters_and_names();
+    a deferred Parameter read before that is initialised then, from the generator where it is."""
+    from mindspore import Parameter, nn
+    from mindspore.common.initializer import Initializer, Normal, initializer
+    from mindspore.nn.utils import no_init_parameters
+    ran = []
+
+    class Logged(Initializer):
+        def __init__(self, tag):
+            super().__init__()
+            self.tag = tag
+
+        def _initialize(self, arr):
+            ran.append(self.tag)
+            arr[:] = 0.0
+
+    def dense():
+        cell = nn.Dense(2, 2)
+        cell.weight, cell.bias = (Parameter(initializer(Logged(n), s), name=n) for n, s in (("w", (2, 2)), ("b", (2,))))
+        return cell
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = dense()
+            self.p = Parameter(initializer(Logged("p"), (3,)), name="p")      # listed before self.a's
+            self.b = dense()
+            self.again = self.a
+            self.b.bias = self.a.weight
+    with no_init_parameters():
+        net = Net()
+    order = [name for name, _ in net.parameters_and_names()]
+    net.init_parameters_data()
+    assert order == ["p", "a.weight", "a.bias", "b.weight"]
+    assert ran == ["p", "w", "b", "w"] and not any(q.has_init for q in net.get_parameters())
+    with no_init_parameters():
+        lazy = Parameter(initializer(Normal(), (2, 3)), name="lazy")
+    ms.set_seed(1)
+    read = lazy.asnumpy()
+    ms.set_seed(1)
+    np.testing.assert_array_equal(read, Parameter(initializer(Normal(), (2, 3)), name="eager").asnumpy())
+    assert not lazy.has_init

@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple, Union
 
 import mindspore as ms
-from mindspore import Tensor, ops
+from mindspore import Parameter, Tensor, ops
 
 from .. import comm
+from .._deferred import initial_value
 from ._dtensor import DTensor
 from ._spec import DTensorSpec
 
@@ -39,6 +40,8 @@ def _size(size: Size) -> Tuple[int, ...]:
 def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
                       src_data_rank: Optional[int] = 0) -> DTensor:
     """Distribute a full tensor: each rank keeps its piece of group rank ``src_data_rank``'s data.
+    A deferred Parameter is distributed with :func:`~hyper_parallel_ms._deferred.initial_value`
+    (its eager value under ``hyper_parallel_ms.no_init_parameters()``) and left deferred.
 
     Args:
         tensor: the whole tensor (a plain MindSpore Tensor, the same shape on every rank).
@@ -56,6 +59,8 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
         raise TypeError("distribute_tensor needs a plain Tensor; use DTensor.redistribute for a DTensor")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor needs a mindspore Tensor, got {type(tensor).__name__}")
+    if isinstance(tensor, Parameter) and tensor.has_init:      # deferred: its eager (or first-use) value
+        tensor = Tensor(initial_value(tensor), dtype=tensor.dtype)
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape)
     if src_data_rank is not None:
         for a in range(device_mesh.ndim):

@@ -1,10 +1,14 @@
-"""``init_parameters``: materialise a model built under ``mindspore.nn.utils.no_init_parameters()``.
+"""``init_parameters``: materialise a model built under ``hyper_parallel_ms.no_init_parameters()``.
 
-A parameter's initialiser draws from MindSpore's random stream when it runs, so the values
-equal the eager single-device ones when the parameters are initialised in definition order
-from the same seed. Random streams cannot be cut, so for each sharded parameter this rank
-runs its initialiser once, keeps its piece and drops the rest before the next parameter:
-the peak is the pieces plus the largest single parameter, never the whole model.
+Each deferred parameter gets the value it has eagerly for the same seed: its initialiser is
+replayed from the point of numpy's random stream recorded when the Parameter was made
+(:mod:`hyper_parallel_ms._deferred`), so the order in which this runs does not matter.
+Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
+once, keeps its piece and drops the rest before the next parameter: the peak is the pieces
+plus the largest single parameter, never the whole model. Random initialisers made under
+MindSpore's own ``no_init_parameters()`` (no record) run from numpy's current state in
+attribute order, as ``Cell.init_parameters_data()`` runs them on the one-device model, with
+one warning; a model mixing both kinds is refused, naming them, before anything changes.
 
 Example::
 
@@ -16,28 +20,31 @@ Example::
 """
 from __future__ import annotations
 
-import numpy as np
-from mindspore import Tensor, nn
-from mindspore.common import dtype as mstype
+from typing import List
 
+from mindspore import Parameter, Tensor, nn
+
+from .._deferred import check_initial_values, initial_value, initialise, unrecorded_notice
 from ._pieces import DEFERRED, cut_piece
 
 __all__ = ["init_parameters"]
 
 
-def _initial_value(source) -> np.ndarray:
-    """The value ``source``'s initialiser gives, as a numpy array that is freed after use (the
-    initialiser fills it as ``Tensor.init_data`` would, without storing it in the Parameter)."""
-    init = getattr(getattr(source, "init_mode", None), "init", None) if source.has_init else None
-    if init is None:
-        return source.asnumpy()
-    full = np.zeros(tuple(source.shape), dtype=mstype._dtype_to_nptype(source.dtype))  # pylint: disable=protected-access
-    init(full)
-    return full
+def _distinct(module: nn.Cell) -> List[Parameter]:
+    seen, params = set(), []
+    for _, param in module.parameters_and_names():
+        if id(param) not in seen:
+            seen.add(id(param))
+            params.append(param)
+    return params
 
 
 def init_parameters(module: nn.Cell) -> nn.Cell:
-    """Initialise every deferred parameter of ``module`` in definition order; returns ``module``.
+    """Give every deferred parameter of ``module`` its eager value (built under
+    ``hyper_parallel_ms.no_init_parameters()``), or, built under MindSpore's own context, the
+    value ``module.init_parameters_data()`` gives it on one device (attribute order, one
+    warning); returns ``module``. Raises ``ValueError`` (``module`` unchanged) for a mix of both
+    or a recorded initialiser that does not replay.
 
     Args:
         module: the Cell built under ``mindspore.nn.utils.no_init_parameters`` and sharded.
@@ -48,18 +55,17 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
     """
     if not isinstance(module, nn.Cell):
         raise TypeError(f"init_parameters needs an nn.Cell, got {type(module).__name__}")
-    seen = set()
-    for _, param in module.parameters_and_names():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        deferred = getattr(param, DEFERRED, None)
-        if deferred is not None:
-            source, mesh, sharded = deferred
-            object.__setattr__(param, DEFERRED, None)
-            full = _initial_value(source)
-            param.set_data(Tensor(cut_piece(full, mesh, sharded), dtype=param.dtype))
-            del full, source, deferred
-        elif param.has_init:
-            param.init_data()
+    params = _distinct(module)
+    sources = [getattr(p, DEFERRED, None) for p in params]
+    check_initial_values([s[0] if s is not None else p for p, s in zip(params, sources)])
+    with unrecorded_notice("at this init_parameters call, in attribute order (as Cell.init_parameters_data())"):
+        for param, deferred in zip(params, sources):     # attribute order: parameters_and_names()
+            if deferred is not None:
+                source, mesh, sharded = deferred
+                object.__setattr__(param, DEFERRED, None)
+                full = initial_value(source)
+                param.set_data(Tensor(cut_piece(full, mesh, sharded), dtype=param.dtype))
+                del full, source, deferred
+            else:
+                initialise(param)
     return module

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindspore import Parameter, nn
 
+from .._deferred import unrecorded_notice
 from ..dtensor import DTensor
 from ..placement import Placement, Replicate
 from ..redistribute._gradient import reduction_taken_over
@@ -211,7 +212,7 @@ def apply_edits(edits: List[ModuleEdit], engine: str, root: Optional[nn.Cell] = 
     snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]
     made: Made = {}
     try:
-        with CellChanges() as changes:
+        with unrecorded_notice("when cut by the plan, in its order"), CellChanges() as changes:
             for edit in edits:
                 _apply_own(changes, edit, made)
             for edit in edits:

@@ -23,6 +23,7 @@ from mindspore import Parameter, Tensor
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec, to_layout
+from .._deferred import initial_value
 
 __all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter"]
 
@@ -123,4 +124,5 @@ class ParameterPlacement:
 
 
 def _distributed(param: Parameter, mesh, placements: Sequence, src_data_rank: Optional[int]) -> DTensor:
-    return distribute_tensor(Tensor(param.asnumpy()), mesh, placements, src_data_rank=src_data_rank)
+    # a deferred parameter is cut from initial_value (eager, or first-use), itself left as it was
+    return distribute_tensor(Tensor(initial_value(param)), mesh, placements, src_data_rank=src_data_rank)
