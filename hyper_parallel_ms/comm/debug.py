@@ -18,13 +18,14 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 from .._mindspore import is_compiling
 
-__all__ = ["CommDebugMode", "CommRecord", "record"]
+__all__ = ["CommDebugMode", "CommRecord", "record", "unrecorded"]
 
 _ACTIVE: List["CommDebugMode"] = []
 
@@ -118,3 +119,22 @@ def record(rec: CommRecord) -> None:
         rec = replace(rec, compiled=True)
     for mode in _ACTIVE:
         mode.records.append(rec)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Collectives issued inside are bookkeeping (the ranks agreeing on shapes), not the
+    program's communication: active modes do not record them.
+
+    Example:
+        >>> with CommDebugMode() as mode, unrecorded():
+        ...     pass
+        >>> mode.get_total_counts()
+        0
+    """
+    saved = list(_ACTIVE)
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE[:] = saved

@@ -16,9 +16,8 @@ import hashlib
 from typing import Callable, List, Sequence, Tuple, TypeVar
 
 import numpy as np
-from mindspore import Tensor
 
-from .. import comm
+from ..comm._agreement import extremes
 
 __all__ = ["check_same_on_all_ranks", "agreed"]
 
@@ -34,25 +33,17 @@ def _chunks(description: str) -> List[float]:
     return [float((h >> (_CHUNK_BITS * i)) & mask) for i in range(_CHUNKS)]
 
 
-def _max_and_min(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
-    both = Tensor(np.concatenate([values, -values]).astype(np.float32))
-    for dim in range(mesh.ndim):
-        both = comm.all_reduce(both, mesh, dim, op="max")
-    both = both.asnumpy()
-    return both[:len(values)], -both[len(values):]
-
-
 def check_same_on_all_ranks(entries: Sequence[Tuple[str, str]], mesh, what: str) -> None:
     """Raise ``ValueError`` on every rank of ``mesh`` if the ``(name, description)`` entries
     differ between ranks, naming the first entry that differs."""
     if mesh.size() == 1:
         return
-    high, low = _max_and_min(np.array([float(len(entries))]), mesh)
+    high, low = extremes(np.array([float(len(entries))]), mesh)
     count = int(high[0])
     digest = np.full((count, _CHUNKS), _ABSENT)
     for i, (_, description) in enumerate(entries):
         digest[i] = _chunks(description)
-    high, low = _max_and_min(digest.reshape(-1), mesh)
+    high, low = extremes(digest.reshape(-1), mesh)
     differs = (high != low).reshape(count, _CHUNKS).any(axis=1)
     if not differs.any():
         return

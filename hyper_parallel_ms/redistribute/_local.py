@@ -6,7 +6,12 @@ this rank's shape times the mesh sizes on the sharded dims (even shards, as
 (``dim_sizes``: a layer's features, which may be split unevenly as ``torch.chunk`` does).
 A dim that a conversion newly shards without a known size must divide evenly, since later
 conversions read its pieces as even; a piece that does not fit the plan raises with the
-expected local shape. :class:`LocalRedistribute` plans for the shape it meets: in PyNative
+expected local shape. Since the global shape is read from each rank's own piece, ranks whose
+pieces are uneven (a ``Shard`` of unknown length split as ``torch.chunk`` does) or whose
+``Replicate`` tensors differ in shape (another sequence length on one tensor-parallel rank) would
+plan different collectives: in PyNative every call first has the ranks of the mesh agree on the
+global shape (one small all-reduce per mesh dim, not recorded by ``CommDebugMode``) and raises on
+every rank where they differ. :class:`LocalRedistribute` plans for the shape it meets: in PyNative
 on every call (cached per shape), inside ``ms.jit`` once while the graph compiles, so that
 the compiled graph holds only the collectives. The steps run in the one step-running Cell,
 :class:`.Redistribution` (PyTorch's ``redistribute`` backward, masking of a reduced
@@ -23,13 +28,15 @@ from __future__ import annotations
 from math import prod
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 from mindspore import nn
 
 from .._mindspore import cached_in_python, is_compiling, run_in_python
+from ..comm._agreement import extremes
 from ..layout import Layout
 from ._executor import Redistribution, redistribution
 
-__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape"]
+__all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "agree_on_global_shape"]
 
 _PLANS: List[tuple] = []
 _IDS: Dict[tuple, int] = {}
@@ -98,6 +105,55 @@ def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "
     return shape
 
 
+_MAX_DIMS = 16
+
+
+@run_in_python
+def agree_on_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "") -> bool:
+    """PyNative: every rank of the plan's mesh reads the same global shape from its piece
+    (:func:`plan_global_shape`), or every rank raises naming the shapes read; a piece that
+    does not fit the plan on one rank fails every rank. Nothing happens while compiling.
+    Every rank of the mesh must call (the conversions do, each call).
+
+    Args:
+        plan_id: the id :class:`LocalRedistribute` registered.
+        local_shape: the shape of this rank's source piece.
+        where: the Cell named in error messages.
+
+    Example::
+
+        agree_on_global_shape(cell.plan_id, (2, 3, 8), where="'layers.0.attention'")
+    """
+    mesh, src = _PLANS[plan_id][:2]
+    if is_compiling() or mesh.size() == 1:
+        return True
+    try:
+        shape, error = plan_global_shape(plan_id, tuple(local_shape), where), None
+    except ValueError as exc:
+        shape, error = (), exc
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(f"conversions take tensors of at most {_MAX_DIMS} dims, not {len(shape)}")
+    values = np.zeros(2 + _MAX_DIMS, np.float32)
+    values[:2] = (error is not None, len(shape))
+    values[2:2 + len(shape)] = shape
+    high, low = extremes(values, mesh)
+    if error is not None:
+        raise error
+    if high[0]:
+        raise ValueError(f"the conversion{' in ' + where if where else ''} failed on another rank of {mesh!r} "
+                         f"(a piece that does not fit the plan there)")
+    if (high != low).any():
+        ndim = int(high[1])
+        read = [f"{int(lo)}..{int(hi)}" if lo != hi else str(int(hi)) for hi, lo in zip(high[2:2 + ndim], low[2:2 + ndim])]
+        raise ValueError(
+            f"the conversion{' in ' + where if where else ''} from {src.placements}: the ranks of {mesh!r} read "
+            f"different global shapes from their pieces (this rank, rank {mesh.get_rank()}, holds {tuple(local_shape)} "
+            f"and reads {shape}; over the ranks: ({', '.join(read)})). A Shard of a dim whose length the plan does "
+            f"not know is read as even pieces, and a Replicate tensor must have the same shape on every rank: feed "
+            f"every rank the same sequence length, and pieces of equal length (a length divisible by the mesh size)")
+    return True
+
+
 @run_in_python
 def _becomes_dtensor(wrapped: bool) -> bool:
     """Whether a result asked to be a DTensor becomes one (PyNative; graphs keep it local)."""
@@ -147,4 +203,5 @@ class LocalRedistribute(nn.Cell):
         self.wrapped = wrapped
 
     def construct(self, x):
+        agree_on_global_shape(self.plan_id, x.shape, self.where)
         return _redistribution(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))(x)
