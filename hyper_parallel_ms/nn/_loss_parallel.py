@@ -33,7 +33,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from .. import comm
-from .._mindspore import Swap, entry_points_swapped
+from .._mindspore import Swap, entry_points_swapped, is_compiling, run_in_python
 from ..layout import chunk_sizes
 
 __all__ = ["parallel_cross_entropy", "ParallelCrossEntropy", "loss_parallel"]
@@ -65,6 +65,20 @@ def class_range(num_classes: int, mesh, mesh_dim) -> Tuple[int, int]:
     return sum(sizes[:rank]), sizes[rank]
 
 
+@run_in_python
+def _check_targets(target, num_classes: int, ignore_index: int) -> None:
+    """Raise for a class index outside [0, num_classes) other than ``ignore_index`` (the masked
+    gather would read it as a logit of 0 instead of failing as the plain op does). Inside
+    ``ms.jit`` / GRAPH_MODE MindSpore runs it as Python at each call of the graph (with the
+    call's targets); while the graph compiles it does nothing."""
+    if is_compiling():
+        return
+    bad = ops.logical_and(ops.logical_or(target < 0, target >= num_classes), target != ignore_index)
+    if bool(bad.any()):
+        raise ValueError(f"cross_entropy targets must be class indices in [0, {num_classes}) or ignore_index="
+                         f"{ignore_index}; got {target.asnumpy()[bad.asnumpy()].tolist()[:8]}")
+
+
 def parallel_cross_entropy(local_logits, target, mesh, mesh_dim=0, *, num_classes: int, ignore_index: int = -100,
                            reduction: str = "mean", label_smoothing: float = 0.0):
     """Cross-entropy of ``(N, C)`` logits whose class dim is split over ``mesh_dim``. Returns the
@@ -91,6 +105,7 @@ def parallel_cross_entropy(local_logits, target, mesh, mesh_dim=0, *, num_classe
                          f"in torch.chunk pieces), got {tuple(local_logits.shape)}")
     rows = local_logits.shape[0]
     target = target.astype(ms.int32)
+    _check_targets(target, num_classes, ignore_index)
     if count > 0:
         row_max = ops.stop_gradient(local_logits).max(axis=-1)
     else:
@@ -125,9 +140,10 @@ def parallel_cross_entropy(local_logits, target, mesh, mesh_dim=0, *, num_classe
 class ParallelCrossEntropy(nn.Cell):
     """Cross-entropy on this rank's piece of class-sharded logits (PyNative and ``ms.jit``).
 
-    Call it with the local ``(N, c)`` logits and the replicated ``(N,)`` targets. Targets are not
-    range-checked here (the check would read them back to Python, which ``ms.jit`` cannot): an
-    index outside the classes that is not ``ignore_index`` counts as a target logit of 0.
+    Call it with the local ``(N, c)`` logits and the replicated ``(N,)`` targets. An index outside
+    the classes that is not ``ignore_index`` raises ``ValueError``, in PyNative and inside ``ms.jit``
+    / GRAPH_MODE alike (MindSpore runs the check as Python at each call of the graph: one read of
+    the targets per call).
 
     Args:
         mesh: the mesh (a 1-D tp mesh, or give ``mesh_dim``).
@@ -175,15 +191,6 @@ def _replicated_target(target, mesh):
                              "redistribute them to Replicate() first")
         return target.to_local()
     return target
-
-
-def _check_targets(target, num_classes: int, ignore_index: int) -> None:
-    """Raise for a class index outside [0, num_classes) other than ``ignore_index`` (the
-    masked gather would read it as a logit of 0 instead of failing as the plain op does)."""
-    bad = ops.logical_and(ops.logical_or(target < 0, target >= num_classes), target != ignore_index)
-    if bool(bad.any()):
-        raise ValueError(f"cross_entropy targets must be class indices in [0, {num_classes}) or ignore_index="
-                         f"{ignore_index}; got {target.asnumpy()[bad.asnumpy()].tolist()[:8]}")
 
 
 def _dtensor_cross_entropy(original: Callable) -> Callable:
