@@ -42,7 +42,8 @@ Placements = Tuple[Placement, ...]
 class ConversionSpec:
     """One tensor moved from ``src`` to ``dst`` placements on ``mesh``; its gradient arrives
     as ``grad`` (``None``: ``dst``'s own gradient layout). ``takes_enclosed_reductions``: the
-    Cell's users of this input hand back unreduced gradients (``defer_colwise_grads``).
+    Cell's users of this input hand back unreduced gradients (``defer_colwise_grads``);
+    ``reads_deferred``: an inner conversion whose reduction such a Cell took over.
     The other fields are those of :class:`~._hooks.Conversion`."""
 
     mesh: Any
@@ -53,10 +54,12 @@ class ConversionSpec:
     dim_sizes: Tuple[Tuple[int, int], ...] = ()
     where: str = ""
     takes_enclosed_reductions: bool = False
+    reads_deferred: bool = False
 
     def build(self) -> Conversion:
         return Conversion(self.mesh, self.src, self.dst, self.grad, to_dtensor=self.to_dtensor,
-                          dim_sizes=dict(self.dim_sizes), where=self.where)
+                          dim_sizes=dict(self.dim_sizes), where=self.where,
+                          marks_deferred=self.takes_enclosed_reductions, reads_deferred=self.reads_deferred)
 
 
 @dataclass
@@ -130,7 +133,7 @@ def drop_enclosed_reductions(edits: List[ModuleEdit]) -> None:
             for i, conv in inner.inputs.conversions.items():
                 if any(t.mesh == conv.mesh and reduction_taken_over(t.dst, t.grad, conv.src, conv.grad)
                        for t in takers):
-                    inner.inputs.conversions[i] = replace(conv, grad=None)
+                    inner.inputs.conversions[i] = replace(conv, grad=None, reads_deferred=True)
                     dropped += 1
         if not dropped:
             raise ValueError(f"PrepareModuleInput(defer_colwise_grads=True) on '{outer.path}': no ColwiseParallel "

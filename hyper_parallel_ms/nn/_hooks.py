@@ -17,18 +17,80 @@ from __future__ import annotations
 
 from typing import Dict
 
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
-from .._mindspore import cell_subclass, is_compiling, run_in_python
+from .._mindspore import as_subclass, cell_subclass, is_compiling, plain_view, run_in_python, tensor_hook
 from ..dtensor import DTensor
 from ..layout import Layout
 from ..redistribute import LocalRedistribute, plan_global_shape, plan_layouts
 
-__all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class"]
+__all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class", "DeferredInput",
+           "DeferredDTensorInput"]
 
 @run_in_python
 def _in_graph() -> bool:
     return is_compiling()
+
+
+# ------------------------------------------------ the defer_colwise_grads promise (PyNative)
+def _refuse_deferred(func, where: str):
+    raise ValueError(
+        f"PrepareModuleInput(defer_colwise_grads=True) on {where}: the input it hands the Cell reached the op "
+        f"'{getattr(func, 'name', func)}' inside the Cell, but with defer_colwise_grads only ColwiseParallel layers "
+        "may read it (the Cell reduces its gradient once, from the layers' unreduced shares, so the gradient of any "
+        "other use would be counted once per rank). Set defer_colwise_grads=False, or compute that use outside the "
+        "Cell")
+
+
+def _refusing_hook(self, func, args=(), kwargs=None):
+    """The tensor hook of a deferred input: every op reaching it raises, naming the Cell."""
+    return tensor_hook(lambda f, a, k: _refuse_deferred(f, self.hpms_deferred_at))(self, func, args, kwargs)
+
+
+def _refused_reflected(name: str):
+    """``plain OP deferred``: Python asks the subclass first, which refuses with the cause."""
+    def reflected(self, other):
+        _refuse_deferred(name, self.hpms_deferred_at)
+    return reflected
+
+
+_REFUSING = {"hpms_deferred_at": "", "__fallback__": _refusing_hook,
+             **{f"__r{op}__": _refused_reflected(op) for op in ("add", "sub", "mul", "truediv", "matmul", "pow")}}
+
+# A local tensor that a ``PrepareModuleInput(defer_colwise_grads=True)`` hands its Cell in
+# PyNative: any op on it raises (only the conversions of the ColwiseParallel layers inside,
+# whose gradient reduction the Cell took over, read it). ``hpms_deferred_at`` names the Cell.
+DeferredInput = type("DeferredInput", (Tensor,), dict(_REFUSING, __module__=__name__))
+# The same for a Cell handed DTensors (``use_local_output=False``).
+DeferredDTensorInput = type("DeferredDTensorInput", (DTensor,), dict(_REFUSING, __module__=__name__))
+
+
+def _marked(y, where: str):
+    """PyNative: ``y`` as a deferred input of the Cell ``where`` (a new object sharing its
+    storage and autodiff node: ``y`` may be the caller's own tensor, which stays as it is)."""
+    if _in_graph():
+        return y
+    marked = as_subclass(DeferredDTensorInput if isinstance(y, DTensor) else DeferredInput, y)
+    if isinstance(y, DTensor):
+        marked._dt_spec = y._dt_spec        # pylint: disable=protected-access
+    marked.hpms_deferred_at = where
+    return marked
+
+
+def _unmarked(x, reads_deferred: bool, where: str):
+    """A deferred input as the tensor it marks (sharing its autodiff node), for a conversion
+    whose gradient reduction the enclosing Cell took over; any other conversion raises."""
+    if not isinstance(x, (DeferredInput, DeferredDTensorInput)):
+        return x
+    if not reads_deferred:
+        raise ValueError(f"PrepareModuleInput(defer_colwise_grads=True) on {x.hpms_deferred_at}: the input it hands "
+                         f"the Cell reached the conversion in {where}, which reduces that input's gradient itself, so "
+                         "it would be reduced twice. Set defer_colwise_grads=False, or give that layer another input")
+    if isinstance(x, DTensor):
+        view = as_subclass(DTensor, x)
+        view._dt_spec = x._dt_spec          # pylint: disable=protected-access
+        return view
+    return plain_view(x)
 
 
 def _unwrap(x, plan_id: int):
@@ -56,23 +118,34 @@ class Conversion(nn.Cell):
     """One tensor: ``src`` placements to ``dst`` placements (the gradient arrives as ``grad``
     placements, default ``dst`` with Partial as Replicate); ``to_dtensor`` wraps the result.
     ``dim_sizes``: {dim: global size} of dims that may be split unevenly (a layer's features);
-    ``where``: the Cell named in error messages."""
+    ``where``: the Cell named in error messages. ``marks_deferred``: the result is the input of a
+    ``PrepareModuleInput(defer_colwise_grads=True)`` Cell, handed on as a :class:`DeferredInput`
+    in PyNative; ``reads_deferred``: a conversion whose gradient reduction such a Cell took over,
+    the one kind of reader a deferred input accepts."""
 
-    def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False, dim_sizes=None, where: str = "") -> None:
+    def __init__(self, mesh, src, dst, grad=None, to_dtensor: bool = False, dim_sizes=None, where: str = "",
+                 marks_deferred: bool = False, reads_deferred: bool = False) -> None:
         super().__init__()
         self.move = LocalRedistribute(mesh, _layout(mesh, src), _layout(mesh, dst),
                                       None if grad is None else _layout(mesh, grad), dim_sizes, where, to_dtensor)
         self.to_dtensor = to_dtensor
+        self.where = where
+        self.marks_deferred = marks_deferred
+        self.reads_deferred = reads_deferred
 
     def construct(self, x):
+        if not _in_graph():
+            x = _unmarked(x, self.reads_deferred, self.where)
         x = _unwrap(x, self.move.plan_id)
         return self.finish(self.move(x), x.shape)
 
     def finish(self, y, source_shape):
-        """``y`` (already moved) as the result: wrapped as a DTensor if asked; ``source_shape``
-        is the local shape before the move."""
+        """``y`` (already moved) as the result: wrapped as a DTensor if asked, marked as a
+        deferred input if asked; ``source_shape`` is the local shape before the move."""
         if self.to_dtensor:
-            return _wrap(y, self.move.plan_id, source_shape)
+            y = _wrap(y, self.move.plan_id, source_shape)
+        if self.marks_deferred:
+            y = _marked(y, self.where)
         return y
 
 

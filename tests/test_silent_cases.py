@@ -1,0 +1,191 @@
+"""Cases that gave a wrong value without an error: each now gives the single-device answer or
+raises at the first call, naming the cause.
+
+- A ``Shard`` of unknown length declared in ``PrepareModuleInput`` / ``PrepareModuleOutput``
+  whose pieces are uneven (``torch.chunk`` of 5 on 2 ranks: 3, 2): every rank read a global
+  length of its own (6 and 4) and rank 0 returned garbage while rank 1 failed.
+- A ``Replicate`` input whose sequence length differs between the tensor-parallel ranks.
+Both are caught by the ranks agreeing on the global shape they read (PyNative, every call).
+"""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import mint, nn, ops
+
+from hyper_parallel_ms.comm import CommDebugMode
+from hyper_parallel_ms.dtensor import distribute_tensor
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.nn import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+                                  parallelize_module)
+from hyper_parallel_ms.placement import Replicate, Shard
+from hyper_parallel_ms.testing import multi_rank
+
+
+class Double(nn.Cell):
+    def construct(self, x):
+        return x * 2
+
+
+def _sequence_pieces(rank: int, length: int) -> np.ndarray:
+    """This rank's torch.chunk piece (dim 1) of a (2, length) sequence on 2 ranks."""
+    full = np.arange(2 * length, dtype=np.float32).reshape(2, length)
+    cut = (length + 1) // 2
+    return full[:, :cut] if rank == 0 else full[:, cut:]
+
+
+def _style(kind: str):
+    if kind == "input":
+        return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True)
+    if kind == "input_dtensor":
+        return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1))
+    return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+
+
+@pytest.mark.parametrize("kind", ["input", "input_dtensor", "output"])
+@multi_rank(2)
+def test_uneven_declared_shard_raises_on_every_rank_and_even_pieces_work(kind):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = Double()
+    parallelize_module(model, mesh, _style(kind))
+    rank = mesh.get_rank()
+    even = model(ms.Tensor(_sequence_pieces(rank, 6)))
+    even = even.full_tensor() if hasattr(even, "full_tensor") else even
+    np.testing.assert_array_equal(even.asnumpy(), np.arange(12, dtype=np.float32).reshape(2, 6) * 2)
+    with pytest.raises(ValueError, match=r"read different global shapes.*holds \(2, [32]\).*\(2, 4\.\.6\)"):
+        model(ms.Tensor(_sequence_pieces(rank, 5)))
+    again = model(ms.Tensor(_sequence_pieces(rank, 6)))       # the ranks are still in step
+    again = again.full_tensor() if hasattr(again, "full_tensor") else again
+    np.testing.assert_array_equal(again.asnumpy(), even.asnumpy())
+
+
+@multi_rank(2)
+def test_replicate_input_of_another_sequence_length_on_one_rank_raises():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ms.set_seed(0)
+    model = nn.Dense(4, 6)
+    parallelize_module(model, mesh, ColwiseParallel(output_layouts=Replicate()))
+    length = 3 if mesh.get_rank() == 0 else 5
+    x = ms.Tensor(np.ones((2, length, 4), np.float32))
+    with pytest.raises(ValueError, match=r"read different global shapes.*same sequence length"):
+        model(x)
+    with CommDebugMode() as mode:                              # agreeing costs no recorded collective
+        y = model(ms.Tensor(np.ones((2, 3, 4), np.float32)))
+    assert y.shape == (2, 3, 6)
+    assert mode.get_comm_counts() == {"all_gather": 1}, mode.get_comm_counts()
+
+
+
+class _LossStep(nn.Cell):
+    def __init__(self, loss_fn) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def construct(self, logits, target):
+        return self.loss_fn(logits, target)
+
+
+@multi_rank(2)
+def test_parallel_cross_entropy_out_of_range_target_raises_in_pynative_jit_and_graph_mode():
+    """It read such a target as a logit of 0 inside ms.jit (no check there)."""
+    from hyper_parallel_ms.nn import ParallelCrossEntropy
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    loss_fn = ParallelCrossEntropy(mesh, num_classes=5)
+    full = np.random.default_rng(3).standard_normal((4, 5)).astype(np.float32)
+    piece = ms.Tensor(full[:, :3] if mesh.get_rank() == 0 else full[:, 3:])
+    good = ms.Tensor(np.array([0, 4, -100, 2], np.int32))
+    bad = ms.Tensor(np.array([0, 5, -100, 2], np.int32))
+    expected = ms.ops.cross_entropy(ms.Tensor(full), good).asnumpy()
+    message = r"class indices in \[0, 5\) or ignore_index=-100; got \[5\]"
+    step = ms.jit(ms.value_and_grad(loss_fn))
+    for run in (loss_fn, lambda x, t: step(x, t)[0]):
+        np.testing.assert_allclose(run(piece, good).asnumpy(), expected, rtol=1e-6)
+        with pytest.raises(ValueError, match=message):
+            run(piece, bad)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        graph = _LossStep(loss_fn)
+        np.testing.assert_allclose(graph(piece, good).asnumpy(), expected, rtol=1e-6)
+        with pytest.raises(ValueError, match=message):
+            graph(piece, bad)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+
+def _tensor_split_by_sizes(a):
+    first, second = a.split([1, 3], 1)
+    return ops.cat([second, first * 2.0], 1)
+
+
+def _ops_split_by_sizes_dim0(a):
+    pieces = ops.split(a, [2, 2, 1], 0)
+    return ops.cat([p * (i + 1.0) for i, p in enumerate(pieces)], 0)
+
+
+@multi_rank(4)
+def test_split_with_a_list_of_sizes_right_gradient_or_refused():
+    """mint.split with a list of sizes (SplitWithSizeView) gave a DTensor's pieces wrong gradients
+    when two pieces were used; it is refused naming the ops that work, and those are checked
+    against one device (value and gradient)."""
+    from tests._ops_check import check_op
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+    check_op(mesh, _tensor_split_by_sizes, [a], [[Shard(0), Shard(1)]], [Shard(0), Replicate()])
+    check_op(mesh, _tensor_split_by_sizes, [b], [[Replicate(), Replicate()]], [Replicate(), Replicate()])
+    check_op(mesh, _ops_split_by_sizes_dim0, [a], [[Shard(0), Shard(1)]], [Replicate(), Shard(1)])
+    x = distribute_tensor(ms.Tensor(a), mesh, [Shard(0), Shard(1)])
+    with pytest.raises(NotImplementedError, match=r"mint.split with a list of sizes \[1, 3\].*x.split\(sizes, dim\)"):
+        mint.split(x, [1, 3], 1)
+
+
+class _Attention(nn.Cell):
+    """q, k Colwise and o Rowwise under a PrepareModuleInput(defer_colwise_grads=True);
+    ``extra_use``: the input is also read by something else inside the Cell."""
+
+    def __init__(self, extra_use: str = "") -> None:
+        super().__init__()
+        self.q, self.k, self.o = nn.Dense(4, 6), nn.Dense(4, 6), nn.Dense(6, 4)
+        self.extra_use = extra_use
+
+    def construct(self, x):
+        h = self.o(self.q(x) * self.k(x))
+        if self.extra_use == "residual":
+            return h + x
+        if self.extra_use == "scaled":
+            return h * ops.reduce_sum(x)
+        return h
+
+
+def _deferred_plan(local: bool):
+    return {"": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(),
+                                   defer_colwise_grads=True, use_local_output=local),
+            "[qk]": ColwiseParallel(), "o": RowwiseParallel()}
+
+
+@multi_rank(2)
+def test_defer_colwise_grads_refuses_another_use_of_the_input():
+    """With defer_colwise_grads the input's gradient is reduced once at the Cell from the Colwise
+    layers' shares: a residual inside the Cell had its gradient counted once per rank (PyNative
+    gave 2x the single-device input gradient on 2 ranks without an error)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32))
+    for local in (True, False):
+        ms.set_seed(0)
+        ref = _Attention()
+        ms.set_seed(0)
+        par = _Attention()
+        parallelize_module(par, mesh, _deferred_plan(local))
+        want = ms.grad(lambda t: ref(t).sum())(x).asnumpy()
+        got = ms.grad(lambda t: par(t).sum())(x).asnumpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        for use, op in (("residual", "add"), ("scaled", "ReduceSum")):
+            ms.set_seed(0)
+            bad = _Attention(use)
+            parallelize_module(bad, mesh, _deferred_plan(local))
+            with pytest.raises(ValueError, match=rf"defer_colwise_grads=True\) on the root Cell.*'{op}'.*"
+                                                 r"defer_colwise_grads=False"):
+                bad(x)
+        assert type(x) is ms.Tensor                     # the caller's tensor is not marked
