@@ -178,3 +178,40 @@ def test_train_example_fsdp_x_tp_on_4_ranks():
         assert result["max_relative_difference"] <= 1e-4, (mode, result["losses"], result["reference_losses"])
     with pytest.raises(ValueError, match="no-sequence-parallel"):
         train(TrainConfig(dp=2, tp=2, mode="jit", fsdp=True, steps=1), log=lambda line: None)
+
+
+@multi_rank(2)
+def test_parallel_styles_after_fully_shard_refused_2_ranks():
+    from hyper_parallel_ms.fsdp import hsdp
+    from hyper_parallel_ms.nn import ColwiseParallel, ShardingPlan, distribute_module, parallelize_module, shard_module
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32))
+
+    def state(model):
+        cells = [(name, type(cell), len(cell._forward_pre_hook), len(cell._forward_hook))
+                 for name, cell in model.cells_and_names()]
+        return cells, [(p.name, tuple(p.shape), id(p)) for p in model.get_parameters()]
+    for unit, prefix, engine in (("fully_shard", "FSDP", lambda m: fully_shard(m.layers[0], mesh=mesh)),
+                                 ("hsdp", "HSDP", lambda m: hsdp(m.layers[0], threshold=0))):
+        model = Net()
+        engine(model)
+        before, out = state(model), model(x).asnumpy()
+        calls = {"parallelize_module": lambda: parallelize_module(model, mesh, {"layers.*.up": ColwiseParallel()}),
+                 "shard_module": lambda: shard_module(model, mesh, ShardingPlan(plan={"head.weight": (Shard(0),)})),
+                 "distribute_module": lambda: distribute_module(model, mesh)}
+        # refused at once on every rank, naming the sharded Cell and the order that works; nothing changed
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError) as raised:
+                call()
+            text = str(raised.value)
+            assert f"{name}: 'layers.0' ({prefix}Block) was already sharded by {unit}" in text, text
+            assert f"Apply tensor parallelism first, then {unit}" in text and "Nothing was changed" in text, text
+            assert state(model) == before, name
+        np.testing.assert_array_equal(model(x).asnumpy(), out)
+    # the root's unit holds the sub-Cells' parameters: a style on the model or on a sub-Cell is refused too
+    model = Net()
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(RuntimeError, match=r"the module \(FSDPNet\) was already sharded by fully_shard"):
+        parallelize_module(model, mesh, {"head": ColwiseParallel()})
+    with pytest.raises(RuntimeError, match=r"'up' \(Dense\) was already sharded by fully_shard"):
+        parallelize_module(model.layers[0], mesh, {"up": ColwiseParallel()})

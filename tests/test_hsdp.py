@@ -1,7 +1,10 @@
 """hsdp (HyperParallel's signature) against the single-device model: optimizer levels 1/2/3
-on 2 and 4 ranks, shard_size 2 on 4 ranks, threshold, gradient accumulation with
-set_requires_grad_sync, and one collective per bucket with comm_fusion."""
+on 2 and 4 ranks, shard_size 2 on 4 ranks, threshold (and its warning), gradient accumulation
+with set_requires_grad_sync, one collective per bucket with comm_fusion, and hsdp after
+parallelize_module (FSDP x TP: the data-parallel ranks found from the tp mesh)."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 
@@ -87,3 +90,78 @@ def test_hsdp_argument_errors():
         with pytest.raises(ValueError, match=word):
             hsdp(cell, **kwargs)
     assert not isinstance(cell, HSDPCell) and type(cell.weight).__name__ == "Parameter"
+
+
+@multi_rank(2)
+def test_hsdp_threshold_warning_2_ranks():
+    from tests._fsdp_models import Net as Model
+    # default threshold (64 KB): every parameter of the tiny model stays replicated, said once per call
+    model = Model()
+    names = [p.name for p in model.get_parameters()]
+    nbytes = sum(p.size * p.itemsize for p in model.get_parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hsdp(model)
+    assert len(caught) == 1 and caught[0].category is UserWarning, [str(w.message) for w in caught]
+    text = str(caught[0].message)
+    assert f"hsdp(Net): {len(names)} parameters ({nbytes} bytes in all) stay replicated" in text, text
+    assert "threshold=64 KB" in text and "pass threshold=0 to shard everything" in text, text
+    assert f"{', '.join(names[:5])}, ... ({len(names) - 5} more);" in text, text
+    # threshold=1 KB: only the parameters under 1024 bytes are named; threshold=0: no warning
+    model = Model(dim=16, hidden=24)
+    small = [p.name for p in model.get_parameters() if p.size * p.itemsize < 1024]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hsdp(model, threshold=1)
+        hsdp(Model(), threshold=0)
+    assert len(caught) == 1 and f"{len(small)} parameters" in str(caught[0].message), [str(w.message) for w in caught]
+    assert "threshold=1 KB" in str(caught[0].message) and small[0] in str(caught[0].message)
+
+
+@multi_rank(4)
+def test_hsdp_after_tp_on_4_ranks():
+    from hyper_parallel_ms.fsdp import fully_shard
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module, parameter_sharding
+    from hyper_parallel_ms.placement import Replicate, Shard
+    plan = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
+    # TP on mesh["tp"], then hsdp without a mesh: it shards over the ranks at this rank's place in the other
+    # tp groups (mesh["dp"]), for a (dp, tp) and a (tp, dp) layout, and trains as one device does; under the
+    # default threshold the (tp-placed) parameters stay whole over dp, with their gradients all-reduced there
+    for names, threshold in ((("dp", "tp"), 0), (("tp", "dp"), 0), (("dp", "tp"), 64)):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        dp_index = mesh.get_local_rank("dp")
+
+        def shard(model):
+            parallelize_module(model, mesh["tp"], plan)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _hsdp_per_block(model, threshold=threshold)
+            spec = parameter_sharding(model.layers[0].up.weight).spec
+            assert spec.mesh.mesh.tolist() == [[int(r) for r in mesh["tp"].mesh + d - mesh["tp"].mesh[
+                mesh["tp"].get_local_rank(0)]] for d in mesh["dp"].mesh], (spec.mesh, names)
+            dp_place = Shard(0) if threshold == 0 else Replicate()
+            assert spec.placements == (dp_place, Shard(0)) and spec.shape == (6, 8), spec
+        compare(shard, dp_index, 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6), steps=3)
+    # shard_size counts data-parallel ranks: 2 of them here
+    with pytest.raises(ValueError, match="data-parallel ranks 2"):
+        model = Net(hidden=6)
+        parallelize_module(model, mesh["tp"], plan)
+        hsdp(model.layers[0], shard_size=4)
+    # fully_shard needs the dp mesh: without it the error names the call that works, and changes nothing
+    model = Net(hidden=6)
+    parallelize_module(model, mesh["tp"], plan)
+    before = [(p.name, tuple(p.shape), id(p)) for p in model.get_parameters()]
+    with pytest.raises(ValueError, match=r"fully_shard\(cell, mesh=mesh\[\"dp\"\]\)"):
+        fully_shard(model.layers[0])
+    assert [(p.name, tuple(p.shape), id(p)) for p in model.get_parameters()] == before
+    assert type(model.layers[0]).__name__ == "Block"
+
+
+def test_complement_ranks():
+    from hyper_parallel_ms.fsdp._mesh import complement_ranks
+    assert complement_ranks([1, 0], 1, 4) == [1, 3] and complement_ranks([1, 3], 3, 4) == [2, 3]
+    assert complement_ranks([4, 5, 6, 7], 6, 8) == [2, 6] and complement_ranks(range(4), 2, 4) == [2]
+    for group, me in (([0, 3], 0), ([1, 2], 1)):             # copies of {0, 3} or {1, 2} cannot tile 4 ranks
+        with pytest.raises(ValueError, match="not one of copies tiling the 4 ranks"):
+            complement_ranks(group, me, 4)

@@ -18,6 +18,7 @@ from mindspore import Parameter, nn
 from .._mindspore import cell_subclass
 from ..layout import chunk_sizes
 from ..nn._adapter import CellChanges, named_cells, own_parameters
+from ..nn._rules import mark_done
 from ._mesh import default_mesh, dp_mesh_dims
 from ._pieces import TAKEN_BY, is_piece, make_piece
 from ._policy import MixedPrecisionPolicy
@@ -25,10 +26,15 @@ from ._compiled import GATHER_PREFIX, GatherParameter, PassReplicated, gathering
 from ._state import FSDPState, Group, Slot, eager_hooks
 from ._sync import SyncState
 
-__all__ = ["fully_shard", "FSDPModule", "shard_cell"]
+__all__ = ["fully_shard", "FSDPModule", "shard_cell", "fsdp_state"]
 
 _STATE = "_hpms_fsdp_state"
 _CLASSES: Dict[Tuple[type, type], type] = {}
+
+
+def fsdp_state(cell: nn.Cell) -> Optional[FSDPState]:
+    """The :class:`FSDPState` a fully_shard / hsdp call left on ``cell`` (None: not sharded)."""
+    return cell.__dict__.get(_STATE)
 
 
 class FSDPModule:
@@ -43,7 +49,7 @@ class FSDPModule:
 
     def _fsdp_states(self, recurse: bool = True) -> List[FSDPState]:
         cells = [c for _, c in self.cells_and_names()] if recurse else [self]
-        return [c.__dict__[_STATE] for c in cells if _STATE in c.__dict__]
+        return [state for state in map(fsdp_state, cells) if state is not None]
 
     def unshard(self) -> None:
         """Gather this Cell's parameters and keep them in the Cell until :meth:`reshard`."""
@@ -176,11 +182,12 @@ def _gather_when_compiled(changes: CellChanges, state: FSDPState, slots: List[Sl
 def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                mp_policy: Optional[MixedPrecisionPolicy] = None, threshold_bytes: int = 0,
                bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0,
-               reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP"):
-    """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``."""
+               reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP", engine: str = "fully_shard"):
+    """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``;
+    ``engine`` names the call in the done-marker that the parallel styles check."""
     if not isinstance(cell, nn.Cell):
         raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
-    if _STATE in cell.__dict__:
+    if fsdp_state(cell) is not None:
         raise ValueError(f"{type(cell).__name__} is already sharded by fully_shard; apply it once per Cell")
     mesh = default_mesh() if mesh is None else mesh
     shard_dim, _ = dp_mesh_dims(mesh)
@@ -201,6 +208,7 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
             piece = make_piece(p, mesh, sharded, state)
             for holder, attr in holders:
                 changes.set_parameter(holder, attr, piece)
+                mark_done(changes, holder, engine)
             path = paths[id(holders[0][0])]
             changes.set_attribute(p, TAKEN_BY, (type(cell).__name__, f"{path}.{holders[0][1]}" if path else
                                                 holders[0][1]))
@@ -212,6 +220,7 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                                           policy.param_dtype, reduce))
         _gather_when_compiled(changes, state, slots[True] + slots[False], reduce)
         changes.set_attribute(cell, _STATE, state)
+        mark_done(changes, cell, engine)
         pre, post = eager_hooks(state)
         changes.add_forward_pre_hook(cell, pre)
         changes.add_forward_hook(cell, post)

@@ -4,9 +4,12 @@
 each rank keeps its slot), ``"level2"`` also the gradients (reduce-scatter), ``"level3"``
 also the parameters. On this engine every level holds parameter pieces between steps and
 gathers them in the forward (the optimizer steps on pieces at every level); the levels
-differ in the gradient collective. ``shard_size`` groups ranks into shard groups of that
-size (HSDP: reduce-scatter within, all-reduce across); parameters under ``threshold`` KB
-stay replicated; ``comm_fusion`` fuses each Cell's parameters into one collective, or into
+differ in the gradient collective. The data-parallel ranks are every rank or, when the
+Cell's parameters were placed by parallel styles on a tensor-parallel mesh (FSDP x TP:
+``parallelize_module`` first), the ranks at this rank's place in the other tensor-parallel
+groups (``mesh["dp"]`` of a ``(dp, tp)`` mesh). ``shard_size`` groups them into shard groups
+of that size (HSDP: reduce-scatter within, all-reduce across); parameters under ``threshold``
+KB stay replicated (a warning names them); ``comm_fusion`` fuses each Cell's parameters into one collective, or into
 buckets of ``bucket_size`` KB, and without it each parameter has its own.
 
 Example::
@@ -18,14 +21,20 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+import warnings
+from math import prod
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
 from .. import _cluster
-from ..mesh import init_device_mesh
-from ._fully_shard import FSDPModule, shard_cell
+from ..mesh import DeviceMesh, init_device_mesh
+from ..nn._adapter import named_cells, own_parameters
+from ..nn._parameter import parameter_sharding
+from ._fully_shard import FSDPModule, fsdp_state, shard_cell
+from ._mesh import FSDP_X_TP, complement_ranks
+from ._pieces import is_piece
 
 __all__ = ["hsdp", "HSDPCell"]
 
@@ -72,14 +81,54 @@ def _check_cells(cells: Sequence[Any]) -> List[HSDPCell]:
     return list(cells)
 
 
-def _mesh(shard_size: int):
-    world = _cluster.world_size()
+def _tp_mesh(cell: nn.Cell) -> Optional[DeviceMesh]:
+    """The mesh the parallel styles placed ``cell``'s parameters on (None: no such parameter);
+    raise if they used several."""
+    meshes: Dict[Tuple[int, ...], Tuple[DeviceMesh, str]] = {}
+    for sub in named_cells(cell).values():
+        for p in own_parameters(sub).values():
+            sharding = None if is_piece(p) else parameter_sharding(p)
+            if sharding is not None:
+                meshes.setdefault(tuple(sharding.spec.mesh.rank_list), (sharding.spec.mesh, p.name))
+    if len(meshes) > 1:
+        named = "; ".join(f"{name!r} on {mesh!r}" for mesh, name in meshes.values())
+        raise ValueError(f"hsdp({type(cell).__name__}): the parallel styles placed its parameters on several meshes "
+                         f"({named}), so hsdp cannot tell its data-parallel ranks; {FSDP_X_TP}")
+    return next(iter(meshes.values()))[0] if meshes else None
+
+
+def _mesh(shard_size: int, cell: nn.Cell) -> DeviceMesh:
+    """Every rank, or with parameters placed by parallel styles on a tp mesh the ranks at this
+    rank's place in the other tp groups; split in shard groups of ``shard_size``."""
+    world, me = _cluster.world_size(), _cluster.world_rank()
     device = "npu" if _cluster.device_target() == "Ascend" else "cpu"
-    if shard_size == -1 or shard_size == world:
-        return init_device_mesh(device, (world,), mesh_dim_names=("dp_shard",))
-    if world % shard_size:
-        raise ValueError(f"shard_size {shard_size} must divide the number of ranks {world}")
-    return init_device_mesh(device, (world // shard_size, shard_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+    tp = _tp_mesh(cell)
+    ranks, what = list(range(world)), f"the number of ranks {world}"
+    if tp is not None:
+        try:
+            ranks = complement_ranks(tp.rank_list, me, world)
+        except ValueError as err:
+            raise ValueError(f"hsdp({type(cell).__name__}): its parameters are placed by parallel styles on {tp!r}; "
+                             f"{err}; {FSDP_X_TP}") from None
+        what = f"the number of data-parallel ranks {len(ranks)} (ranks / tensor-parallel {tp.size()})"
+    if shard_size == -1 or shard_size == len(ranks):
+        return init_device_mesh(device, (len(ranks),), mesh_dim_names=("dp_shard",), rank_list=ranks)
+    if len(ranks) % shard_size:
+        raise ValueError(f"shard_size {shard_size} must divide {what}")
+    return init_device_mesh(device, (len(ranks) // shard_size, shard_size), mesh_dim_names=("dp_replicate", "dp_shard"),
+                            rank_list=ranks)
+
+
+def _warn_replicated(cell: nn.Cell, name: str, threshold: int) -> None:
+    """Warn once, naming what ``hsdp(name)`` kept replicated because it is under ``threshold`` KB."""
+    small = [(s.piece.name, prod(s.shape) * s.piece.itemsize) for s in fsdp_state(cell).slots
+             if not s.sharded and prod(s.shape) * s.piece.itemsize < threshold * 1024]
+    if not small:
+        return
+    shown = ", ".join(p for p, _ in small[:5]) + (f", ... ({len(small) - 5} more)" if len(small) > 5 else "")
+    warnings.warn(f"hsdp({name}): {len(small)} parameters ({sum(n for _, n in small)} bytes in all) stay "
+                  f"replicated, not sharded, because each is under threshold={threshold} KB: {shown}; "
+                  "pass threshold=0 to shard everything", UserWarning, stacklevel=3)
 
 
 def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1",
@@ -92,7 +141,8 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
     Args:
         cell: the Cell whose own parameters (those no earlier call took) are sharded.
         shard_size: ranks per shard group (-1: all); fewer than all: HSDP, replicated across groups.
-        threshold: parameters smaller than this many KB stay replicated (their gradient all-reduced).
+        threshold: parameters smaller than this many KB stay replicated (their gradient all-reduced); a
+            ``UserWarning`` names them (0: shard everything).
         optimizer_level: ``"level1"`` (all-reduce the gradient, keep this rank's slot), ``"level2"`` or
             ``"level3"`` (reduce-scatter); every level holds pieces between steps.
         enable_grad_accumulation: allow ``set_requires_grad_sync(False)`` (local accumulation).
@@ -128,8 +178,10 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
         bucket_bytes = 0
     else:
         bucket_bytes = None if bucket_size == -1 else bucket_size * 1024
-    shard_cell(cell, _mesh(shard_size), threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
+    name = type(cell).__name__
+    shard_cell(cell, _mesh(shard_size, cell), threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
                reduce=_LEVELS[optimizer_level], grad_scale=grad_scale, reduce_dtype=reduce_dtype,
-               mixin=HSDPCell, prefix="HSDP")
+               mixin=HSDPCell, prefix="HSDP", engine="hsdp")
     object.__setattr__(cell, "_hpms_hsdp_accumulation", enable_grad_accumulation)
+    _warn_replicated(cell, name, threshold)
     return cell

@@ -1,22 +1,28 @@
 """Meshes of fully_shard: the data-parallel mesh (1-D: shard; 2-D: replicate x shard, HSDP),
-and the root mesh joining it with a tensor-parallel mesh for parameters placed by the
-parallel styles (FSDP x TP), so that a piece's sharding names both.
+the root mesh joining it with a tensor-parallel mesh for parameters placed by the
+parallel styles (FSDP x TP), so that a piece's sharding names both, and the data-parallel
+ranks of a tensor-parallel mesh (``hsdp``, which takes no mesh).
 
 Example::
 
     dp, tp = mesh["dp"], mesh["tp"]
     root = join_meshes(dp, tp)          # the (dp, tp) mesh again, dims ("dp", "tp")
+    complement_ranks([2, 3], 3, 4)      # [1, 3]: mesh["dp"]'s ranks on rank 3 of a (2, 2) mesh
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _cluster
 from ..mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["dp_mesh_dims", "default_mesh", "join_meshes"]
+__all__ = ["dp_mesh_dims", "default_mesh", "join_meshes", "complement_ranks", "FSDP_X_TP"]
+
+FSDP_X_TP = ("slice both from one mesh: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\")), "
+             "the parallel styles on mesh[\"tp\"], then fully_shard(cell, mesh=mesh[\"dp\"]) for each block and "
+             "the root")
 
 
 def default_mesh() -> DeviceMesh:
@@ -49,10 +55,44 @@ def join_meshes(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     world = _cluster.world_size()
     if len(set(flat)) != len(flat) or min(flat) < 0 or max(flat) >= world:
         raise ValueError(f"the data-parallel mesh {dp!r} and the tensor-parallel mesh {tp!r} of the parameters do "
-                         "not form one regular mesh; slice both from one init_device_mesh (mesh['dp'], mesh['tp'])")
+                         f"not form one regular mesh (each rank in one data-parallel group and one tensor-parallel "
+                         f"group); {FSDP_X_TP} (hsdp(cell) finds mesh['dp'] itself)")
     root = DeviceMesh(dp.device_type, ranks, mesh_dim_names=names)
     coord = root.get_coordinate()
     if not (np.array_equal(root.mesh[coord[:dp.ndim]], tp_ranks)
             and np.array_equal(root.mesh[(slice(None),) * dp.ndim + coord[dp.ndim:]], dp_ranks)):
-        raise ValueError(f"meshes {dp!r} and {tp!r} do not slice one regular mesh")
+        raise ValueError(f"meshes {dp!r} and {tp!r} do not slice one regular mesh; {FSDP_X_TP} (hsdp(cell) finds mesh['dp'] itself)")
     return root
+
+
+def complement_ranks(tp_ranks: Sequence[int], me: int, world: int) -> List[int]:
+    """The data-parallel ranks of rank ``me`` when ``tp_ranks`` (its tensor-parallel group) is one
+    of the translated copies tiling ``world`` ranks: one rank per copy, at ``me``'s place in it
+    (``mesh["dp"]``'s ranks for a ``(dp, tp)`` or ``(tp, dp)`` mesh). Copies are laid from the
+    lowest free rank up; raise if they do not tile the ranks or ``me``'s group is not one of them.
+
+    Args:
+        tp_ranks: the ranks of ``me``'s tensor-parallel mesh (any order).
+        me: this rank (one of ``tp_ranks``).
+        world: the number of ranks.
+
+    Example:
+        >>> complement_ranks([0, 2], 2, 4)      # a (tp, dp) = (2, 2) mesh: tp groups {0, 2}, {1, 3}
+        [2, 3]
+    """
+    group = sorted(int(r) for r in tp_ranks)
+    offsets = [r - group[0] for r in group]
+    free, anchors = [True] * world, []
+    for start in range(world):
+        if not free[start]:
+            continue
+        tile = [start + o for o in offsets]
+        if tile[-1] >= world or not all(free[r] for r in tile):
+            break
+        for r in tile:
+            free[r] = False
+        anchors.append(start)
+    if any(free) or me not in group or group[0] not in anchors:
+        raise ValueError(f"the tensor-parallel group {group} of rank {me} is not one of copies tiling the {world} "
+                         "ranks, so its data-parallel ranks are unknown")
+    return [a + me - group[0] for a in anchors]

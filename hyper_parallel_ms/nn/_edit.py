@@ -30,7 +30,7 @@ from ..redistribute._gradient import reduction_taken_over
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
 from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook
 from ._parameter import ParameterPlacement
-from ._rules import mark_done
+from ._rules import check_not_fully_sharded, mark_done
 from ._tied import check_tied, parameter_holders, retie
 
 __all__ = ["ConversionSpec", "InputSpec", "OutputSpec", "ModuleEdit", "apply_edits", "drop_enclosed_reductions"]
@@ -188,10 +188,15 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
         changes.add_forward_hook(edit.cell, fn)
 
 
+def _scope(edits: List[ModuleEdit], root: Optional[nn.Cell]) -> List[nn.Cell]:
+    """``root``, or by default the edited Cells (each once)."""
+    return [root] if root is not None else list({id(e.cell): e.cell for e in edits}.values())
+
+
 def _check_tied(edits: List[ModuleEdit], root: Optional[nn.Cell], engine: str) -> None:
     """Refuse, before any change, a parameter shared by several Cells under ``root`` (default:
     under the edited Cells) that the edits would place differently in them."""
-    roots = [root] if root is not None else list({id(e.cell): e.cell for e in edits}.values())
+    roots = _scope(edits, root)
     holders: Dict[int, list] = {}
     for cell in roots:
         for key, users in parameter_holders(cell).items():
@@ -209,7 +214,10 @@ def apply_edits(edits: List[ModuleEdit], engine: str, root: Optional[nn.Cell] = 
     A parameter shared by several Cells under ``root`` (tied weights) is cut once and the one new
     Parameter put into every Cell using it; edits placing it differently (or one Cell leaving it
     whole) are refused before anything changes. A shared parameter that user code replaced in one
-    Cell gets that replacement in the others too."""
+    Cell gets that replacement in the others too. A Cell under ``root`` (default: the edited Cells)
+    already sharded by ``fully_shard`` / ``hsdp`` is refused before anything changes."""
+    for cell in _scope(edits, root):
+        check_not_fully_sharded(cell, engine)
     _check_tied(edits, root, engine)
     touched = [e for e in edits if e.custom_apply is not None or e.replicate_rest is not None]
     snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]

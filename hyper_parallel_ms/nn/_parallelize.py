@@ -24,7 +24,7 @@ from ..mesh import DeviceMesh, current_mesh
 from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
 from ._edit import ModuleEdit, apply_edits, drop_enclosed_reductions
-from ._rules import check_mesh, check_not_done, match_path
+from ._rules import check_mesh, check_not_done, check_not_fully_sharded, match_path
 
 __all__ = ["ParallelStyle", "parallelize_module"]
 
@@ -135,7 +135,8 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
 
     Every key must match a Cell; every key and style is checked before anything changes, and a
     failure leaves ``module`` as it was. A Cell whose parameters were already sharded (by this
-    function, ``shard_module`` or ``distribute_module``) is refused. A user's style implementing
+    function, ``shard_module`` or ``distribute_module``) is refused, and so is a model with a Cell
+    already sharded by ``fully_shard`` / ``hsdp`` (apply them after the parallel styles). A user's style implementing
     ``apply(module, device_mesh)`` is called after the built-in ones.
     A parameter shared by several Cells (tied weights) is cut once and stays one Parameter; every
     Cell using it must be styled in this call and place it alike, else the call is refused.
@@ -163,6 +164,7 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
             raise ValueError("parallelize_module got no device_mesh and no mesh is current: pass device_mesh=, "
                              "or call it inside `with mesh:`")
     check_mesh(device_mesh, "parallelize_module")
+    check_not_fully_sharded(module, "parallelize_module")
     if parallelize_plan is None:
         raise ValueError("parallelize_module needs a parallelize_plan: a ParallelStyle or a dict of them")
     if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)

@@ -5,6 +5,11 @@ Path matching: a key is a dotted path whose segments are ``fnmatch`` patterns ma
 segment at a time (``*`` never crosses a dot): ``"layers.*.attn.q"`` matches
 ``layers.0.attn.q`` but not ``layers.0.inner.attn.q``; ``""`` is the module itself.
 
+Done-marker: set by each engine and by ``fully_shard`` / ``hsdp`` on the Cells they shard. A
+Cell goes through one engine once, and a parallel style cannot follow ``fully_shard`` / ``hsdp``
+anywhere in the model (their pieces and hooks expect full, possibly TP-placed parameters):
+:func:`check_not_fully_sharded` refuses it naming the order that works (TP first).
+
 Example:
     >>> match_path("layers.3.attn.w[qk]", "layers.3.attn.wq"), match_path("*", "layers.0")
     (True, False)
@@ -19,9 +24,10 @@ from mindspore import nn
 from ..mesh import DeviceMesh
 from ._adapter import CellChanges, named_cells
 
-__all__ = ["match_path", "check_mesh", "mark_done", "check_not_done"]
+__all__ = ["match_path", "check_mesh", "mark_done", "check_not_done", "check_not_fully_sharded"]
 
 _DONE = "_hpms_sharded_by"
+_DATA_PARALLEL = ("fully_shard", "hsdp")
 
 
 def match_path(pattern: str, path: str) -> bool:
@@ -49,13 +55,47 @@ def mark_done(changes: CellChanges, cell: nn.Cell, engine: str) -> None:
     changes.set_attribute(cell, _DONE, engine)
 
 
+def _where(prefix: str, path: str, cell: nn.Cell) -> str:
+    full = ".".join(p for p in (prefix, path) if p)
+    return f"'{full}' ({type(cell).__name__})" if full else f"the module ({type(cell).__name__})"
+
+
+def _after_data_parallel(engine: str, where: str, done: str) -> RuntimeError:
+    again = "fully_shard(block, mesh=mesh['dp'])" if done == "fully_shard" else "hsdp(block)"
+    return RuntimeError(
+        f"{engine}: {where} was already sharded by {done}, so its parameters are data-parallel pieces gathered by "
+        f"its hooks, which a parallel style cannot cut. Apply tensor parallelism first, then {done}: on a model not "
+        f"sharded yet, {engine}(model, mesh['tp'], ...), then {again} for each block and the root "
+        "(mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))). Nothing was changed")
+
+
 def check_not_done(root: nn.Cell, engine: str, prefix: str = "") -> None:
     """Raise if a Cell under ``root`` already went through one of the engines: its parameters
     are pieces already, and a second engine would cut them again."""
     for path, cell in named_cells(root).items():
         done = cell.__dict__.get(_DONE)
+        if done in _DATA_PARALLEL:
+            raise _after_data_parallel(engine, _where(prefix, path, cell), done)
         if done is not None:
             full = ".".join(p for p in (prefix, path) if p)
             where = f"'{full}'" if full else "the module"
             raise RuntimeError(f"{engine}: {where} was already sharded by {done}; its parameters are pieces already "
                                f"(apply one plan per Cell, once)")
+
+
+def check_not_fully_sharded(root: nn.Cell, engine: str) -> None:
+    """Raise, naming the order that works, if a Cell under ``root`` (``root`` included) was
+    sharded by ``fully_shard`` or ``hsdp``; the same on every rank, before any change.
+
+    Args:
+        root: the Cell a parallel style engine is about to change.
+        engine: the engine's name, for the message (``"parallelize_module"``).
+
+    Example::
+
+        check_not_fully_sharded(model, "parallelize_module")   # RuntimeError after fully_shard(model)
+    """
+    for path, cell in named_cells(root).items():
+        done = cell.__dict__.get(_DONE)
+        if done in _DATA_PARALLEL:
+            raise _after_data_parallel(engine, _where("", path, cell), done)
