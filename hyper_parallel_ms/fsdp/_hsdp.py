@@ -25,6 +25,7 @@ from mindspore import nn
 
 from .. import _cluster
 from ..mesh import init_device_mesh
+from ._dparams import replicated_dp_mesh
 from ._fully_shard import FSDPModule, shard_cell
 
 __all__ = ["hsdp", "HSDPCell"]
@@ -130,6 +131,7 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
         bucket_bytes = None if bucket_size == -1 else bucket_size * 1024
     shard_cell(cell, _mesh(shard_size), threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
                reduce=_LEVELS[optimizer_level], grad_scale=grad_scale, reduce_dtype=reduce_dtype,
-               mixin=HSDPCell, prefix="HSDP")
+               mixin=HSDPCell, prefix="HSDP",
+               dtensor_mesh=lambda param: replicated_dp_mesh(param, shard_size, f"hsdp({type(cell).__name__})"))
     object.__setattr__(cell, "_hpms_hsdp_accumulation", enable_grad_accumulation)
     return cell
