@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import mindspore as ms
 from mindspore import Tensor
 
+from .._mindspore import is_compiling, run_in_python
 from ..redistribute import gradient_layout
 from ._dtensor import DTensor
 
@@ -119,11 +120,26 @@ def _sensitivities(sens: Optional[Sequence[float]], outputs: int) -> Tuple[float
     return tuple(float(s) for s in sens)
 
 
+@run_in_python
+def _refuse_compiled() -> bool:
+    """Raise while ms.jit / GRAPH_MODE compiles a call of a ``parallelize_value_and_grad`` function."""
+    if is_compiling():
+        raise RuntimeError(
+            "parallelize_value_and_grad runs in PyNative only: it reads, in Python, what fn returned (one output or "
+            "several, for sens) and lays gradients out as DTensors, neither of which a graph compiled by ms.jit / "
+            "GRAPH_MODE can do (MindSpore would fail with \"The key single does not exist\"). Call it outside "
+            "ms.jit, in PyNative; to compile a train step, place the parameters with parallelize_module (local "
+            "pieces) and differentiate with ms.value_and_grad inside ms.jit")
+    return True
+
+
 def parallelize_value_and_grad(fn: Callable, weights, sens: Optional[Sequence[float]] = None) -> Callable:
     """HyperParallel's ``parallelize_value_and_grad``: ``(outputs, gradients of weights)``,
     the gradients as DTensors for DTensor parameters. With several outputs, ``sens`` gives
     each output's sensitivity (default: 1 for the first, 0 for the others), i.e. the
     gradient of ``sum(sens[i] * outputs[i].sum())``; with one output it must be None.
+    PyNative: a call inside ``ms.jit`` / GRAPH_MODE raises at once (compile a step with
+    ``parallelize_module`` and ``ms.value_and_grad`` instead).
 
     Args:
         fn: the function (or Cell) computing the outputs.
@@ -158,6 +174,7 @@ def parallelize_value_and_grad(fn: Callable, weights, sens: Optional[Sequence[fl
     inner = value_and_grad(objective, None, weights, has_aux=True)
 
     def wrapper(*args, **kwargs) -> Any:
+        _refuse_compiled()
         seen.clear()
         value, grads = inner(*args, **kwargs)
         error = _sens_error(sens, seen)

@@ -11,7 +11,7 @@ Example::
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindspore import Parameter, nn
 
@@ -20,6 +20,7 @@ from ..layout import chunk_sizes
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 from ..nn._rules import mark_done
 from ._mesh import default_mesh, dp_mesh_dims
+from ._dparams import local_parameter
 from ._pieces import TAKEN_BY, is_piece, make_piece
 from ._policy import MixedPrecisionPolicy
 from ._compiled import GATHER_PREFIX, GatherParameter, PassReplicated, gathering_class
@@ -163,11 +164,12 @@ def _buckets(slots: List[Slot], bucket_bytes: Optional[int]) -> List[List[int]]:
 
 def _gather_when_compiled(changes: CellChanges, state: FSDPState, slots: List[Slot], reduce: str) -> None:
     """Give every Cell holding one of ``slots`` the compiled read path of :mod:`._compiled`."""
-    mesh, dtype = state.mesh, state.policy.param_dtype
-    shard_dim, rep_dim = dp_mesh_dims(mesh)
-    rep_dim = rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None
+    dtype = state.policy.param_dtype
     attrs: Dict[int, Tuple[nn.Cell, List[str]]] = {}
     for slot in slots:
+        mesh = slot.mesh
+        shard_dim, rep_dim = dp_mesh_dims(mesh)
+        rep_dim = rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None
         for holder, attr in slot.holders:
             if slot.sharded:
                 reader = GatherParameter(state, mesh, shard_dim, rep_dim, slot.shape, dtype, reduce)
@@ -182,43 +184,49 @@ def _gather_when_compiled(changes: CellChanges, state: FSDPState, slots: List[Sl
 def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                mp_policy: Optional[MixedPrecisionPolicy] = None, threshold_bytes: int = 0,
                bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0,
-               reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP", engine: str = "fully_shard"):
-    """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``;
+               reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP", engine: str = "fully_shard",
+               dtensor_mesh: Optional[Callable[[Parameter], Any]] = None):
+    """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``
+    (a ``Parameter(DTensor)``: its local piece, over ``dtensor_mesh(param)`` if given, see :mod:`._dparams`);
     ``engine`` names the call in the done-marker that the parallel styles check."""
     if not isinstance(cell, nn.Cell):
         raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
     if fsdp_state(cell) is not None:
         raise ValueError(f"{type(cell).__name__} is already sharded by fully_shard; apply it once per Cell")
     mesh = default_mesh() if mesh is None else mesh
-    shard_dim, _ = dp_mesh_dims(mesh)
+    dp_mesh_dims(mesh)                          # a 1-D or 2-D mesh
     _check_reshard(reshard_after_forward)
     policy = mp_policy or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
-    n = mesh.size(shard_dim)
     sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
                      grad_scale=grad_scale)
-    owned = _own_slots(cell)
+    engine = f"{prefix.lower()}({type(cell).__name__})"
+    owned = [(p, holders, local_parameter(p, engine)) for p, holders in _own_slots(cell)]
     paths = _holder_paths(cell)
     with CellChanges() as changes:
         state = FSDPState(cell, mesh, [], sync, policy, reshard_after_forward)
-        slots: Dict[bool, List[Slot]] = {True: [], False: []}
-        for p, holders in owned:
-            sharded = _shardable(p, n, threshold_bytes)
-            piece = make_piece(p, mesh, sharded, state)
+        slots: Dict[Tuple[bool, Any], List[Slot]] = {(True, mesh): [], (False, mesh): []}
+        for p, holders, (local, placed) in owned:
+            unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
+            sharded = _shardable(local, unit_mesh.size(dp_mesh_dims(unit_mesh)[0]), threshold_bytes)
+            piece = make_piece(local, unit_mesh, sharded, state)
             for holder, attr in holders:
                 changes.set_parameter(holder, attr, piece)
                 mark_done(changes, holder, engine)
             path = paths[id(holders[0][0])]
             changes.set_attribute(p, TAKEN_BY, (type(cell).__name__, f"{path}.{holders[0][1]}" if path else
                                                 holders[0][1]))
-            slots[sharded].append(Slot(holders, piece, tuple(p.shape), sharded))
+            slots.setdefault((sharded, unit_mesh), []).append(
+                Slot(holders, piece, tuple(local.shape), sharded, unit_mesh, placed))
         for sharded in (True, False):
-            group_slots = slots[sharded]
-            for bucket in _buckets(group_slots, bucket_bytes):
-                state.groups.append(Group([group_slots[i] for i in bucket], sharded, mesh, sync,
-                                          policy.param_dtype, reduce))
-        _gather_when_compiled(changes, state, slots[True] + slots[False], reduce)
+            for (kind, unit_mesh), group_slots in slots.items():
+                if kind != sharded:
+                    continue
+                for bucket in _buckets(group_slots, bucket_bytes):
+                    state.groups.append(Group([group_slots[i] for i in bucket], sharded, unit_mesh, sync,
+                                              policy.param_dtype, reduce))
+        _gather_when_compiled(changes, state, [s for g in state.groups for s in g.slots], reduce)
         changes.set_attribute(cell, _STATE, state)
         mark_done(changes, cell, engine)
         pre, post = eager_hooks(state)

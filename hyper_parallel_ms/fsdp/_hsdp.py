@@ -29,9 +29,11 @@ import mindspore as ms
 from mindspore import nn
 
 from .. import _cluster
+from ..dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..nn._adapter import named_cells, own_parameters
 from ..nn._parameter import parameter_sharding
+from ._dparams import replicated_dp_mesh
 from ._fully_shard import FSDPModule, fsdp_state, shard_cell
 from ._mesh import FSDP_X_TP, complement_ranks
 from ._pieces import is_piece
@@ -83,11 +85,12 @@ def _check_cells(cells: Sequence[Any]) -> List[HSDPCell]:
 
 def _tp_mesh(cell: nn.Cell) -> Optional[DeviceMesh]:
     """The mesh the parallel styles placed ``cell``'s parameters on (None: no such parameter);
-    raise if they used several."""
+    raise if they used several. DTensor parameters (``shard_module``) are sharded over their own
+    replicated mesh dims (:func:`._dparams.replicated_dp_mesh`), not counted here."""
     meshes: Dict[Tuple[int, ...], Tuple[DeviceMesh, str]] = {}
     for sub in named_cells(cell).values():
         for p in own_parameters(sub).values():
-            sharding = None if is_piece(p) else parameter_sharding(p)
+            sharding = None if is_piece(p) or isinstance(p, DTensor) else parameter_sharding(p)
             if sharding is not None:
                 meshes.setdefault(tuple(sharding.spec.mesh.rank_list), (sharding.spec.mesh, p.name))
     if len(meshes) > 1:
@@ -181,7 +184,8 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
     name = type(cell).__name__
     shard_cell(cell, _mesh(shard_size, cell), threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
                reduce=_LEVELS[optimizer_level], grad_scale=grad_scale, reduce_dtype=reduce_dtype,
-               mixin=HSDPCell, prefix="HSDP", engine="hsdp")
+               mixin=HSDPCell, prefix="HSDP", engine="hsdp",
+               dtensor_mesh=lambda param: replicated_dp_mesh(param, shard_size, f"hsdp({name})"))
     object.__setattr__(cell, "_hpms_hsdp_accumulation", enable_grad_accumulation)
     _warn_replicated(cell, name, threshold)
     return cell

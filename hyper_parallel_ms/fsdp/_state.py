@@ -20,9 +20,11 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
 from .._mindspore import running_eagerly
+from ..dtensor._spec import DTensorSpec
 from ._flat import FlatLayout, concat_flat, split_flat
 from ..nn._adapter import named_cells, put_parameter
 from ._mesh import dp_mesh_dims
+from ._dparams import as_placed
 from ._pieces import DEFERRED
 from ._policy import MixedPrecisionPolicy
 from ._sync import GatherPieces, SyncReplicas, SyncState
@@ -32,13 +34,17 @@ __all__ = ["Slot", "Group", "FSDPState", "eager_hooks"]
 
 @dataclass
 class Slot:
-    """One parameter: where it is held (cell, attribute), its piece, its full shape, whether
-    the piece is a dim-0 shard (else the whole parameter)."""
+    """One parameter: where it is held (cell, attribute), its piece, its full shape (of this
+    rank's local piece for a DTensor parameter), whether the piece is a dim-0 shard (else the
+    whole parameter), its data-parallel mesh, and the DTensor spec the gathered value is read
+    with (``None``: a plain parameter, see :mod:`._dparams`)."""
 
     holders: List[Tuple[nn.Cell, str]]
     piece: Parameter
     shape: Tuple[int, ...]
     sharded: bool = True
+    mesh: Any = None
+    placed: Optional[DTensorSpec] = None
 
 
 class Group:
@@ -103,6 +109,7 @@ class FSDPState:
 
     def _install(self, values: Sequence) -> None:
         for slot, value in zip(self.slots, values):
+            value = as_placed(value, slot.placed)
             for holder, attr in slot.holders:
                 put_parameter(holder, attr, value)
 
@@ -144,6 +151,12 @@ class FSDPState:
                 "cast_forward_inputs=False) without output_dtype and cast inputs in the model, or run in PyNative")
         if self.kept is not None:
             raise RuntimeError(f"{name} holds gathered parameters from unshard(): call reshard() before compiling")
+        placed = [s.piece.name for s in self.slots if s.placed is not None]
+        if placed:
+            raise NotImplementedError(
+                f"{name}: the parameters {placed} are DTensors (shard_module / distribute_module), whose Cell computes "
+                "through the DTensor dispatcher in PyNative only: run it in PyNative, or place the parameters with "
+                "parallelize_module's styles to compile")
         self.compiled = True
 
     def pre_forward(self, cell, args):

@@ -205,6 +205,10 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
             raise ValueError(f"plan key '{key}' matches no parameter; near names: {near}")
         for n in found:
             cell, name, p = params[n]
+            if isinstance(p, DTensor):
+                raise ValueError(f"plan key '{key}': the parameter '{n}' is a DTensor {p.placements} already (an "
+                                 "earlier shard_module on a sub-Cell placed it); a sub-Cell's parameters are placed "
+                                 "by its own plan: drop the key, or place it there")
             to_layout(device_mesh, placements, p.ndim)            # raises for a bad count / dim / name
             if any(isinstance(q, Placement) and q.is_partial() for q in placements):
                 raise ValueError(f"plan['{key}']: a parameter cannot be Partial, got {placements}")
@@ -258,6 +262,10 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
     """Apply a :class:`ShardingPlan` (see there); unplanned parameters are replicated. Every key
     and placement is checked before anything changes. PyNative. A parameter shared by several
     Cells (tied) is placed by the entry of any of its names, for every use (one DTensor parameter).
+    A sub-Cell may get a plan of its own too (HyperParallel's child plans), before or after its
+    parent's: the conversions run as the Cells nest, so the parent's ``input_plan`` /
+    ``output_plan`` / ``return_local_tensor`` for the sub-Cell decide what the parent hands it and
+    gets back, and the child's what its own code sees.
 
     Args:
         model: the Cell; its parameters become ``Parameter(DTensor)`` (returned, changed in place).
@@ -274,7 +282,7 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
     check_mesh(device_mesh, "shard_module")
     if not isinstance(sharding_plan, ShardingPlan):
         raise TypeError(f"shard_module needs a ShardingPlan, got {type(sharding_plan).__name__}")
-    check_not_done(model, "shard_module")
+    check_not_done(model, "shard_module", nested_ok="shard_module")
     cells, params, new_params, inputs, outputs, local = agreed(
         lambda: _checked(model, device_mesh, sharding_plan), _plan_entries, device_mesh, "shard_module")
     edits = {path: ModuleEdit(path, cell) for path, cell in cells.items()}
@@ -282,23 +290,54 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
         _, name, _ = params[n]
         edits[n.rpartition(".")[0]].parameters[name] = ParameterPlacement(device_mesh, placements, as_dtensor=True)
     edits[""].replicate_rest = device_mesh
-    for path, entries in inputs.items():
-        edits[path].forward_pre_hooks.append(_input_hook(device_mesh, entries))
-    for path in set(outputs) | set(local):
-        edits[path].forward_hooks.append(_output_hook(device_mesh, outputs.get(path), path in local))
+    for path in set(inputs) | set(outputs) | set(local):
+        _add_plan_step(edits[path], _PlanStep(path.count(".") + 1 if path else 0, device_mesh, inputs.get(path),
+                                              outputs.get(path), path in local))
     apply_edits(list(edits.values()) + _marked_edits(model), "shard_module", model)
     return model
 
 
-def _input_hook(mesh, entries):
-    def pre(cell, args):
-        return _convert_all(tuple(args), mesh, entries)
-    return pre
+_PLAN_STEPS = "_hpms_plan_steps"     # on a Cell: the _PlanSteps of every shard_module call reaching it
 
 
-def _output_hook(mesh, entries, local: bool):
-    def post(cell, args, output):
-        if entries is not None:
-            output = _convert_all(output, mesh, entries)
-        return _to_local(output) if local else output
-    return post
+@dataclass(frozen=True)
+class _PlanStep:
+    """What one plan converts at one Cell: ``depth`` is the number of path segments from the plan's
+    root to the Cell (0: a plan applied to the Cell itself)."""
+
+    depth: int
+    mesh: DeviceMesh
+    inputs: Optional[tuple]
+    outputs: Optional[tuple]
+    local: bool
+
+
+def _add_plan_step(edit: ModuleEdit, step: _PlanStep) -> None:
+    """Add ``step`` to the Cell's plan steps; the Cell's first step registers the two hooks running them all.
+
+    Several plans may reach one Cell (a parent's ``"relu.output"`` and ``return_local_tensor=["relu"]``,
+    then a plan applied to ``relu`` itself, in either order). Whatever the order of the calls, they
+    run as the Cells nest: inputs from the outermost plan inwards (each plan converts what its
+    Cell's caller hands on), outputs from the Cell's own plan outwards, so the output a parent
+    receives, local or DTensor, is the one its own plan says."""
+    steps = edit.cell.__dict__.get(_PLAN_STEPS, ())
+    edit.attributes[_PLAN_STEPS] = steps + (step,)
+    if not steps:
+        edit.forward_pre_hooks.append(_run_input_steps)
+        edit.forward_hooks.append(_run_output_steps)
+
+
+def _run_input_steps(cell, args):
+    for step in sorted(cell.__dict__[_PLAN_STEPS], key=lambda s: -s.depth):
+        if step.inputs is not None:
+            args = _convert_all(tuple(args), step.mesh, step.inputs)
+    return args
+
+
+def _run_output_steps(cell, args, output):
+    for step in sorted(cell.__dict__[_PLAN_STEPS], key=lambda s: s.depth):
+        if step.outputs is not None:
+            output = _convert_all(output, step.mesh, step.outputs)
+        if step.local:
+            output = _to_local(output)
+    return output

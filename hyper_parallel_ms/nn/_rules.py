@@ -69,14 +69,15 @@ def _after_data_parallel(engine: str, where: str, done: str) -> RuntimeError:
         "(mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))). Nothing was changed")
 
 
-def check_not_done(root: nn.Cell, engine: str, prefix: str = "") -> None:
+def check_not_done(root: nn.Cell, engine: str, prefix: str = "", nested_ok: Optional[str] = None) -> None:
     """Raise if a Cell under ``root`` already went through one of the engines: its parameters
-    are pieces already, and a second engine would cut them again."""
+    are pieces already, and a second engine would cut them again. ``nested_ok``: an engine whose
+    earlier calls on sub-Cells (not ``root``) are accepted (the caller keeps their parameters)."""
     for path, cell in named_cells(root).items():
         done = cell.__dict__.get(_DONE)
         if done in _DATA_PARALLEL:
             raise _after_data_parallel(engine, _where(prefix, path, cell), done)
-        if done is not None:
+        if done is not None and not (path and done == nested_ok):
             full = ".".join(p for p in (prefix, path) if p)
             where = f"'{full}'" if full else "the module"
             raise RuntimeError(f"{engine}: {where} was already sharded by {done}; its parameters are pieces already "
