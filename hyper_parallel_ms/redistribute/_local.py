@@ -9,9 +9,9 @@ conversions read its pieces as even; a piece that does not fit the plan raises w
 expected local shape. Since the global shape is read from each rank's own piece, ranks whose
 pieces are uneven (a ``Shard`` of unknown length split as ``torch.chunk`` does) or whose
 ``Replicate`` tensors differ in shape (another sequence length on one tensor-parallel rank) would
-plan different collectives: in PyNative every call first has the ranks of the mesh agree on the
-global shape (one small all-reduce per mesh dim, not recorded by ``CommDebugMode``) and raises on
-every rank where they differ. :class:`LocalRedistribute` plans for the shape it meets: in PyNative
+plan different collectives: in PyNative every call of a conversion that moves data or records a
+global shape first has the ranks of the mesh agree on it (one small all-reduce per mesh dim, not
+recorded by ``CommDebugMode``) and raises on every rank where they differ. :class:`LocalRedistribute` plans for the shape it meets: in PyNative
 on every call (cached per shape), inside ``ms.jit`` once while the graph compiles, so that
 the compiled graph holds only the collectives. The steps run in the one step-running Cell,
 :class:`.Redistribution` (PyTorch's ``redistribute`` backward, masking of a reduced
@@ -201,7 +201,11 @@ class LocalRedistribute(nn.Cell):
         self.plan_id = _plan_id(mesh, src, dst, grad_src, tuple(sorted((dim_sizes or {}).items())))
         self.where = where
         self.wrapped = wrapped
+        # a conversion that moves data or records a global shape checks it (a local no-op, such
+        # as a Colwise layer's replicated input, hands its piece on to the next one that does)
+        self.checks_shape = wrapped or src != dst
 
     def construct(self, x):
-        agree_on_global_shape(self.plan_id, x.shape, self.where)
+        if self.checks_shape:
+            agree_on_global_shape(self.plan_id, x.shape, self.where)
         return _redistribution(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))(x)
