@@ -23,7 +23,7 @@ SUPPORTED_MINDSPORE = ((2, 8), (2, 10))   # oldest and newest supported releases
 
 # Each public name and the submodule that defines it.
 _EXPORTS: Dict[str, str] = {
-    "comm": "", "ops": "", "nn": "", "checkpoint": "", "fsdp": "",
+    "comm": "", "ops": "", "nn": "", "checkpoint": "", "fsdp": "", "training": "",
     "Placement": "placement", "Shard": "placement", "Replicate": "placement", "Partial": "placement",
     "Layout": "layout",
     "DeviceMesh": "mesh", "init_device_mesh": "mesh", "current_mesh": "mesh",
@@ -38,6 +38,7 @@ _EXPORTS: Dict[str, str] = {
     "loss_parallel": "nn", "ParallelCrossEntropy": "nn",
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
     "HSDPCell": "fsdp", "init_parameters": "fsdp", "no_init_parameters": "nn",
+    "clip_grad_norm": "training", "TotalGradNorm": "training", "all_finite": "training",
 }
 __all__ = list(_EXPORTS)
 

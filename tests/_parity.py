@@ -22,7 +22,7 @@ The comparison rule (it must pass on any x86 CPU and still fail on a real bug):
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -80,8 +80,12 @@ def _compare_after_steps(name: str, got: np.ndarray, want: np.ndarray, quiet: Op
 
 def check_parity(make_model: Callable[[], nn.Cell], parallelize: Callable[[nn.Cell], None], batch_of: Callable,
                  loss_of: Callable, *, optimizer: str = "sgd", steps: int = 5, dp_mesh=None, dp_dim=None,
-                 dp_index: int = 0, dp_size: int = 1, tol: float = 1e-5, jit: bool = False) -> Optional[float]:
+                 dp_index: int = 0, dp_size: int = 1, tol: float = 1e-5, jit: bool = False,
+                 transform_grads: Optional[Tuple[Callable, Callable]] = None) -> Optional[float]:
     """``batch_of(dp_index, dp_size)`` gives this data-parallel rank's batch (``(0, 1)``: the whole).
+    ``transform_grads``: ``(on_reference, make_parallel)``: ``on_reference(grads)`` transforms the
+    one-device gradients, ``make_parallel(par_params)`` gives the function applied to the reduced
+    parallel ones (inside the jitted step with ``jit``), e.g. gradient clipping.
 
     Comparison rule: see the module docstring (zero-gradient elements under AdamW).
     """
@@ -109,9 +113,14 @@ def check_parity(make_model: Callable[[], nn.Cell], parallelize: Callable[[nn.Ce
     ref_step = ms.value_and_grad(ref_loss, None, ref_params)
     par_step = ms.value_and_grad(par_loss, None, par_params)
 
+    ref_transform, par_transform = (None, None) if transform_grads is None else \
+        (transform_grads[0], transform_grads[1](par_params))
+
     def par_train(*batch):
         loss, grads = par_step(*batch)
-        return loss, reducer(grads)
+        if par_transform is None:
+            return loss, reducer(grads)
+        return loss, par_transform(reducer(grads))
     if jit:
         par_train = ms.jit(par_train)
     first = None
@@ -121,6 +130,8 @@ def check_parity(make_model: Callable[[], nn.Cell], parallelize: Callable[[nn.Ce
         full_batch = batch_of(0, 1, step)
         local_batch = batch_of(dp_index, dp_size, step)
         loss, grads = ref_step(*full_batch)
+        if ref_transform is not None:
+            grads = ref_transform(grads)
         p_loss, p_grads = par_train(*local_batch)
         if dp_mesh is not None:
             p_loss = comm.all_reduce(p_loss, dp_mesh, dp_dim, op="avg")

@@ -1,0 +1,157 @@
+"""The norm of the global gradient from this rank's pieces: :class:`TotalGradNorm`.
+
+Each parameter's ``ParameterSharding`` record (or a ``Parameter(DTensor)``'s spec) says over which
+mesh dims its gradient is split. Parameters split over the same communication groups share one
+entry of a small vector of local partial norms (sums of ``|g|**p``, or maxima for ``inf``); the
+vector is all-reduced once per group. The groups are reduced in one order on every rank, by
+mesh dim name and the ranks' strides (so the tp groups of all dp ranks come at the same place):
+every member of a group has then reduced the same mesh dims before it, which keeps the sums exact. An entry whose parameter is replicated over a group is counted once:
+only the group's first rank contributes it to that reduction. Replicated gradients must be
+equal on the ranks that hold them, i.e. already reduced (after :class:`GradientReducer`, or as
+fully_shard / hsdp return them).
+
+Example::
+
+    norm = TotalGradNorm(optimizer.parameters)           # built outside ms.jit
+    total = norm(reducer(grads))                          # PyNative or inside ms.jit
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from .. import comm
+from ..dtensor import DTensor
+from ..nn._parameter import parameter_sharding
+
+__all__ = ["TotalGradNorm", "split_groups"]
+
+
+def _spec_of(param):
+    record = parameter_sharding(param)
+    if record is not None:
+        return record.spec
+    return param._dt_spec if isinstance(param, DTensor) else None
+
+
+def split_groups(spec) -> Tuple[Tuple[Tuple[int, ...], object, int], ...]:
+    """``(ranks, mesh, mesh dim)`` of each communication group (of more than one rank) that splits a
+    tensor of ``spec`` (its ``Shard`` mesh dims); ``()`` for ``None`` (a whole tensor)."""
+    if spec is None:
+        return ()
+    out = []
+    for d, placement in enumerate(spec.placements):
+        if placement.is_partial():
+            raise ValueError(f"a gradient laid out as {tuple(spec.placements)} is Partial over mesh dim {d}: "
+                             "reduce it first (GradientReducer, or DTensor.reduce_partial)")
+        if placement.is_shard() and spec.mesh.size(d) > 1:
+            out.append((spec.mesh.comm_group(d).ranks, spec.mesh, d))
+    return tuple(out)
+
+
+def _check_norm_type(norm_type) -> float:
+    p = float(norm_type)
+    if not (p > 0):
+        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+    return p
+
+
+def _role(ranks: Tuple[int, ...], mesh, dim: int) -> Tuple[str, Tuple[int, ...]]:
+    """What a group is for, the same on every rank: its mesh dim's name and its ranks' strides
+    (a dp group of rank 0 and of rank 1 have the same role; a tp group another)."""
+    names = mesh.mesh_dim_names
+    return (names[dim] if names else "", tuple(r - ranks[0] for r in ranks))
+
+
+class _MaskedReduce(nn.Cell):
+    """All-reduce the entry vector over one group, each entry replicated there counted once."""
+
+    def __init__(self, mesh, dim: int, mask: np.ndarray, op: str) -> None:
+        super().__init__()
+        self.mesh, self.dim, self.op = mesh, dim, op
+        self.mask = Tensor(mask.astype(np.float32))
+
+    def construct(self, v):
+        return comm.all_reduce(v * self.mask, self.mesh, self.dim, op=self.op)
+
+
+class TotalGradNorm(nn.Cell):
+    """The ``norm_type`` norm of the whole gradient of ``parameters`` (the one-device value), on every
+    rank, from a tuple of this rank's gradients (aligned with ``parameters``) as the optimizer takes
+    them: reduced (after :class:`GradientReducer`; fully_shard / hsdp pieces as returned). One
+    all-reduce of a vector per communication group that splits some parameter; none for a model
+    without pieces. Placements are read here, once; calling it runs only tensor ops and
+    collectives, in PyNative and inside ``ms.jit``.
+
+    Args:
+        parameters: the Parameters, in the order of the gradient tuples (``optimizer.parameters``).
+        norm_type: ``2.0`` (default), any positive order, or ``float("inf")`` (the largest element).
+
+    Example::
+
+        norm = TotalGradNorm(optimizer.parameters)
+        total = norm(grads)                     # a float32 scalar, equal on every rank
+    """
+
+    def __init__(self, parameters: Sequence[Parameter], *, norm_type: float = 2.0) -> None:
+        super().__init__()
+        parameters = list(parameters)
+        for p in parameters:
+            if not isinstance(p, Parameter):
+                raise TypeError(f"TotalGradNorm needs the Parameters the gradients belong to, got "
+                                f"{type(p).__name__}; inside ms.jit pass a TotalGradNorm built outside")
+        self.norm_type = _check_norm_type(norm_type)
+        self.inf = math.isinf(self.norm_type)
+        self.count = len(parameters)
+        keys: Dict[Tuple, List[int]] = {}
+        groups: Dict[Tuple[int, ...], Tuple[object, int]] = {}
+        for i, p in enumerate(parameters):
+            split = split_groups(_spec_of(p))
+            if int(np.prod(p.shape)) == 0:
+                continue                                    # an empty piece adds nothing
+            keys.setdefault(tuple(sorted(ranks for ranks, _, _ in split)), []).append(i)
+            for ranks, mesh, dim in split:
+                groups.setdefault(ranks, (mesh, dim))
+        self.members = tuple(tuple(m) for m in keys.values())
+        order = sorted(groups, key=lambda ranks: _role(ranks, *groups[ranks]))
+        op = "max" if self.inf else "sum"
+        steps = []
+        for ranks in order:
+            mesh, dim = groups[ranks]
+            first = mesh.comm_group(dim).rank == 0
+            mask = np.array([1.0 if ranks in key or first else 0.0 for key in keys], np.float32)
+            steps.append(_MaskedReduce(mesh, dim, mask, op))
+        self.steps = nn.CellList(steps)
+        self.reductions = len(steps)
+
+    def _part(self, g):
+        a = ops.abs(g.astype(ms.float32))
+        if self.inf:
+            return a.max()
+        if self.norm_type == 2.0:
+            return (a * a).sum()
+        return (a ** self.norm_type).sum()
+
+    def construct(self, grads):
+        if len(grads) != self.count:
+            raise ValueError("TotalGradNorm: the number of gradients differs from the number of parameters")
+        parts = ()
+        for members in self.members:
+            s = self._part(grads[members[0]])
+            for i in members[1:]:
+                s = ops.maximum(s, self._part(grads[i])) if self.inf else s + self._part(grads[i])
+            parts = parts + (s,)
+        if not parts:
+            return ops.zeros((), ms.float32)
+        v = ops.stack(parts)
+        for step in self.steps:
+            v = step(v)
+        if self.inf:
+            return v.max()
+        if self.norm_type == 2.0:
+            return ops.sqrt(v.sum())
+        return v.sum() ** (1.0 / self.norm_type)

@@ -1,0 +1,187 @@
+"""clip_grad_norm / TotalGradNorm against one device: the global norm and MindSpore's
+ops.clip_by_global_norm, with clipping active (max_norm below the norm at every step), loss per
+step and parameters after 5 AdamW steps (tests/_parity.py's rule), for TP with SequenceParallel,
+fully_shard, hsdp levels 1-3 and FSDP x TP, on 2 and 4 ranks, PyNative and ms.jit; one
+all-reduce per communication group (CommDebugMode); norm_type inf; error_if_nonfinite."""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import ops
+
+from hyper_parallel_ms.comm import CommDebugMode
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.testing import multi_rank
+
+from tests._fsdp_models import Net, batch, loss_of
+from tests._parity import check_parity
+from tests.test_parallel_styles import Transformer, _nll, _tokens, transformer_plan
+
+MAX_NORM = 0.05
+
+
+def _ref_norm(grads, norm_type=2.0) -> float:
+    values = [np.abs(g.asnumpy().astype(np.float64)) for g in grads]
+    if math.isinf(norm_type):
+        return float(max(v.max() for v in values))
+    return float(sum((v ** norm_type).sum() for v in values) ** (1.0 / norm_type))
+
+
+def _clipping(norms: list, max_norm: float = MAX_NORM, jit: bool = False):
+    """check_parity's transform_grads: MindSpore's clip on one device (recording the norm),
+    clip_grad_norm on the reduced pieces (a TotalGradNorm built outside the graph under jit)."""
+    from hyper_parallel_ms.training import TotalGradNorm, clip_grad_norm
+
+    def on_reference(grads):
+        norms.append(_ref_norm(grads))
+        return ops.clip_by_global_norm(grads, max_norm)
+
+    def make_parallel(params):
+        parameters = TotalGradNorm(params) if jit else params
+
+        def clip(grads):
+            return clip_grad_norm(grads, max_norm, parameters=parameters)[0]
+        return clip
+    return on_reference, make_parallel
+
+
+def _fsdp_batch(dp_index, dp_size, step):
+    x = batch(step)
+    rows = x.shape[0] // dp_size
+    return (x[dp_index * rows:(dp_index + 1) * rows],)
+
+
+def _fsdp(mesh):
+    from hyper_parallel_ms.fsdp import fully_shard
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return shard
+
+
+def _hsdp(**kwargs):
+    from hyper_parallel_ms.fsdp import hsdp
+
+    def shard(model):
+        for layer in model.layers:
+            hsdp(layer, threshold=0, **kwargs)
+        hsdp(model, threshold=0, **kwargs)
+    return shard
+
+
+def _fsdp_tp(mesh):
+    from hyper_parallel_ms.fsdp import fully_shard
+    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def shard(model):
+        parallelize_module(model, mesh["tp"], {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return shard
+
+
+def _clip_parity(make_model, shard, batch_of, loss, *, jit, dp_mesh=None, dp_dim=None, dp_index=0, dp_size=1):
+    norms = []
+    check_parity(make_model, shard, batch_of, loss, optimizer="adamw", jit=jit, dp_mesh=dp_mesh, dp_dim=dp_dim,
+                 dp_index=dp_index, dp_size=dp_size, transform_grads=_clipping(norms, jit=jit))
+    assert len(norms) == 5 and min(norms) > MAX_NORM, ("clipping must be active at every step", norms)
+
+
+def _counts_and_norm(model, params, grads, norm_type=2.0):
+    """The total norm, and the all-reduces TotalGradNorm issues."""
+    from hyper_parallel_ms.training import TotalGradNorm
+    norm = TotalGradNorm(params, norm_type=norm_type)
+    with CommDebugMode() as mode:
+        total = float(norm(grads).asnumpy())
+    return total, mode.get_comm_counts(), norm.reductions
+
+
+def _grads(model, x):
+    params = model.trainable_params()
+    return params, ms.value_and_grad(lambda v: loss_of(model, v), None, params)(x)[1]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@multi_rank(2, timeout=600)
+def test_clip_parity_on_2_ranks(jit):
+    """TP with SequenceParallel (the shares summed by GradientReducer, then clipped), fully_shard
+    (uneven pieces) and hsdp levels 1-3."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    from hyper_parallel_ms.nn import parallelize_module
+    _clip_parity(Transformer, lambda m: parallelize_module(m, mesh, transformer_plan(mesh)), _tokens, _nll, jit=jit)
+    dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = dp.get_local_rank(0)
+    common = dict(jit=jit, dp_mesh=dp, dp_dim="dp", dp_index=rank, dp_size=2)
+    _clip_parity(Net, _fsdp(dp), _fsdp_batch, loss_of, **common)
+    for level in ("level1", "level2", "level3"):
+        _clip_parity(Net, _hsdp(optimizer_level=level), _fsdp_batch, loss_of, **common)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@multi_rank(4, timeout=600)
+def test_clip_parity_on_4_ranks(jit):
+    """FSDP x TP on (dp, tp) = (2, 2); in PyNative also HSDP (2 replicas of 2-rank shard groups) and
+    fully_shard on 4 (their compiled clip is the 2-rank one's; kept out of ms.jit for test time)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_index = mesh.get_coordinate()[0]
+    _clip_parity(Net, _fsdp_tp(mesh), _fsdp_batch, loss_of, jit=jit, dp_mesh=mesh, dp_dim="dp", dp_index=dp_index,
+                 dp_size=2)
+    if jit:
+        return
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    rank = world.get_local_rank(0)
+    common = dict(jit=jit, dp_mesh=world, dp_dim="dp", dp_index=rank, dp_size=4)
+    _clip_parity(Net, _hsdp(shard_size=2, optimizer_level="level2"), _fsdp_batch, loss_of, **common)
+    _clip_parity(Net, _fsdp(world), _fsdp_batch, loss_of, **common)
+
+
+@multi_rank(4, timeout=600)
+def test_one_all_reduce_per_group_inf_norm_and_nonfinite_on_4_ranks():
+    """The counts: one all-reduce per communication group splitting some parameter, whatever the
+    number of parameters; norm_type inf equals the largest element; a nan on one rank raises on all."""
+    from hyper_parallel_ms.training import clip_grad_norm
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_index = mesh.get_coordinate()[0]
+    x = batch(0)
+    ms.set_seed(0)
+    ref_params, ref_grads = _grads(Net(), x)
+    ms.set_seed(0)
+    model = Net()
+    _fsdp_tp(mesh)(model)
+    params, grads = _grads(model, x[dp_index * 4:(dp_index + 1) * 4])
+    assert len(params) == 12
+    for norm_type in (2.0, float("inf"), 1.0):
+        want = _ref_norm(ref_grads, norm_type)
+        total, counts, reductions = _counts_and_norm(model, params, grads, norm_type)
+        assert abs(total - want) <= 1e-5 * want, (norm_type, total, want)
+        assert reductions == 2 and counts == {"all_reduce": 2}, counts       # dp and tp, not one per parameter
+    # inf clipping scales like the one-device formula
+    clipped, total = clip_grad_norm(grads, 0.01, parameters=params, norm_type=float("inf"))
+    scale = 0.01 / max(_ref_norm(ref_grads, float("inf")), 0.01)
+    np.testing.assert_allclose(clipped[0].asnumpy(), grads[0].asnumpy() * scale, rtol=1e-5, atol=1e-7)
+    # only TP: one group; nothing sharded: no collective
+    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+    plain = Net()
+    params, grads = _grads(plain, x)
+    assert _counts_and_norm(plain, params, grads)[1] == {}
+    parallelize_module(plain, mesh["tp"], {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
+    params, grads = _grads(plain, x)
+    assert _counts_and_norm(plain, params, grads)[1] == {"all_reduce": 1}
+    # a non-finite gradient on one rank (before the dp average): every rank raises
+    from hyper_parallel_ms.nn import GradientReducer
+    poisoned = list(grads)
+    if mesh.get_rank() == 3:
+        poisoned[2] = poisoned[2] * float("nan")
+    poisoned = GradientReducer(params, dp_mesh=mesh, dp_dim="dp")(tuple(poisoned))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm(poisoned, 1.0, parameters=params, error_if_nonfinite=True)
+    # the per-rank norm MindSpore's clip would use differs: the bug this fixes
+    local = _ref_norm(grads)
+    total = float(clip_grad_norm(grads, 1.0, parameters=params)[1].asnumpy())
+    assert abs(local - total) > 1e-3 * total
