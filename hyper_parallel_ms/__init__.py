@@ -38,6 +38,9 @@ _EXPORTS: Dict[str, str] = {
     "loss_parallel": "nn", "ParallelCrossEntropy": "nn",
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
     "HSDPCell": "fsdp", "init_parameters": "fsdp", "no_init_parameters": "nn",
+    "pipelining": "", "PipelineStage": "pipelining", "split_blocks": "pipelining",
+    "ScheduleGPipe": "pipelining", "Schedule1F1B": "pipelining", "ScheduleInterleaved1F1B": "pipelining",
+    "ScheduleZBVZeroBubble": "pipelining",
 }
 __all__ = list(_EXPORTS)
 
