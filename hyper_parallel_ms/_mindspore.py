@@ -43,6 +43,16 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   the kernels behind ``mint.distributed.send`` / ``recv``, return ``(tensor, handle)`` and run
   on CPU (MCCL, any group) where ``mint.distributed.send`` itself fails: its own-rank check
   reads the group ``hccl_world_group`` (:func:`p2p_send`, :func:`p2p_recv`).
+- **autograd tape**: in PyNative, with the executor's grad flag on
+  (``_pynative_executor.set_grad_flag(True)``), every op result carries an autodiff node
+  (``Tensor._grad_node``), and ``mindspore._c_expression.run_backward(outputs, sens,
+  keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad=False)`` returns the
+  gradients of ``inputs`` (``None`` for one the outputs do not reach) from the saved nodes,
+  for tapes of several forwards kept at once and in any order, without running the forward
+  again; ``keep_graph=True`` keeps the tape for a second call (:func:`taped`,
+  :func:`tape_backward`). ``ms.vjp`` / ``GradOperation`` instead find a forward by its
+  "top cell", only the most recent one (a backward of an older pending forward fails:
+  "Can not find top cell for backward").
 - **swappable entry points**: MindSpore's functions, Cell methods and compile entry points
   are looked up as module / class attributes at call time, so replacing the attribute
   reroutes every call made after it. :func:`swap_entry_points` (for the process) and
@@ -101,6 +111,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "plain_view", "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
+           "taped", "tape_backward",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked"]
 
@@ -584,6 +595,30 @@ def p2p_recv(buffer: Tensor, src: int, group: str) -> Tensor:
     out, handle = _p2p_kernels()[1](buffer, 0, src, group)
     handle.wait()
     return out
+
+
+# ------------------------------------------------------------ autograd tape
+@contextmanager
+def taped() -> Iterator[None]:
+    """Record the autodiff nodes of the PyNative ops run inside (the executor's grad flag),
+    restoring the flag after; :func:`tape_backward` differentiates what was recorded."""
+    from mindspore.common.api import _pynative_executor
+    before = _pynative_executor.grad_flag()
+    _pynative_executor.set_grad_flag(True)
+    try:
+        yield
+    finally:
+        _pynative_executor.set_grad_flag(before)
+
+
+def tape_backward(outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Sequence[Tensor],
+                  keep_graph: bool = False) -> Tuple[Optional[Tensor], ...]:
+    """Gradients of ``inputs`` (``None`` where unreached) of ``sum(outputs * sens)`` from a
+    forward recorded under :func:`taped`; ``keep_graph=True`` allows another call on it."""
+    from mindspore._c_expression import run_backward
+    grads = run_backward(tuple(outputs), tuple(sens), keep_graph, False, tuple(inputs), True,
+                         accumulate_grad=False)
+    return tuple(grads)
 
 
 # ------------------------------------------------------------ deferred initialisation

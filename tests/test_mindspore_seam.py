@@ -463,3 +463,51 @@ def test_contract_mindspore_initialises_deferred_parameters_in_attribute_order_a
     ms.set_seed(1)
     np.testing.assert_array_equal(read, Parameter(initializer(Normal(), (2, 3)), name="eager").asnumpy())
     assert not lazy.has_init
+
+
+def test_contract_tape_keeps_several_forwards_and_differentiates_them_in_any_order():
+    """Pipeline stages keep each micro-batch's forward (one forward per micro-batch): tapes of
+    several forwards live at once, their backwards run in any order, a kept tape serves a
+    second call (input gradient, then weight gradient), an unreached input gives None, and
+    ms.vjp cannot do the same (it finds only the latest forward)."""
+    calls = []
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Dense(3, 3)
+            self.unused = ms.Parameter(Tensor(np.ones(2, np.float32)), name="unused")
+
+        def construct(self, x):
+            calls.append(1)
+            return ops.tanh(self.dense(x))
+
+    ms.set_seed(0)
+    net = Net()
+    weights = [net.dense.weight, net.dense.bias]
+    xs = [Tensor(np.random.RandomState(i).randn(2, 3).astype(np.float32)) for i in range(3)]
+    sens = [Tensor(np.random.RandomState(9 + i).randn(2, 3).astype(np.float32)) for i in range(3)]
+    want = [ms.grad(lambda x, s=s: (net(x) * s).sum(), grad_position=0, weights=weights)(x) for x, s in zip(xs, sens)]
+    calls.clear()
+    outs = []
+    with seam.taped():
+        for x in xs:
+            x.requires_grad_()
+            outs.append(net(x))
+    assert len(calls) == 3 and all(o._grad_node is not None for o in outs)
+    assert net(xs[0])._grad_node is None                      # the flag is restored
+    for m in (2, 0):
+        got = seam.tape_backward([outs[m]], [sens[m]], [xs[m]] + weights + [net.unused])
+        np.testing.assert_allclose(got[0].asnumpy(), want[m][0].asnumpy(), rtol=1e-6, atol=1e-7)
+        for g, w in zip(got[1:3], want[m][1]):
+            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+        assert got[3] is None
+    dx, = seam.tape_backward([outs[1]], [sens[1]], [xs[1]], keep_graph=True)
+    dw = seam.tape_backward([outs[1]], [sens[1]], weights)
+    np.testing.assert_allclose(dx.asnumpy(), want[1][0].asnumpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dw[0].asnumpy(), want[1][1][0].asnumpy(), rtol=1e-6, atol=1e-7)
+    assert len(calls) == 4                                     # no forward ran again
+
+    pending = [ms.vjp(net, x, weights=weights)[1] for x in xs[:2]]
+    with pytest.raises(RuntimeError, match="Can not find top cell for backward"):
+        pending[0](sens[0])

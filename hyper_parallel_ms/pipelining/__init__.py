@@ -4,7 +4,10 @@ A schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble) lowers to one list of a
 pipeline rank: forward / backward / input-gradient / weight-gradient of a stage on a
 micro-batch, and the SEND / RECV between ranks, in an order that cannot deadlock with
 blocking point-to-point calls. :func:`validate` checks any such lists without processes.
-Pure Python: importing this package loads no MindSpore.
+The runtime (:class:`PipelineStage`, :func:`split_blocks` and the schedules ``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) executes those
+lists with ``comm.send`` / ``recv``; its names load MindSpore on first use, so importing this
+package and building plans loads no MindSpore.
 
 Example:
     >>> plan = build_plan("ZBVZeroBubble", pp=2, n_microbatches=4)
@@ -24,4 +27,20 @@ from ._validate import Timeline, validate
 
 __all__ = ["Action", "ActionKind", "ScheduleError", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
            "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
-           "time_compute", "stage_to_rank", "stages_of_rank", "format_table"]
+           "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
+           "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
+           "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
+
+_RUNTIME = ("PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
+            "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble")
+
+
+def __getattr__(name: str):
+    """The runtime's names, imported on first use (they load MindSpore)."""
+    if name in ("PipelineStage", "split_blocks"):
+        from . import _stage
+        return getattr(_stage, name)
+    if name in _RUNTIME:
+        from . import _schedules
+        return getattr(_schedules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,65 @@
+"""Micro-batches and the shapes that cross stages: splitting along dim 0, and the small integer
+descriptions (signatures) of a tuple of tensors that ranks exchange to learn receive shapes.
+
+A signature is ``(count, dtype code, ndim, d0, .., d7, dtype code, ndim, ...)``; it fits the
+fixed :data:`HEADER` length (up to :data:`MAX_TENSORS` tensors of at most :data:`MAX_NDIM` dims).
+
+Example::
+
+    mbs = split_microbatches((x, y), 4)              # 4 tuples (x_m, y_m), rows split evenly
+    sig = signature(mbs[0]); like_tensors(sig)       # zero tensors of those shapes and dtypes
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+__all__ = ["split_microbatches", "signature", "like_tensors", "HEADER", "MAX_TENSORS",
+           "MAX_NDIM", "as_tuple", "is_float"]
+
+MAX_TENSORS, MAX_NDIM = 8, 8
+HEADER = 1 + MAX_TENSORS * (2 + MAX_NDIM)
+_DTYPES = (ms.float32, ms.float16, ms.bfloat16, ms.float64, ms.int32, ms.int64, ms.uint8, ms.int8, ms.int16, ms.bool_)
+_FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
+
+
+def as_tuple(value) -> Tuple:
+    """A stage's output as a tuple of tensors."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def is_float(x: Tensor) -> bool:
+    """Whether ``x`` carries a gradient between stages (floating dtypes)."""
+    return x.dtype in _FLOATS
+
+
+def split_microbatches(tensors: Sequence[Tensor], n: int) -> List[Tuple[Tensor, ...]]:
+    """``n`` tuples, the i-th holding the i-th equal chunk (along dim 0) of each tensor."""
+    chunks = [ops.split(t, t.shape[0] // n, axis=0) for t in tensors]
+    return [tuple(c[m] for c in chunks) for m in range(n)]
+
+
+def signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:
+    """The fixed-length integer description of ``tensors`` (shapes and dtypes), -1 first if it does not fit."""
+    if len(tensors) > MAX_TENSORS or any(t.ndim > MAX_NDIM or t.dtype not in _DTYPES for t in tensors):
+        return (-1,) + (0,) * (HEADER - 1)
+    out = [len(tensors)]
+    for t in tensors:
+        out += [_DTYPES.index(t.dtype), t.ndim] + list(t.shape) + [0] * (MAX_NDIM - t.ndim)
+    return tuple(out) + (0,) * (HEADER - len(out))
+
+
+def like_tensors(sig: Sequence[int]) -> Tuple[Tensor, ...]:
+    """Zero tensors with the shapes and dtypes ``sig`` describes (receive templates)."""
+    sig = [int(v) for v in sig]
+    if sig[0] < 0:
+        raise ValueError(f"a stage output does not fit the shape header: at most {MAX_TENSORS} tensors of at most "
+                         f"{MAX_NDIM} dims with dtypes {[str(d) for d in _DTYPES]}")
+    out = []
+    for i in range(sig[0]):
+        code, ndim, *dims = sig[1 + i * (2 + MAX_NDIM): 1 + (i + 1) * (2 + MAX_NDIM)]
+        out.append(Tensor(np.zeros(dims[:ndim]), _DTYPES[code]))
+    return tuple(out)

@@ -1,0 +1,188 @@
+"""The one runtime: executes a rank's checked action list (``PipelinePlan.actions[rank]``).
+
+Each forward ``F`` runs the stage's Cell once, recording its autodiff tape
+(:func:`~hyper_parallel_ms._mindspore.taped`); ``B`` differentiates that tape for the stage's
+inputs and parameters; the zero-bubble pair ``I`` / ``W`` differentiates it twice, inputs
+first (keeping the tape), parameters later. No forward runs again. ``SEND`` / ``RECV`` move
+activations and gradients with :func:`~hyper_parallel_ms.comm.send` / ``recv``; stages on one
+rank hand over directly. Receive shapes come from a small integer header sent before the
+first activation crossing each stage boundary, on a step whose input shapes are new
+(:mod:`._microbatch`); later steps with the same input shapes reuse them.
+
+Example::
+
+    runtime = Runtime(stages, plan, loss_fn, scale=1 / plan.n_microbatches)
+    runtime.run(plan.actions[rank], microbatches, targets, losses, new_shapes=True)
+    runtime.gradients()            # tuple aligned with runtime.parameters()
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+from .. import comm
+from .._mindspore import tape_backward, taped
+from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+from ._microbatch import HEADER, as_tuple, is_float, like_tensors, signature
+from ._plan import PipelinePlan
+from ._stage import PipelineStage
+
+__all__ = ["Runtime"]
+
+Key = Tuple[int, int]     # (stage, micro-batch)
+
+
+class Runtime:
+    """Executes action lists for this rank's ``stages`` of ``plan``, accumulating gradients."""
+
+    def __init__(self, stages: Sequence[PipelineStage], plan: PipelinePlan, loss_fn: Optional[Callable],
+                 scale: float) -> None:
+        self.stages: Dict[int, PipelineStage] = {s.stage_index: s for s in stages}
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.scale = scale
+        self.mesh = stages[0].mesh
+        self._params: Dict[int, List[ms.Parameter]] = {s: self.stages[s].parameters() for s in sorted(self.stages)}
+        self._grads: Dict[int, List[Optional[Tensor]]] = {}
+        self._shapes: Dict[int, Tuple[int, ...]] = {}      # stage -> signature of its received inputs
+        self.forward_calls = 0
+
+    def parameters(self) -> List[ms.Parameter]:
+        """This rank's stages' trainable parameters, stage by stage."""
+        return [p for s in sorted(self._params) for p in self._params[s]]
+
+    def gradients(self) -> Tuple[Tensor, ...]:
+        """Gradients accumulated by the last :meth:`run`, aligned with :meth:`parameters` (zeros if unreached)."""
+        out = []
+        for s in sorted(self._params):
+            for p, g in zip(self._params[s], self._grads.get(s, [None] * len(self._params[s]))):
+                out.append(ops.zeros(p.shape, p.dtype) if g is None else g)
+        return tuple(out)
+
+    # --------------------------------------------------------------- one step
+    def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[Tensor, ...]]],
+            targets: Optional[Sequence[Tensor]], losses: Optional[list], *, new_shapes: bool) -> List[Tensor]:
+        """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held here)."""
+        self._grads = {s: [None] * len(ps) for s, ps in self._params.items()}
+        self._new_shapes = new_shapes
+        if new_shapes:
+            self._shapes = {}
+        self._inputs: Dict[Key, Tuple[Tensor, ...]] = {}
+        self._tape: Dict[Key, Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]] = {}   # (outputs, sens)
+        self._outs: Dict[Key, Tuple[Tensor, ...]] = {}
+        self._out_grads: Dict[Key, Tuple[Tensor, ...]] = {}
+        self._in_grads: Dict[Key, Tuple[Tensor, ...]] = {}
+        self._header_sent: set = set()
+        self._results: Dict[int, Tensor] = {}
+        self._batches, self._targets, self._losses = microbatches, targets, losses
+        handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
+                    SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b}
+        for action in actions:
+            handlers[action.kind](action.stage, action.microbatch)
+        results = [self._results[m] for m in sorted(self._results)]
+        self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = {}
+        return results
+
+    # --------------------------------------------------------------- compute
+    def _forward(self, s: int, m: int) -> None:
+        stage = self.stages[s]
+        args = self._batches[m] if s == 0 else self._inputs[s, m]
+        with taped():
+            self.forward_calls += 1
+            out = stage.submodule(*args)
+            if stage.is_last:
+                self._results[m] = out
+                loss = self.loss_fn(out, self._targets[m])
+        if stage.is_last:
+            if self._losses is not None:
+                self._losses.append(loss)
+            self._tape[s, m] = ((loss,), (Tensor(np.full(loss.shape, self.scale), loss.dtype),))
+            return
+        outs = as_tuple(out)
+        self._tape[s, m] = (tuple(o for o in outs if is_float(o)), None)
+        if self.plan.placement[s + 1] == self.plan.placement[s]:
+            self._take_inputs(s + 1, m, tuple(ops.stop_gradient(o) for o in outs))
+        else:
+            self._outs[s, m] = outs
+
+    def _take_inputs(self, s: int, m: int, tensors: Tuple[Tensor, ...]) -> None:
+        for t in tensors:
+            if is_float(t):
+                t.requires_grad_()
+        self._inputs[s, m] = tensors
+
+    def _sens(self, s: int, m: int) -> Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]:
+        outputs, sens = self._tape[s, m]
+        return outputs, (self._out_grads.pop((s, m)) if sens is None else sens)
+
+    def _grad_inputs(self, s: int, m: int) -> List[Tensor]:
+        return [] if s == 0 else [t for t in self._inputs[s, m] if is_float(t)]
+
+    def _backward(self, s: int, m: int) -> None:
+        outputs, sens = self._sens(s, m)
+        del self._tape[s, m]
+        inputs = self._grad_inputs(s, m)
+        grads = tape_backward(outputs, sens, inputs + self._params[s])
+        self._give_input_grads(s, m, inputs, grads[:len(inputs)])
+        self._accumulate(s, grads[len(inputs):])
+        self._inputs.pop((s, m), None)
+
+    def _backward_input(self, s: int, m: int) -> None:
+        outputs, sens = self._sens(s, m)
+        self._tape[s, m] = (outputs, sens)           # kept for W
+        inputs = self._grad_inputs(s, m)
+        if inputs:
+            self._give_input_grads(s, m, inputs, tape_backward(outputs, sens, inputs, keep_graph=True))
+
+    def _backward_weight(self, s: int, m: int) -> None:
+        outputs, sens = self._tape.pop((s, m))
+        if self._params[s]:
+            self._accumulate(s, tape_backward(outputs, sens, self._params[s]))
+        self._inputs.pop((s, m), None)
+
+    def _give_input_grads(self, s: int, m: int, inputs: List[Tensor], grads: Sequence[Optional[Tensor]]) -> None:
+        grads = tuple(ops.zeros(x.shape, x.dtype) if g is None else g for x, g in zip(inputs, grads))
+        if self.plan.placement[s - 1] == self.plan.placement[s]:
+            self._out_grads[s - 1, m] = grads
+        else:
+            self._in_grads[s, m] = grads
+
+    def _accumulate(self, s: int, grads: Sequence[Optional[Tensor]]) -> None:
+        acc = self._grads[s]
+        for i, g in enumerate(grads):
+            if g is not None:
+                acc[i] = g if acc[i] is None else acc[i] + g
+
+    # --------------------------------------------------------------- transfers
+    def _peer(self, stage: int) -> int:
+        return self.plan.placement[stage]
+
+    def _send_f(self, s: int, m: int) -> None:
+        outs = self._outs.pop((s, m))
+        dst = self._peer(s + 1)
+        if self._new_shapes and s not in self._header_sent:
+            self._header_sent.add(s)
+            comm.send(Tensor(np.array(signature(outs), np.int64)), self.mesh, 0, dst=dst)
+        for t in outs:
+            comm.send(t, self.mesh, 0, dst=dst)
+
+    def _recv_f(self, s: int, m: int) -> None:
+        src = self._peer(s - 1)
+        if s not in self._shapes:
+            header = comm.recv(Tensor(np.zeros(HEADER, np.int64)), self.mesh, 0, src=src)
+            self._shapes[s] = tuple(int(v) for v in header.asnumpy())
+        received = tuple(comm.recv(like, self.mesh, 0, src=src) for like in like_tensors(self._shapes[s]))
+        self._take_inputs(s, m, received)
+
+    def _send_b(self, s: int, m: int) -> None:
+        dst = self._peer(s - 1)
+        for g in self._in_grads.pop((s, m)):
+            comm.send(g, self.mesh, 0, dst=dst)
+
+    def _recv_b(self, s: int, m: int) -> None:
+        src = self._peer(s + 1)
+        outputs = self._tape[s, m][0]
+        self._out_grads[s, m] = tuple(comm.recv(ops.zeros(o.shape, o.dtype), self.mesh, 0, src=src) for o in outputs)

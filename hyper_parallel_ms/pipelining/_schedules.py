@@ -1,0 +1,297 @@
+"""Pipeline schedules with PyTorch's names: build the plan, check on every rank, run steps.
+
+Every check whose cause only some ranks can see (a batch that does not split, a last stage
+without ``loss_fn``, a stage on the wrong rank) is agreed over the pp mesh first (one small
+all-reduce), so that every rank raises the same error instead of some waiting forever.
+
+Example::
+
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+    opt = nn.AdamWeightDecay(schedule.parameters())
+    losses = []
+    schedule.step(x, target=y, losses=losses)        # x on stage 0's rank, y on the last stage's
+    opt(schedule.gradients())
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+from ..comm._agreement import extremes
+from ._action import ScheduleError
+from ._microbatch import HEADER, signature, split_microbatches
+from ._plan import PipelinePlan, build_plan
+from ._runtime import Runtime
+from ._stage import PipelineStage, stage_cells
+
+__all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
+
+_MISSING, _NOT_TENSOR, _UNEVEN = 1, 2, 3
+
+
+def _batch_problem(tensors: Optional[Sequence[object]], n: int) -> Tuple[int, int, int]:
+    """(code, index, batch size) of the first tensor that cannot be split into ``n`` micro-batches; code 0: fine."""
+    if not tensors:
+        return _MISSING, 0, 0
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor) or t.ndim == 0:
+            return _NOT_TENSOR, i, 0
+        if t.shape[0] % n:
+            return _UNEVEN, i, t.shape[0]
+    return 0, 0, 0
+
+
+def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
+    if code == _MISSING:
+        return (f"the rank holding the {what} stage got no {what == 'first' and 'batch' or 'target'}: pass "
+                f"{what == 'first' and 'the inputs to step(*args)' or 'step(..., target=...)'} there")
+    if code == _NOT_TENSOR:
+        return f"{what} stage's {'argument' if what == 'first' else 'target'} {index} is not a Tensor with a batch dim"
+    return (f"{what} stage's {'argument' if what == 'first' else 'target'} {index} has batch size {size}, which does "
+            f"not split into {n} equal micro-batches along dim 0; use a batch size that is a multiple of {n} or "
+            f"another n_microbatches")
+
+
+class PipelineSchedule:
+    """Base of the schedules: this rank's stages, the checked plan, and the runtime.
+
+    Args:
+        stages: this rank's :class:`PipelineStage` objects.
+        n_microbatches: micro-batches per step (the batch splits along dim 0).
+        loss_fn: ``loss_fn(output, target_microbatch)``; needed on the rank of the last stage.
+        scale_grads: average gradients over micro-batches (one step equals the full-batch step when
+            ``loss_fn`` is a mean over the batch); ``False`` sums them.
+        micro_batch_num: HyperParallel's name for ``n_microbatches`` (give one of the two).
+
+    Example::
+
+        schedule = ScheduleGPipe(stage, 4, loss_fn)
+        schedule.step(x, target=y)
+    """
+
+    schedule_name = ""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: Optional[int] = None,
+                 loss_fn: Optional[Callable] = None, *, scale_grads: bool = True,
+                 micro_batch_num: Optional[int] = None) -> None:
+        if (n_microbatches is None) == (micro_batch_num is None):
+            raise TypeError(f"{type(self).__name__} needs n_microbatches (or HyperParallel's micro_batch_num), "
+                            f"exactly one of them; got {n_microbatches!r} and {micro_batch_num!r}")
+        n = n_microbatches if micro_batch_num is None else micro_batch_num
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ScheduleError(f"n_microbatches must be a positive int, got {n!r}")
+        stages = list(stages)
+        problem = stage_cells(stages)
+        if problem:
+            raise TypeError(f"{type(self).__name__}: {problem}")
+        stages.sort(key=lambda st: st.stage_index)
+        self.stages = stages
+        self.n_microbatches = n
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.mesh = stages[0].mesh
+        self.plan = self._agreed_plan(stages, n, loss_fn)
+        self._runtime = Runtime(stages, self.plan, loss_fn, 1.0 / n if scale_grads else 1.0)
+        self._shape_key: Optional[Tuple[float, ...]] = None
+
+    # --------------------------------------------------------------- construction checks
+    def _agreed_plan(self, stages: List[PipelineStage], n: int, loss_fn) -> PipelinePlan:
+        mesh, name = self.mesh, type(self).__name__
+        pp, me = mesh.size(), mesh.get_local_rank()
+        mine = np.array([stages[0].num_stages, n, len(stages)], np.float32)
+        high, low = extremes(mine, mesh)
+        if (high != low).any():
+            raise ScheduleError(f"{name}: the pp ranks disagree on (num_stages, n_microbatches, stages per rank): "
+                                f"from {tuple(int(v) for v in low)} to {tuple(int(v) for v in high)}; build the same "
+                                f"schedule on every rank")
+        num_stages, v = stages[0].num_stages, len(stages)
+        if num_stages != pp * v:
+            raise ScheduleError(f"{name}: {num_stages} stages do not fit the pp mesh of {pp} ranks with {v} stage(s) "
+                                f"per rank; use num_stages = {pp * v} or a pp mesh of {num_stages // v or 1} ranks")
+        plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v)
+        flags = np.zeros(2 * pp, np.float32)
+        flags[2 * me] = tuple(st.stage_index for st in stages) != plan.stages_of(me)
+        flags[2 * me + 1] = plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None
+        high, _ = extremes(flags, mesh)
+        wrong = [f"rank {r} must hold stages {plan.stages_of(r)} ({self.schedule_name} placement)"
+                 for r in range(pp) if high[2 * r]]
+        if wrong:
+            raise ScheduleError(f"{name}: " + "; ".join(wrong))
+        lossless = [r for r in range(pp) if high[2 * r + 1]]
+        if lossless:
+            raise ScheduleError(f"{name}: the last stage (on rank {lossless[0]}) has no loss_fn; pass "
+                                f"loss_fn=... (loss_fn(output, target)) on every rank")
+        return plan
+
+    # --------------------------------------------------------------- one step
+    def step(self, *args: Tensor, target: Optional[Tensor] = None, losses: Optional[list] = None):
+        """Run one step on the whole batch; gradients from zero (see :meth:`gradients`).
+
+        Args:
+            args: the batch's inputs of stage 0 (read on the rank holding it; split along dim 0).
+            target: the batch's target (read on the rank holding the last stage; split along dim 0).
+            losses: a list that receives each micro-batch's loss, in order (on the last stage's rank).
+
+        Returns:
+            On the rank of the last stage, its outputs of the whole batch (concatenated along dim 0);
+            ``None`` elsewhere.
+
+        Example::
+
+            losses = []
+            schedule.step(x, target=y, losses=losses)
+        """
+        first, last = self.stages[0].is_first, self.stages[-1].is_last
+        n = self.n_microbatches
+        fcode = _batch_problem(args, n) if first else (0, 0, 0)
+        lcode = _batch_problem(None if target is None else (target,), n) if last else (0, 0, 0)
+        sig = np.zeros(HEADER, np.float32)
+        if first and not fcode[0]:
+            sig = np.array(signature(tuple(a[:a.shape[0] // n] for a in args)), np.float32) + 1
+        high, _ = extremes(np.concatenate([np.array(fcode + lcode, np.float32), sig]), self.mesh)
+        for what, (code, index, size) in (("first", high[0:3]), ("last", high[3:6])):
+            if code:
+                raise ValueError(f"{type(self).__name__}.step: " + _batch_message(what, int(code), int(index),
+                                                                                    int(size), n))
+        key = tuple(high[6:])
+        new_shapes, self._shape_key = key != self._shape_key, key
+        batches = split_microbatches(args, n) if first else None
+        targets = [t[0] for t in split_microbatches((target,), n)] if last else None
+        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
+                                 new_shapes=new_shapes)
+        if not last:
+            return None
+        return ops.cat(outs, axis=0) if isinstance(outs[0], Tensor) else outs
+
+    def run(self, *args: Tensor, target: Optional[Tensor] = None, losses: Optional[list] = None):
+        """HyperParallel's name for :meth:`step` (same arguments and result).
+
+        Args:
+            args: as :meth:`step`.
+            target: as :meth:`step`.
+            losses: as :meth:`step`.
+
+        Example::
+
+            schedule.run(x, target=y)
+        """
+        return self.step(*args, target=target, losses=losses)
+
+    def parameters(self) -> List[ms.Parameter]:
+        """This rank's stages' trainable parameters (stage order), for an optimizer.
+
+        Example::
+
+            opt = nn.AdamWeightDecay(schedule.parameters())
+        """
+        return self._runtime.parameters()
+
+    def gradients(self) -> Tuple[Tensor, ...]:
+        """The gradients of the last step, aligned with :meth:`parameters` (zeros where none reached).
+
+        Example::
+
+            opt(schedule.gradients())
+        """
+        return self._runtime.gradients()
+
+    @property
+    def forward_calls(self) -> int:
+        """How many stage forwards this rank ran since the schedule was made (one per stage and micro-batch)."""
+        return self._runtime.forward_calls
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.plan.num_stages} stages, {self.n_microbatches} micro-batches)"
+
+
+class _SingleStage(PipelineSchedule):
+    def __init__(self, stage: PipelineStage, n_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
+                 *, scale_grads: bool = True, micro_batch_num: Optional[int] = None) -> None:
+        if not isinstance(stage, PipelineStage):
+            raise TypeError(f"{type(self).__name__} runs one PipelineStage per rank, got {type(stage).__name__}; "
+                            f"use ScheduleInterleaved1F1B for several")
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num)
+
+
+class ScheduleGPipe(_SingleStage):
+    """GPipe: every forward, then every backward; one stage per rank (stage s on rank s).
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        n_microbatches: micro-batches per step.
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
+        scale_grads: average gradients over micro-batches (default ``True``).
+        micro_batch_num: HyperParallel's name for ``n_microbatches``.
+
+    Example::
+
+        schedule = ScheduleGPipe(stage, 4, loss_fn)
+        schedule.step(x, target=y)
+    """
+
+    schedule_name = "GPipe"
+
+
+class Schedule1F1B(_SingleStage):
+    """1F1B: warm-up forwards, then one forward and one backward in turn; at most ``num_stages``
+    micro-batches' activations per stage. Needs ``n_microbatches >= num_stages``.
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        n_microbatches: micro-batches per step (at least the number of stages).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
+        scale_grads: average gradients over micro-batches (default ``True``).
+        micro_batch_num: HyperParallel's name for ``n_microbatches``.
+
+    Example::
+
+        schedule = Schedule1F1B(stage, 4, loss_fn)
+    """
+
+    schedule_name = "1F1B"
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B: several stages per rank, looped (stage s on rank s % pp).
+
+    Args:
+        stages: this rank's stages (e.g. stages r and r + pp).
+        n_microbatches: micro-batches per step (any number).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
+        scale_grads: average gradients over micro-batches (default ``True``).
+        micro_batch_num: HyperParallel's name for ``n_microbatches``.
+
+    Example::
+
+        schedule = ScheduleInterleaved1F1B([stage_r, stage_r_plus_pp], 4, loss_fn)
+    """
+
+    schedule_name = "Interleaved1F1B"
+
+    def __init__(self, stages: Union[Sequence[PipelineStage], PipelineStage], n_microbatches: Optional[int] = None,
+                 loss_fn: Optional[Callable] = None, *, scale_grads: bool = True,
+                 micro_batch_num: Optional[int] = None) -> None:
+        stages = [stages] if isinstance(stages, PipelineStage) else stages
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num)
+
+
+class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
+    """Zero-bubble V: rank r holds stages r and 2 pp - 1 - r; each backward is split into an
+    input gradient (sent at once) and a weight gradient run later, in what would be bubbles.
+
+    Args:
+        stages: this rank's two stages (r and 2 pp - 1 - r).
+        n_microbatches: micro-batches per step (any number).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on rank 0, which holds the last stage).
+        scale_grads: average gradients over micro-batches (default ``True``).
+        micro_batch_num: HyperParallel's name for ``n_microbatches``.
+
+    Example::
+
+        schedule = ScheduleZBVZeroBubble([stage_r, stage_mirror], 4, loss_fn)
+    """
+
+    schedule_name = "ZBVZeroBubble"

@@ -1,0 +1,165 @@
+"""A pipeline stage: one rank's part of a model (a Cell), its stage index and the "pp" mesh.
+
+:func:`split_blocks` cuts the common model shape (a Cell list of blocks between optional
+first-stage and last-stage layers) into one stage's Cell by deleting the other layers from
+the full model; every kept Parameter keeps the full model's name, so optimizers and
+checkpoints see the usual names.
+
+Example::
+
+    model = split_blocks(Model(), stage_index=1, num_stages=2, first=("embed",), last=("head",))
+    stage = PipelineStage(model, 1, 2, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)))
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import mindspore as ms
+from mindspore import nn
+
+__all__ = ["PipelineStage", "split_blocks", "default_pp_mesh"]
+
+
+def default_pp_mesh():
+    """A 1-D mesh named "pp" over every rank of the job.
+
+    Example::
+
+        mesh = default_pp_mesh()           # init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    """
+    from mindspore import communication
+
+    from ..mesh import init_device_mesh
+    device = "npu" if ms.get_context("device_target") == "Ascend" else "cpu"
+    return init_device_mesh(device, (communication.get_group_size(),), mesh_dim_names=("pp",))
+
+
+class PipelineStage:
+    """Stage ``stage_index`` of ``num_stages``: ``submodule`` runs it on this rank of ``mesh``.
+
+    Args:
+        submodule: this stage's ``nn.Cell``; it takes the previous stage's outputs (the batch's
+            tensors for stage 0) and returns a Tensor or a tuple of Tensors.
+        stage_index: the index of this stage, ``0 <= stage_index < num_stages``.
+        num_stages: the number of stages of the whole pipeline.
+        mesh: the 1-D pipeline :class:`DeviceMesh` (default: every rank, one dim named "pp").
+
+    Example::
+
+        stage = PipelineStage(split_blocks(Model(), rank, 2), rank, 2, mesh=mesh)
+        schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
+    """
+
+    def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: int, *, mesh=None) -> None:
+        if not isinstance(submodule, nn.Cell):
+            raise TypeError(f"PipelineStage needs an nn.Cell as submodule, got {type(submodule).__name__}")
+        for name, value in (("num_stages", num_stages), ("stage_index", stage_index)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"PipelineStage {name} must be an int, got {value!r}")
+        if num_stages < 1 or not 0 <= stage_index < num_stages:
+            raise ValueError(f"PipelineStage stage_index must be in 0..{num_stages - 1} (num_stages={num_stages}), "
+                             f"got {stage_index}")
+        mesh = default_pp_mesh() if mesh is None else mesh
+        if mesh.ndim != 1:
+            raise ValueError(f"PipelineStage needs the 1-D pipeline mesh (e.g. mesh['pp']), got a {mesh.ndim}-D mesh "
+                             f"{mesh}")
+        self.submodule = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.mesh = mesh
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this is stage 0 (it reads the batch)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the last stage (it applies the loss)."""
+        return self.stage_index == self.num_stages - 1
+
+    def parameters(self) -> List[ms.Parameter]:
+        """The stage's trainable parameters (full-model names)."""
+        return list(self.submodule.trainable_params())
+
+    def __repr__(self) -> str:
+        return f"PipelineStage({type(self.submodule).__name__}, stage {self.stage_index} of {self.num_stages})"
+
+
+def _block_range(n_blocks: int, stage_index: int, num_stages: int) -> Tuple[int, int]:
+    """[start, stop) of the blocks of a stage: contiguous, as even as can be, earlier stages larger.
+
+    >>> [_block_range(5, s, 2) for s in range(2)]
+    [(0, 3), (3, 5)]
+    """
+    base, extra = divmod(n_blocks, num_stages)
+    start = stage_index * base + min(stage_index, extra)
+    return start, start + base + (stage_index < extra)
+
+
+def split_blocks(model: nn.Cell, stage_index: int, num_stages: int, *, blocks: str = "layers",
+                 first: Sequence[str] = (), last: Sequence[str] = ()) -> nn.Cell:
+    """Keep in ``model`` only what stage ``stage_index`` of ``num_stages`` runs; returns ``model``.
+
+    ``model.<blocks>`` (an ``nn.CellList`` or ``nn.SequentialCell``) keeps its contiguous share
+    of the blocks (as even as can be, earlier stages one more); the attributes named in
+    ``first`` are kept on stage 0 only and those in ``last`` on the last stage only, and set
+    to ``None`` elsewhere, so ``construct`` must skip a layer that is ``None``. Kept Parameters
+    keep their full-model names (``layers.5.weight`` stays so on the stage holding block 5).
+
+    Args:
+        model: the full model, built the same way (same seed) on every rank.
+        stage_index: this stage's index.
+        num_stages: the number of stages.
+        blocks: the attribute holding the list of blocks.
+        first: attributes only the first stage keeps (e.g. the embedding).
+        last: attributes only the last stage keeps (e.g. the final norm and the head).
+
+    Example::
+
+        class Model(nn.Cell):
+            def construct(self, x):
+                x = x if self.embed is None else self.embed(x)
+                for block in self.layers:
+                    x = block(x)
+                return x if self.head is None else self.head(x)
+
+        stage_cell = split_blocks(Model(), 1, 4, first=("embed",), last=("head",))
+    """
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"split_blocks: stage_index must be in 0..{num_stages - 1}, got {stage_index}")
+    listed = getattr(model, blocks, None)
+    if not isinstance(listed, (nn.CellList, nn.SequentialCell)):
+        raise TypeError(f"split_blocks: {type(model).__name__}.{blocks} must be an nn.CellList or nn.SequentialCell, "
+                        f"got {type(listed).__name__}; pass blocks=<the attribute holding the blocks>")
+    if len(listed) < num_stages:
+        raise ValueError(f"split_blocks: {len(listed)} blocks cannot make {num_stages} stages (one block at least "
+                         f"per stage); use at most {len(listed)} stages")
+    names = {id(p): p.name for p in model.get_parameters()}
+    start, stop = _block_range(len(listed), stage_index, num_stages)
+    kept = list(listed)[start:stop]
+    setattr(model, blocks, type(listed)(kept))
+    for attr, keep in [(a, stage_index == 0) for a in first] + [(a, stage_index == num_stages - 1) for a in last]:
+        if not hasattr(model, attr):
+            raise AttributeError(f"split_blocks: {type(model).__name__} has no attribute {attr!r}")
+        if not keep:
+            setattr(model, attr, None)
+    for p in model.get_parameters():      # MindSpore renames Parameters of re-set lists: put the full names back
+        p.name = names[id(p)]
+    return model
+
+
+def stage_cells(stages: Sequence[PipelineStage]) -> Optional[str]:
+    """Why ``stages`` cannot run together on one rank (None when they can)."""
+    if not stages:
+        return "no stages given"
+    bad = [type(s).__name__ for s in stages if not isinstance(s, PipelineStage)]
+    if bad:
+        return f"expected PipelineStage objects, got {bad}"
+    if len({s.mesh for s in stages}) != 1:
+        return "the stages of one rank must share one pp mesh"
+    if len({s.num_stages for s in stages}) != 1:
+        return f"the stages disagree on num_stages: {[s.num_stages for s in stages]}"
+    if len({s.stage_index for s in stages}) != len(stages):
+        return f"a stage index is listed twice: {[s.stage_index for s in stages]}"
+    return None

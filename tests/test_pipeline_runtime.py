@@ -1,0 +1,208 @@
+"""The pipeline runtime on CPU ranks: every schedule, on 2 and 4 ranks, with num_stages, more and
+(where the schedule allows) fewer micro-batches, gives each micro-batch's loss, the gradients
+and the parameters after 3 AdamWeightDecay steps of the single-device model on the whole batch;
+one forward per stage and micro-batch; shapes re-found when the batch shape changes; the
+error cases raise on every rank (never a hang)."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn, ops
+
+from hyper_parallel_ms.testing import multi_rank
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
+BATCHES = (24, 48, 24)        # the second step changes every inter-stage shape, the third changes it back
+WIDTH, IN, OUT = 8, 6, 4
+RTOL, ATOL = 1e-5, 1e-6
+# this MLP (tanh, mean-square loss) has no element with a mathematically zero gradient, so AdamW
+# is compared at the plain tolerance everywhere (tests/_parity.py's zero-gradient rule does not arise)
+
+
+class Block(nn.Cell):
+    def __init__(self, calls: list):
+        super().__init__()
+        self.dense = nn.Dense(WIDTH, WIDTH)
+        self.calls = calls
+
+    def construct(self, x):
+        self.calls.append(1)
+        return ops.tanh(self.dense(x)) + x
+
+
+class Model(nn.Cell):
+    def __init__(self, n_blocks: int):
+        super().__init__()
+        self.calls: list = []
+        self.embed = nn.Dense(IN, WIDTH)
+        self.layers = nn.CellList([Block(self.calls) for _ in range(n_blocks)])
+        self.head = nn.Dense(WIDTH, OUT)
+
+    def construct(self, x):
+        x = x if self.embed is None else self.embed(x)
+        for block in self.layers:
+            x = block(x)
+        return x if self.head is None else self.head(x)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _batch(step: int, size: int):
+    rs = np.random.RandomState(100 + step)
+    return ms.Tensor(rs.randn(size, IN).astype(np.float32)), ms.Tensor(rs.randn(size, OUT).astype(np.float32))
+
+
+def _optimizer(params):
+    return nn.AdamWeightDecay(params, learning_rate=0.01, beta1=0.9, beta2=0.999, weight_decay=0.01)
+
+
+def _reference(num_stages: int, n: int):
+    """Per step: the micro-batch losses and full-batch gradients (by name); then the parameters."""
+    ms.set_seed(0)
+    model = Model(num_stages)
+    params = model.trainable_params()
+    opt = _optimizer(params)
+    step_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, params)
+    history = []
+    for step, size in enumerate(BATCHES):
+        x, y = _batch(step, size)
+        k = size // n
+        mb_losses = [float(loss_fn(model(x[m * k:(m + 1) * k]), y[m * k:(m + 1) * k]).asnumpy()) for m in range(n)]
+        _, grads = step_fn(x, y)
+        history.append((mb_losses, {p.name: g.asnumpy() for p, g in zip(params, grads)}))
+        opt(grads)
+    return history, {p.name: p.asnumpy() for p in params}
+
+
+def _schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, stage_of=None):
+    from hyper_parallel_ms import pipelining as pl
+
+    pp, me = mesh.size(), mesh.get_local_rank()
+    v = STAGES_PER_RANK[name]
+    num_stages = pp * v if num_stages is None else num_stages
+    held = pl.build_plan(name, pp, pp * v, stages_per_rank=v).stages_of(me) if stage_of is None else stage_of
+    stages, models = [], []
+    for s in held:
+        ms.set_seed(0)
+        model = pl.split_blocks(Model(num_stages), s, num_stages, first=("embed",), last=("head",))
+        models.append(model)
+        stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh))
+    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
+           "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
+    return cls(stages[0] if v == 1 else stages, n, loss), models
+
+
+def _check_parity(name: str, n: int) -> None:
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ms.communication.get_group_size(),), mesh_dim_names=("pp",))
+    schedule, models = _schedule(name, mesh, n)
+    num_stages = schedule.plan.num_stages
+    history, final = _reference(num_stages, n)
+    first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
+    params = schedule.parameters()
+    names = [p.name for p in params]
+    assert len(set(names)) == len(names) and set(names) <= set(final), names      # full-model names
+    opt = _optimizer(params)
+    for step, size in enumerate(BATCHES):
+        x, y = _batch(step, size)
+        losses: list = []
+        calls_before = [len(m.calls) for m in models]
+        out = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        # one forward per block and micro-batch: the backward reuses the forward's tape
+        assert [len(m.calls) - c for m, c in zip(models, calls_before)] == [n * len(m.layers) for m in models]
+        want_losses, want_grads = history[step]
+        if last:
+            np.testing.assert_allclose([float(v.asnumpy()) for v in losses], want_losses, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{name}, n={n}: micro-batch losses, step {step}")
+            assert out.shape == (size, OUT)
+        else:
+            assert out is None and losses == []
+        for p, g in zip(params, schedule.gradients()):
+            np.testing.assert_allclose(g.asnumpy(), want_grads[p.name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{name}, n={n}: gradient of {p.name}, step {step}")
+        opt(schedule.gradients())
+    for p in params:
+        np.testing.assert_allclose(p.asnumpy(), final[p.name], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{name}, n={n}: {p.name} after {len(BATCHES)} AdamWeightDecay steps")
+    assert schedule.forward_calls == len(schedule.stages) * n * len(BATCHES)
+
+
+def _microbatch_counts(name: str, pp: int):
+    """num_stages, more, and fewer where the schedule allows it (1F1B refuses fewer)."""
+    stages = pp * STAGES_PER_RANK[name]
+    return (stages, 2 * stages if 2 * stages <= 12 else 12) + (() if name == "1F1B" else (stages // 2,))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@multi_rank(2)
+def test_every_schedule_equals_one_device_on_two_ranks(name):
+    for n in _microbatch_counts(name, 2):
+        _check_parity(name, n)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@multi_rank(4)
+def test_every_schedule_equals_one_device_on_four_ranks(name):
+    for n in _microbatch_counts(name, 4):
+        _check_parity(name, n)
+
+
+@multi_rank(2)
+def test_errors_raise_on_every_rank():
+    from hyper_parallel_ms import pipelining as pl
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.pipelining import ScheduleError
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_local_rank()
+    # a batch that does not split: only stage 0's rank sees it, every rank raises
+    schedule, _ = _schedule("1F1B", mesh, 2)
+    x, y = _batch(0, 5)
+    with pytest.raises(ValueError, match="first stage's argument 0 has batch size 5, which does not split into 2 "
+                                         "equal micro-batches along dim 0"):
+        schedule.step(*((x,) if me == 0 else ()), target=y[:4] if me == 1 else None)
+    x, y = _batch(0, 4)
+    with pytest.raises(ValueError, match="last stage's target 0 has batch size 3"):
+        schedule.step(*((x,) if me == 0 else ()), target=y[:3] if me == 1 else None)
+    with pytest.raises(ValueError, match="rank holding the last stage got no target"):
+        schedule.step(*((x,) if me == 0 else ()))
+    losses: list = []
+    schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None, losses=losses)   # still usable
+    assert len(losses) == (2 if me == 1 else 0)
+    # fewer micro-batches than 1F1B allows: refused at construction
+    with pytest.raises(ScheduleError, match="1F1B needs at least as many micro-batches as stages: got 1"):
+        _schedule("1F1B", mesh, 1)
+    # a stage count that does not fit the mesh
+    with pytest.raises(ScheduleError, match="3 stages do not fit the pp mesh of 2 ranks with 1 stage"):
+        _schedule("GPipe", mesh, 2, num_stages=3, stage_of=(me,))
+    # a stage on the wrong rank (rank 0 holds stage 1 too): named on every rank
+    with pytest.raises(ScheduleError, match=r"rank 0 must hold stages \(0,\)"):
+        _schedule("GPipe", mesh, 2, stage_of=(1,))
+    # a missing loss_fn on the last stage's rank only
+    with pytest.raises(ScheduleError, match=r"the last stage \(on rank 1\) has no loss_fn"):
+        _schedule("GPipe", mesh, 2, loss=loss_fn if me == 0 else None)
+    with pytest.raises(TypeError, match="needs n_microbatches \\(or HyperParallel's micro_batch_num\\)"):
+        _schedule("GPipe", mesh, None)
+
+
+def test_split_blocks_keeps_full_model_names_and_even_shares():
+    from hyper_parallel_ms.pipelining import split_blocks
+
+    ms.set_seed(0)
+    full = [p.name for p in Model(5).trainable_params()]
+    shares = []
+    for s in range(2):
+        ms.set_seed(0)
+        model = split_blocks(Model(5), s, 2, first=("embed",), last=("head",))
+        shares.append([p.name for p in model.trainable_params()])
+        assert (model.embed is None) == (s == 1) and (model.head is None) == (s == 0)
+    assert shares[0] + shares[1] == full and "layers.3.dense.weight" in shares[1] and len(shares[0]) == 2 + 3 * 2
+    with pytest.raises(ValueError, match="5 blocks cannot make 6 stages"):
+        split_blocks(Model(5), 0, 6)
+    with pytest.raises(TypeError, match=r"Model.embed must be an nn.CellList or nn.SequentialCell"):
+        split_blocks(Model(5), 0, 2, blocks="embed")
