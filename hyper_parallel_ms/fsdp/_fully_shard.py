@@ -201,8 +201,8 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
                      grad_scale=grad_scale)
-    engine = f"{prefix.lower()}({type(cell).__name__})"
-    owned = [(p, holders, local_parameter(p, engine)) for p, holders in _own_slots(cell)]
+    caller = f"{prefix.lower()}({type(cell).__name__})"       # names the call in messages
+    owned = [(p, holders, local_parameter(p, caller)) for p, holders in _own_slots(cell)]
     paths = _holder_paths(cell)
     with CellChanges() as changes:
         state = FSDPState(cell, mesh, [], sync, policy, reshard_after_forward)
