@@ -21,6 +21,7 @@ from mindspore import Parameter, Tensor, nn
 
 from .._mindspore import running_eagerly
 from ..dtensor._spec import DTensorSpec
+from ._chunks import Chunks
 from ._flat import FlatLayout, concat_flat, split_flat
 from ..nn._adapter import named_cells, put_parameter
 from ._mesh import dp_mesh_dims
@@ -36,8 +37,8 @@ __all__ = ["Slot", "Group", "FSDPState", "eager_hooks"]
 class Slot:
     """One parameter: where it is held (cell, attribute), its piece, its full shape (of this
     rank's local piece for a DTensor parameter), whether the piece is a dim-0 shard (else the
-    whole parameter), its data-parallel mesh, and the DTensor spec the gathered value is read
-    with (``None``: a plain parameter, see :mod:`._dparams`)."""
+    whole parameter), its data-parallel mesh, the DTensor spec the gathered value is read
+    with (``None``: a plain parameter, see :mod:`._dparams`) and its :class:`Chunks`."""
 
     holders: List[Tuple[nn.Cell, str]]
     piece: Parameter
@@ -45,6 +46,7 @@ class Slot:
     sharded: bool = True
     mesh: Any = None
     placed: Optional[DTensorSpec] = None
+    chunks: Optional[Chunks] = None      # where the dim-0 pieces lie (sharded slots)
 
 
 class Group:
@@ -54,9 +56,8 @@ class Group:
                  reduce: str) -> None:
         self.slots, self.sharded = list(slots), sharded
         shard_dim, rep_dim = dp_mesh_dims(mesh)
-        self.rank = mesh.get_local_rank(shard_dim)
         if sharded:
-            self.flat = FlatLayout([s.shape for s in self.slots], mesh.size(shard_dim))
+            self.flat = FlatLayout([s.chunks for s in self.slots])
             self.cell = GatherPieces(mesh, shard_dim, rep_dim, sync, param_dtype=param_dtype, reduce=reduce)
         else:
             self.flat = None
@@ -67,7 +68,7 @@ class Group:
     def full_values(self) -> list:
         pieces = [s.piece for s in self.slots]
         if self.sharded:
-            return self.flat.unpack(self.cell(self.flat.pack(pieces, self.rank)))
+            return self.flat.unpack(self.cell(self.flat.pack(pieces)))
         shapes = [s.shape for s in self.slots]
         return split_flat(self.cell(concat_flat(pieces, shapes)), shapes)
 
