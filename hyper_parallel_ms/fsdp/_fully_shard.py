@@ -74,7 +74,8 @@ class FSDPModule:
             state.sync.sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Recorded (see the package notes: the backward never re-gathers here)."""
+        """``True`` (or an int): PyNative frees the gathered parameters after the forward and gathers
+        them again in the backward; ``False``: kept until the backward (takes effect at the next forward)."""
         _check_reshard(reshard_after_forward)
         for state in self._fsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
@@ -249,9 +250,10 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
         mesh: a 1-D :class:`DeviceMesh` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP); default: every
             rank on one dim. For a TP model, the dp mesh (``mesh["dp"]``): TP parameters get a joint
             (dp, tp) layout.
-        reshard_after_forward: ``True`` (default), ``False`` or a positive int (PyTorch's values); recorded:
-            MindSpore's autodiff keeps the gathered values from forward to backward in any case, so the
-            backward never gathers again (README, "Sharding over data parallelism").
+        reshard_after_forward: ``True`` (default) or a positive int: in PyNative the gathered parameters are
+            freed when the forward ends and all-gathered again in the backward (an int as ``True``: the
+            whole shard group); ``False``: kept until the backward, one all-gather per step. Compiled
+            graphs decide this themselves (:mod:`._compiled`).
         mp_policy: a :class:`MixedPrecisionPolicy`: the dtype parameters are gathered in, gradients
             reduced in, outputs cast to (default: none, the pieces' dtype).
 
