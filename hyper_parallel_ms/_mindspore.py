@@ -59,6 +59,12 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   :func:`entry_points_swapped` (for a scope) are the only places that replace them, and
   put back exactly what was there.
 
+- **saved tensors** (2.10): inside ``mindspore.saved_tensors_hooks(pack, unpack)``, PyNative
+  autodiff passes every tensor it keeps for the backward through ``pack`` (a custom-bprop
+  Cell's input and output included), as a tensor with the storage address (``data_ptr``) of
+  the one the op received, and the backward reads what ``unpack`` returns; ops run under
+  ``mindspore._no_grad()`` are not recorded (:func:`saved_tensors_hooks`, :func:`no_grad`,
+  :func:`tensor_address`; :data:`SAVED_TENSOR_HOOKS` says whether the release has them).
 - **deferred initialisers**: eagerly, ``Parameter(initializer(...))`` (and ``set_data`` of an
   initialiser Tensor) runs the ``Initializer`` at once on a numpy array; the random ones draw
   only from numpy's global generator, a fixed number of times for MindSpore's own classes
@@ -113,7 +119,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
            "taped", "tape_backward",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
-           "deferred_creation_hooked"]
+           "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -340,6 +346,40 @@ def keeps_hook_errors(cls: type) -> type:
 def no_hook() -> Any:
     """A context in which ops on subclass objects run as on plain tensors (no hook)."""
     return NoFallbackGuard()
+
+
+# ------------------------------------------------------------- saved tensors
+SAVED_TENSOR_HOOKS = hasattr(mindspore, "saved_tensors_hooks") and hasattr(mindspore, "_no_grad")
+
+
+def saved_tensors_hooks(pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> Any:
+    """A context in which autodiff keeps ``pack(t)`` for each tensor ``t`` it saves for the
+    backward, and the backward reads ``unpack`` of it (PyNative).
+
+    Args:
+        pack: called with each saved tensor; returns what is kept.
+        unpack: called with what ``pack`` returned, in the backward; returns the tensor.
+
+    Example::
+
+        with saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(x)
+    """
+    return mindspore.saved_tensors_hooks(pack, unpack)
+
+
+def no_grad() -> Any:
+    """A context in which PyNative ops are not recorded for autodiff."""
+    return mindspore._no_grad()          # pylint: disable=protected-access
+
+
+def tensor_address(t: Tensor) -> int:
+    """The address of ``t``'s storage (views of one buffer at its start share it).
+
+    >>> tensor_address(Tensor([1.0])) > 0
+    True
+    """
+    return t.data_ptr()
 
 
 # ------------------------------------------------------------- subclass views

@@ -10,7 +10,14 @@ parallelism (full replicas, gradients all-reduced by ``GradientReducer``) on the
 per-rank batch, as a ratio. MindSpore's own DistributedDataParallel is tried too: its
 result or the reason it cannot run is printed.
 
+With ``--rounds R`` it instead times, in R interleaved rounds (each round runs every variant
+for ``--steps`` steps, so that load from other processes falls on all of them alike), fully_shard
+with ``reshard_after_forward`` True and False, plain data parallelism with this package's
+``GradientReducer`` and with MindSpore's ``nn.DistributedGradReducer``, and prints each variant's
+median step time and its ratio to the faster plain data parallelism.
+
 Usage: .venv/bin/python scripts/bench_fsdp.py [--ranks 1,2,4] [--dim 256] [--layers 4] [--vocab 4096] [--steps 5]
+       [--rounds R]
 """
 from __future__ import annotations
 
@@ -125,6 +132,51 @@ def measure(dim: int, layers: int, vocab: int, steps: int) -> Dict[str, object]:
     return out
 
 
+def measure_interleaved(dim: int, layers: int, vocab: int, steps: int, rounds: int) -> Dict[str, object]:
+    """Median step time of each variant over ``rounds`` interleaved rounds of ``steps`` steps."""
+    from mindspore import communication, nn
+    from examples.llama import Llama, cross_entropy
+    from hyper_parallel_ms import fully_shard
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.nn import GradientReducer
+    n = communication.get_group_size()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    config = _config(dim, layers, vocab)
+    rng = np.random.default_rng(0)
+    ids = ms.Tensor(rng.integers(0, vocab, (2, 16)).astype(np.int32))
+    onehot = ms.Tensor(np.eye(vocab, dtype=np.float32)[rng.integers(0, vocab, (2, 16))])
+
+    def variant(shard, reducer):
+        ms.set_seed(0)
+        model = Llama(config)
+        if shard is not None:
+            for block in model.layers:
+                fully_shard(block, mesh=mesh, reshard_after_forward=shard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=shard)
+        params = model.trainable_params()
+        opt = nn.AdamWeightDecay(params, learning_rate=1e-3)
+        step = ms.value_and_grad(lambda i, o: cross_entropy(model(i), o), None, params)
+        reduce = reducer(params) if reducer is not None else (lambda g: g)
+        return lambda: opt(reduce(step(ids, onehot)[1]))
+
+    variants = {
+        "fully_shard reshard=True": variant(True, None),
+        "fully_shard reshard=False": variant(False, None),
+        "DP GradientReducer": variant(None, lambda ps: GradientReducer(ps, dp_mesh=mesh, dp_dim="dp")),
+        "DP nn.DistributedGradReducer": variant(None, lambda ps: nn.DistributedGradReducer(ps, mean=True, degree=n)),
+    }
+    times: Dict[str, list] = {k: [] for k in variants}
+    for run in variants.values():
+        run()                                           # warm-up: first-call checks, kernels
+    for _ in range(rounds):
+        for name, run in variants.items():
+            for _ in range(steps):
+                began = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - began)
+    return {"n": n, **{k: statistics.median(v) for k, v in times.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2,4")
@@ -132,8 +184,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=0)
     args = parser.parse_args()
     mib = 1024 * 1024
+    if args.rounds:
+        try:
+            for n in (int(s) for s in args.ranks.split(",")):
+                r = run_on_ranks(measure_interleaved, n, args.dim, args.layers, args.vocab, args.steps, args.rounds,
+                                 timeout=1800)[0]
+                plain = min(r["DP GradientReducer"], r["DP nn.DistributedGradReducer"])
+                print(f"N={n}, {args.rounds} interleaved rounds of {args.steps} steps (median step time, ratio to the "
+                      "faster plain DP):")
+                for name, t in r.items():
+                    if name != "n":
+                        print(f"      {name}: {t * 1e3:.1f} ms ({t / plain:.2f}x)")
+        finally:
+            shutdown_pools()
+        return
     try:
         for n in (int(s) for s in args.ranks.split(",")):
             rss = {}

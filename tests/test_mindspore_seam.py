@@ -511,3 +511,42 @@ def test_contract_tape_keeps_several_forwards_and_differentiates_them_in_any_ord
     pending = [ms.vjp(net, x, weights=weights)[1] for x in xs[:2]]
     with pytest.raises(RuntimeError, match="Can not find top cell for backward"):
         pending[0](sens[0])
+
+
+class _KeepsOutput(nn.Cell):
+    """A custom-bprop Cell (as fully_shard's gathering Cell): MindSpore keeps its input and output."""
+
+    def construct(self, x):
+        return x * 2.0
+
+    def bprop(self, x, out, dout):
+        return (dout * 2.0,)
+
+
+def test_contract_saved_tensor_hooks_see_kept_tensors_by_address_and_the_backward_reads_unpack():
+    assert seam.SAVED_TENSOR_HOOKS
+    w = ms.Parameter(Tensor(np.arange(6, dtype=np.float32).reshape(2, 3)), name="w")
+    x = Tensor(np.ones((4, 3), np.float32))
+    addresses, packed = {}, []
+
+    def pack(t):
+        packed.append(seam.tensor_address(t))
+        return ("kept", len(packed) - 1, t)
+
+    def unpack(kept):
+        return kept[2] if packed[kept[1]] != addresses["full"] else recomputed["full"]
+
+    recomputed = {}
+
+    def loss(v):
+        with seam.saved_tensors_hooks(pack, unpack):
+            full = _KeepsOutput()(w)
+            addresses["full"] = seam.tensor_address(full)
+            with seam.no_grad():
+                recomputed["full"] = full * 1.0          # what the backward will read instead
+            out = mint.nn.functional.linear(v, full)
+        return out.sum()
+    value, (grad,) = ms.value_and_grad(loss, None, [w])(x)
+    assert packed.count(addresses["full"]) >= 2        # the Cell's output and linear's weight
+    np.testing.assert_allclose(grad.asnumpy(), np.full((2, 3), 8.0))
+    assert float(value.asnumpy()) == float((x.asnumpy() @ (2 * w.asnumpy()).T).sum())

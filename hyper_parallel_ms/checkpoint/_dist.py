@@ -1,5 +1,6 @@
 """How the ranks of a save or load agree: this rank, the world, an all-gather of small
-Python objects and a barrier. ``distributed=False`` (``no_dist``, or no collectives) makes
+Python objects, and whether every rank succeeded (``comm``'s agreement service over a 1-D
+mesh of the world; the messages travel only when a rank failed). ``distributed=False`` (``no_dist``, or no collectives) makes
 this process a world of its own.
 
 Example:
@@ -10,9 +11,11 @@ Example:
 from __future__ import annotations
 
 import pickle
-from typing import Any, List
+from typing import Any, List, Optional
 
 from .. import _cluster
+from ..comm._agreement import failed_coordinates
+from ..mesh import DeviceMesh
 
 __all__ = ["Coordinator"]
 
@@ -24,6 +27,7 @@ class Coordinator:
         self.distributed = distributed and _cluster.world_size() > 1
         self.rank = _cluster.world_rank() if self.distributed else 0
         self.world_size = _cluster.world_size() if self.distributed else 1
+        self._world: Optional[DeviceMesh] = None
 
     def all_gather(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, in rank order (also a barrier).
@@ -40,9 +44,16 @@ class Coordinator:
         return [pickle.loads(data) for data in out]
 
     def agree(self, error: str | None) -> None:
-        """Barrier that fails on every rank when any rank reports an ``error``."""
-        errors = self.all_gather(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e]
+        """Barrier that fails on every rank when any rank reports an ``error`` (the failed
+        ranks' messages are gathered only then)."""
+        if not self.distributed:
+            failed = [0] if error else []
+        else:
+            if self._world is None:
+                device = "cpu" if _cluster.device_target() == "CPU" else "npu"
+                self._world = DeviceMesh(device, list(range(self.world_size)))
+            failed = [c[0] for c in failed_coordinates(self._world, bool(error))]
         if failed:
+            errors = self.all_gather(error)
             from ._metadata import CheckpointError
-            raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
+            raise CheckpointError("; ".join(f"rank {r}: {errors[r]}" for r in failed))

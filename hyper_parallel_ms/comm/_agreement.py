@@ -1,7 +1,8 @@
 """The ranks of a mesh agreeing on small host-side values (plans, shapes, failure flags).
 
 One service for every layer that must make sure all ranks hold the same description before
-they communicate: a vector of float32 values (exact for integers below 2**24) is reduced
+they communicate (``nn``'s plan check, ``ops``' first runs, ``fsdp`` through ``nn``, and
+``checkpoint``'s save / load outcome): a vector of float32 values (exact for integers below 2**24) is reduced
 with max and min over every mesh dim in one all-reduce per dim; entries that differ are
 where max and min disagree. Every rank sees the same result, so every rank can raise.
 The traffic is bookkeeping: :class:`~hyper_parallel_ms.comm.CommDebugMode` does not record it.
@@ -14,7 +15,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Tuple
+import itertools
+from typing import List, Tuple
 
 import numpy as np
 from mindspore import Tensor
@@ -22,7 +24,7 @@ from mindspore import Tensor
 from . import all_reduce
 from .debug import unrecorded
 
-__all__ = ["extremes"]
+__all__ = ["extremes", "failed_coordinates"]
 
 
 def extremes(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
@@ -44,3 +46,24 @@ def extremes(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
             both = all_reduce(both, mesh, dim, op="max")
     both = both.asnumpy()
     return both[:len(values)], -both[len(values):]
+
+
+def failed_coordinates(mesh, failed: bool) -> List[Tuple[int, ...]]:
+    """The mesh coordinates of the ranks that report ``failed``, known to every rank of ``mesh``
+    (a flag per rank through :func:`extremes`; every rank must call).
+
+    Args:
+        mesh: the :class:`DeviceMesh` whose ranks report.
+        failed: whether this rank failed.
+
+    Example::
+
+        if failed_coordinates(mesh, error is not None):
+            raise error or RuntimeError("another rank failed")
+    """
+    flags = np.zeros(mesh.shape, np.float32)
+    if failed:
+        flags[tuple(mesh.get_coordinate())] = 1.0
+    high, _ = extremes(flags.reshape(-1), mesh)
+    high = high.reshape(mesh.shape)
+    return [c for c in itertools.product(*(range(n) for n in mesh.shape)) if high[c] > 0]

@@ -15,10 +15,11 @@ gradient must be cut by hand; a recomputing backward would re-gather but runs th
 Cell's forward twice.
 
 Memory, stated plainly: parameters, gradients and optimizer state held between steps are
-1/N (plus parameters kept whole); during a training step the gathered values of a Cell
-are kept by the autodiff tape from its forward to its backward (as activations are), so
-the backward does not all-gather again and ``reshard_after_forward`` changes nothing
-but the Cell's own references. The forward hooks do their work in PyNative only; inside
+1/N (plus parameters kept whole). During a PyNative step, ``reshard_after_forward=True``
+(or an int) frees a Cell's gathered values when its forward ends: the autodiff tape keeps a
+small record instead and the backward all-gathers the Cell's group again (:mod:`._reshard`;
+two all-gathers per Cell and step, as FSDP2); ``False`` keeps them on the tape until the
+backward (one all-gather). An int reshards to the whole shard group, not to a smaller one. The forward hooks do their work in PyNative only; inside
 ``ms.jit`` or GRAPH_MODE each sharded attribute is a property that gathers the piece in the
 graph itself (:mod:`._compiled`).
 

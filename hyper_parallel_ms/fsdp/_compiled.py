@@ -27,27 +27,19 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from mindspore import mint, nn, ops
+from mindspore import mint, nn
 
 from .. import comm
 from .._mindspore import cell_subclass, run_in_python, running_eagerly
-from ..comm._tensor import narrow, pad_dim
-from ..layout import chunk_sizes
+from ..comm._tensor import pad_dim
+from ._chunks import Chunks
+from ._flat import padded_piece
+from ._sync import cast_to, reduce_gradient
 
-__all__ = ["GatherParameter", "PassReplicated", "gathering_class", "GATHER_PREFIX", "finish_gradient"]
+__all__ = ["GatherParameter", "PassReplicated", "gathering_class", "GATHER_PREFIX"]
 
 GATHER_PREFIX = "_hpms_fsdp_gather_"
 _CLASSES: Dict[Tuple[type, Tuple[str, ...]], type] = {}
-
-
-def finish_gradient(g, like, mesh, replicate_dim: Optional[int], grad_scale: float):
-    """The last steps of every reduced gradient: average over the replicas (HSDP), scale,
-    cast to the piece's dtype."""
-    if replicate_dim is not None:
-        g = comm.all_reduce(g, mesh, replicate_dim, op="avg")
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    return g if g.dtype == like.dtype else g.astype(like.dtype)
 
 
 @run_in_python
@@ -58,61 +50,49 @@ def _check_compiled(state) -> bool:
 
 
 class _CompiledParameter(nn.Cell):
-    """Shared parts of the two compiled parameter Cells (the FSDPState is kept as a plain attribute)."""
+    """Shared parts of the two compiled parameter Cells (the FSDPState is kept as a plain attribute);
+    their backward is :func:`._sync.reduce_gradient`, as in PyNative."""
 
-    def __init__(self, state, mesh, replicate_dim: Optional[int], param_dtype: Any) -> None:
+    def __init__(self, state, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], param_dtype: Any,
+                 reduce: str, rows: int = 0) -> None:
         super().__init__()
         object.__setattr__(self, "_hpms_state", state)
-        self.mesh, self.replicate_dim, self.param_dtype = mesh, replicate_dim, param_dtype
+        self.mesh, self.shard_dim, self.replicate_dim = mesh, shard_dim, replicate_dim
+        self.param_dtype, self.reduce, self.rows = param_dtype, reduce, rows
 
-    def _cast_in(self, x):
-        return x if self.param_dtype is None or x.dtype == self.param_dtype else x.astype(self.param_dtype)
-
-    def _cast_reduce(self, dout):
-        dtype = self._hpms_state.sync.reduce_dtype
-        return dout if dtype is None or dout.dtype == dtype else dout.astype(dtype)
+    def _reduced(self, g, piece):
+        sync = self._hpms_state.sync
+        return reduce_gradient(cast_to(g, sync.reduce_dtype), piece, self.mesh, self.shard_dim, self.replicate_dim,
+                               sync.grad_scale, self.reduce, self.rows)
 
 
 class GatherParameter(_CompiledParameter):
-    """Forward: the full parameter from this rank's dim-0 piece (``torch.chunk`` sizes over the
-    shard dim). Backward: the gradient reduced to the piece (``"reduce_scatter"``; or
-    ``"all_reduce"`` then this rank's rows, ZeRO-1).
+    """Forward: the full parameter from this rank's dim-0 piece (its :class:`Chunks`).
+    Backward: the gradient reduced to the piece (``"reduce_scatter"``; or ``"all_reduce"``
+    then this rank's rows, ZeRO-1).
 
     Example::
 
-        full = GatherParameter(state, mesh, 0, None, (7, 8), None, "reduce_scatter")(piece)   # (7, 8)
+        full = GatherParameter(state, mesh, 0, None, Chunks((7, 8), 2, 0), None, "reduce_scatter")(piece)  # (7, 8)
     """
 
-    def __init__(self, state, mesh, shard_dim: int, replicate_dim: Optional[int], shape: Sequence[int],
+    def __init__(self, state, mesh, shard_dim: int, replicate_dim: Optional[int], chunks: Chunks,
                  param_dtype: Any, reduce: str) -> None:
-        super().__init__(state, mesh, replicate_dim, param_dtype)
-        n = mesh.size(shard_dim)
-        self.shard_dim, self.reduce = shard_dim, reduce
-        self.sizes = chunk_sizes(shape[0], n)
-        self.rows = self.sizes[0]                     # torch.chunk: the first piece is the longest
-        self.rank = mesh.get_local_rank(shard_dim)
-        self.local = self.sizes[self.rank]
-        self.total, self.padded = int(shape[0]), self.rows * n
+        super().__init__(state, mesh, shard_dim, replicate_dim, param_dtype, reduce, chunks.rows)
+        self.chunks = chunks
 
     def construct(self, piece):
         _check_compiled(self._hpms_state)
-        x = self._cast_in(piece)
-        if self.local != self.rows:
-            x = pad_dim(x, 0, 0, self.rows - self.local)
-        full = comm.all_gather(x, self.mesh, self.shard_dim, dim=0)
-        return full if self.padded == self.total else mint.narrow(full, 0, 0, self.total)
+        full = comm.all_gather(padded_piece(cast_to(piece, self.param_dtype), self.chunks), self.mesh,
+                               self.shard_dim, dim=0)
+        chunks = self.chunks
+        return full if chunks.padded == chunks.shape[0] else mint.narrow(full, 0, 0, chunks.shape[0])
 
     def bprop(self, piece, out, dout):
-        g = self._cast_reduce(dout)
-        if self.padded != self.total:
-            g = pad_dim(g, 0, 0, self.padded - self.total)
-        if self.reduce == "reduce_scatter":
-            g = comm.reduce_scatter(g, self.mesh, self.shard_dim, dim=0, op="avg")
-        else:
-            g = narrow(comm.all_reduce(g, self.mesh, self.shard_dim, op="avg"), 0, self.rank * self.rows, self.rows)
-        if self.local != self.rows:
-            g = mint.narrow(g, 0, 0, self.local)
-        return (finish_gradient(g, piece, self.mesh, self.replicate_dim, self._hpms_state.sync.grad_scale),)
+        chunks = self.chunks
+        g = dout if chunks.padded == chunks.shape[0] else pad_dim(dout, 0, 0, chunks.padded - chunks.shape[0])
+        g = self._reduced(g, piece)
+        return (g if not chunks.padding else mint.narrow(g, 0, 0, chunks.local),)
 
 
 class PassReplicated(_CompiledParameter):
@@ -121,18 +101,14 @@ class PassReplicated(_CompiledParameter):
 
     def __init__(self, state, mesh, shard_dim: Optional[int], replicate_dim: Optional[int],
                  param_dtype: Any) -> None:
-        super().__init__(state, mesh, replicate_dim, param_dtype)
-        self.shard_dim = shard_dim
+        super().__init__(state, mesh, shard_dim, replicate_dim, param_dtype, "replicated")
 
     def construct(self, piece):
         _check_compiled(self._hpms_state)
-        return self._cast_in(piece)
+        return cast_to(piece, self.param_dtype)
 
     def bprop(self, piece, out, dout):
-        g = self._cast_reduce(dout)
-        if self.shard_dim is not None:
-            g = comm.all_reduce(g, self.mesh, self.shard_dim, op="avg")
-        return (finish_gradient(g, piece, self.mesh, self.replicate_dim, self._hpms_state.sync.grad_scale),)
+        return (self._reduced(dout, piece),)
 
 
 def _gathered(attr: str) -> property:

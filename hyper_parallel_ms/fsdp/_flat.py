@@ -9,9 +9,9 @@ are linear slicing and concatenation: their autodiff adjoint routes each gradien
 element back to the piece it came from.
 
 Example:
-    >>> flat = FlatLayout(((5, 2),), 2)
-    >>> flat.rows, flat.numels, flat.length, flat.piece_shape(0, 1)
-    ((3,), (6,), 6, (2, 2))
+    >>> flat = FlatLayout([Chunks((5, 2), 2, 1)])
+    >>> flat.numels, flat.length
+    ((6,), 6)
 """
 from __future__ import annotations
 
@@ -20,19 +20,26 @@ from typing import List, Sequence, Tuple
 
 from mindspore import mint, ops
 
-from ..layout import chunk_offsets, chunk_sizes
+from ._chunks import Chunks
 
-__all__ = ["FlatLayout", "split_flat", "concat_flat"]
+__all__ = ["FlatLayout", "padded_piece", "split_flat", "concat_flat"]
+
+
+def padded_piece(piece, chunks: Chunks):
+    """``piece`` zero-padded to ``chunks.rows`` rows. Shapes come from ``chunks``, not from the
+    tensor: reading a shape in PyNative waits for queued kernels."""
+    if not chunks.padding:
+        return piece
+    return mint.cat((piece, ops.zeros((chunks.padding,) + chunks.shape[1:], piece.dtype)), 0)
 
 
 class FlatLayout:
-    """Offsets of ``shapes`` (global shapes) sharded on dim 0 over ``n`` ranks in one flat buffer."""
+    """Offsets of the padded pieces of ``chunks`` (one parameter each, same ``n`` and rank) in one flat buffer."""
 
-    def __init__(self, shapes: Sequence[Tuple[int, ...]], n: int) -> None:
-        self.shapes = tuple(tuple(s) for s in shapes)
-        self.n = n
-        self.rows = tuple(-(-s[0] // n) for s in self.shapes)
-        self.numels = tuple(r * prod(s[1:]) for r, s in zip(self.rows, self.shapes))
+    def __init__(self, chunks: Sequence[Chunks]) -> None:
+        self.chunks = tuple(chunks)
+        self.n = self.chunks[0].n
+        self.numels = tuple(c.padded_numel for c in self.chunks)
         offsets, total = [], 0
         for m in self.numels:
             offsets.append(total)
@@ -40,34 +47,20 @@ class FlatLayout:
         self.offsets = tuple(offsets)
         self.length = total
 
-    def piece_shape(self, index: int, rank: int) -> Tuple[int, ...]:
-        shape = self.shapes[index]
-        return (chunk_sizes(shape[0], self.n)[rank],) + shape[1:]
-
-    def piece_slice(self, index: int, rank: int) -> slice:
-        shape = self.shapes[index]
-        start = chunk_offsets(shape[0], self.n)[rank]
-        return slice(start, start + chunk_sizes(shape[0], self.n)[rank])
-
-    def pack(self, pieces: Sequence, rank: int) -> object:
-        """This rank's pieces as one flat buffer of ``length`` elements. Shapes come from the
-        layout, not from the tensors: reading a shape in PyNative waits for queued kernels."""
-        parts = []
-        for index, (piece, rows, numel) in enumerate(zip(pieces, self.rows, self.numels)):
-            shape = self.piece_shape(index, rank)
-            if shape[0] < rows:
-                piece = mint.cat((piece, ops.zeros((rows - shape[0],) + shape[1:], piece.dtype)), 0)
-            parts.append(piece.reshape((numel,)))
+    def pack(self, pieces: Sequence) -> object:
+        """This rank's pieces as one flat buffer of ``length`` elements."""
+        parts = [padded_piece(piece, chunks).reshape((numel,))
+                 for piece, chunks, numel in zip(pieces, self.chunks, self.numels)]
         return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
 
     def unpack(self, gathered) -> List[object]:
         """The full parameters from the gathered ``(n * length,)`` buffer."""
         table = gathered.reshape((self.n, self.length))
         out = []
-        for shape, rows, offset, numel in zip(self.shapes, self.rows, self.offsets, self.numels):
+        for chunks, offset, numel in zip(self.chunks, self.offsets, self.numels):
             block = table if numel == self.length else mint.narrow(table, 1, offset, numel)
-            block = block.reshape((self.n * rows,) + shape[1:])
-            out.append(block if shape[0] == self.n * rows else mint.narrow(block, 0, 0, shape[0]))
+            block = block.reshape((chunks.padded,) + chunks.shape[1:])
+            out.append(block if chunks.padded == chunks.shape[0] else mint.narrow(block, 0, 0, chunks.shape[0]))
         return out
 
 

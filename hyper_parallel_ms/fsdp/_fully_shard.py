@@ -16,12 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from mindspore import Parameter, nn
 
 from .._mindspore import cell_subclass
-from ..layout import chunk_sizes
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 from ..nn._rules import mark_done
 from ._mesh import default_mesh, dp_mesh_dims
 from ._dparams import local_parameter
-from ._pieces import TAKEN_BY, is_piece, make_piece
+from ._pieces import TAKEN_BY, chunks_of, is_piece, make_piece
 from ._policy import MixedPrecisionPolicy
 from ._compiled import GATHER_PREFIX, GatherParameter, PassReplicated, gathering_class
 from ._state import FSDPState, Group, Slot, eager_hooks
@@ -75,7 +74,8 @@ class FSDPModule:
             state.sync.sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Recorded (see the package notes: the backward never re-gathers here)."""
+        """``True`` (or an int): PyNative frees the gathered parameters after the forward and gathers
+        them again in the backward; ``False``: kept until the backward (takes effect at the next forward)."""
         _check_reshard(reshard_after_forward)
         for state in self._fsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
@@ -137,9 +137,9 @@ def _holder_paths(cell: nn.Cell) -> Dict[int, str]:
     return {id(sub): path for path, sub in named_cells(cell).items()}
 
 
-def _shardable(p: Parameter, n: int, threshold_bytes: int) -> bool:
+def _shardable(p: Parameter, mesh, threshold_bytes: int) -> bool:
     shape = tuple(p.shape)
-    if not shape or 0 in chunk_sizes(shape[0], n):
+    if not shape or chunks_of(shape, mesh).any_empty():
         return False        # MindSpore's optimizers reject empty pieces: keep such a parameter whole
     return prod(shape) * p.itemsize >= threshold_bytes
 
@@ -172,7 +172,7 @@ def _gather_when_compiled(changes: CellChanges, state: FSDPState, slots: List[Sl
         rep_dim = rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None
         for holder, attr in slot.holders:
             if slot.sharded:
-                reader = GatherParameter(state, mesh, shard_dim, rep_dim, slot.shape, dtype, reduce)
+                reader = GatherParameter(state, mesh, shard_dim, rep_dim, slot.chunks, dtype, reduce)
             else:
                 reader = PassReplicated(state, mesh, shard_dim if mesh.size(shard_dim) > 1 else None, rep_dim, dtype)
             changes.set_attribute(holder, GATHER_PREFIX + attr, reader)
@@ -201,15 +201,15 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
                      grad_scale=grad_scale)
-    caller = f"{prefix.lower()}({type(cell).__name__})"       # names the call in messages
-    owned = [(p, holders, local_parameter(p, caller)) for p, holders in _own_slots(cell)]
+    call = f"{prefix.lower()}({type(cell).__name__})"          # names this call in local_parameter's errors
+    owned = [(p, holders, local_parameter(p, call)) for p, holders in _own_slots(cell)]
     paths = _holder_paths(cell)
     with CellChanges() as changes:
         state = FSDPState(cell, mesh, [], sync, policy, reshard_after_forward)
         slots: Dict[Tuple[bool, Any], List[Slot]] = {(True, mesh): [], (False, mesh): []}
         for p, holders, (local, placed) in owned:
             unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
-            sharded = _shardable(local, unit_mesh.size(dp_mesh_dims(unit_mesh)[0]), threshold_bytes)
+            sharded = _shardable(local, unit_mesh, threshold_bytes)
             piece = make_piece(local, unit_mesh, sharded, state)
             for holder, attr in holders:
                 changes.set_parameter(holder, attr, piece)
@@ -218,7 +218,8 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
             changes.set_attribute(p, TAKEN_BY, (type(cell).__name__, f"{path}.{holders[0][1]}" if path else
                                                 holders[0][1]))
             slots.setdefault((sharded, unit_mesh), []).append(
-                Slot(holders, piece, tuple(local.shape), sharded, unit_mesh, placed))
+                Slot(holders, piece, tuple(local.shape), sharded, unit_mesh, placed,
+                     chunks_of(local.shape, unit_mesh) if sharded else None))
         for sharded in (True, False):
             for (kind, unit_mesh), group_slots in slots.items():
                 if kind != sharded:
@@ -249,9 +250,10 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
         mesh: a 1-D :class:`DeviceMesh` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP); default: every
             rank on one dim. For a TP model, the dp mesh (``mesh["dp"]``): TP parameters get a joint
             (dp, tp) layout.
-        reshard_after_forward: ``True`` (default), ``False`` or a positive int (PyTorch's values); recorded:
-            MindSpore's autodiff keeps the gathered values from forward to backward in any case, so the
-            backward never gathers again (README, "Sharding over data parallelism").
+        reshard_after_forward: ``True`` (default) or a positive int: in PyNative the gathered parameters are
+            freed when the forward ends and all-gathered again in the backward (an int as ``True``: the
+            whole shard group); ``False``: kept until the backward, one all-gather per step. Compiled
+            graphs decide this themselves (:mod:`._compiled`).
         mp_policy: a :class:`MixedPrecisionPolicy`: the dtype parameters are gathered in, gradients
             reduced in, outputs cast to (default: none, the pieces' dtype).
 

@@ -4,7 +4,9 @@
 each rank keeps its slot), ``"level2"`` also the gradients (reduce-scatter), ``"level3"``
 also the parameters. On this engine every level holds parameter pieces between steps and
 gathers them in the forward (the optimizer steps on pieces at every level); the levels
-differ in the gradient collective. The data-parallel ranks are every rank or, when the
+differ in the gradient collective, and level3 alone frees the gathered parameters after the
+forward and gathers them again in the backward (``reshard_after_forward=True``; level1 / level2
+keep them until the backward). The data-parallel ranks are every rank or, when the
 Cell's parameters were placed by parallel styles on a tensor-parallel mesh (FSDP x TP:
 ``parallelize_module`` first), the ranks at this rank's place in the other tensor-parallel
 groups (``mesh["dp"]`` of a ``(dp, tp)`` mesh). ``shard_size`` groups them into shard groups
@@ -182,7 +184,8 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
     else:
         bucket_bytes = None if bucket_size == -1 else bucket_size * 1024
     name = type(cell).__name__
-    shard_cell(cell, _mesh(shard_size, cell), threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
+    shard_cell(cell, _mesh(shard_size, cell), reshard_after_forward=optimizer_level == "level3",
+               threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
                reduce=_LEVELS[optimizer_level], grad_scale=grad_scale, reduce_dtype=reduce_dtype,
                mixin=HSDPCell, prefix="HSDP", engine="hsdp",
                dtensor_mesh=lambda param: replicated_dp_mesh(param, shard_size, f"hsdp({name})"))

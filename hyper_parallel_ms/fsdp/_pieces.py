@@ -26,12 +26,13 @@ from mindspore import Parameter, Tensor
 from mindspore.common.initializer import initializer
 
 from ..dtensor._spec import DTensorSpec
-from ..layout import Layout, chunk_sizes
+from ..layout import Layout
 from ..nn._parameter import ParameterSharding, parameter_sharding
 from ..placement import Replicate, Shard
+from ._chunks import Chunks
 from ._mesh import dp_mesh_dims, join_meshes
 
-__all__ = ["make_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "PIECE_OF", "TAKEN_BY", "DEFERRED", "is_piece"]
+__all__ = ["chunks_of", "make_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "PIECE_OF", "TAKEN_BY", "DEFERRED", "is_piece"]
 
 GRAD_REDUCED = "_hpms_grad_reduced_dims"
 PIECE_OF = "_hpms_fsdp_unit"
@@ -43,6 +44,21 @@ _SHARDING = "_hpms_sharding"
 def is_piece(param: Parameter) -> bool:
     """Whether ``param`` already belongs to a fully_shard unit."""
     return getattr(param, PIECE_OF, None) is not None
+
+
+def chunks_of(shape, mesh) -> Chunks:
+    """The :class:`Chunks` of a parameter of ``shape`` sharded over the shard dim of the dp ``mesh``.
+
+    Args:
+        shape: the parameter's (local, for a DTensor) full shape.
+        mesh: the data-parallel mesh (1-D, or 2-D ``(replicate, shard)``).
+
+    Example::
+
+        chunks_of((7, 8), mesh).piece_shape      # (4, 8) on rank 0 of 2
+    """
+    shard_dim, _ = dp_mesh_dims(mesh)
+    return Chunks(tuple(shape), mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
 
 
 def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterSharding, Tuple[int, ...]]:
@@ -68,9 +84,7 @@ def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterShardi
     layout = Layout(root.shape, tuple(dp_places) + tuple(tp.layout.placements),
                     mesh_dim_names=root.mesh_dim_names, shard_order=order).normalized(ndim)
     spec = DTensorSpec(root, layout, tuple(tp.shape))
-    expected = tuple(param.shape)
-    if sharded:
-        expected = (chunk_sizes(expected[0], mesh.size(shard_dim))[mesh.get_local_rank(shard_dim)],) + expected[1:]
+    expected = chunks_of(param.shape, mesh).piece_shape if sharded else tuple(param.shape)
     if spec.local_shape() != expected:
         raise ValueError(f"parameter {param.name!r}: the joint dp x tp layout {layout} gives this rank a piece of "
                          f"{spec.local_shape()}, but fully_shard holds {expected}")
@@ -81,10 +95,8 @@ def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterShardi
 def cut_piece(full: np.ndarray, mesh, sharded: bool) -> np.ndarray:
     """This rank's ``torch.chunk`` piece of dim 0 over the shard dim of ``mesh`` (or all of it)."""
     if sharded:
-        shard_dim, _ = dp_mesh_dims(mesh)
-        n, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
-        step = -(-full.shape[0] // n)
-        full = full[rank * step: rank * step + chunk_sizes(full.shape[0], n)[rank]]
+        chunks = chunks_of(full.shape, mesh)
+        full = full[chunks.start: chunks.start + chunks.local]
     return np.ascontiguousarray(full)
 
 
@@ -93,10 +105,7 @@ def make_piece(param: Parameter, mesh, sharded: bool, unit: object) -> Parameter
     ``no_init_parameters()`` gives a piece that :func:`init_parameters` fills later."""
     record, dp_dims = piece_record(param, mesh, sharded)
     if param.has_init:
-        shape = tuple(param.shape)
-        if sharded:
-            shard_dim, _ = dp_mesh_dims(mesh)
-            shape = (chunk_sizes(shape[0], mesh.size(shard_dim))[mesh.get_local_rank(shard_dim)],) + shape[1:]
+        shape = chunks_of(param.shape, mesh).piece_shape if sharded else tuple(param.shape)
         piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,
                           requires_grad=param.requires_grad)
         object.__setattr__(piece, DEFERRED, (param, mesh, sharded))

@@ -19,14 +19,16 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
-from .._mindspore import running_eagerly
+from .._mindspore import SAVED_TENSOR_HOOKS, running_eagerly
 from ..dtensor._spec import DTensorSpec
+from ._chunks import Chunks
 from ._flat import FlatLayout, concat_flat, split_flat
 from ..nn._adapter import named_cells, put_parameter
 from ._mesh import dp_mesh_dims
 from ._dparams import as_placed
 from ._pieces import DEFERRED
 from ._policy import MixedPrecisionPolicy
+from ._reshard import RegatherOnBackward
 from ._sync import GatherPieces, SyncReplicas, SyncState
 
 __all__ = ["Slot", "Group", "FSDPState", "eager_hooks"]
@@ -36,8 +38,8 @@ __all__ = ["Slot", "Group", "FSDPState", "eager_hooks"]
 class Slot:
     """One parameter: where it is held (cell, attribute), its piece, its full shape (of this
     rank's local piece for a DTensor parameter), whether the piece is a dim-0 shard (else the
-    whole parameter), its data-parallel mesh, and the DTensor spec the gathered value is read
-    with (``None``: a plain parameter, see :mod:`._dparams`)."""
+    whole parameter), its data-parallel mesh, the DTensor spec the gathered value is read
+    with (``None``: a plain parameter, see :mod:`._dparams`) and its :class:`Chunks`."""
 
     holders: List[Tuple[nn.Cell, str]]
     piece: Parameter
@@ -45,6 +47,7 @@ class Slot:
     sharded: bool = True
     mesh: Any = None
     placed: Optional[DTensorSpec] = None
+    chunks: Optional[Chunks] = None      # where the dim-0 pieces lie (sharded slots)
 
 
 class Group:
@@ -54,9 +57,8 @@ class Group:
                  reduce: str) -> None:
         self.slots, self.sharded = list(slots), sharded
         shard_dim, rep_dim = dp_mesh_dims(mesh)
-        self.rank = mesh.get_local_rank(shard_dim)
         if sharded:
-            self.flat = FlatLayout([s.shape for s in self.slots], mesh.size(shard_dim))
+            self.flat = FlatLayout([s.chunks for s in self.slots])
             self.cell = GatherPieces(mesh, shard_dim, rep_dim, sync, param_dtype=param_dtype, reduce=reduce)
         else:
             self.flat = None
@@ -64,12 +66,15 @@ class Group:
                                      rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None,
                                      sync, param_dtype)
 
-    def full_values(self) -> list:
+    def gathered(self) -> Tuple[Any, list]:
+        """The group's collective output (flat) and the full values cut from it."""
         pieces = [s.piece for s in self.slots]
         if self.sharded:
-            return self.flat.unpack(self.cell(self.flat.pack(pieces, self.rank)))
+            flat = self.cell(self.flat.pack(pieces))
+            return flat, self.flat.unpack(flat)
         shapes = [s.shape for s in self.slots]
-        return split_flat(self.cell(concat_flat(pieces, shapes)), shapes)
+        flat = self.cell(concat_flat(pieces, shapes))
+        return flat, split_flat(flat, shapes)
 
 
 _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
@@ -94,6 +99,7 @@ class FSDPState:
         self.deferred = True                   # until every piece is seen initialised
         self.checked = False                   # MindSpore's first-call checks of the Cells done
         self.compiled = False                  # a graph gathering this Cell's parameters was compiled
+        self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward
 
     def _check_initialised(self, cell) -> None:
         waiting = [s.piece.name for s in self.slots if getattr(s.piece, DEFERRED, None) is not None]
@@ -120,7 +126,26 @@ class FSDPState:
 
     def gather(self) -> list:
         """The full values of every parameter of this Cell (one collective per group)."""
-        return [v for g in self.groups for v in g.full_values()]
+        return [v for g in self.groups for v in g.gathered()[1]]
+
+    def _frees_after_forward(self) -> bool:
+        return self.reshard_after_forward is not False and self.kept is None and SAVED_TENSOR_HOOKS
+
+    def _gather_for_forward(self) -> list:
+        """:meth:`gather`; with ``reshard_after_forward`` the gathered values are kept for the
+        backward as records and gathered again there (:mod:`._reshard`)."""
+        if not self._frees_after_forward():
+            return self.gather()
+        if self.saving is None:
+            self.saving = RegatherOnBackward(self.groups)
+        self.saving.begin()
+        try:
+            gathered = [g.gathered() for g in self.groups]
+        except BaseException:
+            self.saving.end()
+            raise
+        self.saving.gathered([item if g.sharded else None for g, item in zip(self.groups, gathered)])
+        return [v for _, values in gathered for v in values]
 
     def _first_call_checks(self) -> None:
         """Run MindSpore's first-call Cell checks (they walk the parameter tables and expect
@@ -164,12 +189,14 @@ class FSDPState:
             self._check_initialised(cell)
         if not self.checked:
             self._first_call_checks()
-        self._install(self.gather())
+        self._install(self._gather_for_forward())
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             return _cast_floats(args, self.policy.param_dtype)
         return None
 
     def post_forward(self, cell, args, output):
+        if self.saving is not None:
+            self.saving.end()
         if self.kept is not None:
             self._install(self.kept)
         else:

@@ -24,7 +24,56 @@ from mindspore import nn, ops
 from .. import comm
 from ..comm._tensor import narrow
 
-__all__ = ["SyncState", "GatherPieces", "SyncReplicas"]
+__all__ = ["SyncState", "GatherPieces", "SyncReplicas", "cast_to", "reduce_gradient"]
+
+
+def cast_to(x, dtype: Any):
+    """``x`` in ``dtype`` (``None``: unchanged).
+
+    Args:
+        x: a tensor.
+        dtype: the dtype wanted, or ``None``.
+
+    Example::
+
+        cast_to(piece, ms.bfloat16)
+    """
+    return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+
+
+def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], grad_scale: float,
+                    reduce: str, rows: int = 0):
+    """A full (or flat) gradient reduced to this rank's part, as every backward of fully_shard does it,
+    PyNative and compiled: over the shard dim ``"reduce_scatter"`` (dim 0), ``"all_reduce"`` (then
+    this rank's ``rows`` rows, ZeRO-1) or ``"replicated"`` (all-reduce, the whole gradient), each
+    averaged; then averaged over the replicas (HSDP), scaled, and cast to ``like``'s dtype.
+
+    Args:
+        g: the gradient, in the reduce dtype.
+        like: the tensor whose dtype the result takes (the piece).
+        mesh: the data-parallel mesh.
+        shard_dim: the mesh dim the parameter is sharded over (``None``: nothing to reduce there).
+        replicate_dim: the HSDP replicate mesh dim (``None``: none).
+        grad_scale: a factor applied after averaging.
+        reduce: ``"reduce_scatter"``, ``"all_reduce"`` or ``"replicated"``.
+        rows: with ``"all_reduce"``, the rows of this rank's slot.
+
+    Example::
+
+        g = reduce_gradient(dout, piece, mesh, 0, None, 1.0, "reduce_scatter")
+    """
+    if shard_dim is not None:
+        if reduce == "reduce_scatter":
+            g = comm.reduce_scatter(g, mesh, shard_dim, dim=0, op="avg")
+        elif reduce == "all_reduce":
+            g = narrow(comm.all_reduce(g, mesh, shard_dim, op="avg"), 0, mesh.get_local_rank(shard_dim) * rows, rows)
+        else:
+            g = comm.all_reduce(g, mesh, shard_dim, op="avg")
+    if replicate_dim is not None:
+        g = comm.all_reduce(g, mesh, replicate_dim, op="avg")
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    return g if g.dtype == like.dtype else g.astype(like.dtype)     # (``is None`` on a dtype fails in graphs)
 
 
 class SyncState:
@@ -37,35 +86,25 @@ class SyncState:
 
 
 class _Reducing(nn.Cell):
-    """Shared backward bookkeeping: cast, accumulate while not syncing, scale."""
+    """Shared backward of the PyNative Cells: cast, accumulate while not syncing, reduce."""
 
     def __init__(self, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], state: SyncState,
-                 param_dtype: Any) -> None:
+                 param_dtype: Any, reduce: str) -> None:
         super().__init__()
         self.mesh, self.shard_dim, self.replicate_dim = mesh, shard_dim, replicate_dim
-        self.state, self.param_dtype = state, param_dtype
+        self.state, self.param_dtype, self.reduce = state, param_dtype, reduce
         self.pending = None
 
-    def _cast_in(self, x):
-        return x if self.param_dtype is None or x.dtype == self.param_dtype else x.astype(self.param_dtype)
-
-    def _gradient(self, dout):
-        """The gradient to reduce now, or ``None`` while accumulating without sync."""
-        g = dout if self.state.reduce_dtype is None else dout.astype(self.state.reduce_dtype)
+    def bprop(self, x, out, dout):
+        g = cast_to(dout, self.state.reduce_dtype)
         if self.pending is not None:
             g = self.pending + g
         if not self.state.sync:
             self.pending = g
-            return None
+            return (ops.zeros(x.shape, x.dtype),)
         self.pending = None
-        return g
-
-    def _finish(self, g, like):
-        if self.replicate_dim is not None:
-            g = comm.all_reduce(g, self.mesh, self.replicate_dim, op="avg")
-        if self.state.grad_scale != 1.0:
-            g = g * self.state.grad_scale
-        return g if g.dtype == like.dtype else g.astype(like.dtype)
+        return (reduce_gradient(g, x, self.mesh, self.shard_dim, self.replicate_dim, self.state.grad_scale,
+                                self.reduce, x.shape[0]),)
 
     def clear(self) -> None:
         """Drop the accumulated, not yet reduced gradient."""
@@ -77,37 +116,20 @@ class GatherPieces(_Reducing):
 
     def __init__(self, mesh, shard_dim: int, replicate_dim: Optional[int], state: SyncState, *,
                  param_dtype: Any = None, reduce: str = "reduce_scatter") -> None:
-        super().__init__(mesh, shard_dim, replicate_dim, state, param_dtype)
         if reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got {reduce!r}")
-        self.reduce = reduce
-        self.rank = mesh.get_local_rank(shard_dim)
+        super().__init__(mesh, shard_dim, replicate_dim, state, param_dtype, reduce)
 
     def construct(self, x):
-        return comm.all_gather(self._cast_in(x), self.mesh, self.shard_dim, dim=0)
-
-    def bprop(self, x, out, dout):
-        g = self._gradient(dout)
-        if g is None:
-            return (ops.zeros(x.shape, x.dtype),)
-        if self.reduce == "reduce_scatter":
-            g = comm.reduce_scatter(g, self.mesh, self.shard_dim, dim=0, op="avg")
-        else:
-            g = narrow(comm.all_reduce(g, self.mesh, self.shard_dim, op="avg"), 0, self.rank * x.shape[0],
-                       x.shape[0])
-        return (self._finish(g, x),)
+        return comm.all_gather(cast_to(x, self.param_dtype), self.mesh, self.shard_dim, dim=0)
 
 
 class SyncReplicas(_Reducing):
     """Forward: identity (cast to ``param_dtype``). Backward: all-reduce averaged over the dp dims."""
 
-    def construct(self, x):
-        return self._cast_in(x)
+    def __init__(self, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], state: SyncState,
+                 param_dtype: Any) -> None:
+        super().__init__(mesh, shard_dim, replicate_dim, state, param_dtype, "replicated")
 
-    def bprop(self, x, out, dout):
-        g = self._gradient(dout)
-        if g is None:
-            return (ops.zeros(x.shape, x.dtype),)
-        if self.shard_dim is not None:
-            g = comm.all_reduce(g, self.mesh, self.shard_dim, op="avg")
-        return (self._finish(g, x),)
+    def construct(self, x):
+        return cast_to(x, self.param_dtype)

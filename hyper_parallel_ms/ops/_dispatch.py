@@ -13,7 +13,7 @@ For each call: the arguments' layouts and shapes form the key of a cached
 layouts the rule asks for; the op runs once on the local tensors (under
 ``NoFallbackGuard``); each output is wrapped as a DTensor and its local shape checked on the
 decision's first run. Where local shapes differ between ranks (uneven or empty pieces), that
-first run ends with the ranks agreeing on whether any of them failed (:mod:`._agreement`), so a
+first run ends with the ranks agreeing on whether any of them failed (:mod:`..comm._agreement`), so a
 wrong rule or a kernel failing on one rank's piece raises on every rank instead of leaving the
 others waiting in their next collective.
 
@@ -40,7 +40,8 @@ from ..dtensor._spec import DTensorSpec, spec_of
 from ..layout import Layout
 from ..placement import Partial, Replicate
 from ..redistribute import redistribution
-from ._agreement import failed_coordinates, shapes_alike
+from ..comm._agreement import failed_coordinates
+from ._agreement import shapes_alike
 from ._empty import run_on_empty_pieces
 from ._registry import propagator
 from ._rules._common import replicate_all

@@ -1,0 +1,119 @@
+"""``reshard_after_forward=True`` in PyNative: a unit's gathered parameters are not kept from
+its forward to its backward, but gathered again when the backward needs them (FSDP2's
+behaviour: one all-gather per unit and group in the forward, one in the backward).
+
+MindSpore's autodiff keeps the tensors an op needs for its backward (a Dense keeps its
+weight; the gathering Cell keeps its output). From just before a unit's gather to the end
+of its forward, MindSpore's saved-tensor hooks (``mindspore.saved_tensors_hooks``) see each
+tensor kept: a gathered value of the unit (or the flat gathered buffer) is kept as a small
+record instead, so the gathered values are freed when the forward ends; the first backward
+use of a record gathers that group again, without autodiff (the pieces' gradient comes from
+the forward's gathering Cell), and the values are dropped once the group's last record is used.
+
+Example::
+
+    saving = RegatherOnBackward(groups)
+    saving.begin()                  # in the forward pre-hook, before the gather
+    saving.gathered(gathered)       # after it: which tensors to free
+    ...                             # the unit's forward
+    saving.end()                    # in the forward post-hook
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from .._mindspore import no_grad, saved_tensors_hooks, tensor_address
+
+__all__ = ["RegatherOnBackward"]
+
+
+class _Kept:
+    """A tensor kept for the backward: the tensor itself, or (once freed) the forward call,
+    group and index (-1: the flat buffer) to gather it again from."""
+
+    __slots__ = ("tensor", "call", "group", "index")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor, self.call, self.group, self.index = tensor, 0, 0, 0
+
+
+class RegatherOnBackward:
+    """The saved-tensor hooks of one unit: gathered values freed at the end of its forward,
+    gathered again in its backward.
+
+    Args:
+        groups: the unit's groups (:class:`._state.Group`); only sharded ones are freed.
+
+    Example::
+
+        saving = RegatherOnBackward(state.groups)
+    """
+
+    def __init__(self, groups: Sequence) -> None:
+        self.groups = list(groups)
+        self.call = 0
+        self._where: Dict[Tuple[int, Tuple[int, ...]], Tuple[int, int]] = {}
+        self._shapes: Set[Tuple[int, ...]] = set()
+        self._early: Optional[List[_Kept]] = None         # kept while gathering, before addresses are known
+        self._live: Dict[Tuple[int, int], List[Any]] = {}   # (call, group) -> [values or None, records unused]
+        self._hooks = None
+
+    def begin(self) -> None:
+        """Start hooking the tensors the unit's forward keeps (call before its gather)."""
+        self.end()
+        self.call += 1
+        self._live = {k: v for k, v in self._live.items() if v[0] is None and k[0] > self.call - 64}
+        self._early = []
+        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+
+    def gathered(self, gathered: Sequence[Optional[Tuple[Any, Sequence]]]) -> None:
+        """Name the tensors to free: per group ``(flat, values)``, ``None`` for a group kept whole."""
+        for g, item in enumerate(gathered):
+            if item is not None:
+                flat, values = item
+                for index, value in [(-1, flat)] + list(enumerate(values)):
+                    self._where[(tensor_address(value), tuple(value.shape))] = (g, index)
+                    self._shapes.add(tuple(value.shape))
+        early, self._early = self._early or [], None
+        for kept in early:
+            self._free(kept)
+
+    def end(self) -> None:
+        """Stop hooking (the unit's forward ended)."""
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+        self._where, self._shapes, self._early = {}, set(), None
+
+    def _free(self, kept: _Kept) -> None:
+        shape = tuple(kept.tensor.shape)
+        if shape not in self._shapes:        # most kept tensors (activations): no address read (it waits)
+            return
+        where = self._where.get((tensor_address(kept.tensor), shape))
+        if where is None:
+            return
+        kept.tensor, kept.call, (kept.group, kept.index) = None, self.call, where
+        self._live.setdefault((self.call, kept.group), [None, 0])[1] += 1
+
+    def _pack(self, tensor) -> _Kept:
+        kept = _Kept(tensor)
+        if self._early is not None:
+            self._early.append(kept)
+        elif self._where:
+            self._free(kept)
+        return kept
+
+    def _unpack(self, kept: _Kept):
+        if kept.tensor is not None:
+            return kept.tensor
+        key = (kept.call, kept.group)
+        entry = self._live.setdefault(key, [None, 1])
+        if entry[0] is None:
+            with no_grad():
+                entry[0] = self.groups[kept.group].gathered()
+        flat, values = entry[0]
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._live[key]
+        return flat if kept.index < 0 else values[kept.index]

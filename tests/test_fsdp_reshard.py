@@ -1,0 +1,60 @@
+"""reshard_after_forward in PyNative on 2 ranks: ``True`` (and an int) frees a unit's gathered
+parameters after its forward and gathers them again in its backward (two all-gathers per unit
+and step, FSDP2's count), ``False`` keeps them (one); both equal one device."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+
+from hyper_parallel_ms.fsdp import fully_shard
+from hyper_parallel_ms.fsdp._fully_shard import fsdp_state
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.testing import multi_rank
+from tests._fsdp_models import Net, accumulate_4, compare, loss_of
+
+
+def _per_block(mesh, reshard):
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return shard
+
+
+@multi_rank(2)
+def test_reshard_after_forward_counts_and_parity_2_ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    for reshard, gathers in ((True, 6), (False, 3), (2, 6)):
+        counts = []
+        compare(_per_block(mesh, reshard), rank, 2, loss_mesh=mesh, counts=counts, steps=3)
+        # 3 units (2 blocks + root): one all-gather each in forward, one more in backward when freed
+        assert counts == [{"all_gather": gathers, "reduce_scatter": 3}] * 3, (reshard, counts)
+    counts = []
+    compare(_per_block(mesh, True), rank, 2, loss_mesh=mesh, counts=counts, steps=2,
+            train=accumulate_4("set_requires_gradient_sync"), optimizer="adamw")
+    assert counts == [{"all_gather": 24, "reduce_scatter": 3}] * 2, counts     # 4 micro-steps x 6
+
+
+@multi_rank(2)
+def test_reshard_after_forward_frees_the_gathered_values_until_the_backward_2_ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    for reshard in (True, False):
+        ms.set_seed(0)
+        model = Net()
+        _per_block(mesh, reshard)(model)
+        states = [fsdp_state(layer) for layer in model.layers] + [fsdp_state(model)]
+        x = ms.Tensor(np.ones((4, 8), np.float32))
+        held = {}
+
+        def loss(v):
+            out = loss_of(model, v)
+            # after the forward: records waiting for the backward, no gathered value held by them
+            held["records"] = sum(n for s in states if s.saving is not None for _, n in s.saving._live.values())
+            return out
+        ms.value_and_grad(loss, None, model.trainable_params())(x)
+        if reshard:
+            assert held["records"] > 0
+            assert all(not s.saving._live for s in states)       # all used and dropped by the backward
+        else:
+            assert held["records"] == 0
