@@ -82,6 +82,35 @@ class PipelineStage:
         """The stage's trainable parameters (full-model names)."""
         return list(self.submodule.trainable_params())
 
+    def sharded_units(self) -> List[nn.Cell]:
+        """The Cells of this stage that :func:`~hyper_parallel_ms.fsdp.fully_shard` / ``hsdp`` sharded.
+
+        Example::
+
+            fully_shard(stage.submodule.layers[0], mesh=mesh["dp"])
+            stage.sharded_units()            # [that block]
+        """
+        from ..fsdp import FSDPModule
+        return [cell for _, cell in self.submodule.cells_and_names() if isinstance(cell, FSDPModule)]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Turn the data-parallel gradient reduction of this stage's sharded units on or off.
+
+        The schedules call it: off for every backward of a step but the stage's last, so the
+        gradients summed over the micro-batches are reduced once per step (FSDP2's gradient
+        accumulation). A stage without sharded units ignores it.
+
+        Args:
+            requires_gradient_sync: ``True`` reduces in the next backward (with what accumulated).
+
+        Example::
+
+            stage.set_requires_gradient_sync(False)    # backward of micro-batch 0: accumulate
+            stage.set_requires_gradient_sync(True)     # last backward: one reduce-scatter per unit
+        """
+        for unit in self.sharded_units():
+            unit.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+
     def __repr__(self) -> str:
         return f"PipelineStage({type(self.submodule).__name__}, stage {self.stage_index} of {self.num_stages})"
 
