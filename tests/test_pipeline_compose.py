@@ -202,3 +202,37 @@ def test_pp_x_fully_shard_reduces_once_per_step(name):
     # one gradient reduction per sharded unit and step (not per micro-batch); one gather per forward
     assert len(reduces) == units * STEPS, (len(reduces), units)
     assert len(gathers) == units * n * STEPS, (len(gathers), units)
+
+
+# ----------------------------------------------------------------------------- tied embedding / head
+def _check_tied(name: str, pp: int, n_blocks: int) -> None:
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.pipelining import ScheduleError
+    from tests._parity import gathered
+
+    mesh = init_device_mesh("cpu", (pp,), mesh_dim_names=("pp",))
+    stages = _stages(name, mesh, n_blocks, lambda model: None, tied=True)
+    with pytest.raises(ScheduleError, match=r"shared_parameters \('tied.weight',\): held by 0 stage"):
+        _schedule(name, stages, 4, shared_parameters=["tied.weight"])      # refused on every rank
+    # MindSpore names the tied Parameter after its last holder: head.weight (split_blocks keeps that name)
+    schedule = _schedule(name, stages, 4, shared_parameters=["head.weight"])
+    names = [p.name for p in schedule.parameters()]
+    assert len(names) == len(set(names))                                  # one parameter per rank
+    history, final = _reference(n_blocks, slice(None), 4, tied=True)
+    records = _train(schedule, slice(None), history, final, gathered, tied=True, label=f"tied, {name}")
+    shared = [r for r in records if r.mesh_dim == "pp_shared"]
+    holds = any(st.is_first or st.is_last for st in schedule.stages)
+    cross = schedule.plan.placement[0] != schedule.plan.placement[-1]
+    # one all-reduce of the tied gradient per step, over the two ranks holding it (none if one rank holds both)
+    assert [(r.kind, r.group_size) for r in shared] == ([("all_reduce", 2)] * STEPS if holds and cross else [])
+
+
+@pytest.mark.parametrize("name", ["GPipe", "ZBVZeroBubble"])
+@multi_rank(2, timeout=600)
+def test_tied_embedding_and_head_on_two_ranks(name):
+    _check_tied(name, 2, 4)
+
+
+@multi_rank(4, timeout=600)
+def test_tied_embedding_and_head_on_four_ranks():
+    _check_tied("1F1B", 4, 4)

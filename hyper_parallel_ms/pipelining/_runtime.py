@@ -59,16 +59,24 @@ class Runtime:
         return out, self.loss_fn(out, self._target)
 
     def parameters(self) -> List[ms.Parameter]:
-        """This rank's stages' trainable parameters, stage by stage."""
-        return [p for s in sorted(self._params) for p in self._params[s]]
+        """This rank's stages' trainable parameters, stage by stage (a Parameter two stages share: once)."""
+        seen, out = set(), []
+        for s in sorted(self._params):
+            for p in self._params[s]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def gradients(self) -> Tuple[Tensor, ...]:
-        """Gradients accumulated by the last :meth:`run`, aligned with :meth:`parameters` (zeros if unreached)."""
-        out = []
+        """Gradients accumulated by the last :meth:`run`, aligned with :meth:`parameters` (zeros if
+        unreached; a Parameter of several stages gets the sum of their gradients)."""
+        total: Dict[int, Tensor] = {}
         for s in sorted(self._params):
             for p, g in zip(self._params[s], self._grads.get(s, [None] * len(self._params[s]))):
-                out.append(ops.zeros(p.shape, p.dtype) if g is None else g)
-        return tuple(out)
+                if g is not None:
+                    total[id(p)] = g if id(p) not in total else total[id(p)] + g
+        return tuple(total.get(id(p), ops.zeros(p.shape, p.dtype)) for p in self.parameters())
 
     # --------------------------------------------------------------- one step
     def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[Tensor, ...]]],
