@@ -113,6 +113,13 @@ def _check_parity(name: str, n: int) -> None:
         losses: list = []
         calls_before = [len(m.calls) for m in models]
         out = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        # activations held: GPipe every micro-batch, 1F1B at most the stages from here to the last
+        live = schedule.step_stats.peak_live_forwards
+        me = mesh.get_local_rank()
+        if name == "GPipe":
+            assert live == n, (live, n)
+        elif name == "1F1B":
+            assert live == min(n, mesh.size() - me), (live, n, me)
         # one forward per block and micro-batch: the backward reuses the forward's tape
         assert [len(m.calls) - c for m, c in zip(models, calls_before)] == [n * len(m.layers) for m in models]
         want_losses, want_grads = history[step]

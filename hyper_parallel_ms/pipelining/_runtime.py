@@ -18,6 +18,8 @@ Example::
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
@@ -31,9 +33,32 @@ from ._microbatch import HEADER, as_tuple, is_float, like_tensors, signature
 from ._plan import PipelinePlan
 from ._stage import PipelineStage
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "StepStats"]
 
 Key = Tuple[int, int]     # (stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step cost on this rank.
+
+    Args:
+        seconds: the step's wall time (the action list, transfers included).
+        compute_seconds: wall time inside F / B / I / W actions (with ``profile`` on, each waited
+            for its kernels; otherwise PyNative's asynchronous queue may move time into transfers).
+        peak_live_forwards: the most micro-batch forwards whose autodiff tape (activations) this
+            rank held at once.
+
+    Example::
+
+        schedule.step(x, target=y)
+        stats = schedule.step_stats            # StepStats(seconds=..., compute_seconds=..., peak_live_forwards=4)
+        idle = 1 - stats.compute_seconds / stats.seconds
+    """
+
+    seconds: float
+    compute_seconds: float
+    peak_live_forwards: int
 
 
 class Runtime:
@@ -51,6 +76,8 @@ class Runtime:
         self._shapes: Dict[int, Tuple[int, ...]] = {}      # stage -> signature of its received inputs
         self.forward_calls = 0
         self._target: Optional[Tensor] = None
+        self.profile = False               # wait for each compute action's kernels (exact compute times)
+        self.stats = StepStats(0.0, 0.0, 0)
 
     def _last_forward(self, *args: Tensor):
         """The last stage's forward and loss on the current micro-batch (one taped top graph)."""
@@ -97,15 +124,27 @@ class Runtime:
         handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
                     SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b}
         last_weight_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in (B, W)}
+        began, compute, live = time.perf_counter(), 0.0, 0
         try:
             for i, action in enumerate(actions):
                 if action.kind in (B, W):
                     # fully_shard units reduce the gradient summed over the micro-batches once per step
                     self.stages[action.stage].set_requires_gradient_sync(i == last_weight_grad[action.stage])
+                if not action.kind.is_compute:
+                    handlers[action.kind](action.stage, action.microbatch)
+                    continue
+                start = time.perf_counter()
                 handlers[action.kind](action.stage, action.microbatch)
+                if self.profile:
+                    ms.runtime.synchronize()
+                compute += time.perf_counter() - start
+                live = max(live, len(self._tape))
         finally:
             for stage in self.stages.values():
                 stage.set_requires_gradient_sync(True)
+        if self.profile:
+            ms.runtime.synchronize()
+        self.stats = StepStats(time.perf_counter() - began, compute, live)
         results = [self._results[m] for m in sorted(self._results)]
         self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = {}
         return results

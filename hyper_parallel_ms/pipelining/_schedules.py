@@ -24,7 +24,7 @@ from ..comm._agreement import extremes
 from ._action import ScheduleError
 from ._microbatch import HEADER, signature, split_microbatches
 from ._plan import PipelinePlan, build_plan
-from ._runtime import Runtime
+from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec
 from ._stage import PipelineStage, stage_cells
 
@@ -205,6 +205,21 @@ class PipelineSchedule:
             opt(schedule.gradients())
         """
         return self._runtime.gradients() if self._grads is None else self._grads
+
+    @property
+    def step_stats(self) -> StepStats:
+        """Wall time, time in compute actions and the most micro-batch forwards (activations) held at once, in
+        the last :meth:`step` on this rank; set ``schedule.profile = True`` for exact compute times."""
+        return self._runtime.stats
+
+    @property
+    def profile(self) -> bool:
+        """Whether each compute action waits for its kernels (exact :attr:`step_stats`; slower)."""
+        return self._runtime.profile
+
+    @profile.setter
+    def profile(self, value: bool) -> None:
+        self._runtime.profile = bool(value)
 
     @property
     def forward_calls(self) -> int:
