@@ -208,6 +208,9 @@ def test_split_blocks_keeps_full_model_names_and_even_shares():
         model = split_blocks(Model(5), s, 2, first=("embed",), last=("head",))
         shares.append([p.name for p in model.trainable_params()])
         assert (model.embed is None) == (s == 1) and (model.head is None) == (s == 0)
+        # Cell paths (state-dict keys, checkpoints) are the full model's too; indexing stays positional
+        assert [name for name, _ in model.parameters_and_names()] == shares[-1]
+        assert model.layers[0] is list(model.layers)[0] and len(model.layers) == (3 if s == 0 else 2)
     assert shares[0] + shares[1] == full and "layers.3.dense.weight" in shares[1] and len(shares[0]) == 2 + 3 * 2
     with pytest.raises(ValueError, match="5 blocks cannot make 6 stages"):
         split_blocks(Model(5), 0, 6)
