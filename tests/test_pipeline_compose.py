@@ -160,6 +160,8 @@ def test_pp_x_tp_equals_one_device(name):
     from tests._parity import gathered
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    me = ms.communication.get_rank()
+    assert mesh["pp"].mesh.tolist() == [r for r in range(4) if r % 2 == me % 2]     # the pp peers share tp
     plan = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
     stages = _stages(name, mesh["pp"], 4, lambda model: parallelize_module(model, mesh["tp"], plan))
     n = 4
@@ -183,6 +185,8 @@ def test_pp_x_fully_shard_reduces_once_per_step(name):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     dp = mesh["dp"]
+    me = ms.communication.get_rank()
+    assert mesh["pp"].mesh.tolist() == [r for r in range(4) if r % 2 == me % 2]     # the pp peers share dp
 
     def shard(model):
         for block in model.layers:
