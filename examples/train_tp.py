@@ -13,6 +13,10 @@ The output head keeps the logits split over the vocabulary (``Shard(-1)``) and t
 ``ParallelCrossEntropy`` on each rank's piece (loss parallelism: the logits are never gathered);
 ``--no-loss-parallel`` gathers them and takes the one-hot cross-entropy instead.
 
+``--pp N --schedule gpipe|1f1b|interleaved|zb --microbatches M`` adds pipeline parallelism: the
+model is split by layers into stages over a (pp, dp, tp) mesh, each stage tensor-parallel on tp
+(``examples/train_pp.py``; PyNative).
+
 ``--fsdp`` also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
 with R replicas of dp/R-way shards.
@@ -41,8 +45,10 @@ from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallel
 
 try:
     from examples.llama import Llama, LlamaConfig, cross_entropy, tp_plan
+    from examples.train_pp import SCHEDULES, train_pipeline
 except ImportError:  # run as a script: examples/ is the script's directory
     from llama import Llama, LlamaConfig, cross_entropy, tp_plan
+    from train_pp import SCHEDULES, train_pipeline
 
 __all__ = ["TrainConfig", "train", "main"]
 
@@ -71,6 +77,9 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     save_every: int = 0                # save to checkpoint_dir/step_K every save_every steps (0: never)
     resume: bool = False               # continue from the latest checkpoint in checkpoint_dir
+    pp: int = 1                        # pipeline stages' ranks (pp x dp x tp ranks in all)
+    schedule: str = "1f1b"             # with pp > 1: gpipe | 1f1b | interleaved | zb
+    microbatches: int = 2              # with pp > 1: micro-batches per step
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
@@ -205,6 +214,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     if cfg.batch % cfg.dp or cfg.seq % cfg.tp or cfg.heads % cfg.tp:
         raise ValueError(f"batch {cfg.batch} must divide by dp={cfg.dp}, seq {cfg.seq} and heads {cfg.heads} by "
                          f"tp={cfg.tp}")
+    if cfg.pp > 1:
+        result = train_pipeline(cfg, model_config, batch, _loss_cell(cfg), log)
+        return _checked(cfg, result, log)
     if cfg.fsdp:
         mesh, dp_dims, dp_index = _fsdp_mesh(cfg)
     else:
@@ -227,16 +239,30 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     try:
         result: Dict[str, object] = dict(_run(cfg, model, loss, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel",
                                               dp_dims, checkpoints=True))
-        if cfg.check:
-            ms.set_seed(cfg.seed)
-            single = Llama(model_config(cfg))
-            ref = _run(cfg, single, OneHotCrossEntropy(), _Identity(), None, 0, 1, log, "single device")
-            parallel = np.array(result["losses"])
-            reference = np.array(ref["losses"][result["start_step"]:])
-            result["reference_losses"] = ref["losses"][result["start_step"]:]
-            result["max_relative_difference"] = float(np.max(np.abs(parallel - reference) / np.abs(reference)))
+        result = _checked(cfg, result, log)
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
+    return result
+
+
+def _loss_cell(cfg: TrainConfig) -> Callable:
+    """``tp_mesh -> the loss Cell`` of ``cfg`` (vocabulary-parallel or one-hot cross-entropy)."""
+    if cfg.loss_parallel:
+        return lambda tp_mesh: VocabParallelCrossEntropy(tp_mesh, cfg.vocab)
+    return lambda tp_mesh: OneHotCrossEntropy()
+
+
+def _checked(cfg: TrainConfig, result: Dict[str, object], log: Callable[[str], None]) -> Dict[str, object]:
+    """With ``cfg.check``: the single-device run's losses and the largest relative difference added."""
+    if not cfg.check:
+        return result
+    ms.set_seed(cfg.seed)
+    single = Llama(model_config(cfg))
+    ref = _run(cfg, single, OneHotCrossEntropy(), _Identity(), None, 0, 1, log, "single device")
+    parallel = np.array(result["losses"])
+    reference = np.array(ref["losses"][result["start_step"]:])
+    result["reference_losses"] = ref["losses"][result["start_step"]:]
+    result["max_relative_difference"] = float(np.max(np.abs(parallel - reference) / np.abs(reference)))
     return result
 
 
@@ -273,7 +299,7 @@ class _Identity(nn.Cell):
 def parse_args(argv: List[str]) -> TrainConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = TrainConfig()
-    for name in ("dp", "tp", "steps", "batch", "seq", "vocab", "dim", "layers", "heads", "hidden", "seed"):
+    for name in ("pp", "microbatches", "dp", "tp", "steps", "batch", "seq", "vocab", "dim", "layers", "heads", "hidden", "seed"):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--mode", choices=["pynative", "jit", "graph"], default=defaults.mode)
@@ -287,9 +313,11 @@ def parse_args(argv: List[str]) -> TrainConfig:
     parser.add_argument("--checkpoint-dir", default=None, help="where step_K checkpoints are saved and resumed from")
     parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=defaults.schedule,
+                        help="with --pp > 1: the pipeline schedule")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in ("dp", "tp", "steps", "batch", "seq", "vocab", "dim",
+    cfg = TrainConfig(**{k: getattr(args, k) for k in ("pp", "microbatches", "schedule", "dp", "tp", "steps", "batch", "seq", "vocab", "dim",
                                                        "layers", "heads", "hidden", "seed", "lr", "mode")})
     return replace(cfg, sequence_parallel=not args.no_sequence_parallel, loss_parallel=not args.no_loss_parallel,
                    check=not args.no_check, fsdp=args.fsdp,
@@ -301,8 +329,8 @@ def main(argv: List[str]) -> int:
     cfg = parse_args(argv)
     communication.init()
     rank, world = communication.get_rank(), communication.get_group_size()
-    if world != cfg.dp * cfg.tp:
-        print(f"train_tp: {world} ranks but dp x tp = {cfg.dp} x {cfg.tp}", flush=True)
+    if world != cfg.pp * cfg.dp * cfg.tp:
+        print(f"train_tp: {world} ranks but pp x dp x tp = {cfg.pp} x {cfg.dp} x {cfg.tp}", flush=True)
         return 2
 
     def log(line: str) -> None:
@@ -310,7 +338,8 @@ def main(argv: List[str]) -> int:
             print(line, flush=True)
     result = train(cfg, log)
     rate = float(np.median(result["tokens_per_s"][1:] or result["tokens_per_s"]))
-    summary = (f"train_tp: rank {rank} of {world}, dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
+    pipeline = f"pp={cfg.pp} schedule={cfg.schedule} microbatches={cfg.microbatches} " if cfg.pp > 1 else ""
+    summary = (f"train_tp: rank {rank} of {world}, {pipeline}dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
                f"{'fsdp' + (f' hsdp x{cfg.hsdp_replicate} ' if cfg.hsdp_replicate > 1 else ' ') if cfg.fsdp else ''}"
                f"sp={cfg.sequence_parallel} loss_parallel={cfg.loss_parallel}: "
                f"steps {result['start_step'] + 1}-{cfg.steps}, "

@@ -53,6 +53,10 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   :func:`tape_backward`). ``ms.vjp`` / ``GradOperation`` instead find a forward by its
   "top cell", only the most recent one (a backward of an older pending forward fails:
   "Can not find top cell for backward").
+  A Cell with a custom ``bprop`` run under the bare grad flag fails ("The pointer[top_cell_]
+  is null"): wrapping the forward in ``_pynative_executor.new_graph`` / ``end_graph`` gives it
+  its top graph, and ``run_backward`` then differentiates it, several such tapes in any order,
+  and an input-only call does not run the custom bprops of the weights (:func:`taped_call`).
 - **swappable entry points**: MindSpore's functions, Cell methods and compile entry points
   are looked up as module / class attributes at call time, so replacing the attribute
   reroutes every call made after it. :func:`swap_entry_points` (for the process) and
@@ -117,7 +121,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "plain_view", "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
-           "taped", "tape_backward",
+           "taped", "taped_call", "tape_backward",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address"]
 
@@ -649,6 +653,30 @@ def taped() -> Iterator[None]:
         yield
     finally:
         _pynative_executor.set_grad_flag(before)
+
+
+def taped_call(top: Callable, *args: Any) -> Any:
+    """``top(*args)`` with its autodiff tape recorded as one top graph of the PyNative executor
+    (as ``ms.grad`` records it), for :func:`tape_backward` to differentiate later. Cells with a
+    custom ``bprop`` (the collectives' Cells, so tensor-parallel styles and fully_shard) need
+    that top graph: under a bare :func:`taped` they fail with "The pointer[top_cell_] is null".
+    Several such tapes may be kept and differentiated in any order.
+
+    Example::
+
+        out = taped_call(stage_cell, x)
+        grads = tape_backward((out,), (ones_like_out,), [x] + params)
+    """
+    from mindspore.common.api import _pynative_executor
+    before = _pynative_executor.grad_flag()
+    _pynative_executor.set_grad_flag(True)
+    try:
+        _pynative_executor.new_graph(top, *args)
+        out = top(*args)
+        _pynative_executor.end_graph(top, out, *args)
+    finally:
+        _pynative_executor.set_grad_flag(before)
+    return out
 
 
 def tape_backward(outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Sequence[Tensor],

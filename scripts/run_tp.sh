@@ -3,12 +3,15 @@
 # (and data) parallelism on N ranks with msrun, check it against a single-device run, and
 # print rank 0's log and summary.
 # Usage: bash scripts/run_tp.sh [--nproc 4] [--tp 2] [--dp 2] [--device CPU|Ascend] [--mode graph|jit|pynative]
-#                               [--steps 10] [--port 8128] [--fsdp [--hsdp-replicate R]] [-- extra train_tp.py flags]
+#                               [--steps 10] [--port 8128] [--fsdp [--hsdp-replicate R]]
+#                               [--pp 2 [--schedule gpipe|1f1b|interleaved|zb] [--microbatches M]] [-- extra train_tp.py flags]
 # --fsdp shards parameters, gradients and optimizer state over dp (fully_shard, PyNative; the mode
 # defaults to pynative with it); --hsdp-replicate R makes it HSDP with R replicas.
+# --pp N splits the model into pipeline stages over pp x dp x tp ranks (PyNative; interleaved and zb
+# need 2 N layers, given with -- --layers 4).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-NPROC=4 TP="" DP="" DEVICE=CPU MODE="" STEPS=10 PORT=8128 EXTRA=() FSDP=()
+NPROC=4 TP="" DP="" DEVICE=CPU MODE="" STEPS=10 PORT=8128 EXTRA=() FSDP=() PP=1 PIPE=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --nproc) NPROC="$2"; shift 2 ;;
@@ -20,15 +23,18 @@ while [ $# -gt 0 ]; do
     --port) PORT="$2"; shift 2 ;;
     --fsdp) FSDP+=(--fsdp); shift ;;
     --hsdp-replicate) FSDP+=(--hsdp-replicate "$2"); shift 2 ;;
+    --pp) PP="$2"; shift 2 ;;
+    --schedule) PIPE+=(--schedule "$2"); shift 2 ;;
+    --microbatches) PIPE+=(--microbatches "$2"); shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "unknown argument: $1 (see the usage line at the top of $0)" >&2; exit 2 ;;
   esac
 done
-if [ -z "$MODE" ]; then MODE=$([ ${#FSDP[@]} -gt 0 ] && echo pynative || echo graph); fi
-TP="${TP:-$(( NPROC >= 2 ? 2 : 1 ))}"
-DP="${DP:-$(( NPROC / TP ))}"
-if [ $(( DP * TP )) -ne "$NPROC" ]; then
-  echo "dp ($DP) x tp ($TP) must equal --nproc ($NPROC)" >&2; exit 2
+if [ -z "$MODE" ]; then MODE=$([ ${#FSDP[@]} -gt 0 ] || [ "$PP" -gt 1 ] && echo pynative || echo graph); fi
+TP="${TP:-$(( NPROC / PP >= 2 ? 2 : 1 ))}"
+DP="${DP:-$(( NPROC / PP / TP ))}"
+if [ $(( PP * DP * TP )) -ne "$NPROC" ]; then
+  echo "pp ($PP) x dp ($DP) x tp ($TP) must equal --nproc ($NPROC)" >&2; exit 2
 fi
 bash "$ROOT/scripts/setup_env.sh"     # first run: create the venv (progress shown here)
 LOG_DIR="$ROOT/rank_logs/train_tp"
@@ -37,8 +43,8 @@ mkdir -p "$LOG_DIR"
 export GLOG_v="${GLOG_v:-3}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 status=0
 bash "$ROOT/scripts/msrun.sh" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
-  --log_dir="$LOG_DIR" --join=True "$ROOT/examples/train_tp.py" --dp "$DP" --tp "$TP" --mode "$MODE" \
-  --steps "$STEPS" --device "$DEVICE" "${FSDP[@]}" "${EXTRA[@]}" > "$LOG_DIR.msrun.log" 2>&1 || status=$?
+  --log_dir="$LOG_DIR" --join=True "$ROOT/examples/train_tp.py" --pp "$PP" --dp "$DP" --tp "$TP" --mode "$MODE" \
+  --steps "$STEPS" --device "$DEVICE" "${FSDP[@]}" "${PIPE[@]}" "${EXTRA[@]}" > "$LOG_DIR.msrun.log" 2>&1 || status=$?
 grep -h "^\[parallel\]\|^\[single device\]" "$LOG_DIR/worker_0.log" 2>/dev/null || true
 for k in $(seq 0 $((NPROC - 1))); do
   grep -h "Traceback\|Error" "$LOG_DIR/worker_$k.log" 2>/dev/null | head -n 5 || true

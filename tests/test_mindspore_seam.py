@@ -550,3 +550,57 @@ def test_contract_saved_tensor_hooks_see_kept_tensors_by_address_and_the_backwar
     assert packed.count(addresses["full"]) >= 2        # the Cell's output and linear's weight
     np.testing.assert_allclose(grad.asnumpy(), np.full((2, 3), 8.0))
     assert float(value.asnumpy()) == float((x.asnumpy() @ (2 * w.asnumpy()).T).sum())
+
+
+def test_contract_custom_bprop_cells_need_the_top_graph_of_taped_call():
+    """Tensor-parallel styles and fully_shard run collectives as Cells with a custom bprop: under
+    the bare grad flag they fail ("top_cell_ is null"); taped_call records a top graph, several
+    such tapes differentiate in any order with the custom bprop honoured, and an input-only
+    backward does not run the custom bprop a weight reaches (so a zero-bubble I never reduces a
+    fully_shard gradient, its W does, once)."""
+    bprops = []
+
+    class Scaled(nn.Cell):                       # forward x * 2, backward dout * 3 (on purpose)
+        def construct(self, x):
+            return x * 2
+
+        def bprop(self, x, out, dout):
+            bprops.append(1)
+            return (dout * 3,)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Dense(3, 3)
+            self.w = ms.Parameter(Tensor(np.ones((3, 3), np.float32)), name="w")
+            self.scaled = Scaled()
+
+        def construct(self, x):
+            return ops.matmul(ops.tanh(self.dense(x)), self.scaled(self.w))
+
+    ms.set_seed(0)
+    net = Net()
+    weights = [net.dense.weight, net.dense.bias, net.w]
+    xs = [Tensor(np.random.RandomState(i).randn(2, 3).astype(np.float32)) for i in range(3)]
+    one = Tensor(np.ones((2, 3), np.float32))
+    want = [ms.grad(lambda x: net(x).sum(), grad_position=0, weights=weights)(x) for x in xs]
+    with pytest.raises(RuntimeError, match="top_cell_"):
+        with seam.taped():
+            net(xs[0])
+    outs = []
+    for x in xs:
+        x.requires_grad_()
+        outs.append(seam.taped_call(net, x))
+    assert net(xs[0])._grad_node is None                      # the flag is restored
+    for m in (1, 0):
+        got = seam.tape_backward([outs[m]], [one], [xs[m]] + weights)
+        for g, w in zip(got, (want[m][0],) + tuple(want[m][1])):
+            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+    bprops.clear()
+    dx, = seam.tape_backward([outs[2]], [one], [xs[2]], keep_graph=True)
+    assert not bprops                                          # the input gradient skips the weight's bprop
+    dw = seam.tape_backward([outs[2]], [one], weights)
+    assert len(bprops) == 1
+    np.testing.assert_allclose(dx.asnumpy(), want[2][0].asnumpy(), rtol=1e-6, atol=1e-7)
+    for g, w in zip(dw, want[2][1]):
+        np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)

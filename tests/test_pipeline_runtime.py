@@ -113,6 +113,13 @@ def _check_parity(name: str, n: int) -> None:
         losses: list = []
         calls_before = [len(m.calls) for m in models]
         out = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        # activations held: GPipe every micro-batch, 1F1B at most the stages from here to the last
+        live = schedule.step_stats.peak_live_forwards
+        me = mesh.get_local_rank()
+        if name == "GPipe":
+            assert live == n, (live, n)
+        elif name == "1F1B":
+            assert live == min(n, mesh.size() - me), (live, n, me)
         # one forward per block and micro-batch: the backward reuses the forward's tape
         assert [len(m.calls) - c for m, c in zip(models, calls_before)] == [n * len(m.layers) for m in models]
         want_losses, want_grads = history[step]
@@ -201,6 +208,9 @@ def test_split_blocks_keeps_full_model_names_and_even_shares():
         model = split_blocks(Model(5), s, 2, first=("embed",), last=("head",))
         shares.append([p.name for p in model.trainable_params()])
         assert (model.embed is None) == (s == 1) and (model.head is None) == (s == 0)
+        # Cell paths (state-dict keys, checkpoints) are the full model's too; indexing stays positional
+        assert [name for name, _ in model.parameters_and_names()] == shares[-1]
+        assert model.layers[0] is list(model.layers)[0] and len(model.layers) == (3 if s == 0 else 2)
     assert shares[0] + shares[1] == full and "layers.3.dense.weight" in shares[1] and len(shares[0]) == 2 + 3 * 2
     with pytest.raises(ValueError, match="5 blocks cannot make 6 stages"):
         split_blocks(Model(5), 0, 6)

@@ -40,3 +40,31 @@ def test_example_trains_on_4_ranks_dp_x_tp(mode):
 @multi_rank(2, timeout=600)
 def test_example_trains_as_a_graph_mode_cell(sequence_parallel):
     _train(tp=2, mode="graph", sequence_parallel=sequence_parallel)
+
+
+@pytest.mark.parametrize("schedule, dp, tp, fsdp", [("1f1b", 1, 2, False), ("zb", 2, 1, True),
+                                                    ("interleaved", 2, 1, False)])
+@multi_rank(4, timeout=600)
+def test_example_trains_as_a_pipeline_on_4_ranks(schedule, dp, tp, fsdp):
+    """--pp 2 (pp x tp with loss parallelism; pp x fully_shard over dp with the zero-bubble V
+    schedule; pp x dp with gradients averaged over dp, interleaved): 2 steps, losses equal to the
+    single-device run, one forward per micro-batch."""
+    cfg = TrainConfig(pp=2, dp=dp, tp=tp, fsdp=fsdp, schedule=schedule, microbatches=2, layers=4, steps=2, seq=8,
+                      dim=32, hidden=64, vocab=64, mode="pynative")
+    result = train(cfg, log=lambda line: None)
+    assert len(result["losses"]) == 2 and result["forwards_per_microbatch"] == 1.0
+    assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
+
+
+def test_pipeline_flags_that_cannot_run_are_refused_naming_the_fix():
+    from examples.train_pp import check_pipeline_config
+
+    with pytest.raises(ValueError, match="use --mode pynative, not 'jit'"):
+        check_pipeline_config(TrainConfig(pp=2, mode="jit"))
+    with pytest.raises(ValueError, match="makes 4 stages but the model has 2 layers: use --layers 4"):
+        check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="interleaved"))
+    with pytest.raises(ValueError, match="4 rows do not split into --microbatches 3"):
+        check_pipeline_config(TrainConfig(pp=2, mode="pynative", microbatches=3))
+    with pytest.raises(ValueError, match="--schedule must be one of"):
+        check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="dualpipe"))
+    check_pipeline_config(TrainConfig(pp=2, mode="pynative"))          # the defaults run

@@ -1,7 +1,8 @@
 """The one runtime: executes a rank's checked action list (``PipelinePlan.actions[rank]``).
 
 Each forward ``F`` runs the stage's Cell once, recording its autodiff tape
-(:func:`~hyper_parallel_ms._mindspore.taped`); ``B`` differentiates that tape for the stage's
+(:func:`~hyper_parallel_ms._mindspore.taped_call`, which also serves Cells with a custom
+``bprop``: tensor-parallel styles, fully_shard); ``B`` differentiates that tape for the stage's
 inputs and parameters; the zero-bubble pair ``I`` / ``W`` differentiates it twice, inputs
 first (keeping the tape), parameters later. No forward runs again. ``SEND`` / ``RECV`` move
 activations and gradients with :func:`~hyper_parallel_ms.comm.send` / ``recv``; stages on one
@@ -17,6 +18,8 @@ Example::
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
@@ -24,15 +27,38 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from .. import comm
-from .._mindspore import tape_backward, taped
+from .._mindspore import tape_backward, taped_call
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
 from ._microbatch import HEADER, as_tuple, is_float, like_tensors, signature
 from ._plan import PipelinePlan
 from ._stage import PipelineStage
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "StepStats"]
 
 Key = Tuple[int, int]     # (stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step cost on this rank.
+
+    Args:
+        seconds: the step's wall time (the action list, transfers included).
+        compute_seconds: wall time inside F / B / I / W actions (with ``profile`` on, each waited
+            for its kernels; otherwise PyNative's asynchronous queue may move time into transfers).
+        peak_live_forwards: the most micro-batch forwards whose autodiff tape (activations) this
+            rank held at once.
+
+    Example::
+
+        schedule.step(x, target=y)
+        stats = schedule.step_stats            # StepStats(seconds=..., compute_seconds=..., peak_live_forwards=4)
+        idle = 1 - stats.compute_seconds / stats.seconds
+    """
+
+    seconds: float
+    compute_seconds: float
+    peak_live_forwards: int
 
 
 class Runtime:
@@ -49,18 +75,35 @@ class Runtime:
         self._grads: Dict[int, List[Optional[Tensor]]] = {}
         self._shapes: Dict[int, Tuple[int, ...]] = {}      # stage -> signature of its received inputs
         self.forward_calls = 0
+        self._target: Optional[Tensor] = None
+        self.profile = False               # wait for each compute action's kernels (exact compute times)
+        self.stats = StepStats(0.0, 0.0, 0)
+
+    def _last_forward(self, *args: Tensor):
+        """The last stage's forward and loss on the current micro-batch (one taped top graph)."""
+        last = self.stages[self.plan.num_stages - 1]
+        out = last.submodule(*args)
+        return out, self.loss_fn(out, self._target)
 
     def parameters(self) -> List[ms.Parameter]:
-        """This rank's stages' trainable parameters, stage by stage."""
-        return [p for s in sorted(self._params) for p in self._params[s]]
+        """This rank's stages' trainable parameters, stage by stage (a Parameter two stages share: once)."""
+        seen, out = set(), []
+        for s in sorted(self._params):
+            for p in self._params[s]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def gradients(self) -> Tuple[Tensor, ...]:
-        """Gradients accumulated by the last :meth:`run`, aligned with :meth:`parameters` (zeros if unreached)."""
-        out = []
+        """Gradients accumulated by the last :meth:`run`, aligned with :meth:`parameters` (zeros if
+        unreached; a Parameter of several stages gets the sum of their gradients)."""
+        total: Dict[int, Tensor] = {}
         for s in sorted(self._params):
             for p, g in zip(self._params[s], self._grads.get(s, [None] * len(self._params[s]))):
-                out.append(ops.zeros(p.shape, p.dtype) if g is None else g)
-        return tuple(out)
+                if g is not None:
+                    total[id(p)] = g if id(p) not in total else total[id(p)] + g
+        return tuple(total.get(id(p), ops.zeros(p.shape, p.dtype)) for p in self.parameters())
 
     # --------------------------------------------------------------- one step
     def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[Tensor, ...]]],
@@ -80,8 +123,28 @@ class Runtime:
         self._batches, self._targets, self._losses = microbatches, targets, losses
         handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
                     SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b}
-        for action in actions:
-            handlers[action.kind](action.stage, action.microbatch)
+        last_weight_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in (B, W)}
+        began, compute, live = time.perf_counter(), 0.0, 0
+        try:
+            for i, action in enumerate(actions):
+                if action.kind in (B, W):
+                    # fully_shard units reduce the gradient summed over the micro-batches once per step
+                    self.stages[action.stage].set_requires_gradient_sync(i == last_weight_grad[action.stage])
+                if not action.kind.is_compute:
+                    handlers[action.kind](action.stage, action.microbatch)
+                    continue
+                start = time.perf_counter()
+                handlers[action.kind](action.stage, action.microbatch)
+                if self.profile:
+                    ms.runtime.synchronize()
+                compute += time.perf_counter() - start
+                live = max(live, len(self._tape))
+        finally:
+            for stage in self.stages.values():
+                stage.set_requires_gradient_sync(True)
+        if self.profile:
+            ms.runtime.synchronize()
+        self.stats = StepStats(time.perf_counter() - began, compute, live)
         results = [self._results[m] for m in sorted(self._results)]
         self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = {}
         return results
@@ -90,12 +153,13 @@ class Runtime:
     def _forward(self, s: int, m: int) -> None:
         stage = self.stages[s]
         args = self._batches[m] if s == 0 else self._inputs[s, m]
-        with taped():
-            self.forward_calls += 1
-            out = stage.submodule(*args)
-            if stage.is_last:
-                self._results[m] = out
-                loss = self.loss_fn(out, self._targets[m])
+        self.forward_calls += 1
+        if stage.is_last:
+            self._target = self._targets[m]
+            out, loss = taped_call(self._last_forward, *args)
+            self._results[m] = out
+        else:
+            out = taped_call(stage.submodule, *args)
         if stage.is_last:
             if self._losses is not None:
                 self._losses.append(loss)

@@ -24,7 +24,8 @@ from ..comm._agreement import extremes
 from ._action import ScheduleError
 from ._microbatch import HEADER, signature, split_microbatches
 from ._plan import PipelinePlan, build_plan
-from ._runtime import Runtime
+from ._runtime import Runtime, StepStats
+from ._shared import SharedParameters, SharedSpec
 from ._stage import PipelineStage, stage_cells
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
@@ -65,6 +66,9 @@ class PipelineSchedule:
         scale_grads: average gradients over micro-batches (one step equals the full-batch step when
             ``loss_fn`` is a mean over the batch); ``False`` sums them.
         micro_batch_num: HyperParallel's name for ``n_microbatches`` (give one of the two).
+        shared_parameters: names (or tuples of names) of parameters several stages hold, e.g. an
+            embedding tied to the head on the last stage: their gradients are summed over the stages
+            holding them (one all-reduce per parameter and step over exactly the ranks holding it).
 
     Example::
 
@@ -76,7 +80,7 @@ class PipelineSchedule:
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: Optional[int] = None,
                  loss_fn: Optional[Callable] = None, *, scale_grads: bool = True,
-                 micro_batch_num: Optional[int] = None) -> None:
+                 micro_batch_num: Optional[int] = None, shared_parameters: Optional[SharedSpec] = None) -> None:
         if (n_microbatches is None) == (micro_batch_num is None):
             raise TypeError(f"{type(self).__name__} needs n_microbatches (or HyperParallel's micro_batch_num), "
                             f"exactly one of them; got {n_microbatches!r} and {micro_batch_num!r}")
@@ -94,7 +98,9 @@ class PipelineSchedule:
         self.scale_grads = scale_grads
         self.mesh = stages[0].mesh
         self.plan = self._agreed_plan(stages, n, loss_fn)
+        self._shared = SharedParameters(shared_parameters, stages, self.mesh, type(self).__name__)
         self._runtime = Runtime(stages, self.plan, loss_fn, 1.0 / n if scale_grads else 1.0)
+        self._grads: Optional[Tuple[Tensor, ...]] = None
         self._shape_key: Optional[Tuple[float, ...]] = None
 
     # --------------------------------------------------------------- construction checks
@@ -160,8 +166,10 @@ class PipelineSchedule:
         new_shapes, self._shape_key = key != self._shape_key, key
         batches = split_microbatches(args, n) if first else None
         targets = [t[0] for t in split_microbatches((target,), n)] if last else None
+        self._grads = None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
                                  new_shapes=new_shapes)
+        self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
         if not last:
             return None
         return ops.cat(outs, axis=0) if isinstance(outs[0], Tensor) else outs
@@ -196,7 +204,22 @@ class PipelineSchedule:
 
             opt(schedule.gradients())
         """
-        return self._runtime.gradients()
+        return self._runtime.gradients() if self._grads is None else self._grads
+
+    @property
+    def step_stats(self) -> StepStats:
+        """Wall time, time in compute actions and the most micro-batch forwards (activations) held at once, in
+        the last :meth:`step` on this rank; set ``schedule.profile = True`` for exact compute times."""
+        return self._runtime.stats
+
+    @property
+    def profile(self) -> bool:
+        """Whether each compute action waits for its kernels (exact :attr:`step_stats`; slower)."""
+        return self._runtime.profile
+
+    @profile.setter
+    def profile(self, value: bool) -> None:
+        self._runtime.profile = bool(value)
 
     @property
     def forward_calls(self) -> int:
@@ -209,11 +232,13 @@ class PipelineSchedule:
 
 class _SingleStage(PipelineSchedule):
     def __init__(self, stage: PipelineStage, n_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
-                 *, scale_grads: bool = True, micro_batch_num: Optional[int] = None) -> None:
+                 *, scale_grads: bool = True, micro_batch_num: Optional[int] = None,
+                 shared_parameters: Optional[SharedSpec] = None) -> None:
         if not isinstance(stage, PipelineStage):
             raise TypeError(f"{type(self).__name__} runs one PipelineStage per rank, got {type(stage).__name__}; "
                             f"use ScheduleInterleaved1F1B for several")
-        super().__init__([stage], n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num)
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num,
+                         shared_parameters=shared_parameters)
 
 
 class ScheduleGPipe(_SingleStage):
@@ -225,6 +250,7 @@ class ScheduleGPipe(_SingleStage):
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
         scale_grads: average gradients over micro-batches (default ``True``).
         micro_batch_num: HyperParallel's name for ``n_microbatches``.
+        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
 
     Example::
 
@@ -245,6 +271,7 @@ class Schedule1F1B(_SingleStage):
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
         scale_grads: average gradients over micro-batches (default ``True``).
         micro_batch_num: HyperParallel's name for ``n_microbatches``.
+        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
 
     Example::
 
@@ -263,6 +290,7 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
         scale_grads: average gradients over micro-batches (default ``True``).
         micro_batch_num: HyperParallel's name for ``n_microbatches``.
+        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
 
     Example::
 
@@ -273,9 +301,10 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
 
     def __init__(self, stages: Union[Sequence[PipelineStage], PipelineStage], n_microbatches: Optional[int] = None,
                  loss_fn: Optional[Callable] = None, *, scale_grads: bool = True,
-                 micro_batch_num: Optional[int] = None) -> None:
+                 micro_batch_num: Optional[int] = None, shared_parameters: Optional[SharedSpec] = None) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else stages
-        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num)
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num,
+                         shared_parameters=shared_parameters)
 
 
 class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
@@ -288,6 +317,7 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on rank 0, which holds the last stage).
         scale_grads: average gradients over micro-batches (default ``True``).
         micro_batch_num: HyperParallel's name for ``n_microbatches``.
+        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
 
     Example::
 

@@ -12,12 +12,13 @@ Example::
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
-__all__ = ["PipelineStage", "split_blocks", "default_pp_mesh"]
+__all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList"]
 
 
 def default_pp_mesh():
@@ -82,8 +83,64 @@ class PipelineStage:
         """The stage's trainable parameters (full-model names)."""
         return list(self.submodule.trainable_params())
 
+    def sharded_units(self) -> List[nn.Cell]:
+        """The Cells of this stage that :func:`~hyper_parallel_ms.fsdp.fully_shard` / ``hsdp`` sharded.
+
+        Example::
+
+            fully_shard(stage.submodule.layers[0], mesh=mesh["dp"])
+            stage.sharded_units()            # [that block]
+        """
+        from ..fsdp import FSDPModule
+        return [cell for _, cell in self.submodule.cells_and_names() if isinstance(cell, FSDPModule)]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Turn the data-parallel gradient reduction of this stage's sharded units on or off.
+
+        The schedules call it: off for every backward of a step but the stage's last, so the
+        gradients summed over the micro-batches are reduced once per step (FSDP2's gradient
+        accumulation). A stage without sharded units ignores it.
+
+        Args:
+            requires_gradient_sync: ``True`` reduces in the next backward (with what accumulated).
+
+        Example::
+
+            stage.set_requires_gradient_sync(False)    # backward of micro-batch 0: accumulate
+            stage.set_requires_gradient_sync(True)     # last backward: one reduce-scatter per unit
+        """
+        for unit in self.sharded_units():
+            unit.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+
     def __repr__(self) -> str:
         return f"PipelineStage({type(self.submodule).__name__}, stage {self.stage_index} of {self.num_stages})"
+
+
+class StageCellList(nn.CellList):
+    """A stage's share of an ``nn.CellList`` of blocks, each under its full-model key.
+
+    Iteration and ``len`` are a CellList's; ``blocks[i]`` is the i-th kept block; the child
+    names (``"5"`` for the full model's block 5) make Cell paths, state-dict keys and
+    checkpoints name the full model's blocks.
+
+    Args:
+        blocks: full-model key -> block, in order.
+
+    Example::
+
+        kept = StageCellList(OrderedDict([("2", block2), ("3", block3)]))
+        [name for name, _ in kept.cells_and_names()][1:]      # ['2', '3']
+    """
+
+    def __init__(self, blocks: "OrderedDict[str, nn.Cell]") -> None:
+        super().__init__()
+        for key, block in blocks.items():
+            self.insert_child_to_cell(key, block)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return StageCellList(OrderedDict(list(self._cells.items())[index]))
+        return list(self)[index]
 
 
 def _block_range(n_blocks: int, stage_index: int, num_stages: int) -> Tuple[int, int]:
@@ -105,7 +162,9 @@ def split_blocks(model: nn.Cell, stage_index: int, num_stages: int, *, blocks: s
     of the blocks (as even as can be, earlier stages one more); the attributes named in
     ``first`` are kept on stage 0 only and those in ``last`` on the last stage only, and set
     to ``None`` elsewhere, so ``construct`` must skip a layer that is ``None``. Kept Parameters
-    keep their full-model names (``layers.5.weight`` stays so on the stage holding block 5).
+    keep their full-model names and the kept blocks their full-model keys (``layers.5.weight``
+    stays so on the stage holding block 5, as a Parameter name and as a state-dict key), so
+    checkpoints saved by the stages load into any other split and into the whole model.
 
     Args:
         model: the full model, built the same way (same seed) on every rank.
@@ -137,8 +196,10 @@ def split_blocks(model: nn.Cell, stage_index: int, num_stages: int, *, blocks: s
                          f"per stage); use at most {len(listed)} stages")
     names = {id(p): p.name for p in model.get_parameters()}
     start, stop = _block_range(len(listed), stage_index, num_stages)
-    kept = list(listed)[start:stop]
-    setattr(model, blocks, type(listed)(kept))
+    kept = OrderedDict((str(i), listed[i]) for i in range(start, stop))
+    # the kept blocks keep their full-model keys ("layers.5"), so the stage's Cell paths (which
+    # checkpoints' state dicts use) are the full model's too
+    setattr(model, blocks, StageCellList(kept) if isinstance(listed, nn.CellList) else nn.SequentialCell(kept))
     for attr, keep in [(a, stage_index == 0) for a in first] + [(a, stage_index == num_stages - 1) for a in last]:
         if not hasattr(model, attr):
             raise AttributeError(f"split_blocks: {type(model).__name__} has no attribute {attr!r}")

@@ -1,0 +1,128 @@
+"""The pipeline-parallel path of ``examples/train_tp.py`` (``--pp N``): the Llama example split into
+stages over a ("pp", "dp", "tp") mesh, each stage tensor-parallel on ``mesh["tp"]`` (and with
+``--fsdp`` fully sharded on ``mesh["dp"]``, else its gradients averaged over dp), run by a
+pipeline schedule over ``mesh["pp"]``.
+
+Example (4 CPU ranks, pp=2 x tp=2)::
+
+    bash scripts/run_tp.sh --nproc 4 --pp 2 --tp 2 -- --schedule 1f1b --microbatches 2
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn
+
+from hyper_parallel_ms import comm, fully_shard, pipelining
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.nn import GradientReducer, parallelize_module
+
+try:
+    from examples.llama import Llama, tp_plan
+except ImportError:  # run as a script: examples/ is the script's directory
+    from llama import Llama, tp_plan
+
+__all__ = ["SCHEDULES", "train_pipeline"]
+
+# --schedule name -> (schedule class name, stages per rank)
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
+             "interleaved": ("ScheduleInterleaved1F1B", 2), "zb": ("ScheduleZBVZeroBubble", 2)}
+FIRST, LAST = ("tok_embeddings",), ("norm", "output")
+
+
+def check_pipeline_config(cfg) -> None:
+    """Raise naming the flag to change when ``cfg`` cannot run as a pipeline."""
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {sorted(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.mode != "pynative":
+        raise ValueError(f"--pp runs the stages in PyNative (the schedule is Python; each stage's forward "
+                         f"is kept on an autodiff tape): use --mode pynative, not {cfg.mode!r}")
+    stages = cfg.pp * SCHEDULES[cfg.schedule][1]
+    if cfg.layers < stages:
+        raise ValueError(f"--schedule {cfg.schedule} with --pp {cfg.pp} makes {stages} stages but the model has "
+                         f"{cfg.layers} layers: use --layers {stages} or more")
+    rows = cfg.batch // cfg.dp
+    if rows % cfg.microbatches:
+        raise ValueError(f"each dp rank's {rows} rows do not split into --microbatches {cfg.microbatches}: use a "
+                         f"--batch that is a multiple of dp x microbatches = {cfg.dp * cfg.microbatches}")
+    if cfg.checkpoint_dir or cfg.resume or cfg.hsdp_replicate != 1:
+        raise ValueError("--pp does not take --checkpoint-dir / --resume / --hsdp-replicate yet")
+
+
+def _stage_plan(model: nn.Cell, cfg) -> dict:
+    """``tp_plan`` without the entries of layers this stage does not hold."""
+    return {k: v for k, v in tp_plan(cfg.sequence_parallel, cfg.loss_parallel).items()
+            if k.split(".")[0] not in FIRST + LAST or getattr(model, k.split(".")[0]) is not None}
+
+
+def _build(cfg, model_config, mesh):
+    """This rank's stages of the Llama (same seed as the single-device model) and its schedule."""
+    cls_name, v = SCHEDULES[cfg.schedule]
+    pp_mesh = mesh["pp"]
+    num_stages = cfg.pp * v
+    plan = pipelining.build_plan(cls_name[len("Schedule"):], cfg.pp, cfg.microbatches, stages_per_rank=v)
+    stages = []
+    for s in plan.stages_of(pp_mesh.get_local_rank()):
+        ms.set_seed(cfg.seed)
+        model = pipelining.split_blocks(Llama(model_config(cfg)), s, num_stages, first=FIRST, last=LAST)
+        parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
+        if cfg.fsdp:
+            for block in model.layers:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        stages.append(pipelining.PipelineStage(model, s, num_stages, mesh=pp_mesh))
+    return stages
+
+
+def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Callable,
+                   log: Callable[[str], None]) -> Dict[str, object]:
+    """Train ``cfg.steps`` steps on the pp x dp x tp mesh; every rank returns the global loss of each step.
+
+    Args:
+        cfg: the example's ``TrainConfig`` (with ``pp``, ``schedule``, ``microbatches``).
+        model_config: ``TrainConfig -> LlamaConfig``.
+        batch: ``batch(cfg, step, dp_index, dp_size, onehot)`` as in ``train_tp``.
+        loss_cell: ``tp_mesh -> loss Cell`` taking ``(logits, labels)``.
+        log: where rank 0's lines go.
+
+    Example::
+
+        result = train_pipeline(replace(cfg, pp=2, schedule="1f1b", microbatches=2), model_config, batch,
+                                loss_cell, print)
+    """
+    check_pipeline_config(cfg)
+    device = "cpu" if ms.get_context("device_target") == "CPU" else "npu"
+    mesh = init_device_mesh(device, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+    stages = _build(cfg, model_config, mesh)
+    loss = loss_cell(mesh["tp"])
+    schedule = getattr(pipelining, SCHEDULES[cfg.schedule][0])(
+        stages[0] if len(stages) == 1 else stages, cfg.microbatches, loss)
+    params = schedule.parameters()
+    # fully_shard averages its pieces' gradients over dp itself; the reducer adds the tp sums
+    reducer = GradientReducer(params, **({} if cfg.fsdp or cfg.dp == 1 else {"dp_mesh": mesh, "dp_dim": "dp"}))
+    optimizer = nn.AdamWeightDecay(params, learning_rate=cfg.lr, weight_decay=0.01)
+    first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
+    dp_index = mesh.get_coordinate()[1]
+    onehot = not cfg.loss_parallel
+    losses: List[float] = []
+    rates: List[float] = []
+    for i in range(cfg.steps):
+        ids, labels = batch(cfg, i, dp_index, cfg.dp, onehot)
+        began = time.perf_counter()
+        mb: list = []
+        schedule.step(*((ids,) if first else ()), target=labels if last else None, losses=mb)
+        optimizer(reducer(schedule.gradients()))
+        mine = np.float32(np.mean([float(v.asnumpy()) for v in mb])) if last else np.float32(0)
+        value = comm.all_reduce(Tensor(np.array(mine)), mesh, "pp")         # the last stage's loss, everywhere
+        if cfg.dp > 1:
+            value = comm.all_reduce(value, mesh, "dp", op="avg")
+        value = float(value.asnumpy())
+        seconds = time.perf_counter() - began
+        losses.append(value)
+        rates.append(cfg.batch * cfg.seq / seconds)
+        log(f"[parallel] step {i + 1}/{cfg.steps} loss {value:.6f} tokens/s {rates[-1]:.0f}")
+    return {"losses": losses, "tokens_per_s": rates, "start_step": 0,
+            "forwards_per_microbatch": schedule.forward_calls / (len(schedule.stages) * cfg.microbatches * cfg.steps)}

@@ -1,0 +1,122 @@
+"""Parameters shared by several stages (a tied embedding and head on the first and the last
+stage): found by name on every stage, agreed over the pp ranks, their gradients summed.
+
+One full-model Parameter used in two places keeps one name (``split_blocks`` keeps full-model
+names), so a group is usually one name; a group may list several names when the stages were
+built with different names for the same weight. On a rank holding several stages of a group
+(ZBV puts the first and the last stage on rank 0) the stages are made to share one Parameter
+object; across ranks the holders' gradients are summed by one all-reduce per group and step,
+over a group of exactly the ranks holding it, so every copy takes the same optimizer step.
+
+Example::
+
+    schedule = Schedule1F1B(stage, 4, loss_fn, shared_parameters=["embed.weight"])
+    schedule.step(x, target=y)
+    opt(schedule.gradients())        # embed.weight's gradient: first-stage part + last-stage part
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+from .. import comm
+from ..comm._agreement import extremes
+from ..nn._adapter import named_cells, own_parameters
+from ._action import ScheduleError
+from ._stage import PipelineStage
+
+__all__ = ["SharedParameters", "SharedSpec"]
+
+SharedSpec = Sequence[Union[str, Sequence[str]]]
+
+
+def _groups(spec: Optional[SharedSpec]) -> List[Tuple[str, ...]]:
+    groups = []
+    for entry in spec or ():
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise TypeError(f"shared_parameters: each entry is a parameter name or a tuple of names, got {entry!r}")
+        groups.append(names)
+    return groups
+
+
+def _tie(stages: Sequence[PipelineStage], first: ms.Parameter, copies: Sequence[ms.Parameter]) -> None:
+    """Make every Cell of ``stages`` holding one of ``copies`` hold ``first`` instead."""
+    ids = {id(c) for c in copies}
+    for stage in stages:
+        for cell in named_cells(stage.submodule).values():
+            for attr, p in own_parameters(cell).items():
+                if id(p) in ids:
+                    setattr(cell, attr, first)
+
+
+class SharedParameters:
+    """The groups of ``spec`` on this rank's ``stages``: checked, tied on this rank, summed across ranks.
+
+    Args:
+        spec: parameter names (or tuples of names), one entry per shared parameter.
+        stages: this rank's stages.
+        mesh: the 1-D pp mesh.
+        name: the schedule's name, for error messages.
+
+    Example::
+
+        shared = SharedParameters(["embed.weight"], stages, pp_mesh, "Schedule1F1B")
+        grads = shared.reduce(params, grads)     # summed over the stages holding embed.weight
+    """
+
+    def __init__(self, spec: Optional[SharedSpec], stages: Sequence[PipelineStage], mesh, name: str) -> None:
+        self.groups = _groups(spec)
+        self._local: List[Optional[ms.Parameter]] = []
+        self._meshes: List[Optional[object]] = []
+        if not self.groups:
+            return
+        pp, me = mesh.size(), mesh.get_local_rank()
+        found = []
+        counts = np.zeros((2, len(self.groups), pp), np.float32)   # [stages holding it, its element count]
+        for g, names in enumerate(self.groups):
+            held = [p for st in stages for p in st.parameters() if p.name in names]
+            found.append(held)
+            counts[0, g, me] = len(held)
+            counts[1, g, me] = held[0].size if held else 0
+        high, _ = extremes(counts.ravel(), mesh)
+        high = high.reshape(counts.shape)
+        for g, names in enumerate(self.groups):
+            holders = [r for r in range(pp) if high[0, g, r]]
+            if high[0, g].sum() < 2:
+                raise ScheduleError(f"{name}: shared_parameters {names}: held by {int(high[0, g].sum())} stage(s) "
+                                    f"(ranks {holders}); a shared parameter must be a parameter of at least two "
+                                    f"stages: check the names (the stages' parameters keep full-model names)")
+            sizes = {int(high[1, g, r]) for r in holders}
+            if len(sizes) > 1:
+                raise ScheduleError(f"{name}: shared_parameters {names}: the stages hold it with different element "
+                                    f"counts {sorted(sizes)} (ranks {holders}); share one full-model parameter")
+        for g, held in enumerate(found):
+            if len({id(p) for p in held}) > 1:
+                _tie(stages, held[0], held[1:])
+            self._local.append(held[0] if held else None)
+        device = mesh.device_type
+        for g in range(len(self.groups)):     # every rank creates the groups in the same order
+            holders = [r for r in range(pp) if high[0, g, r]]
+            ranks = [int(mesh.mesh[r]) for r in holders]
+            self._meshes.append(None if len(ranks) < 2 else _holders_mesh(device, ranks, me in holders))
+
+    def reduce(self, params: Sequence[ms.Parameter], grads: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """``grads`` (aligned with ``params``) with each shared parameter's gradient summed over its holders."""
+        grads = list(grads)
+        where: Dict[int, int] = {id(p): i for i, p in enumerate(params)}
+        for local, group_mesh in zip(self._local, self._meshes):
+            if local is None or group_mesh is None:
+                continue
+            i = where[id(local)]
+            grads[i] = comm.all_reduce(grads[i], group_mesh, 0)
+        return tuple(grads)
+
+
+def _holders_mesh(device: str, ranks: List[int], member: bool):
+    from ..mesh import DeviceMesh
+    mesh = DeviceMesh(device, ranks, mesh_dim_names=("pp_shared",))
+    return mesh if member else None
