@@ -1,5 +1,5 @@
-"""README's gradient-clipping recipe (the Python block of the "Gradient clipping" item, run as
-written) gives the single-device global norm on TP and fully_shard gradients, in PyNative and
+"""README's hand-written global-norm recipe (the Python block after "The norm by hand" in the
+"Gradient clipping" item, run as written) gives the single-device global norm on TP and fully_shard gradients, in PyNative and
 ms.jit; the per-rank norm MindSpore's clip_by_global_norm would use does not."""
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def _recipe(folder: str) -> dict:
     """The README block as a module (a file: ms.jit reads a function's source)."""
     text = (ROOT / "README.md").read_text()
     item = text[text.index("- Gradient clipping:"):]
+    item = item[item.index("The norm by hand"):]
     code = re.search(r"```python\n(.*?)```", item, re.S).group(1)
     path = Path(folder) / "readme_clip_recipe.py"
     path.write_text("\n".join(line[2:] for line in code.splitlines()) + "\n")
