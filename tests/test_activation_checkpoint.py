@@ -3,7 +3,9 @@ and paths, the single-device answer (loss per step, gradients, parameters after 
 tests/_parity.py) for full and selective checkpoints of TP blocks and of fully_shard units on 2
 ranks, wrapped before and after the parallel engine, in PyNative and ms.jit; each wrapped block's
 forward runs twice per step (forward and recompute); under fully_shard the full recompute gathers
-the block's parameters again (one more all-gather per unit and step), the selective one does not."""
+the block's parameters again (one more all-gather per unit and step), the selective one calls the
+gather but hands back the forward's result (no collective kernel runs); PyTorch's Llama plan with
+sequence parallelism; pipeline stages (GPipe, 1F1B, ZBV) with checkpointed blocks."""
 from __future__ import annotations
 
 import mindspore as ms
@@ -132,7 +134,7 @@ def test_no_grad_forward_runs_once():
     assert CALLS["n"] == 1 and checkpoint_stats(block).recomputes == 0
 
 
-def test_full_checkpoint_compiles_and_selective_is_refused_under_jit():
+def test_full_checkpoint_compiles_and_selective_is_refused_under_jit_and_graph_mode():
     ms.set_seed(0)
     plain = Net()
     ms.set_seed(0)
@@ -146,6 +148,10 @@ def test_full_checkpoint_compiles_and_selective_is_refused_under_jit():
     _, j_grads = ms.jit(ms.value_and_grad(loss, None, params))(x)
     for g, jg in zip(grads, j_grads):
         np.testing.assert_allclose(jg.asnumpy(), g.asnumpy(), rtol=1e-6, atol=1e-7)
+    from tests._fsdp_models import GradStep, compiled
+    _, g_grads = compiled("graph", GradStep(model, params))(x)          # GRAPH_MODE
+    for g, gg in zip(grads, g_grads):
+        np.testing.assert_allclose(gg.asnumpy(), g.asnumpy(), rtol=1e-6, atol=1e-7)
     selective = _wrap_blocks(Net(), "selective")
     params = selective.trainable_params()
 
@@ -153,6 +159,8 @@ def test_full_checkpoint_compiles_and_selective_is_refused_under_jit():
         return _loss(selective, v)
     with pytest.raises(NotImplementedError, match="selective checkpoint policy.*policy=None under ms.jit"):
         ms.jit(ms.value_and_grad(sel_loss, None, params))(x)
+    with pytest.raises(NotImplementedError, match="selective checkpoint policy"):
+        compiled("graph", GradStep(selective, params))(x)
 
 
 def test_nesting_and_bad_policies_are_refused_and_leave_the_cell_as_it_was():
@@ -296,3 +304,46 @@ def _fsdp_only(mesh, model):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+@multi_rank(2, timeout=900)
+def test_sequence_parallel_transformer_on_2_ranks():
+    """PyTorch's Llama plan (SequenceParallel norms, PrepareModuleInput with deferred Colwise
+    gradients, Rowwise with sequence-sharded outputs), whole blocks checkpointed: PyNative full and
+    selective, ms.jit full. (The example Llama's blocks, whose RMSNorm is SequenceParallel, do not
+    compile under ms.jit when checkpointed whole: scripts/bench_activation_checkpoint.py --graph.)"""
+    from hyper_parallel_ms.nn import parallelize_module
+    from tests.test_parallel_styles import Transformer, _nll, _tokens, transformer_plan
+    from tests.test_parallel_styles import Block as SPBlock
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    def shard(policy):
+        def run(model):
+            parallelize_module(model, mesh, transformer_plan(mesh, defer=True))
+            apply_activation_checkpointing(model, check_fn=lambda c: isinstance(c, SPBlock), policy=policy)
+        return run
+    for policy, jit in ((None, False), ("selective", False), (None, True)):
+        check_parity(Transformer, shard(policy), _tokens, _nll, optimizer="adamw", jit=jit)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "ZBVZeroBubble"])
+@multi_rank(2, timeout=600)
+def test_pipeline_stages_with_checkpointed_blocks_on_2_ranks(name):
+    """The blocks of every stage checkpointed: each micro-batch's gradients equal one device's; a block
+    runs its forward once per micro-batch and once more per backward pass that needs it (ZBV's split
+    backward, input gradients then weight gradients, recomputes twice on the stage that splits it)."""
+    from tests import test_pipeline_runtime as pipe
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    n = 2
+    schedule, models = pipe._schedule(name, mesh, n)
+    for model in models:
+        apply_activation_checkpointing(model, check_fn=lambda c: isinstance(c, pipe.Block))
+    history, _ = pipe._reference(schedule.plan.num_stages, n)
+    x, y = pipe._batch(0, pipe.BATCHES[0])
+    schedule.step(*((x,) if schedule.stages[0].is_first else ()), target=y if schedule.stages[-1].is_last else None)
+    for p, g in zip(schedule.parameters(), schedule.gradients()):
+        np.testing.assert_allclose(g.asnumpy(), history[0][1][p.name], rtol=pipe.RTOL, atol=pipe.ATOL, err_msg=p.name)
+    for model in models:
+        for block in model.layers:
+            stats = checkpoint_stats(block)
+            assert stats.forwards == n + stats.recomputes and stats.recomputes in (n, 2 * n), vars(stats)

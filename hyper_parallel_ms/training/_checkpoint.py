@@ -13,7 +13,13 @@ wrapping keep working.
   parameters) is exact. ``Cell.recompute()`` is not used: it captures ``trainable_params()``
   once and gives silently zero gradients to a parameter replaced later.
 - ``ms.jit`` / GRAPH_MODE: the Cell's ``construct`` is marked for MindSpore's graph recompute
-  pass. Selective policies are PyNative only (refused while compiling).
+  pass (measured: it duplicates the forward ops it needs into the backward). Selective policies
+  are PyNative only (refused while compiling). Measured on MindSpore 2.10 CPU, the example Llama
+  does not run compiled with checkpointed blocks in two layouts, both failing loudly before a
+  step completes: sequence parallelism with the blocks checkpointed whole ("Graph cycle exists"
+  while compiling; checkpoint ``attention`` and ``feed_forward`` instead), and fully_shard units
+  ("Launch kernel failed: recompute_.../AllReduce", the recomputed gather; use PyNative). The
+  tests' smaller models compile and match one device in both.
 - Selective (``policy``): the outputs of the ops the policy names (by MindSpore primitive name;
   default :data:`SAVE_MATMUL_AND_COLLECTIVES`) are kept from the forward and handed back to the
   recompute, which runs every other op again (PyTorch's ``create_selective_checkpoint_contexts``).
