@@ -347,3 +347,30 @@ def test_pipeline_stages_with_checkpointed_blocks_on_2_ranks(name):
         for block in model.layers:
             stats = checkpoint_stats(block)
             assert stats.forwards == n + stats.recomputes and stats.recomputes in (n, 2 * n), vars(stats)
+
+
+@multi_rank(2, timeout=600)
+def test_dtensor_parameters_full_checkpoint_exact_selective_refused_on_2_ranks():
+    """shard_module / distribute_module Cells compute on DTensors: full checkpointing gives their
+    gradients; a selective policy, whose op interception would see plain local tensors, is refused."""
+    import hyper_parallel_ms as hp
+    from hyper_parallel_ms.nn import ShardingPlan, shard_module
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    plan = ShardingPlan(plan={"up.weight": ("tp", "None"), "up.bias": ("tp",), "down.weight": ("None", "tp")})
+    x = _batch(0, 1, 0)[0]
+    grads = {}
+    for policy in ("plain", None, "selective"):
+        ms.set_seed(0)
+        block = shard_module(Block(), mesh, plan)
+        if policy != "plain":
+            checkpoint_wrapper(block, policy=policy)
+        step = hp.value_and_grad(lambda v: (block(v) ** 2).mean(), None, block.trainable_params())
+        if policy == "selective":
+            with pytest.raises(NotImplementedError, match="cannot run on DTensors.*policy=None"):
+                step(x)
+            continue
+        grads[policy] = [g.full_tensor().asnumpy() for g in step(x)[1]]
+        if policy is None:
+            assert (checkpoint_stats(block).forwards, checkpoint_stats(block).recomputes) == (2, 1)
+    for g, want in zip(grads[None], grads["plain"]):
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
