@@ -39,6 +39,7 @@ _EXPORTS: Dict[str, str] = {
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
     "HSDPCell": "fsdp", "init_parameters": "fsdp", "no_init_parameters": "nn",
     "clip_grad_norm": "training", "TotalGradNorm": "training", "all_finite": "training",
+    "checkpoint_wrapper": "training", "apply_activation_checkpointing": "training",
     "pipelining": "", "PipelineStage": "pipelining", "split_blocks": "pipelining",
     "ScheduleGPipe": "pipelining", "Schedule1F1B": "pipelining", "ScheduleInterleaved1F1B": "pipelining",
     "ScheduleZBVZeroBubble": "pipelining",

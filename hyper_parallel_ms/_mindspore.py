@@ -78,6 +78,20 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   (:func:`deferred_creation_hooked`); :func:`initial_array` computes what ``init_data`` would, and
   :func:`fill_deferred` stores it as ``init_data`` does.
 
+- **recompute**: ``mindspore.recompute(fn, *args, use_reentrant=False, early_stop=False,
+  context_fn=...)`` in PyNative keeps none of the tensors ``fn`` saves for the backward and
+  runs ``fn`` again (whole, Cell hooks included) when the backward needs them; it captures no
+  parameter, so a Parameter replaced after wrapping gets exact gradients (``Cell.recompute()``
+  and ``use_reentrant=True`` capture ``trainable_params()`` once: silently zero gradients for a
+  later replacement). ``context_fn()`` returns (forward context, recompute context). Inside
+  ``ms.jit`` the same call on a bound method compiles to ``ops.recompute_block``, and the
+  compiler's ``add_recomputation`` pass duplicates the method's forward ops into the backward
+  (:func:`recompute_eagerly`, :func:`recompute_in_graph`; :data:`RECOMPUTE_CONTEXT_FN`).
+- **op interception**: a ``mindspore.MsDispatchMode`` subclass sees every PyNative primitive
+  run inside its ``with`` block as ``__ms_dispatch__(func, args, kwargs)`` with ``func.name``;
+  what it returns is the op's result, and the op is recorded for autodiff as usual
+  (:class:`OpInterception`).
+
 :func:`guard_mindspore_for` installs the wrappers the first time a DTensor is made (never at
 import).
 
@@ -123,7 +137,8 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
            "taped", "taped_call", "tape_backward",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
-           "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address"]
+           "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address",
+           "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -759,3 +774,48 @@ def deferred_creation_hooked(record: Callable[[Tensor], None]) -> Iterator[None]
         return wrapped
     return entry_points_swapped([(mindspore.Parameter, "_get_parameter_new_args", new_args),
                                  (mindspore.Parameter, "set_data", set_data)])
+
+
+# ------------------------------------------------------------ recompute (activation checkpointing)
+_RECOMPUTE_ARGS = inspect.signature(mindspore.recompute).parameters
+# non-reentrant recompute with a whole second forward and a context_fn: MindSpore 2.9 and later
+RECOMPUTE_CONTEXT_FN: bool = all(k in _RECOMPUTE_ARGS for k in ("use_reentrant", "early_stop", "context_fn"))
+
+
+def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optional[Callable] = None) -> Any:
+    """``fn(*args, **kwargs)`` (PyNative) keeping none of the tensors it saves for the backward:
+    the backward runs ``fn`` again, whole (``early_stop=False``: Cell hooks after the last saved
+    tensor, such as fully_shard's reshard, run too). ``context_fn() -> (forward ctx, recompute ctx)``."""
+    if not RECOMPUTE_CONTEXT_FN:
+        raise NotImplementedError(
+            f"activation checkpointing needs mindspore.recompute(use_reentrant=False, early_stop=..., context_fn=...) "
+            f"(MindSpore 2.9 and later); MindSpore {mindspore.__version__} lacks it: upgrade MindSpore")
+    return mindspore.recompute(fn, *args, use_reentrant=False, early_stop=False, context_fn=context_fn, **kwargs)
+
+
+def recompute_in_graph(method: Callable, *args: Any) -> Any:
+    """Inside ms.jit / GRAPH_MODE: ``method(*args)`` (a Cell's bound method) marked for MindSpore's
+    graph recompute pass (its forward ops are computed again in the backward)."""
+    return mindspore.recompute(method, *args)
+
+
+OP_INTERCEPTION: bool = hasattr(mindspore, "MsDispatchMode")     # absent before MindSpore 2.10 (not measured)
+
+
+class OpInterception(getattr(mindspore, "MsDispatchMode", object)):
+    """Inside ``with``, every PyNative primitive runs as ``self.on_op(name, run)``: ``run()``
+    computes it, what ``on_op`` returns is its result.
+
+    Example::
+
+        class Names(OpInterception):
+            def on_op(self, name, run):
+                print(name)
+                return run()
+    """
+
+    def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        return run()
+
+    def __ms_dispatch__(self, func, args, kwargs=None):
+        return self.on_op(func.name, lambda: func(*args, **(kwargs or {})))

@@ -2,6 +2,7 @@
 on: after a MindSpore upgrade, the failing test names the contract that changed."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import subprocess
@@ -604,3 +605,109 @@ def test_contract_custom_bprop_cells_need_the_top_graph_of_taped_call():
     np.testing.assert_allclose(dx.asnumpy(), want[2][0].asnumpy(), rtol=1e-6, atol=1e-7)
     for g, w in zip(dw, want[2][1]):
         np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+
+
+class _Mlp(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Dense(4, 5)
+        self.down = nn.Dense(5, 4)
+
+    def construct(self, x):
+        return self.down(ops.tanh(self.up(x)))
+
+
+def _mlp_grads(fn, cell, x):
+    return ms.value_and_grad(lambda v: (fn(v) ** 2).sum(), None, cell.trainable_params())(x)[1]
+
+
+def test_contract_non_reentrant_recompute_reruns_the_whole_call_and_reads_parameters_when_it_runs():
+    """Also why Cell.recompute() is not used: it keeps the parameters of when it was called."""
+    def made():
+        ms.set_seed(0)
+        return _Mlp()
+    plain, cell, old_style = made(), made(), made()
+    x = Tensor(np.random.RandomState(0).randn(3, 4).astype(np.float32))
+    hooks = []
+    cell.register_forward_pre_hook(lambda c, args: hooks.append("pre"))
+    cell.register_forward_hook(lambda c, args, out: hooks.append("post"))
+    old_style.recompute()
+    for m in (plain, cell, old_style):         # replaced after wrapping, as the parallel engines do
+        m.up.weight = ms.Parameter(Tensor(np.full((5, 4), 0.3, np.float32)), name=m.up.weight.name)
+        m.down.weight = ms.Parameter(Tensor(np.full((4, 5), 0.2, np.float32)), name=m.down.weight.name)
+    want = _mlp_grads(plain, plain, x)
+    enter = []
+
+    @contextlib.contextmanager
+    def recompute_ctx():
+        enter.append("recompute")
+        yield
+    got = _mlp_grads(lambda v: seam.recompute_eagerly(cell.__call__, (v,), {},
+                                                      lambda: (contextlib.nullcontext(), recompute_ctx())), cell, x)
+    assert hooks == ["pre", "post", "pre", "post"] and enter == ["recompute"]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+    stale = _mlp_grads(old_style, old_style, x)
+    assert float(np.abs(stale[0].asnumpy()).max()) == 0.0 < float(np.abs(want[0].asnumpy()).max())
+
+
+def test_contract_graph_recompute_of_a_bound_method_adds_its_forward_ops_to_the_backward(tmp_path):
+    class Wrapped(_Mlp):
+        def construct(self, x):
+            return seam.recompute_in_graph(self.inner, x)
+
+        def inner(self, x):
+            return _Mlp.construct(self, x)
+
+    def matmuls(cell, where):
+        x = Tensor(np.ones((3, 4), np.float32))
+        ms.set_context(save_graphs=True, save_graphs_path=str(where))
+        def loss(v):
+            return (cell(v) ** 2).sum()
+        try:
+            grads = ms.jit(ms.value_and_grad(loss, None, cell.trainable_params()))(x)[1]
+        finally:
+            ms.set_context(save_graphs=False)
+        text = next(where.glob("*_validate_*.ir")).read_text()
+        return text.count("PrimFunc_MatMul(") + text.count("MatMul("), grads
+    ms.set_seed(0)
+    plain_count, want = matmuls(_Mlp(), tmp_path / "plain")
+    ms.set_seed(0)
+    count, got = matmuls(Wrapped(), tmp_path / "wrapped")
+    assert count > plain_count > 0, (plain_count, count)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_contract_op_interception_sees_primitive_names_and_keeps_gradients_and_replacements_are_used():
+    """What selective checkpointing relies on: an interception returning ``run()`` leaves autodiff
+    as without it (the forward), and a returned replacement is what later ops compute on (the
+    recompute, whose own graph is never differentiated). Gradients through a replacement are not
+    relied on (measured: they are not those of the replaced value)."""
+    assert seam.OP_INTERCEPTION
+
+    class Seen(seam.OpInterception):
+        def __init__(self, replace=None):
+            super().__init__()
+            self.names, self.replace = [], replace
+
+        def on_op(self, name, run):
+            self.names.append(name)
+            out = run()
+            return self.replace if name == "Tanh" and self.replace is not None else out
+    x = Tensor(np.random.RandomState(1).randn(3, 4).astype(np.float32))
+    cell = nn.Dense(4, 4)
+    seen = Seen()
+
+    def fn(v):
+        with seen:
+            return (ops.tanh(cell(v)) ** 2).sum()
+    loss, grads = ms.value_and_grad(fn, None, cell.trainable_params())(x)
+    want_loss, want = ms.value_and_grad(lambda v: (ops.tanh(cell(v)) ** 2).sum(), None, cell.trainable_params())(x)
+    assert "MatMul" in seen.names and "Tanh" in seen.names
+    np.testing.assert_allclose(loss.asnumpy(), want_loss.asnumpy(), rtol=1e-6)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+    with Seen(replace=Tensor(np.full((3, 4), 0.5, np.float32))):
+        replaced = (ops.tanh(cell(x)) ** 2).sum()
+    assert float(replaced.asnumpy()) == 3.0

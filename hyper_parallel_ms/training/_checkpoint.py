@@ -1,0 +1,351 @@
+"""Activation checkpointing: PyTorch's ``checkpoint_wrapper`` / ``apply_activation_checkpointing``
+on MindSpore's recompute.
+
+A wrapped Cell keeps no activations of its forward for the backward; the backward runs the
+forward again. The Cell is wrapped in place (its class gains :class:`CheckpointWrapper`), so
+parameter names and dotted paths stay what they were (PyTorch inserts
+``_checkpoint_wrapped_module.`` in both): checkpoints, optimizers and plans applied after
+wrapping keep working.
+
+- PyNative: the whole call (forward hooks included, e.g. fully_shard's parameter gather) runs
+  under ``mindspore.recompute(use_reentrant=False)``, which reads the Cell's parameters when it
+  runs, so wrapping before or after ``parallelize_module`` / ``fully_shard`` (which replace
+  parameters) is exact. ``Cell.recompute()`` is not used: it captures ``trainable_params()``
+  once and gives silently zero gradients to a parameter replaced later.
+- ``ms.jit`` / GRAPH_MODE: the Cell's ``construct`` is marked for MindSpore's graph recompute
+  pass (measured: it duplicates the forward ops it needs into the backward). Selective policies
+  are PyNative only (refused while compiling). Measured on MindSpore 2.10 CPU, the example Llama
+  does not run compiled with checkpointed blocks in two layouts, both failing loudly before a
+  step completes: sequence parallelism with the blocks checkpointed whole ("Graph cycle exists"
+  while compiling; checkpoint ``attention`` and ``feed_forward`` instead), and fully_shard units
+  ("Launch kernel failed: recompute_.../AllReduce", the recomputed gather; use PyNative). The
+  tests' smaller models compile and match one device in both.
+- Selective (``policy``): the outputs of the ops the policy names (by MindSpore primitive name;
+  default :data:`SAVE_MATMUL_AND_COLLECTIVES`) are kept from the forward and handed back to the
+  recompute, which runs every other op again (PyTorch's ``create_selective_checkpoint_contexts``).
+
+Example::
+
+    from hyper_parallel_ms.training import apply_activation_checkpointing, checkpoint_wrapper
+    apply_activation_checkpointing(model, check_fn=lambda cell: isinstance(cell, Block))
+    checkpoint_wrapper(model.head, policy="selective")
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from contextlib import nullcontext
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
+
+import mindspore as ms
+from mindspore import nn
+
+from .._mindspore import (OP_INTERCEPTION, OpInterception, cell_subclass, is_compiling, recompute_eagerly,
+                          recompute_in_graph, run_in_python, running_eagerly)
+from ..dtensor import DTensor
+from ..nn._adapter import CellChanges, named_cells
+
+__all__ = ["CheckpointWrapper", "checkpoint_wrapper", "apply_activation_checkpointing", "checkpoint_stats",
+           "create_selective_checkpoint_contexts", "SAVE_MATMUL_AND_COLLECTIVES"]
+
+# MindSpore primitive names whose outputs a selective policy keeps by default: the matmuls (CPU and
+# Ascend kernels) and the collectives (on CPU every sub-group collective is composed over AllReduce)
+SAVE_MATMUL_AND_COLLECTIVES = frozenset({
+    "MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "Mm", "Bmm", "BmmExt", "Baddbmm",
+    "AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "AlltoAllV", "Broadcast",
+    "DistCommAllReduce", "DistCommAllGather", "DistCommReduceScatter", "DistCommAllToAll"})
+_NEVER_SAVED = frozenset({"StopGradient"})     # run by MindSpore's recompute itself, in the recompute only
+_STATE = "_hpms_checkpoint"
+_RUNNING = threading.local()          # .cell: the checkpointed Cell whose forward runs now (nesting check)
+
+Policy = Union[None, str, Collection[str], Callable[[str], bool]]
+
+
+class CheckpointStats:
+    """What a wrapped Cell's checkpointing did since the last :meth:`reset`: ``forwards`` (runs of
+    its forward, recomputations included), ``recomputes``, and for a selective policy the op names
+    whose outputs were ``saved`` in the forward, ``replayed`` to the recompute, ``recomputed`` there."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.forwards = self.recomputes = 0
+        self.saved: Counter = Counter()
+        self.replayed: Counter = Counter()
+        self.recomputed: Counter = Counter()
+
+
+class _State:
+    def __init__(self, keep: Optional[Callable[[str], bool]], graph_error: str) -> None:
+        self.keep = keep
+        self.graph_error = graph_error
+        self.stats = CheckpointStats()
+
+
+def _keep_fn(policy: Policy) -> Optional[Callable[[str], bool]]:
+    """The op-name predicate of ``policy`` (``None``: full recompute)."""
+    if policy is None or policy == "full":
+        return None
+    if policy == "selective":
+        return SAVE_MATMUL_AND_COLLECTIVES.__contains__
+    if isinstance(policy, str):
+        raise ValueError(f"policy must be None, 'full', 'selective', a collection of op names or a callable "
+                         f"op_name -> bool, got {policy!r}")
+    if callable(policy):
+        return policy
+    names = frozenset(policy)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"policy names MindSpore primitives by name (str), got {bad!r}")
+    return names.__contains__
+
+
+class _SaveOutputs(OpInterception):
+    """Forward of a selective checkpoint: keeps the outputs of the ops ``keep`` names."""
+
+    def __init__(self, keep: Callable[[str], bool], saved: List[list], stats: CheckpointStats) -> None:
+        super().__init__()
+        self.keep, self.saved, self.stats = keep, saved, stats
+
+    def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        out = run()
+        if name not in _NEVER_SAVED and self.keep(name):
+            self.saved.append([name, out])
+            self.stats.saved[name] += 1
+        return out
+
+
+class _ReplayOutputs(OpInterception):
+    """Recompute of a selective checkpoint: hands back the kept outputs, in order, runs the rest."""
+
+    def __init__(self, keep: Callable[[str], bool], saved: List[list], stats: CheckpointStats) -> None:
+        super().__init__()
+        self.keep, self.saved, self.stats, self.next = keep, saved, stats, 0
+
+    def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        if name in _NEVER_SAVED or not self.keep(name):
+            self.stats.recomputed[name] += 1
+            return run()
+        if self.next >= len(self.saved) or self.saved[self.next][0] != name:
+            want = self.saved[self.next][0] if self.next < len(self.saved) else "nothing more"
+            raise RuntimeError(
+                f"selective activation checkpointing: the recomputed forward ran {name} where the forward had "
+                f"{want} (op {self.next} of those kept). The wrapped Cell's forward must run the same ops each "
+                "time (no data-dependent branches, no state changed between forward and backward); use policy=None")
+        out = self.saved[self.next][1]
+        self.saved[self.next] = None         # handed over: the kept output is freed with the recompute
+        self.next += 1
+        self.stats.replayed[name] += 1
+        return out
+
+
+def create_selective_checkpoint_contexts(policy: Policy) -> Callable[[], Tuple[Any, Any]]:
+    """A ``context_fn`` for ``mindspore.recompute(..., use_reentrant=False, context_fn=...)``: the
+    forward keeps the outputs of the ops ``policy`` names, the recompute reuses them and runs
+    every other op again (PyTorch's name). PyNative only.
+
+    Args:
+        policy: ``"selective"`` (:data:`SAVE_MATMUL_AND_COLLECTIVES`), a collection of MindSpore
+            primitive names (``{"MatMul", "AllReduce"}``) or a callable ``op_name -> bool`` (True: keep).
+
+    Example::
+
+        context_fn = create_selective_checkpoint_contexts({"MatMul"})
+        y = mindspore.recompute(block, x, use_reentrant=False, context_fn=context_fn)
+    """
+    keep = _keep_fn(policy)
+    if keep is None:
+        raise ValueError("create_selective_checkpoint_contexts needs a selective policy, got None / 'full'")
+    return _selective_contexts(keep, CheckpointStats())
+
+
+def _selective_contexts(keep: Callable[[str], bool], stats: CheckpointStats) -> Callable[[], Tuple[Any, Any]]:
+    if not OP_INTERCEPTION:
+        raise NotImplementedError(f"selective activation checkpointing needs mindspore.MsDispatchMode (MindSpore "
+                                  f"2.10); MindSpore {ms.__version__} lacks it: use policy=None (full recompute)")
+
+    def context_fn():
+        saved: List[list] = []
+        return _SaveOutputs(keep, saved, stats), _ReplayOutputs(keep, saved, stats)
+    return context_fn
+
+
+@run_in_python
+def _refuse_in_graph(message: str) -> bool:
+    """Raise ``message`` (if any) while ms.jit / GRAPH_MODE compiles the Cell."""
+    if message and is_compiling():
+        raise NotImplementedError(message)
+    return True
+
+
+def _refuse_dtensors(cell: nn.Cell, args: tuple) -> None:
+    """Selective policies intercept ops with a global mode that sees DTensors as plain tensors."""
+    found = [p.name for p in cell.get_parameters() if isinstance(p, DTensor)]
+    if found or any(isinstance(a, DTensor) for a in args):
+        what = f"the parameters {found}" if found else "its inputs"
+        raise NotImplementedError(
+            f"{type(cell).__name__}: a selective checkpoint policy cannot run on DTensors ({what}; shard_module / "
+            "distribute_module): its op interception sees them as plain local tensors. Use policy=None (full "
+            "recompute), or place the parameters with parallelize_module's styles")
+
+
+class CheckpointWrapper:
+    """The methods a Cell gains from :func:`checkpoint_wrapper` (``isinstance(cell, CheckpointWrapper)``
+    tells a wrapped Cell). Its parameters, their names and its path are unchanged.
+
+    Example::
+
+        checkpoint_wrapper(block)
+        isinstance(block, CheckpointWrapper)       # True
+    """
+
+    def __call__(self, *args, **kwargs):
+        state: _State = self.__dict__[_STATE]
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            return self._hpms_checkpoint_call(*args, **kwargs)
+        context_fn = None
+        if state.keep is not None:
+            _refuse_dtensors(self, args)
+            context_fn = _selective_contexts(state.keep, state.stats)
+        stats = state.stats
+        outer = getattr(_RUNNING, "cell", None)
+        if outer is not None:
+            raise ValueError(f"{type(self).__name__} is checkpointed and runs inside the checkpointed "
+                             f"{type(outer).__name__}: nested checkpoints would run its forward three times. "
+                             "Wrap either the outer Cell or its parts")
+
+        def forward(*inner_args, **inner_kwargs):
+            stats.forwards += 1
+            _RUNNING.cell = self
+            try:
+                return self._hpms_checkpoint_call(*inner_args, **inner_kwargs)
+            finally:
+                _RUNNING.cell = None
+
+        def counted_context_fn():
+            forward_ctx, recompute_ctx = context_fn() if context_fn is not None else (nullcontext(), nullcontext())
+            return forward_ctx, _Counting(recompute_ctx, stats)
+        return recompute_eagerly(forward, args, kwargs, counted_context_fn)
+
+    def construct(self, *args):
+        if running_eagerly():
+            return self._hpms_checkpoint_construct(*args)
+        _refuse_in_graph(self._hpms_checkpoint_graph_error)
+        return recompute_in_graph(self._hpms_checkpoint_construct, *args)
+
+
+class _Counting:
+    """The recompute context, counting recomputations."""
+
+    def __init__(self, inner: Any, stats: CheckpointStats) -> None:
+        self.inner, self.stats = inner, stats
+
+    def __enter__(self):
+        self.stats.recomputes += 1
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _wrapped_class(base: type) -> type:
+    if base not in _CLASSES:
+        _CLASSES[base] = cell_subclass(base.__name__, (CheckpointWrapper, base), {
+            "_hpms_checkpoint_call": base.__call__, "_hpms_checkpoint_construct": base.construct,
+            "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return _CLASSES[base]
+
+
+def _check_not_nested(cell: nn.Cell) -> None:
+    nested = [path or "<itself>" for path, sub in named_cells(cell).items() if isinstance(sub, CheckpointWrapper)]
+    if nested:
+        raise ValueError(f"checkpoint_wrapper({type(cell).__name__}): {nested} already checkpointed; nested "
+                         "checkpoints would run the inner forward three times. Wrap either the Cell or its parts")
+
+
+def checkpoint_wrapper(cell: nn.Cell, *, policy: Policy = None) -> nn.Cell:
+    """Checkpoint ``cell``'s activations: its forward keeps nothing for the backward (or only the
+    outputs ``policy`` names), and the backward runs it again. Wraps in place and returns ``cell``:
+    parameter names and paths do not change, so a plan, a checkpoint or an optimizer made before or
+    after wrapping sees the same names. Exact before or after ``parallelize_module`` / ``fully_shard``;
+    under ``fully_shard`` with ``policy=None`` the recompute gathers the Cell's parameters again.
+
+    Args:
+        cell: the Cell to checkpoint (an ``nn.Cell`` with no checkpointed Cell under it).
+        policy: ``None`` or ``"full"``: recompute everything; ``"selective"``: keep the outputs of
+            :data:`SAVE_MATMUL_AND_COLLECTIVES` and recompute the rest; or a collection of MindSpore
+            primitive names / a callable ``op_name -> bool`` naming the ops to keep. Selective
+            policies run in PyNative only (ms.jit / GRAPH_MODE refuse them while compiling).
+
+    Example::
+
+        for block in model.layers:
+            checkpoint_wrapper(block)
+        parallelize_module(model, mesh, {"layers.*.up": ColwiseParallel()})   # same paths
+    """
+    if not isinstance(cell, nn.Cell):
+        raise TypeError(f"checkpoint_wrapper needs an nn.Cell, got {type(cell).__name__}")
+    keep = _keep_fn(policy)
+    _check_not_nested(cell)
+    graph_error = "" if keep is None else (
+        f"{type(cell).__name__}: a selective checkpoint policy ({policy!r}) chooses ops in PyNative; MindSpore's "
+        "graph recompute has no per-op choice here. Use policy=None under ms.jit / GRAPH_MODE, or run in PyNative")
+    with CellChanges() as changes:
+        changes.set_attribute(cell, _STATE, _State(keep, graph_error))
+        changes.set_attribute(cell, "_hpms_checkpoint_graph_error", graph_error)
+        changes.swap_class(cell, _wrapped_class(type(cell)))
+    return cell
+
+
+def checkpoint_stats(cell: nn.Cell) -> CheckpointStats:
+    """The :class:`CheckpointStats` of a Cell wrapped by :func:`checkpoint_wrapper` (PyNative counts).
+
+    Args:
+        cell: a checkpointed Cell.
+
+    Example::
+
+        checkpoint_stats(block).forwards      # 2 per training step: forward and recompute
+    """
+    state = cell.__dict__.get(_STATE) if isinstance(cell, nn.Cell) else None
+    if state is None:
+        raise ValueError(f"{type(cell).__name__} is not checkpointed: wrap it with checkpoint_wrapper first")
+    return state.stats
+
+
+def apply_activation_checkpointing(model: nn.Cell, *, check_fn: Callable[[nn.Cell], bool] = lambda _: True,
+                                   checkpoint_wrapper_fn: Callable[..., nn.Cell] = checkpoint_wrapper,
+                                   **wrapper_kwargs: Any) -> nn.Cell:
+    """Wrap every Cell under ``model`` (``model`` itself excluded) for which ``check_fn`` is true,
+    outermost first (a Cell under a wrapped one is not wrapped again); returns ``model``.
+
+    Args:
+        model: the root Cell (changed in place).
+        check_fn: ``cell -> bool``: which Cells to wrap (PyTorch's name), e.g. ``lambda c: isinstance(c, Block)``.
+        checkpoint_wrapper_fn: the wrapper, ``fn(cell, **wrapper_kwargs)`` (default :func:`checkpoint_wrapper`).
+        wrapper_kwargs: passed to ``checkpoint_wrapper_fn`` (``policy="selective"``).
+
+    Example::
+
+        apply_activation_checkpointing(model, check_fn=lambda c: isinstance(c, Block), policy="selective")
+    """
+    if not isinstance(model, nn.Cell):
+        raise TypeError(f"apply_activation_checkpointing needs an nn.Cell, got {type(model).__name__}")
+    chosen: List[Tuple[str, nn.Cell]] = []
+    for path, cell in named_cells(model).items():
+        if path and check_fn(cell) and not any(path.startswith(p + ".") for p, _ in chosen):
+            chosen.append((path, cell))
+    wrapped = [p for p, c in named_cells(model).items() if isinstance(c, CheckpointWrapper)]
+    for path, cell in chosen:
+        outer = [p or "<root>" for p in wrapped if not p or path.startswith(p + ".")]
+        if outer:
+            raise ValueError(f"apply_activation_checkpointing: '{path}' is inside the checkpointed {outer}; "
+                             "nested checkpoints would run its forward three times")
+        _check_not_nested(cell)
+    for _, cell in chosen:
+        checkpoint_wrapper_fn(cell, **wrapper_kwargs)
+    return model
