@@ -138,7 +138,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "taped", "taped_call", "tape_backward",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address",
-           "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]
+           "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recomputing", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -790,7 +790,32 @@ def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optio
         raise NotImplementedError(
             f"activation checkpointing needs mindspore.recompute(use_reentrant=False, early_stop=..., context_fn=...) "
             f"(MindSpore 2.9 and later); MindSpore {mindspore.__version__} lacks it: upgrade MindSpore")
-    return mindspore.recompute(fn, *args, use_reentrant=False, early_stop=False, context_fn=context_fn, **kwargs)
+
+    def flagged(*inner_args, **inner_kwargs):     # the forward and its recompute in the backward alike
+        _RECOMPUTING.depth += 1
+        try:
+            return fn(*inner_args, **inner_kwargs)
+        finally:
+            _RECOMPUTING.depth -= 1
+    return mindspore.recompute(flagged, *args, use_reentrant=False, early_stop=False, context_fn=context_fn, **kwargs)
+
+
+class _Recomputing(threading.local):
+    depth = 0
+
+
+_RECOMPUTING = _Recomputing()
+
+
+def recomputing() -> bool:
+    """Whether Python runs inside :func:`recompute_eagerly`'s function (its forward or its
+    recompute in the backward): MindSpore keeps none of the tensors saved there, so code that
+    would free them itself (fully_shard's reshard) has nothing to do.
+
+    >>> recomputing()
+    False
+    """
+    return _RECOMPUTING.depth > 0
 
 
 def recompute_in_graph(method: Callable, *args: Any) -> Any:

@@ -711,3 +711,22 @@ def test_contract_op_interception_sees_primitive_names_and_keeps_gradients_and_r
     with Seen(replace=Tensor(np.full((3, 4), 0.5, np.float32))):
         replaced = (ops.tanh(cell(x)) ** 2).sum()
     assert float(replaced.asnumpy()) == 3.0
+
+
+def test_contract_recomputing_is_seen_in_the_forward_and_in_the_backward_recompute():
+    """fully_shard does not free gathered values itself inside an activation checkpoint: it asks
+    recomputing(), which must hold in the checkpointed forward and in its recompute."""
+    if not seam.RECOMPUTE_CONTEXT_FN:
+        pytest.skip("recompute(use_reentrant=False, context_fn=...) needs MindSpore 2.9+")
+    seen = []
+    w = ms.Parameter(Tensor(np.ones((3, 3), np.float32)), name="w")
+
+    def block(x):
+        seen.append(seam.recomputing())
+        return ops.tanh(ops.matmul(x, w))
+
+    x = Tensor(np.ones((2, 3), np.float32))
+    grad = ms.grad(lambda v: seam.recompute_eagerly(block, (v,), {}).sum(), None, [w])(x)
+    assert seen == [True, True] and not seam.recomputing()
+    want = ms.grad(lambda v: block(v).sum(), None, [w])(x)
+    np.testing.assert_allclose(grad[0].asnumpy(), want[0].asnumpy(), rtol=1e-6)

@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
-from .._mindspore import SAVED_TENSOR_HOOKS, running_eagerly
+from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, running_eagerly
 from ..dtensor._spec import DTensorSpec
 from ._chunks import Chunks
 from ._flat import FlatLayout, concat_flat, split_flat
@@ -129,7 +129,9 @@ class FSDPState:
         return [v for g in self.groups for v in g.gathered()[1]]
 
     def _frees_after_forward(self) -> bool:
-        return self.reshard_after_forward is not False and self.kept is None and SAVED_TENSOR_HOOKS
+        # inside an activation checkpoint MindSpore keeps nothing and the recompute gathers again
+        return (self.reshard_after_forward is not False and self.kept is None and SAVED_TENSOR_HOOKS
+                and not recomputing())
 
     def _gather_for_forward(self) -> list:
         """:meth:`gather`; with ``reshard_after_forward`` the gathered values are kept for the
