@@ -209,6 +209,13 @@ class CheckpointWrapper:
             _refuse_dtensors(self, args)
             context_fn = _selective_contexts(state.keep, state.stats)
         stats = state.stats
+        # refused before the recompute starts: an error raised inside MindSpore's recompute under
+        # a gradient call leaves its executor recording (a later in-place copy then fails)
+        inner = next((name for name, cell in self.cells_and_names() if cell is not self and
+                      isinstance(cell, CheckpointWrapper)), None)
+        if inner is not None:
+            raise ValueError(f"{type(self).__name__} is checkpointed and holds the checkpointed '{inner}': nested "
+                             "checkpoints would run its forward three times. Wrap either the outer Cell or its parts")
         outer = getattr(_RUNNING, "cell", None)
         if outer is not None:
             raise ValueError(f"{type(self).__name__} is checkpointed and runs inside the checkpointed "
