@@ -211,8 +211,7 @@ def _dtensor_cross_entropy(original: Callable) -> Callable:
                                       "need the gathered logits (.full_tensor())")
         mesh = input.device_mesh
         target = _replicated_target(target, mesh)
-        _check_targets(target, input.shape[-1], ignore_index)
-        loss = parallel_cross_entropy(input.to_local(), target, mesh, mesh_dim,
+        loss = parallel_cross_entropy(input.to_local(), target, mesh, mesh_dim,   # it checks the targets
                                       num_classes=input.shape[-1], ignore_index=ignore_index, reduction=reduction,
                                       label_smoothing=label_smoothing)
         return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, shape=tuple(loss.shape))

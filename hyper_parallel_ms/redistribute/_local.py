@@ -106,6 +106,8 @@ def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "
 
 
 _MAX_DIMS = 16
+# the agreement runs every PyNative call: the shape a piece gives is read once per plan and shape
+_global_shape = cached_in_python(plan_global_shape)
 
 
 @run_in_python
@@ -128,7 +130,7 @@ def agree_on_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str
     if is_compiling() or mesh.size() == 1:
         return True
     try:
-        shape, error = plan_global_shape(plan_id, tuple(local_shape), where), None
+        shape, error = _global_shape(plan_id, tuple(local_shape), where), None
     except ValueError as exc:
         shape, error = (), exc
     if len(shape) > _MAX_DIMS:
