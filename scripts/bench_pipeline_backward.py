@@ -1,51 +1,88 @@
-"""What one pipeline stage's backward costs in MindSpore PyNative, measured in one process.
+"""What one pipeline stage's backward costs in MindSpore, PyNative and compiled, in one process.
 
 Compares, for one stage (an MLP of blocks) and one micro-batch:
 
 * ``tape B``: the runtime's full backward (forward recorded once, one ``run_backward`` for the
   input and the weights);
-* ``tape I + W``: the zero-bubble split as the runtime runs it (``run_backward`` for the input
-  keeping the tape, then for the weights);
+* ``tape I + W``: the zero-bubble split as the runtime runs it (PyNative: ``run_backward`` for the
+  input keeping the record, then for the weights; compiled: one backward for both, since a
+  compiled forward's backward graph answers one call);
 * ``recompute``: HyperParallel's way, ``GradOperation(get_all, get_by_list, sens_param)`` that runs
-  the forward again inside the backward (plus the forward already run in F).
+  the forward again inside the backward (plus the forward already run in F);
 
-Prints milliseconds (median of repeats) and forwards per micro-batch (construct calls).
+each PyNative and with the stage forward under ``ms.jit`` (``PipelineStage(..., jit=True)``:
+the backward is the compiled forward's compiled backward graph; the recompute row compiles the
+``GradOperation`` call). Prints milliseconds (median of repeats, rows interleaved round by round)
+and forwards per micro-batch, counted by a Parameter each block increments with ``assign_add``
+(it counts graph runs too, where Python side effects do not run).
 
-Run: PYTHONPATH=. python scripts/bench_pipeline_backward.py [--width 512 --blocks 4 --batch 64]
+Run: PYTHONPATH=. python scripts/bench_pipeline_backward.py [--width 256 --blocks 4 --batch 64]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from typing import Callable, Dict, List
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import Parameter, nn, ops
 
-from hyper_parallel_ms._mindspore import tape_backward, taped
+from hyper_parallel_ms._mindspore import tape_backward, taped_call
 
 
 class Block(nn.Cell):
-    def __init__(self, width: int, calls: list):
+    def __init__(self, width: int):
         super().__init__()
-        self.up, self.down, self.calls = nn.Dense(width, 4 * width), nn.Dense(4 * width, width), calls
+        self.up, self.down = nn.Dense(width, 4 * width), nn.Dense(4 * width, width)
+        self.runs = Parameter(ms.Tensor(np.zeros(1, np.float32)), requires_grad=False)
 
     def construct(self, x):
-        self.calls.append(1)
+        ops.assign_add(self.runs, ops.ones((1,), ms.float32))
         return self.down(ops.tanh(self.up(x))) + x
 
 
-def _median_ms(fn, repeats: int) -> float:
-    """Median wall time of ``fn`` with the device queue drained (PyNative ops run asynchronously)."""
-    fn()
-    ms.runtime.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        ms.runtime.synchronize()
-        times.append(time.perf_counter() - start)
+def _rows(stage: nn.Cell, x: ms.Tensor, sens: ms.Tensor, compiled: bool) -> Dict[str, Callable[[], None]]:
+    params = stage.trainable_params()
+
+    def run_stage(inp):
+        return stage(inp)
+    forward = ms.jit(run_stage) if compiled else run_stage
+    grad_op = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+    weights = ms.ParameterTuple(params)
+
+    def stage_grads(inp, s):
+        return grad_op(stage, weights)(inp, s)
+    grads = ms.jit(stage_grads) if compiled else stage_grads
+
+    def recorded():
+        inp = ops.stop_gradient(x)
+        inp.requires_grad_()
+        return inp, taped_call(forward, inp)
+
+    def tape_b():
+        inp, out = recorded()
+        tape_backward([out], [sens], [inp] + params)
+
+    def tape_iw():
+        inp, out = recorded()
+        if compiled:                               # the runtime's compiled I: input and weights at once
+            tape_backward([out], [sens], [inp] + params)
+            return
+        tape_backward([out], [sens], [inp], keep_graph=True)
+        tape_backward([out], [sens], params)
+
+    def recompute():
+        forward(x)                                 # the forward of F
+        grads(x, sens)                             # the backward runs the forward again
+
+    kind = "jit" if compiled else "PyNative"
+    return {f"{kind} forward (recorded)": recorded, f"{kind} F + tape B": tape_b,
+            f"{kind} F + tape I + W": tape_iw, f"{kind} F + recompute B": recompute}
+
+
+def _median_ms(times: List[float]) -> float:
     return 1000 * statistics.median(times)
 
 
@@ -57,44 +94,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     ms.set_device("CPU")
-    calls: list = []
-    stage = nn.SequentialCell([Block(args.width, calls) for _ in range(args.blocks)])
-    params = stage.trainable_params()
+    stage = nn.SequentialCell([Block(args.width) for _ in range(args.blocks)])
     x = ms.Tensor(np.random.RandomState(0).randn(args.batch, args.width).astype(np.float32))
     sens = ms.Tensor(np.random.RandomState(1).randn(args.batch, args.width).astype(np.float32))
+    rows = {**_rows(stage, x, sens, compiled=False), **_rows(stage, x, sens, compiled=True)}
 
-    def forward():
-        with taped():
-            inp = ops.stop_gradient(x)
-            inp.requires_grad_()
-            return inp, stage(inp)
-
-    def tape_b():
-        inp, out = forward()
-        tape_backward([out], [sens], [inp] + params)
-
-    def tape_iw():
-        inp, out = forward()
-        tape_backward([out], [sens], [inp], keep_graph=True)
-        tape_backward([out], [sens], params)
-
-    grad_op = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
-    weights = ms.ParameterTuple(params)
-
-    def recompute():
-        stage(x)                                  # the forward of F
-        grad_op(stage, weights)(x, sens)          # the backward runs the forward again
-
-    forward_ms = _median_ms(forward, args.repeats)
-    rows = [("forward (recorded)", forward_ms, forward)]
-    for name, fn in (("F + tape B", tape_b), ("F + tape I + W", tape_iw), ("F + recompute B", recompute)):
-        rows.append((name, _median_ms(fn, args.repeats), fn))
-    print(f"stage: {args.blocks} blocks of width {args.width}, micro-batch {args.batch}, fp32, CPU")
-    print(f"{'':20s} {'ms':>8s} {'x forward':>10s} {'forwards':>9s}")
-    for name, ms_, fn in rows:
-        calls.clear()
+    def runs() -> float:
+        return sum(float(block.runs.asnumpy()[0]) for block in stage)
+    forwards = {}
+    for name, fn in rows.items():                  # warm-up (compiles) and forward counts
         fn()
-        print(f"{name:20s} {ms_:8.2f} {ms_ / forward_ms:10.2f} {len(calls) / args.blocks:9.0f}")
+        ms.runtime.synchronize()
+        before = runs()
+        fn()
+        forwards[name] = (runs() - before) / args.blocks
+    times: Dict[str, List[float]] = {name: [] for name in rows}
+    for _ in range(args.repeats):                   # interleaved rounds: load changes hit every row alike
+        for name, fn in rows.items():
+            start = time.perf_counter()
+            fn()
+            ms.runtime.synchronize()
+            times[name].append(time.perf_counter() - start)
+    print(f"stage: {args.blocks} blocks of width {args.width}, micro-batch {args.batch}, fp32, CPU, "
+          f"median of {args.repeats}")
+    print(f"{'':32s} {'ms':>8s} {'x its forward':>14s} {'forwards':>9s}")
+    for name in rows:
+        base = _median_ms(times[name.split()[0] + " forward (recorded)"])
+        print(f"{name:32s} {_median_ms(times[name]):8.2f} {_median_ms(times[name]) / base:14.2f} "
+              f"{forwards[name]:9.0f}")
 
 
 if __name__ == "__main__":

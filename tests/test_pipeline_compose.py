@@ -97,7 +97,7 @@ def _reference(n_blocks: int, rows: slice, n: int, tied: bool = False):
     return history, {p.name: p.asnumpy() for p in params}
 
 
-def _stages(name: str, pp_mesh, n_blocks: int, prepare, tied: bool = False):
+def _stages(name: str, pp_mesh, n_blocks: int, prepare, tied: bool = False, jit: bool = False):
     """This rank's stages of schedule ``name`` (models built from the full model, same seed)."""
     from hyper_parallel_ms import pipelining as pl
 
@@ -108,7 +108,7 @@ def _stages(name: str, pp_mesh, n_blocks: int, prepare, tied: bool = False):
         ms.set_seed(0)
         model = pl.split_blocks(Model(n_blocks, tied), s, pp * v, first=("embed",), last=("head",))
         prepare(model)
-        stages.append(pl.PipelineStage(model, s, pp * v, mesh=pp_mesh))
+        stages.append(pl.PipelineStage(model, s, pp * v, mesh=pp_mesh, jit=jit))
     return stages
 
 

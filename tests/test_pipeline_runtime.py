@@ -8,7 +8,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn, ops
+from mindspore import Parameter, nn, ops
 
 from hyper_parallel_ms.testing import multi_rank
 
@@ -22,22 +22,24 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 class Block(nn.Cell):
-    def __init__(self, calls: list):
+    def __init__(self):
         super().__init__()
         self.dense = nn.Dense(WIDTH, WIDTH)
-        self.calls = calls
+        # how many times this forward ran, as Python or as a compiled graph
+        self.runs = Parameter(ms.Tensor(np.zeros(1, np.float32)), requires_grad=False)
+        self.eager: list = []        # ... as Python (never under ms.jit, where the list is left alone)
 
     def construct(self, x):
-        self.calls.append(1)
+        self.eager.append(1)
+        ops.assign_add(self.runs, ops.ones((1,), ms.float32))
         return ops.tanh(self.dense(x)) + x
 
 
 class Model(nn.Cell):
     def __init__(self, n_blocks: int):
         super().__init__()
-        self.calls: list = []
         self.embed = nn.Dense(IN, WIDTH)
-        self.layers = nn.CellList([Block(self.calls) for _ in range(n_blocks)])
+        self.layers = nn.CellList([Block() for _ in range(n_blocks)])
         self.head = nn.Dense(WIDTH, OUT)
 
     def construct(self, x):
@@ -45,6 +47,14 @@ class Model(nn.Cell):
         for block in self.layers:
             x = block(x)
         return x if self.head is None else self.head(x)
+
+    def forwards(self) -> int:
+        """Block forwards run so far (all blocks together)."""
+        return int(sum(float(block.runs.asnumpy()[0]) for block in self.layers))
+
+    def eager_forwards(self) -> int:
+        """Block forwards run as Python (PyNative)."""
+        return sum(len(block.eager) for block in self.layers)
 
 
 def loss_fn(out, target):
@@ -78,7 +88,7 @@ def _reference(num_stages: int, n: int):
     return history, {p.name: p.asnumpy() for p in params}
 
 
-def _schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, stage_of=None):
+def _schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, stage_of=None, jit=False, prepare=None):
     from hyper_parallel_ms import pipelining as pl
 
     pp, me = mesh.size(), mesh.get_local_rank()
@@ -89,18 +99,20 @@ def _schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, stage_o
     for s in held:
         ms.set_seed(0)
         model = pl.split_blocks(Model(num_stages), s, num_stages, first=("embed",), last=("head",))
+        if prepare is not None:
+            prepare(model)
         models.append(model)
-        stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh))
+        stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
     cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
            "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
     return cls(stages[0] if v == 1 else stages, n, loss), models
 
 
-def _check_parity(name: str, n: int) -> None:
+def _check_parity(name: str, n: int, jit: bool = False) -> None:
     from hyper_parallel_ms.mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ms.communication.get_group_size(),), mesh_dim_names=("pp",))
-    schedule, models = _schedule(name, mesh, n)
+    schedule, models = _schedule(name, mesh, n, jit=jit)
     num_stages = schedule.plan.num_stages
     history, final = _reference(num_stages, n)
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
@@ -111,7 +123,8 @@ def _check_parity(name: str, n: int) -> None:
     for step, size in enumerate(BATCHES):
         x, y = _batch(step, size)
         losses: list = []
-        calls_before = [len(m.calls) for m in models]
+        runs_before = [m.forwards() for m in models]
+        eager_before = [m.eager_forwards() for m in models]
         out = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
         # activations held: GPipe every micro-batch, 1F1B at most the stages from here to the last
         live = schedule.step_stats.peak_live_forwards
@@ -120,8 +133,10 @@ def _check_parity(name: str, n: int) -> None:
             assert live == n, (live, n)
         elif name == "1F1B":
             assert live == min(n, mesh.size() - me), (live, n, me)
-        # one forward per block and micro-batch: the backward reuses the forward's tape
-        assert [len(m.calls) - c for m, c in zip(models, calls_before)] == [n * len(m.layers) for m in models]
+        # one forward per block and micro-batch, PyNative or compiled: the backward reuses the forward's record
+        ran = [m.forwards() - r for m, r in zip(models, runs_before)]
+        assert ran == [n * len(m.layers) for m in models], ran
+        assert [m.eager_forwards() - e for m, e in zip(models, eager_before)] == ([0] * len(models) if jit else ran)
         want_losses, want_grads = history[step]
         if last:
             np.testing.assert_allclose([float(v.asnumpy()) for v in losses], want_losses, rtol=RTOL, atol=ATOL,
@@ -157,6 +172,16 @@ def test_every_schedule_equals_one_device_on_two_ranks(name):
 def test_every_schedule_equals_one_device_on_four_ranks(name):
     for n in _microbatch_counts(name, 4):
         _check_parity(name, n)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@multi_rank(2)
+def test_compiled_stages_equal_one_device_on_two_ranks(name):
+    """jit=True: each micro-batch's stage forward (and loss) one ms.jit graph, its backward that
+    graph's compiled backward; one graph run per block and micro-batch, none as Python."""
+    counts = _microbatch_counts(name, 2)
+    for n in (counts[0], counts[-1]):         # num_stages, and fewer (more for 1F1B)
+        _check_parity(name, n, jit=True)
 
 
 @multi_rank(2)
@@ -195,6 +220,12 @@ def test_errors_raise_on_every_rank():
         _schedule("GPipe", mesh, 2, loss=loss_fn if me == 0 else None)
     with pytest.raises(TypeError, match="needs n_microbatches \\(or HyperParallel's micro_batch_num\\)"):
         _schedule("GPipe", mesh, None)
+    # a compiled stage changed by a parallel style (on rank 1 only): refused on every rank
+    from hyper_parallel_ms.nn import ColwiseParallel, parallelize_module
+    tp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "tp"))["tp"]
+    with pytest.raises(ScheduleError, match=r"ranks \[1\] hold compiled stages that cannot run compiled"):
+        _schedule("GPipe", mesh, 2, jit=True, prepare=lambda model: me == 1 and parallelize_module(
+            model, tp, {"layers.*.dense": ColwiseParallel()}))
 
 
 def test_split_blocks_keeps_full_model_names_and_even_shares():
@@ -209,7 +240,7 @@ def test_split_blocks_keeps_full_model_names_and_even_shares():
         shares.append([p.name for p in model.trainable_params()])
         assert (model.embed is None) == (s == 1) and (model.head is None) == (s == 0)
         # Cell paths (state-dict keys, checkpoints) are the full model's too; indexing stays positional
-        assert [name for name, _ in model.parameters_and_names()] == shares[-1]
+        assert [name for name, p in model.parameters_and_names() if p.requires_grad] == shares[-1]
         assert model.layers[0] is list(model.layers)[0] and len(model.layers) == (3 if s == 0 else 2)
     assert shares[0] + shares[1] == full and "layers.3.dense.weight" in shares[1] and len(shares[0]) == 2 + 3 * 2
     with pytest.raises(ValueError, match="5 blocks cannot make 6 stages"):

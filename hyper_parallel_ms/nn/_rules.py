@@ -17,14 +17,14 @@ Example:
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Optional
+from typing import Dict, Optional
 
 from mindspore import nn
 
 from ..mesh import DeviceMesh
 from ._adapter import CellChanges, named_cells
 
-__all__ = ["match_path", "check_mesh", "mark_done", "check_not_done", "check_not_fully_sharded"]
+__all__ = ["match_path", "check_mesh", "mark_done", "check_not_done", "check_not_fully_sharded", "changed_cells"]
 
 _DONE = "_hpms_sharded_by"
 _DATA_PARALLEL = ("fully_shard", "hsdp")
@@ -100,3 +100,26 @@ def check_not_fully_sharded(root: nn.Cell, engine: str) -> None:
         done = cell.__dict__.get(_DONE)
         if done in _DATA_PARALLEL:
             raise _after_data_parallel(engine, _where("", path, cell), done)
+
+
+def changed_cells(root: nn.Cell) -> Dict[str, str]:
+    """Cell path -> what changed it, for each Cell under ``root`` (``root`` included) that an
+    engine sharded (its done-marker: ``"parallelize_module"``, ``"fully_shard"``, ...) or whose
+    ``construct`` a parallel style wrapped with input / output conversions.
+
+    Args:
+        root: any Cell.
+
+    Example::
+
+        parallelize_module(model, mesh, {"fc1": ColwiseParallel()})
+        changed_cells(model)          # {'fc1': 'parallelize_module'}
+    """
+    found: Dict[str, str] = {}
+    for path, cell in named_cells(root).items():
+        done = cell.__dict__.get(_DONE)
+        if done is None and getattr(type(cell), "_hpms_converting", False):
+            done = "a parallel style's input / output conversion"
+        if done is not None:
+            found[path] = done
+    return found

@@ -31,7 +31,7 @@ from .._mindspore import tape_backward, taped_call
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
 from ._microbatch import HEADER, as_tuple, is_float, like_tensors, signature
 from ._plan import PipelinePlan
-from ._stage import PipelineStage
+from ._stage import PipelineStage, stage_forward
 
 __all__ = ["Runtime", "StepStats"]
 
@@ -72,18 +72,12 @@ class Runtime:
         self.scale = scale
         self.mesh = stages[0].mesh
         self._params: Dict[int, List[ms.Parameter]] = {s: self.stages[s].parameters() for s in sorted(self.stages)}
+        self._forwards: Dict[int, Callable] = {s: stage_forward(st, loss_fn) for s, st in self.stages.items()}
         self._grads: Dict[int, List[Optional[Tensor]]] = {}
         self._shapes: Dict[int, Tuple[int, ...]] = {}      # stage -> signature of its received inputs
         self.forward_calls = 0
-        self._target: Optional[Tensor] = None
         self.profile = False               # wait for each compute action's kernels (exact compute times)
         self.stats = StepStats(0.0, 0.0, 0)
-
-    def _last_forward(self, *args: Tensor):
-        """The last stage's forward and loss on the current micro-batch (one taped top graph)."""
-        last = self.stages[self.plan.num_stages - 1]
-        out = last.submodule(*args)
-        return out, self.loss_fn(out, self._target)
 
     def parameters(self) -> List[ms.Parameter]:
         """This rank's stages' trainable parameters, stage by stage (a Parameter two stages share: once)."""
@@ -118,6 +112,7 @@ class Runtime:
         self._outs: Dict[Key, Tuple[Tensor, ...]] = {}
         self._out_grads: Dict[Key, Tuple[Tensor, ...]] = {}
         self._in_grads: Dict[Key, Tuple[Tensor, ...]] = {}
+        self._weight_grads: Dict[Key, Tuple[Optional[Tensor], ...]] = {}     # compiled stages: from I to W
         self._header_sent: set = set()
         self._results: Dict[int, Tensor] = {}
         self._batches, self._targets, self._losses = microbatches, targets, losses
@@ -146,7 +141,7 @@ class Runtime:
             ms.runtime.synchronize()
         self.stats = StepStats(time.perf_counter() - began, compute, live)
         results = [self._results[m] for m in sorted(self._results)]
-        self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = {}
+        self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
         return results
 
     # --------------------------------------------------------------- compute
@@ -155,11 +150,10 @@ class Runtime:
         args = self._batches[m] if s == 0 else self._inputs[s, m]
         self.forward_calls += 1
         if stage.is_last:
-            self._target = self._targets[m]
-            out, loss = taped_call(self._last_forward, *args)
+            out, loss = taped_call(self._forwards[s], *args, self._targets[m])
             self._results[m] = out
         else:
-            out = taped_call(stage.submodule, *args)
+            out = taped_call(self._forwards[s], *args)
         if stage.is_last:
             if self._losses is not None:
                 self._losses.append(loss)
@@ -196,14 +190,26 @@ class Runtime:
 
     def _backward_input(self, s: int, m: int) -> None:
         outputs, sens = self._sens(s, m)
-        self._tape[s, m] = (outputs, sens)           # kept for W
         inputs = self._grad_inputs(s, m)
+        if self.stages[s].jit:
+            # a compiled forward's backward graph answers one call only (a second one, after
+            # keep_graph, returns None for what the first left out): I computes the weight
+            # gradients too and W adds them
+            self._tape[s, m] = ((), ())
+            grads = tape_backward(outputs, sens, inputs + self._params[s])
+            self._weight_grads[s, m] = grads[len(inputs):]
+            if inputs:
+                self._give_input_grads(s, m, inputs, grads[:len(inputs)])
+            return
+        self._tape[s, m] = (outputs, sens)           # kept for W
         if inputs:
             self._give_input_grads(s, m, inputs, tape_backward(outputs, sens, inputs, keep_graph=True))
 
     def _backward_weight(self, s: int, m: int) -> None:
         outputs, sens = self._tape.pop((s, m))
-        if self._params[s]:
+        if self.stages[s].jit:
+            self._accumulate(s, self._weight_grads.pop((s, m)))
+        elif self._params[s]:
             self._accumulate(s, tape_backward(outputs, sens, self._params[s]))
         self._inputs.pop((s, m), None)
 

@@ -13,12 +13,12 @@ Example::
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
-__all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList"]
+__all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList", "stage_forward"]
 
 
 def default_pp_mesh():
@@ -44,6 +44,11 @@ class PipelineStage:
         stage_index: the index of this stage, ``0 <= stage_index < num_stages``.
         num_stages: the number of stages of the whole pipeline.
         mesh: the 1-D pipeline :class:`DeviceMesh` (default: every rank, one dim named "pp").
+        jit: compile the stage: each micro-batch's forward (with ``loss_fn`` on the last stage)
+            runs as one ``ms.jit`` graph, and its backward as the compiled backward graph of that
+            forward, reading the activations the forward kept (the forward is not run again);
+            the schedule, the transfers and the gradient sums stay in Python. A new input shape
+            compiles again (once per shape).
 
     Example::
 
@@ -51,12 +56,15 @@ class PipelineStage:
         schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
     """
 
-    def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: int, *, mesh=None) -> None:
+    def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: int, *, mesh=None,
+                 jit: bool = False) -> None:
         if not isinstance(submodule, nn.Cell):
             raise TypeError(f"PipelineStage needs an nn.Cell as submodule, got {type(submodule).__name__}")
         for name, value in (("num_stages", num_stages), ("stage_index", stage_index)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"PipelineStage {name} must be an int, got {value!r}")
+        if not isinstance(jit, bool):
+            raise TypeError(f"PipelineStage jit must be True or False, got {jit!r}")
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage stage_index must be in 0..{num_stages - 1} (num_stages={num_stages}), "
                              f"got {stage_index}")
@@ -68,6 +76,7 @@ class PipelineStage:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.mesh = mesh
+        self.jit = jit
 
     @property
     def is_first(self) -> bool:
@@ -112,8 +121,53 @@ class PipelineStage:
         for unit in self.sharded_units():
             unit.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
 
+    def jit_problem(self) -> Optional[str]:
+        """Why this stage, built with ``jit=True``, cannot run compiled (``None`` when it can or
+        is not compiled): its Cells were changed by a parallel style, ``fully_shard`` or ``hsdp``.
+        MindSpore's PyNative executor, differentiating a compiled forward, gave wrong losses from
+        the second step for tensor-parallel styles and failed to compile fully_shard units.
+
+        Example::
+
+            PipelineStage(plain_cell, 0, 2, jit=True).jit_problem()       # None
+        """
+        if not self.jit:
+            return None
+        from ..nn._rules import changed_cells
+        changed = changed_cells(self.submodule)
+        if not changed:
+            return None
+        path, what = next(iter(changed.items()))
+        return (f"stage {self.stage_index} is compiled (jit=True) but {len(changed)} of its Cells were changed by a "
+                f"parallel style, fully_shard or hsdp (first: {path or 'the stage Cell'!r} by {what}); compiled "
+                f"stages run plain Cells only: build it with jit=False")
+
     def __repr__(self) -> str:
-        return f"PipelineStage({type(self.submodule).__name__}, stage {self.stage_index} of {self.num_stages})"
+        compiled = ", jit" if self.jit else ""
+        return f"PipelineStage({type(self.submodule).__name__}, stage {self.stage_index} of {self.num_stages}{compiled})"
+
+
+def stage_forward(stage: PipelineStage, loss_fn: Optional[Callable]) -> Callable:
+    """The function one micro-batch's forward runs: ``forward(*inputs)`` -> outputs, and on the
+    last stage ``forward(*inputs, target)`` -> ``(outputs, loss_fn(outputs, target))``; under
+    ``ms.jit`` when ``stage.jit``. The runtime records it as one top graph
+    (:func:`~hyper_parallel_ms._mindspore.taped_call`), so a compiled forward keeps what its
+    backward graph reads.
+
+    Example::
+
+        forward = stage_forward(last_stage, loss_fn)
+        out, loss = taped_call(forward, x_microbatch, target_microbatch)
+    """
+    cell = stage.submodule
+    if stage.is_last:
+        def forward(*args):
+            out = cell(*args[:-1])
+            return out, loss_fn(out, args[-1])
+    else:
+        def forward(*args):
+            return cell(*args)
+    return ms.jit(forward) if stage.jit else forward
 
 
 class StageCellList(nn.CellList):
