@@ -1,7 +1,9 @@
 """The pipeline-parallel path of ``examples/train_tp.py`` (``--pp N``): the Llama example split into
 stages over a ("pp", "dp", "tp") mesh, each stage tensor-parallel on ``mesh["tp"]`` (and with
 ``--fsdp`` fully sharded on ``mesh["dp"]``, else its gradients averaged over dp), run by a
-pipeline schedule over ``mesh["pp"]``.
+pipeline schedule over ``mesh["pp"]``. With one stage per rank (gpipe, 1f1b), ``--checkpoint-dir``
+/ ``--save-every`` / ``--resume`` save and load each rank's stage Cell: its keys are the full
+model's, so a checkpoint saved with ``--pp 2`` resumes with ``--pp 1`` (any dp x tp) and back.
 
 Example (4 CPU ranks, pp=2 x tp=2)::
 
@@ -21,8 +23,10 @@ from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parallelize_module
 
 try:
+    from examples.checkpoints import resume, save_step
     from examples.llama import Llama, tp_plan
 except ImportError:  # run as a script: examples/ is the script's directory
+    from checkpoints import resume, save_step
     from llama import Llama, tp_plan
 
 __all__ = ["SCHEDULES", "train_pipeline"]
@@ -48,8 +52,11 @@ def check_pipeline_config(cfg) -> None:
     if rows % cfg.microbatches:
         raise ValueError(f"each dp rank's {rows} rows do not split into --microbatches {cfg.microbatches}: use a "
                          f"--batch that is a multiple of dp x microbatches = {cfg.dp * cfg.microbatches}")
-    if cfg.checkpoint_dir or cfg.resume or cfg.hsdp_replicate != 1:
-        raise ValueError("--pp does not take --checkpoint-dir / --resume / --hsdp-replicate yet")
+    if cfg.hsdp_replicate != 1:
+        raise ValueError("--pp does not take --hsdp-replicate yet")
+    if (cfg.checkpoint_dir or cfg.resume) and SCHEDULES[cfg.schedule][1] != 1:
+        raise ValueError(f"--pp with --checkpoint-dir / --resume saves one stage Cell per rank: use --schedule gpipe "
+                         f"or 1f1b, not {cfg.schedule!r} ({SCHEDULES[cfg.schedule][1]} stages per rank)")
 
 
 def _stage_plan(model: nn.Cell, cfg) -> dict:
@@ -104,12 +111,14 @@ def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Call
     # fully_shard averages its pieces' gradients over dp itself; the reducer adds the tp sums
     reducer = GradientReducer(params, **({} if cfg.fsdp or cfg.dp == 1 else {"dp_mesh": mesh, "dp_dim": "dp"}))
     optimizer = nn.AdamWeightDecay(params, learning_rate=cfg.lr, weight_decay=0.01)
+    cell = schedule.stages[0].submodule                 # one stage per rank when checkpointing (checked)
+    start = resume(cell, optimizer, cfg.checkpoint_dir, log) if cfg.resume else 0
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
     dp_index = mesh.get_coordinate()[1]
     onehot = not cfg.loss_parallel
     losses: List[float] = []
     rates: List[float] = []
-    for i in range(cfg.steps):
+    for i in range(start, cfg.steps):
         ids, labels = batch(cfg, i, dp_index, cfg.dp, onehot)
         began = time.perf_counter()
         mb: list = []
@@ -124,5 +133,8 @@ def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Call
         losses.append(value)
         rates.append(cfg.batch * cfg.seq / seconds)
         log(f"[parallel] step {i + 1}/{cfg.steps} loss {value:.6f} tokens/s {rates[-1]:.0f}")
-    return {"losses": losses, "tokens_per_s": rates, "start_step": 0,
-            "forwards_per_microbatch": schedule.forward_calls / (len(schedule.stages) * cfg.microbatches * cfg.steps)}
+        if cfg.save_every and (i + 1) % cfg.save_every == 0:     # each rank its stage: full-model keys
+            log(f"[parallel] saved {save_step(cell, optimizer, i + 1, cfg.checkpoint_dir)}")
+    steps = cfg.steps - start
+    return {"losses": losses, "tokens_per_s": rates, "start_step": start,
+            "forwards_per_microbatch": schedule.forward_calls / (len(schedule.stages) * cfg.microbatches * steps)}

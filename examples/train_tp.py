@@ -15,21 +15,20 @@ The output head keeps the logits split over the vocabulary (``Shard(-1)``) and t
 
 ``--pp N --schedule gpipe|1f1b|interleaved|zb --microbatches M`` adds pipeline parallelism: the
 model is split by layers into stages over a (pp, dp, tp) mesh, each stage tensor-parallel on tp
-(``examples/train_pp.py``; PyNative).
+(``examples/train_pp.py``; PyNative); ``--compile-stages`` compiles each stage's forward and
+backward (``PipelineStage(..., jit=True)``; plain stages only: tp=1, no --fsdp).
 
 ``--fsdp`` also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
 with R replicas of dp/R-way shards.
 Checkpoints: ``--checkpoint-dir DIR --save-every N`` saves the model, the optimizer and the
 step to ``DIR/step_K`` every N steps; ``--resume`` continues from the latest one (on any
-dp x tp layout), and the check compares the resumed steps with the uninterrupted
-single-device run.
+pp x dp x tp layout; with ``--pp``, schedules of one stage per rank), and the check compares
+the resumed steps with the uninterrupted single-device run.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -39,18 +38,20 @@ import mindspore as ms
 import numpy as np
 from mindspore import communication, nn
 
-from hyper_parallel_ms import checkpoint, comm, fully_shard
+from hyper_parallel_ms import comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
 
 try:
+    from examples.checkpoints import latest_checkpoint, resume, save_step
     from examples.llama import Llama, LlamaConfig, cross_entropy, tp_plan
     from examples.train_pp import SCHEDULES, train_pipeline
 except ImportError:  # run as a script: examples/ is the script's directory
+    from checkpoints import latest_checkpoint, resume, save_step
     from llama import Llama, LlamaConfig, cross_entropy, tp_plan
     from train_pp import SCHEDULES, train_pipeline
 
-__all__ = ["TrainConfig", "train", "main"]
+__all__ = ["TrainConfig", "train", "main", "latest_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -158,34 +159,11 @@ def _runner(cfg: TrainConfig, step_cell: TrainStep) -> Callable:
     return step_cell                   # GRAPH_MODE compiles the Cell
 
 
-def latest_checkpoint(directory: str) -> Optional[str]:
-    """The committed ``step_K`` checkpoint with the largest K in ``directory``, or ``None``."""
-    steps = [int(m.group(1)) for m in (re.fullmatch(r"step_(\d+)", d) for d in
-                                       (os.listdir(directory) if os.path.isdir(directory) else [])) if m]
-    return os.path.join(directory, f"step_{max(steps)}") if steps else None
-
-
-def _checkpoint_state(model: nn.Cell, optimizer: nn.Optimizer, step: int) -> Dict[str, object]:
-    model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, "step": step}
-
-
-def _resume(cfg: TrainConfig, model: nn.Cell, optimizer: nn.Optimizer, log: Callable[[str], None]) -> int:
-    """Load the latest checkpoint into the model and optimizer (in place); the step to start at."""
-    path = latest_checkpoint(cfg.checkpoint_dir)
-    if path is None:
-        raise FileNotFoundError(f"--resume: no step_K checkpoint in {cfg.checkpoint_dir}")
-    state = _checkpoint_state(model, optimizer, 0)
-    checkpoint.load(state, checkpoint_id=path)
-    log(f"[parallel] resumed from {path} at step {state['step']}")
-    return int(state["step"])
-
-
 def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
          log: Callable[[str], None], label: str, dp_dims: tuple = ("dp",),
          checkpoints: bool = False) -> Dict[str, List[float]]:
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=cfg.lr, weight_decay=0.01)
-    start = _resume(cfg, model, optimizer, log) if checkpoints and cfg.resume else 0
+    start = resume(model, optimizer, cfg.checkpoint_dir, log) if checkpoints and cfg.resume else 0
     step = _runner(cfg, TrainStep(model, loss, optimizer, reducer, dp_mesh, dp_dims))
     onehot = isinstance(loss, OneHotCrossEntropy)
     losses, rates = [], []
@@ -198,9 +176,7 @@ def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_m
         rates.append(cfg.batch * cfg.seq / seconds)
         log(f"[{label}] step {i + 1}/{cfg.steps} loss {value:.6f} tokens/s {rates[-1]:.0f}")
         if checkpoints and cfg.save_every and (i + 1) % cfg.save_every == 0:
-            path = os.path.join(cfg.checkpoint_dir, f"step_{i + 1}")
-            checkpoint.save(_checkpoint_state(model, optimizer, i + 1), checkpoint_id=path)
-            log(f"[{label}] saved {path}")
+            log(f"[{label}] saved {save_step(model, optimizer, i + 1, cfg.checkpoint_dir)}")
     return {"losses": losses, "tokens_per_s": rates, "start_step": start}
 
 

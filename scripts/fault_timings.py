@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = ("raise", "kill", "hang")
+STAGE_SCENARIOS = ("stage-raise", "stage-kill")      # a pipeline stage fails mid-step
 LATE_SECONDS = 10.0  # scenario "late" (no fault): rank 1 reaches the all-reduce this much later
 POLL = 0.2  # seconds between process checks
 
@@ -73,12 +74,55 @@ def inject_fault(scenario: str, out_dir: str) -> float:
     return float(all_reduce(x, mesh, "world").asnumpy()[0])
 
 
+def inject_stage_fault(scenario: str, out_dir: str) -> float:
+    """A 2-stage 1F1B pipeline (4 micro-batches): one good step, then rank 1's stage raises
+    (``stage-raise``) or is killed with SIGKILL (``stage-kill``) in its second forward of the
+    next step, while rank 0 waits in ``recv`` for a gradient. Each rank writes the first line of
+    the error it ends with, and when (``error.<rank>``)."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import communication, nn, ops
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.pipelining import PipelineStage, Schedule1F1B
+
+    class Stage(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = nn.Dense(8, 8)
+            self.forwards, self.fault_at = 0, None
+
+        def construct(self, x):
+            self.forwards += 1
+            if self.forwards == self.fault_at:
+                _write(out_dir, "fault", repr(time.time()))
+                if scenario == "stage-kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("fault injected in rank 1's stage forward")
+            return ops.tanh(self.dense(x))
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    rank = communication.get_rank()
+    _write(out_dir, f"pid.{rank}", os.getpid())
+    cell = Stage()
+    schedule = Schedule1F1B(PipelineStage(cell, rank, 2, mesh=mesh), 4, lambda out, y: ((out - y) ** 2).mean())
+    x = ms.Tensor(np.ones((8, 8), np.float32))
+    try:
+        for step in range(2):
+            if rank == 1 and step == 1:
+                cell.fault_at = cell.forwards + 2
+            schedule.step(*((x,) if rank == 0 else ()), target=x if rank == 1 else None)
+    except BaseException as exc:
+        _write(out_dir, f"error.{rank}", f"{time.time()!r} {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+        raise
+    return 0.0
+
+
 def _rank_main(scenario: str, out_dir: str) -> None:
     import mindspore as ms
     from mindspore import communication
     ms.set_device("CPU")
     communication.init()
-    inject_fault(scenario, out_dir)
+    (inject_stage_fault if scenario.startswith("stage-") else inject_fault)(scenario, out_dir)
 
 
 # ---------------------------------------------------------------- processes
@@ -125,6 +169,19 @@ def _worker_pids(out_dir: str) -> Set[int]:
         if value is not None:
             pids.add(int(value))
     return pids
+
+
+def _rank_errors(out_dir: str) -> str:
+    """What each rank of a stage scenario ended with (``error.<rank>``), seconds after the fault."""
+    fault, found = _read_float(os.path.join(out_dir, "fault")), []
+    for rank in range(2):
+        try:
+            with open(os.path.join(out_dir, f"error.{rank}")) as f:
+                when, message = f.read().split(" ", 1)
+        except (OSError, ValueError):
+            continue
+        found.append(f"rank {rank} at {_seconds(float(when), fault).strip()} s: {message}")
+    return "; ".join(found) or "-"
 
 
 def _seconds(end: Optional[float], start: Optional[float]) -> str:
@@ -178,7 +235,7 @@ def time_msrun(scenario: str, port: int, cap: float, work: str) -> Dict[str, str
             "to workers exited": _seconds(workers_end, fault) if workers_end else over,
             "to all exited": _seconds(all_end, fault) if all_end else over,
             "exit": f"rc={rc}" + (" (killed at cap)" if msrun_end is None else ""),
-            "logs": log_dir}
+            "errors": _rank_errors(out_dir), "logs": log_dir}
 
 
 # ---------------------------------------------------------------- under the test harness
@@ -190,7 +247,8 @@ def time_harness(scenario: str, timeout: float, work: str) -> Dict[str, str]:
     get_pool(2)  # started before the clock matters: the fault time is written by rank 1
     raised, outcome = None, "returned (no failure)"
     try:
-        run_on_ranks(inject_fault, 2, scenario, out_dir, timeout=timeout)
+        job = inject_stage_fault if scenario.startswith("stage-") else inject_fault
+        run_on_ranks(job, 2, scenario, out_dir, timeout=timeout)
     except RankFailure as exc:
         raised = time.time()
         outcome = "RankFailure: " + ", ".join(line.split(":")[0] for line in str(exc).splitlines()
@@ -209,7 +267,8 @@ def time_harness(scenario: str, timeout: float, work: str) -> Dict[str, str]:
     fault = _read_float(os.path.join(out_dir, "fault"))
     return {"fault": scenario, "launcher": f"run_on_ranks(timeout={timeout:.0f})",
             "to launcher exit": _seconds(raised, fault), "to workers exited": _seconds(workers_exited, fault),
-            "to all exited": _seconds(all_exited, fault), "exit": outcome, "logs": out_dir}
+            "to all exited": _seconds(all_exited, fault), "exit": outcome, "errors": _rank_errors(out_dir),
+            "logs": out_dir}
 
 
 def _print_table(rows: List[Dict[str, str]]) -> None:
@@ -219,6 +278,9 @@ def _print_table(rows: List[Dict[str, str]]) -> None:
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for row in rows:
         print("  ".join(row[c].ljust(widths[c]) for c in columns))
+    for row in rows:
+        if row["errors"] != "-":
+            print(f"{row['fault']} under {row['launcher']}: {row['errors']}")
     print("logs: " + ", ".join(r["logs"] for r in rows))
 
 
@@ -231,7 +293,7 @@ def main() -> int:
     parser.add_argument("--cap", type=float, default=180.0, help="seconds after which an msrun run is killed")
     parser.add_argument("--harness-timeout", type=float,
                         default=float(os.environ.get("HPMS_TEST_TIMEOUT", "20")))
-    parser.add_argument("--rank-job", choices=SCENARIOS + ("late",), help=argparse.SUPPRESS)
+    parser.add_argument("--rank-job", choices=SCENARIOS + STAGE_SCENARIOS + ("late",), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_job:

@@ -607,6 +607,52 @@ def test_contract_custom_bprop_cells_need_the_top_graph_of_taped_call():
         np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
 
 
+def test_contract_taped_call_of_a_compiled_forward_keeps_it_for_one_backward():
+    """Compiled pipeline stages: ``taped_call`` of an ``ms.jit`` function runs the forward once as a
+    graph (an ``assign_add`` counter sees one run, Python side effects none) and keeps what its
+    compiled backward reads; several kept records differentiate in any order, exactly, without
+    running the forward again. A second backward of one record after ``keep_graph=True`` returns
+    ``None`` for what the first left out (so the runtime's compiled I computes W's gradients too)."""
+    python_runs = []
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Dense(3, 3)
+            self.runs = ms.Parameter(Tensor(np.zeros(1, np.float32)), requires_grad=False, name="runs")
+
+        def construct(self, x):
+            python_runs.append(1)
+            ops.assign_add(self.runs, ops.ones((1,), ms.float32))
+            return ops.tanh(self.dense(x)) + x
+
+    ms.set_seed(0)
+    net = Net()
+    weights = [net.dense.weight, net.dense.bias]
+
+    def forward(x):
+        return net(x)
+    compiled = ms.jit(forward)
+    xs = [Tensor(np.random.RandomState(i).randn(2, 3).astype(np.float32)) for i in range(3)]
+    sens = Tensor(np.random.RandomState(7).randn(2, 3).astype(np.float32))
+    want = [ms.grad(lambda x: (net(x) * sens).sum(), grad_position=0, weights=weights)(x) for x in xs]
+    python_runs.clear()
+    runs = float(net.runs.asnumpy()[0])
+    outs = []
+    for x in xs:
+        x.requires_grad_()
+        outs.append(seam.taped_call(compiled, x))
+    assert not python_runs and float(net.runs.asnumpy()[0]) == runs + 3
+    for m in (1, 0):
+        got = seam.tape_backward([outs[m]], [sens], [xs[m]] + weights)
+        for g, w in zip(got, (want[m][0],) + tuple(want[m][1])):
+            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+    assert float(net.runs.asnumpy()[0]) == runs + 3                 # no forward ran again
+    dx, = seam.tape_backward([outs[2]], [sens], [xs[2]], keep_graph=True)
+    np.testing.assert_allclose(dx.asnumpy(), want[2][0].asnumpy(), rtol=1e-6, atol=1e-7)
+    assert seam.tape_backward([outs[2]], [sens], weights) == (None, None)
+
+
 class _Mlp(nn.Cell):
     def __init__(self):
         super().__init__()

@@ -247,3 +247,49 @@ def test_split_blocks_keeps_full_model_names_and_even_shares():
         split_blocks(Model(5), 0, 6)
     with pytest.raises(TypeError, match=r"Model.embed must be an nn.CellList or nn.SequentialCell"):
         split_blocks(Model(5), 0, 2, blocks="embed")
+
+
+def _stage_raises_mid_step(at: str) -> None:
+    """Two 1F1B steps on 2 ranks (4 micro-batches); in the second, the action ``at`` (e.g. "1F1")
+    raises on the rank holding its stage."""
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.pipelining import Action, F
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    schedule, _ = _schedule("1F1B", mesh, 4)
+    target = Action.parse(at)
+    runtime = schedule._runtime                      # pylint: disable=protected-access  (fault injection)
+    name = "_forward" if target.kind is F else "_backward"
+    original = getattr(runtime, name)
+
+    def faulty(s: int, m: int) -> None:
+        if faulty.armed and (s, m) == (target.stage, target.microbatch):
+            raise RuntimeError(f"fault injected at {target}")
+        original(s, m)
+    faulty.armed = False
+    setattr(runtime, name, faulty)
+    first = mesh.get_local_rank() == 0
+    for step in range(2):
+        x, y = _batch(step, 8)
+        faulty.armed = step == 1
+        schedule.step(*((x,) if first else ()), target=None if first else y)
+
+
+@pytest.mark.parametrize("at", ["1F1",     # rank 0 waits in recv for 1B0's gradient
+                                "0B3"])    # rank 1 has finished its list: it learns in the step's agreement
+def test_a_stage_raising_mid_step_makes_every_rank_raise(at):
+    """No rank waits for the failed one: it raises its own error, the other (blocked in recv or
+    done) a PipelineError naming the failed rank, its action and its error, within the harness's
+    3 s grace (the pool restarts after)."""
+    from hyper_parallel_ms.testing import RankFailure, run_on_ranks
+
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_stage_raises_mid_step, 2, at, timeout=120)
+    text = str(info.value)
+    failed, other = int(at[0]), 1 - int(at[0])
+    assert "hung" not in text and "rank 0 raised" in text and "rank 1 raised" in text, text
+    parts = dict(enumerate(text.split("rank 0 raised:")[1].split("rank 1 raised:")))
+    own, told = parts[failed], parts[other]
+    assert f"RuntimeError: fault injected at {at}" in own, own
+    assert (f"PipelineError: pipeline step failed: pp rank {failed} at {at}: RuntimeError: fault injected at {at}"
+            in told), told

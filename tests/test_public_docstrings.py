@@ -3,6 +3,7 @@ documents each of its parameters in an ``Args:`` section and shows an example (`
 or ``>>>``), so that ``help(...)`` answers what an argument does."""
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import re
@@ -10,7 +11,8 @@ from typing import Dict, List, Set, Tuple
 
 import hyper_parallel_ms
 
-SUBPACKAGES = ("checkpoint", "comm", "dtensor", "fsdp", "nn", "ops", "redistribute", "testing", "training")
+SUBPACKAGES = ("checkpoint", "comm", "dtensor", "fsdp", "nn", "ops", "pipelining", "redistribute", "testing",
+               "training")
 _ENTRY = re.compile(r"^    (\*{0,2}\w+(?:, \*{0,2}\w+)*)(?: \([^)]*\))?:")
 
 
@@ -32,7 +34,10 @@ def public_callables() -> Dict[str, object]:
 
 
 def parameters(obj) -> List[str]:
-    """The names a caller passes (``self``, ``cls`` and private ``_names`` left out; ``*args`` as ``args``)."""
+    """The names a caller passes (``self``, ``cls`` and private ``_names`` left out; ``*args`` as ``args``);
+    an ``Enum`` class is called with its ``value`` only."""
+    if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+        return ["value"]
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):      # an exception class with the builtin constructor

@@ -7,6 +7,7 @@ parameter is driven by rounding noise; one that were would have a zero loss grad
 loss only to second order. A wrong gradient or update moves the loss by far more than 1e-4."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from examples.train_tp import TrainConfig, train
@@ -56,6 +57,50 @@ def test_example_trains_as_a_pipeline_on_4_ranks(schedule, dp, tp, fsdp):
     assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
 
 
+@multi_rank(2, timeout=600)
+def test_pipeline_checkpoints_resume_with_and_without_pipelining():
+    """--pp 2 (1F1B, one stage per rank) saves each rank's stage (full-model keys) every step;
+    training resumes from step 1 as pp=1 x tp=2 and from step 2 as pp=2 GPipe, each equal to the
+    uninterrupted single-device run."""
+    import os
+    import shutil
+    import tempfile
+
+    import mindspore as ms
+    from mindspore.mint import distributed as dist
+
+    from examples.checkpoints import latest_checkpoint
+
+    holder = [None, None]
+    dist.all_gather_object(holder, tempfile.mkdtemp(prefix="hpms_pp_example_") if ms.communication.get_rank() == 0
+                           else None)
+    base = holder[0]
+    small = dict(seq=8, dim=32, hidden=64, vocab=64, layers=2, mode="pynative", microbatches=2, checkpoint_dir=base)
+    quiet = {"log": lambda line: None}
+    try:
+        first = train(TrainConfig(pp=2, tp=1, schedule="1f1b", steps=2, save_every=1, check=False, **small), **quiet)
+        assert latest_checkpoint(base) == os.path.join(base, "step_2")
+        dist.barrier()
+        if ms.communication.get_rank() == 0:
+            shutil.move(os.path.join(base, "step_2"), os.path.join(base, "later"))
+        dist.barrier()
+        as_tp = train(TrainConfig(pp=1, tp=2, steps=2, resume=True, **small), **quiet)       # from step 1
+        assert as_tp["start_step"] == 1 and len(as_tp["losses"]) == 1
+        np.testing.assert_allclose(as_tp["losses"][0], first["losses"][1], rtol=1e-5)
+        assert as_tp["max_relative_difference"] <= 1e-4, (as_tp["losses"], as_tp["reference_losses"])
+        dist.barrier()
+        if ms.communication.get_rank() == 0:
+            shutil.move(os.path.join(base, "later"), os.path.join(base, "step_2"))
+        dist.barrier()
+        as_pp = train(TrainConfig(pp=2, tp=1, schedule="gpipe", steps=3, resume=True, **small), **quiet)
+        assert as_pp["start_step"] == 2 and len(as_pp["losses"]) == 1
+        assert as_pp["max_relative_difference"] <= 1e-4, (as_pp["losses"], as_pp["reference_losses"])
+    finally:
+        dist.barrier()
+        if ms.communication.get_rank() == 0:
+            shutil.rmtree(base, ignore_errors=True)
+
+
 def test_pipeline_flags_that_cannot_run_are_refused_naming_the_fix():
     from examples.train_pp import check_pipeline_config
 
@@ -67,4 +112,6 @@ def test_pipeline_flags_that_cannot_run_are_refused_naming_the_fix():
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", microbatches=3))
     with pytest.raises(ValueError, match="--schedule must be one of"):
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="dualpipe"))
+    with pytest.raises(ValueError, match="use --schedule gpipe or 1f1b, not 'zb' \\(2 stages per rank\\)"):
+        check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="zb", layers=4, checkpoint_dir="ckpt"))
     check_pipeline_config(TrainConfig(pp=2, mode="pynative"))          # the defaults run

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from mindspore import Tensor
@@ -24,7 +24,7 @@ from mindspore import Tensor
 from . import all_reduce
 from .debug import unrecorded
 
-__all__ = ["extremes", "failed_coordinates"]
+__all__ = ["extremes", "failed_coordinates", "failure_messages"]
 
 
 def extremes(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
@@ -67,3 +67,31 @@ def failed_coordinates(mesh, failed: bool) -> List[Tuple[int, ...]]:
     high, _ = extremes(flags.reshape(-1), mesh)
     high = high.reshape(mesh.shape)
     return [c for c in itertools.product(*(range(n) for n in mesh.shape)) if high[c] > 0]
+
+
+def failure_messages(mesh, message: Optional[str], limit: int = 400) -> Dict[int, str]:
+    """Each failed rank's ``message`` (its flat index in ``mesh`` -> text, UTF-8 cut to ``limit``
+    bytes), known to every rank of ``mesh``; ``{}`` when no rank failed. One small all-reduce per
+    mesh dim when none failed (:func:`failed_coordinates`), the messages only when some did.
+
+    Args:
+        mesh: the :class:`DeviceMesh` whose ranks report (every rank must call).
+        message: this rank's error text, or ``None`` if it did not fail.
+        limit: the most bytes of each message carried.
+
+    Example::
+
+        failed = failure_messages(mesh, None if error is None else str(error))
+        if failed:
+            raise RuntimeError("; ".join(f"rank {r}: {text}" for r, text in failed.items()))
+    """
+    failed = [int(np.ravel_multi_index(c, mesh.shape)) for c in failed_coordinates(mesh, message is not None)]
+    if not failed:
+        return {}
+    codes = np.zeros((int(np.prod(mesh.shape)), limit), np.float32)
+    if message is not None:
+        data = np.frombuffer(message.encode("utf-8")[:limit], np.uint8)
+        codes[int(np.ravel_multi_index(tuple(mesh.get_coordinate()), mesh.shape)), :len(data)] = data
+    high, _ = extremes(codes.reshape(-1), mesh)
+    high = high.reshape(codes.shape).astype(np.uint8)
+    return {r: bytes(high[r]).rstrip(b"\0").decode("utf-8", errors="replace") for r in failed}

@@ -19,13 +19,13 @@ Example:
 from __future__ import annotations
 
 from ._action import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
-                      ScheduleError)
+                      PipelineError, ScheduleError)
 from ._comms import add_comms, time_compute
 from ._placement import stage_to_rank, stages_of_rank
 from ._plan import SCHEDULES, PipelinePlan, build_plan, format_table
 from ._validate import Timeline, validate
 
-__all__ = ["Action", "ActionKind", "ScheduleError", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
+__all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
            "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
            "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
            "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",

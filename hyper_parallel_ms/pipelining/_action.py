@@ -24,16 +24,46 @@ import re
 from enum import Enum
 from typing import NamedTuple, Optional
 
-__all__ = ["ActionKind", "Action", "ScheduleError", "F", "B", "I", "W",
+__all__ = ["ActionKind", "Action", "ScheduleError", "PipelineError", "F", "B", "I", "W",
            "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 
 
 class ScheduleError(ValueError):
-    """A schedule or an action list that cannot run; the message names the action and rank."""
+    """A schedule or an action list that cannot run; the message names the action and rank.
+
+    Example::
+
+        try:
+            build_plan("1F1B", pp=4, n_microbatches=2)
+        except ScheduleError as error:
+            print(error)           # 1F1B needs at least as many micro-batches as stages: ...
+    """
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed on another rank: raised on every pp rank but the failed one (which
+    raises its own exception), naming the failed rank, its action and its error.
+
+    Example::
+
+        try:
+            schedule.step(x, target=y)
+        except PipelineError as error:    # e.g. "pipeline step failed: pp rank 1 at 1F1: RuntimeError: ..."
+            ...                           # restart the job: messages may be left between the ranks
+    """
 
 
 class ActionKind(Enum):
-    """What an action does; its value is the code printed in an action string."""
+    """What an action does; its value is the code printed in an action string.
+
+    Args:
+        value: the code (``"F"``, ``"B"``, ``"I"``, ``"W"``, ``"SEND_F"``, ``"RECV_F"``,
+            ``"SEND_B"``, ``"RECV_B"``).
+
+    Example:
+        >>> ActionKind("W") is ActionKind.BACKWARD_WEIGHT, ActionKind("SEND_B").is_send
+        (True, True)
+    """
 
     FORWARD = "F"
     BACKWARD = "B"           # full backward: input and weight gradients
@@ -81,7 +111,17 @@ _PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
 class Action(NamedTuple):
-    """``kind`` of stage ``stage`` on micro-batch ``microbatch``; prints as ``"0F1"``."""
+    """``kind`` of stage ``stage`` on micro-batch ``microbatch``; prints as ``"0F1"``.
+
+    Args:
+        stage: the stage (on this side of a SEND / RECV).
+        kind: the :class:`ActionKind`.
+        microbatch: the micro-batch.
+
+    Example:
+        >>> Action(2, ActionKind.BACKWARD_INPUT, 3), Action.parse("2I3") == Action(2, I, 3)
+        (2I3, True)
+    """
 
     stage: int
     kind: ActionKind

@@ -34,6 +34,17 @@ def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
 
     Raises ``ScheduleError`` naming each rank's waiting action when the orders wait in a cycle
     (or for data no action makes).
+
+    Args:
+        order: rank -> its compute actions (F, B, I, W), in order.
+        placement: the rank of each stage, indexed by stage.
+        durations: time units per compute kind (1 for each by default).
+
+    Example:
+        >>> from hyper_parallel_ms.pipelining._action import Action
+        >>> order = {0: [Action.parse(a) for a in ("0F0", "0B0")], 1: [Action.parse(a) for a in ("1F0", "1B0")]}
+        >>> time_compute(order, placement=(0, 1))
+        {0F0: 0.0, 1F0: 1.0, 1B0: 2.0, 0B0: 3.0}
     """
     num_stages = len(placement)
     cost = {k: 1.0 for k in (F, B, I, W)}
@@ -81,7 +92,19 @@ def _transfers(action: Action, placement: Sequence[int]) -> Tuple[Tuple[Action, 
 
 def add_comms(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
               durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[int, List[Action]]:
-    """Per-rank lists: the compute ``order`` with SEND / RECV placed as the module docstring says."""
+    """Per-rank lists: the compute ``order`` with SEND / RECV placed as the module docstring says.
+
+    Args:
+        order: rank -> its compute actions (F, B, I, W), in order.
+        placement: the rank of each stage, indexed by stage.
+        durations: time units per compute kind used to order the transfers (1 for each by default).
+
+    Example:
+        >>> from hyper_parallel_ms.pipelining._action import Action
+        >>> order = {0: [Action.parse(a) for a in ("0F0", "0B0")], 1: [Action.parse(a) for a in ("1F0", "1B0")]}
+        >>> add_comms(order, placement=(0, 1))[1]
+        [1RECV_F0, 1F0, 1B0, 1SEND_B0]
+    """
     starts = time_compute(order, placement, durations)
     cost = {k: 1.0 for k in (F, B, I, W)}
     cost.update(durations or {})

@@ -17,7 +17,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-__all__ = ["split_microbatches", "signature", "like_tensors", "HEADER", "MAX_TENSORS",
+__all__ = ["split_microbatches", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
            "MAX_NDIM", "as_tuple", "is_float"]
 
 MAX_TENSORS, MAX_NDIM = 8, 8
@@ -52,12 +52,19 @@ def signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:
     return tuple(out) + (0,) * (HEADER - len(out))
 
 
-def like_tensors(sig: Sequence[int]) -> Tuple[Tensor, ...]:
-    """Zero tensors with the shapes and dtypes ``sig`` describes (receive templates)."""
-    sig = [int(v) for v in sig]
+def fitting_signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:
+    """:func:`signature` of ``tensors``, or a ``ValueError`` naming the limits when it does not fit."""
+    sig = signature(tensors)
     if sig[0] < 0:
         raise ValueError(f"a stage output does not fit the shape header: at most {MAX_TENSORS} tensors of at most "
-                         f"{MAX_NDIM} dims with dtypes {[str(d) for d in _DTYPES]}")
+                         f"{MAX_NDIM} dims with dtypes {[str(d) for d in _DTYPES]}, got "
+                         f"{[(tuple(t.shape), str(t.dtype)) for t in tensors]}")
+    return sig
+
+
+def like_tensors(sig: Sequence[int]) -> Tuple[Tensor, ...]:
+    """Zero tensors with the shapes and dtypes ``sig`` (a fitting signature) describes (receive templates)."""
+    sig = [int(v) for v in sig]
     out = []
     for i in range(sig[0]):
         code, ndim, *dims = sig[1 + i * (2 + MAX_NDIM): 1 + (i + 1) * (2 + MAX_NDIM)]

@@ -23,7 +23,17 @@ PLACEMENTS = ("loop", "v")
 
 
 def stage_to_rank(style: str, pp: int, num_stages: int) -> Tuple[int, ...]:
-    """The rank of each stage, indexed by stage, for placement ``style`` over ``pp`` ranks."""
+    """The rank of each stage, indexed by stage, for placement ``style`` over ``pp`` ranks.
+
+    Args:
+        style: ``"loop"`` (stage s on rank s % pp) or ``"v"`` (rank r holds r and 2 pp - 1 - r).
+        pp: the number of pipeline ranks.
+        num_stages: the number of stages (a multiple of ``pp``; ``2 pp`` for ``"v"``).
+
+    Example:
+        >>> stage_to_rank("v", pp=2, num_stages=4)
+        (0, 1, 1, 0)
+    """
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"the number of pipeline ranks must be a positive int, got {pp!r}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
@@ -42,5 +52,14 @@ def stage_to_rank(style: str, pp: int, num_stages: int) -> Tuple[int, ...]:
 
 
 def stages_of_rank(placement: Sequence[int], rank: int) -> Tuple[int, ...]:
-    """The stages ``rank`` holds under ``placement`` (a stage-to-rank tuple), in stage order."""
+    """The stages ``rank`` holds under ``placement`` (a stage-to-rank tuple), in stage order.
+
+    Args:
+        placement: the rank of each stage, indexed by stage (:func:`stage_to_rank`).
+        rank: a pipeline rank.
+
+    Example:
+        >>> stages_of_rank((0, 1, 1, 0), 0)
+        (0, 3)
+    """
     return tuple(s for s, r in enumerate(placement) if r == rank)

@@ -59,7 +59,18 @@ SCHEDULES: Mapping[str, _Spec] = {
 
 
 def format_table(actions: Sequence[Sequence[object]], row: str = "step") -> str:
-    """Rows of steps (or time slots), one column per rank; ``None`` prints as blank."""
+    """Rows of steps (or time slots), one column per rank; ``None`` prints as blank.
+
+    Args:
+        actions: one sequence per rank (actions, or anything printable; ``None`` for a blank).
+        row: the label of a row (``"step"``, or ``"t"`` for time slots).
+
+    Example:
+        >>> print(format_table([["0F0", None], ["1F0"]], row="t"))
+             rank 0  rank 1
+        t 0  0F0     1F0
+        t 1
+    """
     n_rows = max((len(a) for a in actions), default=0)
     cells = [[f"{row} {i}" for i in range(n_rows)]]
     cells += [[("" if a is None else str(a)) for a in acts] + [""] * (n_rows - len(acts)) for acts in actions]
@@ -72,7 +83,20 @@ def format_table(actions: Sequence[Sequence[object]], row: str = "step") -> str:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Checked per-rank action lists of one pipeline step (``actions[rank]``, run in order)."""
+    """Checked per-rank action lists of one pipeline step (``actions[rank]``, run in order);
+    :func:`build_plan` makes them, and a plan is validated when it is made.
+
+    Args:
+        schedule: the schedule's name (a key of ``SCHEDULES``).
+        n_microbatches: micro-batches per step.
+        placement: the rank of each stage, indexed by stage.
+        actions: per rank, its actions in order.
+
+    Example:
+        >>> plan = build_plan("GPipe", pp=2, n_microbatches=2)
+        >>> plan.stages_of(1), plan.actions[1][:2]
+        ((1,), (1RECV_F0, 1F0))
+    """
 
     schedule: str
     n_microbatches: int
@@ -139,7 +163,19 @@ class PipelinePlan:
 
 
 def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: Optional[int] = None) -> PipelinePlan:
-    """Lower ``schedule`` (a name of :data:`SCHEDULES`) for ``pp`` ranks; raises ``ScheduleError`` when it cannot run."""
+    """Lower ``schedule`` (a name of :data:`SCHEDULES`) for ``pp`` ranks; raises ``ScheduleError`` when it cannot run.
+
+    Args:
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` or ``"ZBVZeroBubble"``.
+        pp: the number of pipeline ranks.
+        n_microbatches: micro-batches per step.
+        stages_per_rank: stages each rank holds (the schedule's own by default; 2 or more for
+            ``Interleaved1F1B``).
+
+    Example:
+        >>> build_plan("Interleaved1F1B", pp=2, n_microbatches=4, stages_per_rank=2).placement
+        (0, 1, 0, 1)
+    """
     if schedule not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
     spec = SCHEDULES[schedule]

@@ -1,19 +1,20 @@
 """The one runtime: executes a rank's checked action list (``PipelinePlan.actions[rank]``).
 
-Each forward ``F`` runs the stage's Cell once, recording its autodiff tape
-(:func:`~hyper_parallel_ms._mindspore.taped_call`, which also serves Cells with a custom
+Each forward ``F`` runs the stage's forward once (:func:`._stage.stage_forward`: the Cell, with
+the loss on the last stage, under ``ms.jit`` for a compiled stage), recording its autodiff
+tape (:func:`~hyper_parallel_ms._mindspore.taped_call`, which also serves Cells with a custom
 ``bprop``: tensor-parallel styles, fully_shard); ``B`` differentiates that tape for the stage's
 inputs and parameters; the zero-bubble pair ``I`` / ``W`` differentiates it twice, inputs
-first (keeping the tape), parameters later. No forward runs again. ``SEND`` / ``RECV`` move
-activations and gradients with :func:`~hyper_parallel_ms.comm.send` / ``recv``; stages on one
-rank hand over directly. Receive shapes come from a small integer header sent before the
-first activation crossing each stage boundary, on a step whose input shapes are new
-(:mod:`._microbatch`); later steps with the same input shapes reuse them.
+first (keeping the tape), parameters later (a compiled stage's backward answers one call:
+its ``I`` computes both and ``W`` adds the weight gradients). No forward runs again.
+``SEND`` / ``RECV`` move activations and gradients as messages of :mod:`._channel` (a header
+naming the action and the shapes, then the tensors); stages on one rank hand over directly.
+A failed action ends the step on every rank (:mod:`._failure`).
 
 Example::
 
     runtime = Runtime(stages, plan, loss_fn, scale=1 / plan.n_microbatches)
-    runtime.run(plan.actions[rank], microbatches, targets, losses, new_shapes=True)
+    runtime.run(plan.actions[rank], microbatches, targets, losses)
     runtime.gradients()            # tuple aligned with runtime.parameters()
 """
 from __future__ import annotations
@@ -26,10 +27,11 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from .. import comm
 from .._mindspore import tape_backward, taped_call
-from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
-from ._microbatch import HEADER, as_tuple, is_float, like_tensors, signature
+from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError
+from ._channel import Channel
+from ._failure import end_step
+from ._microbatch import as_tuple, is_float
 from ._plan import PipelinePlan
 from ._stage import PipelineStage, stage_forward
 
@@ -74,10 +76,11 @@ class Runtime:
         self._params: Dict[int, List[ms.Parameter]] = {s: self.stages[s].parameters() for s in sorted(self.stages)}
         self._forwards: Dict[int, Callable] = {s: stage_forward(st, loss_fn) for s, st in self.stages.items()}
         self._grads: Dict[int, List[Optional[Tensor]]] = {}
-        self._shapes: Dict[int, Tuple[int, ...]] = {}      # stage -> signature of its received inputs
+        self._channel = Channel(self.mesh)
         self.forward_calls = 0
         self.profile = False               # wait for each compute action's kernels (exact compute times)
         self.stats = StepStats(0.0, 0.0, 0)
+        self.failed = False                # a step failed: messages may be in flight, no more steps
 
     def parameters(self) -> List[ms.Parameter]:
         """This rank's stages' trainable parameters, stage by stage (a Parameter two stages share: once)."""
@@ -101,30 +104,30 @@ class Runtime:
 
     # --------------------------------------------------------------- one step
     def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[Tensor, ...]]],
-            targets: Optional[Sequence[Tensor]], losses: Optional[list], *, new_shapes: bool) -> List[Tensor]:
-        """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held here)."""
+            targets: Optional[Sequence[Tensor]], losses: Optional[list]) -> List[Tensor]:
+        """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held here).
+
+        Ends with the pp ranks' agreement on the step's outcome (:mod:`._failure`): if an action
+        fails on any rank, every rank raises (the failed one its own error)."""
         self._grads = {s: [None] * len(ps) for s, ps in self._params.items()}
-        self._new_shapes = new_shapes
-        if new_shapes:
-            self._shapes = {}
         self._inputs: Dict[Key, Tuple[Tensor, ...]] = {}
         self._tape: Dict[Key, Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]] = {}   # (outputs, sens)
         self._outs: Dict[Key, Tuple[Tensor, ...]] = {}
         self._out_grads: Dict[Key, Tuple[Tensor, ...]] = {}
         self._in_grads: Dict[Key, Tuple[Tensor, ...]] = {}
         self._weight_grads: Dict[Key, Tuple[Optional[Tensor], ...]] = {}     # compiled stages: from I to W
-        self._header_sent: set = set()
         self._results: Dict[int, Tensor] = {}
         self._batches, self._targets, self._losses = microbatches, targets, losses
         handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
                     SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b}
         last_weight_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in (B, W)}
         began, compute, live = time.perf_counter(), 0.0, 0
+        at, error = None, None
         try:
-            for i, action in enumerate(actions):
+            for at, action in enumerate(actions):
                 if action.kind in (B, W):
                     # fully_shard units reduce the gradient summed over the micro-batches once per step
-                    self.stages[action.stage].set_requires_gradient_sync(i == last_weight_grad[action.stage])
+                    self.stages[action.stage].set_requires_gradient_sync(at == last_weight_grad[action.stage])
                 if not action.kind.is_compute:
                     handlers[action.kind](action.stage, action.microbatch)
                     continue
@@ -134,15 +137,18 @@ class Runtime:
                     ms.runtime.synchronize()
                 compute += time.perf_counter() - start
                 live = max(live, len(self._tape))
+        except BaseException as exc:  # noqa: BLE001  (end_step raises it once every rank knows)
+            error = exc
         finally:
             for stage in self.stages.values():
                 stage.set_requires_gradient_sync(True)
+            self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
+        self.failed = error is not None
+        end_step(self._channel, self.plan, actions, at, error)
         if self.profile:
             ms.runtime.synchronize()
         self.stats = StepStats(time.perf_counter() - began, compute, live)
-        results = [self._results[m] for m in sorted(self._results)]
-        self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
-        return results
+        return [self._results[m] for m in sorted(self._results)]
 
     # --------------------------------------------------------------- compute
     def _forward(self, s: int, m: int) -> None:
@@ -231,28 +237,18 @@ class Runtime:
         return self.plan.placement[stage]
 
     def _send_f(self, s: int, m: int) -> None:
-        outs = self._outs.pop((s, m))
-        dst = self._peer(s + 1)
-        if self._new_shapes and s not in self._header_sent:
-            self._header_sent.add(s)
-            comm.send(Tensor(np.array(signature(outs), np.int64)), self.mesh, 0, dst=dst)
-        for t in outs:
-            comm.send(t, self.mesh, 0, dst=dst)
+        self._channel.send(Action(s, SEND_F, m), self._outs.pop((s, m)), self._peer(s + 1))
 
     def _recv_f(self, s: int, m: int) -> None:
-        src = self._peer(s - 1)
-        if s not in self._shapes:
-            header = comm.recv(Tensor(np.zeros(HEADER, np.int64)), self.mesh, 0, src=src)
-            self._shapes[s] = tuple(int(v) for v in header.asnumpy())
-        received = tuple(comm.recv(like, self.mesh, 0, src=src) for like in like_tensors(self._shapes[s]))
-        self._take_inputs(s, m, received)
+        self._take_inputs(s, m, self._channel.recv(Action(s, RECV_F, m), self._peer(s - 1)))
 
     def _send_b(self, s: int, m: int) -> None:
-        dst = self._peer(s - 1)
-        for g in self._in_grads.pop((s, m)):
-            comm.send(g, self.mesh, 0, dst=dst)
+        self._channel.send(Action(s, SEND_B, m), self._in_grads.pop((s, m)), self._peer(s - 1))
 
     def _recv_b(self, s: int, m: int) -> None:
-        src = self._peer(s + 1)
         outputs = self._tape[s, m][0]
-        self._out_grads[s, m] = tuple(comm.recv(ops.zeros(o.shape, o.dtype), self.mesh, 0, src=src) for o in outputs)
+        grads = self._channel.recv(Action(s, RECV_B, m), self._peer(s + 1))
+        if [(g.shape, g.dtype) for g in grads] != [(o.shape, o.dtype) for o in outputs]:
+            raise ScheduleError(f"{Action(s, RECV_B, m)}: the gradients received ({[g.shape for g in grads]}) do not "
+                                f"match the stage's outputs ({[o.shape for o in outputs]})")
+        self._out_grads[s, m] = grads

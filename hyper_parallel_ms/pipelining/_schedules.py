@@ -21,8 +21,8 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from ..comm._agreement import extremes
-from ._action import ScheduleError
-from ._microbatch import HEADER, signature, split_microbatches
+from ._action import PipelineError, ScheduleError
+from ._microbatch import split_microbatches
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec
@@ -31,6 +31,24 @@ from ._stage import PipelineStage, stage_cells
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
 
 _MISSING, _NOT_TENSOR, _UNEVEN = 1, 2, 3
+
+# the arguments every schedule takes after its own, written once: each schedule's docstring
+# holds a ``{shared_args}`` line that :func:`_shared_args` replaces with them
+_SHARED_ARGS = """\
+        scale_grads: average the gradients over micro-batches (default ``True``: one step equals
+            the full-batch step when ``loss_fn`` is a mean over the batch); ``False`` sums them.
+        micro_batch_num: HyperParallel's name for ``n_microbatches`` (give one of the two).
+        shared_parameters: names (or tuples of names) of parameters several stages hold, e.g. an
+            embedding tied to the head on the last stage: their gradients are summed over the stages
+            holding them (one all-reduce per parameter and step over exactly the ranks holding it).
+"""
+
+
+def _shared_args(cls: type) -> type:
+    """Put the schedules' common arguments into ``cls``'s docstring (its ``{shared_args}`` line)."""
+    if cls.__doc__:
+        cls.__doc__ = cls.__doc__.replace("        {shared_args}\n", _SHARED_ARGS)
+    return cls
 
 
 def _batch_problem(tensors: Optional[Sequence[object]], n: int) -> Tuple[int, int, int]:
@@ -56,6 +74,7 @@ def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
             f"another n_microbatches")
 
 
+@_shared_args
 class PipelineSchedule:
     """Base of the schedules: this rank's stages, the checked plan, and the runtime.
 
@@ -63,12 +82,7 @@ class PipelineSchedule:
         stages: this rank's :class:`PipelineStage` objects.
         n_microbatches: micro-batches per step (the batch splits along dim 0).
         loss_fn: ``loss_fn(output, target_microbatch)``; needed on the rank of the last stage.
-        scale_grads: average gradients over micro-batches (one step equals the full-batch step when
-            ``loss_fn`` is a mean over the batch); ``False`` sums them.
-        micro_batch_num: HyperParallel's name for ``n_microbatches`` (give one of the two).
-        shared_parameters: names (or tuples of names) of parameters several stages hold, e.g. an
-            embedding tied to the head on the last stage: their gradients are summed over the stages
-            holding them (one all-reduce per parameter and step over exactly the ranks holding it).
+        {shared_args}
 
     Example::
 
@@ -101,7 +115,6 @@ class PipelineSchedule:
         self._shared = SharedParameters(shared_parameters, stages, self.mesh, type(self).__name__)
         self._runtime = Runtime(stages, self.plan, loss_fn, 1.0 / n if scale_grads else 1.0)
         self._grads: Optional[Tuple[Tensor, ...]] = None
-        self._shape_key: Optional[Tuple[float, ...]] = None
 
     # --------------------------------------------------------------- construction checks
     def _agreed_plan(self, stages: List[PipelineStage], n: int, loss_fn) -> PipelinePlan:
@@ -158,23 +171,20 @@ class PipelineSchedule:
         """
         first, last = self.stages[0].is_first, self.stages[-1].is_last
         n = self.n_microbatches
+        if self._runtime.failed:           # on every rank: a failed step raised on every rank
+            raise PipelineError(f"{type(self).__name__}.step: an earlier step failed, and messages may be left in "
+                                f"flight between the pp ranks; build the pipeline again in a new job")
         fcode = _batch_problem(args, n) if first else (0, 0, 0)
         lcode = _batch_problem(None if target is None else (target,), n) if last else (0, 0, 0)
-        sig = np.zeros(HEADER, np.float32)
-        if first and not fcode[0]:
-            sig = np.array(signature(tuple(a[:a.shape[0] // n] for a in args)), np.float32) + 1
-        high, _ = extremes(np.concatenate([np.array(fcode + lcode, np.float32), sig]), self.mesh)
+        high, _ = extremes(np.array(fcode + lcode, np.float32), self.mesh)
         for what, (code, index, size) in (("first", high[0:3]), ("last", high[3:6])):
             if code:
                 raise ValueError(f"{type(self).__name__}.step: " + _batch_message(what, int(code), int(index),
                                                                                     int(size), n))
-        key = tuple(high[6:])
-        new_shapes, self._shape_key = key != self._shape_key, key
         batches = split_microbatches(args, n) if first else None
         targets = [t[0] for t in split_microbatches((target,), n)] if last else None
         self._grads = None
-        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
-                                 new_shapes=new_shapes)
+        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses)
         self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
         if not last:
             return None
@@ -247,6 +257,7 @@ class _SingleStage(PipelineSchedule):
                          shared_parameters=shared_parameters)
 
 
+@_shared_args
 class ScheduleGPipe(_SingleStage):
     """GPipe: every forward, then every backward; one stage per rank (stage s on rank s).
 
@@ -254,9 +265,7 @@ class ScheduleGPipe(_SingleStage):
         stage: this rank's :class:`PipelineStage`.
         n_microbatches: micro-batches per step.
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
-        scale_grads: average gradients over micro-batches (default ``True``).
-        micro_batch_num: HyperParallel's name for ``n_microbatches``.
-        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
+        {shared_args}
 
     Example::
 
@@ -267,6 +276,7 @@ class ScheduleGPipe(_SingleStage):
     schedule_name = "GPipe"
 
 
+@_shared_args
 class Schedule1F1B(_SingleStage):
     """1F1B: warm-up forwards, then one forward and one backward in turn; at most ``num_stages``
     micro-batches' activations per stage. Needs ``n_microbatches >= num_stages``.
@@ -275,9 +285,7 @@ class Schedule1F1B(_SingleStage):
         stage: this rank's :class:`PipelineStage`.
         n_microbatches: micro-batches per step (at least the number of stages).
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
-        scale_grads: average gradients over micro-batches (default ``True``).
-        micro_batch_num: HyperParallel's name for ``n_microbatches``.
-        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
+        {shared_args}
 
     Example::
 
@@ -287,6 +295,7 @@ class Schedule1F1B(_SingleStage):
     schedule_name = "1F1B"
 
 
+@_shared_args
 class ScheduleInterleaved1F1B(PipelineSchedule):
     """Interleaved 1F1B: several stages per rank, looped (stage s on rank s % pp).
 
@@ -294,9 +303,7 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         stages: this rank's stages (e.g. stages r and r + pp).
         n_microbatches: micro-batches per step (any number).
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
-        scale_grads: average gradients over micro-batches (default ``True``).
-        micro_batch_num: HyperParallel's name for ``n_microbatches``.
-        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
+        {shared_args}
 
     Example::
 
@@ -313,6 +320,7 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
                          shared_parameters=shared_parameters)
 
 
+@_shared_args
 class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
     """Zero-bubble V: rank r holds stages r and 2 pp - 1 - r; each backward is split into an
     input gradient (sent at once) and a weight gradient run later, in what would be bubbles.
@@ -321,9 +329,7 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
         stages: this rank's two stages (r and 2 pp - 1 - r).
         n_microbatches: micro-batches per step (any number).
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on rank 0, which holds the last stage).
-        scale_grads: average gradients over micro-batches (default ``True``).
-        micro_batch_num: HyperParallel's name for ``n_microbatches``.
-        shared_parameters: names of parameters several stages hold (see :class:`PipelineSchedule`).
+        {shared_args}
 
     Example::
 

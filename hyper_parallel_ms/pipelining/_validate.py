@@ -43,7 +43,17 @@ Durations = Optional[Mapping[ActionKind, float]]
 
 @dataclass(frozen=True)
 class Timeline:
-    """When each compute action starts, and how busy each rank is, in one simulated step."""
+    """When each compute action starts, and how busy each rank is, in one simulated step.
+
+    Args:
+        starts: the start time of each compute action.
+        busy: the compute time of each rank.
+        makespan: when the last action ends.
+
+    Example:
+        >>> Timeline(starts={}, busy=(3.0, 2.0), makespan=4.0).bubble_fraction
+        0.375
+    """
 
     starts: Mapping[Action, float]
     busy: Tuple[float, ...]          # compute time per rank
@@ -130,7 +140,20 @@ def _deadlock(actions, pos: List[int]) -> ScheduleError:
 
 def validate(actions: Mapping[int, Sequence[Action]], placement: Sequence[int], n_microbatches: int,
              durations: Durations = None) -> Timeline:
-    """Check per-rank action lists (see the module docstring) and return their timeline."""
+    """Check per-rank action lists (see the module docstring) and return their timeline.
+
+    Args:
+        actions: rank -> its actions, in order.
+        placement: the rank of each stage, indexed by stage.
+        n_microbatches: micro-batches per step.
+        durations: time units per compute kind (1 for each by default); transfers take none.
+
+    Example:
+        >>> from hyper_parallel_ms.pipelining import build_plan
+        >>> plan = build_plan("GPipe", pp=2, n_microbatches=2)
+        >>> validate(dict(enumerate(plan.actions)), plan.placement, 2).makespan
+        6.0
+    """
     check_static(actions, placement, n_microbatches)
     num_stages = len(placement)
     cost = {k: 1.0 for k in (F, B, I, W)}
