@@ -52,6 +52,9 @@ def check_pipeline_config(cfg) -> None:
     if rows % cfg.microbatches:
         raise ValueError(f"each dp rank's {rows} rows do not split into --microbatches {cfg.microbatches}: use a "
                          f"--batch that is a multiple of dp x microbatches = {cfg.dp * cfg.microbatches}")
+    if cfg.compile_stages and (cfg.tp != 1 or cfg.fsdp or cfg.loss_parallel):
+        raise ValueError("--compile-stages compiles plain stage Cells and the loss with the last one: use --tp 1, "
+                         "--no-loss-parallel and no --fsdp (tensor-parallel and fully-sharded stages run in PyNative)")
     if cfg.hsdp_replicate != 1:
         raise ValueError("--pp does not take --hsdp-replicate yet")
     if (cfg.checkpoint_dir or cfg.resume) and SCHEDULES[cfg.schedule][1] != 1:
@@ -75,12 +78,13 @@ def _build(cfg, model_config, mesh):
     for s in plan.stages_of(pp_mesh.get_local_rank()):
         ms.set_seed(cfg.seed)
         model = pipelining.split_blocks(Llama(model_config(cfg)), s, num_stages, first=FIRST, last=LAST)
-        parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
+        if not cfg.compile_stages:                 # tp 1 when compiled (checked)
+            parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
         if cfg.fsdp:
             for block in model.layers:
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
-        stages.append(pipelining.PipelineStage(model, s, num_stages, mesh=pp_mesh))
+        stages.append(pipelining.PipelineStage(model, s, num_stages, mesh=pp_mesh, jit=cfg.compile_stages))
     return stages
 
 

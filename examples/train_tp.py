@@ -81,6 +81,7 @@ class TrainConfig:
     pp: int = 1                        # pipeline stages' ranks (pp x dp x tp ranks in all)
     schedule: str = "1f1b"             # with pp > 1: gpipe | 1f1b | interleaved | zb
     microbatches: int = 2              # with pp > 1: micro-batches per step
+    compile_stages: bool = False       # with pp > 1: each stage's forward and backward compiled (ms.jit)
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
@@ -291,6 +292,8 @@ def parse_args(argv: List[str]) -> TrainConfig:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=defaults.schedule,
                         help="with --pp > 1: the pipeline schedule")
+    parser.add_argument("--compile-stages", action="store_true",
+                        help="with --pp > 1: compile each stage's forward and backward (--tp 1 --no-loss-parallel)")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("pp", "microbatches", "schedule", "dp", "tp", "steps", "batch", "seq", "vocab", "dim",
@@ -298,7 +301,7 @@ def parse_args(argv: List[str]) -> TrainConfig:
     return replace(cfg, sequence_parallel=not args.no_sequence_parallel, loss_parallel=not args.no_loss_parallel,
                    check=not args.no_check, fsdp=args.fsdp,
                    hsdp_replicate=args.hsdp_replicate, checkpoint_dir=args.checkpoint_dir,
-                   save_every=args.save_every, resume=args.resume)
+                   save_every=args.save_every, resume=args.resume, compile_stages=args.compile_stages)
 
 
 def main(argv: List[str]) -> int:

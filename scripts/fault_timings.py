@@ -2,7 +2,9 @@
 
 Three faults on rank 1, after a few all-reduces on a DeviceMesh: it raises (``raise``), it is
 killed with SIGKILL (``kill``), or it hangs in ``time.sleep`` while rank 0 enters the next
-all-reduce (``hang``). Each fault runs twice: under ``msrun`` (seconds from the fault to
+all-reduce (``hang``); and two in a 2-stage pipeline step, while rank 0 waits in ``recv``:
+rank 1's stage raises (``stage-raise``) or rank 1 is killed (``stage-kill``); for these the
+table is followed by what each rank ended with, and when. Each fault runs twice: under ``msrun`` (seconds from the fault to
 msrun's exit, to every worker having exited and to every process msrun started having
 exited, and msrun's exit code) and under the test harness
 (``hyper_parallel_ms.testing.run_on_ranks`` with a short timeout: seconds until it raises
@@ -15,6 +17,7 @@ fails a healthy job whose ranks reach a collective more than 5 s apart (scenario
 Example::
 
     PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --cap 180 --harness-timeout 20
+    PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --scenarios stage-raise,stage-kill --harness-grace 90
     MS_NODE_TIMEOUT=5 PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --launchers msrun
 """
 from __future__ import annotations
@@ -251,6 +254,7 @@ def time_harness(scenario: str, timeout: float, work: str) -> Dict[str, str]:
         run_on_ranks(job, 2, scenario, out_dir, timeout=timeout)
     except RankFailure as exc:
         raised = time.time()
+        _write(out_dir, "failure.txt", exc)
         outcome = "RankFailure: " + ", ".join(line.split(":")[0] for line in str(exc).splitlines()
                                               if line.startswith("rank ") and line.split(":")[0].split()[-1]
                                               in ("raised", "died", "hung"))
@@ -291,6 +295,9 @@ def main() -> int:
     parser.add_argument("--launchers", default="msrun,harness")
     parser.add_argument("--port", type=int, default=8170, help="first msrun master port (one per scenario)")
     parser.add_argument("--cap", type=float, default=180.0, help="seconds after which an msrun run is killed")
+    parser.add_argument("--harness-grace", type=float, default=None,
+                        help="seconds the harness waits for the other ranks once one failed (default: its own, 3); "
+                             "a long grace shows what the surviving ranks do by themselves")
     parser.add_argument("--harness-timeout", type=float,
                         default=float(os.environ.get("HPMS_TEST_TIMEOUT", "20")))
     parser.add_argument("--rank-job", choices=SCENARIOS + STAGE_SCENARIOS + ("late",), help=argparse.SUPPRESS)
@@ -299,6 +306,9 @@ def main() -> int:
     if args.rank_job:
         _rank_main(args.rank_job, args.out)
         return 0
+    if args.harness_grace is not None:
+        from hyper_parallel_ms.testing import _pool
+        _pool.FAILURE_GRACE = args.harness_grace
     work = tempfile.mkdtemp(prefix="hpms_fault_timings_")
     rows = []
     launchers = args.launchers.split(",")

@@ -58,6 +58,18 @@ def test_example_trains_as_a_pipeline_on_4_ranks(schedule, dp, tp, fsdp):
 
 
 @multi_rank(2, timeout=600)
+def test_example_trains_compiled_pipeline_stages_on_2_ranks():
+    """--pp 2 --tp 1 --compile-stages: each stage's forward (the loss with the last) one ms.jit
+    graph, its backward that graph's backward; losses equal to the single-device run, one forward
+    per micro-batch."""
+    cfg = TrainConfig(pp=2, tp=1, schedule="1f1b", microbatches=2, layers=2, steps=2, seq=8, dim=32, hidden=64,
+                      vocab=64, mode="pynative", compile_stages=True, loss_parallel=False)
+    result = train(cfg, log=lambda line: None)
+    assert len(result["losses"]) == 2 and result["forwards_per_microbatch"] == 1.0
+    assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
+
+
+@multi_rank(2, timeout=600)
 def test_pipeline_checkpoints_resume_with_and_without_pipelining():
     """--pp 2 (1F1B, one stage per rank) saves each rank's stage (full-model keys) every step;
     training resumes from step 1 as pp=1 x tp=2 and from step 2 as pp=2 GPipe, each equal to the
@@ -112,6 +124,9 @@ def test_pipeline_flags_that_cannot_run_are_refused_naming_the_fix():
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", microbatches=3))
     with pytest.raises(ValueError, match="--schedule must be one of"):
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="dualpipe"))
+    with pytest.raises(ValueError, match="--compile-stages compiles plain stage Cells and the loss with the last one: "
+                                         "use --tp 1, --no-loss-parallel and no --fsdp"):
+        check_pipeline_config(TrainConfig(pp=2, tp=2, mode="pynative", compile_stages=True))
     with pytest.raises(ValueError, match="use --schedule gpipe or 1f1b, not 'zb' \\(2 stages per rank\\)"):
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="zb", layers=4, checkpoint_dir="ckpt"))
     check_pipeline_config(TrainConfig(pp=2, mode="pynative"))          # the defaults run
