@@ -6,8 +6,10 @@ micro-batch, and the SEND / RECV between ranks, in an order that cannot deadlock
 blocking point-to-point calls. :func:`validate` checks any such lists without processes.
 The runtime (:class:`PipelineStage`, :func:`split_blocks` and the schedules ``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) executes those
-lists with ``comm.send`` / ``recv``; its names load MindSpore on first use, so importing this
-package and building plans loads no MindSpore.
+lists with ``comm.send`` / ``recv`` (``PipelineStage(..., jit=True)`` compiles a stage's forward
+and backward); an action failing on one rank ends the step on every rank with the cause
+(:class:`PipelineError`). Its names load MindSpore on first use, so importing this package and
+building plans loads no MindSpore.
 
 Example:
     >>> plan = build_plan("ZBVZeroBubble", pp=2, n_microbatches=4)
@@ -19,13 +21,13 @@ Example:
 from __future__ import annotations
 
 from ._action import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
-                      PipelineError, ScheduleError)
+                      PipelineError, ScheduleError, TransferFailed)
 from ._comms import add_comms, time_compute
 from ._placement import stage_to_rank, stages_of_rank
 from ._plan import SCHEDULES, PipelinePlan, build_plan, format_table
 from ._validate import Timeline, validate
 
-__all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
+__all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "TransferFailed", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
            "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
            "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
            "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",

@@ -24,7 +24,7 @@ import re
 from enum import Enum
 from typing import NamedTuple, Optional
 
-__all__ = ["ActionKind", "Action", "ScheduleError", "PipelineError", "F", "B", "I", "W",
+__all__ = ["ActionKind", "Action", "ScheduleError", "PipelineError", "TransferFailed", "F", "B", "I", "W",
            "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 
 
@@ -51,6 +51,26 @@ class PipelineError(RuntimeError):
         except PipelineError as error:    # e.g. "pipeline step failed: pp rank 1 at 1F1: RuntimeError: ..."
             ...                           # restart the job: messages may be left between the ranks
     """
+
+
+class TransferFailed(PipelineError):
+    """A send or receive with pp rank ``peer`` failed in MindSpore (a peer gone: "Send failed"
+    after the node timeout); the message names the peer and MindSpore's error.
+
+    Args:
+        peer: the pp rank at the other end.
+        error: MindSpore's exception.
+
+    Example::
+
+        raise TransferFailed(1, RuntimeError("Send failed."))
+    """
+
+    def __init__(self, peer: int, error: BaseException) -> None:
+        text = str(error).strip()
+        super().__init__(f"a transfer with pp rank {peer} failed (the rank may be gone): {type(error).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}")
+        self.peer = peer
 
 
 class ActionKind(Enum):

@@ -22,10 +22,10 @@ import numpy as np
 from mindspore import Tensor
 
 from .. import comm
-from ._action import Action, ActionKind, ScheduleError
+from ._action import Action, ActionKind, ScheduleError, TransferFailed
 from ._microbatch import HEADER, fitting_signature, like_tensors
 
-__all__ = ["Channel", "PipelineAbort", "TransferFailed", "DATA", "ABORT", "ABORT_LOST"]
+__all__ = ["Channel", "PipelineAbort", "DATA", "ABORT", "ABORT_LOST"]
 
 DATA, ABORT, ABORT_LOST = 0, 1, 2      # ABORT_LOST: the failure lost a peer (no agreement can follow)
 _KINDS = tuple(ActionKind)
@@ -53,26 +53,6 @@ class PipelineAbort(RuntimeError):
         lost = " (it lost a peer: a rank may be gone)" if status == ABORT_LOST else ""
         super().__init__(f"pipeline rank {origin} failed at {action}{lost}")
         self.origin, self.status, self.action = origin, status, action
-
-
-class TransferFailed(RuntimeError):
-    """A send or receive with pp rank ``peer`` failed in MindSpore (a peer gone: "Send failed"
-    after the node timeout); the message names the peer and MindSpore's error.
-
-    Args:
-        peer: the pp rank at the other end.
-        error: MindSpore's exception.
-
-    Example::
-
-        raise TransferFailed(1, RuntimeError("Send failed."))
-    """
-
-    def __init__(self, peer: int, error: BaseException) -> None:
-        text = str(error).strip()
-        super().__init__(f"a transfer with pp rank {peer} failed (the rank may be gone): {type(error).__name__}: "
-                         f"{text.splitlines()[0] if text else ''}")
-        self.peer = peer
 
 
 def _header(status: int, origin: int, action: Action, sig: Sequence[int]) -> Tensor:

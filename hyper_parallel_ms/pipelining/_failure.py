@@ -31,8 +31,8 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Set
 
 from ..comm._agreement import failure_messages
-from ._action import Action, PipelineError
-from ._channel import ABORT, ABORT_LOST, Channel, PipelineAbort, TransferFailed
+from ._action import Action, PipelineError, TransferFailed
+from ._channel import ABORT, ABORT_LOST, Channel, PipelineAbort
 from ._plan import PipelinePlan
 
 __all__ = ["end_step"]

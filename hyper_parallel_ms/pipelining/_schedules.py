@@ -164,6 +164,11 @@ class PipelineSchedule:
             On the rank of the last stage, its outputs of the whole batch (concatenated along dim 0);
             ``None`` elsewhere.
 
+        Raises:
+            PipelineError: an action failed on another pp rank during the step (the rank where it
+                failed raises that action's own error; :class:`TransferFailed` where a peer was
+                lost). Every rank raises; the schedule then refuses further steps.
+
         Example::
 
             losses = []
