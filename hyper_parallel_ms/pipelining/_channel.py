@@ -16,7 +16,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from collections import Counter
+from typing import Sequence, Set, Tuple
 
 import numpy as np
 from mindspore import Tensor
@@ -61,7 +62,8 @@ def _header(status: int, origin: int, action: Action, sig: Sequence[int]) -> Ten
 
 
 class Channel:
-    """Sends and receives the runtime's messages over the 1-D pp ``mesh``.
+    """Sends and receives the runtime's messages over the 1-D pp ``mesh``, counting per peer the
+    whole messages sent and read in the current step (what a failed step still owes or must read).
 
     Args:
         mesh: the pipeline :class:`DeviceMesh` (ranks are indices along it).
@@ -74,6 +76,13 @@ class Channel:
     def __init__(self, mesh) -> None:
         self.mesh = mesh
         self.rank = mesh.get_local_rank()
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Start counting a step's messages: ``sent[peer]``, ``read[peer]`` and the peers whose abort was read."""
+        self.sent: Counter = Counter()
+        self.read: Counter = Counter()
+        self.aborted_by: Set[int] = set()
 
     def send(self, action: Action, tensors: Tuple[Tensor, ...], dst: int) -> None:
         """Send ``tensors`` as the message of ``action`` (a SEND) to pp rank ``dst``; a tuple the
@@ -81,6 +90,7 @@ class Channel:
         header = _header(DATA, self.rank, action, fitting_signature(tensors))
         for t in (header,) + tuple(tensors):
             self._send(t, dst)
+        self.sent[dst] += 1
 
     def recv(self, action: Action, src: int) -> Tuple[Tensor, ...]:
         """The tensors of the message ``action`` (a RECV) reads from pp rank ``src``; raises
@@ -106,6 +116,7 @@ class Channel:
         self._send(_header(status, origin, action, (0,) * HEADER), dst)
 
     def _send(self, tensor: Tensor, dst: int) -> None:
+        """The transport (``comm``'s send; a test may put another under the protocol)."""
         try:
             comm.send(tensor, self.mesh, 0, dst=dst)
         except Exception as exc:  # noqa: BLE001  (MindSpore's failures, re-raised naming the peer)
@@ -123,5 +134,9 @@ class Channel:
         status, origin, stage, kind, microbatch = (int(v) for v in header[:_FIELDS])
         sent = Action(stage, _KINDS[kind], microbatch)
         if status != DATA:
+            self.read[src] += 1
+            self.aborted_by.add(src)
             raise PipelineAbort(origin, status, sent)
-        return sent, tuple(self._recv(like, src) for like in like_tensors(header[_FIELDS:]))
+        tensors = tuple(self._recv(like, src) for like in like_tensors(header[_FIELDS:]))
+        self.read[src] += 1
+        return sent, tensors

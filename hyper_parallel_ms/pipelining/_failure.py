@@ -1,12 +1,14 @@
 """How a pipeline step ends on every rank when an action fails on one: with the cause, none waiting.
 
 1. The failing rank sends an abort (:class:`~._channel.Channel`), in place of its next message,
-   to every peer it still owes one (its first pending SEND to that peer); a rank whose RECV
-   receives an abort raises :class:`~._channel.PipelineAbort` there and does the same. Every
-   rank waiting in ``recv`` on a failed rank, directly or through others, stops.
-2. Each aborting rank then reads and drops what its peers sent it and it did not read (up to
-   each peer's abort, or all its pending RECVs from a peer that owes it no more): on MindSpore's
-   CPU backend a message left unread is taken as data by the next collective on the group.
+   to every peer it still owes one (its list sends that peer more messages than the channel
+   counted); a rank whose RECV receives an abort raises :class:`~._channel.PipelineAbort` there
+   and does the same (back to its sender too, if it owes it). Every rank waiting in ``recv`` on a
+   failed rank, directly or through others, stops.
+2. Each aborting rank then reads and drops what its peers sent it and it did not read: from each
+   peer whose abort it has not read, the messages its list reads from that peer beyond those
+   counted, stopping at the peer's abort. On MindSpore's CPU backend a message left unread is
+   taken as data by the next collective on the group.
 3. Every step ends with one agreement over the pp mesh, failed or not (a small all-reduce:
    :func:`~hyper_parallel_ms.comm._agreement.failure_messages`): a rank that finished its list
    while another failed learns it there. The failed rank raises its own exception, the others a
@@ -28,6 +30,7 @@ Example::
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Dict, Optional, Sequence, Set
 
 from ..comm._agreement import failure_messages
@@ -41,31 +44,28 @@ _RESTART = ("every pp rank raises; messages may be left in flight between the ra
             "again in a new job (restart the ranks)")
 
 
-def _peer(plan: PipelinePlan, action: Action) -> int:
-    return plan.placement[action.peer_stage()]
+def _per_peer(plan: PipelinePlan, actions: Sequence[Action], sends: bool) -> Counter:
+    """How many messages this rank's list sends to (or reads from) each peer in a step."""
+    return Counter(plan.placement[a.peer_stage()] for a in actions
+                   if (a.kind.is_send if sends else a.kind.is_recv))
 
 
-def _tell_peers(channel: Channel, plan: PipelinePlan, pending: Sequence[Action], skip: Set[int], status: int,
+def _tell_peers(channel: Channel, plan: PipelinePlan, actions: Sequence[Action], skip: Set[int], status: int,
                 origin: int, failed: Action) -> None:
-    """One abort to each peer of a pending SEND (its first), but those in ``skip``; best effort."""
-    told = set(skip)
-    for action in pending:
-        if action.kind.is_send and _peer(plan, action) not in told:
-            told.add(_peer(plan, action))
+    """One abort to each peer this rank still owes a message (but those in ``skip``); best effort."""
+    for peer, count in _per_peer(plan, actions, sends=True).items():
+        if count > channel.sent[peer] and peer not in skip:
             try:
-                channel.abort(_peer(plan, action), status, origin, failed)
+                channel.abort(peer, status, origin, failed)
             except Exception:  # noqa: BLE001  (that peer is gone too; the others still need theirs)
                 pass
 
 
-def _drain(channel: Channel, plan: PipelinePlan, pending: Sequence[Action], done: Set[int]) -> None:
-    """Read what each peer (but those in ``done``, whose abort was read) sent for ``pending`` RECVs."""
-    counts: Dict[int, int] = {}
-    for action in pending:
-        if action.kind.is_recv and _peer(plan, action) not in done:
-            counts[_peer(plan, action)] = counts.get(_peer(plan, action), 0) + 1
-    for peer, count in counts.items():
-        channel.drain(peer, count)
+def _drain(channel: Channel, plan: PipelinePlan, actions: Sequence[Action]) -> None:
+    """Read what each peer sent this step and this rank did not read (up to the peer's abort)."""
+    for peer, count in _per_peer(plan, actions, sends=False).items():
+        if peer not in channel.aborted_by and count > channel.read[peer]:
+            channel.drain(peer, count - channel.read[peer])
 
 
 def _agree(channel: Channel, message: Optional[str]) -> Dict[int, str]:
@@ -92,23 +92,20 @@ def end_step(channel: Channel, plan: PipelinePlan, actions: Sequence[Action], at
             raise PipelineError(_summary(failed))
         return
     action = actions[at]
-    pending = actions[at + 1:]
-    if isinstance(error, PipelineAbort):           # the abort of the peer of ``action`` was read there
-        status, origin, failed_action, done = error.status, error.origin, error.action, {_peer(plan, action)}
+    if isinstance(error, PipelineAbort):           # read where ``action`` waited
+        status, origin, failed_action, skip = error.status, error.origin, error.action, set()
     elif isinstance(error, TransferFailed):
-        status, origin, failed_action, done = ABORT_LOST, channel.rank, action, {error.peer}
+        status, origin, failed_action, skip = ABORT_LOST, channel.rank, action, {error.peer}
     else:            # a compute action, a SEND refused before sending, a RECV refusing a whole message
-        status, origin, failed_action, done = ABORT, channel.rank, action, set()
-        pending = actions[at:] if action.kind.is_send else pending
-    lost = status == ABORT_LOST
-    _tell_peers(channel, plan, pending, done if lost else set(), status, origin, failed_action)
+        status, origin, failed_action, skip = ABORT, channel.rank, action, set()
+    _tell_peers(channel, plan, actions, skip, status, origin, failed_action)
     mine = origin == channel.rank
-    if lost:
+    if status == ABORT_LOST:
         if mine:
             raise error
         raise PipelineError(f"pipeline step failed: {error}; {_RESTART}") from error
     try:
-        _drain(channel, plan, pending, done)
+        _drain(channel, plan, actions)
     except Exception as exc:  # noqa: BLE001
         raise PipelineError(f"pipeline step failed at {action} ({_first_line(error)}), and reading what the peers had "
                             f"sent failed: {_first_line(exc)}; {_RESTART}") from error

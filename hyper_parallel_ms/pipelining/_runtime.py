@@ -118,6 +118,7 @@ class Runtime:
         self._weight_grads: Dict[Key, Tuple[Optional[Tensor], ...]] = {}     # compiled stages: from I to W
         self._results: Dict[int, Tensor] = {}
         self._batches, self._targets, self._losses = microbatches, targets, losses
+        self._channel.new_step()
         handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
                     SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b}
         last_weight_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in (B, W)}
