@@ -689,9 +689,6 @@ def taped_call(top: Callable, *args: Any) -> Any:
         _pynative_executor.new_graph(top, *args)
         out = top(*args)
         _pynative_executor.end_graph(top, out, *args)
-    except BaseException:
-        _pynative_executor.clear_res()      # as MindSpore's own grad calls: no half-recorded graph left open
-        raise
     finally:
         _pynative_executor.set_grad_flag(before)
     return out

@@ -653,6 +653,41 @@ def test_contract_taped_call_of_a_compiled_forward_keeps_it_for_one_backward():
     assert seam.tape_backward([outs[2]], [sens], weights) == (None, None)
 
 
+def test_contract_an_error_inside_taped_call_leaves_the_executor_usable():
+    """A pipeline stage raising inside its recorded forward: the failing rank still reads, sends and
+    agrees afterwards, so later calls must work: a new record differentiates exactly, and one kept
+    from before the error still does."""
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Dense(3, 3)
+            self.fail = False
+
+        def construct(self, x):
+            y = ops.tanh(self.dense(x))
+            if self.fail:
+                raise RuntimeError("stage failed")
+            return y
+
+    ms.set_seed(0)
+    net = Net()
+    weights = net.trainable_params()
+    x = Tensor(np.random.RandomState(3).randn(2, 3).astype(np.float32))
+    x.requires_grad_()
+    kept = seam.taped_call(net, x)
+    net.fail = True
+    with pytest.raises(RuntimeError, match="stage failed"):
+        seam.taped_call(net, x)
+    net.fail = False
+    want = ms.grad(lambda v: net(v).sum(), grad_position=0, weights=weights)(x)
+    out = seam.taped_call(net, x)
+    one = Tensor(np.ones((2, 3), np.float32))
+    for record in (out, kept):
+        got = seam.tape_backward([record], [one], [x] + weights)
+        for g, w in zip(got, (want[0],) + tuple(want[1])):
+            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-7)
+
+
 class _Mlp(nn.Cell):
     def __init__(self):
         super().__init__()
