@@ -73,8 +73,7 @@ def _agree(channel: Channel, message: Optional[str]) -> Dict[int, str]:
         return failure_messages(channel.mesh, message)
     except Exception as exc:  # noqa: BLE001
         raise PipelineError(f"the pp ranks could not agree on the outcome of the step (a rank may be gone): "
-                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
-                            f"{_RESTART}") from exc
+                            f"{_first_line(exc)}; {_RESTART}") from exc
 
 
 def _first_line(error: BaseException) -> str:

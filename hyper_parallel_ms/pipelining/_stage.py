@@ -48,7 +48,9 @@ class PipelineStage:
             runs as one ``ms.jit`` graph, and its backward as the compiled backward graph of that
             forward, reading the activations the forward kept (the forward is not run again);
             the schedule, the transfers and the gradient sums stay in Python. A new input shape
-            compiles again (once per shape).
+            compiles again (once per shape). Plain Cells only: a stage changed by a parallel
+            style, ``fully_shard`` or ``hsdp`` is refused when the schedule is built. (PyTorch
+            has no such argument: one compiles the module given to the stage.)
 
     Example::
 
