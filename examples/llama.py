@@ -110,10 +110,12 @@ class Llama(nn.Cell):
         return h if self.output is None else self.output(self.norm(h))
 
 
-def checkpointed(cell: nn.Cell) -> bool:
-    """The Cells to checkpoint (``apply_activation_checkpointing``'s ``check_fn``): each block's
-    attention and feed-forward (whole blocks under sequence parallelism do not compile under jit)."""
-    return isinstance(cell, (Attention, FeedForward))
+def checkpointed(whole_blocks: bool = False):
+    """``apply_activation_checkpointing``'s ``check_fn``: each block's attention and feed-forward
+    (whole blocks under sequence parallelism do not compile under jit), or with ``whole_blocks``
+    the blocks (fully_shard units must be checkpointed whole: a Cell inside a unit is refused)."""
+    kinds = (Block,) if whole_blocks else (Attention, FeedForward)
+    return lambda cell: isinstance(cell, kinds)
 
 
 def cross_entropy(logits, labels_onehot):

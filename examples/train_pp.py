@@ -75,7 +75,7 @@ def _build(cfg, model_config, mesh):
         ms.set_seed(cfg.seed)
         model = pipelining.split_blocks(Llama(model_config(cfg)), s, num_stages, first=FIRST, last=LAST)
         if cfg.activation_checkpoint:
-            apply_activation_checkpointing(model, check_fn=checkpointed,
+            apply_activation_checkpointing(model, check_fn=checkpointed(whole_blocks=cfg.fsdp),
                                            policy=None if cfg.activation_checkpoint == "full" else "selective")
         parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
         if cfg.fsdp:

@@ -20,7 +20,8 @@ model is split by layers into stages over a (pp, dp, tp) mesh, each stage tensor
 ``--clip-grad-norm X`` clips the gradients by the norm of the whole model's gradient
 (``clip_grad_norm``; the single-device run uses MindSpore's ``ops.clip_by_global_norm``) and
 logs that norm; ``--activation-checkpoint full|selective`` checkpoints each block's attention
-and feed-forward (``apply_activation_checkpointing``; selective in PyNative only).
+and feed-forward, with ``--fsdp`` each block (``apply_activation_checkpointing``; selective in
+PyNative only).
 
 ``--fsdp`` also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
@@ -263,8 +264,9 @@ def check_training_config(cfg: TrainConfig) -> None:
         raise ValueError("--activation-checkpoint selective chooses the ops to keep in PyNative (MindSpore's graph "
                          f"recompute has no per-op choice): use --mode pynative, not {cfg.mode!r}, or full")
     if cfg.activation_checkpoint and cfg.fsdp and cfg.mode != "pynative":
-        raise ValueError("--activation-checkpoint with --fsdp runs in --mode pynative: compiled, MindSpore fails to "
-                         "launch the recomputed parameter gathers (\"Launch kernel failed: recompute_...\")")
+        raise ValueError("--activation-checkpoint with --fsdp (checkpointed blocks, its units) runs in --mode pynative: "
+                         "compiled, MindSpore fails to launch the recomputed parameter gathers (\"Launch kernel "
+                         "failed: recompute_...\")")
     if not cfg.clip_grad_norm >= 0:
         raise ValueError(f"--clip-grad-norm must be a positive norm (0: no clipping), got {cfg.clip_grad_norm!r}")
 
@@ -275,10 +277,11 @@ def plan(cfg) -> dict:
 
 
 def checkpoint_activations(model: nn.Cell, cfg: TrainConfig) -> None:
-    """``--activation-checkpoint``: wrap each block's attention and feed-forward (names unchanged)."""
+    """``--activation-checkpoint``: wrap each block's attention and feed-forward, or with ``--fsdp``
+    the blocks, which are its units (names unchanged)."""
     if cfg.activation_checkpoint:
         policy = None if cfg.activation_checkpoint == "full" else "selective"
-        apply_activation_checkpointing(model, check_fn=checkpointed, policy=policy)
+        apply_activation_checkpointing(model, check_fn=checkpointed(whole_blocks=cfg.fsdp), policy=policy)
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, object]:

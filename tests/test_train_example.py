@@ -54,10 +54,13 @@ def test_example_trains_as_a_graph_mode_cell(sequence_parallel):
 @multi_rank(2, timeout=600)
 def test_example_clips_and_checkpoints_on_2_ranks(mode, checkpoint):
     """--clip-grad-norm with --activation-checkpoint on tp=2 with sequence parallelism (the clip
-    compiled in a GRAPH_MODE train step), then fully_shard over dp=2 as a GRAPH_MODE Cell."""
+    compiled in a GRAPH_MODE train step), then fully_shard over dp=2 (a GRAPH_MODE Cell; in PyNative
+    with its blocks checkpointed)."""
     _train(tp=2, mode=mode, activation_checkpoint=checkpoint, clip_grad_norm=CLIP, steps=4)
     if mode == "graph":
         _train(dp=2, tp=1, fsdp=True, sequence_parallel=False, mode=mode, clip_grad_norm=CLIP, steps=4)
+    else:           # fully_shard units (the blocks) checkpointed whole
+        _train(dp=2, tp=1, fsdp=True, mode=mode, activation_checkpoint=checkpoint, clip_grad_norm=CLIP, steps=4)
 
 
 @pytest.mark.parametrize("schedule, dp, tp, fsdp", [("1f1b", 1, 2, False), ("zb", 2, 1, True),
@@ -87,6 +90,8 @@ def test_checkpoint_and_clip_flags_that_cannot_run_are_refused_naming_the_fix():
         check_training_config(TrainConfig(mode="jit", activation_checkpoint="selective"))
     with pytest.raises(ValueError, match="--activation-checkpoint must be full or selective"):
         check_training_config(TrainConfig(activation_checkpoint="some"))
+    with pytest.raises(ValueError, match="--fsdp .* runs in --mode pynative"):
+        check_training_config(TrainConfig(mode="graph", fsdp=True, activation_checkpoint="full"))
     with pytest.raises(ValueError, match="--clip-grad-norm must be a positive norm"):
         check_training_config(TrainConfig(clip_grad_norm=-1.0))
     check_training_config(TrainConfig(mode="graph", activation_checkpoint="full", clip_grad_norm=1.0))
