@@ -1,8 +1,10 @@
 """clip_grad_norm / TotalGradNorm against one device: the global norm and MindSpore's
 ops.clip_by_global_norm, with clipping active (max_norm below the norm at every step), loss per
 step and parameters after 5 AdamW steps (tests/_parity.py's rule), for TP with SequenceParallel,
-fully_shard, hsdp levels 1-3 and FSDP x TP, on 2 and 4 ranks, PyNative and ms.jit; one
-all-reduce per communication group (CommDebugMode); norm_type inf; error_if_nonfinite."""
+fully_shard, hsdp levels 1-3 and FSDP x TP, on 2 and 4 ranks, PyNative and ms.jit (TP and fully_shard
+also as GRAPH_MODE Cells); one all-reduce per communication group (CommDebugMode); norm_type inf;
+error_if_nonfinite; across pipeline stages (pp=2, a tied embedding counted once); the cached norm
+releases the parameters."""
 from __future__ import annotations
 
 import math
@@ -86,10 +88,12 @@ def _fsdp_tp(mesh):
     return shard
 
 
-def _clip_parity(make_model, shard, batch_of, loss, *, jit, dp_mesh=None, dp_dim=None, dp_index=0, dp_size=1):
+def _clip_parity(make_model, shard, batch_of, loss, *, jit, graph=False, dp_mesh=None, dp_dim=None, dp_index=0,
+                 dp_size=1):
     norms = []
-    check_parity(make_model, shard, batch_of, loss, optimizer="adamw", jit=jit, dp_mesh=dp_mesh, dp_dim=dp_dim,
-                 dp_index=dp_index, dp_size=dp_size, transform_grads=_clipping(norms, jit=jit))
+    check_parity(make_model, shard, batch_of, loss, optimizer="adamw", jit=jit and not graph, graph=graph,
+                 dp_mesh=dp_mesh, dp_dim=dp_dim, dp_index=dp_index, dp_size=dp_size,
+                 transform_grads=_clipping(norms, jit=jit))
     assert len(norms) == 5 and min(norms) > MAX_NORM, ("clipping must be active at every step", norms)
 
 
@@ -121,6 +125,19 @@ def test_clip_parity_on_2_ranks(jit):
     _clip_parity(Net, _fsdp(dp), _fsdp_batch, loss_of, **common)
     for level in ("level1", "level2", "level3"):
         _clip_parity(Net, _hsdp(optimizer_level=level), _fsdp_batch, loss_of, **common)
+
+
+@multi_rank(2, timeout=600)
+def test_clip_parity_in_graph_mode_on_2_ranks():
+    """The parallel train step as a GRAPH_MODE Cell (the clip's TotalGradNorm built outside): TP with
+    SequenceParallel, and fully_shard."""
+    from hyper_parallel_ms.nn import parallelize_module
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    _clip_parity(Transformer, lambda m: parallelize_module(m, mesh, transformer_plan(mesh)), _tokens, _nll, jit=True,
+                 graph=True)
+    dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    _clip_parity(Net, _fsdp(dp), _fsdp_batch, loss_of, jit=True, graph=True, dp_mesh=dp, dp_dim="dp",
+                 dp_index=dp.get_local_rank(0), dp_size=2)
 
 
 @pytest.mark.parametrize("jit", [False, True])
