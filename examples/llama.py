@@ -22,7 +22,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from hyper_parallel_ms.nn import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from hyper_parallel_ms.placement import Replicate, Shard
 
-__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy"]
+__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy", "checkpointed"]
 
 
 @dataclass(frozen=True)
@@ -110,24 +110,34 @@ class Llama(nn.Cell):
         return h if self.output is None else self.output(self.norm(h))
 
 
+def checkpointed(whole_blocks: bool = False):
+    """``apply_activation_checkpointing``'s ``check_fn``: each block's attention and feed-forward
+    (whole blocks under sequence parallelism do not compile under jit), or with ``whole_blocks``
+    the blocks (fully_shard units must be checkpointed whole: a Cell inside a unit is refused)."""
+    kinds = (Block,) if whole_blocks else (Attention, FeedForward)
+    return lambda cell: isinstance(cell, kinds)
+
+
 def cross_entropy(logits, labels_onehot):
     """Mean token cross-entropy of ``logits`` (b, s, vocab) against one-hot labels."""
     return -(ops.log_softmax(logits, -1) * labels_onehot).sum(-1).mean()
 
 
-def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
+def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = False, local_inputs: bool = False) -> dict:
     """PyTorch's Llama tensor-parallel plan (``sequence_parallel``: norms on sequence shards;
     ``loss_parallel``: the head returns this rank's vocabulary piece of the logits, ``Shard(-1)``,
-    for :class:`hyper_parallel_ms.nn.ParallelCrossEntropy`, instead of gathering them)."""
+    for :class:`hyper_parallel_ms.nn.ParallelCrossEntropy`, instead of gathering them;
+    ``local_inputs``: the norms hand on, and attention and feed-forward get, local pieces in
+    PyNative rather than DTensors, as a selective activation checkpoint needs)."""
     rep, seq = Replicate(), Shard(1)
     logits = Shard(-1) if loss_parallel else rep
     if not sequence_parallel:
         return {
             "tok_embeddings": RowwiseParallel(input_layouts=rep),
             "layers.*.attention": PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(rep,),
-                                                     defer_colwise_grads=True),
+                                                     defer_colwise_grads=True, use_local_output=local_inputs),
             "layers.*.feed_forward": PrepareModuleInput(input_layouts=(rep,), desired_input_layouts=(rep,),
-                                                        defer_colwise_grads=True),
+                                                        defer_colwise_grads=True, use_local_output=local_inputs),
             "layers.*.attention.w[qkv]": ColwiseParallel(),
             "layers.*.attention.wo": RowwiseParallel(),
             "layers.*.feed_forward.w[13]": ColwiseParallel(),
@@ -137,17 +147,17 @@ def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = False) -> dict
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=rep, output_layouts=seq),
         "layers.*": {
-            "attention_norm": SequenceParallel(),
+            "attention_norm": SequenceParallel(use_local_output=local_inputs),
             "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,),
-                                            defer_colwise_grads=True),
+                                            defer_colwise_grads=True, use_local_output=local_inputs),
             "attention.w[qkv]": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "ffn_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(use_local_output=local_inputs),
             "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,),
-                                               defer_colwise_grads=True),
+                                               defer_colwise_grads=True, use_local_output=local_inputs),
             "feed_forward.w[13]": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         },
-        "norm": SequenceParallel(),
+        "norm": SequenceParallel(use_local_output=local_inputs),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=logits),
     }

@@ -5,9 +5,13 @@ pipeline schedule over ``mesh["pp"]``. With one stage per rank (gpipe, 1f1b), ``
 / ``--save-every`` / ``--resume`` save and load each rank's stage Cell: its keys are the full
 model's, so a checkpoint saved with ``--pp 2`` resumes with ``--pp 1`` (any dp x tp) and back.
 
+``--clip-grad-norm`` clips by the norm of every stage's gradients (``clip_grad_norm`` with the
+schedule: one more all-reduce, over pp); ``--activation-checkpoint`` checkpoints each stage's
+attention and feed-forward Cells.
+
 Example (4 CPU ranks, pp=2 x tp=2)::
 
-    bash scripts/run_tp.sh --nproc 4 --pp 2 --tp 2 -- --schedule 1f1b --microbatches 2
+    bash scripts/run_tp.sh --nproc 4 --pp 2 --tp 2 -- --schedule 1f1b --microbatches 2 --clip-grad-norm 1
 """
 from __future__ import annotations
 
@@ -21,13 +25,14 @@ from mindspore import Tensor, nn
 from hyper_parallel_ms import comm, fully_shard, pipelining
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parallelize_module
+from hyper_parallel_ms.training import apply_activation_checkpointing, clip_grad_norm
 
 try:
     from examples.checkpoints import resume, save_step
-    from examples.llama import Llama, tp_plan
+    from examples.llama import Llama, checkpointed, tp_plan
 except ImportError:  # run as a script: examples/ is the script's directory
     from checkpoints import resume, save_step
-    from llama import Llama, tp_plan
+    from llama import Llama, checkpointed, tp_plan
 
 __all__ = ["SCHEDULES", "train_pipeline"]
 
@@ -64,7 +69,8 @@ def check_pipeline_config(cfg) -> None:
 
 def _stage_plan(model: nn.Cell, cfg) -> dict:
     """``tp_plan`` without the entries of layers this stage does not hold."""
-    return {k: v for k, v in tp_plan(cfg.sequence_parallel, cfg.loss_parallel).items()
+    local = cfg.activation_checkpoint == "selective"       # a selective checkpoint refuses DTensor inputs
+    return {k: v for k, v in tp_plan(cfg.sequence_parallel, cfg.loss_parallel, local).items()
             if k.split(".")[0] not in FIRST + LAST or getattr(model, k.split(".")[0]) is not None}
 
 
@@ -78,6 +84,9 @@ def _build(cfg, model_config, mesh):
     for s in plan.stages_of(pp_mesh.get_local_rank()):
         ms.set_seed(cfg.seed)
         model = pipelining.split_blocks(Llama(model_config(cfg)), s, num_stages, first=FIRST, last=LAST)
+        if cfg.activation_checkpoint:
+            apply_activation_checkpointing(model, check_fn=checkpointed(whole_blocks=cfg.fsdp),
+                                           policy=None if cfg.activation_checkpoint == "full" else "selective")
         if not cfg.compile_stages:                 # tp 1 when compiled (checked)
             parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
         if cfg.fsdp:
@@ -89,7 +98,7 @@ def _build(cfg, model_config, mesh):
 
 
 def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Callable,
-                   log: Callable[[str], None]) -> Dict[str, object]:
+                   log: Callable[[str], None], step_line: Callable[..., str]) -> Dict[str, object]:
     """Train ``cfg.steps`` steps on the pp x dp x tp mesh; every rank returns the global loss of each step.
 
     Args:
@@ -98,11 +107,12 @@ def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Call
         batch: ``batch(cfg, step, dp_index, dp_size, onehot)`` as in ``train_tp``.
         loss_cell: ``tp_mesh -> loss Cell`` taking ``(logits, labels)``.
         log: where rank 0's lines go.
+        step_line: ``(cfg, label, step, loss, grad norm, tokens/s) -> the logged line``.
 
     Example::
 
         result = train_pipeline(replace(cfg, pp=2, schedule="1f1b", microbatches=2), model_config, batch,
-                                loss_cell, print)
+                                loss_cell, print, step_line)
     """
     check_pipeline_config(cfg)
     device = "cpu" if ms.get_context("device_target") == "CPU" else "npu"
@@ -122,12 +132,19 @@ def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Call
     onehot = not cfg.loss_parallel
     losses: List[float] = []
     rates: List[float] = []
+    norms: List[float] = []
     for i in range(start, cfg.steps):
         ids, labels = batch(cfg, i, dp_index, cfg.dp, onehot)
         began = time.perf_counter()
         mb: list = []
         schedule.step(*((ids,) if first else ()), target=labels if last else None, losses=mb)
-        optimizer(reducer(schedule.gradients()))
+        grads = reducer(schedule.gradients())
+        if cfg.clip_grad_norm:      # every stage's gradients in the norm: the schedule adds the pp reduction
+            grads, norm = clip_grad_norm(grads, cfg.clip_grad_norm, parameters=schedule)
+            norms.append(float(norm.asnumpy()))
+        else:
+            norms.append(0.0)
+        optimizer(grads)
         mine = np.float32(np.mean([float(v.asnumpy()) for v in mb])) if last else np.float32(0)
         value = comm.all_reduce(Tensor(np.array(mine)), mesh, "pp")         # the last stage's loss, everywhere
         if cfg.dp > 1:
@@ -136,9 +153,9 @@ def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Call
         seconds = time.perf_counter() - began
         losses.append(value)
         rates.append(cfg.batch * cfg.seq / seconds)
-        log(f"[parallel] step {i + 1}/{cfg.steps} loss {value:.6f} tokens/s {rates[-1]:.0f}")
+        log(step_line(cfg, "parallel", i, value, norms[-1], rates[-1]))
         if cfg.save_every and (i + 1) % cfg.save_every == 0:     # each rank its stage: full-model keys
             log(f"[parallel] saved {save_step(cell, optimizer, i + 1, cfg.checkpoint_dir)}")
     steps = cfg.steps - start
-    return {"losses": losses, "tokens_per_s": rates, "start_step": start,
+    return {"losses": losses, "tokens_per_s": rates, "start_step": start, "grad_norms": norms,
             "forwards_per_microbatch": schedule.forward_calls / (len(schedule.stages) * cfg.microbatches * steps)}

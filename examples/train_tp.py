@@ -18,6 +18,12 @@ model is split by layers into stages over a (pp, dp, tp) mesh, each stage tensor
 (``examples/train_pp.py``; PyNative); ``--compile-stages`` compiles each stage's forward and
 backward (``PipelineStage(..., jit=True)``; plain stages only: tp=1, no --fsdp).
 
+``--clip-grad-norm X`` clips the gradients by the norm of the whole model's gradient
+(``clip_grad_norm``; the single-device run uses MindSpore's ``ops.clip_by_global_norm``) and
+logs that norm; ``--activation-checkpoint full|selective`` checkpoints each block's attention
+and feed-forward, with ``--fsdp`` each block (``apply_activation_checkpointing``; selective in
+PyNative only).
+
 ``--fsdp`` also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
 with R replicas of dp/R-way shards.
@@ -36,19 +42,20 @@ from typing import Callable, Dict, List, Optional
 
 import mindspore as ms
 import numpy as np
-from mindspore import communication, nn
+from mindspore import communication, nn, ops
 
 from hyper_parallel_ms import comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
+from hyper_parallel_ms.training import TotalGradNorm, apply_activation_checkpointing, clip_grad_norm
 
 try:
     from examples.checkpoints import latest_checkpoint, resume, save_step
-    from examples.llama import Llama, LlamaConfig, cross_entropy, tp_plan
+    from examples.llama import Llama, LlamaConfig, checkpointed, cross_entropy, tp_plan
     from examples.train_pp import SCHEDULES, train_pipeline
 except ImportError:  # run as a script: examples/ is the script's directory
     from checkpoints import latest_checkpoint, resume, save_step
-    from llama import Llama, LlamaConfig, cross_entropy, tp_plan
+    from llama import Llama, LlamaConfig, checkpointed, cross_entropy, tp_plan
     from train_pp import SCHEDULES, train_pipeline
 
 __all__ = ["TrainConfig", "train", "main", "latest_checkpoint"]
@@ -82,6 +89,8 @@ class TrainConfig:
     schedule: str = "1f1b"             # with pp > 1: gpipe | 1f1b | interleaved | zb
     microbatches: int = 2              # with pp > 1: micro-batches per step
     compile_stages: bool = False       # with pp > 1: each stage's forward and backward compiled (ms.jit)
+    activation_checkpoint: str = ""    # "" (none), "full" or "selective": attention and feed-forward checkpointed
+    clip_grad_norm: float = 0.0        # > 0: clip the gradients to this global norm
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
@@ -133,23 +142,57 @@ class _WithLoss(nn.Cell):
         return self.loss(self.model(ids), labels)
 
 
+class Clip(nn.Cell):
+    """``grads -> (grads clipped to max_norm by the whole model's gradient norm, that norm)`` from
+    this rank's reduced gradients (``clip_grad_norm`` with a :class:`TotalGradNorm` built outside)."""
+
+    def __init__(self, norm: TotalGradNorm, max_norm: float) -> None:
+        super().__init__()
+        self.norm, self.max_norm = norm, max_norm
+
+    def construct(self, grads):
+        return clip_grad_norm(grads, self.max_norm, parameters=self.norm)
+
+
+class OneDeviceClip(nn.Cell):
+    """The single-device run's clip: MindSpore's ``ops.clip_by_global_norm``, and the norm."""
+
+    def __init__(self, max_norm: float) -> None:
+        super().__init__()
+        self.max_norm = max_norm
+
+    def construct(self, grads):
+        total = ops.zeros((), ms.float32)
+        for g in grads:
+            total = total + (g * g).sum()
+        return ops.clip_by_global_norm(grads, self.max_norm), ops.sqrt(total)
+
+
+class NoClip(nn.Cell):
+    def construct(self, grads):
+        return grads, ops.zeros((), ms.float32)
+
+
 class TrainStep(nn.Cell):
-    """Loss, gradients, gradient reduction and the optimizer update (a Cell for GRAPH_MODE)."""
+    """Loss, gradients, gradient reduction, clipping and the optimizer update (a Cell for GRAPH_MODE);
+    returns the loss and the gradient norm (0 without clipping)."""
 
     def __init__(self, model: nn.Cell, loss: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None,
-                 dp_dims: tuple = ("dp",)) -> None:
+                 dp_dims: tuple = ("dp",), clip: Optional[nn.Cell] = None) -> None:
         super().__init__()
         self.with_loss = _WithLoss(model, loss)
         self.optimizer, self.reducer, self.dp_mesh, self.dp_dims = optimizer, reducer, dp_mesh, dp_dims
+        self.clip = NoClip() if clip is None else clip
         self.grad_fn = ms.value_and_grad(self.with_loss, None, optimizer.parameters)
 
     def construct(self, ids, labels):
         loss, grads = self.grad_fn(ids, labels)
-        self.optimizer(self.reducer(grads))
+        grads, norm = self.clip(self.reducer(grads))
+        self.optimizer(grads)
         if self.dp_mesh is not None:
             for dim in self.dp_dims:
                 loss = comm.all_reduce(loss, self.dp_mesh, dim, op="avg")
-        return loss
+        return loss, norm
 
 
 def _runner(cfg: TrainConfig, step_cell: TrainStep) -> Callable:
@@ -160,25 +203,62 @@ def _runner(cfg: TrainConfig, step_cell: TrainStep) -> Callable:
     return step_cell                   # GRAPH_MODE compiles the Cell
 
 
+def step_line(cfg: TrainConfig, label: str, i: int, loss: float, norm: float, rate: float) -> str:
+    """One logged step (the gradient norm before clipping, when clipping)."""
+    clipped = f" grad norm {norm:.6f}" if cfg.clip_grad_norm else ""
+    return f"[{label}] step {i + 1}/{cfg.steps} loss {loss:.6f}{clipped} tokens/s {rate:.0f}"
+
+
 def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
          log: Callable[[str], None], label: str, dp_dims: tuple = ("dp",),
-         checkpoints: bool = False) -> Dict[str, List[float]]:
-    optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=cfg.lr, weight_decay=0.01)
+         checkpoints: bool = False, clip: Optional[Callable[[List], nn.Cell]] = None) -> Dict[str, List[float]]:
+    params = model.trainable_params()
+    optimizer = nn.AdamWeightDecay(params, learning_rate=cfg.lr, weight_decay=0.01)
     start = resume(model, optimizer, cfg.checkpoint_dir, log) if checkpoints and cfg.resume else 0
-    step = _runner(cfg, TrainStep(model, loss, optimizer, reducer, dp_mesh, dp_dims))
+    step = _runner(cfg, TrainStep(model, loss, optimizer, reducer, dp_mesh, dp_dims,
+                                  clip(params) if cfg.clip_grad_norm and clip is not None else None))
     onehot = isinstance(loss, OneHotCrossEntropy)
-    losses, rates = [], []
+    losses, rates, norms = [], [], []
     for i in range(start, cfg.steps):
         ids, labels = batch(cfg, i, dp_index, dp_size, onehot)
         began = time.perf_counter()
-        value = float(step(ids, labels).asnumpy())
+        value, norm = (float(v.asnumpy()) for v in step(ids, labels))
         seconds = time.perf_counter() - began
         losses.append(value)
+        norms.append(norm)
         rates.append(cfg.batch * cfg.seq / seconds)
-        log(f"[{label}] step {i + 1}/{cfg.steps} loss {value:.6f} tokens/s {rates[-1]:.0f}")
+        log(step_line(cfg, label, i, value, norm, rates[-1]))
         if checkpoints and cfg.save_every and (i + 1) % cfg.save_every == 0:
             log(f"[{label}] saved {save_step(model, optimizer, i + 1, cfg.checkpoint_dir)}")
-    return {"losses": losses, "tokens_per_s": rates, "start_step": start}
+    return {"losses": losses, "tokens_per_s": rates, "start_step": start, "grad_norms": norms}
+
+
+def check_training_config(cfg: TrainConfig) -> None:
+    """Raise naming the flag to change when ``cfg``'s checkpointing or clipping cannot run."""
+    if cfg.activation_checkpoint not in ("", "full", "selective"):
+        raise ValueError(f"--activation-checkpoint must be full or selective, got {cfg.activation_checkpoint!r}")
+    if cfg.activation_checkpoint == "selective" and cfg.mode != "pynative":
+        raise ValueError("--activation-checkpoint selective chooses the ops to keep in PyNative (MindSpore's graph "
+                         f"recompute has no per-op choice): use --mode pynative, not {cfg.mode!r}, or full")
+    if cfg.activation_checkpoint and cfg.fsdp and cfg.mode != "pynative":
+        raise ValueError("--activation-checkpoint with --fsdp (checkpointed blocks, its units) runs in --mode pynative: "
+                         "compiled, MindSpore fails to launch the recomputed parameter gathers (\"Launch kernel "
+                         "failed: recompute_...\")")
+    if not cfg.clip_grad_norm >= 0:
+        raise ValueError(f"--clip-grad-norm must be a positive norm (0: no clipping), got {cfg.clip_grad_norm!r}")
+
+
+def plan(cfg) -> dict:
+    """The example's tensor-parallel plan (local inputs for a selective checkpoint, which refuses DTensors)."""
+    return tp_plan(cfg.sequence_parallel, cfg.loss_parallel, local_inputs=cfg.activation_checkpoint == "selective")
+
+
+def checkpoint_activations(model: nn.Cell, cfg: TrainConfig) -> None:
+    """``--activation-checkpoint``: wrap each block's attention and feed-forward, or with ``--fsdp``
+    the blocks, which are its units (names unchanged)."""
+    if cfg.activation_checkpoint:
+        policy = None if cfg.activation_checkpoint == "full" else "selective"
+        apply_activation_checkpointing(model, check_fn=checkpointed(whole_blocks=cfg.fsdp), policy=policy)
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, object]:
@@ -188,11 +268,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
         raise ValueError(f"mode must be pynative, jit or graph, got {cfg.mode!r}")
     if (cfg.save_every or cfg.resume) and not cfg.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir")
+    check_training_config(cfg)
     if cfg.batch % cfg.dp or cfg.seq % cfg.tp or cfg.heads % cfg.tp:
         raise ValueError(f"batch {cfg.batch} must divide by dp={cfg.dp}, seq {cfg.seq} and heads {cfg.heads} by "
                          f"tp={cfg.tp}")
     if cfg.pp > 1:
-        result = train_pipeline(cfg, model_config, batch, _loss_cell(cfg), log)
+        result = train_pipeline(cfg, model_config, batch, _loss_cell(cfg), log, step_line)
         return _checked(cfg, result, log)
     if cfg.fsdp:
         mesh, dp_dims, dp_index = _fsdp_mesh(cfg)
@@ -202,7 +283,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
         dp_index = mesh.get_coordinate()[0]
     ms.set_seed(cfg.seed)
     model = Llama(model_config(cfg))
-    parallelize_module(model, mesh["tp"], tp_plan(cfg.sequence_parallel, cfg.loss_parallel))
+    checkpoint_activations(model, cfg)
+    parallelize_module(model, mesh["tp"], plan(cfg))
     loss = VocabParallelCrossEntropy(mesh["tp"], cfg.vocab) if cfg.loss_parallel else OneHotCrossEntropy()
     dp_mesh = mesh if cfg.dp > 1 else None
     if cfg.fsdp:
@@ -215,7 +297,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
         ms.set_context(mode=ms.GRAPH_MODE)
     try:
         result: Dict[str, object] = dict(_run(cfg, model, loss, reducer, dp_mesh, dp_index, cfg.dp, log, "parallel",
-                                              dp_dims, checkpoints=True))
+                                              dp_dims, checkpoints=True,
+                                              clip=lambda params: Clip(TotalGradNorm(params), cfg.clip_grad_norm)))
         result = _checked(cfg, result, log)
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -235,11 +318,14 @@ def _checked(cfg: TrainConfig, result: Dict[str, object], log: Callable[[str], N
         return result
     ms.set_seed(cfg.seed)
     single = Llama(model_config(cfg))
-    ref = _run(cfg, single, OneHotCrossEntropy(), _Identity(), None, 0, 1, log, "single device")
-    parallel = np.array(result["losses"])
-    reference = np.array(ref["losses"][result["start_step"]:])
-    result["reference_losses"] = ref["losses"][result["start_step"]:]
-    result["max_relative_difference"] = float(np.max(np.abs(parallel - reference) / np.abs(reference)))
+    ref = _run(cfg, single, OneHotCrossEntropy(), _Identity(), None, 0, 1, log, "single device",
+               clip=lambda params: OneDeviceClip(cfg.clip_grad_norm))
+    start = result["start_step"]
+    for key, out, diff in (("losses", "reference_losses", "max_relative_difference"),
+                           ("grad_norms", "reference_grad_norms", "max_relative_norm_difference")):
+        mine, theirs = np.array(result[key]), np.array(ref[key][start:])
+        result[out] = ref[key][start:]
+        result[diff] = float(np.max(np.abs(mine - theirs) / np.maximum(np.abs(theirs), 1e-30)))
     return result
 
 
@@ -294,6 +380,10 @@ def parse_args(argv: List[str]) -> TrainConfig:
                         help="with --pp > 1: the pipeline schedule")
     parser.add_argument("--compile-stages", action="store_true",
                         help="with --pp > 1: compile each stage's forward and backward (--tp 1 --no-loss-parallel)")
+    parser.add_argument("--activation-checkpoint", choices=["full", "selective"], default="",
+                        help="checkpoint each block's attention and feed-forward (selective: PyNative)")
+    parser.add_argument("--clip-grad-norm", type=float, default=defaults.clip_grad_norm,
+                        help="clip the gradients to this global norm (0: no clipping)")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("pp", "microbatches", "schedule", "dp", "tp", "steps", "batch", "seq", "vocab", "dim",
@@ -301,7 +391,8 @@ def parse_args(argv: List[str]) -> TrainConfig:
     return replace(cfg, sequence_parallel=not args.no_sequence_parallel, loss_parallel=not args.no_loss_parallel,
                    check=not args.no_check, fsdp=args.fsdp,
                    hsdp_replicate=args.hsdp_replicate, checkpoint_dir=args.checkpoint_dir,
-                   save_every=args.save_every, resume=args.resume, compile_stages=args.compile_stages)
+                   save_every=args.save_every, resume=args.resume, compile_stages=args.compile_stages,
+                   activation_checkpoint=args.activation_checkpoint, clip_grad_norm=args.clip_grad_norm)
 
 
 def main(argv: List[str]) -> int:
@@ -320,14 +411,20 @@ def main(argv: List[str]) -> int:
     pipeline = f"pp={cfg.pp} schedule={cfg.schedule} microbatches={cfg.microbatches} " if cfg.pp > 1 else ""
     summary = (f"train_tp: rank {rank} of {world}, {pipeline}dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
                f"{'fsdp' + (f' hsdp x{cfg.hsdp_replicate} ' if cfg.hsdp_replicate > 1 else ' ') if cfg.fsdp else ''}"
-               f"sp={cfg.sequence_parallel} loss_parallel={cfg.loss_parallel}: "
+               f"sp={cfg.sequence_parallel} loss_parallel={cfg.loss_parallel}"
+               f"{f' ac={cfg.activation_checkpoint}' if cfg.activation_checkpoint else ''}"
+               f"{f' clip={cfg.clip_grad_norm:g}' if cfg.clip_grad_norm else ''}: "
                f"steps {result['start_step'] + 1}-{cfg.steps}, "
                f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, median {rate:.0f} tokens/s")
     ok = True
     if cfg.check:
         diff = result["max_relative_difference"]
         ok = diff <= cfg.tolerance
-        summary += (f"; single-device check: max relative loss difference {diff:.2e} (tolerance "
+        norms = ""
+        if cfg.clip_grad_norm:
+            ok = ok and result["max_relative_norm_difference"] <= cfg.tolerance
+            norms = f", grad norm {result['max_relative_norm_difference']:.2e}"
+        summary += (f"; single-device check: max relative loss difference {diff:.2e}{norms} (tolerance "
                     f"{cfg.tolerance:.0e}) {'OK' if ok else 'FAILED'}")
     print(summary, flush=True)
     return 0 if ok else 1

@@ -57,6 +57,11 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   is null"): wrapping the forward in ``_pynative_executor.new_graph`` / ``end_graph`` gives it
   its top graph, and ``run_backward`` then differentiates it, several such tapes in any order,
   and an input-only call does not run the custom bprops of the weights (:func:`taped_call`).
+  An exception raised inside the forward of a gradient call (``ms.grad``, ``value_and_grad``)
+  leaves the executor recording: the grad flag stays on and the failed call's top cell stays
+  pending, so a later in-place op on a leaf Parameter fails ("A leaf tensor that requires grad
+  is being used in an inplace operator"), even after the next gradient call;
+  ``_pynative_executor.clear_res()`` drops that state (:func:`discard_grad_recording`).
 - **swappable entry points**: MindSpore's functions, Cell methods and compile entry points
   are looked up as module / class attributes at call time, so replacing the attribute
   reroutes every call made after it. :func:`swap_entry_points` (for the process) and
@@ -135,7 +140,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "plain_view", "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
-           "taped", "taped_call", "tape_backward",
+           "taped", "taped_call", "tape_backward", "discard_grad_recording",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address",
            "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recomputing", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]
@@ -702,6 +707,24 @@ def tape_backward(outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Seq
     grads = run_backward(tuple(outputs), tuple(sens), keep_graph, False, tuple(inputs), True,
                          accumulate_grad=False)
     return tuple(grads)
+
+
+def discard_grad_recording() -> None:
+    """Drop what the PyNative executor recorded for a gradient call whose forward is failing (an
+    error about to leave it): otherwise the executor stays recording and later in-place updates of
+    Parameters fail. Nothing happens when no gradient call is recording.
+
+    Example::
+
+        try:
+            check(cell)
+        except Exception:
+            discard_grad_recording()
+            raise
+    """
+    from mindspore.common.api import _pynative_executor
+    if _pynative_executor.grad_flag():
+        _pynative_executor.clear_res()
 
 
 # ------------------------------------------------------------ deferred initialisation

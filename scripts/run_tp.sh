@@ -9,6 +9,8 @@
 # defaults to pynative with it); --hsdp-replicate R makes it HSDP with R replicas.
 # --pp N splits the model into pipeline stages over pp x dp x tp ranks (PyNative; interleaved and zb
 # need 2 N layers, given with -- --layers 4).
+# Flags after -- go to examples/train_tp.py, e.g. -- --clip-grad-norm 1.0 --activation-checkpoint full
+# (clipping by the whole model's gradient norm; attention and feed-forward checkpointed; selective: PyNative).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NPROC=4 TP="" DP="" DEVICE=CPU MODE="" STEPS=10 PORT=8128 EXTRA=() FSDP=() PP=1 PIPE=()

@@ -78,14 +78,44 @@ def _compare_after_steps(name: str, got: np.ndarray, want: np.ndarray, quiet: Op
                                   f"than AdamW can move noise ({bound:.3g})")
 
 
+class _GraphStep(nn.Cell):
+    """The parallel step as a Cell that GRAPH_MODE compiles: loss, reduced (and transformed) gradients."""
+
+    def __init__(self, model: nn.Cell, loss_of: Callable, params, reducer: nn.Cell, transform) -> None:
+        super().__init__(auto_prefix=False)         # the parameters keep their names
+        self.model, self.loss_of, self.reducer, self.transform = model, loss_of, reducer, transform
+        self.grad_fn = ms.value_and_grad(self.forward, None, params)
+
+    def forward(self, *batch):
+        return self.loss_of(self.model, *batch)
+
+    def construct(self, *batch):
+        loss, grads = self.grad_fn(*batch)
+        grads = self.reducer(grads)
+        if self.transform is not None:
+            grads = self.transform(grads)
+        return loss, grads
+
+
+def _in_graph_mode(step: nn.Cell) -> Callable:
+    def run(*batch):
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            return step(*batch)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+    return run
+
+
 def check_parity(make_model: Callable[[], nn.Cell], parallelize: Callable[[nn.Cell], None], batch_of: Callable,
                  loss_of: Callable, *, optimizer: str = "sgd", steps: int = 5, dp_mesh=None, dp_dim=None,
-                 dp_index: int = 0, dp_size: int = 1, tol: float = 1e-5, jit: bool = False,
+                 dp_index: int = 0, dp_size: int = 1, tol: float = 1e-5, jit: bool = False, graph: bool = False,
                  transform_grads: Optional[Tuple[Callable, Callable]] = None) -> Optional[float]:
     """``batch_of(dp_index, dp_size)`` gives this data-parallel rank's batch (``(0, 1)``: the whole).
     ``transform_grads``: ``(on_reference, make_parallel)``: ``on_reference(grads)`` transforms the
     one-device gradients, ``make_parallel(par_params)`` gives the function applied to the reduced
-    parallel ones (inside the jitted step with ``jit``), e.g. gradient clipping.
+    parallel ones (inside the jitted step with ``jit``), e.g. gradient clipping. ``graph``: the
+    parallel step is a Cell run in GRAPH_MODE (the reference stays PyNative).
 
     Comparison rule: see the module docstring (zero-gradient elements under AdamW).
     """
@@ -123,6 +153,8 @@ def check_parity(make_model: Callable[[], nn.Cell], parallelize: Callable[[nn.Ce
         return loss, par_transform(reducer(grads))
     if jit:
         par_train = ms.jit(par_train)
+    if graph:
+        par_train = _in_graph_mode(_GraphStep(par, loss_of, par_params, reducer, par_transform))
     first = None
     # per parameter: elements whose single-device gradient stayed at rounding-noise level
     quiet: Dict[str, np.ndarray] = {p.name: np.ones(p.shape, bool) for p in ref_params}

@@ -1,8 +1,10 @@
 """clip_grad_norm / TotalGradNorm against one device: the global norm and MindSpore's
 ops.clip_by_global_norm, with clipping active (max_norm below the norm at every step), loss per
 step and parameters after 5 AdamW steps (tests/_parity.py's rule), for TP with SequenceParallel,
-fully_shard, hsdp levels 1-3 and FSDP x TP, on 2 and 4 ranks, PyNative and ms.jit; one
-all-reduce per communication group (CommDebugMode); norm_type inf; error_if_nonfinite."""
+fully_shard, hsdp levels 1-3 and FSDP x TP, on 2 and 4 ranks, PyNative and ms.jit (TP and fully_shard
+also as GRAPH_MODE Cells); one all-reduce per communication group (CommDebugMode); norm_type inf;
+error_if_nonfinite; across pipeline stages (pp=2, a tied embedding counted once); the cached norm
+releases the parameters."""
 from __future__ import annotations
 
 import math
@@ -86,10 +88,12 @@ def _fsdp_tp(mesh):
     return shard
 
 
-def _clip_parity(make_model, shard, batch_of, loss, *, jit, dp_mesh=None, dp_dim=None, dp_index=0, dp_size=1):
+def _clip_parity(make_model, shard, batch_of, loss, *, jit, graph=False, dp_mesh=None, dp_dim=None, dp_index=0,
+                 dp_size=1):
     norms = []
-    check_parity(make_model, shard, batch_of, loss, optimizer="adamw", jit=jit, dp_mesh=dp_mesh, dp_dim=dp_dim,
-                 dp_index=dp_index, dp_size=dp_size, transform_grads=_clipping(norms, jit=jit))
+    check_parity(make_model, shard, batch_of, loss, optimizer="adamw", jit=jit and not graph, graph=graph,
+                 dp_mesh=dp_mesh, dp_dim=dp_dim, dp_index=dp_index, dp_size=dp_size,
+                 transform_grads=_clipping(norms, jit=jit))
     assert len(norms) == 5 and min(norms) > MAX_NORM, ("clipping must be active at every step", norms)
 
 
@@ -121,6 +125,19 @@ def test_clip_parity_on_2_ranks(jit):
     _clip_parity(Net, _fsdp(dp), _fsdp_batch, loss_of, **common)
     for level in ("level1", "level2", "level3"):
         _clip_parity(Net, _hsdp(optimizer_level=level), _fsdp_batch, loss_of, **common)
+
+
+@multi_rank(2, timeout=600)
+def test_clip_parity_in_graph_mode_on_2_ranks():
+    """The parallel train step as a GRAPH_MODE Cell (the clip's TotalGradNorm built outside): TP with
+    SequenceParallel, and fully_shard."""
+    from hyper_parallel_ms.nn import parallelize_module
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    _clip_parity(Transformer, lambda m: parallelize_module(m, mesh, transformer_plan(mesh)), _tokens, _nll, jit=True,
+                 graph=True)
+    dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    _clip_parity(Net, _fsdp(dp), _fsdp_batch, loss_of, jit=True, graph=True, dp_mesh=dp, dp_dim="dp",
+                 dp_index=dp.get_local_rank(0), dp_size=2)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -185,3 +202,80 @@ def test_one_all_reduce_per_group_inf_norm_and_nonfinite_on_4_ranks():
     local = _ref_norm(grads)
     total = float(clip_grad_norm(grads, 1.0, parameters=params)[1].asnumpy())
     assert abs(local - total) > 1e-3 * total
+
+
+def test_the_cached_norm_does_not_keep_the_parameters():
+    """clip_grad_norm builds a TotalGradNorm per parameter tuple once; the cache holds weak references,
+    so a model dropped by its user is released (and its entry with it)."""
+    import gc
+    import weakref
+
+    from hyper_parallel_ms.training import _clip, clip_grad_norm
+    ms.set_seed(0)
+    model = Net()
+    params, grads = _grads(model, batch(0))
+    before = len(_clip._NORMS)                                        # pylint: disable=protected-access
+    clip_grad_norm(grads, 1.0, parameters=params)
+    norm = _clip._norm_of(params, 2.0, False)                         # pylint: disable=protected-access
+    assert _clip._norm_of(params, 2.0, False) is norm                 # built once  # pylint: disable=protected-access
+    assert len(_clip._NORMS) == before + 1                            # pylint: disable=protected-access
+    watched = weakref.ref(params[0])
+    del model, params, grads, norm
+    gc.collect()
+    assert watched() is None
+    assert len(_clip._NORMS) == before                                # pylint: disable=protected-access
+
+
+def _pipeline_reference(tied: bool, norms: list):
+    """The single-device model of tests/test_pipeline_compose.py, clipped by MindSpore's
+    ops.clip_by_global_norm: (full-batch loss per step, the parameters after the steps)."""
+    from tests import test_pipeline_compose as pc
+    ms.set_seed(0)
+    model = pc.Model(4, tied)
+    params = model.trainable_params()
+    opt = pc._optimizer(params)
+    step_fn = ms.value_and_grad(lambda x, y: pc.loss_fn(model(x), y), None, params)
+    losses = []
+    for step in range(pc.STEPS):
+        loss, grads = step_fn(*pc._batch(step, pc.IN if tied else pc.OUT))
+        norms.append(_ref_norm(grads))
+        losses.append(float(loss.asnumpy()))
+        opt(ops.clip_by_global_norm(grads, MAX_NORM))
+    return losses, {p.name: p.asnumpy() for p in params}
+
+
+@pytest.mark.parametrize("name", ["GPipe", "ZBVZeroBubble"])
+@multi_rank(2, timeout=600)
+def test_clip_across_pipeline_stages_on_2_ranks(name):
+    """pp=2 with the embedding tied to the head on the last stage: the norm of every stage's gradients,
+    the tied one counted once (GPipe: held by both ranks; ZBV: the first and the last stage on rank 0),
+    clipping active at every step; losses and parameters after 3 AdamW steps equal one device's."""
+    from hyper_parallel_ms.comm import CommDebugMode
+    from hyper_parallel_ms.training import TotalGradNorm, clip_grad_norm
+    from tests import test_pipeline_compose as pc
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    norms: list = []
+    losses, final = _pipeline_reference(True, norms)
+    assert min(norms) > MAX_NORM, ("clipping must be active at every step", norms)
+    schedule = pc._schedule(name, pc._stages(name, mesh, 4, lambda model: None, tied=True), 4,
+                            shared_parameters=["head.weight"])
+    params = schedule.parameters()
+    opt = pc._optimizer(params)
+    first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
+    for step in range(pc.STEPS):
+        x, y = pc._batch(step, pc.IN)
+        mb: list = []
+        schedule.step(*((x,) if first else ()), target=y if last else None, losses=mb)
+        with CommDebugMode() as mode:
+            grads, total = clip_grad_norm(schedule.gradients(), MAX_NORM, parameters=schedule)
+        assert mode.get_comm_counts() == {"all_reduce": 1}                # one scalar over pp
+        np.testing.assert_allclose(float(total.asnumpy()), norms[step], rtol=1e-5, err_msg=f"norm, step {step}")
+        if last:
+            np.testing.assert_allclose(np.mean([float(v.asnumpy()) for v in mb]), losses[step], rtol=1e-5,
+                                       atol=1e-6, err_msg=f"loss, step {step}")
+        opt(grads)
+    for p in params:
+        np.testing.assert_allclose(p.asnumpy(), final[p.name], rtol=1e-5, atol=1e-6, err_msg=p.name)
+    # counted on every rank without the schedule's help: the tied weight would count twice (GPipe)
+    alone = float(TotalGradNorm(params, pp_mesh=mesh)(schedule.gradients()).asnumpy())
+    assert (abs(alone - float(total.asnumpy())) > 1e-4) == (name == "GPipe")

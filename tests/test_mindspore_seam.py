@@ -811,3 +811,40 @@ def test_contract_recomputing_is_seen_in_the_forward_and_in_the_backward_recompu
     assert seen == [True, True] and not seam.recomputing()
     want = ms.grad(lambda v: block(v).sum(), None, [w])(x)
     np.testing.assert_allclose(grad[0].asnumpy(), want[0].asnumpy(), rtol=1e-6)
+
+
+def _inplace_update_works() -> bool:
+    p = ms.Parameter(Tensor(np.ones(3, np.float32)), name="probe")
+    try:
+        p.copy_(Tensor(np.zeros(3, np.float32)))
+        return bool((p.asnumpy() == 0).all())
+    except RuntimeError:
+        return False
+
+
+def test_contract_an_error_inside_a_gradient_call_leaves_the_executor_recording():
+    """A forward raising inside value_and_grad leaves the grad flag on and its top cell pending: a
+    later in-place update of a Parameter fails, even after another gradient call; clear_res (the
+    seam's discard_grad_recording) ends it, and gradients stay right."""
+    w = ms.Parameter(Tensor(np.ones(3, np.float32)), name="w")
+    x = Tensor(np.full(3, 2.0, np.float32))
+
+    def loss(v, fail):
+        y = (v * w).sum()
+        if fail:
+            raise ValueError("refused inside the forward")
+        return y
+    grad_fn = ms.value_and_grad(loss, None, [w])
+    try:
+        assert _inplace_update_works()
+        with pytest.raises(ValueError, match="refused"):
+            grad_fn(x, True)
+        assert not _inplace_update_works()
+        seam.discard_grad_recording()
+        assert _inplace_update_works()
+        np.testing.assert_allclose(grad_fn(x, False)[1][0].asnumpy(), [2.0, 2.0, 2.0])
+        assert _inplace_update_works()
+        seam.discard_grad_recording()                 # not recording: nothing to drop
+        assert _inplace_update_works()
+    finally:
+        seam.discard_grad_recording()

@@ -1,5 +1,7 @@
 """The training example: 10 steps on 2 and 4 ranks (tp, and dp x tp) in graph mode and in
-PyNative, losses matching a single-device run of the same steps within 1e-4 (relative).
+PyNative, losses matching a single-device run of the same steps within 1e-4 (relative); with
+``--clip-grad-norm`` (active at every step) and ``--activation-checkpoint`` the gradient norms too
+(TP and fully_shard compiled as GRAPH_MODE Cells, a pipeline in PyNative).
 
 Why losses and 1e-4 are safe on any x86 CPU under AdamW: the model has no bias before a softmax,
 and table rows no token reaches get exactly zero gradients (AdamW leaves them unchanged), so no
@@ -14,12 +16,18 @@ from examples.train_tp import TrainConfig, train
 from hyper_parallel_ms.testing import multi_rank
 
 
+CLIP = 0.2          # below the example's gradient norm at every step: clipping is active
+
+
 def _train(**overrides):
-    cfg = TrainConfig(steps=10, seq=8, dim=32, hidden=64, vocab=64, **overrides)
+    cfg = TrainConfig(**{**dict(steps=10, seq=8, dim=32, hidden=64, vocab=64), **overrides})
     result = train(cfg, log=lambda line: None)
-    assert len(result["losses"]) == 10
+    assert len(result["losses"]) == cfg.steps
     assert result["losses"][-1] < result["losses"][0]          # it learns
     assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
+    if cfg.clip_grad_norm:
+        assert min(result["reference_grad_norms"]) > cfg.clip_grad_norm, result["reference_grad_norms"]
+        assert result["max_relative_norm_difference"] <= 1e-4, (result["grad_norms"], result["reference_grad_norms"])
     return result["max_relative_difference"]
 
 
@@ -43,18 +51,51 @@ def test_example_trains_as_a_graph_mode_cell(sequence_parallel):
     _train(tp=2, mode="graph", sequence_parallel=sequence_parallel)
 
 
+@pytest.mark.parametrize("mode, checkpoint", [("graph", "full"), ("pynative", "selective")])
+@multi_rank(2, timeout=600)
+def test_example_clips_and_checkpoints_on_2_ranks(mode, checkpoint):
+    """--clip-grad-norm with --activation-checkpoint on tp=2 with sequence parallelism (the clip
+    compiled in a GRAPH_MODE train step), then fully_shard over dp=2 (a GRAPH_MODE Cell; in PyNative
+    with its blocks checkpointed)."""
+    _train(tp=2, mode=mode, activation_checkpoint=checkpoint, clip_grad_norm=CLIP, steps=4)
+    if mode == "graph":
+        _train(dp=2, tp=1, fsdp=True, sequence_parallel=False, mode=mode, clip_grad_norm=CLIP, steps=4)
+    else:           # fully_shard units (the blocks) checkpointed whole
+        _train(dp=2, tp=1, fsdp=True, mode=mode, activation_checkpoint=checkpoint, clip_grad_norm=CLIP, steps=4)
+
+
 @pytest.mark.parametrize("schedule, dp, tp, fsdp", [("1f1b", 1, 2, False), ("zb", 2, 1, True),
                                                     ("interleaved", 2, 1, False)])
 @multi_rank(4, timeout=600)
 def test_example_trains_as_a_pipeline_on_4_ranks(schedule, dp, tp, fsdp):
-    """--pp 2 (pp x tp with loss parallelism; pp x fully_shard over dp with the zero-bubble V
-    schedule; pp x dp with gradients averaged over dp, interleaved): 2 steps, losses equal to the
-    single-device run, one forward per micro-batch."""
+    """--pp 2 (pp x tp with loss parallelism, clipping by every stage's gradients and checkpointed
+    attention / feed-forward; pp x fully_shard over dp with the zero-bubble V schedule; pp x dp with
+    gradients averaged over dp, interleaved): 2 steps, losses (and gradient norms) equal to the
+    single-device run, one forward per micro-batch (the checkpointed Cells' recompute aside)."""
+    clip = CLIP if tp == 2 else 0.0
     cfg = TrainConfig(pp=2, dp=dp, tp=tp, fsdp=fsdp, schedule=schedule, microbatches=2, layers=4, steps=2, seq=8,
-                      dim=32, hidden=64, vocab=64, mode="pynative")
+                      dim=32, hidden=64, vocab=64, mode="pynative", clip_grad_norm=clip,
+                      activation_checkpoint="full" if clip else "")
     result = train(cfg, log=lambda line: None)
     assert len(result["losses"]) == 2 and result["forwards_per_microbatch"] == 1.0
     assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
+    if clip:
+        assert min(result["reference_grad_norms"]) > clip, result["reference_grad_norms"]
+        assert result["max_relative_norm_difference"] <= 1e-4, (result["grad_norms"], result["reference_grad_norms"])
+
+
+def test_checkpoint_and_clip_flags_that_cannot_run_are_refused_naming_the_fix():
+    from examples.train_tp import check_training_config
+
+    with pytest.raises(ValueError, match="selective .* use --mode pynative, not 'jit'"):
+        check_training_config(TrainConfig(mode="jit", activation_checkpoint="selective"))
+    with pytest.raises(ValueError, match="--activation-checkpoint must be full or selective"):
+        check_training_config(TrainConfig(activation_checkpoint="some"))
+    with pytest.raises(ValueError, match="--fsdp .* runs in --mode pynative"):
+        check_training_config(TrainConfig(mode="graph", fsdp=True, activation_checkpoint="full"))
+    with pytest.raises(ValueError, match="--clip-grad-norm must be a positive norm"):
+        check_training_config(TrainConfig(clip_grad_norm=-1.0))
+    check_training_config(TrainConfig(mode="graph", activation_checkpoint="full", clip_grad_norm=1.0))
 
 
 @multi_rank(2, timeout=600)

@@ -23,6 +23,7 @@ from mindspore import nn
 from ..mesh import DeviceMesh, current_mesh
 from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
+from ._dropout import check_dropouts_seeded
 from ._edit import ModuleEdit, apply_edits, drop_enclosed_reductions
 from ._rules import check_mesh, check_not_done, check_not_fully_sharded, match_path
 
@@ -140,6 +141,8 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     ``apply(module, device_mesh)`` is called after the built-in ones.
     A parameter shared by several Cells (tied weights) is cut once and stays one Parameter; every
     Cell using it must be styled in this call and place it alike, else the call is refused.
+    An ``nn.Dropout`` in ``module`` built before any ``ms.set_seed`` (or on Ascend, where its
+    primitive ignores seeds) is refused: ranks holding one activation would draw different masks.
 
     Args:
         module: the Cell to parallelize (returned, changed in place).
@@ -165,6 +168,7 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
                              "or call it inside `with mesh:`")
     check_mesh(device_mesh, "parallelize_module")
     check_not_fully_sharded(module, "parallelize_module")
+    check_dropouts_seeded(module, "parallelize_module")
     if parallelize_plan is None:
         raise ValueError("parallelize_module needs a parallelize_plan: a ParallelStyle or a dict of them")
     if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)

@@ -33,6 +33,7 @@ from mindspore import mint, nn
 from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute._gradient import gradient_placements, shared_dims
 from ._adapter import own_parameters
+from ._dropout import check_dropout_seeded, dropouts_inside, is_dropout, sharded_dropout_class
 from ._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
 from ._hooks import masked_rows_class
 from ._parameter import ParameterPlacement
@@ -219,7 +220,12 @@ class SequenceParallel(ParallelStyle):
     parameters; each rank's parameter gradients are its share, summed by :class:`GradientReducer`.
 
     Inputs and outputs are ``Shard(sequence_dim)`` pieces (a DTensor input is brought there);
-    an input without a sequence dim before its features raises.
+    an input without a sequence dim before its features raises. A dropout Cell (``nn.Dropout``,
+    ``mint.nn.Dropout``) returns its piece of the mask one device draws for the whole
+    activation with the same seed (PyNative and compiled); any dimension may serve as
+    ``sequence_dim`` there (the heads of attention probabilities, the features between a
+    Colwise and a Rowwise layer). A Cell with a dropout Cell inside is refused (its dropout
+    would see pieces it cannot place): give the dropout Cell the style itself.
 
     Args:
         sequence_dim: the tensor dim of the sequence (default 1: ``(batch, seq, features)``).
@@ -245,6 +251,17 @@ class SequenceParallel(ParallelStyle):
                                                        grad_partial_dims=shared_dims(replicated, layout))
         min_ndim = self.sequence_dim + 2 if self.sequence_dim >= 0 else -self.sequence_dim + 1
         where = _where(path)
+        if is_dropout(cell):
+            check_dropout_seeded(cell, f"SequenceParallel on {where}")
+            edit.swap_class = sharded_dropout_class(type(cell))
+            edit.attributes.update(hpms_dropout_dim=self.sequence_dim, hpms_dropout_parts=mesh.size(0),
+                                   hpms_dropout_index=mesh.get_coordinate()[0])
+        else:
+            inner = dropouts_inside(cell)
+            if inner:
+                raise ValueError(f"SequenceParallel on {where}: the dropout Cells {list(inner)} inside it would draw "
+                                 "masks for sequence pieces as if they were whole tensors (not the single device's "
+                                 "masks); apply SequenceParallel to each dropout Cell itself instead")
         edit.inputs = InputSpec({0: ConversionSpec(mesh, layout, layout, where=where)}, min_ndim=min_ndim, where=where)
         edit.outputs = OutputSpec({0: ConversionSpec(mesh, layout, layout, to_dtensor=not self.use_local_output,
                                                      where=where)})

@@ -83,10 +83,12 @@ def clear_cache() -> None:
     propagator.clear_cache()
 
 
-def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
+def _call_form(args: tuple, ignored=frozenset()) -> Tuple[tuple, Any, tuple]:
     """(flat positional inputs, rebuild function, primitive attributes). Legacy primitives
     arrive as (prim, name, inputs); their attributes (e.g. LayerNorm's begin_norm_axis) go to
-    the rule. A list of tensors (``ops.cat([a, b])``) is flattened into consecutive inputs."""
+    the rule, except those named in ``ignored`` (random seeds: each ``ops.dropout`` call has
+    new ones, which must not make a new cache entry). A list of tensors (``ops.cat([a, b])``)
+    is flattened into consecutive inputs."""
     attrs: tuple = ()
     pack: Any = tuple
     for a in args:             # the common case first: no packed arguments
@@ -96,7 +98,8 @@ def _call_form(args: tuple) -> Tuple[tuple, Any, tuple]:
         return args, pack, attrs
     if len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[2], tuple):
         prim, name = args[0], args[1]
-        attrs = tuple(sorted((k, v) for k, v in prim.attrs.items() if isinstance(v, (int, float, str, bool, tuple))))
+        attrs = tuple(sorted((k, v) for k, v in prim.attrs.items()
+                             if isinstance(v, (int, float, str, bool, tuple)) and k not in ignored))
         args, pack = args[2], (lambda new: (prim, name, tuple(new)))
     flat, groups = [], []
     for a in args:
@@ -130,6 +133,7 @@ class _Decision:
     arg_overrides: Optional[Tuple[Any, ...]] = None  # local values for global-size arguments
     inplace: bool = False                      # the op updates argument 0, which is the result
     local_fn: Optional[Any] = None             # runs instead of the op on the local inputs
+    calls_op: bool = False                     # local_fn takes the op (a function of new inputs) first
     verified: bool = False                     # the rule's local shapes were checked once
     passthrough: bool = False                  # no argument needs redistribution or a gradient Cell
     empty_inputs: Tuple[int, ...] = ()         # positions of tensor inputs whose local piece is empty
@@ -149,9 +153,9 @@ def dispatch(func, args: tuple, kwargs: dict):
         y = dispatch(ops.matmul, (x_dt, w_dt), {})       # what ``ops.matmul(x_dt, w_dt)`` runs
     """
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
-    inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args))
-    mesh, signature, template = None, [], None
     ignored = propagator.ignored_args(name)
+    inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args), ignored)
+    mesh, signature, template = None, [], None
     for i, a in enumerate(inputs):
         spec = spec_of(a)
         if i in ignored:
@@ -216,6 +220,8 @@ def _run(func, rebuild, kwargs: dict, inputs, local_inputs, decision: "_Decision
         if decision.empty_inputs:
             out = run_on_empty_pieces(lambda new: func(*rebuild(new), **kwargs), local_inputs,
                                       decision.empty_inputs, decision.out_specs, decision.local_shapes)
+        elif decision.calls_op:
+            out = decision.local_fn(lambda *new: func(*rebuild(new)), *local_inputs, **kwargs)
         elif decision.local_fn is not None:
             out = decision.local_fn(*local_inputs, **kwargs)
         else:
@@ -273,7 +279,7 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
     return _Decision(tuple(needs), tuple(cells), specs,
                      tuple(spec.layout.local_shape(spec.shape, coord) for spec in specs), overrides,
                      sharding.inplace, None if sharding.local_fn is None else sharding.local_fn(coord),
-                     passthrough=passthrough and not empty, empty_inputs=empty, alike=alike)
+                     sharding.calls_op, passthrough=passthrough and not empty, empty_inputs=empty, alike=alike)
 
 
 def _explain_plain_broadcast(name: str, described: tuple, error: ValueError) -> None:

@@ -13,14 +13,24 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Optional, Union
 
 from ._schema import OpSchema, OutputSharding
 
 __all__ = ["ShardingPropagator", "propagator", "register_sharding", "registered_ops"]
 
 Rule = Callable[[OpSchema], OutputSharding]
-_NONE: FrozenSet[int] = frozenset()
+_NONE: FrozenSet[Union[int, str]] = frozenset()
+
+
+def _ignored(entries: Iterable[Union[int, str]]) -> FrozenSet[Union[int, str]]:
+    out = set()
+    for e in entries:
+        if isinstance(e, bool) or not isinstance(e, (int, str)):
+            raise TypeError(f"ignored_args entries are argument positions (int) or primitive attribute names "
+                            f"(str), got {e!r}")
+        out.add(e)
+    return frozenset(out)
 
 
 def _check_names(op_names: tuple) -> None:
@@ -44,10 +54,10 @@ class ShardingPropagator:
         self._ignored: Dict[str, FrozenSet[int]] = {}
         self._decisions: Dict[Any, Any] = {}
 
-    def register(self, rule: Rule, *op_names: str, ignored_args: Iterable[int] = ()) -> Rule:
+    def register(self, rule: Rule, *op_names: str, ignored_args: Iterable[Union[int, str]] = ()) -> Rule:
         """Use ``rule`` for ``op_names`` (replacing earlier rules) and forget cached decisions."""
         _check_names(op_names)
-        ignored = frozenset(int(i) for i in ignored_args)
+        ignored = _ignored(ignored_args)
         for name in op_names:
             self._rules[name] = rule
             self._ignored[name] = ignored
@@ -65,8 +75,9 @@ class ShardingPropagator:
         """The rule registered for ``op``, or ``None``."""
         return self._rules.get(op)
 
-    def ignored_args(self, op: str) -> FrozenSet[int]:
-        """Argument positions of ``op`` left out of the decision cache key (random seeds)."""
+    def ignored_args(self, op: str) -> FrozenSet[Union[int, str]]:
+        """Argument positions and primitive attribute names of ``op`` left out of the decision
+        cache key (random seeds)."""
         return self._ignored.get(op, _NONE)
 
     def ops(self) -> tuple:
@@ -88,14 +99,15 @@ class ShardingPropagator:
 propagator = ShardingPropagator()
 
 
-def register_sharding(*op_names: str, ignored_args: Iterable[int] = ()) -> Callable[[Rule], Rule]:
+def register_sharding(*op_names: str, ignored_args: Iterable[Union[int, str]] = ()) -> Callable[[Rule], Rule]:
     """Register a rule for MindSpore primitives; a later registration replaces an earlier one
     and the decisions made with it are forgotten.
 
     Args:
         op_names: primitive names (``func.name``, e.g. ``"MatMulExt"``).
-        ignored_args: positions of arguments that never change the sharding (random seeds): left out
-            of the cache key, the rule sees them as ``None``.
+        ignored_args: positions of arguments (ints) and names of a primitive's attributes (strs)
+            that never change the sharding (random seeds): left out of the cache key, the rule sees
+            such arguments as ``None`` and not such attributes.
 
     Example::
 

@@ -95,6 +95,8 @@ class OutputSharding:
         inplace: the op updates its first argument, which is returned as the result.
         local_fn: given this rank's mesh coordinate, a function run on the local inputs instead of the
             op (a masked lookup into a row-sharded table).
+        calls_op: ``local_fn``'s function takes, before the local inputs, the op itself as a function
+            of new inputs (a random op drawing the whole tensor's values).
 
     >>> from hyper_parallel_ms.placement import Shard
     >>> s0 = Layout((2,), (Shard(0),))
@@ -107,3 +109,4 @@ class OutputSharding:
     local_args: Optional[Callable[[Tuple[int, ...]], Tuple[Any, ...]]] = None
     inplace: bool = False
     local_fn: Optional[Callable[[Tuple[int, ...]], Callable]] = None
+    calls_op: bool = False

@@ -218,6 +218,17 @@ class PipelineSchedule:
         """
         return self._runtime.parameters()
 
+    @property
+    def replica_parameters(self) -> Tuple[ms.Parameter, ...]:
+        """This rank's shared parameters (``shared_parameters``) that a lower pp rank holds too: a
+        sum over the pp ranks (a global gradient norm) counts each of them once, there.
+
+        Example::
+
+            skip = {id(p) for p in schedule.replica_parameters}
+        """
+        return tuple(self._shared.counted_elsewhere)
+
     def gradients(self) -> Tuple[Tensor, ...]:
         """The gradients of the last step, aligned with :meth:`parameters` (zeros where none reached).
 

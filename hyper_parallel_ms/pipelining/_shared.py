@@ -72,6 +72,8 @@ class SharedParameters:
         self.groups = _groups(spec)
         self._local: List[Optional[ms.Parameter]] = []
         self._meshes: List[Optional[object]] = []
+        # held here, and by a lower pp rank too: a sum over the pp ranks counts it there
+        self.counted_elsewhere: List[ms.Parameter] = []
         if not self.groups:
             return
         pp, me = mesh.size(), mesh.get_local_rank()
@@ -98,6 +100,8 @@ class SharedParameters:
             if len({id(p) for p in held}) > 1:
                 _tie(stages, held[0], held[1:])
             self._local.append(held[0] if held else None)
+            if held and min(r for r in range(pp) if high[0, g, r]) != me:
+                self.counted_elsewhere.append(held[0])
         device = mesh.device_type
         for g in range(len(self.groups)):     # every rank creates the groups in the same order
             holders = [r for r in range(pp) if high[0, g, r]]

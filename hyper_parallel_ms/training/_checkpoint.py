@@ -38,12 +38,14 @@ from contextlib import nullcontext
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import mindspore as ms
-from mindspore import nn
+from mindspore import Parameter, nn
 
-from .._mindspore import (OP_INTERCEPTION, OpInterception, cell_subclass, is_compiling, recompute_eagerly,
-                          recompute_in_graph, run_in_python, running_eagerly)
+from .._mindspore import (OP_INTERCEPTION, OpInterception, cell_subclass, discard_grad_recording, is_compiling,
+                          recompute_eagerly, recompute_in_graph, run_in_python, running_eagerly)
 from ..dtensor import DTensor
-from ..nn._adapter import CellChanges, named_cells
+from ..fsdp._fully_shard import fsdp_state
+from ..fsdp._pieces import is_piece
+from ..nn._adapter import CellChanges, named_cells, own_parameters
 
 __all__ = ["CheckpointWrapper", "checkpoint_wrapper", "apply_activation_checkpointing", "checkpoint_stats",
            "create_selective_checkpoint_contexts", "SAVE_MATMUL_AND_COLLECTIVES"]
@@ -190,6 +192,43 @@ def _refuse_dtensors(cell: nn.Cell, args: tuple) -> None:
             "recompute), or place the parameters with parallelize_module's styles")
 
 
+def _outer_unit_pieces(cell: nn.Cell) -> List[str]:
+    """Parameters under ``cell`` that a fully_shard / hsdp unit enclosing ``cell`` gathers around
+    its own forward (no unit at or below ``cell`` holds them), so that a recompute of ``cell`` in
+    the backward would not find them gathered: pieces, or (called inside that unit's forward) the
+    gathered values it put in their place, which are no Parameters."""
+    found: List[str] = []
+
+    def walk(sub: nn.Cell, path: str) -> None:
+        if fsdp_state(sub) is not None:       # a unit: it gathers what is under it
+            return
+        for name, p in own_parameters(sub).items():
+            if not isinstance(p, Parameter) or is_piece(p):
+                found.append(path + name)
+        for child_name, child in sub.name_cells().items():
+            walk(child, f"{path}{child_name}.")
+    walk(cell, "")
+    return found
+
+
+def _refuse_outer_unit(cell: nn.Cell) -> None:
+    names = _outer_unit_pieces(cell)
+    if names:
+        raise NotImplementedError(
+            f"{type(cell).__name__} is checkpointed inside a fully_shard / hsdp unit that holds its parameters "
+            f"({names[:3]}{' ...' if len(names) > 3 else ''}): the unit gathers them around its own forward, so the "
+            "recompute in the backward would read the pieces (PyNative: a shape error; compiled, measured on the "
+            "example Llama: losses a few percent off one device's). Checkpoint the unit itself (e.g. the block), "
+            "or make the checkpointed Cell a unit of its own (fully_shard it before its parent)")
+
+
+@run_in_python
+def _refuse_outer_unit_in_graph(cell: nn.Cell) -> bool:
+    if is_compiling():
+        _refuse_outer_unit(cell)
+    return True
+
+
 class CheckpointWrapper:
     """The methods a Cell gains from :func:`checkpoint_wrapper` (``isinstance(cell, CheckpointWrapper)``
     tells a wrapped Cell). Its parameters, their names and its path are unchanged.
@@ -204,13 +243,22 @@ class CheckpointWrapper:
         state: _State = self.__dict__[_STATE]
         if ms.get_context("mode") == ms.GRAPH_MODE:
             return self._hpms_checkpoint_call(*args, **kwargs)
+        try:
+            return self._hpms_checkpoint_eagerly(state, args, kwargs)
+        except Exception:
+            # under a gradient call, an error leaving its forward would leave MindSpore's executor
+            # recording (later in-place updates of Parameters fail): drop the failed call's record
+            discard_grad_recording()
+            raise
+
+    def _hpms_checkpoint_eagerly(self, state: "_State", args: tuple, kwargs: dict):
+        """PyNative: the refusals, then the forward under MindSpore's non-reentrant recompute."""
+        _refuse_outer_unit(self)
         context_fn = None
         if state.keep is not None:
             _refuse_dtensors(self, args)
             context_fn = _selective_contexts(state.keep, state.stats)
         stats = state.stats
-        # refused before the recompute starts: an error raised inside MindSpore's recompute under
-        # a gradient call leaves its executor recording (a later in-place copy then fails)
         inner = next((name for name, cell in self.cells_and_names() if cell is not self and
                       isinstance(cell, CheckpointWrapper)), None)
         if inner is not None:
@@ -239,6 +287,7 @@ class CheckpointWrapper:
         if running_eagerly():
             return self._hpms_checkpoint_construct(*args)
         _refuse_in_graph(self._hpms_checkpoint_graph_error)
+        _refuse_outer_unit_in_graph(self)
         return recompute_in_graph(self._hpms_checkpoint_construct, *args)
 
 

@@ -10,17 +10,38 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple, Union
+import weakref
+from typing import Dict, Sequence, Tuple, Union
 
 from mindspore import Tensor, ops
 
 from .._mindspore import is_compiling, run_in_python, running_eagerly
 from ..dtensor import DTensor
+from ..pipelining._schedules import PipelineSchedule
 from ._norm import TotalGradNorm
 
 __all__ = ["clip_grad_norm"]
 
-_NORMS = {}       # (ids of the parameters, norm type) -> (parameters, TotalGradNorm), filled on first use
+# (ids of the parameters or the schedule, norm type) -> (weak references to them, TotalGradNorm): an
+# entry goes when one of them is collected (the cache holds none of them), so an id reused by a new
+# object never finds a stale norm
+_NORMS: Dict[Tuple, Tuple[Tuple[weakref.ref, ...], TotalGradNorm]] = {}
+
+
+def _cached_norm(owners: tuple, norm_type) -> TotalGradNorm:
+    """The :class:`TotalGradNorm` of ``owners`` (the Parameters, or a pipeline schedule), built once."""
+    key = (tuple(id(o) for o in owners), float(norm_type))
+    known = _NORMS.get(key)
+    if known is not None and all(ref() is o for ref, o in zip(known[0], owners)):
+        return known[1]
+    norm = TotalGradNorm(owners[0] if isinstance(owners[0], PipelineSchedule) else owners, norm_type=norm_type)
+
+    def forget(_ref) -> None:
+        if _NORMS.get(key, (None,))[0] is refs:
+            del _NORMS[key]
+    refs = tuple(weakref.ref(o, forget) for o in owners)
+    _NORMS[key] = (refs, norm)
+    return norm
 
 
 @run_in_python
@@ -31,11 +52,8 @@ def _norm_of(parameters, norm_type, error_if_nonfinite: bool) -> TotalGradNorm:
                              f"was built with norm_type={parameters.norm_type}")
         norm = parameters
     else:
-        parameters = tuple(parameters)
-        key = (tuple(id(p) for p in parameters), float(norm_type))
-        if key not in _NORMS:
-            _NORMS[key] = (parameters, TotalGradNorm(parameters, norm_type=norm_type))   # holds them: ids stay theirs
-        norm = _NORMS[key][1]
+        norm = _cached_norm((parameters,) if isinstance(parameters, PipelineSchedule) else tuple(parameters),
+                            norm_type)
     if error_if_nonfinite and is_compiling():
         raise NotImplementedError("clip_grad_norm(error_if_nonfinite=True) cannot raise from inside ms.jit: "
                                   "return total_norm from the compiled step and check it outside, or call "
@@ -76,11 +94,7 @@ def _clip_eager(grads, max_norm, norm: TotalGradNorm, norm_type, error_if_nonfin
         local.append(g)
     out, total = _clip(tuple(local), max_norm, norm)
     if error_if_nonfinite:
-        value = float(total.asnumpy())
-        if not math.isfinite(value):
-            raise RuntimeError(f"clip_grad_norm: the total norm of order {norm_type} of the gradients is {value} "
-                               "(non-finite) on every rank: clipping would turn every gradient into nan or 0. "
-                               "Skip this step (all_finite), or pass error_if_nonfinite=False")
+        _raise_if_nonfinite(total, norm_type)
     out = tuple(g if spec is None else DTensor.from_local(g, spec[0], spec[1], shape=spec[2])
                 for g, spec in zip(out, specs))
     return out, total
@@ -100,8 +114,10 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: Union[float, Tensor], *,
         grads: this rank's gradients, a tuple aligned with ``parameters`` (DTensors too, in PyNative:
             Partial ones are reduced first).
         max_norm: the largest total norm kept (a float or a scalar Tensor).
-        parameters: the Parameters (``optimizer.parameters``), or, inside ``ms.jit``, a
-            :class:`TotalGradNorm` built from them outside (a compiled graph sees no sharding records).
+        parameters: the Parameters (``optimizer.parameters``); a pipeline schedule (every stage's
+            gradients in the norm, ``grads`` aligned with ``schedule.parameters()``); or, inside
+            ``ms.jit``, a :class:`TotalGradNorm` built from them outside (a compiled graph sees no
+            sharding records). Its norm is built once per parameter tuple and kept while they live.
         norm_type: ``2.0`` (default), any positive order, or ``float("inf")``.
         error_if_nonfinite: raise ``RuntimeError`` on every rank when the total is nan or inf
             (PyNative only: inside ``ms.jit`` it raises at compile time, naming the fix).

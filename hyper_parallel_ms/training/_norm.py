@@ -10,15 +10,20 @@ only the group's first rank contributes it to that reduction. Replicated gradien
 equal on the ranks that hold them, i.e. already reduced (after :class:`GradientReducer`, or as
 fully_shard / hsdp return them).
 
+Pipeline stages hold different parameters: their sums (or maxima) are reduced once more over the
+pp mesh (one all-reduce of a scalar), a parameter shared by several stages (``shared_parameters``)
+counted on its lowest pp rank only. Build it from the schedule, or pass ``pp_mesh``.
+
 Example::
 
     norm = TotalGradNorm(optimizer.parameters)           # built outside ms.jit
     total = norm(reducer(grads))                          # PyNative or inside ms.jit
+    stages = TotalGradNorm(schedule)                      # every stage's gradients, on every rank
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
 import numpy as np
@@ -27,6 +32,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from .. import comm
 from ..dtensor import DTensor
 from ..nn._parameter import parameter_sharding
+from ..pipelining._schedules import PipelineSchedule
 
 __all__ = ["TotalGradNorm", "split_groups"]
 
@@ -79,17 +85,34 @@ class _MaskedReduce(nn.Cell):
         return comm.all_reduce(v * self.mask, self.mesh, self.dim, op=self.op)
 
 
+def _pipeline(parameters, pp_mesh) -> Tuple[list, object, frozenset]:
+    """``(parameters, pp mesh or None, ids of parameters a lower pp rank counts)`` of what
+    :class:`TotalGradNorm` was given: Parameters, or a pipeline schedule."""
+    if isinstance(parameters, PipelineSchedule):
+        if pp_mesh is not None and pp_mesh is not parameters.mesh:
+            raise ValueError("TotalGradNorm: pp_mesh differs from the schedule's pp mesh; leave it out")
+        return (list(parameters.parameters()), parameters.mesh,
+                frozenset(id(p) for p in parameters.replica_parameters))
+    if pp_mesh is not None and pp_mesh.ndim != 1:
+        raise ValueError(f"TotalGradNorm: pp_mesh must be a 1-D mesh (mesh['pp']), got {pp_mesh.ndim} dims")
+    return list(parameters), pp_mesh, frozenset()
+
+
 class TotalGradNorm(nn.Cell):
     """The ``norm_type`` norm of the whole gradient of ``parameters`` (the one-device value), on every
     rank, from a tuple of this rank's gradients (aligned with ``parameters``) as the optimizer takes
     them: reduced (after :class:`GradientReducer`; fully_shard / hsdp pieces as returned). One
     all-reduce of a vector per communication group that splits some parameter; none for a model
-    without pieces. Placements are read here, once; calling it runs only tensor ops and
-    collectives, in PyNative and inside ``ms.jit``.
+    without pieces; one more of a scalar over the pp ranks for pipeline stages. Placements are read
+    here, once; calling it runs only tensor ops and collectives, in PyNative and inside ``ms.jit``.
 
     Args:
-        parameters: the Parameters, in the order of the gradient tuples (``optimizer.parameters``).
+        parameters: the Parameters, in the order of the gradient tuples (``optimizer.parameters``);
+            or a pipeline schedule: its :meth:`parameters` (the order of ``schedule.gradients()``),
+            summed over its pp mesh, each shared parameter counted once.
         norm_type: ``2.0`` (default), any positive order, or ``float("inf")`` (the largest element).
+        pp_mesh: a 1-D mesh whose ranks hold the other pipeline stages' parameters (a schedule
+            brings its own): their totals are combined over it.
 
     Example::
 
@@ -97,9 +120,10 @@ class TotalGradNorm(nn.Cell):
         total = norm(grads)                     # a float32 scalar, equal on every rank
     """
 
-    def __init__(self, parameters: Sequence[Parameter], *, norm_type: float = 2.0) -> None:
+    def __init__(self, parameters: Union[Sequence[Parameter], PipelineSchedule], *, norm_type: float = 2.0,
+                 pp_mesh=None) -> None:
         super().__init__()
-        parameters = list(parameters)
+        parameters, pp_mesh, elsewhere = _pipeline(parameters, pp_mesh)
         for p in parameters:
             if not isinstance(p, Parameter):
                 raise TypeError(f"TotalGradNorm needs the Parameters the gradients belong to, got "
@@ -111,8 +135,8 @@ class TotalGradNorm(nn.Cell):
         groups: Dict[Tuple[int, ...], Tuple[object, int]] = {}
         for i, p in enumerate(parameters):
             split = split_groups(_spec_of(p))
-            if int(np.prod(p.shape)) == 0:
-                continue                                    # an empty piece adds nothing
+            if int(np.prod(p.shape)) == 0 or id(p) in elsewhere:
+                continue                                    # an empty piece adds nothing; a replica counts there
             keys.setdefault(tuple(sorted(ranks for ranks, _, _ in split)), []).append(i)
             for ranks, mesh, dim in split:
                 groups.setdefault(ranks, (mesh, dim))
@@ -126,7 +150,9 @@ class TotalGradNorm(nn.Cell):
             mask = np.array([1.0 if ranks in key or first else 0.0 for key in keys], np.float32)
             steps.append(_MaskedReduce(mesh, dim, mask, op))
         self.steps = nn.CellList(steps)
-        self.reductions = len(steps)
+        self.across_stages = None if pp_mesh is None or pp_mesh.size() == 1 else \
+            _MaskedReduce(pp_mesh, 0, np.ones(1, np.float32), op)
+        self.reductions = len(steps) + (self.across_stages is not None)
 
     def _part(self, g):
         a = ops.abs(g.astype(ms.float32))
@@ -145,13 +171,17 @@ class TotalGradNorm(nn.Cell):
             for i in members[1:]:
                 s = ops.maximum(s, self._part(grads[i])) if self.inf else s + self._part(grads[i])
             parts = parts + (s,)
-        if not parts:
-            return ops.zeros((), ms.float32)
-        v = ops.stack(parts)
-        for step in self.steps:
-            v = step(v)
+        if parts:
+            v = ops.stack(parts)
+            for step in self.steps:
+                v = step(v)
+            total = v.max() if self.inf else v.sum()
+        else:
+            total = ops.zeros((), ms.float32)
+        if self.across_stages is not None:
+            total = self.across_stages(total.reshape((1,)))[0]
         if self.inf:
-            return v.max()
+            return total
         if self.norm_type == 2.0:
-            return ops.sqrt(v.sum())
-        return v.sum() ** (1.0 / self.norm_type)
+            return ops.sqrt(total)
+        return total ** (1.0 / self.norm_type)
