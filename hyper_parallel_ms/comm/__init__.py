@@ -60,6 +60,7 @@ class _Call:
     sizes: Tuple[int, ...]
     record: Optional[CommRecord]
     empty_output: bool     # some rank's output piece is empty (reduce_scatter / all_to_all chunks)
+    on_cpu: bool = False   # native on MindSpore's CPU backend (MCCL: world group, composed backward)
 
 
 def _norm_dim(dim: int, ndim: int, what: str) -> int:
@@ -109,7 +110,8 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
           sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0,
           compiled: bool = False) -> _Call:
     group = mesh.comm_group(mesh_dim)
-    path = select_path(_cluster.device_target(), kind)
+    empty = 0 in (sizes if sizes is not None else shape)       # MCCL's AllGather takes no empty piece
+    path = select_path(_cluster.device_target(), kind, world_group=group.is_world and not empty, dtype=dtype)
     n = group.size
     if path == "composed" and n > 1:
         _composed.check_dtype(dtype)
@@ -144,7 +146,7 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
                      str(dtype)) if n > 1 else None
     empty_output = kind in ("reduce_scatter", "all_to_all") and \
         0 in chunk_sizes(shape[dim if kind == "reduce_scatter" else split_dim], n)
-    return _Call(group, path == "native", dim, sizes or (), rec, empty_output)
+    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, _cluster.device_target() == "CPU")
 
 
 @run_in_python
@@ -185,6 +187,8 @@ def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[in
     if call.group.size == 1:
         return x
     if call.native:
+        if call.on_cpu:
+            return _composed.world_all_gather(x, call.dim, call.sizes, call.group)
         return _native.all_gather(x, call.dim, call.sizes, call.group)
     return _composed.all_gather(x, call.dim, call.sizes, call.group)
 
