@@ -108,10 +108,11 @@ def _wire_form(path: str, kind: str, dtype, itemsize: int, n: int, op: str,
 @cached_in_python
 def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, dim: int = 0,
           sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0,
-          compiled: bool = False) -> _Call:
+          compiled: bool = False, eager: bool = True) -> _Call:
     group = mesh.comm_group(mesh_dim)
-    empty = 0 in (sizes if sizes is not None else shape)       # MCCL's AllGather takes no empty piece
-    path = select_path(_cluster.device_target(), kind, world_group=group.is_world and not empty, dtype=dtype)
+    # MCCL's AllGather: no empty piece; PyNative only (compiled, its Cell breaks MindSpore's constant folding)
+    world = group.is_world and eager and 0 not in (sizes if sizes is not None else shape)
+    path = select_path(_cluster.device_target(), kind, world_group=world, dtype=dtype)
     n = group.size
     if path == "composed" and n > 1:
         _composed.check_dtype(dtype)
@@ -153,8 +154,9 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
 def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, **options) -> _Call:
     """The planned call, checked for graph compilation, and counted by active CommDebugModes
     (inside ms.jit once, when the graph is compiled)."""
-    call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, compiled=dtype == ms.float64 and is_compiling(),
-                 **options)
+    compiling = is_compiling()
+    call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, compiled=dtype == ms.float64 and compiling,
+                 eager=not compiling, **options)
     if call.empty_output and call.group.size > 1 and is_compiling():
         raise NotImplementedError(
             f"{kind} over mesh dim {mesh_dim!r} would leave some rank an empty output piece (tensor shape "

@@ -44,8 +44,8 @@ _ROWS = [
     Capability("Ascend", "all_to_all", NATIVE, "ops.AlltoAll (padded when uneven)"),
     Capability("Ascend", "broadcast", NATIVE, "ops.Broadcast; backward: ops.AllReduce kept on the source"),
     Capability("CPU", "all_gather", COMPOSED,
-               "each rank writes its piece into a zero buffer, ops.AllReduce sum; on the world group "
-               "(float32, float16) MCCL's AllGather (native: half the all-reduce's bytes) with this "
+               "each rank writes its piece into a zero buffer, ops.AllReduce sum; in PyNative on the world "
+               "group (float32, float16) MCCL's AllGather (native: half the all-reduce's bytes) with this "
                "composed backward (MCCL has no ReduceScatter)"),
     Capability("CPU", "all_reduce", COMPOSED,
                "sum: ops.AllReduce sum itself; avg = sum / n; max/min: pieces stacked in slots, "

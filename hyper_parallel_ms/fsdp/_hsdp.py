@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import warnings
-from math import prod
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
@@ -38,7 +37,7 @@ from ..nn._parameter import parameter_sharding
 from ._dparams import replicated_dp_mesh
 from ._fully_shard import FSDPModule, fsdp_state, shard_cell
 from ._mesh import FSDP_X_TP, complement_ranks
-from ._pieces import is_piece
+from ._param import is_piece
 
 __all__ = ["hsdp", "HSDPCell"]
 
@@ -126,8 +125,7 @@ def _mesh(shard_size: int, cell: nn.Cell) -> DeviceMesh:
 
 def _warn_replicated(cell: nn.Cell, name: str, threshold: int) -> None:
     """Warn once, naming what ``hsdp(name)`` kept replicated because it is under ``threshold`` KB."""
-    small = [(s.piece.name, prod(s.shape) * s.piece.itemsize) for s in fsdp_state(cell).slots
-             if not s.sharded and prod(s.shape) * s.piece.itemsize < threshold * 1024]
+    small = [(p.name, p.nbytes) for p in fsdp_state(cell).params if not p.sharded and p.nbytes < threshold * 1024]
     if not small:
         return
     shown = ", ".join(p for p, _ in small[:5]) + (f", ... ({len(small) - 5} more)" if len(small) > 5 else "")
