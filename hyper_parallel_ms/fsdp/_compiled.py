@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence, Tuple
 
-from .._mindspore import cell_subclass, running_eagerly
+from .._mindspore import cell_subclass, compiling_graph_code
 
 __all__ = ["gathering_class", "READER_PREFIX"]
 
@@ -39,7 +39,7 @@ def _gathered(attr: str) -> property:
 
     def read(self):
         value = self._params[attr]
-        if running_eagerly():
+        if not compiling_graph_code():
             return value
         return getattr(self, reader)(value)
     read.__name__ = attr

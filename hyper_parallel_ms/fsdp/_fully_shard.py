@@ -28,6 +28,7 @@ from ._mesh import default_mesh, dp_mesh_dims, post_forward_mesh
 from ._param import FSDPParam, is_piece
 from ._pieces import TAKEN_BY, chunks_of
 from ._policy import MixedPrecisionPolicy
+from ._reshard import RegatherOnBackward
 from ._state import FSDPState, eager_hooks
 from ._sync import SyncState
 
@@ -100,10 +101,41 @@ class FSDPModule:
             if reshard_after_backward:
                 state.reused = None
 
+    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """Gather ``modules``' parameters in this Cell's forward pre-hook, ahead of their own forward
+        (FSDP2's explicit forward prefetch; a gather made ahead and then not used by its Cell's next
+        forward is replaced by the next one). Collectives on MindSpore's CPU backend block the
+        Python thread: this changes the order, not the time (see the README's measurement).
+
+        Args:
+            modules: Cells sharded by fully_shard / hsdp, each running after this one in every forward.
+        """
+        self.__dict__[_STATE].forward_prefetch = [_unit_state(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """In the backward, when this Cell gathers its freed parameters again, gather ``modules``'
+        too (FSDP2's explicit backward prefetch; with ``reshard_after_forward=False`` nothing is
+        gathered in the backward and this does nothing).
+
+        Args:
+            modules: Cells sharded by fully_shard / hsdp whose backward runs after this one's.
+        """
+        states = [_unit_state(m, "set_modules_to_backward_prefetch") for m in modules]
+        saving = self.__dict__[_STATE].saving
+        if saving is not None:
+            saving.ahead = [s.saving for s in states if s.saving is not None]
+
     def zero_accumulated_grads(self, *, recurse: bool = True) -> None:
         """Drop gradients accumulated by backward passes without sync."""
         for state in self._fsdp_states(recurse):
             state.clear_pending()
+
+
+def _unit_state(module: Any, what: str) -> FSDPState:
+    state = fsdp_state(module) if isinstance(module, nn.Cell) else None
+    if state is None:
+        raise ValueError(f"{what} takes Cells sharded by fully_shard / hsdp, got {type(module).__name__}")
+    return state
 
 
 def _check_reshard(value: Any, groups: List[FSDPParamGroup] = (), unit: str = "") -> None:
@@ -133,8 +165,11 @@ def _set_reshard(state: FSDPState, value: Any) -> None:
         group.post_forward_mesh = None
         if value is not True and value is not False and group.sharded and 1 < value < n:
             group.post_forward_mesh = post_forward_mesh(group.mesh, value)
+    ahead = state.saving.ahead if state.saving is not None else []
     state.reshard_after_forward = value
-    state.saving = None
+    state.saving = None if value is False else RegatherOnBackward(state.groups, value)
+    if state.saving is not None:
+        state.saving.ahead = ahead
 
 
 def _extended_class(cls: type, mixin: type, prefix: str) -> type:
@@ -248,7 +283,7 @@ def _edits(cell: nn.Cell, state: FSDPState, mixin: type, prefix: str) -> List[Mo
     unit.attributes[_STATE] = state
     pre, post = eager_hooks(state)
     unit.forward_pre_hooks.append(pre)
-    unit.forward_hooks.append(post)
+    unit.restoring_hooks.append(post)
     unit.swap_class = _extended_class(unit.swap_class or type(cell), mixin, prefix)
     unit.object_attributes.extend(taken)
     return list(edits.values())

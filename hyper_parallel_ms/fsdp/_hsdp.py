@@ -67,12 +67,15 @@ class HSDPCell(FSDPModule):
         self.zero_accumulated_grads()
 
     def set_forward_prefetch_cells(self, hsdp_cell_list: Sequence["HSDPCell"]) -> None:
-        """Record the Cells whose gathers may start early (this engine gathers synchronously)."""
-        self.__dict__["_hpms_forward_prefetch"] = _check_cells(hsdp_cell_list)
+        """Gather these Cells' parameters ahead of their forward, in this Cell's
+        (:meth:`FSDPModule.set_modules_to_forward_prefetch`)."""
+        self.set_modules_to_forward_prefetch(_check_cells(hsdp_cell_list))
 
     def set_backward_prefetch_cells(self, hsdp_cell_list: Sequence["HSDPCell"]) -> None:
-        """Record the Cells to prefetch in backward (the backward here does not gather)."""
-        self.__dict__["_hpms_backward_prefetch"] = _check_cells(hsdp_cell_list)
+        """Gather these Cells' freed parameters when this Cell's backward gathers its own
+        (:meth:`FSDPModule.set_modules_to_backward_prefetch`; level3 only: the others gather nothing
+        in the backward)."""
+        self.set_modules_to_backward_prefetch(_check_cells(hsdp_cell_list))
 
 
 def _check_cells(cells: Sequence[Any]) -> List[HSDPCell]:

@@ -63,6 +63,7 @@ class RegatherOnBackward:
         self.groups = list(groups)
         self.reshard_after_forward = reshard_after_forward
         self._chunks: Dict[int, Any] = {}                   # group -> this rank's 1/k of the buffer (int k)
+        self.ahead: List["RegatherOnBackward"] = []          # units whose backward gathers run after this one's
         self.call = 0
         self._where: Dict[Tuple[int, Tuple[int, ...]], Tuple[int, int]] = {}
         self._shapes: Set[Tuple[int, ...]] = set()
@@ -93,16 +94,38 @@ class RegatherOnBackward:
         for kept in early:
             self._free(kept)
 
-    def end(self) -> None:
-        """Stop hooking (the unit's forward ended)."""
+    def pause(self) -> None:
+        """Stop hooking until :meth:`resume`, keeping what to free (a gather made ahead of the
+        unit's forward: another unit's forward runs in between)."""
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
+
+    def resume(self) -> None:
+        """Hook again the tensors of the forward that :meth:`pause` interrupted."""
+        if self._hooks is None:
+            self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+
+    def end(self) -> None:
+        """Stop hooking (the unit's forward ended)."""
+        self.pause()
         self._where, self._shapes, self._early, self._chunks = {}, set(), None, {}
+
+    def gather_ahead(self) -> None:
+        """Gather now every group whose records the backward has not used yet (backward prefetch)."""
+        with no_grad():
+            for (_, g), entry in self._live.items():
+                if entry[0] is None:
+                    entry[0], entry[2] = self._regather(g, entry[2]), None
 
     def records_held(self) -> int:
         """The records of freed values the backward has not used yet."""
         return sum(entry[1] for entry in self._live.values())
+
+    def bytes_held(self) -> int:
+        """Bytes kept for the backward's gathers (``1/k`` of each group's buffer with an int ``k``)."""
+        return sum(entry[2].nbytes for entry in self._live.values() if entry[2] is not None)
 
     def _kept_rows(self, g: int, flat) -> Any:
         """This rank's ``1/k`` of group ``g``'s gathered buffer (a copy), for a group resharded to ``k`` ranks."""
@@ -147,6 +170,8 @@ class RegatherOnBackward:
             with no_grad():
                 entry[0] = self._regather(kept.group, entry[2])
             entry[2] = None
+            for other in self.ahead:            # backward prefetch: their gathers issued now
+                other.gather_ahead()
         flat, values = entry[0]
         entry[1] -= 1
         if entry[1] <= 0:

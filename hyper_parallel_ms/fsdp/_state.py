@@ -19,7 +19,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, nn
@@ -71,7 +71,9 @@ class FSDPState:
         self.deferred = True                   # until every piece is seen initialised
         self.checked = False                   # MindSpore's first-call checks of the Cells done
         self.compiled = False                  # a graph gathering this Cell's parameters was compiled
-        self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward
+        self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward (if resharding)
+        self.prefetched: Optional[list] = None   # gathered ahead by another unit's forward (forward prefetch)
+        self.forward_prefetch: List["FSDPState"] = []     # units this one gathers ahead of their forward
 
     @property
     def params(self) -> List[FSDPParam]:
@@ -102,22 +104,39 @@ class FSDPState:
 
     def _frees_after_forward(self) -> bool:
         # inside an activation checkpoint MindSpore keeps nothing and the recompute gathers again
-        return (self.reshard_after_forward is not False and self.kept is None and self.reused is None
-                and SAVED_TENSOR_HOOKS and not recomputing())
+        return self.saving is not None and self.kept is None and SAVED_TENSOR_HOOKS and not recomputing()
 
     def _gather_for_forward(self) -> list:
-        """One gather per group. After a backward without sync and with ``reshard_after_backward=False``
-        the values gathered then are used again (no collective), until a forward with sync. With
+        """The full values for this forward: gathered ahead by another unit (:meth:`prefetch`), or now."""
+        if self.prefetched is not None:
+            (values, freeing), self.prefetched = self.prefetched, None
+            if freeing:
+                self.saving.resume()
+            return values
+        return self._gather()[0]
+
+    def prefetch(self) -> None:
+        """Gather this unit's parameters now, for its next forward (another unit's forward pre-hook
+        calls it: FSDP2's ``set_modules_to_forward_prefetch``); a gather made ahead and not used is
+        replaced."""
+        if self.kept is None:
+            self.prefetched = self._gather()
+            if self.prefetched[1]:
+                self.saving.pause()
+
+    def _gather(self) -> Tuple[list, bool]:
+        """One gather per group, and whether the unit's saved-tensor hooks now free what it
+        gathered. After a backward without sync and with ``reshard_after_backward=False`` the
+        values gathered then are used again (no collective), until a forward with sync. With
         ``reshard_after_forward`` the gathered values are kept for the backward as records and
         gathered again there (:mod:`._reshard`)."""
         keep = not self.sync.sync and not self.reshard_after_backward
+        freeing = self.reused is None and not keep and self._frees_after_forward()
         if self.reused is not None:
             gathered = [g.gathered(reuse=flat) for g, (flat, _) in zip(self.groups, self.reused)]
-        elif keep or not self._frees_after_forward():
+        elif not freeing:
             gathered = [g.gathered() for g in self.groups]
         else:
-            if self.saving is None:
-                self.saving = RegatherOnBackward(self.groups, self.reshard_after_forward)
             self.saving.begin()
             try:
                 gathered = [g.gathered() for g in self.groups]
@@ -126,7 +145,7 @@ class FSDPState:
                 raise
             self.saving.gathered([item if g.sharded else None for g, item in zip(self.groups, gathered)])
         self.reused = gathered if keep else None
-        return [v for _, values in gathered for v in values]
+        return [v for _, values in gathered for v in values], freeing
 
     def check_compilable(self) -> None:
         """Called while ms.jit / GRAPH_MODE compiles a read of this Cell's parameters: refuse what
@@ -162,6 +181,8 @@ class FSDPState:
             run_first_call_checks(self.cell)      # while the pieces are in place
             self.checked = True
         self._install(self._gather_for_forward())
+        for other in self.forward_prefetch:
+            other.prefetch()
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             return _cast_floats(args, self.policy.param_dtype)
         return None
@@ -185,7 +206,7 @@ class FSDPState:
         self._install(self.kept)
 
     def reshard(self) -> None:
-        self.kept, self.reused = None, None
+        self.kept, self.reused, self.prefetched = None, None, None
         self._restore()
 
     def clear_pending(self) -> None:

@@ -94,7 +94,8 @@ class ModuleEdit:
     ``parameters``: how each parameter (by attribute name) is cut; ``inputs`` / ``outputs`` /
     ``kwarg_inputs``: conversions run inside ``construct`` (keyword ones: a PyNative forward
     pre-hook); ``forward_pre_hooks`` / ``forward_hooks``: plain PyNative forward hooks (the
-    DTensor path); ``custom_apply``: a user's code changing the Cell itself (run after every
+    DTensor path); ``restoring_hooks``: forward hooks run even when the forward raises (they put
+    the Cell back); ``custom_apply``: a user's code changing the Cell itself (run after every
     other edit's changes); ``replicate_rest``: a mesh on which every parameter under the Cell
     that is not a DTensor afterwards becomes a replicated one; ``marks_done``: record that
     ``engine`` sharded this Cell (:func:`~._rules.check_not_done`); ``object_attributes``:
@@ -110,6 +111,7 @@ class ModuleEdit:
     kwarg_inputs: Dict[str, ConversionSpec] = field(default_factory=dict)
     forward_pre_hooks: List[Callable] = field(default_factory=list)
     forward_hooks: List[Callable] = field(default_factory=list)
+    restoring_hooks: List[Callable] = field(default_factory=list)
     custom_apply: Optional[Callable[[], Any]] = None
     replicate_rest: Any = None
     marks_done: bool = False
@@ -188,6 +190,8 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
         changes.add_forward_pre_hook(edit.cell, fn)
     for fn in edit.forward_hooks:
         changes.add_forward_hook(edit.cell, fn)
+    for fn in edit.restoring_hooks:
+        changes.add_forward_hook(edit.cell, fn, always_call=True)
     for obj, name, value in edit.object_attributes:
         changes.set_attribute(obj, name, value)
 
