@@ -137,7 +137,8 @@ except ImportError:  # MindSpore 2.8
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
            "OVERLOAD_OPS_CALLABLE",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
-           "plain_view", "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
+           "plain_view", "adopt", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
+           "compiling_graph_code",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
            "taped", "taped_call", "tape_backward", "discard_grad_recording",
@@ -468,6 +469,25 @@ def cell_subclass(name: str, bases: Tuple[type, ...], namespace: Dict[str, Any])
 
 
 # ------------------------------------------------------------ compile-time Python
+def run_first_call_checks(cell: Any) -> None:
+    """Run now the checks MindSpore's ``Cell.__call__`` runs on a Cell's first call (they walk the
+    parameter tables and expect Parameters there), for ``cell`` and every Cell under it. Contract:
+    ``_is_check_and_refresh`` / ``_self_check`` and ``_init_flag`` / ``_init_check``, and after
+    this a call no longer runs them.
+
+    Args:
+        cell: an ``nn.Cell``.
+
+    >>> from mindspore import nn
+    >>> run_first_call_checks(nn.Dense(2, 2))
+    """
+    for _, sub in cell.cells_and_names():
+        if not getattr(sub, "_is_check_and_refresh", True):
+            sub._self_check()
+        if not getattr(sub, "_init_flag", True):
+            sub._init_check()
+
+
 def cached_in_python(fn: F) -> F:
     """Memoise ``fn`` (hashable arguments); under ms.jit it runs in Python at compile time."""
     return functools.lru_cache(maxsize=4096)(fn)
@@ -505,6 +525,20 @@ def running_eagerly() -> bool:
     True
     """
     return not is_compiling()
+
+
+@run_in_python
+def compiling_graph_code() -> bool:
+    """``True`` where MindSpore's compiler compiles the caller as graph code, ``False`` where
+    Python runs it: in PyNative, and in Python code a compile runs (a Cell's ``repr``, which
+    GRAPH_MODE's compile calls and which reads properties). Contract: the compiler evaluates a
+    ``run_in_python`` call of graph code from a frame of code compiled from a string, not
+    from the caller's own code (checked by the seam's contract test).
+
+    >>> compiling_graph_code()
+    False
+    """
+    return sys._getframe(1).f_code.co_filename == "<string>" and is_compiling()
 
 
 def _compiled_arguments(fn: Callable, args: tuple, kwargs: dict) -> Iterator[Tuple[str, Any]]:

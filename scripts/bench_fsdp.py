@@ -1,30 +1,34 @@
-"""Benchmark: fully_shard on the example Llama model at 1, 2 and 4 CPU ranks.
+"""Benchmark: fully_shard / hsdp against plain data parallelism on CPU ranks, in one run.
 
-Prints, per world size N (rank 0's figures): bytes per rank of parameters + gradients +
-AdamWeightDecay state, unsharded and with fully_shard per block and at the root (ratio to
-unsharded, against 1/N and against 1/N plus the largest gathered Cell, which is what a rank
-holds at most while one Cell computes); the rise of the peak resident set size while the
-model is built, sharded and initialised, eagerly and under ``no_init_parameters()`` with
-``init_parameters``; and the median PyNative step time of fully_shard against plain data
-parallelism (full replicas, gradients all-reduced by ``GradientReducer``) on the same
-per-rank batch, as a ratio. MindSpore's own DistributedDataParallel is tried too: its
-result or the reason it cannot run is printed.
+Three sections, each printed with the command's settings (rank 0's figures, the machine as it is):
 
-With ``--rounds R`` it instead times, in R interleaved rounds (each round runs every variant
-for ``--steps`` steps, so that load from other processes falls on all of them alike), fully_shard
-with ``reshard_after_forward`` True and False, plain data parallelism with this package's
-``GradientReducer`` and with MindSpore's ``nn.DistributedGradReducer``, and prints each variant's
-median step time and its ratio to the faster plain data parallelism.
+- ``time``: median step time (forward, backward, AdamWeightDecay step) in ``--rounds`` interleaved
+  rounds of ``--steps`` steps, so that load from other processes falls on every variant alike:
+  fully_shard per block and at the root with ``reshard_after_forward`` True, False and (on 4 or
+  more ranks) 2, and plain data parallelism (full replicas) with MindSpore's
+  ``nn.DistributedGradReducer`` and with this package's ``GradientReducer``; PyNative and compiled
+  (the gradient step under ``ms.jit``). Ratios are to the faster plain data parallelism of the mode.
+- ``counts``: the collectives of one step of each variant (CommDebugMode; compiled: recorded while
+  the graph is compiled, once per read in the graph).
+- ``memory``: per variant, in a fresh pool (no memory freed by earlier work hides the rise): the
+  bytes held between steps (parameters, gradients, optimizer state: this rank's pieces) and the
+  rise of the peak resident set size over two training steps of a model built under
+  ``no_init_parameters()`` (so no rank ever holds the whole model), against
+  1/N of the whole model's state plus the largest gathered unit; for fully_shard True / False and
+  hsdp levels 1, 2 and 3.
 
-Usage: .venv/bin/python scripts/bench_fsdp.py [--ranks 1,2,4] [--dim 256] [--layers 4] [--vocab 4096] [--steps 5]
-       [--rounds R]
+The model: ``--units`` blocks, each a ``--dim`` x ``--dim`` Dense (fp32, with bias) and a tanh,
+``--rows`` rows per rank; parameters dominate memory, collectives dominate time on CPU.
+
+Usage: .venv/bin/python scripts/bench_fsdp.py [--ranks 2,4] [--sections time,counts,memory]
+       [--units 6] [--dim 256] [--rows 64] [--rounds 3] [--steps 5] [--memory-dim 1024]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Dict
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -32,199 +36,211 @@ import numpy as np
 from hyper_parallel_ms.testing import run_on_ranks, shutdown_pools
 from hyper_parallel_ms.testing._probes import reset_peak_rss, status_kb
 
-
-def _config(dim: int, layers: int, vocab: int):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from examples.llama import LlamaConfig
-    return LlamaConfig(vocab=vocab, dim=dim, layers=layers, heads=4, hidden=4 * dim, max_seq=16)
+MiB = 1024 * 1024
 
 
-def _sharded(config, mesh, deferred: bool):
-    from examples.llama import Llama
-    from hyper_parallel_ms import fully_shard, init_parameters, no_init_parameters
-    ms.set_seed(0)
-    if deferred:
-        with no_init_parameters():
-            model = Llama(config)
-    else:
-        model = Llama(config)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if deferred:
-        init_parameters(model)
-    return model
-
-
-def _step_time(model, grad_reduce, ids, onehot, steps: int) -> float:
+def _model(units: int, dim: int):
     from mindspore import nn
-    from examples.llama import cross_entropy
-    params = model.trainable_params()
-    opt = nn.AdamWeightDecay(params, learning_rate=1e-3)
-    step = ms.value_and_grad(lambda i, o: cross_entropy(model(i), o), None, params)
-    times = []
-    for _ in range(steps + 1):
-        began = time.perf_counter()
-        _, grads = step(ids, onehot)
-        opt(grad_reduce(grads))
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[1:])
+    layers = []
+    for _ in range(units):
+        layers += [nn.Dense(dim, dim), nn.Tanh()]
+    return nn.SequentialCell([nn.SequentialCell(layers[i:i + 2]) for i in range(0, len(layers), 2)])
 
 
-def _state_bytes(model) -> Dict[str, int]:
+def _shard(model, mesh, how: str) -> None:
+    """``how``: ``fsdp:<reshard>`` (True, False or an int) or ``hsdp:<level>``."""
+    from hyper_parallel_ms import fully_shard, hsdp
+    kind, value = how.split(":")
+    for block in list(model) + [model]:
+        if kind == "fsdp":
+            reshard = {"True": True, "False": False}.get(value, None)
+            fully_shard(block, mesh=mesh, reshard_after_forward=int(value) if reshard is None else reshard)
+        else:
+            hsdp(block, threshold=0, optimizer_level=value, comm_fusion=True)
+
+
+def _variant(how: str, mesh, units: int, dim: int, mode: str) -> Tuple[Callable, object]:
+    """A step function of one variant (``dp:<reducer>`` or a :func:`_shard` spec) and its model."""
     from mindspore import nn
-    params = model.trainable_params()
-    opt = nn.AdamWeightDecay(params, learning_rate=1e-3)
-    p = sum(x.nbytes for x in params)
-    return {"params": p, "grads": p, "optimizer": sum(x.nbytes for x in opt.moments1) +
-            sum(x.nbytes for x in opt.moments2)}
-
-
-def measure_rss(dim: int, layers: int, vocab: int, deferred: bool) -> int:
-    """Rise of the peak RSS while the model is built, sharded (and initialised): run first in a
-    fresh rank process, so that no freed memory of earlier work hides the rise."""
-    from mindspore import communication
-    from hyper_parallel_ms.mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
-    config = _config(dim, layers, vocab)
-    base = reset_peak_rss()
-    _sharded(config, mesh, deferred=deferred)
-    return (status_kb("VmHWM") - base) * 1024
-
-
-def measure(dim: int, layers: int, vocab: int, steps: int) -> Dict[str, object]:
-    from mindspore import communication
-    from examples.llama import Llama
-    from hyper_parallel_ms.mesh import init_device_mesh
     from hyper_parallel_ms.nn import GradientReducer
-    n = communication.get_group_size()
-    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
-    config = _config(dim, layers, vocab)
-    out: Dict[str, object] = {"n": n}
-
-    base = reset_peak_rss()
     ms.set_seed(0)
-    full = Llama(config)
-    out["full"] = _state_bytes(full)
-    largest = max(sum(p.nbytes for p in block.trainable_params()) for block in full.layers)
-    root_own = sum(p.nbytes for p in full.trainable_params()) - sum(
-        p.nbytes for block in full.layers for p in block.trainable_params())
-    out["largest_cell"] = max(largest, root_own)
+    model = _model(units, dim)
+    n = mesh.size()
+    if how.startswith("dp:"):
+        params = model.trainable_params()
+        reduce = (nn.DistributedGradReducer(params, mean=True, degree=n) if how == "dp:mindspore"
+                  else GradientReducer(params, dp_mesh=mesh, dp_dim="dp"))
+    else:
+        _shard(model, mesh, how)
+        params = model.trainable_params()
+        reduce = None
+    opt = nn.AdamWeightDecay(params, learning_rate=1e-3)
 
-    model = _sharded(config, mesh, deferred=True)
-    out["sharded"] = _state_bytes(model)
+    def loss_fn(x):
+        return (model(x) ** 2).mean()
+    grad = ms.value_and_grad(loss_fn, None, params)
 
-    rows = 2
-    rng = np.random.default_rng(0)
-    ids = ms.Tensor(rng.integers(0, vocab, (rows, 16)).astype(np.int32))
-    onehot = ms.Tensor(np.eye(vocab, dtype=np.float32)[rng.integers(0, vocab, (rows, 16))])
-    out["t_fsdp"] = _step_time(model, lambda g: g, ids, onehot, steps)
-    reducer = GradientReducer(full.trainable_params(), dp_mesh=mesh, dp_dim="dp")
-    out["t_dp"] = _step_time(full, reducer, ids, onehot, steps)
-    try:
-        from mindspore.parallel.distributed import DistributedDataParallel
-        ddp = DistributedDataParallel(Llama(config), bucket_cap_mb=None, average_in_collective=True)
-        out["t_ddp"] = _step_time(ddp, lambda g: g, ids, onehot, steps)
-    except Exception as err:      # reported, not hidden: the reason MindSpore's DDP cannot run here
-        out["t_ddp"] = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
+    def step_fn(x):
+        loss, grads = grad(x)
+        return loss, (reduce(grads) if reduce is not None else grads)
+    step = ms.jit(step_fn) if mode == "jit" else step_fn
+
+    def run(x):
+        loss, grads = step(x)
+        opt(grads)
+        return loss
+    return run, model
+
+
+def _variants(n: int) -> List[str]:
+    out = ["fsdp:True", "fsdp:False"] + (["fsdp:2"] if n >= 4 else []) + ["dp:mindspore", "dp:package"]
     return out
 
 
-def measure_interleaved(dim: int, layers: int, vocab: int, steps: int, rounds: int) -> Dict[str, object]:
-    """Median step time of each variant over ``rounds`` interleaved rounds of ``steps`` steps."""
-    from mindspore import communication, nn
-    from examples.llama import Llama, cross_entropy
-    from hyper_parallel_ms import fully_shard
+def _batch(rows: int, dim: int):
+    return ms.Tensor(np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32))
+
+
+def measure_time(units: int, dim: int, rows: int, steps: int, rounds: int) -> Dict[str, Dict[str, float]]:
+    from mindspore import communication
     from hyper_parallel_ms.mesh import init_device_mesh
-    from hyper_parallel_ms.nn import GradientReducer
-    n = communication.get_group_size()
-    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
-    config = _config(dim, layers, vocab)
-    rng = np.random.default_rng(0)
-    ids = ms.Tensor(rng.integers(0, vocab, (2, 16)).astype(np.int32))
-    onehot = ms.Tensor(np.eye(vocab, dtype=np.float32)[rng.integers(0, vocab, (2, 16))])
+    mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
+    x = _batch(rows, dim)
+    out: Dict[str, Dict[str, float]] = {}
+    for mode in ("pynative", "jit"):
+        runs = {how: _variant(how, mesh, units, dim, mode)[0] for how in _variants(mesh.size())}
+        times: Dict[str, list] = {k: [] for k in runs}
+        for run in runs.values():
+            run(x).asnumpy()                                # warm-up: first-call checks, compiles
+        for _ in range(rounds):
+            for how, run in runs.items():
+                for _ in range(steps):
+                    began = time.perf_counter()
+                    run(x).asnumpy()
+                    times[how].append(time.perf_counter() - began)
+        out[mode] = {k: statistics.median(v) for k, v in times.items()}
+    return out
 
-    def variant(shard, reducer):
-        ms.set_seed(0)
-        model = Llama(config)
-        if shard is not None:
-            for block in model.layers:
-                fully_shard(block, mesh=mesh, reshard_after_forward=shard)
-            fully_shard(model, mesh=mesh, reshard_after_forward=shard)
-        params = model.trainable_params()
-        opt = nn.AdamWeightDecay(params, learning_rate=1e-3)
-        step = ms.value_and_grad(lambda i, o: cross_entropy(model(i), o), None, params)
-        reduce = reducer(params) if reducer is not None else (lambda g: g)
-        return lambda: opt(reduce(step(ids, onehot)[1]))
 
-    variants = {
-        "fully_shard reshard=True": variant(True, None),
-        "fully_shard reshard=False": variant(False, None),
-        "DP GradientReducer": variant(None, lambda ps: GradientReducer(ps, dp_mesh=mesh, dp_dim="dp")),
-        "DP nn.DistributedGradReducer": variant(None, lambda ps: nn.DistributedGradReducer(ps, mean=True, degree=n)),
-    }
-    times: Dict[str, list] = {k: [] for k in variants}
-    for run in variants.values():
-        run()                                           # warm-up: first-call checks, kernels
-    for _ in range(rounds):
-        for name, run in variants.items():
-            for _ in range(steps):
-                began = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - began)
-    return {"n": n, **{k: statistics.median(v) for k, v in times.items()}}
+_PRIMITIVES = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll")
+
+
+def _compiled_collectives(run: Callable, x) -> Dict[str, int]:
+    """The collective primitives in the graph ``run``'s first call compiles (MindSpore's graph dump:
+    recording at trace time counts a graph MindSpore reuses for several reads once)."""
+    import glob
+    import re
+    import tempfile
+    with tempfile.TemporaryDirectory() as path:
+        ms.set_context(save_graphs=1, save_graphs_path=path)
+        try:
+            run(x).asnumpy()
+        finally:
+            ms.set_context(save_graphs=0)
+        text = "".join(open(g).read() for g in glob.glob(f"{path}/**/graph_build_*.ir", recursive=True))
+    return {p: n for p in _PRIMITIVES if (n := len(re.findall(rf"= {p}\(", text)))}
+
+
+def measure_counts(units: int, dim: int, rows: int) -> Dict[str, Dict[str, Dict[str, int]]]:
+    from mindspore import communication
+    from hyper_parallel_ms.comm import CommDebugMode
+    from hyper_parallel_ms.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
+    x = _batch(rows, dim)
+    out: Dict[str, Dict[str, Dict[str, int]]] = {"pynative": {}, "jit": {}}
+    for how in _variants(mesh.size()):
+        run, _ = _variant(how, mesh, units, dim, "pynative")
+        with CommDebugMode() as debug:
+            run(x).asnumpy()
+        counts: Dict[str, int] = {}
+        for r in debug.records:
+            counts[f"{r.kind} over {r.group_size}"] = counts.get(f"{r.kind} over {r.group_size}", 0) + 1
+        out["pynative"][how] = counts
+        out["jit"][how] = _compiled_collectives(_variant(how, mesh, units, dim, "jit")[0], x)
+    return out
+
+
+def measure_memory(how: str, units: int, dim: int, rows: int) -> Dict[str, float]:
+    """In a fresh rank process: build under no_init_parameters, shard, initialise, two steps."""
+    from mindspore import communication, nn
+    from hyper_parallel_ms import init_parameters, no_init_parameters
+    from hyper_parallel_ms.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
+    x = _batch(rows, dim)
+    base = reset_peak_rss()
+    ms.set_seed(0)
+    with no_init_parameters():
+        model = _model(units, dim)
+    _shard(model, mesh, how)
+    init_parameters(model)
+    params = model.trainable_params()
+    opt = nn.AdamWeightDecay(params, learning_rate=1e-3)
+    grad = ms.value_and_grad(lambda v: (model(v) ** 2).mean(), None, params)
+    for _ in range(2):
+        loss, grads = grad(x)
+        opt(grads)
+        loss.asnumpy()
+    held = sum(p.nbytes for p in params) * 2 + sum(m.nbytes for m in list(opt.moments1) + list(opt.moments2))
+    return {"peak_rise": (status_kb("VmHWM") - base) * 1024.0, "held": float(held)}
+
+
+def _print_time(n: int, result: Dict[str, Dict[str, float]], rounds: int, steps: int) -> None:
+    for mode, times in result.items():
+        plain = min(times["dp:mindspore"], times["dp:package"])
+        print(f"N={n} {mode}: median step time over {rounds} interleaved rounds of {steps} steps "
+              f"(ratio to the faster plain DP)")
+        for how, t in times.items():
+            print(f"    {how:<14} {t * 1e3:8.1f} ms  {t / plain:5.2f}x")
+
+
+def _print_counts(n: int, result: Dict[str, Dict[str, Dict[str, int]]]) -> None:
+    for mode, variants in result.items():
+        print(f"N={n} {mode}: " + ("collectives of one step (CommDebugMode)" if mode == "pynative" else
+                                   "collective primitives in the compiled step's graph (on CPU every collective "
+                                   "is an AllReduce or MCCL's AllGather)"))
+        for how, counts in variants.items():
+            text = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or (
+                "not recorded (MindSpore's own collectives)" if mode == "pynative" else "none found")
+            print(f"    {how:<14} {text}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--sections", default="time,counts,memory")
+    parser.add_argument("--units", type=int, default=6)
     parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--memory-units", type=int, default=8)
+    parser.add_argument("--memory-dim", type=int, default=1024)
     args = parser.parse_args()
-    mib = 1024 * 1024
-    if args.rounds:
-        try:
-            for n in (int(s) for s in args.ranks.split(",")):
-                r = run_on_ranks(measure_interleaved, n, args.dim, args.layers, args.vocab, args.steps, args.rounds,
-                                 timeout=1800)[0]
-                plain = min(r["DP GradientReducer"], r["DP nn.DistributedGradReducer"])
-                print(f"N={n}, {args.rounds} interleaved rounds of {args.steps} steps (median step time, ratio to the "
-                      "faster plain DP):")
-                for name, t in r.items():
-                    if name != "n":
-                        print(f"      {name}: {t * 1e3:.1f} ms ({t / plain:.2f}x)")
-        finally:
-            shutdown_pools()
-        return
+    sections = args.sections.split(",")
     try:
         for n in (int(s) for s in args.ranks.split(",")):
-            rss = {}
-            for deferred in (False, True):
-                shutdown_pools()
-                rss[deferred] = max(run_on_ranks(measure_rss, n, args.dim, args.layers, args.vocab, deferred,
-                                                 timeout=900))
-            r = run_on_ranks(measure, n, args.dim, args.layers, args.vocab, args.steps, timeout=1800)[0]
-            r["rss_eager"], r["rss_deferred"] = rss[False], rss[True]
-            full, sharded = sum(r["full"].values()), sum(r["sharded"].values())
-            print(f"N={n}: params+grads+AdamW state per rank {sharded / mib:.2f} MiB of {full / mib:.2f} MiB "
-                  f"unsharded = {sharded / full:.3f} (1/N = {1 / n:.3f}); with the largest gathered Cell "
-                  f"({r['largest_cell'] / mib:.2f} MiB) {(sharded + r['largest_cell']) / full:.3f}")
-            print(f"      ({', '.join(f'{k} {v / mib:.2f}' for k, v in r['sharded'].items())} MiB)")
-            print(f"      peak RSS rise building + sharding (max over ranks): eager {r['rss_eager'] / mib:.1f} MiB, deferred init "
-                  f"{r['rss_deferred'] / mib:.1f} MiB")
-            ddp = r["t_ddp"]
-            ddp_text = f"{ddp * 1e3:.1f} ms" if isinstance(ddp, float) else f"not run ({ddp})"
-            print(f"      step time: fully_shard {r['t_fsdp'] * 1e3:.1f} ms, plain DP {r['t_dp'] * 1e3:.1f} ms "
-                  f"(ratio {r['t_fsdp'] / r['t_dp']:.2f}); MindSpore DistributedDataParallel: {ddp_text}")
+            if "time" in sections:
+                _print_time(n, run_on_ranks(measure_time, n, args.units, args.dim, args.rows, args.steps,
+                                            args.rounds, timeout=3600)[0], args.rounds, args.steps)
+            if "counts" in sections:
+                _print_counts(n, run_on_ranks(measure_counts, n, args.units, args.dim, args.rows, timeout=1800)[0])
+            if "memory" in sections:
+                u, d = args.memory_units, args.memory_dim
+                whole = u * (d * d + d) * 4 * 4          # parameters, gradients, two AdamW moments
+                unit = (d * d + d) * 4
+                print(f"N={n} memory: {u} units of {unit / MiB:.2f} MiB, the whole model's state "
+                      f"{whole / MiB:.1f} MiB; 1/N of it {whole / n / MiB:.1f} MiB, plus one gathered unit "
+                      f"{(whole / n + unit) / MiB:.1f} MiB")
+                for how in ("fsdp:True", "fsdp:False", "hsdp:level1", "hsdp:level2", "hsdp:level3"):
+                    shutdown_pools()
+                    r = max(run_on_ranks(measure_memory, n, how, u, d, 16, timeout=900),
+                            key=lambda m: m["peak_rise"])
+                    print(f"    {how:<14} held between steps {r['held'] / MiB:6.1f} MiB, peak RSS rise "
+                          f"{r['peak_rise'] / MiB:6.1f} MiB (max over ranks)")
     finally:
         shutdown_pools()
 
 
 if __name__ == "__main__":
-    import bench_fsdp                 # the ranks import the case function by module name
+    import bench_fsdp                 # the ranks import the case functions by module name
     bench_fsdp.main()

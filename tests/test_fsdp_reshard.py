@@ -50,7 +50,7 @@ def test_reshard_after_forward_frees_the_gathered_values_until_the_backward_2_ra
         def loss(v):
             out = loss_of(model, v)
             # after the forward: records waiting for the backward, no gathered value held by them
-            held["records"] = sum(n for s in states if s.saving is not None for _, n in s.saving._live.values())
+            held["records"] = sum(s.saving.records_held() for s in states if s.saving is not None)
             return out
         ms.value_and_grad(loss, None, model.trainable_params())(x)
         if reshard:

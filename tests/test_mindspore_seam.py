@@ -309,6 +309,46 @@ def test_contract_running_eagerly_keeps_a_branch_out_of_graphs():
     assert _EAGER_CALLS == ["Tensor"]
 
 
+class _GraphCodeOrPython(nn.Cell):
+    """``v`` is 2.0 when compiled as graph code, 3.0 when Python runs the property (also during a compile)."""
+
+    @property
+    def v(self):
+        if seam.compiling_graph_code():
+            return 2.0
+        return 3.0
+
+    def construct(self, x):
+        return x * self.v
+
+    def extend_repr(self):
+        return f"v={self.v}"          # read by Python while GRAPH_MODE compiles (its repr)
+
+
+def test_contract_compiling_graph_code_tells_graph_code_from_python_run_during_a_compile():
+    cell, x = _GraphCodeOrPython(), Tensor([1.0])
+    np.testing.assert_allclose(cell(x).asnumpy(), [3.0])
+    np.testing.assert_allclose(ms.jit(cell.construct)(x).asnumpy(), [2.0])
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        np.testing.assert_allclose(_GraphCodeOrPython()(x).asnumpy(), [2.0])
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert "v=3.0" in repr(cell)
+
+
+def test_contract_first_call_checks_run_once_and_a_forward_hook_always_called_runs_on_errors():
+    dense = nn.Dense(2, 2)
+    assert not dense._init_flag or not dense._is_check_and_refresh       # MindSpore's first call would check
+    seam.run_first_call_checks(dense)
+    assert dense._init_flag and dense._is_check_and_refresh
+    seen = []
+    dense.register_forward_hook(lambda cell, args, out: seen.append(out), always_call=True)
+    with pytest.raises(Exception):
+        dense(Tensor(np.ones((1, 3), np.float32)))            # wrong width: the forward raises
+    assert seen == [None]
+
+
 class _Base(nn.Cell):
     def __init__(self):
         super().__init__()

@@ -60,6 +60,7 @@ class _Call:
     sizes: Tuple[int, ...]
     record: Optional[CommRecord]
     empty_output: bool     # some rank's output piece is empty (reduce_scatter / all_to_all chunks)
+    on_cpu: bool = False   # native on MindSpore's CPU backend (MCCL: world group, composed backward)
 
 
 def _norm_dim(dim: int, ndim: int, what: str) -> int:
@@ -107,9 +108,11 @@ def _wire_form(path: str, kind: str, dtype, itemsize: int, n: int, op: str,
 @cached_in_python
 def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, dim: int = 0,
           sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0,
-          compiled: bool = False) -> _Call:
+          compiled: bool = False, eager: bool = True) -> _Call:
     group = mesh.comm_group(mesh_dim)
-    path = select_path(_cluster.device_target(), kind)
+    # MCCL's AllGather: no empty piece; PyNative only (compiled, its Cell breaks MindSpore's constant folding)
+    world = group.is_world and eager and 0 not in (sizes if sizes is not None else shape)
+    path = select_path(_cluster.device_target(), kind, world_group=world, dtype=dtype)
     n = group.size
     if path == "composed" and n > 1:
         _composed.check_dtype(dtype)
@@ -144,15 +147,16 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
                      str(dtype)) if n > 1 else None
     empty_output = kind in ("reduce_scatter", "all_to_all") and \
         0 in chunk_sizes(shape[dim if kind == "reduce_scatter" else split_dim], n)
-    return _Call(group, path == "native", dim, sizes or (), rec, empty_output)
+    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, _cluster.device_target() == "CPU")
 
 
 @run_in_python
 def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: int, **options) -> _Call:
     """The planned call, checked for graph compilation, and counted by active CommDebugModes
     (inside ms.jit once, when the graph is compiled)."""
-    call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, compiled=dtype == ms.float64 and is_compiling(),
-                 **options)
+    compiling = is_compiling()
+    call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, compiled=dtype == ms.float64 and compiling,
+                 eager=not compiling, **options)
     if call.empty_output and call.group.size > 1 and is_compiling():
         raise NotImplementedError(
             f"{kind} over mesh dim {mesh_dim!r} would leave some rank an empty output piece (tensor shape "
@@ -185,6 +189,8 @@ def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[in
     if call.group.size == 1:
         return x
     if call.native:
+        if call.on_cpu:
+            return _composed.world_all_gather(x, call.dim, call.sizes, call.group)
         return _native.all_gather(x, call.dim, call.sizes, call.group)
     return _composed.all_gather(x, call.dim, call.sizes, call.group)
 

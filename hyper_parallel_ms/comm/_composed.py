@@ -21,10 +21,12 @@ from mindspore import nn, ops
 
 from .._mindspore import cached_in_python
 from ..layout import chunk_offsets, chunk_sizes
+from . import _native
 from ._exact import check_dtype, place_over, sum_over
 from ._tensor import narrow, pad_dim
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "place_over", "check_dtype"]
+__all__ = ["all_gather", "world_all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "place_over",
+           "check_dtype"]
 
 def _slot(sizes: Sequence[int], rank: int) -> Tuple[int, int]:
     """Slices before and after ``rank``'s piece in the gathered buffer."""
@@ -51,6 +53,28 @@ class _AllGather(nn.Cell):
 @cached_in_python
 def _all_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _AllGather:
     return _AllGather(dim, sizes, group)
+
+
+class _WorldGather(_AllGather):
+    """MCCL's own AllGather (on CPU: world group only), with :class:`_AllGather`'s backward
+    (MCCL has no ReduceScatter, the primitive's own backward)."""
+
+    def __init__(self, dim: int, sizes: Tuple[int, ...], group) -> None:
+        super().__init__(dim, sizes, group)
+        self.sizes = sizes
+
+    def construct(self, x):
+        return _native.all_gather(x, self.dim, self.sizes, self.group)
+
+
+@cached_in_python
+def _world_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _WorldGather:
+    return _WorldGather(dim, sizes, group)
+
+
+def world_all_gather(x, dim: int, sizes: Sequence[int], group):
+    """:func:`all_gather` on the world group through MCCL's AllGather (forward bytes halved)."""
+    return _world_gather_cell(dim, tuple(sizes), group)(x)
 
 
 def all_gather(x, dim: int, sizes: Sequence[int], group):

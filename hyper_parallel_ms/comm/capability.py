@@ -44,8 +44,9 @@ _ROWS = [
     Capability("Ascend", "all_to_all", NATIVE, "ops.AlltoAll (padded when uneven)"),
     Capability("Ascend", "broadcast", NATIVE, "ops.Broadcast; backward: ops.AllReduce kept on the source"),
     Capability("CPU", "all_gather", COMPOSED,
-               "each rank writes its piece into a zero buffer, ops.AllReduce sum "
-               "(MCCL AllGather: world group only, no backward)"),
+               "each rank writes its piece into a zero buffer, ops.AllReduce sum; in PyNative on the world "
+               "group (float32, float16) MCCL's AllGather (native: half the all-reduce's bytes) with this "
+               "composed backward (MCCL has no ReduceScatter)"),
     Capability("CPU", "all_reduce", COMPOSED,
                "sum: ops.AllReduce sum itself; avg = sum / n; max/min: pieces stacked in slots, "
                "AllReduce sum, max/min over the slot axis (MCCL AllReduce: sum only)"),
@@ -78,18 +79,28 @@ DTYPES: Tuple[Tuple[str, str, str], ...] = (
     ("Ascend", "float64", "moved natively; reductions gather every piece and reduce in rank order"),
 )
 
+# (device, collective) -> the dtypes with which a composed collective runs natively on the world group
+WORLD_NATIVE: Dict[Tuple[str, str], Tuple[str, ...]] = {
+    ("CPU", "all_gather"): ("Float32", "Float16"),        # MCCL truncates int64 (measured)
+}
+
 _FORCED: List[str] = []
 
 
-def select_path(device: str, collective: str) -> str:
-    """``native`` or ``composed`` for ``collective`` on ``device`` (``CPU``/``Ascend``).
+def select_path(device: str, collective: str, *, world_group: bool = False, dtype: object = None) -> str:
+    """``native`` or ``composed`` for ``collective`` on ``device`` (``CPU``/``Ascend``); a composed
+    collective listed in ``WORLD_NATIVE`` is native on the world group for the dtypes listed there.
 
     Args:
         device: MindSpore's device target, ``"CPU"`` or ``"Ascend"``.
         collective: ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``, ``"all_to_all"`` or ``"broadcast"``.
+        world_group: whether the group is every rank.
+        dtype: the tensor's dtype (its ``str`` is compared, e.g. ``Float32``).
 
     >>> select_path("CPU", "all_reduce") in ("native", "composed")
     True
+    >>> select_path("CPU", "all_gather", world_group=True, dtype="Float32")
+    'native'
     """
     if _FORCED:
         return _FORCED[-1]
@@ -97,6 +108,8 @@ def select_path(device: str, collective: str) -> str:
     if cap is None:
         raise RuntimeError(f"no {collective} implementation for device target {device!r}; "
                            f"hyper_parallel_ms runs on {sorted({c.device for c in _ROWS})}")
+    if cap.path == COMPOSED and world_group and str(dtype) in WORLD_NATIVE.get((device, collective), ()):
+        return NATIVE
     return cap.path
 
 

@@ -1,40 +1,34 @@
-"""Flattening a group of parameter pieces into one buffer per rank, and unflattening the
-gathered buffer into the full parameters.
+"""One flat buffer per rank for the pieces of a group of parameters, and the way back.
 
-Each parameter of global dim 0 ``d0`` is cut into ``torch.chunk`` pieces over ``n`` ranks
-(``c = ceil(d0 / n)`` rows, the last pieces shorter); every piece is zero-padded to ``c``
-rows, flattened and concatenated, so all ranks send buffers of one length ``L`` and the
-gathered buffer, seen as ``(n, L)``, holds rank ``i``'s pieces in row ``i``. All steps
-are linear slicing and concatenation: their autodiff adjoint routes each gradient
-element back to the piece it came from.
+Each parameter's dim 0 is cut into ``torch.chunk`` pieces over ``n`` ranks (:class:`Chunks`:
+``rows = ceil(d0 / n)``, the last pieces shorter); every piece is zero-padded to ``rows``
+rows, flattened and concatenated, so every rank holds a buffer of one length ``L`` and the
+gathered buffer, seen as ``(n, L)``, holds rank ``i``'s pieces in row ``i``. Parameters kept
+whole are the case ``n == 1``. Every step is linear slicing and concatenation.
 
 Example:
-    >>> flat = FlatLayout([Chunks((5, 2), 2, 1)])
-    >>> flat.numels, flat.length
-    ((6,), 6)
+    >>> flat = FlatLayout([Chunks((5, 2), 2, 1), Chunks((3,), 2, 1)])
+    >>> flat.numels, flat.offsets, flat.length
+    ((6, 2), (0, 6), 8)
 """
 from __future__ import annotations
 
-from math import prod
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 from mindspore import mint, ops
 
 from ._chunks import Chunks
 
-__all__ = ["FlatLayout", "padded_piece", "split_flat", "concat_flat"]
-
-
-def padded_piece(piece, chunks: Chunks):
-    """``piece`` zero-padded to ``chunks.rows`` rows. Shapes come from ``chunks``, not from the
-    tensor: reading a shape in PyNative waits for queued kernels."""
-    if not chunks.padding:
-        return piece
-    return mint.cat((piece, ops.zeros((chunks.padding,) + chunks.shape[1:], piece.dtype)), 0)
+__all__ = ["FlatLayout", "pack", "unpack_one", "unpack"]
 
 
 class FlatLayout:
-    """Offsets of the padded pieces of ``chunks`` (one parameter each, same ``n`` and rank) in one flat buffer."""
+    """Offsets of the padded pieces of ``chunks`` (one parameter each, same ``n`` and rank) in
+    one flat buffer of ``length`` elements.
+
+    Args:
+        chunks: the :class:`Chunks` of each parameter, in the buffer's order.
+    """
 
     def __init__(self, chunks: Sequence[Chunks]) -> None:
         self.chunks = tuple(chunks)
@@ -47,36 +41,34 @@ class FlatLayout:
         self.offsets = tuple(offsets)
         self.length = total
 
-    def pack(self, pieces: Sequence) -> object:
-        """This rank's pieces as one flat buffer of ``length`` elements."""
-        parts = [padded_piece(piece, chunks).reshape((numel,))
-                 for piece, chunks, numel in zip(pieces, self.chunks, self.numels)]
-        return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
 
-    def unpack(self, gathered) -> List[object]:
-        """The full parameters from the gathered ``(n * length,)`` buffer."""
-        table = gathered.reshape((self.n, self.length))
-        out = []
-        for chunks, offset, numel in zip(self.chunks, self.offsets, self.numels):
-            block = table if numel == self.length else mint.narrow(table, 1, offset, numel)
-            block = block.reshape((chunks.padded,) + chunks.shape[1:])
-            out.append(block if chunks.padded == chunks.shape[0] else mint.narrow(block, 0, 0, chunks.shape[0]))
-        return out
+def _flat_piece(piece, chunks: Chunks, numel: int):
+    """``piece`` flattened and zero-padded to ``numel`` elements (sizes from ``chunks``: reading a
+    tensor's shape in PyNative waits for queued kernels)."""
+    local = chunks.local * chunks.row_numel
+    flat = piece.reshape((local,))
+    if local == numel:
+        return flat
+    return mint.cat((flat, ops.zeros((numel - local,), flat.dtype)), 0)
 
 
-def split_flat(flat, shapes: Sequence[Tuple[int, ...]]) -> List[object]:
-    """Cut a flat buffer into tensors of ``shapes`` (inverse of :func:`concat_flat`)."""
-    if len(shapes) == 1:
-        return [flat.reshape(shapes[0])]
-    out, start = [], 0
-    for shape in shapes:
-        numel = prod(shape)
-        out.append(mint.narrow(flat, 0, start, numel).reshape(shape))
-        start += numel
-    return out
-
-
-def concat_flat(tensors: Sequence, shapes: Sequence[Tuple[int, ...]]) -> object:
-    """Concatenate the flattenings of ``tensors`` (of ``shapes``)."""
-    parts = [t.reshape((prod(s),)) for t, s in zip(tensors, shapes)]
+def pack(layout: FlatLayout, pieces: Sequence) -> object:
+    """This rank's pieces as one flat buffer."""
+    parts = [_flat_piece(pieces[i], layout.chunks[i], layout.numels[i]) for i in range(len(layout.chunks))]
     return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
+
+
+def unpack_one(layout: FlatLayout, gathered, index: int):
+    """Parameter ``index``'s full value (a view) from the gathered ``(n * length,)`` buffer."""
+    chunks, offset, numel = layout.chunks[index], layout.offsets[index], layout.numels[index]
+    table = gathered.reshape((layout.n, layout.length))
+    block = table if numel == layout.length else mint.narrow(table, 1, offset, numel)
+    if not chunks.shape:
+        return block.reshape(())
+    block = block.reshape((chunks.padded,) + chunks.shape[1:])
+    return block if chunks.padded == chunks.shape[0] else mint.narrow(block, 0, 0, chunks.shape[0])
+
+
+def unpack(layout: FlatLayout, gathered) -> List[object]:
+    """Every parameter's full value from the gathered buffer."""
+    return [unpack_one(layout, gathered, i) for i in range(len(layout.chunks))]

@@ -10,20 +10,26 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
 from math import prod
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindspore import Parameter, nn
 
 from .._mindspore import cell_subclass
-from ..nn._adapter import CellChanges, named_cells, own_parameters
-from ..nn._rules import mark_done
-from ._mesh import default_mesh, dp_mesh_dims
+from ..nn._adapter import named_cells, own_parameters
+from ..nn._consistency import agreed
+from ..nn._edit import ModuleEdit, apply_edits
+from ._chunks import Chunks
+from ._compiled import READER_PREFIX, gathering_class
 from ._dparams import local_parameter
-from ._pieces import TAKEN_BY, chunks_of, is_piece, make_piece
+from ._group import FSDPParamGroup
+from ._mesh import default_mesh, dp_mesh_dims, post_forward_mesh
+from ._param import FSDPParam, is_piece
+from ._pieces import TAKEN_BY, chunks_of
 from ._policy import MixedPrecisionPolicy
-from ._compiled import GATHER_PREFIX, GatherParameter, PassReplicated, gathering_class
-from ._state import FSDPState, Group, Slot, eager_hooks
+from ._reshard import RegatherOnBackward
+from ._state import FSDPState, eager_hooks
 from ._sync import SyncState
 
 __all__ = ["fully_shard", "FSDPModule", "shard_cell", "fsdp_state"]
@@ -73,19 +79,51 @@ class FSDPModule:
         for state in states:
             state.sync.sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """``True`` (or an int): PyNative frees the gathered parameters after the forward and gathers
-        them again in the backward; ``False``: kept until the backward (takes effect at the next forward)."""
-        _check_reshard(reshard_after_forward)
-        for state in self._fsdp_states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+    def set_reshard_after_forward(self, reshard_after_forward: Any, *, recurse: bool = True) -> None:
+        """``True``: PyNative frees the gathered parameters after the forward and gathers them again
+        in the backward; an int ``k``: keeps ``1/k`` and gathers over ``k`` ranks in the backward;
+        ``False``: kept until the backward (takes effect at the next forward)."""
+        states = self._fsdp_states(recurse)
+        for state in states:
+            _check_reshard(reshard_after_forward, state.groups, type(state.cell).__name__)
+        for state in states:
+            _set_reshard(state, reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Recorded; after the backward this engine holds only pieces in any case."""
+        """``False``: after a backward without gradient sync the gathered parameters are kept and the
+        next forward gathers nothing (gradient accumulation without collectives); they are dropped by
+        the next forward with sync, :meth:`reshard` or :meth:`zero_accumulated_grads`. ``True`` (default):
+        every forward gathers."""
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(f"reshard_after_backward must be a bool, got {reshard_after_backward!r}")
         for state in self._fsdp_states(recurse):
             state.reshard_after_backward = reshard_after_backward
+            if reshard_after_backward:
+                state.reused = None
+
+    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """Gather ``modules``' parameters in this Cell's forward pre-hook, ahead of their own forward
+        (FSDP2's explicit forward prefetch; a gather made ahead and then not used by its Cell's next
+        forward is replaced by the next one). Collectives on MindSpore's CPU backend block the
+        Python thread: this changes the order, not the time (see the README's measurement).
+
+        Args:
+            modules: Cells sharded by fully_shard / hsdp, each running after this one in every forward.
+        """
+        self.__dict__[_STATE].forward_prefetch = [_unit_state(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """In the backward, when this Cell gathers its freed parameters again, gather ``modules``'
+        too (FSDP2's explicit backward prefetch; with ``reshard_after_forward=False`` nothing is
+        gathered in the backward and this does nothing).
+
+        Args:
+            modules: Cells sharded by fully_shard / hsdp whose backward runs after this one's.
+        """
+        states = [_unit_state(m, "set_modules_to_backward_prefetch") for m in modules]
+        saving = self.__dict__[_STATE].saving
+        if saving is not None:
+            saving.ahead = [s.saving for s in states if s.saving is not None]
 
     def zero_accumulated_grads(self, *, recurse: bool = True) -> None:
         """Drop gradients accumulated by backward passes without sync."""
@@ -93,12 +131,45 @@ class FSDPModule:
             state.clear_pending()
 
 
-def _check_reshard(value: Any) -> None:
+def _unit_state(module: Any, what: str) -> FSDPState:
+    state = fsdp_state(module) if isinstance(module, nn.Cell) else None
+    if state is None:
+        raise ValueError(f"{what} takes Cells sharded by fully_shard / hsdp, got {type(module).__name__}")
+    return state
+
+
+def _check_reshard(value: Any, groups: List[FSDPParamGroup] = (), unit: str = "") -> None:
+    """Refuse a ``reshard_after_forward`` that is not a bool or an int dividing every sharded
+    group's shard dim."""
     if isinstance(value, bool):
         return
-    if isinstance(value, int) and value >= 1:
-        return
-    raise ValueError(f"reshard_after_forward must be a bool or a positive int, got {value!r}")
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"reshard_after_forward must be a bool or a positive int, got {value!r}")
+    for group in groups:
+        n = group.mesh.size(group.shard_dim)
+        if group.sharded and value > 1 and n % value:
+            raise ValueError(f"fully_shard({unit}): reshard_after_forward={value} must divide the {n} ranks of the "
+                             f"shard dim of {group.mesh!r} (the ranks each gathers over in the backward); use a "
+                             "divisor, True (all of them) or False")
+
+
+def _set_reshard(state: FSDPState, value: Any) -> None:
+    """Apply a checked ``reshard_after_forward``: an int ``k`` gets each sharded group a post-forward
+    mesh of ``k`` ranks (``k`` equal to the shard dim: as ``True``; ``1``: as ``False``, with a warning)."""
+    if value is not True and value is not False and value == 1:
+        warnings.warn("reshard_after_forward=1 (int) reshards to one rank, i.e. keeps the gathered parameters: "
+                      "the same as False", UserWarning, stacklevel=3)
+        value = False
+    for group in state.groups:
+        n = group.mesh.size(group.shard_dim)
+        group.post_forward_mesh = None
+        if value is not True and value is not False and group.sharded and 1 < value < n:
+            group.post_forward_mesh = post_forward_mesh(group.mesh, value)
+    ahead = state.saving.ahead if state.saving is not None else []
+    state.reshard_after_forward = value
+    state.saving = None if value is False else RegatherOnBackward(state.groups, value)
+    if state.saving is not None:
+        state.saving.ahead = ahead
 
 
 def _extended_class(cls: type, mixin: type, prefix: str) -> type:
@@ -112,7 +183,7 @@ def _extended_class(cls: type, mixin: type, prefix: str) -> type:
 
 def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
     """Parameters under ``cell`` not yet taken by a unit, each with every (cell, attr) holding it
-    (a parameter shared by several of them is one slot: one piece, gathered once). A parameter
+    (a parameter shared by several of them is one record: one piece, gathered once). A parameter
     an earlier unit took (its piece replaced it there) but still held here is refused."""
     found: Dict[int, Tuple[Parameter, List[Tuple[nn.Cell, str]]]] = {}
     for path, sub in named_cells(cell).items():
@@ -133,10 +204,6 @@ def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]
     return list(found.values())
 
 
-def _holder_paths(cell: nn.Cell) -> Dict[int, str]:
-    return {id(sub): path for path, sub in named_cells(cell).items()}
-
-
 def _shardable(p: Parameter, mesh, threshold_bytes: int) -> bool:
     shape = tuple(p.shape)
     if not shape or chunks_of(shape, mesh).any_empty():
@@ -144,41 +211,82 @@ def _shardable(p: Parameter, mesh, threshold_bytes: int) -> bool:
     return prod(shape) * p.itemsize >= threshold_bytes
 
 
-def _buckets(slots: List[Slot], bucket_bytes: Optional[int]) -> List[List[int]]:
-    """Indices grouped into buckets by full (gathered) size: ``None`` one bucket, ``0`` one per
+def _buckets(params: List[FSDPParam], bucket_bytes: Optional[int]) -> List[List[FSDPParam]]:
+    """``params`` grouped into buckets by full (gathered) size: ``None`` one bucket, ``0`` one per
     parameter, else greedily up to ``bucket_bytes``."""
-    if not slots:
+    if not params:
         return []
     if bucket_bytes is None:
-        return [list(range(len(slots)))]
+        return [params]
     out, size = [[]], 0
-    for i, slot in enumerate(slots):
-        nbytes = prod(slot.shape) * slot.piece.itemsize
-        if out[-1] and (bucket_bytes == 0 or size + nbytes > bucket_bytes):
+    for param in params:
+        if out[-1] and (bucket_bytes == 0 or size + param.nbytes > bucket_bytes):
             out.append([])
             size = 0
-        out[-1].append(i)
-        size += nbytes
+        out[-1].append(param)
+        size += param.nbytes
     return out
 
 
-def _gather_when_compiled(changes: CellChanges, state: FSDPState, slots: List[Slot], reduce: str) -> None:
-    """Give every Cell holding one of ``slots`` the compiled read path of :mod:`._compiled`."""
-    dtype = state.policy.param_dtype
-    attrs: Dict[int, Tuple[nn.Cell, List[str]]] = {}
-    for slot in slots:
-        mesh = slot.mesh
-        shard_dim, rep_dim = dp_mesh_dims(mesh)
-        rep_dim = rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None
-        for holder, attr in slot.holders:
-            if slot.sharded:
-                reader = GatherParameter(state, mesh, shard_dim, rep_dim, slot.chunks, dtype, reduce)
-            else:
-                reader = PassReplicated(state, mesh, shard_dim if mesh.size(shard_dim) > 1 else None, rep_dim, dtype)
-            changes.set_attribute(holder, GATHER_PREFIX + attr, reader)
-            attrs.setdefault(id(holder), (holder, []))[1].append(attr)
-    for holder, names in attrs.values():
-        changes.swap_class(holder, gathering_class(type(holder), names))
+def _plan(cell: nn.Cell, mesh, state: FSDPState, *, threshold_bytes: int, bucket_bytes: Optional[int], reduce: str,
+          dtensor_mesh: Optional[Callable[[Parameter], Any]], call: str) -> FSDPState:
+    """``state`` with its records and groups: the pieces made, no Cell changed, nothing sent."""
+    kinds: Dict[Tuple[bool, Any, Any], List[FSDPParam]] = {}
+    for p, holders in _own_slots(cell):
+        local, placed = local_parameter(p, call)
+        unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
+        sharded = _shardable(local, unit_mesh, threshold_bytes)
+        chunks = chunks_of(local.shape, unit_mesh) if sharded else Chunks(tuple(local.shape), 1, 0)
+        record = FSDPParam(p, local, holders, unit_mesh, sharded, chunks, placed)
+        record.make(p)
+        kinds.setdefault((not sharded, unit_mesh, local.dtype), []).append(record)
+    for key in sorted(kinds, key=lambda k: k[0]):            # sharded groups first
+        for bucket in _buckets(kinds[key], bucket_bytes):
+            state.groups.append(FSDPParamGroup(bucket, not key[0], key[1], state.sync, state.policy.param_dtype,
+                                               reduce, state))
+    return state
+
+
+def _described(state: FSDPState) -> List[Tuple[str, str]]:
+    """What every rank of the data-parallel mesh must agree on: each record, its group and options."""
+    entries = [("options", f"reshard_after_forward={state.reshard_after_forward} {state.policy}")]
+    for g, group in enumerate(state.groups):
+        for p in group.params:
+            entries.append((p.name, f"{p.shape} {p.local.dtype} {'shard' if p.sharded else 'whole'} "
+                                    f"mesh {group.mesh.shape} group {g}"))
+    return entries
+
+
+def _edits(cell: nn.Cell, state: FSDPState, mixin: type, prefix: str) -> List[ModuleEdit]:
+    """The changes of one unit, one :class:`ModuleEdit` per Cell: each holder gets its pieces, its
+    compiled readers and the gathering class; the unit its state, hooks and ``FSDPModule`` class."""
+    paths = {id(sub): path for path, sub in named_cells(cell).items()}
+    edits: Dict[int, ModuleEdit] = {}
+
+    def edit_of(c: nn.Cell) -> ModuleEdit:
+        return edits.setdefault(id(c), ModuleEdit(paths[id(c)], c, marks_done=True))
+
+    taken = []
+    for group in state.groups:
+        for i, record in enumerate(group.params):
+            reader = group.reader(i)
+            for holder, attr in record.holders:
+                edit = edit_of(holder)
+                edit.parameters[attr] = record
+                edit.attributes[READER_PREFIX + attr] = reader
+            holder, attr = record.holders[0]
+            use = f"{paths[id(holder)]}.{attr}" if paths[id(holder)] else attr
+            taken.append((record.original, TAKEN_BY, (type(cell).__name__, use)))
+    for edit in edits.values():
+        edit.swap_class = gathering_class(type(edit.cell), list(edit.parameters))
+    unit = edit_of(cell)
+    unit.attributes[_STATE] = state
+    pre, post = eager_hooks(state)
+    unit.forward_pre_hooks.append(pre)
+    unit.restoring_hooks.append(post)
+    unit.swap_class = _extended_class(unit.swap_class or type(cell), mixin, prefix)
+    unit.object_attributes.extend(taken)
+    return list(edits.values())
 
 
 def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
@@ -187,8 +295,10 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP", engine: str = "fully_shard",
                dtensor_mesh: Optional[Callable[[Parameter], Any]] = None):
     """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``
-    (a ``Parameter(DTensor)``: its local piece, over ``dtensor_mesh(param)`` if given, see :mod:`._dparams`);
-    ``engine`` names the call in the done-marker that the parallel styles check."""
+    (a ``Parameter(DTensor)``: its local piece, over ``dtensor_mesh(param)`` if given, see :mod:`._dparams`).
+    The plan is made without changing anything, agreed by every rank of ``mesh`` (a rank whose plan
+    or error differs fails every rank) and applied through ``nn``'s edit engine (a failure leaves
+    every Cell as it was); ``engine`` names the call in the done-marker that the parallel styles check."""
     if not isinstance(cell, nn.Cell):
         raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
     if fsdp_state(cell) is not None:
@@ -202,38 +312,16 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
                      grad_scale=grad_scale)
     call = f"{prefix.lower()}({type(cell).__name__})"          # names this call in local_parameter's errors
-    owned = [(p, holders, local_parameter(p, call)) for p, holders in _own_slots(cell)]
-    paths = _holder_paths(cell)
-    with CellChanges() as changes:
-        state = FSDPState(cell, mesh, [], sync, policy, reshard_after_forward)
-        slots: Dict[Tuple[bool, Any], List[Slot]] = {(True, mesh): [], (False, mesh): []}
-        for p, holders, (local, placed) in owned:
-            unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
-            sharded = _shardable(local, unit_mesh, threshold_bytes)
-            piece = make_piece(local, unit_mesh, sharded, state)
-            for holder, attr in holders:
-                changes.set_parameter(holder, attr, piece)
-                mark_done(changes, holder, engine)
-            path = paths[id(holders[0][0])]
-            changes.set_attribute(p, TAKEN_BY, (type(cell).__name__, f"{path}.{holders[0][1]}" if path else
-                                                holders[0][1]))
-            slots.setdefault((sharded, unit_mesh), []).append(
-                Slot(holders, piece, tuple(local.shape), sharded, unit_mesh, placed,
-                     chunks_of(local.shape, unit_mesh) if sharded else None))
-        for sharded in (True, False):
-            for (kind, unit_mesh), group_slots in slots.items():
-                if kind != sharded:
-                    continue
-                for bucket in _buckets(group_slots, bucket_bytes):
-                    state.groups.append(Group([group_slots[i] for i in bucket], sharded, unit_mesh, sync,
-                                              policy.param_dtype, reduce))
-        _gather_when_compiled(changes, state, [s for g in state.groups for s in g.slots], reduce)
-        changes.set_attribute(cell, _STATE, state)
-        mark_done(changes, cell, engine)
-        pre, post = eager_hooks(state)
-        changes.add_forward_pre_hook(cell, pre)
-        changes.add_forward_hook(cell, post)
-        changes.swap_class(cell, _extended_class(type(cell), mixin, prefix))
+
+    def prepare() -> FSDPState:
+        state = FSDPState(cell, mesh, sync, policy, reshard_after_forward)
+        state = _plan(cell, mesh, state, threshold_bytes=threshold_bytes, bucket_bytes=bucket_bytes,
+                      reduce=reduce, dtensor_mesh=dtensor_mesh, call=call)
+        _check_reshard(reshard_after_forward, state.groups, type(cell).__name__)
+        return state
+    state = agreed(prepare, _described, mesh, call)
+    _set_reshard(state, reshard_after_forward)
+    apply_edits(_edits(cell, state, mixin, prefix), engine)
     return cell
 
 
@@ -250,10 +338,10 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
         mesh: a 1-D :class:`DeviceMesh` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP); default: every
             rank on one dim. For a TP model, the dp mesh (``mesh["dp"]``): TP parameters get a joint
             (dp, tp) layout.
-        reshard_after_forward: ``True`` (default) or a positive int: in PyNative the gathered parameters are
-            freed when the forward ends and all-gathered again in the backward (an int as ``True``: the
-            whole shard group); ``False``: kept until the backward, one all-gather per step. Compiled
-            graphs decide this themselves (:mod:`._compiled`).
+        reshard_after_forward: ``True`` (default): in PyNative the gathered parameters are freed when the
+            forward ends and all-gathered again in the backward; an int ``k`` dividing the shard dim's
+            size: ``1/k`` of them is kept and the backward all-gathers over ``k`` ranks; ``False``: kept
+            until the backward, one all-gather per step. Compiled graphs keep them (:mod:`._compiled`).
         mp_policy: a :class:`MixedPrecisionPolicy`: the dtype parameters are gathered in, gradients
             reduced in, outputs cast to (default: none, the pieces' dtype).
 

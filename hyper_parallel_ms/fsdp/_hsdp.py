@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import warnings
-from math import prod
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
@@ -38,7 +37,7 @@ from ..nn._parameter import parameter_sharding
 from ._dparams import replicated_dp_mesh
 from ._fully_shard import FSDPModule, fsdp_state, shard_cell
 from ._mesh import FSDP_X_TP, complement_ranks
-from ._pieces import is_piece
+from ._param import is_piece
 
 __all__ = ["hsdp", "HSDPCell"]
 
@@ -68,12 +67,15 @@ class HSDPCell(FSDPModule):
         self.zero_accumulated_grads()
 
     def set_forward_prefetch_cells(self, hsdp_cell_list: Sequence["HSDPCell"]) -> None:
-        """Record the Cells whose gathers may start early (this engine gathers synchronously)."""
-        self.__dict__["_hpms_forward_prefetch"] = _check_cells(hsdp_cell_list)
+        """Gather these Cells' parameters ahead of their forward, in this Cell's
+        (:meth:`FSDPModule.set_modules_to_forward_prefetch`)."""
+        self.set_modules_to_forward_prefetch(_check_cells(hsdp_cell_list))
 
     def set_backward_prefetch_cells(self, hsdp_cell_list: Sequence["HSDPCell"]) -> None:
-        """Record the Cells to prefetch in backward (the backward here does not gather)."""
-        self.__dict__["_hpms_backward_prefetch"] = _check_cells(hsdp_cell_list)
+        """Gather these Cells' freed parameters when this Cell's backward gathers its own
+        (:meth:`FSDPModule.set_modules_to_backward_prefetch`; level3 only: the others gather nothing
+        in the backward)."""
+        self.set_modules_to_backward_prefetch(_check_cells(hsdp_cell_list))
 
 
 def _check_cells(cells: Sequence[Any]) -> List[HSDPCell]:
@@ -126,8 +128,7 @@ def _mesh(shard_size: int, cell: nn.Cell) -> DeviceMesh:
 
 def _warn_replicated(cell: nn.Cell, name: str, threshold: int) -> None:
     """Warn once, naming what ``hsdp(name)`` kept replicated because it is under ``threshold`` KB."""
-    small = [(s.piece.name, prod(s.shape) * s.piece.itemsize) for s in fsdp_state(cell).slots
-             if not s.sharded and prod(s.shape) * s.piece.itemsize < threshold * 1024]
+    small = [(p.name, p.nbytes) for p in fsdp_state(cell).params if not p.sharded and p.nbytes < threshold * 1024]
     if not small:
         return
     shown = ", ".join(p for p, _ in small[:5]) + (f", ... ({len(small) - 5} more)" if len(small) > 5 else "")

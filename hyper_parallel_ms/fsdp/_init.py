@@ -25,7 +25,8 @@ from typing import List
 from mindspore import Parameter, Tensor, nn
 
 from .._deferred import check_initial_values, initial_value, initialise, unrecorded_notice
-from ._pieces import DEFERRED, cut_piece
+from ._param import fsdp_param
+from ._pieces import cut_piece
 
 __all__ = ["init_parameters"]
 
@@ -56,16 +57,16 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
     if not isinstance(module, nn.Cell):
         raise TypeError(f"init_parameters needs an nn.Cell, got {type(module).__name__}")
     params = _distinct(module)
-    sources = [getattr(p, DEFERRED, None) for p in params]
-    check_initial_values([s[0] if s is not None else p for p, s in zip(params, sources)])
+    records = [fsdp_param(p) for p in params]
+    records = [r if r is not None and r.deferred is not None else None for r in records]
+    check_initial_values([r.deferred if r is not None else p for p, r in zip(params, records)])
     with unrecorded_notice("at this init_parameters call, in attribute order (as Cell.init_parameters_data())"):
-        for param, deferred in zip(params, sources):     # attribute order: parameters_and_names()
-            if deferred is not None:
-                source, mesh, sharded = deferred
-                object.__setattr__(param, DEFERRED, None)
+        for param, record in zip(params, records):     # attribute order: parameters_and_names()
+            if record is not None:
+                source, record.deferred = record.deferred, None
                 full = initial_value(source)
-                param.set_data(Tensor(cut_piece(full, mesh, sharded), dtype=param.dtype))
-                del full, source, deferred
+                param.set_data(Tensor(cut_piece(full, record.mesh, record.sharded), dtype=param.dtype))
+                del full, source
             else:
                 initialise(param)
     return module

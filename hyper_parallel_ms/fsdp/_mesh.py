@@ -18,7 +18,7 @@ import numpy as np
 from .. import _cluster
 from ..mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["dp_mesh_dims", "default_mesh", "join_meshes", "complement_ranks", "FSDP_X_TP"]
+__all__ = ["dp_mesh_dims", "default_mesh", "join_meshes", "complement_ranks", "post_forward_mesh", "FSDP_X_TP"]
 
 FSDP_X_TP = ("slice both from one mesh: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\")), "
              "the parallel styles on mesh[\"tp\"], then fully_shard(cell, mesh=mesh[\"dp\"]) for each block and "
@@ -96,3 +96,25 @@ def complement_ranks(tp_ranks: Sequence[int], me: int, world: int) -> List[int]:
         raise ValueError(f"the tensor-parallel group {group} of rank {me} is not one of copies tiling the {world} "
                          "ranks, so its data-parallel ranks are unknown")
     return [a + me - group[0] for a in anchors]
+
+
+def post_forward_mesh(mesh: DeviceMesh, k: int) -> DeviceMesh:
+    """The ranks of ``mesh``'s shard dim through this rank, as ``(n / k, k)``: dim 1 is this rank's
+    group of ``k`` consecutive shard ranks, over which ``reshard_after_forward=k`` gathers in the
+    backward (FSDP2's post-forward mesh).
+
+    Args:
+        mesh: the data-parallel mesh (1-D, or 2-D replicate x shard).
+        k: a divisor of the shard dim's size.
+
+    Example::
+
+        post_forward_mesh(mesh, 2).size(1)      # 2
+    """
+    shard_dim, _ = dp_mesh_dims(mesh)
+    n = mesh.size(shard_dim)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or n % k:
+        raise ValueError(f"reshard_after_forward={k!r} must divide the {n} ranks of the shard dim of {mesh!r}")
+    coord = mesh.get_coordinate()
+    line = mesh.mesh[tuple(slice(None) if d == shard_dim else coord[d] for d in range(mesh.ndim))]
+    return DeviceMesh(mesh.device_type, line.reshape(n // k, k), mesh_dim_names=("dp_post_outer", "dp_post"))

@@ -14,7 +14,7 @@ reduction; ``GradientReducer`` keeps only the tp ``grad_partial_dims`` sums).
 
 Example::
 
-    piece = make_piece(param, dp_mesh, sharded=True)
+    piece = new_piece(param, dp_mesh, sharded=True)
     parameter_sharding(piece).spec.placements     # (Shard(dim=0),)
 """
 from __future__ import annotations
@@ -32,18 +32,11 @@ from ..placement import Replicate, Shard
 from ._chunks import Chunks
 from ._mesh import dp_mesh_dims, join_meshes
 
-__all__ = ["chunks_of", "make_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "PIECE_OF", "TAKEN_BY", "DEFERRED", "is_piece"]
+__all__ = ["chunks_of", "new_piece", "piece_record", "cut_piece", "GRAD_REDUCED", "TAKEN_BY"]
 
 GRAD_REDUCED = "_hpms_grad_reduced_dims"
-PIECE_OF = "_hpms_fsdp_unit"
 TAKEN_BY = "_hpms_fsdp_taken_by"      # on a parameter a unit replaced by its piece: (unit class, use)
-DEFERRED = "_hpms_deferred_source"
 _SHARDING = "_hpms_sharding"
-
-
-def is_piece(param: Parameter) -> bool:
-    """Whether ``param`` already belongs to a fully_shard unit."""
-    return getattr(param, PIECE_OF, None) is not None
 
 
 def chunks_of(shape, mesh) -> Chunks:
@@ -100,19 +93,17 @@ def cut_piece(full: np.ndarray, mesh, sharded: bool) -> np.ndarray:
     return np.ascontiguousarray(full)
 
 
-def make_piece(param: Parameter, mesh, sharded: bool, unit: object) -> Parameter:
-    """A Parameter with ``param``'s name holding this rank's piece. A parameter built under
-    ``no_init_parameters()`` gives a piece that :func:`init_parameters` fills later."""
+def new_piece(param: Parameter, mesh, sharded: bool) -> Parameter:
+    """A Parameter with ``param``'s name holding this rank's piece (zeros for a parameter built
+    under ``no_init_parameters()``, which :func:`init_parameters` fills later), with its records."""
     record, dp_dims = piece_record(param, mesh, sharded)
     if param.has_init:
         shape = chunks_of(param.shape, mesh).piece_shape if sharded else tuple(param.shape)
         piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,
                           requires_grad=param.requires_grad)
-        object.__setattr__(piece, DEFERRED, (param, mesh, sharded))
     else:
         piece = Parameter(Tensor(cut_piece(param.asnumpy(), mesh, sharded), dtype=param.dtype), name=param.name,
                           requires_grad=param.requires_grad)
     object.__setattr__(piece, _SHARDING, record)
     object.__setattr__(piece, GRAD_REDUCED, dp_dims)
-    object.__setattr__(piece, PIECE_OF, unit)
     return piece

@@ -1,81 +1,39 @@
-"""FSDPState: what one fully_shard call keeps on its Cell, and its forward hooks.
+"""FSDPState: what one fully_shard / hsdp call keeps on its Cell (the unit), and the PyNative
+driver: its forward hooks.
 
-The Cell's own parameters (those not already taken by a fully_shard call on a sub-Cell)
-are split into groups; each group is one collective: a sharded group is flattened and
-all-gathered by :class:`GatherPieces`, a replicated group passes through
-:class:`SyncReplicas`. The pre-forward hook puts the gathered full values into the
-Cells that hold the parameters, the post-forward hook puts the pieces back.
+The unit's parameters are :class:`._param.FSDPParam` records in :class:`._group.FSDPParamGroup`
+groups. The pre-forward hook gathers each group (one collective) and puts the full values into
+the Cells holding the parameters; the post-forward hook puts the pieces back. Compiled code
+does not run these hooks: there the parameters are gathered where they are read (:mod:`._compiled`).
+
+Between the forward and the backward (``reshard_after_forward``): ``False`` keeps the gathered
+values on the autodiff tape; ``True`` frees them and gathers again in the backward; an int ``k``
+keeps ``1/k`` of them and gathers over groups of ``k`` ranks in the backward (:mod:`._reshard`).
+After a backward without gradient sync, ``reshard_after_backward=False`` keeps the gathered
+values for the next forward, which then gathers nothing (gradient accumulation without collectives).
 
 Example::
 
-    state = FSDPState(cell, mesh, groups, sync_state, policy)
-    state.register(changes)          # hooks and piece Parameters, undone if a later step fails
+    state = fsdp_state(block)
+    state.groups[0].gathered()          # (flat buffer, full values), PyNative
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn
+from mindspore import Tensor, nn
 
-from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, running_eagerly
-from ..dtensor._spec import DTensorSpec
-from ._chunks import Chunks
-from ._flat import FlatLayout, concat_flat, split_flat
-from ..nn._adapter import named_cells, put_parameter
-from ._mesh import dp_mesh_dims
+from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, run_first_call_checks, running_eagerly
+from ..nn._adapter import put_parameter
 from ._dparams import as_placed
-from ._pieces import DEFERRED
+from ._group import FSDPParamGroup
+from ._param import FSDPParam
 from ._policy import MixedPrecisionPolicy
 from ._reshard import RegatherOnBackward
-from ._sync import GatherPieces, SyncReplicas, SyncState
+from ._sync import SyncState
 
-__all__ = ["Slot", "Group", "FSDPState", "eager_hooks"]
-
-
-@dataclass
-class Slot:
-    """One parameter: where it is held (cell, attribute), its piece, its full shape (of this
-    rank's local piece for a DTensor parameter), whether the piece is a dim-0 shard (else the
-    whole parameter), its data-parallel mesh, the DTensor spec the gathered value is read
-    with (``None``: a plain parameter, see :mod:`._dparams`) and its :class:`Chunks`."""
-
-    holders: List[Tuple[nn.Cell, str]]
-    piece: Parameter
-    shape: Tuple[int, ...]
-    sharded: bool = True
-    mesh: Any = None
-    placed: Optional[DTensorSpec] = None
-    chunks: Optional[Chunks] = None      # where the dim-0 pieces lie (sharded slots)
-
-
-class Group:
-    """Parameters moved by one collective (sharded: all-gather; replicated: gradient all-reduce)."""
-
-    def __init__(self, slots: Sequence[Slot], sharded: bool, mesh, sync: SyncState, param_dtype: Any,
-                 reduce: str) -> None:
-        self.slots, self.sharded = list(slots), sharded
-        shard_dim, rep_dim = dp_mesh_dims(mesh)
-        if sharded:
-            self.flat = FlatLayout([s.chunks for s in self.slots])
-            self.cell = GatherPieces(mesh, shard_dim, rep_dim, sync, param_dtype=param_dtype, reduce=reduce)
-        else:
-            self.flat = None
-            self.cell = SyncReplicas(mesh, shard_dim if mesh.size(shard_dim) > 1 else None,
-                                     rep_dim if rep_dim is not None and mesh.size(rep_dim) > 1 else None,
-                                     sync, param_dtype)
-
-    def gathered(self) -> Tuple[Any, list]:
-        """The group's collective output (flat) and the full values cut from it."""
-        pieces = [s.piece for s in self.slots]
-        if self.sharded:
-            flat = self.cell(self.flat.pack(pieces))
-            return flat, self.flat.unpack(flat)
-        shapes = [s.shape for s in self.slots]
-        flat = self.cell(concat_flat(pieces, shapes))
-        return flat, split_flat(flat, shapes)
-
+__all__ = ["FSDPState", "eager_hooks"]
 
 _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
@@ -88,41 +46,57 @@ def _cast_floats(values, dtype):
 
 
 class FSDPState:
-    """The groups of one sharded Cell, its mixed-precision policy and its hooks."""
+    """The groups of one unit, its policies and its PyNative forward hooks.
 
-    def __init__(self, cell: nn.Cell, mesh, groups: Sequence[Group], sync: SyncState,
-                 policy: MixedPrecisionPolicy, reshard_after_forward: Any) -> None:
-        self.cell, self.mesh, self.groups, self.sync, self.policy = cell, mesh, list(groups), sync, policy
+    Args:
+        cell: the unit (the Cell fully_shard / hsdp was applied to).
+        mesh: the data-parallel mesh it was given.
+        sync: the :class:`SyncState` its backward passes read.
+        policy: the :class:`MixedPrecisionPolicy`.
+        reshard_after_forward: ``True``, ``False`` or the int ``k`` (see the module docstring).
+
+    Example::
+
+        state = FSDPState(block, mesh, SyncState(), MixedPrecisionPolicy(), True)
+    """
+
+    def __init__(self, cell: nn.Cell, mesh, sync: SyncState, policy: MixedPrecisionPolicy,
+                 reshard_after_forward: Any) -> None:
+        self.cell, self.mesh, self.sync, self.policy = cell, mesh, sync, policy
+        self.groups: List[FSDPParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.kept: Optional[list] = None       # values installed by unshard(), until reshard()
+        self.reused: Optional[list] = None     # per group (flat, values) kept after a backward without sync
         self.deferred = True                   # until every piece is seen initialised
         self.checked = False                   # MindSpore's first-call checks of the Cells done
         self.compiled = False                  # a graph gathering this Cell's parameters was compiled
-        self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward
+        self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward (if resharding)
+        self.prefetched: Optional[list] = None   # gathered ahead by another unit's forward (forward prefetch)
+        self.forward_prefetch: List["FSDPState"] = []     # units this one gathers ahead of their forward
 
-    def _check_initialised(self, cell) -> None:
-        waiting = [s.piece.name for s in self.slots if getattr(s.piece, DEFERRED, None) is not None]
+    @property
+    def params(self) -> List[FSDPParam]:
+        return [p for g in self.groups for p in g.params]
+
+    def _check_initialised(self) -> None:
+        waiting = [p.name for p in self.params if p.deferred is not None]
         if waiting:
-            raise RuntimeError(f"{type(cell).__name__} was built under no_init_parameters() and its parameters "
+            raise RuntimeError(f"{type(self.cell).__name__} was built under no_init_parameters() and its parameters "
                                f"{waiting} are not initialised: call hyper_parallel_ms.init_parameters(model) "
                                "after fully_shard / hsdp and before the first forward")
         self.deferred = False
 
-    @property
-    def slots(self) -> List[Slot]:
-        return [s for g in self.groups for s in g.slots]
-
     def _install(self, values: Sequence) -> None:
-        for slot, value in zip(self.slots, values):
-            value = as_placed(value, slot.placed)
-            for holder, attr in slot.holders:
+        for param, value in zip(self.params, values):
+            value = as_placed(value, param.placed)
+            for holder, attr in param.holders:
                 put_parameter(holder, attr, value)
 
     def _restore(self) -> None:
-        for slot in self.slots:
-            for holder, attr in slot.holders:
-                put_parameter(holder, attr, slot.piece)
+        for param in self.params:
+            for holder, attr in param.holders:
+                put_parameter(holder, attr, param.piece)
 
     def gather(self) -> list:
         """The full values of every parameter of this Cell (one collective per group)."""
@@ -130,41 +104,55 @@ class FSDPState:
 
     def _frees_after_forward(self) -> bool:
         # inside an activation checkpoint MindSpore keeps nothing and the recompute gathers again
-        return (self.reshard_after_forward is not False and self.kept is None and SAVED_TENSOR_HOOKS
-                and not recomputing())
+        return self.saving is not None and self.kept is None and SAVED_TENSOR_HOOKS and not recomputing()
 
     def _gather_for_forward(self) -> list:
-        """:meth:`gather`; with ``reshard_after_forward`` the gathered values are kept for the
-        backward as records and gathered again there (:mod:`._reshard`)."""
-        if not self._frees_after_forward():
-            return self.gather()
-        if self.saving is None:
-            self.saving = RegatherOnBackward(self.groups)
-        self.saving.begin()
-        try:
-            gathered = [g.gathered() for g in self.groups]
-        except BaseException:
-            self.saving.end()
-            raise
-        self.saving.gathered([item if g.sharded else None for g, item in zip(self.groups, gathered)])
-        return [v for _, values in gathered for v in values]
+        """The full values for this forward: gathered ahead by another unit (:meth:`prefetch`), or now."""
+        if self.prefetched is not None:
+            (values, freeing), self.prefetched = self.prefetched, None
+            if freeing:
+                self.saving.resume()
+            return values
+        return self._gather()[0]
 
-    def _first_call_checks(self) -> None:
-        """Run MindSpore's first-call Cell checks (they walk the parameter tables and expect
-        Parameters) while the pieces are in place."""
-        for sub in named_cells(self.cell).values():
-            if not getattr(sub, "_is_check_and_refresh", True):
-                sub._self_check()
-            if not getattr(sub, "_init_flag", True):
-                sub._init_check()
-        self.checked = True
+    def prefetch(self) -> None:
+        """Gather this unit's parameters now, for its next forward (another unit's forward pre-hook
+        calls it: FSDP2's ``set_modules_to_forward_prefetch``); a gather made ahead and not used is
+        replaced."""
+        if self.kept is None:
+            self.prefetched = self._gather()
+            if self.prefetched[1]:
+                self.saving.pause()
+
+    def _gather(self) -> Tuple[list, bool]:
+        """One gather per group, and whether the unit's saved-tensor hooks now free what it
+        gathered. After a backward without sync and with ``reshard_after_backward=False`` the
+        values gathered then are used again (no collective), until a forward with sync. With
+        ``reshard_after_forward`` the gathered values are kept for the backward as records and
+        gathered again there (:mod:`._reshard`)."""
+        keep = not self.sync.sync and not self.reshard_after_backward
+        freeing = self.reused is None and not keep and self._frees_after_forward()
+        if self.reused is not None:
+            gathered = [g.gathered(reuse=flat) for g, (flat, _) in zip(self.groups, self.reused)]
+        elif not freeing:
+            gathered = [g.gathered() for g in self.groups]
+        else:
+            self.saving.begin()
+            try:
+                gathered = [g.gathered() for g in self.groups]
+            except BaseException:
+                self.saving.end()
+                raise
+            self.saving.gathered([item if g.sharded else None for g, item in zip(self.groups, gathered)])
+        self.reused = gathered if keep else None
+        return [v for _, values in gathered for v in values], freeing
 
     def check_compilable(self) -> None:
         """Called while ms.jit / GRAPH_MODE compiles a read of this Cell's parameters: refuse what
         a compiled graph cannot do (see :mod:`._compiled`), naming the fix."""
         name = type(self.cell).__name__
         if self.deferred:
-            self._check_initialised(self.cell)
+            self._check_initialised()
         if not self.sync.sync:
             raise NotImplementedError(
                 f"{name}: gradient sync is off, but inside ms.jit / GRAPH_MODE every backward reduces the gradients "
@@ -178,7 +166,7 @@ class FSDPState:
                 "cast_forward_inputs=False) without output_dtype and cast inputs in the model, or run in PyNative")
         if self.kept is not None:
             raise RuntimeError(f"{name} holds gathered parameters from unshard(): call reshard() before compiling")
-        placed = [s.piece.name for s in self.slots if s.placed is not None]
+        placed = [p.name for p in self.params if p.placed is not None]
         if placed:
             raise NotImplementedError(
                 f"{name}: the parameters {placed} are DTensors (shard_module / distribute_module), whose Cell computes "
@@ -188,10 +176,13 @@ class FSDPState:
 
     def pre_forward(self, cell, args):
         if self.deferred:
-            self._check_initialised(cell)
+            self._check_initialised()
         if not self.checked:
-            self._first_call_checks()
+            run_first_call_checks(self.cell)      # while the pieces are in place
+            self.checked = True
         self._install(self._gather_for_forward())
+        for other in self.forward_prefetch:
+            other.prefetch()
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             return _cast_floats(args, self.policy.param_dtype)
         return None
@@ -215,12 +206,13 @@ class FSDPState:
         self._install(self.kept)
 
     def reshard(self) -> None:
-        self.kept = None
+        self.kept, self.reused, self.prefetched = None, None, None
         self._restore()
 
     def clear_pending(self) -> None:
+        self.reused = None
         for g in self.groups:
-            g.cell.clear()
+            g.clear()
 
 
 def eager_hooks(state: FSDPState):

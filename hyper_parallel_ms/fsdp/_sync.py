@@ -1,30 +1,24 @@
-"""The two differentiable steps of a sharded group, as Cells with an explicit backward.
+"""The gradient side of fully_shard, shared by every backward (PyNative and compiled).
 
-:class:`GatherPieces` all-gathers the flat pieces in the forward (in ``param_dtype``) and
-reduces the gradient in its backward: reduce-scatter averaged over the shard mesh dim
-(``"reduce_scatter"``, ZeRO-2/3) or all-reduce then keep this rank's slot
-(``"all_reduce"``, ZeRO-1), then all-reduce averaged over the replicate dim (HSDP).
-:class:`SyncReplicas` passes replicated parameters through and all-reduces their gradient
-averaged over the data-parallel dims. Both read :class:`SyncState` when the backward
-runs: with ``sync`` off they add the unreduced gradient to a local accumulator and send
-nothing; the next synchronised backward reduces accumulator plus gradient once.
+:func:`reduce_gradient` reduces a gathered gradient to this rank's part: reduce-scatter
+averaged over the shard mesh dim (``"reduce_scatter"``, ZeRO-2/3) or all-reduce then keep
+this rank's slot (``"all_reduce"``, ZeRO-1), or all-reduce (``"replicated"``: a parameter
+kept whole), then all-reduce averaged over the replicate dim (HSDP). :class:`SyncState` holds
+the switches every backward of a unit reads when it runs.
 
 Example::
 
     state = SyncState()
-    gather = GatherPieces(mesh, shard_dim=0, replicate_dim=None, state=state)
-    full_flat = gather(flat_pieces)        # (n * L,): every rank's pieces
+    g = reduce_gradient(dout, piece, mesh, 0, None, state.grad_scale, "reduce_scatter")
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from mindspore import nn, ops
-
 from .. import comm
 from ..comm._tensor import narrow
 
-__all__ = ["SyncState", "GatherPieces", "SyncReplicas", "cast_to", "reduce_gradient"]
+__all__ = ["SyncState", "cast_to", "reduce_gradient"]
 
 
 def cast_to(x, dtype: Any):
@@ -42,7 +36,7 @@ def cast_to(x, dtype: Any):
 
 
 def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], grad_scale: float,
-                    reduce: str, rows: int = 0):
+                    reduce: str, rows: int = 0, start: int = 0):
     """A full (or flat) gradient reduced to this rank's part, as every backward of fully_shard does it,
     PyNative and compiled: over the shard dim ``"reduce_scatter"`` (dim 0), ``"all_reduce"`` (then
     this rank's ``rows`` rows, ZeRO-1) or ``"replicated"`` (all-reduce, the whole gradient), each
@@ -57,6 +51,8 @@ def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Opti
         grad_scale: a factor applied after averaging.
         reduce: ``"reduce_scatter"``, ``"all_reduce"`` or ``"replicated"``.
         rows: with ``"all_reduce"``, the rows of this rank's slot.
+        start: with ``"all_reduce"``, its first row (a plain int: compiled code cannot compute it from
+            the mesh).
 
     Example::
 
@@ -66,7 +62,7 @@ def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Opti
         if reduce == "reduce_scatter":
             g = comm.reduce_scatter(g, mesh, shard_dim, dim=0, op="avg")
         elif reduce == "all_reduce":
-            g = narrow(comm.all_reduce(g, mesh, shard_dim, op="avg"), 0, mesh.get_local_rank(shard_dim) * rows, rows)
+            g = narrow(comm.all_reduce(g, mesh, shard_dim, op="avg"), 0, start, rows)
         else:
             g = comm.all_reduce(g, mesh, shard_dim, op="avg")
     if replicate_dim is not None:
@@ -77,59 +73,16 @@ def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Opti
 
 
 class SyncState:
-    """Shared switches of one sharded Cell: gradient sync on/off, scale and reduce dtype."""
+    """Shared switches of one sharded Cell: gradient sync on/off (off: backward passes add the
+    unreduced gradient to a local accumulator and send nothing; the next synchronised one reduces
+    the sum once), scale and reduce dtype.
+
+    Example::
+
+        SyncState(reduce_dtype=ms.float32).sync       # True
+    """
 
     def __init__(self, *, reduce_dtype: Any = None, grad_scale: float = 1.0) -> None:
         self.sync = True
         self.reduce_dtype = reduce_dtype
         self.grad_scale = grad_scale
-
-
-class _Reducing(nn.Cell):
-    """Shared backward of the PyNative Cells: cast, accumulate while not syncing, reduce."""
-
-    def __init__(self, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], state: SyncState,
-                 param_dtype: Any, reduce: str) -> None:
-        super().__init__()
-        self.mesh, self.shard_dim, self.replicate_dim = mesh, shard_dim, replicate_dim
-        self.state, self.param_dtype, self.reduce = state, param_dtype, reduce
-        self.pending = None
-
-    def bprop(self, x, out, dout):
-        g = cast_to(dout, self.state.reduce_dtype)
-        if self.pending is not None:
-            g = self.pending + g
-        if not self.state.sync:
-            self.pending = g
-            return (ops.zeros(x.shape, x.dtype),)
-        self.pending = None
-        return (reduce_gradient(g, x, self.mesh, self.shard_dim, self.replicate_dim, self.state.grad_scale,
-                                self.reduce, x.shape[0]),)
-
-    def clear(self) -> None:
-        """Drop the accumulated, not yet reduced gradient."""
-        self.pending = None
-
-
-class GatherPieces(_Reducing):
-    """Forward: all-gather flat pieces over the shard dim. Backward: reduce to the pieces."""
-
-    def __init__(self, mesh, shard_dim: int, replicate_dim: Optional[int], state: SyncState, *,
-                 param_dtype: Any = None, reduce: str = "reduce_scatter") -> None:
-        if reduce not in ("reduce_scatter", "all_reduce"):
-            raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got {reduce!r}")
-        super().__init__(mesh, shard_dim, replicate_dim, state, param_dtype, reduce)
-
-    def construct(self, x):
-        return comm.all_gather(cast_to(x, self.param_dtype), self.mesh, self.shard_dim, dim=0)
-
-
-class SyncReplicas(_Reducing):
-    """Forward: identity (cast to ``param_dtype``). Backward: all-reduce averaged over the dp dims."""
-
-    def __init__(self, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], state: SyncState,
-                 param_dtype: Any) -> None:
-        super().__init__(mesh, shard_dim, replicate_dim, state, param_dtype, "replicated")
-
-    def construct(self, x):
-        return cast_to(x, self.param_dtype)

@@ -157,8 +157,10 @@ class CellChanges:
         handle = cell.register_forward_pre_hook(fn, with_kwargs=with_kwargs)
         self._undo.append(handle.remove)
 
-    def add_forward_hook(self, cell: nn.Cell, fn: Callable, *, with_kwargs: bool = False) -> None:
-        handle = cell.register_forward_hook(fn, with_kwargs=with_kwargs)
+    def add_forward_hook(self, cell: nn.Cell, fn: Callable, *, with_kwargs: bool = False,
+                         always_call: bool = False) -> None:
+        """``always_call``: run ``fn`` also when the forward raises (a hook putting the Cell back)."""
+        handle = cell.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
         self._undo.append(handle.remove)
 
     def add_construct_hooks(self, cell: nn.Cell, pre: Sequence[nn.Cell] = (), post: Sequence[nn.Cell] = (),

@@ -30,7 +30,7 @@ from ..redistribute._gradient import reduction_taken_over
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
 from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook
 from ._parameter import ParameterPlacement
-from ._rules import check_not_fully_sharded, mark_done
+from ._rules import DATA_PARALLEL, check_not_fully_sharded, mark_done
 from ._tied import check_tied, parameter_holders, retie
 
 __all__ = ["ConversionSpec", "InputSpec", "OutputSpec", "ModuleEdit", "apply_edits", "drop_enclosed_reductions"]
@@ -94,10 +94,12 @@ class ModuleEdit:
     ``parameters``: how each parameter (by attribute name) is cut; ``inputs`` / ``outputs`` /
     ``kwarg_inputs``: conversions run inside ``construct`` (keyword ones: a PyNative forward
     pre-hook); ``forward_pre_hooks`` / ``forward_hooks``: plain PyNative forward hooks (the
-    DTensor path); ``custom_apply``: a user's code changing the Cell itself (run after every
+    DTensor path); ``restoring_hooks``: forward hooks run even when the forward raises (they put
+    the Cell back); ``custom_apply``: a user's code changing the Cell itself (run after every
     other edit's changes); ``replicate_rest``: a mesh on which every parameter under the Cell
     that is not a DTensor afterwards becomes a replicated one; ``marks_done``: record that
-    ``engine`` sharded this Cell (:func:`~._rules.check_not_done`)."""
+    ``engine`` sharded this Cell (:func:`~._rules.check_not_done`); ``object_attributes``:
+    ``(object, name, value)`` marks on other objects (the parameters a unit replaced)."""
 
     path: str
     cell: nn.Cell
@@ -109,9 +111,11 @@ class ModuleEdit:
     kwarg_inputs: Dict[str, ConversionSpec] = field(default_factory=dict)
     forward_pre_hooks: List[Callable] = field(default_factory=list)
     forward_hooks: List[Callable] = field(default_factory=list)
+    restoring_hooks: List[Callable] = field(default_factory=list)
     custom_apply: Optional[Callable[[], Any]] = None
     replicate_rest: Any = None
     marks_done: bool = False
+    object_attributes: List[Tuple[Any, str, Any]] = field(default_factory=list)
 
 
 def _encloses(outer: ModuleEdit, inner: ModuleEdit) -> bool:
@@ -186,6 +190,10 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
         changes.add_forward_pre_hook(edit.cell, fn)
     for fn in edit.forward_hooks:
         changes.add_forward_hook(edit.cell, fn)
+    for fn in edit.restoring_hooks:
+        changes.add_forward_hook(edit.cell, fn, always_call=True)
+    for obj, name, value in edit.object_attributes:
+        changes.set_attribute(obj, name, value)
 
 
 def _scope(edits: List[ModuleEdit], root: Optional[nn.Cell]) -> List[nn.Cell]:
@@ -215,9 +223,11 @@ def apply_edits(edits: List[ModuleEdit], engine: str, root: Optional[nn.Cell] = 
     Parameter put into every Cell using it; edits placing it differently (or one Cell leaving it
     whole) are refused before anything changes. A shared parameter that user code replaced in one
     Cell gets that replacement in the others too. A Cell under ``root`` (default: the edited Cells)
-    already sharded by ``fully_shard`` / ``hsdp`` is refused before anything changes."""
-    for cell in _scope(edits, root):
-        check_not_fully_sharded(cell, engine)
+    already sharded by ``fully_shard`` / ``hsdp`` is refused before anything changes, except by those
+    (their units nest)."""
+    if engine not in DATA_PARALLEL:
+        for cell in _scope(edits, root):
+            check_not_fully_sharded(cell, engine)
     _check_tied(edits, root, engine)
     touched = [e for e in edits if e.custom_apply is not None or e.replicate_rest is not None]
     snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]

@@ -24,10 +24,11 @@ from mindspore import nn
 from ..mesh import DeviceMesh
 from ._adapter import CellChanges, named_cells
 
-__all__ = ["match_path", "check_mesh", "mark_done", "check_not_done", "check_not_fully_sharded", "changed_cells"]
+__all__ = ["match_path", "check_mesh", "mark_done", "check_not_done", "check_not_fully_sharded", "changed_cells",
+           "DATA_PARALLEL"]
 
 _DONE = "_hpms_sharded_by"
-_DATA_PARALLEL = ("fully_shard", "hsdp")
+DATA_PARALLEL = ("fully_shard", "hsdp")     # the engines sharding over data parallelism
 
 
 def match_path(pattern: str, path: str) -> bool:
@@ -75,7 +76,7 @@ def check_not_done(root: nn.Cell, engine: str, prefix: str = "", nested_ok: Opti
     earlier calls on sub-Cells (not ``root``) are accepted (the caller keeps their parameters)."""
     for path, cell in named_cells(root).items():
         done = cell.__dict__.get(_DONE)
-        if done in _DATA_PARALLEL:
+        if done in DATA_PARALLEL:
             raise _after_data_parallel(engine, _where(prefix, path, cell), done)
         if done is not None and not (path and done == nested_ok):
             full = ".".join(p for p in (prefix, path) if p)
@@ -98,7 +99,7 @@ def check_not_fully_sharded(root: nn.Cell, engine: str) -> None:
     """
     for path, cell in named_cells(root).items():
         done = cell.__dict__.get(_DONE)
-        if done in _DATA_PARALLEL:
+        if done in DATA_PARALLEL:
             raise _after_data_parallel(engine, _where("", path, cell), done)
 
 

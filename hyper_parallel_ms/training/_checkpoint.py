@@ -44,7 +44,7 @@ from .._mindspore import (OP_INTERCEPTION, OpInterception, cell_subclass, discar
                           recompute_eagerly, recompute_in_graph, run_in_python, running_eagerly)
 from ..dtensor import DTensor
 from ..fsdp._fully_shard import fsdp_state
-from ..fsdp._pieces import is_piece
+from ..fsdp._param import is_piece
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 
 __all__ = ["CheckpointWrapper", "checkpoint_wrapper", "apply_activation_checkpointing", "checkpoint_stats",

@@ -1,0 +1,191 @@
+"""FSDPParamGroup: the parameters of one unit moved by one collective per direction (FSDP2's
+``FSDPParamGroup``), and the two differentiable steps that move them.
+
+A group holds parameters of one data-parallel mesh, one dtype, all cut on dim 0 (``sharded``)
+or all kept whole. The forward all-gathers pieces over the shard mesh dim in ``param_dtype``
+(kept whole: passed through); every backward reduces with :func:`._sync.reduce_gradient`.
+
+- PyNative: the unit's hooks call :meth:`FSDPParamGroup.gathered`: the group's pieces packed
+  into one flat buffer (:mod:`._flat`) and moved by one :class:`GroupGather` call: one
+  all-gather forward, one reduce-scatter backward; with gradient sync off the backward adds the
+  unreduced gradient to a local accumulator instead.
+- Compiled (``ms.jit`` / GRAPH_MODE): each read of a parameter calls its :class:`ParamGather`
+  on its piece: one all-gather forward and one reduce-scatter backward per parameter. Gathering
+  the group's buffer at each read and letting MindSpore's compiler merge the copies was tried:
+  the merged gathers carry no order, and MindSpore's CPU runtime then ran two independent
+  collectives in different orders on two ranks (measured: a 64- and an 8-element all-reduce
+  swapped, "Memcpy error", the step failed). Each read keeps the order the graph gives it.
+
+Example::
+
+    group = FSDPParamGroup(params, True, mesh, SyncState(), None, "reduce_scatter", unit)
+    flat, values = group.gathered()          # PyNative: every parameter's full value
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+from mindspore import mint, nn, ops
+
+from .. import comm
+from .._mindspore import run_in_python
+from ..comm._tensor import pad_dim
+from ._flat import FlatLayout, pack, unpack
+from ._mesh import dp_mesh_dims
+from ._param import FSDPParam
+from ._sync import SyncState, cast_to, reduce_gradient
+
+__all__ = ["FSDPParamGroup", "GroupGather", "ParamGather"]
+
+
+@run_in_python
+def _check_compiled(unit) -> bool:
+    """Run while MindSpore compiles a read of the unit's parameters: refuse what a graph cannot do."""
+    unit.check_compilable()
+    return True
+
+
+class FSDPParamGroup:
+    """Parameters of one unit moved by one collective per direction.
+
+    Args:
+        params: the :class:`FSDPParam` records (one mesh, one dtype, all sharded or all whole).
+        sharded: cut on dim 0 (all-gather forward) or kept whole (gradient all-reduced).
+        mesh: the data-parallel mesh.
+        sync: the unit's :class:`SyncState`.
+        param_dtype: the dtype the forward computes in (``None``: the pieces').
+        reduce: ``"reduce_scatter"`` or ``"all_reduce"`` (ZeRO-1) for a sharded group.
+        unit: the unit's state (its ``check_compilable`` runs when a read is compiled).
+    """
+
+    def __init__(self, params: Sequence[FSDPParam], sharded: bool, mesh, sync: SyncState, param_dtype: Any,
+                 reduce: str, unit: Any) -> None:
+        if reduce not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got {reduce!r}")
+        self.params: List[FSDPParam] = list(params)
+        self.sharded, self.mesh, self.sync, self.param_dtype, self.unit = sharded, mesh, sync, param_dtype, unit
+        self.shard_dim, self.replicate_dim = dp_mesh_dims(mesh)
+        self.reduce = reduce if sharded else "replicated"
+        self.layout = FlatLayout([p.chunks for p in self.params])
+        self.gather = GroupGather(self)
+        self.post_forward_mesh = None      # reshard_after_forward=k: this rank's k ranks of the shard dim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the group's full (gathered) parameters."""
+        return sum(p.nbytes for p in self.params)
+
+    def pieces(self) -> Tuple:
+        return tuple(p.piece for p in self.params)
+
+    def gathered(self, reuse: Any = None) -> Tuple[Any, list]:
+        """The group's gathered flat buffer and every parameter's full value cut from it;
+        ``reuse``: a buffer gathered earlier from the same pieces, used instead of a collective
+        (the backward still reduces)."""
+        self.gather.reused = reuse
+        try:
+            flat = self.gather(pack(self.layout, self.pieces()))
+        finally:
+            self.gather.reused = None
+        return flat, unpack(self.layout, flat)
+
+    def reader(self, index: int) -> "ParamGather":
+        """The Cell a compiled read of parameter ``index`` calls on its piece."""
+        return ParamGather(self, index)
+
+    def clear(self) -> None:
+        """Drop the gradient accumulated without sync."""
+        self.gather.pending = None
+
+
+class _Reducing(nn.Cell):
+    """What both steps keep as plain attributes (constants when compiled: a value reached through
+    another Python object is not folded, and shapes computed from it fail to compile), and
+    their backward's reduction."""
+
+    def __init__(self, group: FSDPParamGroup, rows: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_hpms_group", group)
+        self.mesh, self.shard_dim, self.replicate_dim, self.reduce = (group.mesh, group.shard_dim,
+                                                                      group.replicate_dim, group.reduce)
+        self.gather_dim = group.shard_dim if group.sharded else None
+        self.param_dtype, self.reduce_dtype, self.grad_scale = (group.param_dtype, group.sync.reduce_dtype,
+                                                                group.sync.grad_scale)
+        self.rows, self.start = rows, group.mesh.get_local_rank(group.shard_dim) * rows
+
+    def _reduced(self, g, like):
+        return reduce_gradient(cast_to(g, self.reduce_dtype), like, self.mesh, self.shard_dim, self.replicate_dim,
+                               self.grad_scale, self.reduce, self.rows, self.start)
+
+
+class GroupGather(_Reducing):
+    """PyNative: a group's packed pieces all-gathered over the shard dim (kept whole: cast only);
+    backward: the gradient of the whole buffer reduced at once (or, with gradient sync off,
+    accumulated locally).
+
+    Args:
+        group: the :class:`FSDPParamGroup`.
+
+    Example::
+
+        flat = group.gather(pack(group.layout, group.pieces()))       # every rank's pieces
+    """
+
+    def __init__(self, group: FSDPParamGroup) -> None:
+        super().__init__(group, group.layout.length)
+        self.pending = None
+        self.reused = None          # a buffer gathered earlier, returned instead of gathering
+
+    def construct(self, packed):
+        if self.reused is not None:
+            return self.reused
+        flat = cast_to(packed, self.param_dtype)
+        if self.gather_dim is not None:
+            flat = comm.all_gather(flat, self.mesh, self.gather_dim, dim=0)
+        return flat
+
+    def bprop(self, packed, out, dout):
+        g = cast_to(dout, self.reduce_dtype)
+        if self.pending is not None:
+            g = self.pending + g
+        if not self._hpms_group.sync.sync:
+            self.pending = g
+            return (ops.zeros_like(packed),)
+        self.pending = None
+        return (self._reduced(g, packed),)
+
+
+class ParamGather(_Reducing):
+    """Compiled: parameter ``index`` of ``group``, its full value from this rank's piece (padded to
+    the group's rows, all-gathered, trimmed); backward: its gradient reduced to the piece.
+    While compiling, refuses what a graph cannot do (:meth:`._state.FSDPState.check_compilable`).
+
+    Args:
+        group: the :class:`FSDPParamGroup`.
+        index: the parameter's position in the group.
+
+    Example::
+
+        full_weight = group.reader(0)(piece)     # inside a compiled graph
+    """
+
+    def __init__(self, group: FSDPParamGroup, index: int) -> None:
+        super().__init__(group, group.layout.chunks[index].rows)
+        self.chunks = group.layout.chunks[index]
+
+    def construct(self, piece):
+        _check_compiled(self._hpms_group.unit)
+        value = cast_to(piece, self.param_dtype)
+        if self.gather_dim is None:
+            return value
+        chunks = self.chunks
+        full = comm.all_gather(pad_dim(value, 0, 0, chunks.padding), self.mesh, self.gather_dim, dim=0)
+        return full if chunks.padded == chunks.shape[0] else mint.narrow(full, 0, 0, chunks.shape[0])
+
+    def bprop(self, piece, out, dout):
+        chunks = self.chunks
+        if self.gather_dim is None:
+            return (self._reduced(dout, piece),)
+        g = dout if chunks.padded == chunks.shape[0] else pad_dim(dout, 0, 0, chunks.padded - chunks.shape[0])
+        g = self._reduced(g, piece)
+        return (g if not chunks.padding else mint.narrow(g, 0, 0, chunks.local),)

@@ -1,0 +1,170 @@
+"""The fully_shard engine's options beyond the textbook step, on CPU ranks, against one device:
+``reshard_after_forward=k`` (gather over k ranks in the backward, 1/k kept), ``set_reshard_after_backward(False)``
+(gradient accumulation without collectives on the micro-steps), a plan that differs between ranks
+(every rank raises, nothing changed) and a forward that raises (the pieces are put back)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from hyper_parallel_ms.comm import CommDebugMode
+from hyper_parallel_ms.fsdp import fully_shard
+from hyper_parallel_ms.fsdp._fully_shard import fsdp_state
+from hyper_parallel_ms.fsdp._param import is_piece
+from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.testing import multi_rank
+from tests._fsdp_models import Net, compare
+
+
+def _per_block(mesh, reshard):
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return shard
+
+
+def _recorded(log):
+    """A ``train`` for :func:`compare` logging each step's collectives as (kind, mesh dim, group size)."""
+    def train(model, step, x):
+        with CommDebugMode() as mode:
+            out = step(x)
+        log.append(Counter((r.kind, r.mesh_dim, r.group_size) for r in mode.records))
+        return out
+    return train
+
+
+@multi_rank(4)
+def test_reshard_after_forward_int_gathers_over_k_ranks_in_the_backward_4_ranks():
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    log = []
+    compare(_per_block(mesh, 2), rank, 4, loss_mesh=mesh, steps=3, train=_recorded(log), optimizer="adamw")
+    # 3 units: the forward gathers over the 4 ranks, the backward over this rank's 2 (FSDP2's count);
+    # the head's bias (3 rows: an empty piece on 4 ranks) stays whole, its gradient all-reduced
+    assert log == [Counter({("all_gather", "dp", 4): 3, ("all_gather", "dp_post", 2): 3,
+                            ("reduce_scatter", "dp", 4): 3, ("all_reduce", "dp", 4): 1})] * 3, log
+    ms.set_seed(0)
+    model = Net()
+    _per_block(mesh, 2)(model)
+    states = [fsdp_state(layer) for layer in model.layers] + [fsdp_state(model)]
+    held = {}
+
+    def loss(v):
+        out = (model(v) ** 2).mean()
+        held["bytes"] = sum(s.saving.bytes_held() for s in states)
+        return out
+    ms.value_and_grad(loss, None, model.trainable_params())(ms.Tensor(np.ones((2, 8), np.float32)))
+    half = sum(g.layout.length * g.layout.n // 2 * 4 for s in states for g in s.groups    # float32
+               if g.post_forward_mesh is not None)
+    assert held["bytes"] == half, (held, half)              # 1/2 of every sharded buffer kept, no more
+    with pytest.raises(ValueError, match="must divide the 4 ranks"):
+        fully_shard(Net(), mesh=mesh, reshard_after_forward=3)
+
+
+def _accumulate_without_collectives(log):
+    """4 micro-steps, sync on the last only, gathered parameters kept after the backward."""
+    def train(model, step, x):
+        rows = x.shape[0] // 4
+        model.set_reshard_after_backward(False)
+        total_loss, total = 0.0, None
+        for i in range(4):
+            model.set_requires_gradient_sync(i == 3)
+            with CommDebugMode() as mode:
+                loss, grads = step(x[i * rows:(i + 1) * rows])
+            log.append(dict(mode.get_comm_counts()))
+            total_loss = total_loss + loss
+            total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+        return total_loss / 4, tuple(g / 4 for g in total)
+    return train
+
+
+@multi_rank(2)
+def test_reshard_after_backward_false_accumulates_without_collectives_2_ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    for reshard in (True, False):
+        log = []
+        compare(_per_block(mesh, reshard), rank, 2, loss_mesh=mesh, steps=2, rows=16,
+                train=_accumulate_without_collectives(log), optimizer="adamw")
+        # the first micro-step gathers each of the 3 units once, the last reduces once: nothing between
+        assert log == [{"all_gather": 3}, {}, {}, {"reduce_scatter": 3}] * 2, (reshard, log)
+
+
+def _mismatched_net():
+    from mindspore import communication
+    return Net(hidden=7 if communication.get_rank() == 0 else 6)
+
+
+@multi_rank(2)
+def test_a_plan_differing_on_one_rank_fails_every_rank_and_changes_nothing_2_ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ms.set_seed(0)
+    model = _mismatched_net()
+    layer = model.layers[0]
+    before = {name: id(p) for name, p in model.parameters_and_names()}
+    cls, layer_cls = type(model), type(layer)
+    x = ms.Tensor(np.ones((2, 8), np.float32))
+    y = model(x).asnumpy()
+    with pytest.raises(ValueError, match="apply different plans"):
+        fully_shard(layer, mesh=mesh)
+    assert type(layer) is layer_cls and type(model) is cls and fsdp_state(layer) is None
+    assert {name: id(p) for name, p in model.parameters_and_names()} == before
+    assert not layer._forward_pre_hook and not layer._forward_hook
+    np.testing.assert_array_equal(model(x).asnumpy(), y)
+
+
+@multi_rank(2)
+def test_a_forward_that_raises_puts_the_pieces_back_2_ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ms.set_seed(0)
+    model = Net()
+    _per_block(mesh, True)(model)
+    with pytest.raises(Exception):
+        model(ms.Tensor(np.ones((2, 5), np.float32)))            # wrong width: the first Dense raises
+    assert all(is_piece(p) for p in model.trainable_params())
+    loss = ms.value_and_grad(lambda v: (model(v) ** 2).mean(), None, model.trainable_params())(
+        ms.Tensor(np.ones((2, 8), np.float32)))[0]
+    assert np.isfinite(loss.asnumpy())
+
+
+def _gathers_before(kinds):
+    """All-gathers of the backward (after the 3 forward ones) issued before its first reduce-scatter."""
+    backward = kinds[3:]
+    return backward[:backward.index("reduce_scatter")].count("all_gather")
+
+
+@multi_rank(2)
+def test_prefetch_gathers_ahead_with_the_same_collectives_and_results_2_ranks():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    for prefetch in (False, True):
+        seen, orders = [], []
+
+        def shard(model):
+            _per_block(mesh, True)(model)
+            model.layers[0].up.register_forward_pre_hook(lambda cell, args: seen.append(len(_ACTIVE_LOG[-1].records)))
+            if prefetch:
+                model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
+                model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
+
+        def train(model, step, x):
+            with CommDebugMode() as mode:
+                _ACTIVE_LOG.append(mode)
+                out = step(x)
+                _ACTIVE_LOG.pop()
+            orders.append([r.kind for r in mode.records])
+            return out
+        compare(shard, rank, 2, loss_mesh=mesh, steps=2, train=train, optimizer="adamw")
+        assert all(Counter(o) == {"all_gather": 6, "reduce_scatter": 3} for o in orders), orders
+        # the root's and block 0's gathers (and block 1's, fetched ahead) before block 0 computes
+        assert seen == [3 if prefetch else 2] * 2, (prefetch, seen)
+        # the backward runs block 1, block 0, the root, each gathering then reducing; block 0's
+        # gather is issued with block 1's, ahead of block 1's reduce-scatter
+        assert [_gathers_before(o) for o in orders] == [2 if prefetch else 1] * 2, (prefetch, orders)
+
+
+_ACTIVE_LOG: list = []
