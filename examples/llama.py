@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
@@ -22,7 +23,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from hyper_parallel_ms.nn import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from hyper_parallel_ms.placement import Replicate, Shard
 
-__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy"]
+__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy", "causal_mask"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class RMSNorm(nn.Cell):
         return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
 
 
+@lru_cache(maxsize=8)
+def causal_mask(max_seq: int) -> Tensor:
+    """The additive causal mask (``-1e9`` above the diagonal), one Tensor shared by every layer."""
+    return Tensor(np.triu(np.full((max_seq, max_seq), -1e9, np.float32), 1))
+
+
 class Attention(nn.Cell):
     """Causal self-attention; ``reshape(b, s, -1, head_dim)`` keeps the heads this rank holds."""
 
@@ -57,8 +64,7 @@ class Attention(nn.Cell):
         self.wo = nn.Dense(dim, dim, has_bias=False)
         self.head_dim = dim // config.heads
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
-        mask = np.triu(np.full((config.max_seq, config.max_seq), -1e9, np.float32), 1)
-        self.mask = Tensor(mask)
+        self.mask = causal_mask(config.max_seq)
 
     def construct(self, x):
         b, s = x.shape[0], x.shape[1]

@@ -135,7 +135,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "plain_view", "adopt", "cell_subclass", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
-           "deferred_parameter", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view",
+           "deferred_parameter", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
            "taped", "taped_call", "tape_backward",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address",
@@ -424,10 +424,13 @@ def as_subclass(cls: type, t: Tensor) -> Tensor:
     In a shape-only run (:func:`abstract_run`) a plain view of shape-only data is shape-only too
     (the run's ``plain_view``), so that ops on it still compute nothing.
     """
-    if _ABSTRACT and cls is Tensor:
-        view = _ABSTRACT[-1].plain_view(t)
-        if view is not None:
-            return view
+    if _ABSTRACT:
+        run = _ABSTRACT[-1]
+        view = run.plain_view(t) if cls is Tensor else None
+        if view is None:
+            view = Tensor._make_subclass(cls, t)
+            run.viewed(t, view)
+        return view
     return Tensor._make_subclass(cls, t)
 
 
@@ -834,6 +837,15 @@ def has_custom_bprop(cell: Any) -> bool:
     return bool(getattr(cell, "has_bprop", False))
 
 
+def numpy_dtype(dtype: Any) -> Any:
+    """The numpy dtype of a MindSpore dtype (MindSpore's own conversion; the public one warns).
+
+    >>> numpy_dtype(mindspore.float16)
+    <class 'numpy.float16'>
+    """
+    return _mstype._dtype_to_nptype(dtype)  # pylint: disable=protected-access
+
+
 def stride_free_view(t: Tensor, shape: Sequence[int]) -> Tensor:
     """A view of the one-element ``t`` with ``shape`` and every stride 0 (``ops.broadcast_to`` in
     PyNative is a view): it has the shape and occupies one element.
@@ -863,7 +875,8 @@ def abstract_run(run: Any) -> Iterator[None]:
     - :func:`no_hook` is ``run.unhooking()`` (sets ``run.unhooked``): tensor hooks reached there
       compute shapes only (``run.infer``) for ops that read shape-only data
       (``run.reads_abstract(args)``) and run the others as on plain tensors; :func:`as_subclass`
-      of a plain ``Tensor`` is ``run.plain_view(t)`` where that is not ``None``;
+      of a plain ``Tensor`` is ``run.plain_view(t)`` where that is not ``None``, and every other
+      view made there is announced to ``run.viewed(t, view)``;
     - ``mindspore.value_and_grad`` / ``grad`` (and ``mindspore.ops``'s) are ``run.value_and_grad`` /
       ``run.grad``; :func:`taped_call`, :func:`tape_backward`, :func:`saved_tensors_hooks`,
       :func:`no_grad` and :func:`recompute_eagerly` call ``run``'s methods of the same names;

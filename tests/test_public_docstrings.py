@@ -10,7 +10,7 @@ from typing import Dict, List, Set, Tuple
 
 import hyper_parallel_ms
 
-SUBPACKAGES = ("checkpoint", "comm", "dtensor", "fsdp", "nn", "ops", "redistribute", "testing", "training")
+SUBPACKAGES = ("checkpoint", "comm", "dtensor", "fsdp", "nn", "ops", "plan", "redistribute", "testing", "training")
 _ENTRY = re.compile(r"^    (\*{0,2}\w+(?:, \*{0,2}\w+)*)(?: \([^)]*\))?:")
 
 

@@ -1,0 +1,179 @@
+"""The example Llama as a training script that :func:`hyper_parallel_ms.simulate` can run: one
+``build(mesh)`` for every layout of (pp, dp, tp), fully_shard or not, micro-batches and activation
+checkpointing, and the preset shapes of ``scripts/plan_cluster.py``.
+
+``build(mesh)`` is what a training script does on each rank: the Llama built under
+``no_init_parameters()`` (split into pipeline stages with ``split_blocks`` when pp > 1), tensor
+parallel on ``mesh["tp"]`` (PyTorch's Llama plan with sequence parallelism and a vocabulary-
+parallel loss), each block and the root ``fully_shard``-ed over ``mesh["dp"]`` (or gradients
+averaged over dp), optionally each block activation-checkpointed, an ``AdamWeightDecay``
+optimizer, and a ``step()`` that runs one training step: ``value_and_grad`` of the loss, or the
+pipeline schedule (1F1B over ``mesh["pp"]``), then the gradient reduction and the optimizer.
+
+The presets have Llama's shapes (7B: 32 layers, dim 4096, ffn 11008, vocab 32000; 70B: 80
+layers, dim 8192, ffn 28672, vocab 128256) on the example's architecture: multi-head attention
+(Llama 70B's grouped-query attention has smaller k / v projections), no bias, fp32 parameters.
+
+Example::
+
+    fn = llama_training(PRESETS["7B"], Layout(pp=2, dp=4, tp=8, fsdp=True, microbatches=4))
+    report = simulate(fn, mesh_shape=(2, 4, 8), mesh_dim_names=("pp", "dp", "tp"))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+
+from hyper_parallel_ms import fully_shard, init_parameters, no_init_parameters, pipelining
+from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
+from hyper_parallel_ms.training import apply_activation_checkpointing
+
+try:
+    from examples.llama import Block, Llama, LlamaConfig, tp_plan
+except ImportError:  # run as a script: examples/ is the script's directory
+    from llama import Block, Llama, LlamaConfig, tp_plan
+
+__all__ = ["PRESETS", "Layout", "llama_training", "mesh_of"]
+
+PRESETS = {
+    "7B": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, max_seq=4096),
+    "70B": LlamaConfig(vocab=128256, dim=8192, layers=80, heads=64, hidden=28672, max_seq=4096),
+}
+FIRST, LAST = ("tok_embeddings",), ("norm", "output")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job is laid out: pp x dp x tp ranks, fully_shard over dp or not, micro-batches per
+    step (pp > 1), activation checkpointing of every block, and the batch each dp rank trains on.
+
+    >>> Layout(pp=8, dp=16, tp=8).ranks
+    1024
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    fsdp: bool = True
+    microbatches: int = 1
+    checkpointing: bool = False
+    micro_batch: int = 1           # sequences per micro-batch on each dp rank
+    seq: int = 4096
+
+    @property
+    def ranks(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def describe(self) -> str:
+        return (f"pp={self.pp} dp={self.dp} tp={self.tp} {'fsdp' if self.fsdp else 'ddp'} mb={self.microbatches} "
+                f"{'ac' if self.checkpointing else 'no-ac'}")
+
+
+def mesh_of(layout: Layout):
+    """``(mesh_shape, mesh_dim_names)`` of ``layout``: ("pp", "dp", "tp").
+
+    >>> mesh_of(Layout(pp=2, dp=4, tp=8))
+    ((2, 4, 8), ('pp', 'dp', 'tp'))
+    """
+    return (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp")
+
+
+class _Loss(nn.Cell):
+    """Mean token cross-entropy of this rank's vocabulary piece of the logits."""
+
+    def __init__(self, tp_mesh, vocab: int) -> None:
+        super().__init__()
+        self.loss = ParallelCrossEntropy(tp_mesh, num_classes=vocab)
+
+    def construct(self, local_logits, targets):
+        return self.loss(local_logits.reshape(-1, local_logits.shape[-1]), targets)
+
+
+class _WithLoss(nn.Cell):
+    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def construct(self, ids, targets):
+        return self.loss(self.model(ids), targets)
+
+
+def _stage(config: LlamaConfig, layout: Layout, mesh, stage: int) -> nn.Cell:
+    """Pipeline stage ``stage``'s share of the Llama, parallelised."""
+    with no_init_parameters():
+        model = Llama(config)
+    if layout.pp > 1:
+        pipelining.split_blocks(model, stage, layout.pp, first=FIRST, last=LAST)
+    plan = {k: v for k, v in tp_plan(sequence_parallel=True, loss_parallel=True).items()
+            if k.split(".")[0] not in FIRST + LAST or getattr(model, k.split(".")[0]) is not None}
+    parallelize_module(model, mesh["tp"], plan)
+    if layout.checkpointing:
+        apply_activation_checkpointing(model, check_fn=lambda cell: isinstance(cell, Block))
+    if layout.fsdp:
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    init_parameters(model)           # the pieces' values (none on a simulated rank)
+    return model
+
+
+def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
+    """``build(mesh)`` for ``simulate`` (see the module docstring): returns ``(model, optimizer, step)``.
+
+    Args:
+        config: the model's shape (``max_seq`` is raised to ``layout.seq`` if smaller).
+        layout: the layout.
+
+    Example::
+
+        model, optimizer, step = llama_training(PRESETS["7B"], Layout(tp=8))(mesh)
+    """
+    config = replace(config, max_seq=max(config.max_seq, layout.seq))
+
+    def build(mesh):
+        stage = mesh["pp"].get_local_rank() if layout.pp > 1 else 0
+        model = _stage(config, layout, mesh, stage)
+        loss = _Loss(mesh["tp"], config.vocab)
+        rows = layout.micro_batch * layout.microbatches
+        ids = ms.Tensor(np.zeros((rows, layout.seq), np.int32))
+        targets = ms.Tensor(np.zeros((rows * layout.seq,), np.int32))
+        if layout.pp == 1:
+            params = model.trainable_params()
+            optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
+            reducer = GradientReducer(params, **({} if layout.fsdp or layout.dp == 1 else
+                                                 {"dp_mesh": mesh, "dp_dim": "dp"}))
+            grad_fn = ms.value_and_grad(_WithLoss(model, loss), None, optimizer.parameters)
+
+            def step():
+                value, grads = grad_fn(ids, targets)
+                optimizer(reducer(grads))
+                return value
+            return model, optimizer, step
+        schedule = pipelining.Schedule1F1B(pipelining.PipelineStage(model, stage, layout.pp, mesh=mesh["pp"]),
+                                           layout.microbatches, _PipelineLoss(loss))
+        params = schedule.parameters()
+        optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
+        reducer = GradientReducer(params, **({} if layout.fsdp or layout.dp == 1 else
+                                             {"dp_mesh": mesh, "dp_dim": "dp"}))
+        first, last = stage == 0, stage == layout.pp - 1
+
+        def pipelined_step():
+            schedule.step(*((ids,) if first else ()), target=targets if last else None)
+            optimizer(reducer(schedule.gradients()))
+        return model, optimizer, pipelined_step
+    return build
+
+
+class _PipelineLoss(nn.Cell):
+    """The last stage's loss on one micro-batch's logits and targets."""
+
+    def __init__(self, loss: nn.Cell) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def construct(self, logits, targets):
+        return self.loss(logits, targets)
