@@ -19,9 +19,11 @@ Activation memory: each op keeps for its backward the activations its gradient n
 family, :func:`saved_activations`: a matmul keeps its activation inputs, a softmax its output,
 an addition or a view nothing; a custom-``bprop`` Cell its inputs and output); tensors made
 from parameters only (gathered weights) are not activations. The live total rises as forwards
-are recorded and falls as their backwards run; the estimate is its peak plus twice the
-largest activation any op made (that tensor and its gradient, alive together at the turn of
-the backward).
+are recorded (several micro-batches of a pipeline overlap as their schedule orders them) and
+falls as their backwards run; the estimate is its peak. It is checked against what MindSpore's
+autodiff keeps on real ranks (``tests/test_plan_real.py``). Temporary buffers (an op's output
+and the gradients being computed, about twice :attr:`AbstractAutodiff.largest_activation` at
+a time) come on top of it.
 
 Example::
 
@@ -169,8 +171,8 @@ class AbstractAutodiff:
         self.live_bytes = self.peak_bytes = self.largest_activation = self.optimizer_steps = 0
 
     def activation_peak(self) -> int:
-        """Estimated peak activation bytes (see the module docstring)."""
-        return self.peak_bytes + 2 * self.largest_activation
+        """Estimated peak bytes of the activations kept for the backward (see the module docstring)."""
+        return self.peak_bytes
 
     # ------------------------------------------------------------------ where calls happen
     def name_cells(self, cells: Sequence[nn.Cell]) -> None:

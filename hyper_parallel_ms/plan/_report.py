@@ -87,7 +87,8 @@ class RankReport:
         grad_bytes: the gradients of its trainable pieces.
         optimizer_bytes: its optimizer state (per-parameter slots, e.g. AdamWeightDecay's two moments).
         optimizer_slots: optimizer bytes per slot name (``adam_m``, ``adam_v``, ...).
-        activation_bytes: estimated peak of the activations a step keeps (``None``: no step given).
+        activation_bytes: estimated peak of the activations a step keeps for its backward (``None``: no
+            step given; temporary buffers come on top, see :mod:`hyper_parallel_ms.plan._autodiff`).
         comm_bytes: textbook bytes it sends in one step (``None``: no step given).
         comm: per (kind, mesh dim name) the :class:`CommStats` of one step.
         represented_by: the rank whose run these numbers are (itself, or its class's representative).
