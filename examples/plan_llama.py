@@ -16,12 +16,13 @@ layers, dim 8192, ffn 28672, vocab 128256) on the example's architecture: multi-
 
 Example::
 
-    fn = llama_training(PRESETS["7B"], Layout(pp=2, dp=4, tp=8, fsdp=True, microbatches=4))
-    report = simulate(fn, mesh_shape=(2, 4, 8), mesh_dim_names=("pp", "dp", "tp"))
+    layout = Layout(pp=2, dp=4, tp=8, fsdp=True, microbatches=4)
+    shape, names = layout.mesh
+    report = simulate(llama_training(PRESETS["7B"], layout), mesh_shape=shape, mesh_dim_names=names)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import mindspore as ms
@@ -30,6 +31,7 @@ from mindspore import nn
 
 from hyper_parallel_ms import fully_shard, init_parameters, no_init_parameters, pipelining
 from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
+from hyper_parallel_ms.plan import Layout
 from hyper_parallel_ms.training import apply_activation_checkpointing
 
 try:
@@ -37,49 +39,13 @@ try:
 except ImportError:  # run as a script: examples/ is the script's directory
     from llama import Block, Llama, LlamaConfig, tp_plan
 
-__all__ = ["PRESETS", "Layout", "llama_training", "mesh_of"]
+__all__ = ["PRESETS", "Layout", "llama_training", "builder"]
 
 PRESETS = {
     "7B": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, max_seq=4096),
     "70B": LlamaConfig(vocab=128256, dim=8192, layers=80, heads=64, hidden=28672, max_seq=4096),
 }
 FIRST, LAST = ("tok_embeddings",), ("norm", "output")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the job is laid out: pp x dp x tp ranks, fully_shard over dp or not, micro-batches per
-    step (pp > 1), activation checkpointing of every block, and the batch each dp rank trains on.
-
-    >>> Layout(pp=8, dp=16, tp=8).ranks
-    1024
-    """
-
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-    fsdp: bool = True
-    microbatches: int = 1
-    checkpointing: bool = False
-    micro_batch: int = 1           # sequences per micro-batch on each dp rank
-    seq: int = 4096
-
-    @property
-    def ranks(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    def describe(self) -> str:
-        return (f"pp={self.pp} dp={self.dp} tp={self.tp} {'fsdp' if self.fsdp else 'ddp'} mb={self.microbatches} "
-                f"{'ac' if self.checkpointing else 'no-ac'}")
-
-
-def mesh_of(layout: Layout):
-    """``(mesh_shape, mesh_dim_names)`` of ``layout``: ("pp", "dp", "tp").
-
-    >>> mesh_of(Layout(pp=2, dp=4, tp=8))
-    ((2, 4, 8), ('pp', 'dp', 'tp'))
-    """
-    return (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp")
 
 
 class _Loss(nn.Cell):
@@ -177,3 +143,17 @@ class _PipelineLoss(nn.Cell):
 
     def construct(self, logits, targets):
         return self.loss(logits, targets)
+
+
+def builder(config: LlamaConfig) -> Callable:
+    """``build(layout, layers) -> fn(mesh)`` for :func:`hyper_parallel_ms.plan.search`: the Llama of
+    ``config`` with ``layers`` blocks.
+
+    Args:
+        config: the model's shape.
+
+    Example::
+
+        search(builder(PRESETS["7B"]), devices=64, layers=32, cluster=Cluster())
+    """
+    return lambda layout, layers: llama_training(replace(config, layers=layers), layout)

@@ -27,9 +27,9 @@ def _setup():
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from examples.llama import LlamaConfig
-    from examples.plan_llama import Layout, llama_training, mesh_of
+    from examples.plan_llama import Layout, llama_training
     config = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, hidden=128, max_seq=64)
-    return config, Layout, llama_training, mesh_of
+    return config, Layout, llama_training
 
 
 def _record(rec) -> tuple:
@@ -42,9 +42,9 @@ def real_rank(layout_kwargs: dict) -> dict:
     from hyper_parallel_ms.comm import CommDebugMode
     from hyper_parallel_ms.mesh import init_device_mesh
     from hyper_parallel_ms.plan._memory import memory_of
-    config, Layout, llama_training, mesh_of = _setup()
+    config, Layout, llama_training = _setup()
     layout = Layout(seq=32, **layout_kwargs)
-    shape, names = mesh_of(layout)
+    shape, names = layout.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ms.set_seed(0)
     model, optimizer, step = llama_training(config, layout)(mesh)
@@ -67,10 +67,10 @@ def real_rank(layout_kwargs: dict) -> dict:
 
 def test_simulated_bytes_and_collectives_equal_real_four_rank_runs():
     from hyper_parallel_ms import simulate
-    config, Layout, llama_training, mesh_of = _setup()
+    config, Layout, llama_training = _setup()
     for kwargs in LAYOUTS:
         layout = Layout(seq=32, **kwargs)
-        shape, names = mesh_of(layout)
+        shape, names = layout.mesh
         real = run_on_ranks(real_rank, 4, kwargs, timeout=600)
         report = simulate(llama_training(config, layout), mesh_shape=shape, mesh_dim_names=names, device_type="cpu",
                           ranks=range(4))
@@ -86,10 +86,10 @@ def test_simulated_bytes_and_collectives_equal_real_four_rank_runs():
 
 def test_simulated_collective_records_equal_real_ones_call_by_call():
     from hyper_parallel_ms.plan import _session
-    config, Layout, llama_training, mesh_of = _setup()
+    config, Layout, llama_training = _setup()
     kwargs = LAYOUTS[2]                                  # pipeline x tp: sends, receives and collectives
     layout = Layout(seq=32, **kwargs)
-    shape, names = mesh_of(layout)
+    shape, names = layout.mesh
     real = run_on_ranks(real_rank, 4, kwargs, timeout=600)
     sim = _session._Simulation(llama_training(config, layout), shape, names, "cpu")
     for r in range(4):
@@ -116,9 +116,9 @@ def real_activations(layout_kwargs: dict) -> int:
     from hyper_parallel_ms._mindspore import tensor_address
     from hyper_parallel_ms.mesh import init_device_mesh
     from hyper_parallel_ms.pipelining import _runtime
-    config, Layout, llama_training, mesh_of = _setup()
+    config, Layout, llama_training = _setup()
     layout = Layout(seq=256, micro_batch=2, **layout_kwargs)
-    shape, names = mesh_of(layout)
+    shape, names = layout.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model, optimizer, step = llama_training(config, layout)(mesh)
     excluded = _excluded_shapes(model, layout.dp)
@@ -161,10 +161,10 @@ def real_activations(layout_kwargs: dict) -> int:
 
 def test_simulated_activations_are_within_20_percent_of_what_real_ranks_keep():
     from hyper_parallel_ms import simulate
-    config, Layout, llama_training, mesh_of = _setup()
+    config, Layout, llama_training = _setup()
     for kwargs in LAYOUTS:
         layout = Layout(seq=256, micro_batch=2, **kwargs)
-        shape, names = mesh_of(layout)
+        shape, names = layout.mesh
         real = run_on_ranks(real_activations, 4, kwargs, timeout=600)
         report = simulate(llama_training(config, layout), mesh_shape=shape, mesh_dim_names=names, device_type="cpu",
                           ranks=range(4))

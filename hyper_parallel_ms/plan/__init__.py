@@ -6,7 +6,9 @@ values, a step propagates shapes only, collectives are recorded, not run. The re
 per rank, the bytes of its parameter pieces, gradients and optimizer state, an estimate of its
 peak activations, the bytes one step sends per collective kind and mesh dim, and the
 problems a cluster launch would hit (ranks applying different plans, groups issuing different
-collective sequences, unmatched point-to-point messages).
+collective sequences, unmatched point-to-point messages). :func:`search` enumerates the
+layouts of a number of devices and ranks those that fit by the step time of an alpha-beta
+cost model (:class:`Cluster`).
 
 Example::
 
@@ -17,7 +19,10 @@ Example::
 """
 from __future__ import annotations
 
+from ._cost import Cluster, rank_seconds, step_seconds
 from ._report import CommStats, Problem, RankReport, SimulationReport, format_bytes
+from ._search import Candidate, Layout, estimate, layouts, search
 from ._session import simulate
 
-__all__ = ["simulate", "SimulationReport", "RankReport", "CommStats", "Problem", "format_bytes"]
+__all__ = ["simulate", "SimulationReport", "RankReport", "CommStats", "Problem", "format_bytes", "Cluster",
+           "rank_seconds", "step_seconds", "Layout", "Candidate", "layouts", "estimate", "search"]

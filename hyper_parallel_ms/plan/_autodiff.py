@@ -13,7 +13,9 @@ backward issues in Python is issued, and recorded, exactly as on the cluster. Co
 MindSpore differentiates by itself (a primitive's own backward) are not recorded, on the
 cluster either. Gradients come back as shape-only tensors of the inputs' and weights' shapes;
 optimizers do not step (they communicate nothing); activation recomputation runs the forward
-again in the backward, as MindSpore does.
+again in the backward, as MindSpore does. Matmul FLOPs are counted as the step runs: a matmul
+on the tape three times (its forward and the two matmuls of its backward), one run without
+gradient once (a recomputed forward, then again on the tape in the backward).
 
 Activation memory: each op keeps for its backward the activations its gradient needs (by op
 family, :func:`saved_activations`: a matmul keeps its activation inputs, a softmax its output,
@@ -35,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from math import prod
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from mindspore import Parameter, Tensor, nn
@@ -43,7 +46,7 @@ from .._mindspore import has_custom_bprop
 from ._abstract import (AbstractTensor, abstract_like, abstract_view, flags_of, infer, is_abstract, reads_abstract,
                         storage_key, tensor_bytes, viewed)
 
-__all__ = ["AbstractAutodiff", "saved_activations"]
+__all__ = ["AbstractAutodiff", "saved_activations", "matmul_flops"]
 
 _VIEWS = ("Reshape", "View", "Transpose", "TransposeView", "DeprecatedTranspose", "TransposeExtView", "TransposeExt",
           "ExpandDims", "ExpandDimsView", "Unsqueeze", "Squeeze", "Flatten", "FlattenExt", "GetItem", "StridedSlice",
@@ -79,6 +82,27 @@ def saved_activations(op: str, inputs: Sequence[Tensor], outputs: Sequence[Tenso
         return []
     chosen = outputs if op in _SAVES_OUTPUT else inputs
     return [t for t in chosen if _is_activation(t)]
+
+
+_MATMULS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Mm", "Dense", "BMM", "Bmm"})
+
+
+def matmul_flops(a: Tensor, out: Tensor) -> int:
+    """Multiply-adds times two of a matmul of ``a`` (``..., m, k`` or transposed) giving ``out``
+    (``..., m, n``): ``2 numel(out) k`` with ``k = numel(a) n / numel(out)``.
+
+    Args:
+        a: the first operand.
+        out: the result.
+
+    >>> import mindspore as ms
+    >>> matmul_flops(AbstractTensor((4, 3), ms.float32), AbstractTensor((4, 5), ms.float32))
+    120
+    """
+    size = prod(tuple(out.shape))
+    if not size or not out.shape:
+        return 0
+    return 2 * size * (prod(tuple(a.shape)) * tuple(out.shape)[-1] // size)
 
 
 def _is_activation(t: Any) -> bool:
@@ -118,12 +142,13 @@ class _Node:
 class _Recompute:
     """A forward run under activation recomputation: run again (and recorded) in the backward."""
 
-    __slots__ = ("fn", "args", "kwargs", "again", "inputs", "outputs", "out", "where")
+    __slots__ = ("fn", "args", "kwargs", "again", "inputs", "outputs", "out", "where", "packs")
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, again: Any, out: Any, where: str = "") -> None:
         self.fn, self.args, self.kwargs, self.again, self.out, self.where = fn, args, kwargs, again, out, where
         self.inputs = _tensors(args)
         self.outputs = _tensors(out)
+        self.packs: List[Tuple[Callable, Any]] = []
 
 
 class _Tape:
@@ -164,11 +189,12 @@ class AbstractAutodiff:
         self.peak_bytes = 0
         self.largest_activation = 0
         self.optimizer_steps = 0
+        self.flops = 0
 
     # ------------------------------------------------------------------ estimates
     def begin_step(self) -> None:
         """Start the estimates afresh (what the model's construction ran is not the step's)."""
-        self.live_bytes = self.peak_bytes = self.largest_activation = self.optimizer_steps = 0
+        self.live_bytes = self.peak_bytes = self.largest_activation = self.optimizer_steps = self.flops = 0
 
     def activation_peak(self) -> int:
         """Estimated peak bytes of the activations kept for the backward (see the module docstring)."""
@@ -220,7 +246,10 @@ class AbstractAutodiff:
             if flags_of(o)[1]:
                 self.largest_activation = max(self.largest_activation, tensor_bytes(o))
         tape = self._tape()
-        if tape is None or not any(flags_of(o)[0] for o in outputs):
+        differentiated = tape is not None and any(flags_of(o)[0] for o in outputs)
+        if name in _MATMULS and inputs and outputs:
+            self.flops += matmul_flops(inputs[0], outputs[0]) * (3 if differentiated else 1)
+        if not differentiated:
             return
         node = _Node(None, tuple(inputs), tuple(outputs))
         self._keep(tape, node, (), saved_activations(name, inputs, outputs))
@@ -350,7 +379,9 @@ class AbstractAutodiff:
         with forward_ctx, self._recorded_into(None if tape is None else _Tape()):
             out = fn(*args, **kwargs)
         if tape is not None:
-            tape.nodes.append(_Recompute(fn, args, kwargs, again_ctx, out, self.where()))
+            node = _Recompute(fn, args, kwargs, again_ctx, out, self.where())
+            self._keep(tape, node, (), [t for t in node.inputs if _is_activation(t)])    # its inputs are kept
+            tape.nodes.append(node)
         return out
 
     # ------------------------------------------------------------------ backward

@@ -41,6 +41,7 @@ class CommStats:
         calls: the number of calls.
         bytes: textbook bytes this rank sends over all of them.
         group_size: the ranks of the group.
+        group: the global ranks of the (first) group the calls ran over.
 
     >>> CommStats(3, 1024, 8).bytes
     1024
@@ -49,6 +50,7 @@ class CommStats:
     calls: int
     bytes: int
     group_size: int
+    group: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class RankReport:
         comm_bytes: textbook bytes it sends in one step (``None``: no step given).
         comm: per (kind, mesh dim name) the :class:`CommStats` of one step.
         represented_by: the rank whose run these numbers are (itself, or its class's representative).
+        flops: matmul FLOPs of one step (forward, backward and recomputation; ``None``: no step given).
 
     Example::
 
@@ -108,6 +111,7 @@ class RankReport:
     comm_bytes: Optional[int] = None
     comm: Dict[Tuple[str, str], CommStats] = field(default_factory=dict)
     represented_by: int = -1
+    flops: Optional[int] = None
 
     @property
     def total_bytes(self) -> int:

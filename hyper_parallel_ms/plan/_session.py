@@ -104,6 +104,7 @@ class _Outcome:
         self.held: Optional[Held] = None
         self.step_records: list = []
         self.activation: Optional[int] = None
+        self.flops: Optional[int] = None
         self.stepped = False
         self.specs: list = []            # the sharding records (DTensorSpec) of its parameters
 
@@ -153,12 +154,24 @@ class _Simulation:
         if rank in self.outcomes or rank in self._running:
             return rank, lambda peer: peer
         rep = self.representative(rank)
+        return rep, self.translation(rep, rank)
+
+    def translation(self, rep: int, rank: int) -> Callable[[int], int]:
+        """Maps the ranks ``rep`` deals with to those ``rank`` deals with (same coordinate offset)."""
         delta = np.array(self.coord(rank)) - np.array(self.coord(rep))
 
         def translate(peer: int) -> int:
             moved = np.array(self.coord(peer)) + delta
             return self.rank_at(moved) if all(0 <= m < s for m, s in zip(moved, self.shape)) else -1
-        return rep, translate
+        return translate
+
+    def group_of(self, rep: int, rank: int, group: Sequence[int]) -> Tuple[int, ...]:
+        """The group of ``rank`` that corresponds to ``rep``'s ``group``: the same mesh dims spanned,
+        ``rank``'s coordinates on the others."""
+        base, mine = self.coord(rep), self.coord(rank)
+        coords = [self.coord(q) for q in group]
+        spanned = {d for c in coords for d in range(len(base)) if c[d] != base[d]}
+        return tuple(self.rank_at([c[d] if d in spanned else mine[d] for d in range(len(base))]) for c in coords)
 
     # ---------------------------------------------------------------- running
     def outcome(self, rank: int) -> _Outcome:
@@ -212,6 +225,7 @@ class _Simulation:
                 step()
                 out.step_records = list(mode.records[start:])
                 out.activation = autodiff.activation_peak()
+                out.flops = autodiff.flops
                 out.stepped = True
         except MissingMessage:
             raise
@@ -269,22 +283,25 @@ class _Simulation:
         reports = {}
         for rank in ranks:
             rep = self.representative(rank) if by_class else rank
-            reports[rank] = _rank_report(rank, self.coord(rank), rep, self.outcomes[rep])
+            reports[rank] = _rank_report(rank, self.coord(rank), rep, self.outcomes[rep],
+                                         lambda group, rep=rep, rank=rank: self.group_of(rep, rank, group))
         runs = {r: o.run for r, o in self.outcomes.items()}
         return SimulationReport(reports, self.shape, self.names, grouped(cross_rank_problems(runs)),
                                 tuple(self.outcomes), seconds)
 
 
-def _rank_report(rank: int, coord: Tuple[int, ...], rep: int, outcome: _Outcome) -> RankReport:
+def _rank_report(rank: int, coord: Tuple[int, ...], rep: int, outcome: _Outcome,
+                 group_of: Callable[[Sequence[int]], Tuple[int, ...]]) -> RankReport:
     held = outcome.held or Held(0, 0, 0, {}, ())
     comm: Dict[Tuple[str, str], CommStats] = {}
     for r in outcome.step_records:
         key = (r.kind, r.mesh_dim)
         stats = comm.get(key)
-        comm[key] = CommStats((stats.calls if stats else 0) + 1, (stats.bytes if stats else 0) + r.bytes, r.group_size)
+        comm[key] = CommStats((stats.calls if stats else 0) + 1, (stats.bytes if stats else 0) + r.bytes, r.group_size,
+                              stats.group if stats else group_of(r.group))
     return RankReport(rank, coord, held.param_bytes, held.grad_bytes, held.optimizer_bytes, dict(held.optimizer_slots),
                       outcome.activation, sum(r.bytes for r in outcome.step_records) if outcome.stepped else None,
-                      comm, rep)
+                      comm, rep, outcome.flops)
 
 
 def simulate(fn: Callable, *, mesh_shape: Sequence[int], mesh_dim_names: Optional[Sequence[str]] = None,
