@@ -20,10 +20,10 @@ from functools import lru_cache
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from hyper_parallel_ms.nn import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from hyper_parallel_ms.nn import ColwiseParallel, ParallelCrossEntropy, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from hyper_parallel_ms.placement import Replicate, Shard
 
-__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy", "causal_mask"]
+__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy", "causal_mask", "VocabParallelCrossEntropy", "WithLoss"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,29 @@ class Llama(nn.Cell):
 def cross_entropy(logits, labels_onehot):
     """Mean token cross-entropy of ``logits`` (b, s, vocab) against one-hot labels."""
     return -(ops.log_softmax(logits, -1) * labels_onehot).sum(-1).mean()
+
+
+class VocabParallelCrossEntropy(nn.Cell):
+    """Mean token cross-entropy of this rank's ``(b, s, vocab / tp)`` logits piece against
+    ``(b * s,)`` class indices, by :class:`ParallelCrossEntropy` over ``tp_mesh``."""
+
+    def __init__(self, tp_mesh, vocab: int) -> None:
+        super().__init__()
+        self.loss = ParallelCrossEntropy(tp_mesh, num_classes=vocab)
+
+    def construct(self, local_logits, targets):
+        return self.loss(local_logits.reshape(-1, local_logits.shape[-1]), targets)
+
+
+class WithLoss(nn.Cell):
+    """``loss(model(ids), labels)``: the Cell a train step differentiates."""
+
+    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def construct(self, ids, labels):
+        return self.loss(self.model(ids), labels)
 
 
 def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:

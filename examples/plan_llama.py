@@ -30,14 +30,14 @@ import numpy as np
 from mindspore import nn
 
 from hyper_parallel_ms import fully_shard, init_parameters, no_init_parameters, pipelining
-from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
+from hyper_parallel_ms.nn import GradientReducer, parallelize_module
 from hyper_parallel_ms.plan import Layout
 from hyper_parallel_ms.training import apply_activation_checkpointing
 
 try:
-    from examples.llama import Block, Llama, LlamaConfig, tp_plan
+    from examples.llama import Block, Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, tp_plan
 except ImportError:  # run as a script: examples/ is the script's directory
-    from llama import Block, Llama, LlamaConfig, tp_plan
+    from llama import Block, Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, tp_plan
 
 __all__ = ["PRESETS", "Layout", "llama_training", "builder"]
 
@@ -46,26 +46,6 @@ PRESETS = {
     "70B": LlamaConfig(vocab=128256, dim=8192, layers=80, heads=64, hidden=28672, max_seq=4096),
 }
 FIRST, LAST = ("tok_embeddings",), ("norm", "output")
-
-
-class _Loss(nn.Cell):
-    """Mean token cross-entropy of this rank's vocabulary piece of the logits."""
-
-    def __init__(self, tp_mesh, vocab: int) -> None:
-        super().__init__()
-        self.loss = ParallelCrossEntropy(tp_mesh, num_classes=vocab)
-
-    def construct(self, local_logits, targets):
-        return self.loss(local_logits.reshape(-1, local_logits.shape[-1]), targets)
-
-
-class _WithLoss(nn.Cell):
-    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
-        super().__init__()
-        self.model, self.loss = model, loss
-
-    def construct(self, ids, targets):
-        return self.loss(self.model(ids), targets)
 
 
 def _stage(config: LlamaConfig, layout: Layout, mesh, stage: int) -> nn.Cell:
@@ -103,7 +83,7 @@ def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
     def build(mesh):
         stage = mesh["pp"].get_local_rank() if layout.pp > 1 else 0
         model = _stage(config, layout, mesh, stage)
-        loss = _Loss(mesh["tp"], config.vocab)
+        loss = VocabParallelCrossEntropy(mesh["tp"], config.vocab)
         rows = layout.micro_batch * layout.microbatches
         ids = ms.Tensor(np.zeros((rows, layout.seq), np.int32))
         targets = ms.Tensor(np.zeros((rows * layout.seq,), np.int32))
@@ -112,7 +92,7 @@ def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
             optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
             reducer = GradientReducer(params, **({} if layout.fsdp or layout.dp == 1 else
                                                  {"dp_mesh": mesh, "dp_dim": "dp"}))
-            grad_fn = ms.value_and_grad(_WithLoss(model, loss), None, optimizer.parameters)
+            grad_fn = ms.value_and_grad(WithLoss(model, loss), None, optimizer.parameters)
 
             def step():
                 value, grads = grad_fn(ids, targets)
@@ -120,7 +100,7 @@ def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
                 return value
             return model, optimizer, step
         schedule = pipelining.Schedule1F1B(pipelining.PipelineStage(model, stage, layout.pp, mesh=mesh["pp"]),
-                                           layout.microbatches, _PipelineLoss(loss))
+                                           layout.microbatches, loss)
         params = schedule.parameters()
         optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
         reducer = GradientReducer(params, **({} if layout.fsdp or layout.dp == 1 else
@@ -132,17 +112,6 @@ def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
             optimizer(reducer(schedule.gradients()))
         return model, optimizer, pipelined_step
     return build
-
-
-class _PipelineLoss(nn.Cell):
-    """The last stage's loss on one micro-batch's logits and targets."""
-
-    def __init__(self, loss: nn.Cell) -> None:
-        super().__init__()
-        self.loss = loss
-
-    def construct(self, logits, targets):
-        return self.loss(logits, targets)
 
 
 def builder(config: LlamaConfig) -> Callable:

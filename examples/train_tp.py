@@ -41,13 +41,13 @@ from mindspore import communication, nn
 
 from hyper_parallel_ms import checkpoint, comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
+from hyper_parallel_ms.nn import GradientReducer, parallelize_module
 
 try:
-    from examples.llama import Llama, LlamaConfig, cross_entropy, tp_plan
+    from examples.llama import Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, cross_entropy, tp_plan
     from examples.train_pp import SCHEDULES, train_pipeline
 except ImportError:  # run as a script: examples/ is the script's directory
-    from llama import Llama, LlamaConfig, cross_entropy, tp_plan
+    from llama import Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, cross_entropy, tp_plan
     from train_pp import SCHEDULES, train_pipeline
 
 __all__ = ["TrainConfig", "train", "main"]
@@ -110,34 +110,13 @@ class OneHotCrossEntropy(nn.Cell):
         return cross_entropy(logits, onehot)
 
 
-class VocabParallelCrossEntropy(nn.Cell):
-    """Mean token cross-entropy of this rank's ``(b, s, vocab / tp)`` logits piece against
-    ``(b * s,)`` class indices, by :class:`ParallelCrossEntropy` over ``tp_mesh``."""
-
-    def __init__(self, tp_mesh, vocab: int) -> None:
-        super().__init__()
-        self.loss = ParallelCrossEntropy(tp_mesh, num_classes=vocab)
-
-    def construct(self, local_logits, targets):
-        return self.loss(local_logits.reshape(-1, local_logits.shape[-1]), targets)
-
-
-class _WithLoss(nn.Cell):
-    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
-        super().__init__()
-        self.model, self.loss = model, loss
-
-    def construct(self, ids, labels):
-        return self.loss(self.model(ids), labels)
-
-
 class TrainStep(nn.Cell):
     """Loss, gradients, gradient reduction and the optimizer update (a Cell for GRAPH_MODE)."""
 
     def __init__(self, model: nn.Cell, loss: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None,
                  dp_dims: tuple = ("dp",)) -> None:
         super().__init__()
-        self.with_loss = _WithLoss(model, loss)
+        self.with_loss = WithLoss(model, loss)
         self.optimizer, self.reducer, self.dp_mesh, self.dp_dims = optimizer, reducer, dp_mesh, dp_dims
         self.grad_fn = ms.value_and_grad(self.with_loss, None, optimizer.parameters)
 
