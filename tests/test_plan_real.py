@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 
 from hyper_parallel_ms.testing import run_on_ranks
 

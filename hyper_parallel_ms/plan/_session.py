@@ -50,7 +50,7 @@ import contextlib
 import itertools
 import time
 from math import prod
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
