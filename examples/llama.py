@@ -15,14 +15,16 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from hyper_parallel_ms.nn import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from hyper_parallel_ms.nn import ColwiseParallel, ParallelCrossEntropy, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from hyper_parallel_ms.placement import Replicate, Shard
 
-__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy", "checkpointed"]
+__all__ = ["LlamaConfig", "Llama", "tp_plan", "cross_entropy", "checkpointed", "causal_mask", "VocabParallelCrossEntropy",
+           "WithLoss"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,12 @@ class RMSNorm(nn.Cell):
         return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
 
 
+@lru_cache(maxsize=8)
+def causal_mask(max_seq: int) -> Tensor:
+    """The additive causal mask (``-1e9`` above the diagonal), one Tensor shared by every layer."""
+    return Tensor(np.triu(np.full((max_seq, max_seq), -1e9, np.float32), 1))
+
+
 class Attention(nn.Cell):
     """Causal self-attention; ``reshape(b, s, -1, head_dim)`` keeps the heads this rank holds."""
 
@@ -57,8 +65,7 @@ class Attention(nn.Cell):
         self.wo = nn.Dense(dim, dim, has_bias=False)
         self.head_dim = dim // config.heads
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
-        mask = np.triu(np.full((config.max_seq, config.max_seq), -1e9, np.float32), 1)
-        self.mask = Tensor(mask)
+        self.mask = causal_mask(config.max_seq)
 
     def construct(self, x):
         b, s = x.shape[0], x.shape[1]
@@ -121,6 +128,29 @@ def checkpointed(whole_blocks: bool = False):
 def cross_entropy(logits, labels_onehot):
     """Mean token cross-entropy of ``logits`` (b, s, vocab) against one-hot labels."""
     return -(ops.log_softmax(logits, -1) * labels_onehot).sum(-1).mean()
+
+
+class VocabParallelCrossEntropy(nn.Cell):
+    """Mean token cross-entropy of this rank's ``(b, s, vocab / tp)`` logits piece against
+    ``(b * s,)`` class indices, by :class:`ParallelCrossEntropy` over ``tp_mesh``."""
+
+    def __init__(self, tp_mesh, vocab: int) -> None:
+        super().__init__()
+        self.loss = ParallelCrossEntropy(tp_mesh, num_classes=vocab)
+
+    def construct(self, local_logits, targets):
+        return self.loss(local_logits.reshape(-1, local_logits.shape[-1]), targets)
+
+
+class WithLoss(nn.Cell):
+    """``loss(model(ids), labels)``: the Cell a train step differentiates."""
+
+    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def construct(self, ids, labels):
+        return self.loss(self.model(ids), labels)
 
 
 def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = False, local_inputs: bool = False) -> dict:

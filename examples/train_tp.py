@@ -46,16 +46,17 @@ from mindspore import communication, nn, ops
 
 from hyper_parallel_ms import comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import GradientReducer, ParallelCrossEntropy, parallelize_module
+from hyper_parallel_ms.nn import GradientReducer, parallelize_module
 from hyper_parallel_ms.training import TotalGradNorm, apply_activation_checkpointing, clip_grad_norm
 
 try:
     from examples.checkpoints import latest_checkpoint, resume, save_step
-    from examples.llama import Llama, LlamaConfig, checkpointed, cross_entropy, tp_plan
+    from examples.llama import (Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, checkpointed, cross_entropy,
+                                tp_plan)
     from examples.train_pp import SCHEDULES, train_pipeline
 except ImportError:  # run as a script: examples/ is the script's directory
     from checkpoints import latest_checkpoint, resume, save_step
-    from llama import Llama, LlamaConfig, checkpointed, cross_entropy, tp_plan
+    from llama import Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, checkpointed, cross_entropy, tp_plan
     from train_pp import SCHEDULES, train_pipeline
 
 __all__ = ["TrainConfig", "train", "main", "latest_checkpoint"]
@@ -121,27 +122,6 @@ class OneHotCrossEntropy(nn.Cell):
         return cross_entropy(logits, onehot)
 
 
-class VocabParallelCrossEntropy(nn.Cell):
-    """Mean token cross-entropy of this rank's ``(b, s, vocab / tp)`` logits piece against
-    ``(b * s,)`` class indices, by :class:`ParallelCrossEntropy` over ``tp_mesh``."""
-
-    def __init__(self, tp_mesh, vocab: int) -> None:
-        super().__init__()
-        self.loss = ParallelCrossEntropy(tp_mesh, num_classes=vocab)
-
-    def construct(self, local_logits, targets):
-        return self.loss(local_logits.reshape(-1, local_logits.shape[-1]), targets)
-
-
-class _WithLoss(nn.Cell):
-    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
-        super().__init__()
-        self.model, self.loss = model, loss
-
-    def construct(self, ids, labels):
-        return self.loss(self.model(ids), labels)
-
-
 class Clip(nn.Cell):
     """``grads -> (grads clipped to max_norm by the whole model's gradient norm, that norm)`` from
     this rank's reduced gradients (``clip_grad_norm`` with a :class:`TotalGradNorm` built outside)."""
@@ -180,7 +160,7 @@ class TrainStep(nn.Cell):
     def __init__(self, model: nn.Cell, loss: nn.Cell, optimizer: nn.Optimizer, reducer: nn.Cell, dp_mesh=None,
                  dp_dims: tuple = ("dp",), clip: Optional[nn.Cell] = None) -> None:
         super().__init__()
-        self.with_loss = _WithLoss(model, loss)
+        self.with_loss = WithLoss(model, loss)
         self.optimizer, self.reducer, self.dp_mesh, self.dp_dims = optimizer, reducer, dp_mesh, dp_dims
         self.clip = NoClip() if clip is None else clip
         self.grad_fn = ms.value_and_grad(self.with_loss, None, optimizer.parameters)

@@ -43,6 +43,7 @@ _EXPORTS: Dict[str, str] = {
     "pipelining": "", "PipelineStage": "pipelining", "split_blocks": "pipelining",
     "ScheduleGPipe": "pipelining", "Schedule1F1B": "pipelining", "ScheduleInterleaved1F1B": "pipelining",
     "ScheduleZBVZeroBubble": "pipelining",
+    "plan": "", "simulate": "plan",
 }
 __all__ = list(_EXPORTS)
 

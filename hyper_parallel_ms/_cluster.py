@@ -4,6 +4,12 @@ The only module that talks to ``mindspore.communication``. Groups are created on
 per rank set, on member ranks only, with deterministic names; a group of one rank
 needs no communicator, and a group of all ranks is the world group.
 
+A :class:`World` is a place in a cluster: this process's (:func:`process_world`) or one rank
+of a simulated cluster (``simulated=True``), where groups are descriptions only (no
+communicator is created; collectives over them are recorded, not run). Inside
+``with simulating(world):`` code that has no mesh to ask (a default mesh of every rank) sees
+that world (:func:`current_world`).
+
 Example:
     >>> from hyper_parallel_ms import _cluster
     >>> _cluster.world_size() >= 1
@@ -11,17 +17,18 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import communication as comm_api
 from mindspore.communication import GlobalComm
 
-__all__ = ["CommGroup", "is_initialized", "world_size", "world_rank", "device_target",
-           "comm_group", "DEVICE_TYPES"]
+__all__ = ["CommGroup", "World", "is_initialized", "world_size", "world_rank", "device_target",
+           "comm_group", "process_world", "current_world", "simulating", "DEVICE_TYPES"]
 
 # user-facing device type -> MindSpore device target
 DEVICE_TYPES = {"cpu": "CPU", "npu": "Ascend", "ascend": "Ascend"}
@@ -33,7 +40,8 @@ class CommGroup:
 
     ``name`` is the MindSpore group name (``None`` for a one-rank group, which never
     communicates), ``ranks`` the global ranks in group order, ``rank`` this process's
-    index in ``ranks``.
+    index in ``ranks``; ``simulated``: a group of a simulated world (no communicator:
+    collectives over it are recorded, not run).
 
     Example:
         >>> CommGroup(None, (3,), 0).size
@@ -43,6 +51,7 @@ class CommGroup:
     name: Optional[str]
     ranks: Tuple[int, ...]
     rank: int
+    simulated: bool = False
 
     @property
     def size(self) -> int:
@@ -86,6 +95,74 @@ def world_rank() -> int:
     return comm_api.get_rank() if is_initialized() else 0
 
 
+@dataclass(frozen=True)
+class World:
+    """A place in a cluster: ``size`` ranks, this one ``rank``; ``simulated``: one rank of a
+    cluster simulated in this process (its ``device_type``, ``"cpu"`` or ``"npu"``, picks the
+    collectives' implementation as on that device). The process's own world has
+    ``simulated=False`` and the device of MindSpore's device target.
+
+    Example:
+        >>> World(1024, 17, simulated=True, device_type="npu").rank
+        17
+    """
+
+    size: int
+    rank: int
+    simulated: bool = False
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"a world has a positive number of ranks, got {self.size!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}) for a world of {self.size} ranks, got {self.rank!r}")
+        if self.device_type not in ("cpu", "npu"):
+            raise ValueError(f"device_type must be 'cpu' or 'npu', got {self.device_type!r}")
+
+    @property
+    def device_target(self) -> str:
+        """MindSpore's name of the world's device: ``"CPU"`` or ``"Ascend"``."""
+        return DEVICE_TYPES[self.device_type]
+
+
+def process_world() -> World:
+    """This process's place: :func:`world_size` ranks, this one :func:`world_rank`."""
+    return World(world_size(), world_rank(), False, "npu" if device_target() == "Ascend" else "cpu")
+
+
+_SIMULATING: List[World] = []     # worlds entered with ``simulating``, innermost last
+
+
+def current_world() -> World:
+    """The innermost world entered with :func:`simulating`, else this process's.
+
+    Example:
+        >>> with simulating(World(8, 3, simulated=True)):
+        ...     current_world().rank
+        3
+    """
+    return _SIMULATING[-1] if _SIMULATING else process_world()
+
+
+@contextlib.contextmanager
+def simulating(world: World) -> Iterator[World]:
+    """Inside, :func:`current_world` is ``world`` (a simulated one).
+
+    Example:
+        >>> with simulating(World(4, 1, simulated=True)) as w:
+        ...     w.size
+        4
+    """
+    if not world.simulated:
+        raise ValueError(f"simulating() takes a simulated world, got {world}")
+    _SIMULATING.append(world)
+    try:
+        yield world
+    finally:
+        _SIMULATING.remove(world)
+
+
 def device_target() -> str:
     """MindSpore's device target: ``"CPU"`` or ``"Ascend"`` (``"GPU"`` is not supported)."""
     return ms.get_context("device_target")
@@ -127,17 +204,25 @@ class _GroupRegistry:
 _REGISTRY: Optional[_GroupRegistry] = None
 
 
-def comm_group(ranks: Sequence[int]) -> CommGroup:
-    """The group of ``ranks`` (which must include this rank), created on first use.
+def comm_group(ranks: Sequence[int], world: Optional[World] = None) -> CommGroup:
+    """The group of ``ranks`` (which must include this rank), created on first use; in a
+    simulated ``world`` a description only (nothing is created).
 
     Every member must ask for its groups in the same order (SPMD); non-members must not
     ask at all.
     """
     global _REGISTRY
     ranks = tuple(int(r) for r in ranks)
-    me = world_rank()
+    me = world_rank() if world is None else world.rank
     if me not in ranks:
         raise ValueError(f"rank {me} is not a member of group {ranks}")
+    if world is not None and world.simulated:
+        if list(ranks) != sorted(ranks):
+            raise ValueError(f"group ranks {ranks} must be in increasing order: a communication "
+                             "group orders its members by rank")
+        name = None if len(ranks) == 1 else (GlobalComm.WORLD_COMM_GROUP if len(ranks) == world.size
+                                             else _group_name(ranks))      # as a real world group is named
+        return CommGroup(name, ranks, ranks.index(me), simulated=True)
     if _REGISTRY is None:
         _REGISTRY = _GroupRegistry()
     return CommGroup(_REGISTRY.name_for(ranks), ranks, ranks.index(me))

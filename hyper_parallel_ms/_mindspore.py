@@ -141,6 +141,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "compiling_graph_code",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
+           "deferred_parameter", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
            "taped", "taped_call", "tape_backward", "discard_grad_recording",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address",
@@ -175,8 +176,9 @@ _ABSENT = object()
 
 def swap_entry_points(swaps: Sequence[Swap]) -> Callable[[], None]:
     """Replace each ``owner.name`` (a module function, a class's method) by ``wrap(current)``
-    and return the function that puts back exactly what was there (the same objects; an
-    attribute that ``owner`` only inherited is removed again), last swap first. If a ``wrap``
+    (``wrap(None)`` where there is none) and return the function that puts back exactly what
+    was there (the same objects; an attribute that ``owner`` only inherited or lacked is
+    removed again), last swap first. If a ``wrap``
     raises, the swaps made so far are undone before the error propagates.
 
     >>> import types
@@ -201,7 +203,7 @@ def swap_entry_points(swaps: Sequence[Swap]) -> Callable[[], None]:
     try:
         for owner, name, wrap in swaps:
             before = vars(owner).get(name, _ABSENT)
-            replacement = wrap(getattr(owner, name) if before is _ABSENT else before)
+            replacement = wrap(getattr(owner, name, None) if before is _ABSENT else before)
             setattr(owner, name, replacement)
             saved.append((owner, name, before))
     except BaseException:
@@ -248,6 +250,8 @@ def tensor_hook(fn: Callable[[Any, tuple, dict], Any]) -> Callable:
     """
     if HOOK_ERRORS_REACH_CALLER:
         def __fallback__(self, func, args=(), kwargs=None):
+            if _ABSTRACT and _ABSTRACT[-1].unhooked:
+                return _unhooked_op(func, args, kwargs or {})
             return fn(func, args, kwargs or {})
         return __fallback__
 
@@ -256,6 +260,8 @@ def tensor_hook(fn: Callable[[Any, tuple, dict], Any]) -> Callable:
         if overload is not None:
             func = _OverloadOp(getattr(func, "name", overload.__name__), overload)
         try:
+            if _ABSTRACT and _ABSTRACT[-1].unhooked:
+                return _unhooked_op(func, args, kwargs or {})
             return fn(func, args, kwargs or {})
         except BaseException as error:
             _HOOK_ERRORS.last = error
@@ -369,7 +375,10 @@ def keeps_hook_errors(cls: type) -> type:
 
 
 def no_hook() -> Any:
-    """A context in which ops on subclass objects run as on plain tensors (no hook)."""
+    """A context in which ops on subclass objects run as on plain tensors (no hook); in a
+    shape-only run (:func:`abstract_run`), ops on shape-only data stay shape-only there."""
+    if _ABSTRACT:
+        return _ABSTRACT[-1].unhooking()
     return NoFallbackGuard()
 
 
@@ -390,11 +399,15 @@ def saved_tensors_hooks(pack: Callable[[Tensor], Any], unpack: Callable[[Any], T
         with saved_tensors_hooks(lambda t: t, lambda t: t):
             loss = model(x)
     """
+    if _ABSTRACT:
+        return _ABSTRACT[-1].saved_tensors_hooks(pack, unpack)
     return mindspore.saved_tensors_hooks(pack, unpack)
 
 
 def no_grad() -> Any:
     """A context in which PyNative ops are not recorded for autodiff."""
+    if _ABSTRACT:
+        return _ABSTRACT[-1].no_grad()
     return mindspore._no_grad()          # pylint: disable=protected-access
 
 
@@ -413,7 +426,17 @@ def as_subclass(cls: type, t: Tensor) -> Tensor:
 
     >>> type(as_subclass(Tensor, Tensor([1.0]))).__name__
     'Tensor'
+
+    In a shape-only run (:func:`abstract_run`) a plain view of shape-only data is shape-only too
+    (the run's ``plain_view``), so that ops on it still compute nothing.
     """
+    if _ABSTRACT:
+        run = _ABSTRACT[-1]
+        view = run.plain_view(t) if cls is Tensor else None
+        if view is None:
+            view = Tensor._make_subclass(cls, t)
+            run.viewed(t, view)
+        return view
     return Tensor._make_subclass(cls, t)
 
 
@@ -721,6 +744,8 @@ def taped_call(top: Callable, *args: Any) -> Any:
         out = taped_call(stage_cell, x)
         grads = tape_backward((out,), (ones_like_out,), [x] + params)
     """
+    if _ABSTRACT:
+        return _ABSTRACT[-1].taped_call(top, *args)
     from mindspore.common.api import _pynative_executor
     before = _pynative_executor.grad_flag()
     _pynative_executor.set_grad_flag(True)
@@ -737,6 +762,8 @@ def tape_backward(outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Seq
                   keep_graph: bool = False) -> Tuple[Optional[Tensor], ...]:
     """Gradients of ``inputs`` (``None`` where unreached) of ``sum(outputs * sens)`` from a
     forward recorded under :func:`taped`; ``keep_graph=True`` allows another call on it."""
+    if _ABSTRACT:
+        return _ABSTRACT[-1].tape_backward(outputs, sens, inputs, keep_graph)
     from mindspore._c_expression import run_backward
     grads = run_backward(tuple(outputs), tuple(sens), keep_graph, False, tuple(inputs), True,
                          accumulate_grad=False)
@@ -833,6 +860,127 @@ def deferred_creation_hooked(record: Callable[[Tensor], None]) -> Iterator[None]
                                  (mindspore.Parameter, "set_data", set_data)])
 
 
+def deferred_parameter(shape: Sequence[int], dtype: Any, name: str, requires_grad: bool = True) -> Any:
+    """A ``Parameter`` of ``shape`` and ``dtype`` holding no data (deferred, as under
+    ``no_init_parameters()``, with a zeros initialiser), whatever context it is made in: the
+    class flag ``Parameter.init_param`` that MindSpore's ``no_init_parameters()`` sets is set
+    for the call and put back.
+
+    >>> p = deferred_parameter((1 << 20, 1 << 20), mindspore.float32, "huge")
+    >>> p.has_init, p.shape
+    (True, (1048576, 1048576))
+    """
+    before = vars(mindspore.Parameter).get("init_param", _ABSENT)
+    mindspore.Parameter.init_param = False
+    try:
+        return mindspore.Parameter(_initializers.initializer("zeros", tuple(shape), dtype), name=name,
+                                   requires_grad=requires_grad)
+    finally:
+        if before is _ABSENT:
+            del mindspore.Parameter.init_param
+        else:
+            mindspore.Parameter.init_param = before
+
+
+# ------------------------------------------------------------ shape-only runs (simulation)
+_ABSTRACT: List[Any] = []      # the active shape-only run (``plan._autodiff``), innermost last
+# MindSpore's public functions that differentiate, by module: a shape-only run replaces them
+GRAD_ENTRY_POINTS: Tuple[Tuple[Any, str], ...] = tuple(
+    (owner, name) for owner in (mindspore, mindspore.ops) for name in ("value_and_grad", "grad") if hasattr(owner, name))
+
+
+def has_custom_bprop(cell: Any) -> bool:
+    """Whether ``cell`` defines ``bprop`` (MindSpore's ``Cell.has_bprop``, set at construction)."""
+    return bool(getattr(cell, "has_bprop", False))
+
+
+def numpy_dtype(dtype: Any) -> Any:
+    """The numpy dtype of a MindSpore dtype (MindSpore's own conversion; the public one warns).
+
+    >>> numpy_dtype(mindspore.float16)
+    <class 'numpy.float16'>
+    """
+    return _mstype._dtype_to_nptype(dtype)  # pylint: disable=protected-access
+
+
+def stride_free_view(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """A view of the one-element ``t`` with ``shape`` and every stride 0 (``ops.broadcast_to`` in
+    PyNative is a view): it has the shape and occupies one element.
+
+    >>> stride_free_view(Tensor(np.zeros((1,), np.float32)), (1 << 20, 1 << 20)).shape
+    (1048576, 1048576)
+    """
+    shape = tuple(shape)
+    return t.reshape(()) if not shape else mindspore.ops.broadcast_to(t, shape)
+
+
+def _unhooked_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An op reaching a tensor hook under :func:`no_hook` in a shape-only run: shapes only when it
+    reads shape-only data, else run as on plain tensors."""
+    run = _ABSTRACT[-1]
+    if run.reads_abstract(args):
+        return run.infer(func, args, kwargs)
+    with NoFallbackGuard():
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def abstract_run(run: Any) -> Iterator[None]:
+    """Inside, a shape-only run ``run`` (:class:`hyper_parallel_ms.plan._autodiff.AbstractAutodiff`)
+    stands in for MindSpore's execution and autodiff:
+
+    - :func:`no_hook` is ``run.unhooking()`` (sets ``run.unhooked``): tensor hooks reached there
+      compute shapes only (``run.infer``) for ops that read shape-only data
+      (``run.reads_abstract(args)``) and run the others as on plain tensors; :func:`as_subclass`
+      of a plain ``Tensor`` is ``run.plain_view(t)`` where that is not ``None``, and every other
+      view made there is announced to ``run.viewed(t, view)``;
+    - ``mindspore.value_and_grad`` / ``grad`` (and ``mindspore.ops``'s) are ``run.value_and_grad`` /
+      ``run.grad``; :func:`taped_call`, :func:`tape_backward`, :func:`saved_tensors_hooks`,
+      :func:`no_grad` and :func:`recompute_eagerly` call ``run``'s methods of the same names;
+    - every ``Cell`` call is ``run.cell_call(cell, call, args, kwargs)`` (``call`` runs it), and
+      MindSpore's first-call initialisation of a Cell's parameters (``Cell._init_check``) only
+      marks the Cell checked;
+    - an op with a ``Parameter`` argument reaches ``run.parameter_op(func, args, kwargs)`` (a
+      ``__fallback__`` on ``mindspore.Parameter``: the hook of every Parameter class);
+    - ``Parameter.init_data`` (the materialisation of a deferred Parameter) calls
+      ``run.refuse_initialisation(param)`` first, which raises.
+
+    Example::
+
+        with abstract_run(run):
+            step()
+    """
+    def cell_call(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def call(self, *args, **kwargs):
+            return run.cell_call(self, lambda *a, **k: original(self, *a, **k), args, kwargs)
+        return call
+
+    def init_check(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def checked(self):
+            self._init_flag = True
+        return checked
+
+    def init_data(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def refusing(self, *args, **kwargs):
+            run.refuse_initialisation(self)
+            return original(self, *args, **kwargs)
+        return refusing
+
+    swaps: List[Swap] = [(owner, name, lambda _, n=name: getattr(run, n)) for owner, name in GRAD_ENTRY_POINTS]
+    swaps += [(mindspore.nn.Cell, "__call__", cell_call), (mindspore.nn.Cell, "_init_check", init_check),
+              (mindspore.Parameter, "init_data", init_data),
+              (mindspore.Parameter, "__fallback__", lambda _: tensor_hook(run.parameter_op))]
+    _ABSTRACT.append(run)
+    try:
+        with entry_points_swapped(swaps):
+            yield
+    finally:
+        _ABSTRACT.remove(run)
+
+
 # ------------------------------------------------------------ recompute (activation checkpointing)
 _RECOMPUTE_ARGS = inspect.signature(mindspore.recompute).parameters
 # non-reentrant recompute with a whole second forward and a context_fn: MindSpore 2.9 and later
@@ -843,7 +991,7 @@ def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optio
     """``fn(*args, **kwargs)`` (PyNative) keeping none of the tensors it saves for the backward:
     the backward runs ``fn`` again, whole (``early_stop=False``: Cell hooks after the last saved
     tensor, such as fully_shard's reshard, run too). ``context_fn() -> (forward ctx, recompute ctx)``."""
-    if not RECOMPUTE_CONTEXT_FN:
+    if not RECOMPUTE_CONTEXT_FN and not _ABSTRACT:
         raise NotImplementedError(
             f"activation checkpointing needs mindspore.recompute(use_reentrant=False, early_stop=..., context_fn=...) "
             f"(MindSpore 2.9 and later); MindSpore {mindspore.__version__} lacks it: upgrade MindSpore")
@@ -854,6 +1002,8 @@ def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optio
             return fn(*inner_args, **inner_kwargs)
         finally:
             _RECOMPUTING.depth -= 1
+    if _ABSTRACT:
+        return _ABSTRACT[-1].recompute(flagged, args, kwargs, context_fn)
     return mindspore.recompute(flagged, *args, use_reentrant=False, early_stop=False, context_fn=context_fn, **kwargs)
 
 

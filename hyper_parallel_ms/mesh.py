@@ -13,6 +13,14 @@ Both anchors' surfaces are here: PyTorch's ``with mesh:`` (the current mesh, whi
 HyperParallel's ``mesh_shape``, ``rank_list``, :meth:`DeviceMesh.from_group` and
 ``init_device_mesh(..., rank_list=..., init_backend=...)``.
 
+The rank a mesh describes is a property of the mesh: ``init_device_mesh(..., simulate=(world_size,
+rank))`` builds the mesh as rank ``rank`` of a simulated cluster of ``world_size`` ranks sees it,
+in this process and without communication (:attr:`DeviceMesh.is_simulated`). Every layer above
+reads the rank from the mesh, so styles, ``fully_shard``, pipeline stages and checkpoint plans
+built on it are rank ``rank``'s; collectives over it are recorded (``CommDebugMode``), not run,
+and return tensors of the right shape and dtype (zeros). Sub-meshes and meshes built while
+:func:`hyper_parallel_ms._cluster.simulating` a world belong to the same simulated world.
+
 Example:
     >>> from hyper_parallel_ms.mesh import init_device_mesh
     >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
@@ -26,9 +34,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _cluster
-from ._cluster import CommGroup
+from ._cluster import CommGroup, World
 
-__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "mesh_world"]
 
 MeshDim = Union[int, str]
 
@@ -58,6 +66,8 @@ class DeviceMesh:
         mesh_dim_names: optional distinct names, one per dimension.
         _init_backend: create this rank's communication groups (default). ``False`` builds a
             mesh for planning only: its collectives and :meth:`get_group` raise.
+        _world: the cluster place it is seen from (default: :func:`~hyper_parallel_ms._cluster.current_world`);
+            a simulated world makes a simulated mesh.
 
     Example:
         >>> m = DeviceMesh("cpu", [0])
@@ -66,12 +76,14 @@ class DeviceMesh:
     """
 
     def __init__(self, device_type: str, mesh: Union[Sequence, np.ndarray], *,
-                 mesh_dim_names: Optional[Sequence[str]] = None, _init_backend: bool = True) -> None:
-        self.device_type = _check_device_type(device_type)
+                 mesh_dim_names: Optional[Sequence[str]] = None, _init_backend: bool = True,
+                 _world: Optional[World] = None) -> None:
+        self._world = _cluster.current_world() if _world is None else _world
+        self.device_type = _check_device_type(device_type, self._world)
         ranks = np.array(mesh, dtype=np.int64)
         if ranks.ndim == 0 or ranks.size == 0:
             raise ValueError(f"mesh must be a non-empty n-D array of ranks, got {mesh!r}")
-        world = _cluster.world_size()
+        world = self._world.size
         flat = ranks.ravel().tolist()
         if len(set(flat)) != len(flat):
             raise ValueError(f"mesh {ranks.tolist()} lists a rank more than once")
@@ -90,14 +102,13 @@ class DeviceMesh:
         self._hash: Optional[int] = None
         self._ranks = ranks
         self._names = names
-        me = _cluster.world_rank()
-        where = np.argwhere(ranks == me)
+        where = np.argwhere(ranks == self._world.rank)
         self._coordinate = tuple(int(c) for c in where[0]) if len(where) else None
         self._flattened: Dict[str, "DeviceMesh"] = {}
         self._init_backend = bool(_init_backend)
         self._groups: Tuple[Optional[CommGroup], ...] = tuple(
-            _cluster.comm_group(self._slice_ranks(d)) if self._coordinate is not None and self._init_backend
-            else None for d in range(ranks.ndim))
+            _cluster.comm_group(self._slice_ranks(d), self._world) if self._coordinate is not None
+            and self._init_backend else None for d in range(ranks.ndim))
 
     # ------------------------------------------------------------- geometry
     @property
@@ -137,8 +148,24 @@ class DeviceMesh:
         return int(self._ranks.size) if mesh_dim is None else self.shape[self.dim_index(mesh_dim)]
 
     def get_rank(self) -> int:
-        """This process's global rank."""
-        return _cluster.world_rank()
+        """The global rank this mesh is seen from (this process's, or the simulated one)."""
+        return self._world.rank
+
+    @property
+    def is_simulated(self) -> bool:
+        """Whether the mesh is rank :meth:`get_rank` of a simulated cluster (no communication).
+
+        Example:
+            >>> init_device_mesh("npu", (4, 2), simulate=(8, 5)).is_simulated
+            True
+        """
+        return self._world.simulated
+
+    @property
+    def device_target(self) -> str:
+        """MindSpore's name of the mesh's device, ``"CPU"`` or ``"Ascend"`` (the collectives'
+        implementation follows it; a simulated ``"npu"`` mesh plans Ascend's on any machine)."""
+        return _cluster.DEVICE_TYPES[self.device_type]
 
     def get_coordinate(self) -> Optional[Tuple[int, ...]]:
         """This rank's index along every mesh dim, ``None`` if it is not in the mesh."""
@@ -226,7 +253,7 @@ class DeviceMesh:
         coord = self._member_coordinate()
         index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
         return DeviceMesh(self.device_type, self._ranks[index], mesh_dim_names=wanted,
-                          _init_backend=self._init_backend)
+                          _init_backend=self._init_backend, _world=self._world)
 
     def _flatten(self, mesh_dim_name: Optional[str] = None) -> "DeviceMesh":
         """This mesh's ranks as a 1-D mesh named ``mesh_dim_name`` (default: the dim names
@@ -245,7 +272,7 @@ class DeviceMesh:
         flat = self._flattened.get(mesh_dim_name)
         if flat is None:
             flat = DeviceMesh(self.device_type, self._ranks.ravel(), mesh_dim_names=(mesh_dim_name,),
-                              _init_backend=self._init_backend)
+                              _init_backend=self._init_backend, _world=self._world)
             self._flattened[mesh_dim_name] = flat
         return flat
 
@@ -297,7 +324,7 @@ class DeviceMesh:
 
     # ------------------------------------------------------------ value-ish
     def _key(self):
-        return (self.device_type, self.shape, tuple(self._ranks.ravel().tolist()), self._names)
+        return (self.device_type, self.shape, tuple(self._ranks.ravel().tolist()), self._names, self._world)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DeviceMesh) and self._key() == other._key()
@@ -309,16 +336,21 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self._names}" if self._names else ""
-        return f"DeviceMesh({self.device_type!r}, {self._ranks.tolist()}{names})"
+        seen = f", simulated rank {self._world.rank} of {self._world.size}" if self._world.simulated else ""
+        return f"DeviceMesh({self.device_type!r}, {self._ranks.tolist()}{names}{seen})"
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                      mesh_dim_names: Optional[Sequence[str]] = None, rank_list: Optional[Sequence[int]] = None,
-                     init_backend: bool = True) -> DeviceMesh:
+                     init_backend: bool = True, simulate: Optional[Tuple[int, int]] = None) -> DeviceMesh:
     """A mesh of all ranks (or of ``rank_list``) laid out row-major in ``mesh_shape``.
 
     ``init_backend=False`` (HyperParallel) builds the mesh without communication groups,
-    for planning; collectives on it raise.
+    for planning; collectives on it raise. ``simulate=(world_size, rank)`` builds the mesh
+    that rank ``rank`` of a cluster of ``world_size`` ranks builds, in this process, with no
+    communication at all: its collectives are recorded and return placeholders of the right
+    shape and dtype (see the module docstring); ``device_type`` is then the simulated
+    cluster's (``"npu"`` plans Ascend's collectives on a CPU machine).
 
     Args:
         device_type: ``"cpu"`` or ``"npu"`` / ``"Ascend"``: the device of the ranks.
@@ -327,27 +359,53 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         mesh_dim_names: one name per mesh dimension (``("dp", "tp")``), for ``mesh["tp"]`` and alias layouts.
         rank_list: the ranks of the mesh, row-major (default: every rank of the job).
         init_backend: ``False`` builds the mesh without communication groups (planning only).
+        simulate: ``(world_size, rank)``: the mesh as seen by ``rank`` of a simulated cluster of
+            ``world_size`` ranks (default: this process's place in the cluster).
 
     Example:
         >>> init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")).mesh.tolist()
         [[0]]
         >>> init_device_mesh("cpu", (1,), rank_list=[0], init_backend=False).rank_list
         (0,)
+        >>> mesh = init_device_mesh("npu", (2, 4), mesh_dim_names=("dp", "tp"), simulate=(8, 6))
+        >>> mesh.get_coordinate(), mesh["tp"].rank_list
+        ((1, 2), (4, 5, 6, 7))
     """
     shape = tuple(mesh_shape) if not isinstance(mesh_shape, int) else (mesh_shape,)
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}")
+    world = _cluster.current_world() if simulate is None else _simulated_world(simulate, device_type)
     if rank_list is None:
-        world = _cluster.world_size()
-        if int(np.prod(shape)) != world:
+        if int(np.prod(shape)) != world.size:
             raise ValueError(f"mesh_shape {shape} holds {int(np.prod(shape))} ranks but the world has "
-                             f"{world}; the product of the mesh shape must equal the world size")
-        ranks = np.arange(world)
+                             f"{world.size}; the product of the mesh shape must equal the world size")
+        ranks = np.arange(world.size)
     else:
         ranks = np.array(list(rank_list), dtype=np.int64)
         if ranks.size != int(np.prod(shape)):
             raise ValueError(f"rank_list has {ranks.size} ranks but mesh_shape {shape} holds {int(np.prod(shape))}")
-    return DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=mesh_dim_names, _init_backend=init_backend)
+    return DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=mesh_dim_names, _init_backend=init_backend,
+                      _world=world)
+
+
+def _simulated_world(simulate, device_type: str) -> World:
+    if not isinstance(simulate, (tuple, list)) or len(simulate) != 2:
+        raise ValueError(f"simulate must be (world_size, rank), got {simulate!r}")
+    size, rank = simulate
+    return World(size, rank, simulated=True, device_type=_device_key(device_type))
+
+
+def mesh_world(mesh: DeviceMesh) -> World:
+    """The cluster place ``mesh`` is seen from (for layers that build meshes from meshes).
+
+    Args:
+        mesh: a :class:`DeviceMesh`.
+
+    Example:
+        >>> mesh_world(init_device_mesh("cpu", (4,), simulate=(4, 2))).rank
+        2
+    """
+    return mesh._world
 
 
 def _group_ranks(group) -> Tuple[int, ...]:
@@ -362,14 +420,25 @@ def _group_ranks(group) -> Tuple[int, ...]:
     return tuple(int(r) for r in communication.get_process_group_ranks(group))
 
 
-def _check_device_type(device_type: str) -> str:
+def _device_key(device_type: str) -> str:
+    """``"cpu"`` or ``"npu"`` for a user's device type (``"Ascend"`` too), else ``ValueError``."""
     key = device_type.lower() if isinstance(device_type, str) else device_type
     if key not in _cluster.DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {sorted(_cluster.DEVICE_TYPES)}, got {device_type!r}")
-    target = _cluster.device_target()
-    if _cluster.DEVICE_TYPES[key] != target:
-        raise ValueError(f"device_type {device_type!r} needs MindSpore device target "
-                         f"{_cluster.DEVICE_TYPES[key]!r}, but it is {target!r}: call "
-                         f"mindspore.set_device({_cluster.DEVICE_TYPES[key]!r}) first or pick the "
-                         f"matching device_type")
     return "npu" if key == "ascend" else key
+
+
+def _check_device_type(device_type: str, world: World) -> str:
+    device = _device_key(device_type)
+    if world.simulated:       # a simulated cluster's device, not this machine's
+        if device != world.device_type:
+            raise ValueError(f"device_type {device_type!r} differs from the simulated world's {world.device_type!r}: "
+                             "every mesh of one simulated cluster has the same device")
+        return device
+    target = _cluster.device_target()
+    if _cluster.DEVICE_TYPES[device] != target:
+        raise ValueError(f"device_type {device_type!r} needs MindSpore device target "
+                         f"{_cluster.DEVICE_TYPES[device]!r}, but it is {target!r}: call "
+                         f"mindspore.set_device({_cluster.DEVICE_TYPES[device]!r}) first or pick the "
+                         f"matching device_type")
+    return device

@@ -888,3 +888,60 @@ def test_contract_an_error_inside_a_gradient_call_leaves_the_executor_recording(
         assert _inplace_update_works()
     finally:
         seam.discard_grad_recording()
+
+
+def test_contract_deferred_parameters_hold_no_data_and_zero_stride_views_occupy_one_element():
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    huge = seam.deferred_parameter((1 << 16, 1 << 16), ms.float32, "huge")      # 16 GiB if it held data
+    view = seam.stride_free_view(Tensor(np.zeros((1,), np.float32)), (1 << 16, 1 << 16))
+    assert huge.has_init and tuple(huge.shape) == (1 << 16, 1 << 16) and huge.name == "huge"
+    assert tuple(view.shape) == (1 << 16, 1 << 16) and list(view.stride()) == [0, 0]
+    assert seam.stride_free_view(Tensor(np.zeros((1,), np.float16)), ()).shape == ()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024     # KiB: nothing allocated
+    assert getattr(ms.Parameter, "init_param", True) is True                           # the class flag is back
+
+
+def test_contract_a_parameter_base_class_hook_sees_ops_on_parameters_and_cells_skip_their_first_call_init():
+    class Run:                               # the members abstract_run uses
+        unhooked = 0
+        seen = []
+
+        def value_and_grad(self, *a, **k):
+            return "value_and_grad"
+
+        def grad(self, *a, **k):
+            return "grad"
+
+        def cell_call(self, cell, call, args, kwargs):
+            return call(*args, **kwargs)
+
+        def parameter_op(self, func, args, kwargs):
+            self.seen.append(getattr(func, "name", None))
+            return Tensor(np.zeros((2, 3, 4), np.float32))
+
+        def refuse_initialisation(self, param):
+            raise RuntimeError(f"refused {param.name}")
+
+    from mindspore.nn.utils import no_init_parameters
+    with no_init_parameters():
+        table = nn.Embedding(10, 4)
+    run = Run()
+    with seam.abstract_run(run):
+        out = table(Tensor(np.zeros((2, 3), np.int32)))          # legacy Gather, a Parameter argument
+        assert ms.value_and_grad(None) == "value_and_grad" and ms.ops.grad(None) == "grad"
+        with pytest.raises(RuntimeError, match="refused embedding_table"):
+            table.embedding_table.init_data()
+    assert run.seen == ["Gather"] and tuple(out.shape) == (2, 3, 4) and table.embedding_table.has_init
+    assert not hasattr(ms.Parameter, "__fallback__") and ms.value_and_grad is ms.ops.value_and_grad
+    assert seam.has_custom_bprop(seam_bprop_cell()) and not seam.has_custom_bprop(nn.Dense(2, 2))
+
+
+def seam_bprop_cell():
+    class WithBprop(nn.Cell):
+        def construct(self, x):
+            return x
+
+        def bprop(self, x, out, dout):
+            return (dout,)
+    return WithBprop()

@@ -21,12 +21,15 @@ __all__ = ["Coordinator"]
 
 
 class Coordinator:
-    """Rank, world size and object collectives over the world group (PyNative)."""
+    """Rank, world size and object collectives over the world group (PyNative); the world is
+    the current one (:func:`~hyper_parallel_ms._cluster.current_world`: this process's, or a
+    simulated cluster's, whose objects cannot travel)."""
 
     def __init__(self, distributed: bool) -> None:
-        self.distributed = distributed and _cluster.world_size() > 1
-        self.rank = _cluster.world_rank() if self.distributed else 0
-        self.world_size = _cluster.world_size() if self.distributed else 1
+        self._place = _cluster.current_world()
+        self.distributed = distributed and self._place.size > 1
+        self.rank = self._place.rank if self.distributed else 0
+        self.world_size = self._place.size if self.distributed else 1
         self._world: Optional[DeviceMesh] = None
 
     def all_gather(self, obj: Any) -> List[Any]:
@@ -38,6 +41,10 @@ class Coordinator:
         """
         if not self.distributed:
             return [obj]
+        if self._place.simulated:
+            raise NotImplementedError(f"rank {self.rank} of a simulated cluster of {self.world_size} ranks cannot "
+                                      "exchange checkpoint plans with the others: save / load on the cluster, or "
+                                      "plan pieces with the planner's create_local_plan on each simulated rank")
         from mindspore.mint import distributed as dist
         out: List[Any] = [None] * self.world_size
         dist.all_gather_object(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
@@ -50,8 +57,7 @@ class Coordinator:
             failed = [0] if error else []
         else:
             if self._world is None:
-                device = "cpu" if _cluster.device_target() == "CPU" else "npu"
-                self._world = DeviceMesh(device, list(range(self.world_size)))
+                self._world = DeviceMesh(self._place.device_type, list(range(self.world_size)), _world=self._place)
             failed = [c[0] for c in failed_coordinates(self._world, bool(error))]
         if failed:
             errors = self.all_gather(error)

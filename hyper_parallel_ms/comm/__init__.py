@@ -23,6 +23,11 @@ Every dtype goes through exactly: on CPU integers, bool and float64 travel in fl
 ``send`` / ``recv`` (:mod:`._p2p`) move one tensor between two ranks of a mesh dimension, in
 PyNative only and without a backward (pipeline schedules send gradients as actions of their own).
 
+On a simulated mesh (``init_device_mesh(..., simulate=...)``) nothing runs: each call is
+checked and recorded exactly as on the cluster (the record ``CommDebugMode`` gets, with the
+path of the simulated device) and returns a placeholder of the output's shape and dtype
+(zeros, or what a simulation's exchange makes: :mod:`._simulated`).
+
 Example::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -32,15 +37,14 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import mindspore as ms
 
-from .. import _cluster
 from .._mindspore import cached_in_python, is_compiling, run_in_python
 from ..layout import chunk_sizes
 from ..placement import REDUCE_OPS
-from . import _composed, _exact, _native, _traffic
+from . import _composed, _exact, _native, _simulated, _traffic
 from ._broadcast import broadcast as _broadcast
 from ._p2p import recv, send
 from .capability import CAPABILITIES, COLLECTIVES, POINT_TO_POINT, force_path, select_path, table
@@ -61,6 +65,11 @@ class _Call:
     record: Optional[CommRecord]
     empty_output: bool     # some rank's output piece is empty (reduce_scatter / all_to_all chunks)
     on_cpu: bool = False   # native on MindSpore's CPU backend (MCCL: world group, composed backward)
+
+    @property
+    def runs(self) -> bool:
+        """Whether anything is sent: a group of several ranks, not simulated."""
+        return self.group.size > 1 and not self.group.simulated
 
 
 def _norm_dim(dim: int, ndim: int, what: str) -> int:
@@ -112,7 +121,7 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
     group = mesh.comm_group(mesh_dim)
     # MCCL's AllGather: no empty piece; PyNative only (compiled, its Cell breaks MindSpore's constant folding)
     world = group.is_world and eager and 0 not in (sizes if sizes is not None else shape)
-    path = select_path(_cluster.device_target(), kind, world_group=world, dtype=dtype)
+    path = select_path(mesh.device_target, kind, world_group=world, dtype=dtype)
     n = group.size
     if path == "composed" and n > 1:
         _composed.check_dtype(dtype)
@@ -144,10 +153,10 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
     names = mesh.mesh_dim_names
     index = mesh.dim_index(mesh_dim)
     rec = CommRecord(kind, names[index] if names else str(index), n, path, traffic[0], traffic[1], shape,
-                     str(dtype)) if n > 1 else None
+                     str(dtype), group=group.ranks) if n > 1 else None
     empty_output = kind in ("reduce_scatter", "all_to_all") and \
         0 in chunk_sizes(shape[dim if kind == "reduce_scatter" else split_dim], n)
-    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, _cluster.device_target() == "CPU")
+    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, mesh.device_target == "CPU")
 
 
 @run_in_python
@@ -157,7 +166,7 @@ def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize:
     compiling = is_compiling()
     call = _plan(kind, mesh, mesh_dim, shape, dtype, itemsize, compiled=dtype == ms.float64 and compiling,
                  eager=not compiling, **options)
-    if call.empty_output and call.group.size > 1 and is_compiling():
+    if call.empty_output and call.runs and compiling:
         raise NotImplementedError(
             f"{kind} over mesh dim {mesh_dim!r} would leave some rank an empty output piece (tensor shape "
             f"{shape}, options {options}); inside ms.jit that rank's loss no longer depends on its input, "
@@ -166,6 +175,17 @@ def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize:
     if call.record is not None:
         record(call.record)
     return call
+
+
+def _placeholder(x, call: _Call, lengths: Optional[Dict[int, int]] = None):
+    """What a call that sends nothing returns: ``x`` for a one-rank group; on a simulated mesh,
+    zeros of ``x``'s shape (with ``lengths[d]`` along dim ``d``) and dtype."""
+    if call.group.size == 1:
+        return x
+    shape = list(x.shape)
+    for d, length in (lengths or {}).items():
+        shape[d] = length
+    return _simulated.placeholder(x, tuple(shape))
 
 
 def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[int]] = None):
@@ -186,8 +206,8 @@ def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[in
     """
     call = _resolve("all_gather", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim,
                  sizes=None if sizes is None else tuple(sizes))
-    if call.group.size == 1:
-        return x
+    if not call.runs:
+        return _placeholder(x, call, {call.dim: sum(call.sizes)})
     if call.native:
         if call.on_cpu:
             return _composed.world_all_gather(x, call.dim, call.sizes, call.group)
@@ -209,8 +229,8 @@ def all_reduce(x, mesh, mesh_dim=0, *, op: str = "sum"):
         total = all_reduce(partial_sums, mesh, "tp")
     """
     call = _resolve("all_reduce", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, op=op)
-    if call.group.size == 1:
-        return x
+    if not call.runs:
+        return _placeholder(x, call)
     if call.native:
         return _native.all_reduce(x, op, call.group)
     return _composed.all_reduce(x, op, call.group)
@@ -231,8 +251,8 @@ def reduce_scatter(x, mesh, mesh_dim=0, *, dim: int = 0, op: str = "sum"):
         piece = reduce_scatter(partial, mesh, "tp", dim=0)
     """
     call = _resolve("reduce_scatter", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim, op=op)
-    if call.group.size == 1:
-        return x
+    if not call.runs:
+        return _placeholder(x, call, {call.dim: chunk_sizes(x.shape[call.dim], call.group.size)[call.group.rank]})
     if call.native:
         return _native.reduce_scatter(x, call.dim, op, call.group)
     return _composed.reduce_scatter(x, call.dim, op, call.group)
@@ -259,9 +279,10 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
     """
     call = _resolve("all_to_all", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=concat_dim,
                  sizes=None if concat_sizes is None else tuple(concat_sizes), split_dim=split_dim)
-    if call.group.size == 1:
-        return x
     split = split_dim % x.ndim
+    if not call.runs:
+        return _placeholder(x, call, {split: chunk_sizes(x.shape[split], call.group.size)[call.group.rank],
+                                      call.dim: sum(call.sizes)})
     if call.native:
         return _native.all_to_all(x, split, call.dim, call.sizes, call.group)
     return _composed.all_to_all(x, split, call.dim, call.sizes, call.group)
@@ -281,6 +302,6 @@ def broadcast(x, mesh, mesh_dim=0, *, src: int = 0):
         weights = broadcast(weights, mesh, "dp", src=0)
     """
     call = _resolve("broadcast", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, src=src)
-    if call.group.size == 1:
-        return x
+    if not call.runs:
+        return _placeholder(x, call)
     return _broadcast(x, src, call.group, call.native)

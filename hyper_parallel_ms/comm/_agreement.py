@@ -7,6 +7,11 @@ with max and min over every mesh dim in one all-reduce per dim; entries that dif
 where max and min disagree. Every rank sees the same result, so every rank can raise.
 The traffic is bookkeeping: :class:`~hyper_parallel_ms.comm.CommDebugMode` does not record it.
 
+On a simulated mesh the other ranks are not here: :func:`extremes` returns this rank's values
+(it agrees with itself), and what a layer asks the ranks to agree on is handed, through
+:func:`note_agreement`, to the observers entered with :func:`observing_agreements` (a
+simulation compares the ranks' notes once every rank has run, as the cluster would have).
+
 Example::
 
     high, low = extremes(np.array([4.0, 16.0]), mesh)
@@ -15,8 +20,9 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mindspore import Tensor
@@ -24,7 +30,46 @@ from mindspore import Tensor
 from . import all_reduce
 from .debug import unrecorded
 
-__all__ = ["extremes", "failed_coordinates", "failure_messages"]
+__all__ = ["extremes", "failed_coordinates", "failure_messages", "note_agreement", "observing_agreements"]
+
+Observer = Callable[[str, Any, Sequence[Tuple[str, str]]], None]
+_OBSERVERS: List[Observer] = []
+
+
+@contextlib.contextmanager
+def observing_agreements(observer: Observer) -> Iterator[None]:
+    """Inside, ``observer(what, mesh, entries)`` receives every agreement noted over a simulated mesh.
+
+    Args:
+        observer: called with the agreement's name, the simulated mesh and ``(name, description)`` entries.
+
+    Example::
+
+        notes = []
+        with observing_agreements(lambda what, mesh, entries: notes.append((what, entries))):
+            parallelize_module(model, simulated_mesh, plan)
+    """
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
+def note_agreement(what: str, mesh, entries: Sequence[Tuple[str, str]]) -> None:
+    """Hand what the ranks of the simulated ``mesh`` must agree on to the active observers.
+
+    Args:
+        what: the agreement (the call that checks, e.g. ``"parallelize_module"``).
+        mesh: the simulated :class:`DeviceMesh` whose ranks must agree.
+        entries: ``(name, description)`` pairs that must be equal on every rank.
+
+    Example::
+
+        note_agreement("parallelize_module", mesh, [("fc1", "ColwiseParallel() ...")])
+    """
+    for observer in list(_OBSERVERS):
+        observer(what, mesh, tuple(entries))
 
 
 def extremes(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
@@ -40,6 +85,8 @@ def extremes(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
         high, low = extremes(np.array([float(n_entries)]), mesh)
     """
     values = np.asarray(values, np.float32).reshape(-1)
+    if mesh.is_simulated:
+        return values, values
     both = Tensor(np.concatenate([values, -values]))
     with unrecorded():
         for dim in range(mesh.ndim):

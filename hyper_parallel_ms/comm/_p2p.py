@@ -6,6 +6,9 @@ as actions of its schedule). Ranks are indices along ``mesh_dim``, as ``broadcas
 posted (MindSpore's CPU backend buffers it) or wait for it: order the calls so that neither
 can deadlock, as :mod:`hyper_parallel_ms.pipelining` orders its actions. bool travels as uint8
 (MCCL refuses bool). Every call is counted by ``CommDebugMode`` (``recv`` with 0 bytes sent).
+On a simulated mesh nothing is sent: ``send`` is recorded and handed to the simulation's
+exchange, ``recv`` returns what the exchange gives (by default zeros of ``x``'s shape and
+dtype; see :mod:`._simulated`).
 
 Example (2 ranks on a 1-D mesh)::
 
@@ -21,6 +24,7 @@ from math import prod
 import mindspore as ms
 
 from .._mindspore import is_compiling, p2p_recv, p2p_send
+from . import _simulated
 from .debug import CommRecord, record
 
 __all__ = ["send", "recv"]
@@ -42,7 +46,7 @@ def _peer(kind: str, x, mesh, mesh_dim, peer: int, what: str):
     index = mesh.dim_index(mesh_dim)
     sent = prod(x.shape) * x.itemsize if kind == "send" else 0
     record(CommRecord(kind, names[index] if names else str(index), n, "native", sent, sent, tuple(x.shape),
-                      str(x.dtype)))
+                      str(x.dtype), group=group.ranks, peer=group.ranks[peer]))
     return group
 
 
@@ -64,7 +68,15 @@ def send(x, mesh, mesh_dim=0, *, dst: int) -> None:
             send(x, mesh, dst=1)                 # rank 1 calls recv(..., src=0)
     """
     group = _peer("send", x, mesh, mesh_dim, dst, "dst")
-    p2p_send(x.astype(ms.uint8) if x.dtype == ms.bool_ else x, dst, group.name)
+    _transmit(x, dst, group)
+
+
+def _transmit(x, dst: int, group) -> None:
+    """Send ``x`` to ``dst`` of ``group`` (a simulated group hands it to the simulation's exchange)."""
+    if group.simulated:
+        _simulated.sent(x, group, dst)
+    else:
+        p2p_send(x.astype(ms.uint8) if x.dtype == ms.bool_ else x, dst, group.name)
 
 
 def recv(x, mesh, mesh_dim=0, *, src: int):
@@ -86,6 +98,14 @@ def recv(x, mesh, mesh_dim=0, *, src: int):
             y = recv(ms.ops.zeros((2, 3), ms.float32), mesh, src=0)   # what rank 0 sent
     """
     group = _peer("recv", x, mesh, mesh_dim, src, "src")
+    return _receive(x, src, group)
+
+
+def _receive(x, src: int, group):
+    """What ``src`` of ``group`` sends, of ``x``'s shape and dtype (a simulated group: what the
+    simulation's exchange gives)."""
+    if group.simulated:
+        return _simulated.received(x, group, src)
     if x.dtype == ms.bool_:
         return p2p_recv(ms.ops.zeros(x.shape, ms.uint8), src, group.name).astype(ms.bool_)
     return p2p_recv(ms.ops.zeros(x.shape, x.dtype), src, group.name)

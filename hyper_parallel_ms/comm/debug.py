@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from .._mindspore import is_compiling
 
@@ -44,6 +44,8 @@ class CommRecord:
         shape: the input's shape.
         dtype: the input's dtype, as a string.
         compiled: recorded while ``ms.jit`` compiled a graph (once per compile).
+        group: the global ranks of the group, in group order.
+        peer: for ``send`` / ``recv``, the global rank sent to / received from (else ``None``).
 
     Example::
 
@@ -61,6 +63,8 @@ class CommRecord:
     shape: tuple
     dtype: str
     compiled: bool = False
+    group: Tuple[int, ...] = ()
+    peer: Optional[int] = None
 
 
 class CommDebugMode:

@@ -31,7 +31,7 @@ from mindspore import nn
 
 from .. import _cluster
 from ..dtensor import DTensor
-from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh import DeviceMesh, mesh_world
 from ..nn._adapter import named_cells, own_parameters
 from ..nn._parameter import parameter_sharding
 from ._dparams import replicated_dp_mesh
@@ -107,9 +107,9 @@ def _tp_mesh(cell: nn.Cell) -> Optional[DeviceMesh]:
 def _mesh(shard_size: int, cell: nn.Cell) -> DeviceMesh:
     """Every rank, or with parameters placed by parallel styles on a tp mesh the ranks at this
     rank's place in the other tp groups; split in shard groups of ``shard_size``."""
-    world, me = _cluster.world_size(), _cluster.world_rank()
-    device = "npu" if _cluster.device_target() == "Ascend" else "cpu"
     tp = _tp_mesh(cell)
+    place = _cluster.current_world() if tp is None else mesh_world(tp)
+    world, me, device = place.size, place.rank, place.device_type
     ranks, what = list(range(world)), f"the number of ranks {world}"
     if tp is not None:
         try:
@@ -119,11 +119,11 @@ def _mesh(shard_size: int, cell: nn.Cell) -> DeviceMesh:
                              f"{err}; {FSDP_X_TP}") from None
         what = f"the number of data-parallel ranks {len(ranks)} (ranks / tensor-parallel {tp.size()})"
     if shard_size == -1 or shard_size == len(ranks):
-        return init_device_mesh(device, (len(ranks),), mesh_dim_names=("dp_shard",), rank_list=ranks)
+        return DeviceMesh(device, ranks, mesh_dim_names=("dp_shard",), _world=place)
     if len(ranks) % shard_size:
         raise ValueError(f"shard_size {shard_size} must divide {what}")
-    return init_device_mesh(device, (len(ranks) // shard_size, shard_size), mesh_dim_names=("dp_replicate", "dp_shard"),
-                            rank_list=ranks)
+    return DeviceMesh(device, [ranks[i:i + shard_size] for i in range(0, len(ranks), shard_size)],
+                      mesh_dim_names=("dp_replicate", "dp_shard"), _world=place)
 
 
 def _warn_replicated(cell: nn.Cell, name: str, threshold: int) -> None:

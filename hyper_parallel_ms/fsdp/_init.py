@@ -3,7 +3,8 @@
 Each deferred parameter gets the value it has eagerly for the same seed: its initialiser is
 replayed from the point of numpy's random stream recorded when the Parameter was made
 (:mod:`hyper_parallel_ms._deferred`), so the order in which this runs does not matter.
-Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
+Inside a simulation (a simulated world, see :func:`hyper_parallel_ms.plan.simulate`) nothing is
+initialised: the parameters stay without data. Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
 once, keeps its piece and drops the rest before the next parameter: the peak is the pieces
 plus the largest single parameter, never the whole model. Random initialisers made under
 MindSpore's own ``no_init_parameters()`` (no record) run from numpy's current state in
@@ -24,6 +25,7 @@ from typing import List
 
 from mindspore import Parameter, Tensor, nn
 
+from .._cluster import current_world
 from .._deferred import check_initial_values, initial_value, initialise, unrecorded_notice
 from ._param import fsdp_param
 from ._pieces import cut_piece
@@ -59,6 +61,11 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
     params = _distinct(module)
     records = [fsdp_param(p) for p in params]
     records = [r if r is not None and r.deferred is not None else None for r in records]
+    if current_world().simulated:        # a simulated rank plans: its parameters never get values
+        for record in records:
+            if record is not None:
+                record.deferred = None
+        return module
     check_initial_values([r.deferred if r is not None else p for p, r in zip(params, records)])
     with unrecorded_notice("at this init_parameters call, in attribute order (as Cell.init_parameters_data())"):
         for param, record in zip(params, records):     # attribute order: parameters_and_names()

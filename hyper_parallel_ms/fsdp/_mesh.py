@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _cluster
-from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh import DeviceMesh, mesh_world
 
 __all__ = ["dp_mesh_dims", "default_mesh", "join_meshes", "complement_ranks", "post_forward_mesh", "FSDP_X_TP"]
 
@@ -26,9 +26,9 @@ FSDP_X_TP = ("slice both from one mesh: mesh = init_device_mesh(device, (dp, tp)
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-D mesh of every rank (fully_shard's default)."""
-    device = "npu" if _cluster.device_target() == "Ascend" else "cpu"
-    return init_device_mesh(device, (_cluster.world_size(),), mesh_dim_names=("dp_shard",))
+    """A 1-D mesh of every rank of the current world (fully_shard's default)."""
+    world = _cluster.current_world()
+    return DeviceMesh(world.device_type, list(range(world.size)), mesh_dim_names=("dp_shard",), _world=world)
 
 
 def dp_mesh_dims(mesh: DeviceMesh) -> Tuple[int, Optional[int]]:
@@ -44,20 +44,24 @@ def dp_mesh_dims(mesh: DeviceMesh) -> Tuple[int, Optional[int]]:
 
 
 def join_meshes(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
-    """The mesh of dims ``dp`` + ``tp`` whose slices through this rank are ``dp`` and ``tp``."""
-    me = _cluster.world_rank()
+    """The mesh of dims ``dp`` + ``tp`` whose slices through this rank are ``dp`` and ``tp``
+    (the rank and world of ``dp``)."""
+    world = mesh_world(dp)
+    if mesh_world(tp) != world:
+        raise ValueError(f"the data-parallel mesh {dp!r} and the tensor-parallel mesh {tp!r} belong to different "
+                         f"worlds; {FSDP_X_TP}")
+    me = world.rank
     dp_ranks, tp_ranks = dp.mesh, tp.mesh
     ranks = dp_ranks.reshape(dp_ranks.shape + (1,) * tp_ranks.ndim) + tp_ranks - me
     names = None
     if dp.mesh_dim_names and tp.mesh_dim_names:
         names = tuple(dp.mesh_dim_names) + tuple(tp.mesh_dim_names)
     flat = ranks.ravel().tolist()
-    world = _cluster.world_size()
-    if len(set(flat)) != len(flat) or min(flat) < 0 or max(flat) >= world:
+    if len(set(flat)) != len(flat) or min(flat) < 0 or max(flat) >= world.size:
         raise ValueError(f"the data-parallel mesh {dp!r} and the tensor-parallel mesh {tp!r} of the parameters do "
                          f"not form one regular mesh (each rank in one data-parallel group and one tensor-parallel "
                          f"group); {FSDP_X_TP} (hsdp(cell) finds mesh['dp'] itself)")
-    root = DeviceMesh(dp.device_type, ranks, mesh_dim_names=names)
+    root = DeviceMesh(dp.device_type, ranks, mesh_dim_names=names, _world=world)
     coord = root.get_coordinate()
     if not (np.array_equal(root.mesh[coord[:dp.ndim]], tp_ranks)
             and np.array_equal(root.mesh[(slice(None),) * dp.ndim + coord[dp.ndim:]], dp_ranks)):

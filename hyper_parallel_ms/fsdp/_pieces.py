@@ -25,6 +25,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 from mindspore.common.initializer import initializer
 
+from .._mindspore import deferred_parameter
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..nn._parameter import ParameterSharding, parameter_sharding
@@ -95,12 +96,16 @@ def cut_piece(full: np.ndarray, mesh, sharded: bool) -> np.ndarray:
 
 def new_piece(param: Parameter, mesh, sharded: bool) -> Parameter:
     """A Parameter with ``param``'s name holding this rank's piece (zeros for a parameter built
-    under ``no_init_parameters()``, which :func:`init_parameters` fills later), with its records."""
+    under ``no_init_parameters()``, which :func:`init_parameters` fills later; on a simulated
+    mesh a piece without data, never filled), with its records."""
     record, dp_dims = piece_record(param, mesh, sharded)
     if param.has_init:
         shape = chunks_of(param.shape, mesh).piece_shape if sharded else tuple(param.shape)
-        piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,
-                          requires_grad=param.requires_grad)
+        if mesh.is_simulated:
+            piece = deferred_parameter(shape, param.dtype, param.name, param.requires_grad)
+        else:
+            piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,
+                              requires_grad=param.requires_grad)
     else:
         piece = Parameter(Tensor(cut_piece(param.asnumpy(), mesh, sharded), dtype=param.dtype), name=param.name,
                           requires_grad=param.requires_grad)

@@ -4,7 +4,8 @@ that differs (instead of a collective failing or pairing up wrongly later).
 
 Each entry's description is hashed to 60 bits, carried as three 20-bit chunks in float32
 (exact), and reduced with max and min over the mesh: an entry differs where they disagree.
-Every rank sees the same reduction, so every rank raises.
+Every rank sees the same reduction, so every rank raises. On a simulated mesh the entries are
+noted for the simulation to compare once every rank has run (:func:`~..comm._agreement.note_agreement`).
 
 Example::
 
@@ -17,7 +18,7 @@ from typing import Callable, List, Sequence, Tuple, TypeVar
 
 import numpy as np
 
-from ..comm._agreement import extremes
+from ..comm._agreement import extremes, note_agreement
 
 __all__ = ["check_same_on_all_ranks", "agreed"]
 
@@ -37,6 +38,9 @@ def check_same_on_all_ranks(entries: Sequence[Tuple[str, str]], mesh, what: str)
     """Raise ``ValueError`` on every rank of ``mesh`` if the ``(name, description)`` entries
     differ between ranks, naming the first entry that differs."""
     if mesh.size() == 1:
+        return
+    if mesh.is_simulated:
+        note_agreement(what, mesh, entries)
         return
     high, low = extremes(np.array([float(len(entries))]), mesh)
     count = int(high[0])

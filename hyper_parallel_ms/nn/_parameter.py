@@ -7,6 +7,11 @@ DTensor (PyNative); :func:`sharded_parameter` cuts a full parameter into its pie
 :class:`ParameterPlacement` describes the cut before it is made (the styles' piece, or a
 ``Parameter(DTensor)`` for ``shard_module`` / ``distribute_module``).
 
+On a simulated mesh (``init_device_mesh(..., simulate=...)``) a parameter becomes a piece of the
+right shape without data (a deferred Parameter): no value of the whole parameter or of the
+piece is computed or sent (a simulated rank plans, it does not train). DTensor parameters
+(``as_dtensor``) hold their values in the DTensor and are refused there.
+
 Example::
 
     parallelize_module(model, mesh, {"fc1": ColwiseParallel()})
@@ -24,6 +29,7 @@ from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec, to_layout
 from .._deferred import initial_value
+from .._mindspore import deferred_parameter
 
 __all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter"]
 
@@ -83,11 +89,17 @@ def as_dtensor(param: Parameter) -> DTensor:
 def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_rank: Optional[int] = 0,
                       grad_partial_dims: Tuple[int, ...] = ()) -> Parameter:
     """A new Parameter with ``param``'s name holding this rank's piece under ``placements``.
-    ``src_data_rank``: whose full value is cut (``None``: every rank cuts its own)."""
-    piece = _distributed(param, mesh, placements, src_data_rank)
-    local = Parameter(Tensor(piece.to_local().asnumpy(), dtype=param.dtype), name=param.name,
-                      requires_grad=param.requires_grad)
-    object.__setattr__(local, _ATTR, ParameterSharding(piece._dt_spec, tuple(grad_partial_dims)))
+    ``src_data_rank``: whose full value is cut (``None``: every rank cuts its own). On a
+    simulated mesh the piece has no data (a deferred Parameter)."""
+    if mesh.is_simulated:
+        spec = DTensorSpec.build(mesh, placements, tuple(param.shape))
+        local = deferred_parameter(spec.local_shape(), param.dtype, param.name, param.requires_grad)
+    else:
+        piece = _distributed(param, mesh, placements, src_data_rank)
+        spec = piece._dt_spec
+        local = Parameter(Tensor(piece.to_local().asnumpy(), dtype=param.dtype), name=param.name,
+                          requires_grad=param.requires_grad)
+    object.__setattr__(local, _ATTR, ParameterSharding(spec, tuple(grad_partial_dims)))
     return local
 
 
@@ -117,6 +129,11 @@ class ParameterPlacement:
     def make(self, param: Parameter) -> Parameter:
         """The new Parameter, with ``param``'s name, cut from ``param``'s values."""
         if self.as_dtensor:
+            if self.mesh.is_simulated:
+                raise NotImplementedError(
+                    f"parameter {param.name!r}: a DTensor parameter (shard_module / distribute_module) holds values, "
+                    "which a simulated rank does not have; place it with parallelize_module's styles or fully_shard "
+                    "to simulate it")
             return Parameter(_distributed(param, self.mesh, self.placements, self.src_data_rank), name=param.name,
                              requires_grad=param.requires_grad)
         return sharded_parameter(param, self.mesh, self.placements, src_data_rank=self.src_data_rank,

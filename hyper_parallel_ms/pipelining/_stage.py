@@ -22,17 +22,17 @@ __all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList", 
 
 
 def default_pp_mesh():
-    """A 1-D mesh named "pp" over every rank of the job.
+    """A 1-D mesh named "pp" over every rank of the job (of the current world: a simulated
+    cluster's inside a simulation).
 
     Example::
 
         mesh = default_pp_mesh()           # init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     """
-    from mindspore import communication
-
-    from ..mesh import init_device_mesh
-    device = "npu" if ms.get_context("device_target") == "Ascend" else "cpu"
-    return init_device_mesh(device, (communication.get_group_size(),), mesh_dim_names=("pp",))
+    from .._cluster import current_world
+    from ..mesh import DeviceMesh
+    world = current_world()
+    return DeviceMesh(world.device_type, list(range(world.size)), mesh_dim_names=("pp",), _world=world)
 
 
 class PipelineStage:

@@ -30,7 +30,8 @@ for _n, _f in {"x == y": lambda a, b: a == b, "x != y": lambda a, b: a != b, "x 
                "Tensor.eq": lambda a, b: a.eq(b), "Tensor.gt": lambda a, b: a.gt(b)}.items():
     case(_n, "comparison", _f, X, Y, grad=False)
 for _n, _f in {"x > 0.5": lambda t: t > 0.5, "x == 0.5": lambda t: t == 0.5, "x != 0.5": lambda t: t != 0.5,
-               "x <= 0.5": lambda t: t <= 0.5, "mint.eq(x, 0.5)": lambda t: mint.eq(t, 0.5),
+               "x <= 0.5": lambda t: t <= 0.5, "x < 0.5": lambda t: t < 0.5, "x >= 0.5": lambda t: t >= 0.5,
+               "mint.eq(x, 0.5)": lambda t: mint.eq(t, 0.5),
                "ops.isnan": ops.isnan, "mint.isnan": mint.isnan}.items():
     case(_n, "comparison", _f, grad=False)
 for _n, _f in {"mint.logical_and": mint.logical_and, "mint.logical_or": mint.logical_or,

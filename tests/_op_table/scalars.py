@@ -26,6 +26,7 @@ for _n, _f in {"Tensor.float()": lambda t: t.float(), "Tensor.half()": lambda t:
                "Tensor.int()": lambda t: (t * 3).int(), "Tensor.bool()": lambda t: t.bool(),
                "Tensor.long()": lambda t: (t * 3).long()}.items():
     case(_n, "cast", _f, grad=_n not in ("Tensor.int()", "Tensor.bool()", "Tensor.long()"))
+case("ops.stop_gradient", "copy", lambda t: ops.stop_gradient(t) * t)
 case("ops.zeros_like", "factory-like", ops.zeros_like, grad=False)
 case("ops.ones_like", "factory-like", ops.ones_like, grad=False)
 gap("mint.zeros_like", "factory-like", mint.zeros_like, "ZerosLikeExt", grad=False)

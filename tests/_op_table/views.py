@@ -41,7 +41,8 @@ case("mint.chunk(x, 2, 0)", "view", lambda t: mint.chunk(t, 2, 0)[1])
 case("mint.unbind(x, 0)", "view", lambda t: mint.unbind(t, 0)[1], grad=False, reason=_NO_GRAD.format("UnstackExtView"))
 for _n, _f in {"mint.flatten(x, 1, 2)": lambda t: mint.flatten(t, 1, 2), "ops.flatten(3-D)": ops.flatten,
                "Tensor.view(4, 30)": lambda t: t.view(4, 30),
-               "mint.permute(x, (2, 0, 1))": lambda t: mint.permute(t, (2, 0, 1))}.items():
+               "mint.permute(x, (2, 0, 1))": lambda t: mint.permute(t, (2, 0, 1)),
+               "Tensor.transpose(2, 0, 1)": lambda t: t.transpose(2, 0, 1)}.items():
     case(_n, "view", _f, Arg(A3))
 for _n, _f in {"mint.cat([x, y], 0)": lambda a, b: mint.cat([a, b], 0),
                "ops.cat([x, y], 1)": lambda a, b: ops.cat([a, b], 1),

@@ -24,13 +24,14 @@ from ._common import layout_like, replicate_all
 
 __all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY", "MONOTONE"]
 
-LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast", "Clone")
+LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast", "Clone", "StopGradient")
 UNARY = ("ReLU", "Exp", "Log", "Erf", "Sqrt", "Rsqrt", "Square", "Sigmoid", "Tanh", "SiLU", "GeLU", "Abs",
          "Reciprocal", "Sin", "Cos", "Softplus", "PowTensorScalar", "AddScalar", "SubScalar", "Sign", "Floor",
          "Ceil", "Round", "LogicalNot", "IsNan", "IsInf", "ZerosLike", "OnesLike", "Clamp", "ClampScalar",
          "Log1p", "Expm1", "Trunc", "ReLU6", "Softsign", "Mish", "MishExt", "Elu", "EluExt", "HSwish", "HSigmoid",
          "SoftplusExt", "LeakyReLUExt", "Hardtanh", "LogSigmoid", "GeluExt", "IsFinite", "NanToNum", "FmodScalar",
-         "RemainderTensorScalar", "FloorDivScalar", "EqScalar", "Log2", "Exp2", "Frac", "AtanExt", "AsinExt",
+         "RemainderTensorScalar", "FloorDivScalar", "EqScalar", "LessScalar", "LessEqualScalar", "GreaterScalar",
+         "GreaterEqualScalar", "Log2", "Exp2", "Frac", "AtanExt", "AsinExt",
          "Sinh", "Cosh", "Tan", "Erfinv", "ZerosLikeExt", "OnesLikeExt", "FullLike", "EmptyLike")
 ADDITIVE = ("AddExt", "Add", "SubExt", "Sub")
 MULTIPLICATIVE = ("Mul", "Div", "RealDiv")

@@ -59,7 +59,7 @@ def _nested(x: TensorArg) -> set:
     return {d for d in dims if dims.count(d) > 1}
 
 
-@register_sharding("Transpose", "TransposeView")
+@register_sharding("Transpose", "TransposeView", "DeprecatedTranspose")
 def permute_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
     perm = tuple(d % x.ndim for d in _ints(schema.args[1:]))
