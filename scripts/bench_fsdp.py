@@ -10,12 +10,12 @@ Three sections, each printed with the command's settings (rank 0's figures, the 
   (the gradient step under ``ms.jit``). Ratios are to the faster plain data parallelism of the mode.
 - ``counts``: the collectives of one step of each variant (CommDebugMode; compiled: recorded while
   the graph is compiled, once per read in the graph).
-- ``memory``: per variant, in a fresh pool (no memory freed by earlier work hides the rise): the
-  bytes held between steps (parameters, gradients, optimizer state: this rank's pieces) and the
-  rise of the peak resident set size over two training steps of a model built under
-  ``no_init_parameters()`` (so no rank ever holds the whole model), against
-  1/N of the whole model's state plus the largest gathered unit; for fully_shard True / False and
-  hsdp levels 1, 2 and 3.
+- ``memory``: per variant, in a fresh pool (no memory freed by earlier work hides the rise), a
+  model of ``--memory-units`` bias-free ``--memory-dim`` Dense units and 4 rows (parameters dominate)
+  built under ``no_init_parameters()`` (no rank ever holds the whole model): the bytes held
+  between steps (this rank's parameter pieces and AdamW state) and the measured rise of the peak
+  resident set size during the first forward and backward (gradients, gathered parameters,
+  activations); for fully_shard True / False and hsdp levels 1, 2 and 3.
 
 The model: ``--units`` blocks, each a ``--dim`` x ``--dim`` Dense (fp32, with bias) and a tanh,
 ``--rows`` rows per rank; parameters dominate memory, collectives dominate time on CPU.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -161,27 +161,31 @@ def measure_counts(units: int, dim: int, rows: int) -> Dict[str, Dict[str, Dict[
 
 
 def measure_memory(how: str, units: int, dim: int, rows: int) -> Dict[str, float]:
-    """In a fresh rank process: build under no_init_parameters, shard, initialise, two steps."""
+    """In a fresh rank process: the model built under no_init_parameters, sharded, initialised and
+    its optimizer state made; then the rise of the peak RSS during the first forward and backward
+    (before MindSpore's allocator holds memory from an earlier step: gathered parameters, the
+    gradients, activations and temporaries of one step)."""
     from mindspore import communication, nn
     from hyper_parallel_ms import init_parameters, no_init_parameters
     from hyper_parallel_ms.mesh import init_device_mesh
+    from mindspore import ops
     mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
     x = _batch(rows, dim)
-    base = reset_peak_rss()
     ms.set_seed(0)
-    with no_init_parameters():
-        model = _model(units, dim)
+    with no_init_parameters():          # parameters dominate: a small batch, no bias, no activation Cells
+        model = nn.SequentialCell([nn.Dense(dim, dim, has_bias=False) for _ in range(units)])
     _shard(model, mesh, how)
     init_parameters(model)
     params = model.trainable_params()
     opt = nn.AdamWeightDecay(params, learning_rate=1e-3)
-    grad = ms.value_and_grad(lambda v: (model(v) ** 2).mean(), None, params)
-    for _ in range(2):
-        loss, grads = grad(x)
-        opt(grads)
-        loss.asnumpy()
-    held = sum(p.nbytes for p in params) * 2 + sum(m.nbytes for m in list(opt.moments1) + list(opt.moments2))
-    return {"peak_rise": (status_kb("VmHWM") - base) * 1024.0, "held": float(held)}
+    grad = ms.value_and_grad(lambda v: ops.tanh(model(v)).sum(), None, params)
+    base = reset_peak_rss()
+    loss, grads = grad(x)
+    loss.asnumpy()
+    rise = (status_kb("VmHWM") - base) * 1024.0
+    opt(grads)
+    state = sum(p.nbytes for p in params) + sum(m.nbytes for m in list(opt.moments1) + list(opt.moments2))
+    return {"step_rise": rise, "state": float(state), "grads": float(sum(g.nbytes for g in grads))}
 
 
 def _print_time(n: int, result: Dict[str, Dict[str, float]], rounds: int, steps: int) -> None:
@@ -226,17 +230,18 @@ def main() -> None:
                 _print_counts(n, run_on_ranks(measure_counts, n, args.units, args.dim, args.rows, timeout=1800)[0])
             if "memory" in sections:
                 u, d = args.memory_units, args.memory_dim
-                whole = u * (d * d + d) * 4 * 4          # parameters, gradients, two AdamW moments
-                unit = (d * d + d) * 4
-                print(f"N={n} memory: {u} units of {unit / MiB:.2f} MiB, the whole model's state "
-                      f"{whole / MiB:.1f} MiB; 1/N of it {whole / n / MiB:.1f} MiB, plus one gathered unit "
-                      f"{(whole / n + unit) / MiB:.1f} MiB")
+                unit = d * d * 4
+                print(f"N={n} memory: {u} units of {unit / MiB:.2f} MiB (parameters, fp32; the whole model "
+                      f"{u * unit / MiB:.1f} MiB, its parameters + AdamW state {3 * u * unit / MiB:.1f} MiB); per rank: "
+                      f"parameters + AdamW state held between steps, and the measured rise of the peak RSS "
+                      f"during the first forward + backward (gradients {u * unit / n / MiB:.1f} MiB, gathered "
+                      f"parameters, activations, temporaries)")
                 for how in ("fsdp:True", "fsdp:False", "hsdp:level1", "hsdp:level2", "hsdp:level3"):
                     shutdown_pools()
-                    r = max(run_on_ranks(measure_memory, n, how, u, d, 16, timeout=900),
-                            key=lambda m: m["peak_rise"])
-                    print(f"    {how:<14} held between steps {r['held'] / MiB:6.1f} MiB, peak RSS rise "
-                          f"{r['peak_rise'] / MiB:6.1f} MiB (max over ranks)")
+                    r = max(run_on_ranks(measure_memory, n, how, u, d, 4, timeout=900),
+                            key=lambda m: m["step_rise"])
+                    print(f"    {how:<14} state {r['state'] / MiB:6.1f} MiB (1/N: {3 * u * unit / n / MiB:.1f}), "
+                          f"step peak rise {r['step_rise'] / MiB:6.1f} MiB (max over ranks)")
     finally:
         shutdown_pools()
 

@@ -121,4 +121,5 @@ def post_forward_mesh(mesh: DeviceMesh, k: int) -> DeviceMesh:
         raise ValueError(f"reshard_after_forward={k!r} must divide the {n} ranks of the shard dim of {mesh!r}")
     coord = mesh.get_coordinate()
     line = mesh.mesh[tuple(slice(None) if d == shard_dim else coord[d] for d in range(mesh.ndim))]
-    return DeviceMesh(mesh.device_type, line.reshape(n // k, k), mesh_dim_names=("dp_post_outer", "dp_post"))
+    return DeviceMesh(mesh.device_type, line.reshape(n // k, k), mesh_dim_names=("dp_post_outer", "dp_post"),
+                      _world=mesh_world(mesh))
