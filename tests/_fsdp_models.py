@@ -39,6 +39,17 @@ class Net(nn.Cell):
         return self.head(x)
 
 
+def per_block(mesh, reshard_after_forward=True) -> Callable:
+    """A ``shard`` for :func:`compare`: fully_shard each block, then the root."""
+    from hyper_parallel_ms.fsdp import fully_shard
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return shard
+
+
 def batch(step: int, rows: int = 8, dim: int = 8):
     return ms.Tensor(np.random.default_rng(100 + step).standard_normal((rows, dim)).astype(np.float32))
 

@@ -16,15 +16,7 @@ from hyper_parallel_ms.fsdp._fully_shard import fsdp_state
 from hyper_parallel_ms.fsdp._param import is_piece
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import multi_rank
-from tests._fsdp_models import Net, compare
-
-
-def _per_block(mesh, reshard):
-    def shard(model):
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return shard
+from tests._fsdp_models import Net, compare, per_block
 
 
 def _recorded(log):
@@ -42,14 +34,14 @@ def test_reshard_after_forward_int_gathers_over_k_ranks_in_the_backward_4_ranks(
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     rank = mesh.get_local_rank(0)
     log = []
-    compare(_per_block(mesh, 2), rank, 4, loss_mesh=mesh, steps=3, train=_recorded(log), optimizer="adamw")
+    compare(per_block(mesh, 2), rank, 4, loss_mesh=mesh, steps=3, train=_recorded(log), optimizer="adamw")
     # 3 units: the forward gathers over the 4 ranks, the backward over this rank's 2 (FSDP2's count);
     # the head's bias (3 rows: an empty piece on 4 ranks) stays whole, its gradient all-reduced
     assert log == [Counter({("all_gather", "dp", 4): 3, ("all_gather", "dp_post", 2): 3,
                             ("reduce_scatter", "dp", 4): 3, ("all_reduce", "dp", 4): 1})] * 3, log
     ms.set_seed(0)
     model = Net()
-    _per_block(mesh, 2)(model)
+    per_block(mesh, 2)(model)
     states = [fsdp_state(layer) for layer in model.layers] + [fsdp_state(model)]
     held = {}
 
@@ -88,7 +80,7 @@ def test_reshard_after_backward_false_accumulates_without_collectives_2_ranks():
     rank = mesh.get_local_rank(0)
     for reshard in (True, False):
         log = []
-        compare(_per_block(mesh, reshard), rank, 2, loss_mesh=mesh, steps=2, rows=16,
+        compare(per_block(mesh, reshard), rank, 2, loss_mesh=mesh, steps=2, rows=16,
                 train=_accumulate_without_collectives(log), optimizer="adamw")
         # the first micro-step gathers each of the 3 units once, the last reduces once: nothing between
         assert log == [{"all_gather": 3}, {}, {}, {"reduce_scatter": 3}] * 2, (reshard, log)
@@ -122,7 +114,7 @@ def test_a_forward_that_raises_puts_the_pieces_back_2_ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     ms.set_seed(0)
     model = Net()
-    _per_block(mesh, True)(model)
+    per_block(mesh, True)(model)
     with pytest.raises(Exception):
         model(ms.Tensor(np.ones((2, 5), np.float32)))            # wrong width: the first Dense raises
     assert all(is_piece(p) for p in model.trainable_params())
@@ -145,7 +137,7 @@ def test_prefetch_gathers_ahead_with_the_same_collectives_and_results_2_ranks():
         seen, orders = [], []
 
         def shard(model):
-            _per_block(mesh, True)(model)
+            per_block(mesh, True)(model)
             model.layers[0].up.register_forward_pre_hook(lambda cell, args: seen.append(len(_ACTIVE_LOG[-1].records)))
             if prefetch:
                 model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])

@@ -6,19 +6,10 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 
-from hyper_parallel_ms.fsdp import fully_shard
 from hyper_parallel_ms.fsdp._fully_shard import fsdp_state
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import multi_rank
-from tests._fsdp_models import Net, accumulate_4, compare, loss_of
-
-
-def _per_block(mesh, reshard):
-    def shard(model):
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return shard
+from tests._fsdp_models import Net, accumulate_4, compare, loss_of, per_block
 
 
 @multi_rank(2)
@@ -27,11 +18,11 @@ def test_reshard_after_forward_counts_and_parity_2_ranks():
     rank = mesh.get_local_rank(0)
     for reshard, gathers in ((True, 6), (False, 3), (2, 6)):
         counts = []
-        compare(_per_block(mesh, reshard), rank, 2, loss_mesh=mesh, counts=counts, steps=3)
+        compare(per_block(mesh, reshard), rank, 2, loss_mesh=mesh, counts=counts, steps=3)
         # 3 units (2 blocks + root): one all-gather each in forward, one more in backward when freed
         assert counts == [{"all_gather": gathers, "reduce_scatter": 3}] * 3, (reshard, counts)
     counts = []
-    compare(_per_block(mesh, True), rank, 2, loss_mesh=mesh, counts=counts, steps=2,
+    compare(per_block(mesh, True), rank, 2, loss_mesh=mesh, counts=counts, steps=2,
             train=accumulate_4("set_requires_gradient_sync"), optimizer="adamw")
     assert counts == [{"all_gather": 24, "reduce_scatter": 3}] * 2, counts     # 4 micro-steps x 6
 
@@ -42,7 +33,7 @@ def test_reshard_after_forward_frees_the_gathered_values_until_the_backward_2_ra
     for reshard in (True, False):
         ms.set_seed(0)
         model = Net()
-        _per_block(mesh, reshard)(model)
+        per_block(mesh, reshard)(model)
         states = [fsdp_state(layer) for layer in model.layers] + [fsdp_state(model)]
         x = ms.Tensor(np.ones((4, 8), np.float32))
         held = {}

@@ -27,7 +27,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from .._mindspore import tape_backward, taped_call
+from .._mindspore import discard_grad_recording, tape_backward, taped_call
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError
 from ._channel import Channel
 from ._failure import end_step
@@ -145,6 +145,8 @@ class Runtime:
                 stage.set_requires_gradient_sync(True)
             self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
         self.failed = error is not None
+        if self.failed:
+            discard_grad_recording()       # the failed forward's record: later in-place updates must still work
         end_step(self._channel, self.plan, actions, at, error)
         if self.profile:
             ms.runtime.synchronize()
