@@ -20,7 +20,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Tuple
 
-__all__ = ["Exchange", "exchanging", "placeholder", "sent", "received"]
+__all__ = ["Exchange", "RunFirst", "exchanging", "placeholder", "sent", "received"]
+
+
+class RunFirst(RuntimeError):
+    """A simulated rank needs what a rank not run yet sends: the simulation runs that rank first and
+    this one again (layers that turn failures into errors of their own let it pass).
+
+    Example::
+
+        raise RunFirst("rank 4 needs rank 0's header")
+    """
 
 
 class Exchange:

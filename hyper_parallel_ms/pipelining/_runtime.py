@@ -28,6 +28,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from .._mindspore import discard_grad_recording, tape_backward, taped_call
+from ..comm._simulated import RunFirst
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError
 from ._channel import Channel
 from ._failure import end_step
@@ -138,6 +139,8 @@ class Runtime:
                     ms.runtime.synchronize()
                 compute += time.perf_counter() - start
                 live = max(live, len(self._tape))
+        except RunFirst:
+            raise                  # a simulation runs the sending rank first, then this step again
         except BaseException as exc:  # noqa: BLE001  (end_step raises it once every rank knows)
             error = exc
         finally:
@@ -250,7 +253,7 @@ class Runtime:
 
     def _recv_b(self, s: int, m: int) -> None:
         outputs = self._tape[s, m][0]
-        grads = self._channel.recv(Action(s, RECV_B, m), self._peer(s + 1))
+        grads = self._channel.recv(Action(s, RECV_B, m), self._peer(s + 1), outputs)
         if [(g.shape, g.dtype) for g in grads] != [(o.shape, o.dtype) for o in outputs]:
             raise ScheduleError(f"{Action(s, RECV_B, m)}: the gradients received ({[g.shape for g in grads]}) do not "
                                 f"match the stage's outputs ({[o.shape for o in outputs]})")
