@@ -337,6 +337,27 @@ def test_a_cell_inside_a_fully_shard_unit_is_refused_and_the_executor_left_clean
     assert _inplace_update_works()
 
 
+@multi_rank(4, timeout=900)
+def test_checkpointed_tp_blocks_in_fully_shard_units_parity_on_4_ranks():
+    """Blocks checkpointed, then tensor parallel over "tp" and fully sharded over "dp" of a (2, 2)
+    mesh (FSDP x TP: each checkpointed block is a unit), PyNative and ms.jit."""
+    from hyper_parallel_ms.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank = mesh.get_coordinate()[0]
+
+    def shard(model):
+        _tp(mesh["tp"], None, True)(model)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    for jit in (False, True):
+        CALLS["n"] = 0
+        check_parity(Net, shard, _batch, _loss, jit=jit, optimizer="adamw", dp_mesh=mesh, dp_dim="dp",
+                     dp_index=rank, dp_size=2)
+        if not jit:
+            assert CALLS["n"] == 5 * 2 + 5 * 2 * 2, CALLS["n"]      # each checkpointed block ran twice
+
+
 def _fsdp_only(mesh, model):
     from hyper_parallel_ms.fsdp import fully_shard
     for layer in model.layers:
