@@ -57,9 +57,11 @@ def check_pipeline_config(cfg) -> None:
     if rows % cfg.microbatches:
         raise ValueError(f"each dp rank's {rows} rows do not split into --microbatches {cfg.microbatches}: use a "
                          f"--batch that is a multiple of dp x microbatches = {cfg.dp * cfg.microbatches}")
-    if cfg.compile_stages and (cfg.tp != 1 or cfg.fsdp or cfg.loss_parallel):
-        raise ValueError("--compile-stages compiles plain stage Cells and the loss with the last one: use --tp 1, "
-                         "--no-loss-parallel and no --fsdp (tensor-parallel and fully-sharded stages run in PyNative)")
+    if cfg.compile_stages and (cfg.fsdp or cfg.loss_parallel):
+        raise ValueError("--compile-stages compiles plain and tensor-parallel stage Cells with a one-hot loss: add "
+                         "--no-loss-parallel (the vocabulary-parallel loss's target check fails in the compiled "
+                         "forward: \"Invalid host tensor size ... for pyexecute\") and drop --fsdp (fully-sharded "
+                         "stages run in PyNative)")
     if cfg.hsdp_replicate != 1:
         raise ValueError("--pp does not take --hsdp-replicate yet")
     if (cfg.checkpoint_dir or cfg.resume) and SCHEDULES[cfg.schedule][1] != 1:
@@ -87,8 +89,7 @@ def _build(cfg, model_config, mesh):
         if cfg.activation_checkpoint:
             apply_activation_checkpointing(model, check_fn=checkpointed(whole_blocks=cfg.fsdp),
                                            policy=None if cfg.activation_checkpoint == "full" else "selective")
-        if not cfg.compile_stages:                 # tp 1 when compiled (checked)
-            parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
+        parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
         if cfg.fsdp:
             for block in model.layers:
                 fully_shard(block, mesh=mesh["dp"])

@@ -16,7 +16,8 @@ The output head keeps the logits split over the vocabulary (``Shard(-1)``) and t
 ``--pp N --schedule gpipe|1f1b|interleaved|zb --microbatches M`` adds pipeline parallelism: the
 model is split by layers into stages over a (pp, dp, tp) mesh, each stage tensor-parallel on tp
 (``examples/train_pp.py``; PyNative); ``--compile-stages`` compiles each stage's forward and
-backward (``PipelineStage(..., jit=True)``; plain stages only: tp=1, no --fsdp).
+backward (``PipelineStage(..., jit=True)``; plain or tensor-parallel stages with --no-loss-parallel, no
+--fsdp).
 
 ``--clip-grad-norm X`` clips the gradients by the norm of the whole model's gradient
 (``clip_grad_norm``; the single-device run uses MindSpore's ``ops.clip_by_global_norm``) and
@@ -359,7 +360,7 @@ def parse_args(argv: List[str]) -> TrainConfig:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=defaults.schedule,
                         help="with --pp > 1: the pipeline schedule")
     parser.add_argument("--compile-stages", action="store_true",
-                        help="with --pp > 1: compile each stage's forward and backward (--tp 1 --no-loss-parallel)")
+                        help="with --pp > 1: compile each stage's forward and backward (--no-loss-parallel, no --fsdp)")
     parser.add_argument("--activation-checkpoint", choices=["full", "selective"], default="",
                         help="checkpoint each block's attention and feed-forward (selective: PyNative)")
     parser.add_argument("--clip-grad-norm", type=float, default=defaults.clip_grad_norm,

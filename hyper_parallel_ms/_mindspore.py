@@ -137,7 +137,7 @@ except ImportError:  # MindSpore 2.8
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
            "OVERLOAD_OPS_CALLABLE",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
-           "plain_view", "adopt", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "is_compiling", "running_eagerly",
+           "plain_view", "adopt", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site", "is_compiling", "running_eagerly",
            "compiling_graph_code",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
@@ -519,6 +519,28 @@ def cached_in_python(fn: F) -> F:
 def run_in_python(fn: F) -> F:
     """Under ms.jit, run ``fn`` in Python at compile time instead of compiling it (no memo)."""
     return functools.lru_cache(maxsize=0)(fn)
+
+
+def cell_per_call_site(fn: F) -> F:
+    """``fn`` returning a Cell with a custom ``bprop`` (or holding one): memoised (hashable
+    arguments) where Python runs it; while MindSpore compiles a graph, each call builds a new
+    Cell, so no two places of one graph call the same instance. Contract: differentiating a
+    compiled function from PyNative (``ms.value_and_grad(ms.jit(f))``, a compiled pipeline
+    stage) gives wrong gradients to the ops reading the output of the first of two calls of
+    one custom-bprop Cell instance (MindSpore 2.10 measured; two instances, or the whole step
+    compiled, are right; checked by the seam's contract test).
+
+    >>> from mindspore import nn
+    >>> dense = cell_per_call_site(lambda n: nn.Dense(n, n))
+    >>> dense(2) is dense(2)
+    True
+    """
+    memo = functools.lru_cache(maxsize=4096)(fn)
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs) if is_compiling() else memo(*args, **kwargs)
+    functools.update_wrapper(build, fn)
+    return functools.lru_cache(maxsize=0)(build)
 
 
 # ------------------------------------------------------------ compile detection

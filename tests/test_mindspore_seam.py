@@ -948,3 +948,69 @@ def seam_bprop_cell():
         def bprop(self, x, out, dout):
             return (dout,)
     return WithBprop()
+
+
+def test_contract_grad_of_a_compiled_forward_needs_one_custom_bprop_instance_per_call_site():
+    """``ms.value_and_grad(ms.jit(f))`` with one custom-bprop Cell instance called at two places:
+    the backward reads the second call's output for the first (the weight reading the first call
+    gets a wrong gradient); two instances, or the whole step compiled, are right. While compiling,
+    ``cell_per_call_site`` builds a Cell per call; in PyNative it memoises."""
+
+    class Ident(nn.Cell):
+        def construct(self, x):
+            return x
+
+        def bprop(self, x, out, dout):
+            return (dout * 1,)
+
+    class Net(nn.Cell):
+        def __init__(self, first, second):
+            super().__init__()
+            self.w1 = ms.Parameter(Tensor(np.random.RandomState(0).randn(4, 4).astype(np.float32)), name="w1")
+            self.w2 = ms.Parameter(Tensor(np.random.RandomState(1).randn(4, 4).astype(np.float32)), name="w2")
+            self.first, self.second = first, second
+
+        def construct(self, x):
+            h = ops.tanh(ops.matmul(self.first(x), self.w1))
+            return ops.matmul(self.second(h), self.w2).sum()
+
+    x = Tensor(np.random.RandomState(2).randn(3, 4).astype(np.float32))
+
+    def gradients(net, how):
+        params = net.trainable_params()
+
+        def f(x):
+            return net(x)
+        if how == "grad of jit":
+            return ms.value_and_grad(ms.jit(f), None, params)(x)[1]
+        step = ms.value_and_grad(f, None, params)
+
+        def whole(x):
+            return step(x)
+        return (ms.jit(whole) if how == "whole step" else whole)(x)[1]
+
+    shared = Ident()
+    net = Net(shared, shared)
+    want = gradients(net, "eager")
+    xn, w1, w2 = x.asnumpy(), net.w1.asnumpy(), net.w2.asnumpy()
+    h = np.tanh(xn @ w1)
+    dpre = (np.ones((3, 4)) @ w2.T) * (1 - h ** 2)
+    # float32 against a float64 formula: 1e-4; the two candidates differ by more than 1
+    assert np.abs(xn.T @ dpre - h.T @ dpre).max() > 1
+    np.testing.assert_allclose(want[0].asnumpy(), xn.T @ dpre, atol=1e-4)
+    got = gradients(net, "grad of jit")
+    np.testing.assert_allclose(got[0].asnumpy(), h.T @ dpre, atol=1e-4)      # read the second call's output
+    for net, how in ((Net(Ident(), Ident()), "grad of jit"), (Net(shared, shared), "whole step")):
+        for g, w in zip(gradients(net, how), want):
+            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-6)
+
+    built = []
+    make = seam.cell_per_call_site(lambda k: built.append(k) or Ident())
+
+    class Twice(nn.Cell):
+        def construct(self, x):
+            return make(1)(x) + make(1)(x)
+
+    assert make(1) is make(1) and len(built) == 1
+    ms.jit(Twice().construct)(x)
+    assert len(built) == 3                          # one per call site while compiling

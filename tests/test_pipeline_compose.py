@@ -152,9 +152,11 @@ def _train(schedule, rows: slice, history, final, gathered, *, tied: bool = Fals
 
 
 # ----------------------------------------------------------------------------- pp x tp
-@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("name, jit", [("1F1B", False), ("Interleaved1F1B", False), ("1F1B", True)])
 @multi_rank(4, timeout=600)
-def test_pp_x_tp_equals_one_device(name):
+def test_pp_x_tp_equals_one_device(name, jit):
+    """jit: compiled tensor-parallel stages (each micro-batch's forward one ms.jit graph, its backward
+    that graph's compiled backward)."""
     from hyper_parallel_ms.mesh import init_device_mesh
     from hyper_parallel_ms.nn import ColwiseParallel, GradientReducer, RowwiseParallel, parallelize_module
     from tests._parity import gathered
@@ -163,7 +165,7 @@ def test_pp_x_tp_equals_one_device(name):
     me = ms.communication.get_rank()
     assert mesh["pp"].mesh.tolist() == [r for r in range(4) if r % 2 == me % 2]     # the pp peers share tp
     plan = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
-    stages = _stages(name, mesh["pp"], 4, lambda model: parallelize_module(model, mesh["tp"], plan))
+    stages = _stages(name, mesh["pp"], 4, lambda model: parallelize_module(model, mesh["tp"], plan), jit=jit)
     n = 4
     schedule = _schedule(name, stages, n)
     history, final = _reference(4, slice(None), n)

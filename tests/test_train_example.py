@@ -165,9 +165,13 @@ def test_pipeline_flags_that_cannot_run_are_refused_naming_the_fix():
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", microbatches=3))
     with pytest.raises(ValueError, match="--schedule must be one of"):
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="dualpipe"))
-    with pytest.raises(ValueError, match="--compile-stages compiles plain stage Cells and the loss with the last one: "
-                                         "use --tp 1, --no-loss-parallel and no --fsdp"):
+    with pytest.raises(ValueError, match="--compile-stages compiles plain and tensor-parallel stage Cells with a "
+                                         "one-hot loss: add --no-loss-parallel"):
         check_pipeline_config(TrainConfig(pp=2, tp=2, mode="pynative", compile_stages=True))
+    with pytest.raises(ValueError, match="drop --fsdp"):
+        check_pipeline_config(TrainConfig(pp=2, tp=1, mode="pynative", compile_stages=True, loss_parallel=False,
+                                          fsdp=True))
+    check_pipeline_config(TrainConfig(pp=2, tp=2, mode="pynative", compile_stages=True, loss_parallel=False))
     with pytest.raises(ValueError, match="use --schedule gpipe or 1f1b, not 'zb' \\(2 stages per rank\\)"):
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="zb", layers=4, checkpoint_dir="ckpt"))
     check_pipeline_config(TrainConfig(pp=2, mode="pynative"))          # the defaults run

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
-from .._mindspore import cached_in_python
+from .._mindspore import cell_per_call_site
 from ._exact import place_over, sum_over
 
 __all__ = ["broadcast"]
@@ -53,7 +53,7 @@ class _Broadcast(nn.Cell):
         return (ops.depend(ops.zeros(total.shape, total.dtype), total),)
 
 
-@cached_in_python
+@cell_per_call_site
 def _cell(src: int, group, native: bool) -> _Broadcast:
     return _Broadcast(src, group, native)
 

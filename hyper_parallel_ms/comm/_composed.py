@@ -19,7 +19,7 @@ from typing import Sequence, Tuple
 import mindspore as ms
 from mindspore import nn, ops
 
-from .._mindspore import cached_in_python
+from .._mindspore import cell_per_call_site
 from ..layout import chunk_offsets, chunk_sizes
 from . import _native
 from ._exact import check_dtype, place_over, sum_over
@@ -50,7 +50,7 @@ class _AllGather(nn.Cell):
         return (narrow(sum_over(dout, self.group), self.dim, self.before, self.length),)
 
 
-@cached_in_python
+@cell_per_call_site
 def _all_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _AllGather:
     return _AllGather(dim, sizes, group)
 
@@ -67,7 +67,7 @@ class _WorldGather(_AllGather):
         return _native.all_gather(x, self.dim, self.sizes, self.group)
 
 
-@cached_in_python
+@cell_per_call_site
 def _world_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _WorldGather:
     return _WorldGather(dim, sizes, group)
 

@@ -42,7 +42,7 @@ from typing import Tuple
 import mindspore as ms
 from mindspore import nn, ops
 
-from .._mindspore import cached_in_python, is_compiling, run_in_python
+from .._mindspore import cached_in_python, cell_per_call_site, is_compiling, run_in_python
 from ._tensor import pad_dim
 
 __all__ = ["INTEGER_DTYPES", "WIRE_DTYPES", "check_dtype", "place_over", "sum_over", "wire_itemsize", "limb_width"]
@@ -170,7 +170,7 @@ class _PlaceFloat64(nn.Cell):
         return (_float64_sum(dout, self.group),)
 
 
-@cached_in_python
+@cell_per_call_site
 def _place_float64_cell(group) -> _PlaceFloat64:
     return _PlaceFloat64(group)
 

@@ -125,9 +125,10 @@ class PipelineStage:
 
     def jit_problem(self) -> Optional[str]:
         """Why this stage, built with ``jit=True``, cannot run compiled (``None`` when it can or
-        is not compiled): its Cells were changed by a parallel style, ``fully_shard`` or ``hsdp``.
-        MindSpore's PyNative executor, differentiating a compiled forward, gave wrong losses from
-        the second step for tensor-parallel styles and failed to compile fully_shard units.
+        is not compiled): ``fully_shard`` or ``hsdp`` changed its Cells (MindSpore fails to
+        compile a fully-sharded unit's forward for PyNative differentiation: "The pointer
+        [func_graph->get_return()] is null"). Parallel styles compile (each conversion Cell is
+        built per call site while compiling, see ``_mindspore.cell_per_call_site``).
 
         Example::
 
@@ -135,14 +136,14 @@ class PipelineStage:
         """
         if not self.jit:
             return None
-        from ..nn._rules import changed_cells
-        changed = changed_cells(self.submodule)
-        if not changed:
+        from ..nn._rules import DATA_PARALLEL, changed_cells
+        sharded = {path: what for path, what in changed_cells(self.submodule).items() if what in DATA_PARALLEL}
+        if not sharded:
             return None
-        path, what = next(iter(changed.items()))
-        return (f"stage {self.stage_index} is compiled (jit=True) but {len(changed)} of its Cells were changed by a "
-                f"parallel style, fully_shard or hsdp (first: {path or 'the stage Cell'!r} by {what}); compiled "
-                f"stages run plain Cells only: build it with jit=False")
+        path, what = next(iter(sharded.items()))
+        return (f"stage {self.stage_index} is compiled (jit=True) but {len(sharded)} of its Cells were sharded by "
+                f"fully_shard or hsdp (first: {path or 'the stage Cell'!r} by {what}); compiled stages run plain "
+                f"or tensor-parallel Cells: build it with jit=False")
 
     def __repr__(self) -> str:
         compiled = ", jit" if self.jit else ""

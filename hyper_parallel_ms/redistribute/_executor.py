@@ -19,7 +19,7 @@ from typing import Tuple
 
 from mindspore import nn, ops
 
-from .._mindspore import cached_in_python
+from .._mindspore import cell_per_call_site
 from .. import comm
 from ..comm._tensor import narrow
 from ..layout import Layout
@@ -76,7 +76,7 @@ _CELLS = {AllGather: _AllGather, AllToAll: _AllToAll, Chunk: _Chunk, AllReduce: 
           ReduceScatter: _ReduceScatter, Partition: _Partition}
 
 
-@cached_in_python
+@cell_per_call_site
 def _step_cell(mesh, step: LocalStep) -> _StepCell:
     return _CELLS[type(step)](mesh, step)
 
@@ -164,7 +164,7 @@ def lowered_steps(src: Layout, dst: Layout, shape: Tuple[int, ...], coordinate: 
     return forward, backward, average_scaling(src, dst)
 
 
-@cached_in_python
+@cell_per_call_site
 def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
                    grad_src: Layout = None) -> Redistribution:
     """The cached Cell moving a tensor of global ``shape`` from ``src`` to ``dst`` on ``mesh``,

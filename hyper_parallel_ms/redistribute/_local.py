@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from mindspore import nn
 
-from .._mindspore import cached_in_python, is_compiling, run_in_python
+from .._mindspore import cached_in_python, cell_per_call_site, is_compiling, run_in_python
 from ..comm._agreement import extremes
 from ..layout import Layout
 from ._executor import Redistribution, redistribution
@@ -162,7 +162,7 @@ def _becomes_dtensor(wrapped: bool) -> bool:
     return wrapped and not is_compiling()
 
 
-@cached_in_python
+@cell_per_call_site
 def _redistribution(plan_id: int, local_shape: Tuple[int, ...], where: str, uneven_ok: bool) -> Redistribution:
     """The step-running Cell (:func:`.redistribution`, with its backward and the masking of a
     reduced Partial(max / min)) for a piece of ``local_shape``: layouts normalised for its
