@@ -90,10 +90,11 @@ def test_dropout_model_matches_one_device_on_2_ranks(jit):
         check_parity(_model, _dtensor_plan(mesh), _batch, _loss, optimizer="adamw")
 
 
-@multi_rank(4)
+@multi_rank(4, timeout=600)
 def test_dropout_model_matches_one_device_on_4_ranks():
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    check_parity(_model, _local_plan(mesh), _batch, _loss, optimizer="adamw")
+    for jit in (False, True):
+        check_parity(_model, _local_plan(mesh), _batch, _loss, optimizer="adamw", jit=jit)
 
 
 def _pieces(dt):

@@ -1,9 +1,10 @@
 """Gradient accumulation over 4 micro-steps equals one step on the 4x batch (loss each step,
 parameters after 5 AdamW steps, against one device) for TP with data parallelism (GradientReducer
 once, on the summed gradients), fully_shard and hsdp (sync off on 3 micro-steps) and FSDP x TP, on
-2 and 4 ranks in PyNative; CommDebugMode shows no data-parallel gradient reduction on the 3
-non-sync micro-steps (only the forward all-gathers of the pieces and TP's own activation
-collectives run there). Compiled accumulation: tests/test_fsdp_compiled.py (add up reduced steps)."""
+2 and 4 ranks in PyNative (TP x dp also compiled, ms.jit and GRAPH_MODE); CommDebugMode shows no
+data-parallel gradient reduction on the 3 non-sync micro-steps (only the forward all-gathers of the
+pieces and TP's own activation collectives run there). Compiled fully_shard accumulation:
+tests/test_fsdp_compiled.py (add up reduced steps)."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional
@@ -90,3 +91,15 @@ def test_accumulation_on_4_ranks():
     compare(_hsdp(shard_size=2, optimizer_level="level2", enable_grad_accumulation=True), world.get_local_rank(0), 4,
             loss_mesh=world, optimizer="adamw", rows=16, train=_accumulate("set_requires_grad_sync", log))
     _check_quiet(log)
+
+
+@multi_rank(4, timeout=600)
+def test_compiled_accumulation_with_tensor_parallelism_on_4_ranks():
+    """TP x dp (2, 2): each micro-step's gradient step compiled (ms.jit, then a GRAPH_MODE Cell),
+    the micro-gradients summed and reduced over dp once: equal to one step on the whole batch."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_index = mesh.get_coordinate()[0]
+    for mode in ("jit", "graph"):
+        log = []
+        shard, train = _tp_with_reducer(mesh, log)
+        compare(shard, dp_index, 2, loss_mesh=mesh["dp"], optimizer="adamw", train=train, mode=mode)
