@@ -1,5 +1,5 @@
 """Training-loop helpers for sharded models: the global gradient norm and its clipping, one
-finite-gradient verdict for dynamic loss scaling, activation checkpointing.
+finite-gradient verdict for dynamic loss scaling, activation checkpointing and swapping.
 
 Example::
 
@@ -11,7 +11,8 @@ from ._checkpoint import (SAVE_MATMUL_AND_COLLECTIVES, CheckpointWrapper, apply_
 from ._clip import clip_grad_norm
 from ._finite import all_finite
 from ._norm import TotalGradNorm
+from ._swap import SwapStats, SwapWrapper, swap_stats, swap_wrapper
 
 __all__ = ["clip_grad_norm", "TotalGradNorm", "all_finite", "checkpoint_wrapper", "apply_activation_checkpointing",
            "CheckpointWrapper", "checkpoint_stats", "create_selective_checkpoint_contexts",
-           "SAVE_MATMUL_AND_COLLECTIVES"]
+           "SAVE_MATMUL_AND_COLLECTIVES", "swap_wrapper", "SwapWrapper", "swap_stats", "SwapStats"]
