@@ -58,10 +58,11 @@ def check_pipeline_config(cfg) -> None:
         raise ValueError(f"each dp rank's {rows} rows do not split into --microbatches {cfg.microbatches}: use a "
                          f"--batch that is a multiple of dp x microbatches = {cfg.dp * cfg.microbatches}")
     if cfg.compile_stages and (cfg.fsdp or cfg.loss_parallel):
-        raise ValueError("--compile-stages compiles plain and tensor-parallel stage Cells with a one-hot loss: add "
-                         "--no-loss-parallel (the vocabulary-parallel loss's target check fails in the compiled "
-                         "forward: \"Invalid host tensor size ... for pyexecute\") and drop --fsdp (fully-sharded "
-                         "stages run in PyNative)")
+        raise ValueError("--compile-stages compiles plain and tensor-parallel stages with a one-hot loss: add "
+                         "--no-loss-parallel (the vocabulary-parallel loss's target check fails in a compiled "
+                         "stage's forward: \"Invalid host tensor size ... for pyexecute\") and drop --fsdp (the "
+                         "Llama's styled Cells inside fully_shard units fail to compile for a stage's backward: "
+                         "\"The pointer[func_graph->get_return()] is null\")")
     if cfg.hsdp_replicate != 1:
         raise ValueError("--pp does not take --hsdp-replicate yet")
     if (cfg.checkpoint_dir or cfg.resume) and SCHEDULES[cfg.schedule][1] != 1:

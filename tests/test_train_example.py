@@ -179,7 +179,7 @@ def test_pipeline_flags_that_cannot_run_are_refused_naming_the_fix():
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", microbatches=3))
     with pytest.raises(ValueError, match="--schedule must be one of"):
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="dualpipe"))
-    with pytest.raises(ValueError, match="--compile-stages compiles plain and tensor-parallel stage Cells with a "
+    with pytest.raises(ValueError, match="--compile-stages compiles plain and tensor-parallel stages with a "
                                          "one-hot loss: add --no-loss-parallel"):
         check_pipeline_config(TrainConfig(pp=2, tp=2, mode="pynative", compile_stages=True))
     with pytest.raises(ValueError, match="drop --fsdp"):

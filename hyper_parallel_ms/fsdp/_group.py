@@ -98,6 +98,16 @@ class FSDPParamGroup:
         self.gather.pending = None
 
 
+def _padded_rows(x, rows: int):
+    """``x`` with ``rows`` zero rows appended (``x`` has rows). ``ParamGather`` uses this and not
+    ``pad_dim`` / ``cast_to``: with their branches folded away inside a custom-bprop Cell's forward,
+    MindSpore failed to differentiate the compiled graph from PyNative ("The pointer
+    [func_graph->get_return()] is null")."""
+    if rows == 0:
+        return x
+    return mint.cat((x, ops.zeros((rows,) + x.shape[1:], x.dtype)), 0)
+
+
 class _Reducing(nn.Cell):
     """What both steps keep as plain attributes (constants when compiled: a value reached through
     another Python object is not folded, and shapes computed from it fail to compile), and
@@ -171,21 +181,22 @@ class ParamGather(_Reducing):
 
     def __init__(self, group: FSDPParamGroup, index: int) -> None:
         super().__init__(group, group.layout.chunks[index].rows)
-        self.chunks = group.layout.chunks[index]
+        chunks = group.layout.chunks[index]
+        # plain int attributes: constants of the graphs
+        self.length, self.padded, self.padding, self.local = (chunks.shape[0] if chunks.shape else 1, chunks.padded,
+                                                              chunks.padding, chunks.local)
 
     def construct(self, piece):
         _check_compiled(self._hpms_group.unit)
-        value = cast_to(piece, self.param_dtype)
+        value = piece if self.param_dtype is None else piece.astype(self.param_dtype)
         if self.gather_dim is None:
             return value
-        chunks = self.chunks
-        full = comm.all_gather(pad_dim(value, 0, 0, chunks.padding), self.mesh, self.gather_dim, dim=0)
-        return full if chunks.padded == chunks.shape[0] else mint.narrow(full, 0, 0, chunks.shape[0])
+        full = comm.all_gather(_padded_rows(value, self.padding), self.mesh, self.gather_dim, dim=0)
+        return full if self.padded == self.length else mint.narrow(full, 0, 0, self.length)
 
     def bprop(self, piece, out, dout):
-        chunks = self.chunks
         if self.gather_dim is None:
             return (self._reduced(dout, piece),)
-        g = dout if chunks.padded == chunks.shape[0] else pad_dim(dout, 0, 0, chunks.padded - chunks.shape[0])
+        g = dout if self.padded == self.length else pad_dim(dout, 0, 0, self.padded - self.length)
         g = self._reduced(g, piece)
-        return (g if not chunks.padding else mint.narrow(g, 0, 0, chunks.local),)
+        return (g if not self.padding else mint.narrow(g, 0, 0, self.local),)

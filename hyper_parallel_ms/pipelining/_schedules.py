@@ -131,12 +131,11 @@ class PipelineSchedule:
             raise ScheduleError(f"{name}: {num_stages} stages do not fit the pp mesh of {pp} ranks with {v} stage(s) "
                                 f"per rank; use num_stages = {pp * v} or a pp mesh of {num_stages // v or 1} ranks")
         plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v)
-        uncompilable = [p for p in (st.jit_problem() for st in stages) if p]
-        flags = np.zeros((pp, 3), np.float32)
+        flags = np.zeros((pp, 2), np.float32)
         flags[me] = (tuple(st.stage_index for st in stages) != plan.stages_of(me),
-                     plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None, bool(uncompilable))
+                     plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None)
         high, _ = extremes(flags.ravel(), mesh)
-        high = high.reshape(pp, 3)
+        high = high.reshape(pp, 2)
         wrong = [f"rank {r} must hold stages {plan.stages_of(r)} ({self.schedule_name} placement)"
                  for r in range(pp) if high[r, 0]]
         if wrong:
@@ -145,10 +144,6 @@ class PipelineSchedule:
         if lossless:
             raise ScheduleError(f"{name}: the last stage (on rank {lossless[0]}) has no loss_fn; pass "
                                 f"loss_fn=... (loss_fn(output, target)) on every rank")
-        if high[:, 2].any():
-            ranks = [r for r in range(pp) if high[r, 2]]
-            raise ScheduleError(f"{name}: ranks {ranks} hold compiled stages that cannot run compiled"
-                                + (f"; here: {uncompilable[0]}" if uncompilable else ""))
         return plan
 
     # --------------------------------------------------------------- one step

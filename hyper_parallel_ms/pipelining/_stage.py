@@ -48,9 +48,10 @@ class PipelineStage:
             runs as one ``ms.jit`` graph, and its backward as the compiled backward graph of that
             forward, reading the activations the forward kept (the forward is not run again);
             the schedule, the transfers and the gradient sums stay in Python. A new input shape
-            compiles again (once per shape). Plain Cells only: a stage changed by a parallel
-            style, ``fully_shard`` or ``hsdp`` is refused when the schedule is built. (PyTorch
-            has no such argument: one compiles the module given to the stage.)
+            compiles again (once per shape). Plain, tensor-parallel and fully_shard stages; a
+            compiled fully_shard stage reduces its gradients in every micro-batch's backward
+            (compiled backwards cannot turn sync off) and sums them. (PyTorch has no such
+            argument: one compiles the module given to the stage.)
 
     Example::
 
@@ -110,7 +111,9 @@ class PipelineStage:
 
         The schedules call it: off for every backward of a step but the stage's last, so the
         gradients summed over the micro-batches are reduced once per step (FSDP2's gradient
-        accumulation). A stage without sharded units ignores it.
+        accumulation). A stage without sharded units ignores it, and so does a compiled stage
+        (``jit=True``): a compiled backward reduces every time, so its micro-batches' reduced
+        gradients are summed instead (the same sum, one reduction per micro-batch).
 
         Args:
             requires_gradient_sync: ``True`` reduces in the next backward (with what accumulated).
@@ -120,30 +123,10 @@ class PipelineStage:
             stage.set_requires_gradient_sync(False)    # backward of micro-batch 0: accumulate
             stage.set_requires_gradient_sync(True)     # last backward: one reduce-scatter per unit
         """
+        if self.jit:
+            return
         for unit in self.sharded_units():
             unit.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
-
-    def jit_problem(self) -> Optional[str]:
-        """Why this stage, built with ``jit=True``, cannot run compiled (``None`` when it can or
-        is not compiled): ``fully_shard`` or ``hsdp`` changed its Cells (MindSpore fails to
-        compile a fully-sharded unit's forward for PyNative differentiation: "The pointer
-        [func_graph->get_return()] is null"). Parallel styles compile (each conversion Cell is
-        built per call site while compiling, see ``_mindspore.cell_per_call_site``).
-
-        Example::
-
-            PipelineStage(plain_cell, 0, 2, jit=True).jit_problem()       # None
-        """
-        if not self.jit:
-            return None
-        from ..nn._rules import DATA_PARALLEL, changed_cells
-        sharded = {path: what for path, what in changed_cells(self.submodule).items() if what in DATA_PARALLEL}
-        if not sharded:
-            return None
-        path, what = next(iter(sharded.items()))
-        return (f"stage {self.stage_index} is compiled (jit=True) but {len(sharded)} of its Cells were sharded by "
-                f"fully_shard or hsdp (first: {path or 'the stage Cell'!r} by {what}); compiled stages run plain "
-                f"or tensor-parallel Cells: build it with jit=False")
 
     def __repr__(self) -> str:
         compiled = ", jit" if self.jit else ""
