@@ -165,3 +165,17 @@ def test_complement_ranks():
     for group, me in (([0, 3], 0), ([1, 2], 1)):             # copies of {0, 3} or {1, 2} cannot tile 4 ranks
         with pytest.raises(ValueError, match="not one of copies tiling the 4 ranks"):
             complement_ranks(group, me, 4)
+
+
+def test_hsdp_mesh_must_be_one_data_parallel_dim():
+    """``mesh=`` (for a pipeline stage's dp ranks) takes a 1-D DeviceMesh; anything else is refused
+    before the Cell changes."""
+    from mindspore import nn
+    from hyper_parallel_ms.fsdp import hsdp
+    from hyper_parallel_ms.mesh import init_device_mesh
+    cell = nn.Dense(4, 4)
+    two_d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"), simulate=(4, 0))
+    for bad in (two_d, "dp"):
+        with pytest.raises(ValueError, match="mesh must be a 1-D DeviceMesh of the data-parallel ranks"):
+            hsdp(cell, mesh=bad)
+    assert type(cell) is nn.Dense

@@ -178,13 +178,16 @@ def test_pp_x_tp_equals_one_device(name, jit):
 
 
 # ----------------------------------------------------------------------------- pp x fully_shard
-@pytest.mark.parametrize("name, jit", [("GPipe", False), ("1F1B", False), ("Interleaved1F1B", False),
-                                       ("ZBVZeroBubble", False), ("1F1B", True)])
+@pytest.mark.parametrize("name, jit, engine", [("GPipe", False, "fully_shard"), ("1F1B", False, "fully_shard"),
+                                               ("Interleaved1F1B", False, "fully_shard"),
+                                               ("ZBVZeroBubble", False, "fully_shard"), ("1F1B", True, "fully_shard"),
+                                               ("1F1B", False, "hsdp")])
 @multi_rank(4, timeout=600)
-def test_pp_x_fully_shard_reduces_once_per_step(name, jit):
+def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine):
     """jit: compiled fully_shard stages, whose compiled backwards reduce every micro-batch's
-    gradient (sync cannot be turned off there); the reduced gradients are summed."""
-    from hyper_parallel_ms.fsdp import fully_shard
+    gradient (sync cannot be turned off there); the reduced gradients are summed. hsdp: HyperParallel's
+    engine given the stage's dp mesh (``mesh=``), level3 (resharded after forward), one collective per Cell."""
+    from hyper_parallel_ms.fsdp import fully_shard, hsdp
     from hyper_parallel_ms.mesh import init_device_mesh
     from tests._parity import gathered
 
@@ -194,9 +197,12 @@ def test_pp_x_fully_shard_reduces_once_per_step(name, jit):
     assert mesh["pp"].mesh.tolist() == [r for r in range(4) if r % 2 == me % 2]     # the pp peers share dp
 
     def shard(model):
-        for block in model.layers:
-            fully_shard(block, mesh=dp)
-        fully_shard(model, mesh=dp)
+        for cell in list(model.layers) + [model]:
+            if engine == "hsdp":
+                hsdp(cell, threshold=0, optimizer_level="level3", enable_grad_accumulation=True,
+                     comm_fusion=True, mesh=dp)
+            else:
+                fully_shard(cell, mesh=dp)
     stages = _stages(name, mesh["pp"], 4, shard, jit=jit)
     n = 4
     schedule = _schedule(name, stages, n)
@@ -208,8 +214,9 @@ def test_pp_x_fully_shard_reduces_once_per_step(name, jit):
     records = _train(schedule, rows, history, final, gathered, label=f"pp x fully_shard, {name}")
     if jit:
         return
-    reduces = [r for r in records if r.mesh_dim == "dp" and r.kind in ("reduce_scatter", "all_reduce")]
-    gathers = [r for r in records if r.mesh_dim == "dp" and r.kind == "all_gather"]
+    dims = ("dp", "dp_shard")       # fully_shard's mesh dim, hsdp's (a mesh of its own over the same ranks)
+    reduces = [r for r in records if r.mesh_dim in dims and r.kind in ("reduce_scatter", "all_reduce")]
+    gathers = [r for r in records if r.mesh_dim in dims and r.kind == "all_gather"]
     # one gradient reduction per sharded unit and step (not per micro-batch); with reshard_after_forward=True
     # (the default) each micro-batch's forward gathers and its backward gathers again
     assert len(reduces) == units * STEPS, (len(reduces), units)

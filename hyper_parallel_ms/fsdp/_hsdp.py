@@ -104,13 +104,22 @@ def _tp_mesh(cell: nn.Cell) -> Optional[DeviceMesh]:
     return next(iter(meshes.values()))[0] if meshes else None
 
 
-def _mesh(shard_size: int, cell: nn.Cell) -> DeviceMesh:
-    """Every rank, or with parameters placed by parallel styles on a tp mesh the ranks at this
-    rank's place in the other tp groups; split in shard groups of ``shard_size``."""
+def _mesh(shard_size: int, cell: nn.Cell, dp_mesh: Optional[DeviceMesh] = None) -> DeviceMesh:
+    """The ranks of ``dp_mesh`` (a 1-D data-parallel mesh) or, without it, every rank, or with
+    parameters placed by parallel styles on a tp mesh the ranks at this rank's place in the other
+    tp groups; split in shard groups of ``shard_size``."""
     tp = _tp_mesh(cell)
-    place = _cluster.current_world() if tp is None else mesh_world(tp)
+    if dp_mesh is not None:
+        if not isinstance(dp_mesh, DeviceMesh) or dp_mesh.ndim != 1:
+            raise ValueError(f"hsdp({type(cell).__name__}) mesh must be a 1-D DeviceMesh of the data-parallel ranks "
+                             f"(e.g. mesh['dp']), got {dp_mesh!r}")
+        place = mesh_world(dp_mesh)
+        ranks, what = list(dp_mesh.rank_list), f"the size {dp_mesh.size()} of {dp_mesh!r}"
+        tp = None
+    else:
+        place = _cluster.current_world() if tp is None else mesh_world(tp)
+        ranks, what = list(range(place.size)), f"the number of ranks {place.size}"
     world, me, device = place.size, place.rank, place.device_type
-    ranks, what = list(range(world)), f"the number of ranks {world}"
     if tp is not None:
         try:
             ranks = complement_ranks(tp.rank_list, me, world)
@@ -139,10 +148,11 @@ def _warn_replicated(cell: nn.Cell, name: str, threshold: int) -> None:
 
 def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1",
          enable_grad_accumulation: bool = False, grad_scale: float = 1.0, reduce_dtype: Any = None,
-         comm_async: bool = False, comm_fusion: bool = False, bucket_size: int = -1) -> nn.Cell:
-    """Shard ``cell``'s own parameters over data parallelism (HyperParallel's signature);
-    returns ``cell``, now an :class:`HSDPCell`. ``threshold`` and ``bucket_size`` are in KB.
-    ``comm_async`` is accepted; the collectives run synchronously.
+         comm_async: bool = False, comm_fusion: bool = False, bucket_size: int = -1, *,
+         mesh: Optional[DeviceMesh] = None) -> nn.Cell:
+    """Shard ``cell``'s own parameters over data parallelism (HyperParallel's signature, plus
+    ``mesh``); returns ``cell``, now an :class:`HSDPCell`. ``threshold`` and ``bucket_size`` are in
+    KB. ``comm_async`` is accepted; the collectives run synchronously.
 
     Args:
         cell: the Cell whose own parameters (those no earlier call took) are sharded.
@@ -157,6 +167,9 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
         comm_async: accepted and recorded; the collectives run synchronously.
         comm_fusion: one collective per Cell (or per bucket) instead of one per parameter.
         bucket_size: with ``comm_fusion``, the bucket size in KB (-1: one bucket per Cell).
+        mesh: the 1-D data-parallel :class:`DeviceMesh` to shard over (not in HyperParallel), e.g.
+            ``mesh["dp"]`` of a ("pp", "dp", "tp") mesh for a pipeline stage; default: every rank
+            (or, after parallel styles, the ranks outside this rank's tp group).
 
     Example::
 
@@ -185,7 +198,7 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
     else:
         bucket_bytes = None if bucket_size == -1 else bucket_size * 1024
     name = type(cell).__name__
-    shard_cell(cell, _mesh(shard_size, cell), reshard_after_forward=optimizer_level == "level3",
+    shard_cell(cell, _mesh(shard_size, cell, mesh), reshard_after_forward=optimizer_level == "level3",
                threshold_bytes=threshold * 1024, bucket_bytes=bucket_bytes,
                reduce=_LEVELS[optimizer_level], grad_scale=grad_scale, reduce_dtype=reduce_dtype,
                mixin=HSDPCell, prefix="HSDP", engine="hsdp",
