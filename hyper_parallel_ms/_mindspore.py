@@ -30,6 +30,9 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   explicit seed and offset tensors (:data:`seeded_dropout`).
 - **compile-time Python**: ``ms.jit`` runs a ``functools.lru_cache`` object as opaque
   Python on its constant arguments (:func:`cached_in_python`, :func:`run_in_python`).
+- **one custom-bprop Cell per call site**: differentiating a compiled forward from PyNative
+  reads the last call's output for every call of one custom-bprop Cell instance
+  (:func:`cell_per_call_site` builds one per call while compiling).
 - **compile detection**: graph compilation runs in ``_JitExecutor.compile`` (``ms.jit``)
   or ``_CellGraphExecutor.compile`` (GRAPH_MODE Cells), in ``mindspore.graph.api`` from
   2.9 and ``mindspore.common.api`` on 2.8; both receive the call's arguments
