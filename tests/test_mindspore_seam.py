@@ -1013,4 +1013,9 @@ def test_contract_grad_of_a_compiled_forward_needs_one_custom_bprop_instance_per
 
     assert make(1) is make(1) and len(built) == 1
     ms.jit(Twice().construct)(x)
-    assert len(built) == 3                          # one per call site while compiling
+    assert len(built) == 1                          # a graph not differentiated from PyNative shares it
+
+    def twice(x):
+        return Twice()(x).sum()
+    ms.value_and_grad(ms.jit(twice))(x)
+    assert len(built) == 3                          # one per call site while compiling for PyNative's grad
