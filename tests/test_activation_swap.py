@@ -15,8 +15,20 @@ from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import multi_rank
 from hyper_parallel_ms.training import SwapWrapper, checkpoint_wrapper, swap_stats, swap_wrapper
 
+from hyper_parallel_ms._mindspore import SAVED_TENSOR_HOOKS
 from tests._parity import check_parity
 from tests.test_activation_checkpoint import CALLS, Block, Net, _batch, _grads, _loss
+
+_NEEDS_HOOKS = pytest.mark.skipif(not SAVED_TENSOR_HOOKS, reason="mindspore.saved_tensors_hooks (MindSpore 2.9 and "
+                                  "later); the refusal on older releases is tested below")
+
+
+@pytest.mark.skipif(SAVED_TENSOR_HOOKS, reason="this MindSpore has saved_tensors_hooks: the swap tests below run")
+def test_older_mindspore_refuses_naming_checkpoint_wrapper():
+    model = Net()
+    with pytest.raises(NotImplementedError, match="use checkpoint_wrapper"):
+        swap_wrapper(model)
+    assert type(model) is Net
 
 
 def _swap_blocks(model, policy_fn=None):
@@ -25,6 +37,7 @@ def _swap_blocks(model, policy_fn=None):
     return model
 
 
+@_NEEDS_HOOKS
 def test_swapped_blocks_give_the_exact_gradients_once_with_names_unchanged():
     ms.set_seed(0)
     plain = Net()
@@ -51,6 +64,7 @@ def test_swapped_blocks_give_the_exact_gradients_once_with_names_unchanged():
     assert float(n_loss.asnumpy()) == float(loss.asnumpy()) and swap_stats(none.layers[0]).tensors == 0
 
 
+@_NEEDS_HOOKS
 def test_refusals_leave_the_cell_as_it_was():
     ms.set_seed(0)
     model = Net()
@@ -81,6 +95,7 @@ def test_refusals_leave_the_cell_as_it_was():
         ms.jit(forward)(_batch(0, 1, 0)[0])
 
 
+@_NEEDS_HOOKS
 @multi_rank(2, timeout=900)
 def test_swapped_tp_blocks_and_fully_shard_units_parity_on_2_ranks():
     from hyper_parallel_ms.fsdp import fully_shard
