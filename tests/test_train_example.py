@@ -114,11 +114,13 @@ def test_checkpoint_and_clip_flags_that_cannot_run_are_refused_naming_the_fix():
 
 @multi_rank(2, timeout=600)
 def test_example_trains_compiled_pipeline_stages_on_2_ranks():
-    """--pp 2 --tp 1 --compile-stages: each stage's forward (the loss with the last) one ms.jit
-    graph, its backward that graph's backward; losses equal to the single-device run, one forward
-    per micro-batch."""
+    """--pp 2 --tp 1 --compile-stages --activation-checkpoint full: each stage's forward (the loss
+    with the last) one ms.jit graph with the attention and feed-forward Cells marked for MindSpore's
+    graph recompute, its backward that graph's backward; losses equal to the single-device run, one
+    forward per micro-batch."""
     cfg = TrainConfig(pp=2, tp=1, schedule="1f1b", microbatches=2, layers=2, steps=2, seq=8, dim=32, hidden=64,
-                      vocab=64, mode="pynative", compile_stages=True, loss_parallel=False)
+                      vocab=64, mode="pynative", compile_stages=True, loss_parallel=False,
+                      activation_checkpoint="full")
     result = train(cfg, log=lambda line: None)
     assert len(result["losses"]) == 2 and result["forwards_per_microbatch"] == 1.0
     assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
