@@ -108,15 +108,15 @@ def _mesh(shard_size: int, cell: nn.Cell, dp_mesh: Optional[DeviceMesh] = None) 
     """The ranks of ``dp_mesh`` (a 1-D data-parallel mesh) or, without it, every rank, or with
     parameters placed by parallel styles on a tp mesh the ranks at this rank's place in the other
     tp groups; split in shard groups of ``shard_size``."""
-    tp = _tp_mesh(cell)
+    tp = None
     if dp_mesh is not None:
         if not isinstance(dp_mesh, DeviceMesh) or dp_mesh.ndim != 1:
             raise ValueError(f"hsdp({type(cell).__name__}) mesh must be a 1-D DeviceMesh of the data-parallel ranks "
                              f"(e.g. mesh['dp']), got {dp_mesh!r}")
         place = mesh_world(dp_mesh)
         ranks, what = list(dp_mesh.rank_list), f"the size {dp_mesh.size()} of {dp_mesh!r}"
-        tp = None
     else:
+        tp = _tp_mesh(cell)
         place = _cluster.current_world() if tp is None else mesh_world(tp)
         ranks, what = list(range(place.size)), f"the number of ranks {place.size}"
     world, me, device = place.size, place.rank, place.device_type

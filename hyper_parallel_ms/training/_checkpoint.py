@@ -305,15 +305,19 @@ class _Counting:
         return self.inner.__exit__(*exc)
 
 
-_CLASSES: Dict[type, type] = {}
+_CLASSES: Dict[Tuple[type, type], type] = {}
 
 
-def _wrapped_class(base: type) -> type:
-    if base not in _CLASSES:
-        _CLASSES[base] = cell_subclass(base.__name__, (CheckpointWrapper, base), {
-            "_hpms_checkpoint_call": base.__call__, "_hpms_checkpoint_construct": base.construct,
+def wrapped_class(mixin: type, base: type, prefix: str) -> type:
+    """The (cached) subclass of the Cell class ``base`` with ``mixin``'s methods, which reach the
+    original ``__call__`` and ``construct`` as ``_hpms_<prefix>_call`` / ``_hpms_<prefix>_construct``
+    (wrapping in place keeps the class name, parameter names and paths)."""
+    key = (mixin, base)
+    if key not in _CLASSES:
+        _CLASSES[key] = cell_subclass(base.__name__, (mixin, base), {
+            f"_hpms_{prefix}_call": base.__call__, f"_hpms_{prefix}_construct": base.construct,
             "__module__": base.__module__, "__qualname__": base.__qualname__})
-    return _CLASSES[base]
+    return _CLASSES[key]
 
 
 def _check_not_nested(cell: nn.Cell) -> None:
@@ -353,7 +357,7 @@ def checkpoint_wrapper(cell: nn.Cell, *, policy: Policy = None) -> nn.Cell:
     with CellChanges() as changes:
         changes.set_attribute(cell, _STATE, _State(keep, graph_error))
         changes.set_attribute(cell, "_hpms_checkpoint_graph_error", graph_error)
-        changes.swap_class(cell, _wrapped_class(type(cell)))
+        changes.swap_class(cell, wrapped_class(CheckpointWrapper, type(cell), "checkpoint"))
     return cell
 
 

@@ -20,16 +20,15 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from .._mindspore import (SAVED_TENSOR_HOOKS, cell_subclass, discard_grad_recording, running_eagerly,
-                          saved_tensors_hooks)
+from .._mindspore import SAVED_TENSOR_HOOKS, discard_grad_recording, saved_tensors_hooks
 from ..nn._adapter import CellChanges, named_cells
-from ._checkpoint import _RUNNING, CheckpointWrapper, _refuse_in_graph
+from ._checkpoint import _RUNNING, CheckpointWrapper, _refuse_in_graph, wrapped_class
 
 __all__ = ["SwapWrapper", "swap_wrapper", "swap_stats", "SwapStats"]
 
@@ -97,8 +96,6 @@ class SwapWrapper:
     """
 
     def __call__(self, *args, **kwargs):
-        if ms.get_context("mode") == ms.GRAPH_MODE:
-            _refuse_in_graph(_GRAPH_ERROR.format(name=type(self).__name__))
         state: _State = self.__dict__[_STATE]
         outer = getattr(_RUNNING, "cell", None)
         if outer is not None:
@@ -112,21 +109,8 @@ class SwapWrapper:
             raise
 
     def construct(self, *args):
-        if running_eagerly():
-            return self._hpms_swap_construct(*args)
-        _refuse_in_graph(self._hpms_swap_graph_error)
+        _refuse_in_graph(self._hpms_swap_graph_error)      # raises only while MindSpore compiles it
         return self._hpms_swap_construct(*args)
-
-
-_CLASSES: Dict[type, type] = {}
-
-
-def _wrapped_class(base: type) -> type:
-    if base not in _CLASSES:
-        _CLASSES[base] = cell_subclass(base.__name__, (SwapWrapper, base), {
-            "_hpms_swap_call": base.__call__, "_hpms_swap_construct": base.construct,
-            "__module__": base.__module__, "__qualname__": base.__qualname__})
-    return _CLASSES[base]
 
 
 def _check_placement(cell: nn.Cell) -> None:
@@ -167,7 +151,7 @@ def swap_wrapper(module: nn.Cell, policy_fn: Optional[Callable[[Tensor], bool]] 
     with CellChanges() as changes:
         changes.set_attribute(module, _STATE, _State(policy_fn))
         changes.set_attribute(module, "_hpms_swap_graph_error", _GRAPH_ERROR.format(name=type(module).__name__))
-        changes.swap_class(module, _wrapped_class(type(module)))
+        changes.swap_class(module, wrapped_class(SwapWrapper, type(module), "swap"))
     return module
 
 
