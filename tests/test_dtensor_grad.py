@@ -122,3 +122,30 @@ def test_parallelize_value_and_grad_sensitivities():
         hp.parallelize_value_and_grad(two(w), [w], sens=[1.0])(Tensor(_X))
     with pytest.raises(TypeError, match="one output, so sens must be None"):
         hp.parallelize_value_and_grad(lambda x: two(w)(x)[1], [w], sens=[1.0])(Tensor(_X))
+
+
+def _mean_of_squares(x):
+    return (x * x).mean()
+
+
+def _mean_over_dim1(x):
+    return (x * x).mean(1).sum()
+
+
+@multi_rank(4)
+def test_a_mean_over_sharded_dims_gives_one_device_values_and_gradients_seeded_directly():
+    """The mean of a loss over sharded dims, differentiated as it is (the usual loss): it was a
+    Partial(avg) of the pieces' means, which MindSpore's seeding of ones on every piece turned into
+    4 times the gradient on 4 ranks, and a nested uneven split ((2, 2) mesh, 6 over 4: 2, 1, 2, 1)
+    averaged unequal pieces (wrong value). Now Partial(sum) of each piece's sum over the count."""
+    rng = np.random.default_rng(6)
+    flat, square = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    for mesh, shape, placements in ((flat, (8, 3), [Shard(0)]), (flat, (5, 3), [Shard(0)]),
+                                    (flat, (3, 6), [Shard(1)]), (square, (5, 6, 2), [Shard(1), Shard(1)]),
+                                    (square, (5, 6, 2), [Shard(0), Shard(1)])):
+        a = rng.standard_normal(shape).astype(np.float32)
+        for fn in (_mean_of_squares, _mean_over_dim1):
+            x = distribute_tensor(Tensor(a), mesh, placements)
+            value = fn(x)
+            np.testing.assert_allclose(value.full_tensor().asnumpy(), fn(Tensor(a)).asnumpy(), rtol=1e-5)
+            _close(hp.grad(fn)(x), ms.grad(fn)(Tensor(a)).asnumpy(), f"{fn.__name__} {shape} {placements}")

@@ -10,8 +10,10 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
+from mindspore import nn, ops
 
 from hyper_parallel_ms import no_init_parameters
+from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, init_parameters
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parameter_sharding
@@ -96,19 +98,28 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     compare(shard, rank, 2, loss_mesh=mesh, tol=1e-2, counts=counts)
     assert seen["dtypes"] == {ms.float32}                                   # pieces stay fp32
     assert counts[-1] == {"all_gather": 6, "reduce_scatter": 3}
-    # unshard() keeps the gathered weights in the Cell until reshard(); zero_accumulated_grads()
-    # drops what backward passes without sync accumulated
+    # unshard() gathers now and forwards until reshard() gather nothing (same values and gradients;
+    # the Cell keeps its pieces, so trainable_params() works, also before the first forward);
+    # zero_accumulated_grads() drops what backward passes without sync accumulated
     ms.set_seed(0)
     whole = Net()
     ms.set_seed(0)
     model = _fsdp_per_block(Net(), mesh)
     block = model.layers[0]
-    block.unshard()
-    np.testing.assert_array_equal(block.up.weight.asnumpy(), whole.layers[0].up.weight.asnumpy())
-    block.reshard()
-    assert block.up.weight.shape == ((4, 8) if rank == 0 else (3, 8))
     x = ms.Tensor(np.ones((2, 8), np.float32))
+    block.unshard()
+    assert block.up.weight.shape == ((4, 8) if rank == 0 else (3, 8))
     step = ms.value_and_grad(lambda x: (model(x) ** 2).mean(), None, model.trainable_params())
+    with CommDebugMode() as unsharded:
+        kept = step(x)
+    block.reshard()
+    with CommDebugMode() as gathering:
+        fresh = step(x)
+    assert unsharded.get_comm_counts()["all_gather"] == gathering.get_comm_counts()["all_gather"] - 2, (
+        unsharded.get_comm_counts(), gathering.get_comm_counts())       # its forward gather and backward re-gather
+    np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
+    for g, f in zip(kept[1], fresh[1]):
+        np.testing.assert_allclose(g.asnumpy(), f.asnumpy(), rtol=1e-6, atol=1e-7)
     model.set_requires_gradient_sync(False)
     step(x * 100.0)
     model.zero_accumulated_grads()
@@ -216,3 +227,77 @@ def test_parallel_styles_after_fully_shard_refused_2_ranks():
         parallelize_module(model, mesh, {"head": ColwiseParallel()})
     with pytest.raises(RuntimeError, match=r"'up' \(Dense\) was already sharded by fully_shard"):
         parallelize_module(model.layers[0], mesh, {"up": ColwiseParallel()})
+
+
+class _Stateful(nn.Cell):
+    """State the forward updates in place (BatchNorm's moving statistics, a call counter: MindSpore
+    keeps both in Parameters with requires_grad=False) and a learnable 0-d temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Dense(4, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.down = nn.Dense(6, 3)
+        self.calls = ms.Parameter(ms.Tensor(np.zeros(4, np.float32)), name="calls", requires_grad=False)
+        self.temperature = ms.Parameter(ms.Tensor(1.5, ms.float32), name="temperature")
+
+    def construct(self, x):
+        ops.assign_add(self.calls, ops.ones(4, ms.float32))
+        return self.down(ops.tanh(self.norm(self.up(x)))) / self.temperature
+
+
+def _train_3_sgd_steps(model, x, mode: str) -> None:
+    model.set_train(True)
+    opt = nn.SGD(model.trainable_params(), learning_rate=0.1)
+
+    def loss_fn(x):
+        return (model(x) ** 2).mean()
+    grad = ms.value_and_grad(loss_fn, None, opt.parameters)
+    step = ms.jit(grad) if mode == "jit" else grad
+    for _ in range(3):
+        opt(step(x)[1])
+
+
+@pytest.mark.parametrize("mode", ["pynative", "jit"])
+@multi_rank(2)
+def test_fully_shard_keeps_forward_updated_state_whole_and_0d_parameters_0d(mode):
+    """BatchNorm's moving statistics and a counter stayed at their initial values under fully_shard
+    (the forward updated a gathered copy; PyNative: an in-place op on a view failed; jit: lost), and
+    a 0-d parameter became (1,), so its layout and checkpoints failed. Parameters with
+    requires_grad=False now stay whole and in place on every rank (FSDP2's buffers); with the same
+    batch on both ranks everything equals one device after 3 SGD steps."""
+    from hyper_parallel_ms.checkpoint import StateDictOptions, get_model_state_dict
+    from hyper_parallel_ms.nn import as_dtensor
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32))
+    models = []
+    for sharded in (False, True):
+        ms.set_seed(0)
+        model = _Stateful()
+        if sharded:
+            fully_shard(model.up, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            assert model.temperature.shape == () and model.norm.moving_mean.shape == (6,)
+        _train_3_sgd_steps(model, x, mode)
+        models.append(model)
+    ref, model = models
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for name, value in get_model_state_dict(ref).items():
+        np.testing.assert_allclose(np.asarray(full[name].asnumpy()), value.asnumpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    np.testing.assert_array_equal(model.calls.asnumpy(), [3.0] * 4)
+    assert ref.norm.moving_mean.asnumpy().any()              # the statistics did move
+    assert as_dtensor(model.temperature).full_tensor().shape == ()
+
+
+@multi_rank(2)
+def test_fully_shard_on_a_child_after_its_parent_is_refused_and_changes_nothing():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ms.set_seed(0)
+    model = Net()
+    fully_shard(model, mesh=mesh)
+    child = model.layers[0]
+    before = type(child), child.up.weight
+    with pytest.raises(ValueError, match=r"already belong to an enclosing fully_shard unit.*bottom-up"):
+        fully_shard(child, mesh=mesh)
+    assert (type(child), child.up.weight) == before and not isinstance(child, FSDPModule)

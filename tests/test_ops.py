@@ -182,8 +182,8 @@ def test_reductions():
     check_op(mesh, _sum_all, [a], [[S0, S1]], [P, P])
     check_op(mesh, _sum_dim0, [a], [[S0, S1]], [P, S0])
     check_op(mesh, _sum_keep, [a], [[S0, S1]], [S0, P])
-    check_op(mesh, _mean_dim1, [a], [[S1, S0]], [Partial("avg"), S0])
-    check_op(mesh, _mean_dim1, [_rand(4, 5, 2)], [[S1, R]], [R, R])   # uneven mean gathers first
+    check_op(mesh, _mean_dim1, [a], [[S1, S0]], [Partial("sum"), S0])    # this rank's sum / the count
+    check_op(mesh, _mean_dim1, [_rand(4, 5, 2)], [[S1, R]], [P, R])   # uneven: the same, nothing gathered
     check_op(mesh, _sum_dim0, [a], [[P, S2]], [P, S1])
 
 

@@ -243,3 +243,60 @@ def test_gradient_of_a_compiled_forward_with_parallel_styles_equals_one_device()
     np.testing.assert_allclose(loss.asnumpy(), want[0].asnumpy(), rtol=1e-6)
     for p, g, w in zip(params, grads, want[1]):
         np.testing.assert_allclose(gathered(p, g), w.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)
+
+
+class _KeywordCalls(nn.Cell):
+    """Styled layers called with their input by keyword (``mint.nn.Linear`` and ``nn.Dense`` name it
+    ``x``), and a Cell whose input the style converts after an input left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Dense(8, 8)
+        self.up = mint.nn.Linear(8, 6)
+        self.down = nn.Dense(6, 8)
+
+    def construct(self, x):
+        return self.down(x=ops.tanh(self.up(x=self.pre(x))))
+
+
+class _TwoInputs(nn.Cell):
+    def construct(self, x, mask=None, scale=None):
+        return x * 2 if scale is None else x * scale
+
+
+@multi_rank(2)
+def test_styled_layers_given_their_input_by_keyword_equal_one_device():
+    """``up(x=h)`` on a ColwiseParallel layer passed the input around the style's conversion: the
+    forward was right, but the input's gradient missed its all-reduce, so every layer before it
+    trained on a wrong gradient (no error, PyNative and ms.jit). A keyword input the style reads is
+    now converted as a positional one; one it cannot reach raises."""
+    from hyper_parallel_ms.nn import GradientReducer
+    from tests._parity import gathered
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = ms.Tensor(np.random.RandomState(0).randn(3, 8).astype(np.float32))
+    ms.set_seed(7)
+    ref = _KeywordCalls()
+    want = ms.value_and_grad(lambda x: (ref(x) ** 2).sum(), None, ref.trainable_params())(x)
+    ms.set_seed(7)
+    model = _KeywordCalls()
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    params = model.trainable_params()
+
+    def loss_fn(x):
+        return (model(x) ** 2).sum()
+    grad = ms.value_and_grad(loss_fn, None, params)
+    for step in (grad, ms.jit(grad)):
+        loss, grads = step(x)
+        grads = GradientReducer(params)(grads)
+        np.testing.assert_allclose(loss.asnumpy(), want[0].asnumpy(), rtol=1e-5)
+        for p, g, w in zip(params, grads, want[1]):
+            np.testing.assert_allclose(gathered(p, g), w.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)
+    two = _TwoInputs()
+    parallelize_module(two, mesh, PrepareModuleInput(input_layouts=(Shard(0), None, Shard(0)),
+                                                     desired_input_layouts=(Replicate(), None, Replicate()),
+                                                     use_local_output=True))
+    piece = ms.Tensor(np.full((1, 2), mesh.get_rank() + 1.0, np.float32))
+    np.testing.assert_array_equal(two(x=piece).asnumpy(), [[2.0, 2.0], [4.0, 4.0]])
+    with pytest.raises(ValueError, match=r"_TwoInputs got the input\(s\) \['scale'\] by keyword after the input "
+                                         r"'mask' was left out.*pass them positionally"):
+        two(piece, scale=piece)

@@ -58,7 +58,9 @@ class FSDPModule:
         return [state for state in map(fsdp_state, cells) if state is not None]
 
     def unshard(self) -> None:
-        """Gather this Cell's parameters and keep them in the Cell until :meth:`reshard`."""
+        """Gather this Cell's parameters now and keep them until :meth:`reshard`: forwards until then
+        gather nothing (their backward still reduces the gradients). The Cell keeps holding its
+        pieces (``trainable_params()`` and the optimizer see them); a forward reads the full values."""
         self.__dict__[_STATE].unshard()
 
     def reshard(self) -> None:
@@ -184,11 +186,12 @@ def _extended_class(cls: type, mixin: type, prefix: str) -> type:
 def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
     """Parameters under ``cell`` not yet taken by a unit, each with every (cell, attr) holding it
     (a parameter shared by several of them is one record: one piece, gathered once). A parameter
-    an earlier unit took (its piece replaced it there) but still held here is refused."""
+    an earlier unit took (its piece replaced it there) but still held here is refused. Parameters
+    with ``requires_grad=False`` are left alone (see :func:`fully_shard`)."""
     found: Dict[int, Tuple[Parameter, List[Tuple[nn.Cell, str]]]] = {}
     for path, sub in named_cells(cell).items():
         for attr, p in own_parameters(sub).items():
-            if is_piece(p):
+            if is_piece(p) or not p.requires_grad:
                 continue
             taken = getattr(p, TAKEN_BY, None)
             if taken is not None:
@@ -202,6 +205,20 @@ def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]
                     "holding only one of the uses")
             found.setdefault(id(p), (p, []))[1].append((sub, attr))
     return list(found.values())
+
+
+def _refuse_below_a_unit(cell: nn.Cell) -> None:
+    """A Cell whose parameters an enclosing unit already took (fully_shard applied top-down) would own
+    nothing: refused, naming the fix (bottom-up, as FSDP2)."""
+    cells = list(named_cells(cell).values())
+    owned = {id(record.piece) for sub in cells if fsdp_state(sub) is not None for record in fsdp_state(sub).params}
+    taken = list(dict.fromkeys(p.name for sub in cells for p in own_parameters(sub).values()
+                               if is_piece(p) and id(p) not in owned))
+    if taken:
+        raise ValueError(
+            f"fully_shard({type(cell).__name__}): its parameters {taken[:4]} already belong to an enclosing "
+            "fully_shard unit (applied to a parent first). Apply fully_shard bottom-up: each block first, then "
+            "the root")
 
 
 def _shardable(p: Parameter, mesh, threshold_bytes: int) -> bool:
@@ -303,6 +320,7 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
         raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
     if fsdp_state(cell) is not None:
         raise ValueError(f"{type(cell).__name__} is already sharded by fully_shard; apply it once per Cell")
+    _refuse_below_a_unit(cell)
     mesh = default_mesh() if mesh is None else mesh
     dp_mesh_dims(mesh)                          # a 1-D or 2-D mesh
     _check_reshard(reshard_after_forward)

@@ -91,7 +91,7 @@ def cut_piece(full: np.ndarray, mesh, sharded: bool) -> np.ndarray:
     if sharded:
         chunks = chunks_of(full.shape, mesh)
         full = full[chunks.start: chunks.start + chunks.local]
-    return np.ascontiguousarray(full)
+    return np.array(full, order="C")        # (np.ascontiguousarray makes a 0-d array 1-d)
 
 
 def new_piece(param: Parameter, mesh, sharded: bool) -> Parameter:

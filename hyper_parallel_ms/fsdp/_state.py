@@ -66,7 +66,7 @@ class FSDPState:
         self.groups: List[FSDPParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
-        self.kept: Optional[list] = None       # values installed by unshard(), until reshard()
+        self.kept: Optional[list] = None       # per group (flat, values) gathered by unshard(), until reshard()
         self.reused: Optional[list] = None     # per group (flat, values) kept after a backward without sync
         self.deferred = True                   # until every piece is seen initialised
         self.checked = False                   # MindSpore's first-call checks of the Cells done
@@ -98,10 +98,6 @@ class FSDPState:
             for holder, attr in param.holders:
                 put_parameter(holder, attr, param.piece)
 
-    def gather(self) -> list:
-        """The full values of every parameter of this Cell (one collective per group)."""
-        return [v for g in self.groups for v in g.gathered()[1]]
-
     def _frees_after_forward(self) -> bool:
         # inside an activation checkpoint MindSpore keeps nothing and the recompute gathers again
         return self.saving is not None and self.kept is None and SAVED_TENSOR_HOOKS and not recomputing()
@@ -131,9 +127,10 @@ class FSDPState:
         ``reshard_after_forward`` the gathered values are kept for the backward as records and
         gathered again there (:mod:`._reshard`)."""
         keep = not self.sync.sync and not self.reshard_after_backward
-        freeing = self.reused is None and not keep and self._frees_after_forward()
-        if self.reused is not None:
-            gathered = [g.gathered(reuse=flat) for g, (flat, _) in zip(self.groups, self.reused)]
+        earlier = self.kept if self.kept is not None else self.reused
+        freeing = earlier is None and not keep and self._frees_after_forward()
+        if earlier is not None:
+            gathered = [g.gathered(reuse=flat) for g, (flat, _) in zip(self.groups, earlier)]
         elif not freeing:
             gathered = [g.gathered() for g in self.groups]
         else:
@@ -190,10 +187,7 @@ class FSDPState:
     def post_forward(self, cell, args, output):
         if self.saving is not None:
             self.saving.end()
-        if self.kept is not None:
-            self._install(self.kept)
-        else:
-            self._restore()
+        self._restore()
         dtype = self.policy.output_dtype
         if dtype is None:
             return None
@@ -202,8 +196,8 @@ class FSDPState:
         return _cast_floats((output,), dtype)[0]
 
     def unshard(self) -> None:
-        self.kept = self.gather()
-        self._install(self.kept)
+        """Gather every group now; forwards until :meth:`reshard` use these buffers (no collective)."""
+        self.kept = [g.gathered() for g in self.groups]
 
     def reshard(self) -> None:
         self.kept, self.reused, self.prefetched = None, None, None

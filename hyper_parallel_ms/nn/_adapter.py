@@ -18,11 +18,12 @@ fails with "Graph cycle exists". ``construct`` is compiled in every position.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence
+import inspect
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from mindspore import Parameter, nn
 
-from .._mindspore import cell_subclass, is_compiling, run_in_python
+from .._mindspore import cached_in_python, cell_subclass, is_compiling, run_in_python
 
 __all__ = ["named_cells", "own_parameters", "put_parameter", "CellChanges", "snapshot_parameters", "restore_parameters",
            "ConstructHooks", "converting_class"]
@@ -61,7 +62,8 @@ def restore_parameters(root: nn.Cell, snapshot: List[tuple]) -> None:
 
 class ConstructHooks(nn.Cell):
     """The hooks run inside one Cell's ``construct``: ``pre`` Cells have a method
-    ``pre(cell, args) -> args``, ``post`` Cells a method ``post(cell, args, output, bias) -> output``.
+    ``pre(cell, args) -> args`` and an int ``inputs_read`` (the leading inputs they read), ``post``
+    Cells a method ``post(cell, args, output, bias) -> output``.
 
     A post hook that needs the Cell's ``bias`` says so with ``reads_bias``; the Cell's own
     ``construct`` reads it as ``self.bias`` and passes it. Read from the ``cell`` argument (or with
@@ -74,6 +76,7 @@ class ConstructHooks(nn.Cell):
         self.post_hooks = nn.CellList()
         self.graph_error = ""          # why this Cell cannot run compiled (raised while compiling)
         self.reads_bias = False        # a post hook needs the Cell's bias
+        self.inputs_read = 0           # the leading inputs the pre hooks read (given by keyword: moved to args)
 
     def before(self, cell, args):
         for hook in self.pre_hooks:
@@ -86,9 +89,52 @@ class ConstructHooks(nn.Cell):
         return output
 
 
+def _positional_names(construct: Callable) -> Tuple[str, ...]:
+    """The names of ``construct``'s inputs that may be given by position (``self`` excluded)."""
+    try:
+        params = list(inspect.signature(construct).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = []
+    for p in params:
+        if p.kind not in kinds:
+            break
+        names.append(p.name)
+    return tuple(names)
+
+
+@cached_in_python
+def keywords_to_move(cls_name: str, names: Tuple[str, ...], given: int, keywords: Tuple[str, ...],
+                     read: int) -> Tuple[str, ...]:
+    """The keyword inputs that a Cell's pre hooks must see as positional ones: the inputs after the
+    ``given`` positional ones, up to the ``read`` leading inputs the hooks convert, given by keyword
+    (``cell(x=h)`` is ``cell(h)`` to the styles). Raises where a keyword input the hooks would read
+    follows a missing one (it cannot be moved, and would pass unconverted).
+
+    >>> keywords_to_move("Dense", ("x",), 0, ("x",), 1)
+    ('x',)
+    >>> keywords_to_move("Dense", ("x", "mask"), 1, ("mask",), 1)
+    ()
+    """
+    moved = []
+    for name in names[given:read]:
+        if name not in keywords:
+            break
+        moved.append(name)
+    late = [n for n in names[given + len(moved):read] if n in keywords]
+    if late:
+        raise ValueError(
+            f"{cls_name} got the input(s) {late} by keyword after the input {names[given + len(moved)]!r} was left out, "
+            f"but its parallel style converts its first {read} inputs by position: pass them positionally")
+    return tuple(moved)
+
+
 def converting_class(base: type) -> type:
     """A subclass of the Cell class ``base`` whose ``construct`` runs the instance's
-    :class:`ConstructHooks` around ``base.construct`` (they see the positional inputs; keywords pass through)."""
+    :class:`ConstructHooks` around ``base.construct``. The hooks see the positional inputs; an
+    input they read that is given by keyword (``dense(x=h)``) is handed to them as positional
+    (PyNative and compiled); other keywords pass through."""
     cached = _CONVERTING.get(base)
     if cached is not None:
         return cached
@@ -96,6 +142,11 @@ def converting_class(base: type) -> type:
     def construct(self, *args, **kwargs):
         hooks = getattr(self, _HOOKS)
         _refuse_in_graph(hooks.graph_error)
+        moved = keywords_to_move(self._hpms_base_name, self._hpms_positional, len(args), tuple(kwargs.keys()),
+                                 hooks.inputs_read)
+        for name in moved:
+            args = args + (kwargs[name],)
+        kwargs = {k: v for k, v in kwargs.items() if k not in moved}
         args = hooks.before(self, args)
         output = self._hpms_converted_construct(*args, **kwargs)
         if hooks.reads_bias:
@@ -103,7 +154,9 @@ def converting_class(base: type) -> type:
         return hooks.after(self, args, output, None)
     cls = cell_subclass(base.__name__, (base,), {"construct": construct, "_hpms_converted_construct": base.construct,
                                                  "__module__": base.__module__, "__qualname__": base.__qualname__,
-                                                 "_hpms_converting": True})
+                                                 "_hpms_converting": True,
+                                                 "_hpms_positional": _positional_names(base.construct),
+                                                 "_hpms_base_name": base.__name__})
     _CONVERTING[base] = cls
     return cls
 
@@ -176,9 +229,10 @@ class CellChanges:
         if not getattr(type(cell), "_hpms_converting", False):
             self.swap_class(cell, converting_class(type(cell)))
         old_pre, old_post, old_error = len(hooks.pre_hooks), len(hooks.post_hooks), hooks.graph_error
-        old_reads = hooks.reads_bias
+        old_reads, old_inputs = hooks.reads_bias, hooks.inputs_read
         hooks.graph_error = graph_error or old_error
         for h in pre:
+            hooks.inputs_read = max(hooks.inputs_read, h.inputs_read)
             hooks.pre_hooks.append(h)
         for h in post:
             hooks.reads_bias = hooks.reads_bias or getattr(h, "reads_bias", False)
@@ -187,7 +241,7 @@ class CellChanges:
         def undo():
             del hooks.pre_hooks[old_pre:]
             del hooks.post_hooks[old_post:]
-            hooks.graph_error, hooks.reads_bias = old_error, old_reads
+            hooks.graph_error, hooks.reads_bias, hooks.inputs_read = old_error, old_reads, old_inputs
         self._undo.append(undo)
 
     def swap_class(self, cell: nn.Cell, cls: type) -> None:

@@ -180,6 +180,7 @@ class InputHook(_PositionalConversions):
         self.max_inputs = max_inputs
         self.min_ndim = min_ndim
         self.where = where
+        self.inputs_read = max(len(self.slots), 1 if min_ndim > 0 else 0)   # given by keyword: moved to args
 
     def pre(self, cell, args):
         if self.max_inputs >= 0 and len(args) > self.max_inputs:

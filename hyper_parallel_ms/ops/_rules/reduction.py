@@ -7,8 +7,9 @@ primitives (``ReduceSum``, ``ReduceMean``); and reductions with no Partial of th
 (``prod``, ``all`` / ``any``, ``argmax`` / ``argmin``, ``std`` / ``var``, ``logsumexp``), which
 gather a sharded reduced dim.
 
-Reducing over a sharded dim leaves a Partial: sum -> P(sum); mean -> P(avg) when the dim
-splits evenly (an uneven mean must see the whole dim, so that input is gathered first);
+Reducing over a sharded dim leaves a Partial: sum -> P(sum); mean -> P(sum) of each piece's sum
+over the global count (exact for uneven and nested pieces, empty ones included, and seeding a gradient with ones on every rank gives each element 1 / count,
+which a P(avg) of the pieces' means would not: it gave the group size times the gradient);
 max / min -> P(max) / P(min). An index is only meaningful over the whole dim, so the
 forms returning indices gather a sharded reduced dim first.
 Sharded dims that are kept stay sharded (their index shifts when ``keepdim`` is False).
@@ -21,7 +22,10 @@ Example::
 """
 from __future__ import annotations
 
+from math import prod
 from typing import List, Tuple
+
+from mindspore import mint
 
 from ...placement import Partial, Placement, Replicate, Shard
 from .._registry import register_sharding
@@ -73,7 +77,25 @@ GATHERING = ("ProdExt", "DeprecatedProd", "ReduceProd", "ReduceAll", "ReduceAny"
 @register_sharding(*SUMS, *MEANS)
 def reduction_rule(schema: OpSchema) -> OutputSharding:
     """The sharding of ``sum`` / ``mean`` over some dims (see the module docstring)."""
-    return _reduce(schema, "avg" if schema.op in MEANS else "sum", outputs=1)
+    decided = _reduce(schema, "sum", outputs=1)
+    if schema.op not in MEANS:
+        return decided
+    x = schema.args[0]
+    dims, _ = _reduced_dims(schema, x.ndim)
+    need = decided.inputs[0]
+    if not any(p.is_shard() and p.dim in dims for p in need.placements):
+        return decided
+    count = prod(x.shape[d] for d in dims)
+    _, keepdim = _reduced_dims(schema, x.ndim)
+    dtype = schema.kwarg("dtype")
+
+    def local_fn(coord):
+        def piece_sum_over_count(piece, *_args, **_kwargs):
+            # a sum, not this rank's mean: an empty piece contributes 0 (its mean would be NaN)
+            piece = piece if dtype is None else piece.astype(dtype)
+            return mint.sum(piece, dim=list(dims), keepdim=keepdim) / count
+        return piece_sum_over_count
+    return OutputSharding(decided.inputs, decided.outputs, local_fn=local_fn)
 
 
 @register_sharding(*MAXIMA, *MINIMA)
@@ -112,10 +134,9 @@ def _reduce(schema: OpSchema, partial_op, outputs: int) -> OutputSharding:
     linear = ("sum", "avg") if partial_op in ("sum", "avg") else (partial_op,)
     need: List[Placement] = []
     out: List[Placement] = []
-    for axis, p in enumerate(x.layout.placements):
-        n = x.layout.mesh_shape[axis]
+    for p in x.layout.placements:
         if p.is_shard() and p.dim in dims:
-            if partial_op is None or (partial_op == "avg" and x.shape[p.dim] % n):
+            if partial_op is None:
                 need.append(Replicate())
                 out.append(Replicate())
             else:
