@@ -1,4 +1,4 @@
-"""One smoke test per MindSpore contract the seam (hyper_parallel_ms/_mindspore.py) relies
+"""One smoke test per MindSpore contract the seam (hyper_parallel_ms/_mindspore/) relies
 on: after a MindSpore upgrade, the failing test names the contract that changed."""
 from __future__ import annotations
 
@@ -255,7 +255,8 @@ def test_contract_point_to_point_kernels_exist_and_mint_send_still_reads_the_asc
     """The kernels behind mint.distributed.send / recv (their exchange on 2 ranks:
     tests/test_comm_p2p.py); and the reason to call them directly: mint.distributed.send's
     own-rank check still reads hccl_world_group, which a CPU process does not have."""
-    isend, irecv = seam._p2p_kernels()
+    from hyper_parallel_ms._mindspore.p2p import _p2p_kernels
+    isend, irecv = _p2p_kernels()
     assert callable(isend) and callable(irecv)
     check = inspect.signature(mint.distributed.distributed.get_cache_group_rank).parameters["group"]
     assert check.default == "hccl_world_group"
