@@ -8,7 +8,7 @@ graphs), :mod:`.autodiff` (saved tensors, the PyNative tape, recompute), :mod:`.
 kernels). Everything is imported from here (``from .._mindspore import tensor_hook``).
 
 Each contract below is something MindSpore does today without promising it; a smoke test
-in ``tests/test_mindspore_seam.py`` names each one, so that a MindSpore upgrade that
+in ``tests/test_seam_*.py`` names each one, so that a MindSpore upgrade that
 breaks a contract fails one test here instead of many elsewhere.
 
 Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
