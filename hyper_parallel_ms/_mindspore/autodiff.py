@@ -1,0 +1,189 @@
+"""Autodiff beyond ``ms.value_and_grad``: saved-tensor hooks, a PyNative tape differentiated later
+(pipeline schedules), and recompute (activation checkpointing).
+
+Contracts: inside ``mindspore.saved_tensors_hooks(pack, unpack)`` (2.10) PyNative autodiff passes
+every tensor it keeps through ``pack`` (:func:`saved_tensors_hooks`); with the executor's grad flag
+on, op results carry autodiff nodes and ``run_backward`` differentiates several kept forwards in any
+order (:func:`taped_call`, :func:`tape_backward`); a failed gradient call leaves the executor
+recording until ``clear_res()`` (:func:`discard_grad_recording`); ``mindspore.recompute(...,
+use_reentrant=False, early_stop=False, context_fn=...)`` keeps nothing and runs the function again,
+whole, in the backward (:func:`recompute_eagerly`), and compiles to graph recompute inside ``ms.jit``
+(:func:`recompute_in_graph`).
+
+Example::
+
+    out = taped_call(stage_cell, x)
+    grads = tape_backward((out,), (ones_like_out,), [x] + params)
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+
+import mindspore
+from mindspore import Tensor
+
+from ._active import ACTIVE_RUNS
+
+__all__ = ["SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address", "taped", "taped_call",
+           "tape_backward", "discard_grad_recording", "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recomputing",
+           "recompute_in_graph"]
+
+
+SAVED_TENSOR_HOOKS = hasattr(mindspore, "saved_tensors_hooks") and hasattr(mindspore, "_no_grad")
+
+
+def saved_tensors_hooks(pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> Any:
+    """A context in which autodiff keeps ``pack(t)`` for each tensor ``t`` it saves for the
+    backward, and the backward reads ``unpack`` of it (PyNative).
+
+    Args:
+        pack: called with each saved tensor; returns what is kept.
+        unpack: called with what ``pack`` returned, in the backward; returns the tensor.
+
+    Example::
+
+        with saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(x)
+    """
+    if ACTIVE_RUNS:
+        return ACTIVE_RUNS[-1].saved_tensors_hooks(pack, unpack)
+    return mindspore.saved_tensors_hooks(pack, unpack)
+
+
+def no_grad() -> Any:
+    """A context in which PyNative ops are not recorded for autodiff."""
+    if ACTIVE_RUNS:
+        return ACTIVE_RUNS[-1].no_grad()
+    return mindspore._no_grad()          # pylint: disable=protected-access
+
+
+def tensor_address(t: Tensor) -> int:
+    """The address of ``t``'s storage (views of one buffer at its start share it).
+
+    >>> tensor_address(Tensor([1.0])) > 0
+    True
+    """
+    return t.data_ptr()
+
+
+# ------------------------------------------------------------ autograd tape
+@contextmanager
+def taped() -> Iterator[None]:
+    """Record the autodiff nodes of the PyNative ops run inside (the executor's grad flag),
+    restoring the flag after; :func:`tape_backward` differentiates what was recorded."""
+    from mindspore.common.api import _pynative_executor
+    before = _pynative_executor.grad_flag()
+    _pynative_executor.set_grad_flag(True)
+    try:
+        yield
+    finally:
+        _pynative_executor.set_grad_flag(before)
+
+
+def taped_call(top: Callable, *args: Any) -> Any:
+    """``top(*args)`` with its autodiff tape recorded as one top graph of the PyNative executor
+    (as ``ms.grad`` records it), for :func:`tape_backward` to differentiate later. Cells with a
+    custom ``bprop`` (the collectives' Cells, so tensor-parallel styles and fully_shard) need
+    that top graph: under a bare :func:`taped` they fail with "The pointer[top_cell_] is null".
+    Several such tapes may be kept and differentiated in any order.
+
+    Example::
+
+        out = taped_call(stage_cell, x)
+        grads = tape_backward((out,), (ones_like_out,), [x] + params)
+    """
+    if ACTIVE_RUNS:
+        return ACTIVE_RUNS[-1].taped_call(top, *args)
+    from mindspore.common.api import _pynative_executor
+    before = _pynative_executor.grad_flag()
+    _pynative_executor.set_grad_flag(True)
+    try:
+        _pynative_executor.new_graph(top, *args)
+        out = top(*args)
+        _pynative_executor.end_graph(top, out, *args)
+    finally:
+        _pynative_executor.set_grad_flag(before)
+    return out
+
+
+def tape_backward(outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Sequence[Tensor],
+                  keep_graph: bool = False) -> Tuple[Optional[Tensor], ...]:
+    """Gradients of ``inputs`` (``None`` where unreached) of ``sum(outputs * sens)`` from a
+    forward recorded under :func:`taped`; ``keep_graph=True`` allows another call on it."""
+    if ACTIVE_RUNS:
+        return ACTIVE_RUNS[-1].tape_backward(outputs, sens, inputs, keep_graph)
+    from mindspore._c_expression import run_backward
+    grads = run_backward(tuple(outputs), tuple(sens), keep_graph, False, tuple(inputs), True,
+                         accumulate_grad=False)
+    return tuple(grads)
+
+
+def discard_grad_recording() -> None:
+    """Drop what the PyNative executor recorded for a gradient call whose forward is failing (an
+    error about to leave it): otherwise the executor stays recording and later in-place updates of
+    Parameters fail. Nothing happens when no gradient call is recording.
+
+    Example::
+
+        try:
+            check(cell)
+        except Exception:
+            discard_grad_recording()
+            raise
+    """
+    from mindspore.common.api import _pynative_executor
+    if _pynative_executor.grad_flag():
+        _pynative_executor.clear_res()
+
+
+# ------------------------------------------------------------ recompute (activation checkpointing)
+_RECOMPUTE_ARGS = inspect.signature(mindspore.recompute).parameters
+# non-reentrant recompute with a whole second forward and a context_fn: MindSpore 2.9 and later
+RECOMPUTE_CONTEXT_FN: bool = all(k in _RECOMPUTE_ARGS for k in ("use_reentrant", "early_stop", "context_fn"))
+
+
+def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optional[Callable] = None) -> Any:
+    """``fn(*args, **kwargs)`` (PyNative) keeping none of the tensors it saves for the backward:
+    the backward runs ``fn`` again, whole (``early_stop=False``: Cell hooks after the last saved
+    tensor, such as fully_shard's reshard, run too). ``context_fn() -> (forward ctx, recompute ctx)``."""
+    if not RECOMPUTE_CONTEXT_FN and not ACTIVE_RUNS:
+        raise NotImplementedError(
+            f"activation checkpointing needs mindspore.recompute(use_reentrant=False, early_stop=..., context_fn=...) "
+            f"(MindSpore 2.9 and later); MindSpore {mindspore.__version__} lacks it: upgrade MindSpore")
+
+    def flagged(*inner_args, **inner_kwargs):     # the forward and its recompute in the backward alike
+        _RECOMPUTING.depth += 1
+        try:
+            return fn(*inner_args, **inner_kwargs)
+        finally:
+            _RECOMPUTING.depth -= 1
+    if ACTIVE_RUNS:
+        return ACTIVE_RUNS[-1].recompute(flagged, args, kwargs, context_fn)
+    return mindspore.recompute(flagged, *args, use_reentrant=False, early_stop=False, context_fn=context_fn, **kwargs)
+
+
+class _Recomputing(threading.local):
+    depth = 0
+
+
+_RECOMPUTING = _Recomputing()
+
+
+def recomputing() -> bool:
+    """Whether Python runs inside :func:`recompute_eagerly`'s function (its forward or its
+    recompute in the backward): MindSpore keeps none of the tensors saved there, so code that
+    would free them itself (fully_shard's reshard) has nothing to do.
+
+    >>> recomputing()
+    False
+    """
+    return _RECOMPUTING.depth > 0
+
+
+def recompute_in_graph(method: Callable, *args: Any) -> Any:
+    """Inside ms.jit / GRAPH_MODE: ``method(*args)`` (a Cell's bound method) marked for MindSpore's
+    graph recompute pass (its forward ops are computed again in the backward)."""
+    return mindspore.recompute(method, *args)
