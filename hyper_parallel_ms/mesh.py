@@ -340,9 +340,10 @@ class DeviceMesh:
         return f"DeviceMesh({self.device_type!r}, {self._ranks.tolist()}{names}{seen})"
 
 
-def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+def init_device_mesh(device_type: Optional[str] = None, mesh_shape: Optional[Sequence[int]] = None, *,
                      mesh_dim_names: Optional[Sequence[str]] = None, rank_list: Optional[Sequence[int]] = None,
-                     init_backend: bool = True, simulate: Optional[Tuple[int, int]] = None) -> DeviceMesh:
+                     init_backend: bool = True, simulate: Optional[Tuple[int, int]] = None,
+                     alias_name: Optional[Sequence[str]] = None) -> DeviceMesh:
     """A mesh of all ranks (or of ``rank_list``) laid out row-major in ``mesh_shape``.
 
     ``init_backend=False`` (HyperParallel) builds the mesh without communication groups,
@@ -353,7 +354,8 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     cluster's (``"npu"`` plans Ascend's collectives on a CPU machine).
 
     Args:
-        device_type: ``"cpu"`` or ``"npu"`` / ``"Ascend"``: the device of the ranks.
+        device_type: ``"cpu"`` or ``"npu"`` / ``"Ascend"``: the device of the ranks (``None``: MindSpore's
+            device target; a simulated cluster needs it named).
         mesh_shape: ranks per mesh dimension, e.g. ``(2, 4)``; its product is the world size (or
             ``len(rank_list)``).
         mesh_dim_names: one name per mesh dimension (``("dp", "tp")``), for ``mesh["tp"]`` and alias layouts.
@@ -361,6 +363,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         init_backend: ``False`` builds the mesh without communication groups (planning only).
         simulate: ``(world_size, rank)``: the mesh as seen by ``rank`` of a simulated cluster of
             ``world_size`` ranks (default: this process's place in the cluster).
+        alias_name: HyperParallel's earlier name of ``mesh_dim_names`` (give one of the two).
 
     Example:
         >>> init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")).mesh.tolist()
@@ -370,7 +373,19 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         >>> mesh = init_device_mesh("npu", (2, 4), mesh_dim_names=("dp", "tp"), simulate=(8, 6))
         >>> mesh.get_coordinate(), mesh["tp"].rank_list
         ((1, 2), (4, 5, 6, 7))
+        >>> init_device_mesh(mesh_shape=(1,), alias_name=("dp",))      # HyperParallel's earlier form
+        DeviceMesh('cpu', [0], mesh_dim_names=('dp',))
     """
+    if mesh_shape is None:
+        raise TypeError("init_device_mesh needs mesh_shape, e.g. init_device_mesh(\"cpu\", (2, 2))")
+    if alias_name is not None:
+        if mesh_dim_names is not None:
+            raise ValueError("give mesh_dim_names or alias_name (its earlier name), not both")
+        mesh_dim_names = alias_name
+    if device_type is None:
+        if simulate is not None:
+            raise ValueError("a simulated cluster needs its device_type named (\"npu\" or \"cpu\")")
+        device_type = {v: k for k, v in _cluster.DEVICE_TYPES.items() if k != "ascend"}[_cluster.device_target()]
     shape = tuple(mesh_shape) if not isinstance(mesh_shape, int) else (mesh_shape,)
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}")

@@ -157,3 +157,33 @@ def test_parallelize_value_and_grad_refused_inside_jit():
     np.testing.assert_allclose(out.asnumpy(), net(x).asnumpy(), rtol=1e-6)
     np.testing.assert_allclose(gw.asnumpy(), want_gw.asnumpy(), rtol=1e-6)
     np.testing.assert_allclose(gb.asnumpy(), want_gb.asnumpy(), rtol=1e-6)
+
+
+@multi_rank(2)
+def test_shard_module_gradients_step_mindspore_optimizers_directly():
+    """HyperParallel's flow without a data-parallel engine: the gradients of
+    parallelize_value_and_grad are DTensors laid out as the DTensor parameters, and an element-wise
+    MindSpore optimizer (which MindSpore 2.10 compiles) steps them directly; one whose update reads a
+    whole parameter's norm (Lamb) is refused, naming the argument."""
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    x = distribute_tensor(_x(0), mesh, [S0, S1])
+    for make in (lambda p: nn.SGD(p, 0.1), lambda p: nn.Momentum(p, 0.1, 0.9), lambda p: nn.Adam(p, 0.01),
+                 lambda p: nn.AdamWeightDecay(p, 0.01)):
+        ref = _reference(hp.no_init_parameters)
+        ms.set_seed(0)
+        model = MatmulReluSum()
+        shard_module(model, mesh, ShardingPlan(plan={"weight": (R, S0)}, input_plan={"input": (S0, S1)},
+                                               output_plan={"output": (R, R)}))
+        ref_opt, opt = make(ref.trainable_params()), make(model.trainable_params())
+        ref_step = ms.value_and_grad(ref, None, ref.trainable_params())
+        step_fn = hp.parallelize_value_and_grad(model, opt.parameters)
+        for step in range(3):
+            ref_opt(ref_step(_x(step))[1])
+            _, grads = step_fn(distribute_tensor(_x(step), mesh, [S0, S1]))
+            assert isinstance(grads[0], DTensor)
+            opt(grads)
+        np.testing.assert_allclose(model.weight.full_tensor().asnumpy(), ref.weight.asnumpy(), rtol=1e-5,
+                                   atol=1e-6, err_msg=type(opt).__name__)
+    lamb = nn.Lamb(model.trainable_params(), 0.01)
+    with pytest.raises(TypeError, match=r"argument 'gradients\[0\]' of the ms.jit function.*is a DTensor"):
+        lamb(step_fn(x)[1])

@@ -173,6 +173,13 @@ def test_distribute_module_partition_hooks_and_refusals():
     np.testing.assert_allclose(out.asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="already sharded by distribute_module"):
         distribute_module(net, mesh, _shard_fc1)
+    # PyTorch's deprecated two-argument input_fn / output_fn: accepted with a FutureWarning
+    ms.set_seed(1)
+    old_style = TwoLayer()
+    with pytest.warns(FutureWarning, match=r"input_fn with two arguments.*deprecated"):
+        distribute_module(old_style, mesh, _shard_fc1, lambda inputs, mesh_: _inputs_replicated(None, inputs, mesh_),
+                          lambda output, mesh_: output.full_tensor())
+    np.testing.assert_allclose(old_style(x).asnumpy(), out.asnumpy(), rtol=1e-6)
     # a partition_fn that fails half-way leaves the module as it was
     fresh = TwoLayer()
     before = {n: p for n, p in fresh.parameters_and_names()}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ._release import F, _graph_api
 from .swaps import Swap, swap_entry_points
@@ -176,7 +176,10 @@ def _compiled_arguments(fn: Callable, args: tuple, kwargs: dict) -> Iterator[Tup
             pending += [(f"{name}[{k!r}]", v) for k, v in value.items()]
 
 
-def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rejected: type) -> None:
+def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rejected: type,
+                         allowed: Sequence[Callable[[Callable, tuple], bool]] = ()) -> None:
+    if any(allow(fn, args) for allow in allowed):
+        return
     for name, value in _compiled_arguments(fn, args, kwargs):
         if isinstance(value, rejected):
             raise TypeError(
@@ -186,19 +189,23 @@ def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rej
 
 
 _GUARDED: list = []
+_ALLOWED: list = []
 
 
-def compile_argument_checks(rejected: Sequence[type]) -> List[Swap]:
+def compile_argument_checks(rejected: Sequence[type],
+                            allowed: Sequence[Callable[[Callable, tuple], bool]] = ()) -> List[Swap]:
     """Swaps of MindSpore's compile entry points (``ms.jit`` and GRAPH_MODE Cells) that raise
     a ``TypeError`` naming the argument when a compiled call gets an object of a type in
-    ``rejected`` (read at each compile, so it may grow), for :func:`swap_entry_points`."""
+    ``rejected`` (read at each compile, so it may grow), unless a predicate of ``allowed``
+    (``allow(fn, args)``, ``args`` starting with the bound object) accepts the call, for
+    :func:`swap_entry_points`."""
 
     def jit_compile(original: Callable) -> Callable:
         @functools.wraps(original)
         def compile(self, method_name, *args, **kwargs):
             given = args if self.obj is None else (self.obj,) + args
             _check_compiled_call("the ms.jit function", self.fn, given,
-                                 {k: v for k, v in kwargs.items() if k != "phase"}, tuple(rejected))
+                                 {k: v for k, v in kwargs.items() if k != "phase"}, tuple(rejected), allowed)
             return original(self, method_name, *args, **kwargs)
         return compile
 
@@ -207,18 +214,21 @@ def compile_argument_checks(rejected: Sequence[type]) -> List[Swap]:
         def compile(self, obj, *args, **kwargs):
             _check_compiled_call("the GRAPH_MODE Cell", type(obj).construct, (obj,) + args,
                                  {k: v for k, v in kwargs.items() if k not in ("phase", "do_convert", "jit_config_dict")},
-                                 tuple(rejected))
+                                 tuple(rejected), allowed)
             return original(self, obj, *args, **kwargs)
         return compile
 
     return [(_graph_api._JitExecutor, "compile", jit_compile), (_graph_api._CellGraphExecutor, "compile", cell_compile)]
 
 
-def reject_in_compiled_args(rejected: type) -> None:
+def reject_in_compiled_args(rejected: type, allow: Optional[Callable[[Callable, tuple], bool]] = None) -> None:
     """From now on, ``ms.jit`` functions and GRAPH_MODE Cells raise a ``TypeError`` naming
-    the argument when called with an object of type ``rejected``. Idempotent."""
+    the argument when called with an object of type ``rejected``, except calls that
+    ``allow(fn, args)`` accepts. Idempotent."""
     if rejected in _GUARDED:
         return
     _GUARDED.append(rejected)
+    if allow is not None:
+        _ALLOWED.append(allow)
     if len(_GUARDED) == 1:
-        swap_entry_points(compile_argument_checks(_GUARDED))
+        swap_entry_points(compile_argument_checks(_GUARDED, _ALLOWED))

@@ -292,14 +292,15 @@ def route_list_arguments(hooked: type) -> None:
     swap_entry_points(swaps)
 
 
-def guard_mindspore_for(hooked: type) -> None:
+def guard_mindspore_for(hooked: type, allow_compiled: Optional[Callable[[Callable, tuple], bool]] = None) -> None:
     """Everything MindSpore needs so that objects of ``hooked`` never compute silently on
-    their local data (:func:`reject_in_compiled_args`, :func:`route_list_arguments`) and
+    their local data (:func:`reject_in_compiled_args`, :func:`route_list_arguments`; a compiled
+    call that ``allow_compiled(fn, args)`` accepts computes on the local data by design) and
     that errors of their hook reach the caller on every release. Idempotent."""
     if hooked not in _ROUTED:
         if not _ROUTED:
             _keep_hook_errors_in_mindspore()
-        reject_in_compiled_args(hooked)
+        reject_in_compiled_args(hooked, allow_compiled)
         route_list_arguments(hooked)
 
 

@@ -35,6 +35,7 @@ from .. import _mindspore as _ms_seam
 from .. import comm
 from ..placement import Placement, Replicate
 from ..redistribute import gradient_layout, redistribution, replicate_partials
+from ._optimizer import elementwise_step_on_pieces
 from ._spec import DTensorSpec, to_layout
 
 __all__ = ["DTensor"]
@@ -81,7 +82,7 @@ class DTensor(Tensor):
         if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
             spec = local._dt_spec  # which needs storage of its own (a view would not be updated)
             local = _local_view(local).copy()
-        _ms_seam.guard_mindspore_for(DTensor)
+        _ms_seam.guard_mindspore_for(DTensor, elementwise_step_on_pieces)
         obj = _ms_seam.as_subclass(cls, local)
         obj._dt_spec = spec
         return obj

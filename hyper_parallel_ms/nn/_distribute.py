@@ -15,6 +15,8 @@ Example::
 from __future__ import annotations
 
 import difflib
+import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -60,6 +62,24 @@ def _module_entries(module: nn.Cell, *fns) -> List[Tuple[str, str]]:
     return entries + [("functions", repr([getattr(fn, "__qualname__", None) for fn in fns]))]
 
 
+def _takes_module(fn: Callable, what: str) -> bool:
+    """Whether ``fn`` is the three-argument form ``fn(module, values, mesh)``; the two-argument form
+    ``fn(values, mesh)`` (deprecated in PyTorch) is accepted with a ``FutureWarning``, as there."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    if sum(1 for p in params if p.kind in kinds) == 2:
+        warnings.warn(f"distribute_module: {what} with two arguments ({what}(values, device_mesh)) is deprecated, as "
+                      f"in PyTorch; take the module first: {what}(module, values, device_mesh)", FutureWarning,
+                      stacklevel=4)
+        return False
+    return True
+
+
 def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
                       partition_fn: Optional[Callable] = None, input_fn: Optional[Callable] = None,
                       output_fn: Optional[Callable] = None) -> nn.Cell:
@@ -75,8 +95,9 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
         device_mesh: the :class:`DeviceMesh` handed to the functions.
         partition_fn: ``partition_fn(name, cell, mesh)``, called for every sub-Cell (``None``:
             every parameter replicated).
-        input_fn: ``input_fn(module, inputs, mesh)`` -> new inputs, a forward pre-hook.
-        output_fn: ``output_fn(module, outputs, mesh)`` -> new outputs, a forward hook.
+        input_fn: ``input_fn(module, inputs, mesh)`` -> new inputs, a forward pre-hook
+            (``input_fn(inputs, mesh)`` also, with PyTorch's deprecation warning).
+        output_fn: ``output_fn(module, outputs, mesh)`` -> new outputs, a forward hook (likewise).
 
     Example::
 
@@ -98,11 +119,14 @@ def distribute_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None,
         for name, cell in named_cells(module).items():
             partition_fn(name, cell, device_mesh)
 
+    with_module = {what: _takes_module(fn, what) for what, fn in (("input_fn", input_fn), ("output_fn", output_fn))
+                   if fn is not None}
+
     def pre(cell, args):
-        return input_fn(cell, args, device_mesh)
+        return input_fn(cell, args, device_mesh) if with_module["input_fn"] else input_fn(args, device_mesh)
 
     def post(cell, args, output):
-        return output_fn(cell, output, device_mesh)
+        return output_fn(cell, output, device_mesh) if with_module["output_fn"] else output_fn(output, device_mesh)
     root = ModuleEdit("", module, custom_apply=partition if partition_fn is not None else None,
                       replicate_rest=device_mesh, forward_pre_hooks=[pre] if input_fn is not None else [],
                       forward_hooks=[post] if output_fn is not None else [])

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Dict, List, Optional, Tuple, Union
 
 from mindspore import nn
@@ -72,11 +73,13 @@ def _matches(root: nn.Cell, key: str) -> Dict[str, nn.Cell]:
     return {path: cell for path, cell in named_cells(root).items() if match_path(key, path)}
 
 
-def _no_match(root: nn.Cell, key: str, prefix: str) -> ValueError:
+def _warn_no_match(root: nn.Cell, key: str, prefix: str) -> None:
+    """A plan key naming no sub-Cell is skipped with a warning, as PyTorch does (it changes nothing)."""
     names = [p for p in named_cells(root) if p]
     near = difflib.get_close_matches(key, names, n=5, cutoff=0.5) or names[:8]
     where = f"under '{prefix}'" if prefix else "in the module"
-    return ValueError(f"parallelize_plan key '{key}' matches no sub-Cell {where}; near names: {near}")
+    warnings.warn(f"parallelize_plan key '{key}' matches no sub-Cell {where} and is skipped; near names: {near}",
+                  UserWarning, stacklevel=4)
 
 
 Target = Tuple[str, nn.Cell, ParallelStyle]
@@ -96,7 +99,7 @@ def _targets(root: nn.Cell, plan: Plan, prefix: str, out: List[Target]) -> None:
             raise TypeError(f"parallelize_plan['{key}'] must be a ParallelStyle or a dict, got {value!r}")
         found = _matches(root, key)
         if not found:
-            raise _no_match(root, key, prefix)
+            _warn_no_match(root, key, prefix)
         for path, cell in found.items():
             _targets(cell, value, ".".join(p for p in (prefix, path) if p), out)
 
@@ -170,7 +173,9 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     check_not_fully_sharded(module, "parallelize_module")
     check_dropouts_seeded(module, "parallelize_module")
     if parallelize_plan is None:
-        raise ValueError("parallelize_module needs a parallelize_plan: a ParallelStyle or a dict of them")
+        warnings.warn("parallelize_module got no parallelize_plan (a ParallelStyle or a dict of them): the module "
+                      "is returned unchanged", UserWarning, stacklevel=2)
+        return module
     if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)
                                       or not 0 <= src_data_rank < device_mesh.size()):
         raise ValueError(f"src_data_rank must be None or a rank index in [0, {device_mesh.size()}), "
