@@ -152,3 +152,32 @@ def test_gradient_of_an_averaged_partial():
     np.testing.assert_allclose(ms.grad(loss)(x).asnumpy(), w / 4)
     dt = DTensor.from_local(x, mesh, [Partial("avg")])
     np.testing.assert_allclose(dt.full_tensor().asnumpy(), np.full((2, 3), 1.5, np.float32))
+
+
+@multi_rank(4)
+def test_item_assignment_strides_and_scalar_updates_act_on_the_global_tensor():
+    """``dt[index] = value`` wrote each rank's own piece at the index (row 0 of every piece: global
+    rows 0, 2, 4, 6 on 4 ranks), silently; ``stride()`` gave the piece's strides; ``add_(1.0)`` /
+    ``x -= 1.0`` had no sharding rule. Each now acts on the global tensor as one device does."""
+    flat, square = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    a = np.arange(48, dtype=np.float32).reshape(8, 6)
+    for mesh, placements in ((flat, [Shard(0)]), (flat, [Shard(1)]), (flat, [Partial()]),
+                             (square, [Shard(0), Shard(1)]), (square, [Replicate(), Shard(0)])):
+        for index, value in ((0, 5.0), ((slice(None), 0), -1.0), (slice(2, 5), 7.0), ((3, 4), 2.5)):
+            x = distribute_tensor(ms.Tensor(a), mesh, placements)
+            x[index] = value
+            want = a.copy()
+            want[index] = value
+            np.testing.assert_array_equal(x.full_tensor().asnumpy(), want, err_msg=f"{placements} [{index}]")
+            assert x.placements == tuple(placements)
+        x = distribute_tensor(ms.Tensor(a), mesh, placements)
+        x[x > 20] = 0.0                                  # a DTensor mask
+        np.testing.assert_array_equal(x.full_tensor().asnumpy(), np.where(a > 20, 0, a))
+        assert x.stride() == [6, 1] and x.stride(0) == 6 and x.nelement() == 48
+    x = distribute_tensor(ms.Tensor(a), flat, [Shard(0)])
+    x.add_(1.0)
+    x -= 3.0
+    np.testing.assert_array_equal(x.full_tensor().asnumpy(), a - 2.0)
+    partial = distribute_tensor(ms.Tensor(a), flat, [Partial()])
+    with pytest.raises(NotImplementedError, match=r"InplaceAddsExt on a DTensor with placements.*reduce_partial"):
+        partial.add_(1.0)

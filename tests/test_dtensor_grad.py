@@ -149,3 +149,30 @@ def test_a_mean_over_sharded_dims_gives_one_device_values_and_gradients_seeded_d
             value = fn(x)
             np.testing.assert_allclose(value.full_tensor().asnumpy(), fn(Tensor(a)).asnumpy(), rtol=1e-5)
             _close(hp.grad(fn)(x), ms.grad(fn)(Tensor(a)).asnumpy(), f"{fn.__name__} {shape} {placements}")
+
+
+def _cross_entropy(logits, target):
+    return ops.cross_entropy(logits, target)
+
+
+def _cross_entropy_loss_cell(logits, target):
+    return nn.CrossEntropyLoss()(logits, target)
+
+
+@multi_rank(2)
+def test_mindspore_losses_on_dtensor_logits_equal_one_device():
+    """MindSpore's losses check their arguments with ``ops.typeof``, which had no sharding rule:
+    ``ops.cross_entropy`` / ``nn.CrossEntropyLoss`` on DTensor logits raised, even replicated ones.
+    Replicated and batch-sharded logits now give one device's loss and gradient."""
+    mesh = init_device_mesh("cpu", (2,))
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((6, 5)).astype(np.float32)
+    target = Tensor(rng.integers(0, 5, (6,)).astype(np.int32))
+    for fn in (_cross_entropy, _cross_entropy_loss_cell):
+        want = fn(Tensor(logits), target).asnumpy()
+        want_grad = ms.grad(fn)(Tensor(logits), target).asnumpy()
+        for placement in (Replicate(), Shard(0)):
+            x = distribute_tensor(Tensor(logits), mesh, [placement])
+            t = distribute_tensor(target, mesh, [placement])
+            np.testing.assert_allclose(fn(x, t).full_tensor().asnumpy(), want, rtol=1e-5, err_msg=str(placement))
+            _close(hp.grad(fn)(x, t), want_grad, f"{fn.__name__} {placement}")

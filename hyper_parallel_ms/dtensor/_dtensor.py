@@ -105,6 +105,27 @@ class DTensor(Tensor):
         from ..ops._rules.indexing import GetItem, index_key
         return _dispatch(GetItem, (self, index_key(index, len(self._dt_spec.shape))), {})
 
+    def __setitem__(self, index, value) -> None:
+        """``self[index] = value`` on the global tensor (PyTorch's meaning; a piece's own indexing
+        would write the wrong rows): the whole tensor is gathered, updated and cut again into this
+        rank's piece (a Partial keeps PyTorch's partition of it). Every rank must call it.
+
+        Example::
+
+            dt[0] = 5.0          # global row 0, wherever it lives
+        """
+        spec = self._dt_spec
+
+        def whole(x):
+            return x.full_tensor() if isinstance(x, DTensor) else x
+        index = tuple(whole(i) for i in index) if isinstance(index, tuple) else whole(index)
+        value = whole(value)
+        full = self.full_tensor().copy()
+        full[index] = value
+        piece = spec.piece_of(full)
+        with _ms_seam.no_hook():
+            self.copy_(piece)
+
     __radd__ = _reflected("add")
     __rsub__ = _reflected("sub")
     __rmul__ = _reflected("mul")
@@ -161,6 +182,22 @@ class DTensor(Tensor):
     def numel(self) -> int:
         """Elements of the global tensor."""
         return prod(self._dt_spec.shape)
+
+    nelement = numel
+
+    def stride(self, dim: Optional[int] = None):
+        """The strides of the global tensor, contiguous (PyTorch's ``DTensor.stride()``), as a list like
+        MindSpore's ``Tensor.stride``; ``dim``: one of them.
+
+        Example::
+
+            dt.stride()        # [6, 1] for a (4, 6) DTensor, whatever its placements
+        """
+        shape, strides, step = self._dt_spec.shape, [], 1
+        for size in reversed(shape):
+            strides.insert(0, step)
+            step *= max(size, 1)
+        return strides if dim is None else strides[dim]
 
     @property
     def local_shape(self) -> Tuple[int, ...]:

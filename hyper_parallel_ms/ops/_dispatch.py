@@ -140,6 +140,11 @@ class _Decision:
     alike: bool = False                        # every rank's local shapes are the same: no agreement needed
 
 
+# Ops asking for an object's MindSpore type (``ops.typeof``, which MindSpore's losses call to check
+# their arguments): no values are read, the result is not a tensor.
+_TYPE_QUERIES = ("typeof",)
+
+
 def dispatch(func, args: tuple, kwargs: dict):
     """Run ``func`` on DTensor arguments with sharding propagation (see the module docstring).
 
@@ -153,6 +158,9 @@ def dispatch(func, args: tuple, kwargs: dict):
         y = dispatch(ops.matmul, (x_dt, w_dt), {})       # what ``ops.matmul(x_dt, w_dt)`` runs
     """
     name = getattr(func, "name", None) or getattr(func, "__name__", repr(func))
+    if name in _TYPE_QUERIES:      # what kind of object it is, not its values: the piece answers for it
+        with no_hook():
+            return func(*args, **kwargs)
     ignored = propagator.ignored_args(name)
     inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args), ignored)
     mesh, signature, template = None, [], None

@@ -179,6 +179,23 @@ def _masked_gather(schema: OpSchema, table: TensorArg, ids: TensorArg, row_axis:
 
 
 _ADDING = ("InplaceAddExt", "InplaceAdd", "InplaceSubExt", "InplaceSub")
+# in-place ops of a tensor and scalars: ``x.add_(1.0)``, ``x += 1.0``, ``x.sub_(1.0)``, ``x.fill_(3)``,
+# ``x.zero_()``, ``x.clamp_(0, 5)``: element-wise on the pieces; on a Partial only zero_ is exact
+_SCALAR_INPLACE = ("InplaceAddsExt", "InplaceSubScalar", "InplaceFillScalar", "InplaceZero", "InplaceClampScalar")
+
+
+@register_sharding(*_SCALAR_INPLACE)
+def scalar_inplace_rule(schema: OpSchema) -> OutputSharding:
+    """An in-place op of a DTensor and scalars: each rank updates its piece; a Partial target is
+    refused (adding, filling or clamping every piece is not the op on the sum), except ``zero_``."""
+    target = schema.args[0]
+    if schema.op != "InplaceZero" and any(p.is_partial() for p in target.layout.placements):
+        raise NotImplementedError(
+            f"{schema.op} on a DTensor with placements {target.layout.placements}: applied to every Partial piece "
+            "it would not be the op on their sum. Reduce it first (x = x.reduce_partial(), or redistribute to "
+            "Replicate) and then update it in place")
+    inputs = (target.layout,) + tuple(None if not isinstance(a, TensorArg) else a.layout for a in schema.args[1:])
+    return OutputSharding(inputs, ((target.layout, target.shape),), inplace=True)
 
 
 @register_sharding("InplaceAddExt", "InplaceAdd", "InplaceSubExt", "InplaceSub", "InplaceMul", "InplaceMuls",
