@@ -160,3 +160,43 @@ def test_prefetch_gathers_ahead_with_the_same_collectives_and_results_2_ranks():
 
 
 _ACTIVE_LOG: list = []
+
+
+class _WithEncode(Net):
+    def encode(self, x):
+        return self.inp(x) * 2.0
+
+
+@multi_rank(2)
+def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperparallel():
+    """FSDP2's ignored_params (left whole, gradients not reduced), shard_placement_fn (dim 0 only),
+    offload_policy (CPUOffloadPolicy on CPU ranks: host memory already), register_fsdp_forward_method
+    (a method other than construct computes on the pieces without it); HyperParallel's
+    hsdp(use_eager_hook=...) and its wait functions."""
+    from hyper_parallel_ms.fsdp import (CPUOffloadPolicy, OffloadPolicy, hsdp, hsdp_sync_stream,
+                                        hsdp_wait_grad_handle, register_fsdp_forward_method)
+    from hyper_parallel_ms.placement import Shard
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32))
+    ms.set_seed(0)
+    whole = _WithEncode()
+    ms.set_seed(0)
+    model = _WithEncode()
+    fully_shard(model, mesh=mesh, ignored_params={model.head.weight}, shard_placement_fn=lambda p: Shard(0),
+                offload_policy=CPUOffloadPolicy())
+    assert not is_piece(model.head.weight) and model.head.weight.shape == (3, 8) and is_piece(model.inp.weight)
+    np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
+    assert model.encode(x).shape == (4, 4)                     # unregistered: the pieces' 4 of 8 rows
+    register_fsdp_forward_method(model, "encode")
+    np.testing.assert_allclose(model.encode(x).asnumpy(), whole.encode(x).asnumpy(), rtol=1e-6)
+    assert model.inp.weight.shape == (4, 8)                    # the pieces are back
+    with pytest.raises(TypeError, match="a list of Cells.*wrap a single Cell in a list"):
+        model.set_modules_to_forward_prefetch(model)
+    ms.set_seed(0)
+    other = Net()
+    with pytest.raises(NotImplementedError, match="shard_placement_fn gives Shard\\(dim=1\\).*dim 0 only"):
+        fully_shard(other, mesh=mesh, shard_placement_fn=lambda p: Shard(1), offload_policy=OffloadPolicy())
+    assert not any(is_piece(p) for p in other.trainable_params())
+    hsdp(other, threshold=0, use_eager_hook=True)
+    np.testing.assert_allclose(other(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
+    assert hsdp_wait_grad_handle() is None and hsdp_sync_stream() is None

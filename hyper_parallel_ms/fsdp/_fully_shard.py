@@ -16,7 +16,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindspore import Parameter, nn
 
+from .._cluster import device_target
 from .._mindspore import cell_subclass
+from ..placement import Shard
 from ..nn._adapter import named_cells, own_parameters
 from ..nn._consistency import agreed
 from ..nn._edit import ModuleEdit, apply_edits
@@ -27,12 +29,12 @@ from ._group import FSDPParamGroup
 from ._mesh import default_mesh, dp_mesh_dims, post_forward_mesh
 from ._param import FSDPParam, is_piece
 from ._pieces import TAKEN_BY, chunks_of
-from ._policy import MixedPrecisionPolicy
+from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reshard import RegatherOnBackward
 from ._state import FSDPState, eager_hooks
 from ._sync import SyncState
 
-__all__ = ["fully_shard", "FSDPModule", "shard_cell", "fsdp_state"]
+__all__ = ["fully_shard", "FSDPModule", "shard_cell", "fsdp_state", "register_fsdp_forward_method"]
 
 _STATE = "_hpms_fsdp_state"
 _CLASSES: Dict[Tuple[type, type], type] = {}
@@ -112,7 +114,8 @@ class FSDPModule:
         Args:
             modules: Cells sharded by fully_shard / hsdp, each running after this one in every forward.
         """
-        self.__dict__[_STATE].forward_prefetch = [_unit_state(m, "set_modules_to_forward_prefetch") for m in modules]
+        self.__dict__[_STATE].forward_prefetch = [_unit_state(m, "set_modules_to_forward_prefetch")
+                                                  for m in _cell_list(modules, "set_modules_to_forward_prefetch")]
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """In the backward, when this Cell gathers its freed parameters again, gather ``modules``'
@@ -122,7 +125,8 @@ class FSDPModule:
         Args:
             modules: Cells sharded by fully_shard / hsdp whose backward runs after this one's.
         """
-        states = [_unit_state(m, "set_modules_to_backward_prefetch") for m in modules]
+        states = [_unit_state(m, "set_modules_to_backward_prefetch")
+                  for m in _cell_list(modules, "set_modules_to_backward_prefetch")]
         saving = self.__dict__[_STATE].saving
         if saving is not None:
             saving.ahead = [s.saving for s in states if s.saving is not None]
@@ -131,6 +135,46 @@ class FSDPModule:
         """Drop gradients accumulated by backward passes without sync."""
         for state in self._fsdp_states(recurse):
             state.clear_pending()
+
+
+def _cell_list(modules: Any, what: str) -> list:
+    if isinstance(modules, nn.Cell) or not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{what} takes a list of Cells sharded by fully_shard / hsdp, got {type(modules).__name__} "
+                        "(wrap a single Cell in a list)")
+    return list(modules)
+
+
+def register_fsdp_forward_method(module: nn.Cell, method_name: str) -> None:
+    """Make calls of ``module.<method_name>`` gather and free the unit's parameters as its forward does
+    (FSDP2's ``register_fsdp_forward_method``: a ``generate`` or ``encode`` method called instead of the
+    Cell itself). Without it such a call computes on the pieces (a shape error, or a wrong result where
+    a piece happens to broadcast). PyNative.
+
+    Args:
+        module: a Cell sharded by ``fully_shard`` / ``hsdp``.
+        method_name: the name of one of its methods.
+
+    Example::
+
+        register_fsdp_forward_method(model, "encode")
+        model.encode(x)                 # the full parameters, as in model(x)
+    """
+    state = _unit_state(module, "register_fsdp_forward_method")
+    method = getattr(type(module), method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    pre, post = eager_hooks(state)
+
+    def forward_method(*args, **kwargs):
+        cast = pre(module, args)
+        args = args if cast is None else cast
+        output = None
+        try:
+            output = method(module, *args, **kwargs)
+        finally:
+            changed = post(module, args, output)
+        return output if changed is None else changed
+    object.__setattr__(module, method_name, forward_method)
 
 
 def _unit_state(module: Any, what: str) -> FSDPState:
@@ -183,15 +227,16 @@ def _extended_class(cls: type, mixin: type, prefix: str) -> type:
     return _CLASSES[key]
 
 
-def _own_slots(cell: nn.Cell) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
+def _own_slots(cell: nn.Cell, ignored: frozenset = frozenset()) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
     """Parameters under ``cell`` not yet taken by a unit, each with every (cell, attr) holding it
     (a parameter shared by several of them is one record: one piece, gathered once). A parameter
     an earlier unit took (its piece replaced it there) but still held here is refused. Parameters
-    with ``requires_grad=False`` are left alone (see :func:`fully_shard`)."""
+    with ``requires_grad=False`` and those whose ``id`` is in ``ignored`` are left alone (see
+    :func:`fully_shard`)."""
     found: Dict[int, Tuple[Parameter, List[Tuple[nn.Cell, str]]]] = {}
     for path, sub in named_cells(cell).items():
         for attr, p in own_parameters(sub).items():
-            if is_piece(p) or not p.requires_grad:
+            if is_piece(p) or not p.requires_grad or id(p) in ignored:
                 continue
             taken = getattr(p, TAKEN_BY, None)
             if taken is not None:
@@ -246,10 +291,12 @@ def _buckets(params: List[FSDPParam], bucket_bytes: Optional[int]) -> List[List[
 
 
 def _plan(cell: nn.Cell, mesh, state: FSDPState, *, threshold_bytes: int, bucket_bytes: Optional[int], reduce: str,
-          dtensor_mesh: Optional[Callable[[Parameter], Any]], call: str) -> FSDPState:
+          dtensor_mesh: Optional[Callable[[Parameter], Any]], call: str, ignored: frozenset,
+          shard_placement_fn: Optional[Callable]) -> FSDPState:
     """``state`` with its records and groups: the pieces made, no Cell changed, nothing sent."""
     kinds: Dict[Tuple[bool, Any, Any], List[FSDPParam]] = {}
-    for p, holders in _own_slots(cell):
+    for p, holders in _own_slots(cell, ignored):
+        _check_placement(shard_placement_fn, p, call)
         local, placed = local_parameter(p, call)
         unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
         sharded = _shardable(local, unit_mesh, threshold_bytes)
@@ -262,6 +309,18 @@ def _plan(cell: nn.Cell, mesh, state: FSDPState, *, threshold_bytes: int, bucket
             state.groups.append(FSDPParamGroup(bucket, not key[0], key[1], state.sync, state.policy.param_dtype,
                                                reduce, state))
     return state
+
+
+def _check_placement(shard_placement_fn: Optional[Callable], p: Parameter, call: str) -> None:
+    """FSDP2's ``shard_placement_fn(param) -> Shard | None``: this engine cuts dim 0 (``None`` or
+    ``Shard(0)``); another dim is refused, naming the parameter."""
+    if shard_placement_fn is None:
+        return
+    placement = shard_placement_fn(p)
+    if placement is None or (isinstance(placement, Shard) and placement.dim == 0):
+        return
+    raise NotImplementedError(f"{call}: shard_placement_fn gives {placement!r} for {p.name!r}, but fully_shard cuts "
+                              "dim 0 only (Shard(0), or None for the default); transpose the parameter or return None")
 
 
 def _described(state: FSDPState) -> List[Tuple[str, str]]:
@@ -310,7 +369,8 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                mp_policy: Optional[MixedPrecisionPolicy] = None, threshold_bytes: int = 0,
                bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0,
                reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP", engine: str = "fully_shard",
-               dtensor_mesh: Optional[Callable[[Parameter], Any]] = None):
+               dtensor_mesh: Optional[Callable[[Parameter], Any]] = None, ignored_params: Optional[Any] = None,
+               shard_placement_fn: Optional[Callable] = None):
     """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``
     (a ``Parameter(DTensor)``: its local piece, over ``dtensor_mesh(param)`` if given, see :mod:`._dparams`).
     The plan is made without changing anything, agreed by every rank of ``mesh`` (a rank whose plan
@@ -330,11 +390,13 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
                      grad_scale=grad_scale)
     call = f"{prefix.lower()}({type(cell).__name__})"          # names this call in local_parameter's errors
+    ignored = _ignored_ids(ignored_params, call)
 
     def prepare() -> FSDPState:
         state = FSDPState(cell, mesh, sync, policy, reshard_after_forward)
         state = _plan(cell, mesh, state, threshold_bytes=threshold_bytes, bucket_bytes=bucket_bytes,
-                      reduce=reduce, dtensor_mesh=dtensor_mesh, call=call)
+                      reduce=reduce, dtensor_mesh=dtensor_mesh, call=call, ignored=ignored,
+                      shard_placement_fn=shard_placement_fn)
         _check_reshard(reshard_after_forward, state.groups, type(cell).__name__)
         return state
     state = agreed(prepare, _described, mesh, call)
@@ -343,8 +405,30 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     return cell
 
 
+def _ignored_ids(ignored_params: Optional[Any], call: str) -> frozenset:
+    if ignored_params is None:
+        return frozenset()
+    params = list(ignored_params)
+    if not all(isinstance(p, Parameter) for p in params):
+        raise TypeError(f"{call}: ignored_params must be a set of Parameters, got {ignored_params!r}")
+    return frozenset(id(p) for p in params)
+
+
+def _check_offload(offload_policy: Optional[OffloadPolicy]) -> None:
+    if offload_policy is None:
+        return
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    if isinstance(offload_policy, CPUOffloadPolicy) and device_target() != "CPU":
+        raise NotImplementedError(
+            f"CPUOffloadPolicy on {device_target()}: offloading pieces, gradients and optimizer state to the host "
+            "is not built; use OffloadPolicy() (keep them on the device)")
+
+
 def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True,
-                mp_policy: Optional[MixedPrecisionPolicy] = None) -> nn.Cell:
+                shard_placement_fn: Optional[Callable[[Parameter], Optional[Shard]]] = None,
+                mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
+                ignored_params: Optional[Any] = None) -> nn.Cell:
     """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0
     over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
     :class:`FSDPModule`. Apply bottom-up: each block, then the root. A parameter shared by
@@ -360,12 +444,21 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
             forward ends and all-gathered again in the backward; an int ``k`` dividing the shard dim's
             size: ``1/k`` of them is kept and the backward all-gathers over ``k`` ranks; ``False``: kept
             until the backward, one all-gather per step. Compiled graphs keep them (:mod:`._compiled`).
+        shard_placement_fn: FSDP2's ``param -> Shard | None``: ``None`` or ``Shard(0)`` (dim 0 is the only
+            dim this engine cuts; another is refused).
         mp_policy: a :class:`MixedPrecisionPolicy`: the dtype parameters are gathered in, gradients
             reduced in, outputs cast to (default: none, the pieces' dtype).
+        offload_policy: :class:`OffloadPolicy` (default) or :class:`CPUOffloadPolicy` (CPU ranks: the
+            memory is host memory already; refused on Ascend).
+        ignored_params: Parameters this unit leaves alone (not sharded, gradients not reduced), as FSDP2.
+            Parameters with ``requires_grad=False`` are always left whole and in place (MindSpore's
+            module state such as BatchNorm statistics lives in them; see the README).
 
     Example::
 
         fully_shard(model.layers[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
     """
-    return shard_cell(module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    _check_offload(offload_policy)
+    return shard_cell(module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                      ignored_params=ignored_params, shard_placement_fn=shard_placement_fn)

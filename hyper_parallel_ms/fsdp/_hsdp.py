@@ -39,7 +39,7 @@ from ._fully_shard import FSDPModule, fsdp_state, shard_cell
 from ._mesh import FSDP_X_TP, complement_ranks
 from ._param import is_piece
 
-__all__ = ["hsdp", "HSDPCell"]
+__all__ = ["hsdp", "HSDPCell", "hsdp_wait_grad_handle", "hsdp_sync_stream"]
 
 _LEVELS = {"level1": "all_reduce", "level2": "reduce_scatter", "level3": "reduce_scatter"}
 _DTYPES = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
@@ -149,7 +149,7 @@ def _warn_replicated(cell: nn.Cell, name: str, threshold: int) -> None:
 def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1",
          enable_grad_accumulation: bool = False, grad_scale: float = 1.0, reduce_dtype: Any = None,
          comm_async: bool = False, comm_fusion: bool = False, bucket_size: int = -1, *,
-         mesh: Optional[DeviceMesh] = None) -> nn.Cell:
+         use_eager_hook: Optional[bool] = None, mesh: Optional[DeviceMesh] = None) -> nn.Cell:
     """Shard ``cell``'s own parameters over data parallelism (HyperParallel's signature, plus
     ``mesh``); returns ``cell``, now an :class:`HSDPCell`. ``threshold`` and ``bucket_size`` are in
     KB. ``comm_async`` is accepted; the collectives run synchronously.
@@ -167,6 +167,9 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
         comm_async: accepted and recorded; the collectives run synchronously.
         comm_fusion: one collective per Cell (or per bucket) instead of one per parameter.
         bucket_size: with ``comm_fusion``, the bucket size in KB (-1: one bucket per Cell).
+        use_eager_hook: HyperParallel's choice of PyNative hooks or graph hooks; accepted (a bool or
+            ``None``): this engine uses its PyNative hooks in PyNative and gathers in the graph when
+            compiled, whatever it says.
         mesh: the 1-D data-parallel :class:`DeviceMesh` to shard over (not in HyperParallel), e.g.
             ``mesh["dp"]`` of a ("pp", "dp", "tp") mesh for a pipeline stage; default: every rank
             (or, after parallel styles, the ranks outside this rank's tp group).
@@ -183,6 +186,8 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
         raise ValueError(f"threshold must be a non-negative integer (KB), but got {threshold!r}")
     if optimizer_level not in _LEVELS:
         raise ValueError(f"optimizer_level must be one of {sorted(_LEVELS)}, but got {optimizer_level!r}")
+    if use_eager_hook is not None and not isinstance(use_eager_hook, bool):
+        raise ValueError(f"use_eager_hook must be bool or None but got {use_eager_hook!r}")
     for name, flag in (("enable_grad_accumulation", enable_grad_accumulation), ("comm_async", comm_async),
                        ("comm_fusion", comm_fusion)):
         if not isinstance(flag, bool):
@@ -206,3 +211,28 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
     object.__setattr__(cell, "_hpms_hsdp_accumulation", enable_grad_accumulation)
     _warn_replicated(cell, name, threshold)
     return cell
+
+
+def hsdp_wait_grad_handle() -> None:
+    """HyperParallel's wait for the gradient reductions an ``hsdp(comm_async=True)`` backward left in
+    flight. This engine's reductions are synchronous (``comm_async`` is recorded only): each has
+    finished when the backward returns, so there is nothing to wait for and this returns at once.
+
+    Example::
+
+        loss, grads = grad_fn(x)
+        hsdp_wait_grad_handle()       # HyperParallel scripts call it before the optimizer step
+    """
+    return None
+
+
+def hsdp_sync_stream() -> None:
+    """HyperParallel's synchronisation of its communication stream with the compute stream. This
+    engine issues every collective on the stream that computes (synchronously), so the two are
+    never apart and this returns at once.
+
+    Example::
+
+        hsdp_sync_stream()
+    """
+    return None

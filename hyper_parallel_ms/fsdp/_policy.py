@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["MixedPrecisionPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
 
 
 @dataclass(frozen=True)
@@ -38,3 +38,30 @@ class MixedPrecisionPolicy:
     reduce_dtype: Optional[Any] = None
     output_dtype: Optional[Any] = None
     cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """FSDP2's ``OffloadPolicy``: no offloading (the default of ``fully_shard``).
+
+    Example::
+
+        fully_shard(model, offload_policy=OffloadPolicy())
+    """
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """FSDP2's ``CPUOffloadPolicy``: pieces, gradients and optimizer state in host memory. On MindSpore's
+    CPU backend they are there already, so it is accepted; on Ascend ``fully_shard`` refuses it
+    (offloading to the host is not built).
+
+    Args:
+        pin_memory: accepted as in FSDP2 (no effect on the CPU backend).
+
+    Example::
+
+        fully_shard(model, offload_policy=CPUOffloadPolicy())     # CPU ranks
+    """
+
+    pin_memory: bool = True
