@@ -71,14 +71,24 @@ def test_parameter_and_optimizers_update_the_local_piece():
 @multi_rank(4)
 def test_factories():
     mesh = _mesh()
-    for placements in ([Shard(0), Shard(1)], [Replicate(), Partial()], [Partial(), Shard(0)], ("tp", "None")):
+    # PyTorch's factories: every piece is filled, so a Partial mesh dim sums them (2 ranks each here)
+    for placements, pieces in (([Shard(0), Shard(1)], 1), ([Replicate(), Partial()], 2), ([Partial(), Shard(0)], 2),
+                               (("tp", "None"), 1)):
         for dt, want in [(zeros((5, 3), device_mesh=mesh, placements=placements), 0.0),
-                         (ones((5, 3), device_mesh=mesh, placements=placements), 1.0),
+                         (ones(5, 3, device_mesh=mesh, placements=placements), 1.0),
                          (full((5, 3), 2.5, device_mesh=mesh, placements=placements), 2.5),
+                         (ones((5, 3), device_mesh=mesh, placements=placements, dtype=ms.int32), 1),
                          (empty((5, 3), device_mesh=mesh, placements=placements), None)]:
-            assert dt.shape == (5, 3)
+            assert dt.shape == (5, 3) and not dt.requires_grad
             if want is not None:
-                np.testing.assert_allclose(dt.full_tensor().asnumpy(), np.full((5, 3), want, np.float32))
+                got = dt.full_tensor()
+                assert got.dtype == (ms.int32 if isinstance(want, int) else ms.float32)
+                np.testing.assert_allclose(got.asnumpy(), np.full((5, 3), want * pieces))
+    with mesh:                                          # the current mesh, Replicate by default
+        dt = zeros(4, 2, requires_grad=True)
+        assert dt.requires_grad and dt.placements == (Replicate(), Replicate()) and dt.device_mesh is mesh
+        assert distribute_tensor(ms.Tensor(np.ones((4, 2), np.float32))).placements == (Replicate(), Replicate())
+        assert DTensor.from_local(ms.Tensor(np.ones((4, 2), np.float32))).shape == (4, 2)
     for factory, single in ((rand, ms.ops.rand), (randn, ms.ops.randn)):
         ms.set_seed(11)
         dt = factory((6, 4), device_mesh=mesh, placements=[Shard(1), Shard(0)])
@@ -181,3 +191,27 @@ def test_item_assignment_strides_and_scalar_updates_act_on_the_global_tensor():
     partial = distribute_tensor(ms.Tensor(a), flat, [Partial()])
     with pytest.raises(NotImplementedError, match=r"InplaceAddsExt on a DTensor with placements.*reduce_partial"):
         partial.add_(1.0)
+
+
+@multi_rank(2)
+def test_pytorch_keywords_of_from_local_and_redistribute_run_check_dtypes_and_pickle():
+    import pickle
+    mesh = init_device_mesh("cpu", (2,))
+    rank = mesh.get_rank()
+    piece = ms.Tensor(np.full((3 - rank, 4), rank, np.float32))            # 5 rows: 3, 2
+    dt = DTensor.from_local(piece, mesh, [Shard(0)], shape=(5, 4), stride=(4, 1))
+    assert dt.shape == (5, 4) and dt.stride() == [4, 1]
+    with pytest.raises(ValueError, match="not the contiguous stride"):
+        DTensor.from_local(piece, mesh, [Shard(0)], shape=(5, 4), stride=(1, 5))
+    with pytest.raises(ValueError, match="rank at mesh coordinate .* holds a Float64 local tensor|"
+                                         "holds a Float32 local tensor"):
+        DTensor.from_local(piece.astype(ms.float64 if rank == 0 else ms.float32), mesh, [Shard(0)], shape=(5, 4),
+                           run_check=True)
+    half = dt.redistribute(mesh, [Replicate()], async_op=True, forward_dtype=ms.float16)
+    assert half.dtype == ms.float16 and half.placements == (Replicate(),)
+    np.testing.assert_array_equal(half.to_local().asnumpy(), dt.full_tensor().asnumpy().astype(np.float16))
+    with pytest.raises(NotImplementedError, match="backward_dtype"):
+        dt.redistribute(mesh, [Replicate()], backward_dtype=ms.float16)
+    again = pickle.loads(pickle.dumps(dt))
+    assert again.placements == dt.placements and again.shape == dt.shape
+    np.testing.assert_array_equal(again.full_tensor().asnumpy(), dt.full_tensor().asnumpy())

@@ -134,13 +134,16 @@ class DTensor(Tensor):
 
     # ------------------------------------------------------------- creation
     @staticmethod
-    def from_local(local: Tensor, device_mesh, placements: Sequence, *, shape: Optional[Sequence[int]] = None,
-                   run_check: bool = False) -> "DTensor":
+    def from_local(local: Tensor, device_mesh=None, placements: Optional[Sequence] = None, *,
+                   run_check: bool = False, shape: Optional[Sequence[int]] = None,
+                   stride: Optional[Sequence[int]] = None) -> "DTensor":
         """Wrap this rank's ``local`` piece. Without ``shape``, every sharded dim is assumed
-        even (global = local x shards, as in PyTorch); give ``shape`` for uneven pieces.
-        ``run_check`` all-gathers the local shapes and checks them against the layout, and
-        checks that the pieces of every Replicate mesh dim are equal (PyTorch broadcasts
-        them instead); every rank raises the same error.
+        even (global = local x shards, as in PyTorch); give ``shape`` for uneven pieces
+        (``stride``, PyTorch's companion of ``shape``, must be the contiguous strides of ``shape``).
+        ``run_check`` all-gathers the local shapes and dtypes and checks them against the layout,
+        and checks that the pieces of every Replicate mesh dim are equal (PyTorch broadcasts
+        them instead); every rank raises the same error. ``device_mesh`` defaults to the current
+        mesh (``with mesh:``), ``placements`` to Replicate.
 
         Example::
 
@@ -148,6 +151,20 @@ class DTensor(Tensor):
         """
         if not isinstance(local, Tensor) or isinstance(local, DTensor):
             raise TypeError(f"from_local needs a plain mindspore Tensor, got {type(local).__name__}")
+        if device_mesh is None or placements is None:
+            from ..mesh import current_mesh
+            device_mesh = device_mesh if device_mesh is not None else current_mesh()
+            if device_mesh is None:
+                raise ValueError("from_local got no device_mesh and no mesh is current: pass device_mesh=, or call "
+                                 "it inside `with mesh:`")
+            placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
+        if stride is not None:
+            if shape is None:
+                raise ValueError("from_local: stride needs shape (the global shape it describes)")
+            if list(stride) != _contiguous_strides(tuple(shape)):
+                raise ValueError(f"from_local: stride {tuple(stride)} is not the contiguous stride "
+                                 f"{tuple(_contiguous_strides(tuple(shape)))} of shape {tuple(shape)}; DTensors here "
+                                 "are contiguous")
         coord = device_mesh.get_coordinate()
         if coord is None:
             raise ValueError(f"rank {device_mesh.get_rank()} is not in {device_mesh!r}")
@@ -165,7 +182,7 @@ class DTensor(Tensor):
                                  f"placements {layout}: rank at mesh coordinate {coord} should hold {expected}")
         spec = DTensorSpec(device_mesh, layout, shape)
         if run_check:
-            _check_local_shapes(spec, local_shape)
+            _check_local_shapes(spec, local_shape, local.dtype)
             _check_replicas_equal(spec, local)
         return DTensor(local, spec)
 
@@ -193,11 +210,24 @@ class DTensor(Tensor):
 
             dt.stride()        # [6, 1] for a (4, 6) DTensor, whatever its placements
         """
-        shape, strides, step = self._dt_spec.shape, [], 1
-        for size in reversed(shape):
-            strides.insert(0, step)
-            step *= max(size, 1)
+        strides = _contiguous_strides(self._dt_spec.shape)
         return strides if dim is None else strides[dim]
+
+    @property
+    def requires_grad(self) -> bool:
+        """PyTorch's flag, recorded (``requires_grad_()``, the factories' ``requires_grad=``): MindSpore's
+        autodiff is functional (``ms.grad`` differentiates what it is asked to), so it changes nothing else."""
+        return self.__dict__.get("_hpms_requires_grad", False)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+        """Set :attr:`requires_grad`; returns this DTensor (PyTorch's in-place form)."""
+        self.__dict__["_hpms_requires_grad"] = bool(requires_grad)
+        return self
+
+    def __reduce__(self):
+        """Pickled as its local piece (a numpy array) and its spec: loaded in a process of the same
+        job (the mesh's groups exist there), it is the same DTensor."""
+        return (_unpickled, (_local_view(self).asnumpy(), str(self.dtype), self._dt_spec))
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -236,13 +266,22 @@ class DTensor(Tensor):
         cell = redistribution(spec.mesh, spec.layout, spec.layout, spec.shape, grad_src=grad_layout)
         return _local_view(cell(_local_view(self)))
 
-    def redistribute(self, device_mesh=None, placements: Optional[Sequence] = None) -> "DTensor":
-        """The same global tensor with new placements, moved with the fewest bytes.
+    def redistribute(self, device_mesh=None, placements: Optional[Sequence] = None, *, async_op: bool = False,
+                     forward_dtype=None, backward_dtype=None) -> "DTensor":
+        """The same global tensor with new placements, moved with the fewest bytes. PyTorch's
+        keywords: ``async_op`` is accepted (collectives here complete before the call returns);
+        ``forward_dtype`` casts before moving (the result has that dtype); ``backward_dtype``
+        is refused unless it is the tensor's dtype (a gradient moved in another dtype is not built).
 
         Example::
 
             dt.redistribute(mesh, [Replicate(), Shard(1)])
         """
+        if backward_dtype is not None and backward_dtype != self.dtype:
+            raise NotImplementedError(f"redistribute(backward_dtype={backward_dtype}) on a {self.dtype} DTensor: "
+                                      "moving the gradient in another dtype is not built; cast the DTensor instead")
+        if forward_dtype is not None and forward_dtype != self.dtype:
+            return self.to(forward_dtype).redistribute(device_mesh, placements)
         spec = self._dt_spec
         if placements is None:
             raise ValueError("redistribute needs placements")
@@ -289,17 +328,44 @@ class DTensor(Tensor):
     __str__ = __repr__
 
 
-def _check_local_shapes(spec: DTensorSpec, local_shape: Tuple[int, ...]) -> None:
-    """Gather every rank's (local shape, global shape) over the whole mesh; every rank then
+def _contiguous_strides(shape: Tuple[int, ...]) -> list:
+    """The strides of a contiguous tensor of ``shape`` (a list, as MindSpore's ``Tensor.stride``)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return strides
+
+
+def _unpickled(array: np.ndarray, dtype: str, spec: DTensorSpec) -> "DTensor":
+    return DTensor(Tensor(array, dtype=getattr(ms, dtype.lower(), None)), spec)
+
+
+_DTYPE_NAMES = ("Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "Float16",
+                "Float32", "Float64", "BFloat16", "Complex64", "Complex128")
+
+
+def _dtype_code(dtype) -> int:
+    name = str(dtype)
+    return _DTYPE_NAMES.index(name) if name in _DTYPE_NAMES else len(_DTYPE_NAMES)
+
+
+def _check_local_shapes(spec: DTensorSpec, local_shape: Tuple[int, ...], dtype) -> None:
+    """Gather every rank's (local shape, global shape, dtype) over the whole mesh; every rank then
     checks all of them, so that all ranks raise the same error."""
     mesh, ndim = spec.mesh, len(local_shape)
-    info = np.array(local_shape + spec.shape, np.float32).reshape((1,) * mesh.ndim + (2 * ndim,))
-    table = Tensor(info)
+    info = np.array(local_shape + spec.shape + (_dtype_code(dtype),), np.float32)
+    table = Tensor(info.reshape((1,) * mesh.ndim + (2 * ndim + 1,)))
     for a in range(mesh.ndim):
         table = comm.all_gather(table, mesh, a, dim=a)
     table = table.asnumpy().astype(np.int64)
     for coord in spec.layout.coordinates():
-        got_local, got_global = tuple(table[coord][:ndim]), tuple(table[coord][ndim:])
+        code = int(table[coord][2 * ndim])
+        if code != _dtype_code(dtype):
+            other = _DTYPE_NAMES[code] if code < len(_DTYPE_NAMES) else "another dtype"
+            raise ValueError(f"run_check: the rank at mesh coordinate {coord} holds a {other} local tensor, the "
+                             f"rank at {mesh.get_coordinate()} a {dtype} one: every piece needs one dtype")
+        got_local, got_global = tuple(table[coord][:ndim]), tuple(table[coord][ndim:2 * ndim])
         if got_global != spec.shape:
             raise ValueError(f"run_check: the rank at mesh coordinate {coord} sees global shape {got_global}, "
                              f"the rank at {mesh.get_coordinate()} sees {spec.shape}")

@@ -37,7 +37,7 @@ def _size(size: Size) -> Tuple[int, ...]:
     return shape
 
 
-def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
+def distribute_tensor(tensor: Tensor, device_mesh=None, placements: Optional[Sequence] = None, *,
                       src_data_rank: Optional[int] = 0) -> DTensor:
     """Distribute a full tensor: each rank keeps its piece of group rank ``src_data_rank``'s data.
     A deferred Parameter is distributed with :func:`~hyper_parallel_ms._deferred.initial_value`
@@ -45,9 +45,9 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
 
     Args:
         tensor: the whole tensor (a plain MindSpore Tensor, the same shape on every rank).
-        device_mesh: the :class:`DeviceMesh` it is laid out on.
+        device_mesh: the :class:`DeviceMesh` it is laid out on (default: the current mesh, ``with mesh:``).
         placements: one ``Shard`` / ``Replicate`` / ``Partial`` per mesh dim, or alias entries per tensor
-            dim (``("dp", "None")``).
+            dim (``("dp", "None")``); default: Replicate on every mesh dim.
         src_data_rank: the group rank (on every mesh dim) whose values every rank takes; ``None``: each
             rank cuts its own ``tensor`` (no communication).
 
@@ -59,6 +59,7 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
         raise TypeError("distribute_tensor needs a plain Tensor; use DTensor.redistribute for a DTensor")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor needs a mindspore Tensor, got {type(tensor).__name__}")
+    device_mesh, placements = _mesh_and_placements(device_mesh, placements, "distribute_tensor")
     if isinstance(tensor, Parameter) and tensor.has_init:      # deferred: its eager (or first-use) value
         tensor = Tensor(initial_value(tensor), dtype=tensor.dtype)
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape)
@@ -71,95 +72,133 @@ def distribute_tensor(tensor: Tensor, device_mesh, placements: Sequence, *,
     return DTensor(spec.piece_of(tensor), spec)
 
 
-def full(size: Size, fill_value, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor whose global tensor is filled with ``fill_value`` (Partial(sum): rank pieces
-    hold fill_value / n so that the sum is right).
+def _mesh_and_placements(device_mesh, placements, what: str):
+    """PyTorch's defaults: the current mesh (``with mesh:``) and ``Replicate()`` on every mesh dim."""
+    from ..mesh import current_mesh
+    from ..placement import Replicate
+    mesh = device_mesh if device_mesh is not None else current_mesh()
+    if mesh is None:
+        raise ValueError(f"{what} got no device_mesh and no mesh is current: pass device_mesh=, or call it inside "
+                         "`with mesh:`")
+    return mesh, (placements if placements is not None else [Replicate()] * mesh.ndim)
+
+
+def _shape_of(size: tuple, what: str) -> Tuple[int, ...]:
+    """``zeros(8, 4)`` and ``zeros((8, 4))`` alike (PyTorch's ``*size``)."""
+    if len(size) == 1 and not isinstance(size[0], int):
+        return _size(size[0])
+    if not size:
+        raise TypeError(f"{what} needs a size")
+    return _size(size)
+
+
+def _made(local, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    out = DTensor(local, spec)
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def full(size: Size, fill_value, *, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
+         placements: Optional[Sequence] = None) -> DTensor:
+    """A DTensor whose local pieces are filled with ``fill_value`` (PyTorch's ``full``: on a Partial
+    mesh dim every piece holds it, so the global tensor is their sum).
 
     Args:
         size: the global shape (an int or a sequence of ints).
-        fill_value: the value of every element of the global tensor.
-        device_mesh: the :class:`DeviceMesh`.
-        placements: one placement per mesh dim (or alias entries per tensor dim).
+        fill_value: the value of every element of each piece.
         dtype: the MindSpore dtype (default ``float32``).
+        layout: accepted as PyTorch's ``layout`` (strided, the only kind here).
+        requires_grad: recorded on the result (``dt.requires_grad``), as PyTorch.
+        device_mesh: the :class:`DeviceMesh` (default: the current mesh, ``with mesh:``).
+        placements: one placement per mesh dim, or alias entries per tensor dim (default: Replicate).
 
     Example::
 
         dt = full((8, 4), 2.0, device_mesh=mesh, placements=[Shard(0)])
     """
-    spec = DTensorSpec.build(device_mesh, placements, _size(size))
-    value = ops.full(spec.layout.local_shape(spec.shape, device_mesh.get_coordinate()), fill_value, dtype=dtype)
-    for a, p in enumerate(spec.placements):
-        if p.is_partial("sum") and device_mesh.shape[a] > 1:
-            value = value / device_mesh.shape[a]
-    return DTensor(value, spec)
+    shape = _size(size)
+    device_mesh, placements = _mesh_and_placements(device_mesh, placements, "full")
+    spec = DTensorSpec.build(device_mesh, placements, shape)
+    local = ops.full(spec.layout.local_shape(spec.shape, device_mesh.get_coordinate()), fill_value,
+                     dtype=ms.float32 if dtype is None else dtype)
+    return _made(local, spec, requires_grad)
 
 
-def zeros(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor of zeros.
+def zeros(*size, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
+          placements: Optional[Sequence] = None) -> DTensor:
+    """A DTensor of zeros (``zeros(8, 4, ...)`` or ``zeros((8, 4), ...)``).
 
     Args:
-        size, device_mesh, placements, dtype: as in :func:`full`.
+        size, dtype, layout, requires_grad, device_mesh, placements: as in :func:`full`.
 
     Example::
 
-        dt = zeros((8, 4), device_mesh=mesh, placements=[Shard(0)])
+        dt = zeros(8, 4, device_mesh=mesh, placements=[Shard(0)])
     """
-    return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
+    return full(_shape_of(size, "zeros"), 0, dtype=dtype, requires_grad=requires_grad, device_mesh=device_mesh,
+                placements=placements)
 
 
-def ones(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
-    """A DTensor of ones.
+def ones(*size, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
+         placements: Optional[Sequence] = None) -> DTensor:
+    """A DTensor of ones (each piece: on a Partial mesh dim the global tensor is their sum).
 
     Args:
-        size, device_mesh, placements, dtype: as in :func:`full`.
+        size, dtype, layout, requires_grad, device_mesh, placements: as in :func:`full`.
 
     Example::
 
         dt = ones((8, 4), device_mesh=mesh, placements=[Replicate()])
     """
-    return full(size, 1, device_mesh=device_mesh, placements=placements, dtype=dtype)
+    return full(_shape_of(size, "ones"), 1, dtype=dtype, requires_grad=requires_grad, device_mesh=device_mesh,
+                placements=placements)
 
 
-def empty(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+def empty(*size, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
+          placements: Optional[Sequence] = None) -> DTensor:
     """A DTensor with unspecified values (zeros here: MindSpore has no uninitialised CPU kernel).
 
     Args:
-        size, device_mesh, placements, dtype: as in :func:`full`.
+        size, dtype, layout, requires_grad, device_mesh, placements: as in :func:`full`.
 
     Example::
 
         dt = empty((8, 4), device_mesh=mesh, placements=[Shard(0)])
     """
-    return full(size, 0, device_mesh=device_mesh, placements=placements, dtype=dtype)
+    return full(_shape_of(size, "empty"), 0, dtype=dtype, requires_grad=requires_grad, device_mesh=device_mesh,
+                placements=placements)
 
 
-def _random(draw, size: Size, device_mesh, placements: Sequence, dtype) -> DTensor:
-    spec = DTensorSpec.build(device_mesh, placements, _size(size))
-    return DTensor(spec.piece_of(draw(spec.shape, dtype=dtype)), spec)
+def _random(draw, size: tuple, what: str, dtype, requires_grad: bool, device_mesh, placements) -> DTensor:
+    shape = _shape_of(size, what)
+    device_mesh, placements = _mesh_and_placements(device_mesh, placements, what)
+    spec = DTensorSpec.build(device_mesh, placements, shape)
+    return _made(spec.piece_of(draw(spec.shape, dtype=ms.float32 if dtype is None else dtype)), spec, requires_grad)
 
 
-def rand(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+def rand(*size, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
+         placements: Optional[Sequence] = None) -> DTensor:
     """Uniform [0, 1) values; equal to the single-device ``ops.rand`` with the same seed.
 
     Args:
-        size, device_mesh, placements, dtype: as in :func:`full`.
+        size, dtype, layout, requires_grad, device_mesh, placements: as in :func:`full`.
 
     Example::
 
         ms.set_seed(0)
         dt = rand((8, 4), device_mesh=mesh, placements=[Shard(0)])   # == ops.rand((8, 4)) after the same seed
     """
-    return _random(ops.rand, size, device_mesh, placements, dtype)
+    return _random(ops.rand, size, "rand", dtype, requires_grad, device_mesh, placements)
 
 
-def randn(size: Size, *, device_mesh, placements: Sequence, dtype=ms.float32) -> DTensor:
+def randn(*size, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
+          placements: Optional[Sequence] = None) -> DTensor:
     """Standard normal values; equal to the single-device ``ops.randn`` with the same seed.
 
     Args:
-        size, device_mesh, placements, dtype: as in :func:`full`.
+        size, dtype, layout, requires_grad, device_mesh, placements: as in :func:`full`.
 
     Example::
 
         dt = randn((8, 4), device_mesh=mesh, placements=[Replicate()])
     """
-    return _random(ops.randn, size, device_mesh, placements, dtype)
+    return _random(ops.randn, size, "randn", dtype, requires_grad, device_mesh, placements)
