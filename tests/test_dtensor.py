@@ -168,7 +168,8 @@ def test_gradient_of_an_averaged_partial():
 def test_item_assignment_strides_and_scalar_updates_act_on_the_global_tensor():
     """``dt[index] = value`` wrote each rank's own piece at the index (row 0 of every piece: global
     rows 0, 2, 4, 6 on 4 ranks), silently; ``stride()`` gave the piece's strides; ``add_(1.0)`` /
-    ``x -= 1.0`` had no sharding rule. Each now acts on the global tensor as one device does."""
+    ``x -= 1.0`` had no sharding rule; ``flatten()`` / ``narrow`` / ``std()`` (MindSpore ops written in
+    Python) read the global shape against the piece and failed. Each now acts as one device does."""
     flat, square = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
     a = np.arange(48, dtype=np.float32).reshape(8, 6)
     for mesh, placements in ((flat, [Shard(0)]), (flat, [Shard(1)]), (flat, [Partial()]),
@@ -184,6 +185,11 @@ def test_item_assignment_strides_and_scalar_updates_act_on_the_global_tensor():
         x[x > 20] = 0.0                                  # a DTensor mask
         np.testing.assert_array_equal(x.full_tensor().asnumpy(), np.where(a > 20, 0, a))
         assert x.stride() == [6, 1] and x.stride(0) == 6 and x.nelement() == 48
+        assert x.size() == (8, 6) and x.size(1) == 6 and x.size == 48
+        # MindSpore ops written in Python read .shape / .size of the piece they compute on
+        y = distribute_tensor(ms.Tensor(a), mesh, placements)
+        for f in (lambda t: t.flatten(), lambda t: t.narrow(1, 1, 3), lambda t: t.std()):
+            np.testing.assert_allclose(f(y).full_tensor().asnumpy(), f(ms.Tensor(a)).asnumpy(), rtol=1e-6)
     x = distribute_tensor(ms.Tensor(a), flat, [Shard(0)])
     x.add_(1.0)
     x -= 3.0

@@ -130,8 +130,9 @@ from .compiling import (cached_in_python, cell_per_call_site, cell_subclass, com
                         run_in_python, running_eagerly)
 from .deferred import (deferred_creation_hooked, deferred_parameter, draw_numpy_seed, fill_deferred, initial_array,
                        initializer_draws, pending_init)
-from .hooks import (OP_INTERCEPTION, OpInterception, adopt, as_subclass, guard_mindspore_for, keep_hook_errors,
-                    keeps_hook_errors, no_hook, original_hook_errors, plain_view, route_list_arguments, tensor_hook)
+from .hooks import (OP_INTERCEPTION, OpInterception, adopt, as_subclass, guard_mindspore_for, hooks_off,
+                    keep_hook_errors, keeps_hook_errors, no_hook, original_hook_errors, plain_view,
+                    route_list_arguments, tensor_hook)
 from .p2p import p2p_recv, p2p_send
 from .swaps import Swap, entry_points_swapped, swap_entry_points
 
@@ -139,7 +140,8 @@ from mindspore.ops.auto_generate import func_dropout_ext_op as seeded_dropout  #
 
 __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
            "OVERLOAD_OPS_CALLABLE",
-           "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "as_subclass",
+           "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "hooks_off",
+           "as_subclass",
            "plain_view", "adopt", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site", "is_compiling", "running_eagerly",
            "compiling_graph_code",
            "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",

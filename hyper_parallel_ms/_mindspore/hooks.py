@@ -33,7 +33,7 @@ from ._release import (ADOPTED_REACH_HOOK, HOOK_ERRORS_REACH_CALLER, LIST_ARGS_R
 from .compiling import reject_in_compiled_args
 from .swaps import swap_entry_points
 
-__all__ = ["tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook",
+__all__ = ["tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "hooks_off",
            "as_subclass", "plain_view", "adopt", "route_list_arguments", "guard_mindspore_for", "OP_INTERCEPTION",
            "OpInterception"]
 
@@ -185,12 +185,44 @@ def keeps_hook_errors(cls: type) -> type:
     return cls
 
 
+class _Unhooked(threading.local):
+    depth = 0
+
+
+_UNHOOKED = _Unhooked()
+
+
+@contextmanager
+def _unhooked() -> Iterator[None]:
+    _UNHOOKED.depth += 1
+    try:
+        with NoFallbackGuard():
+            yield
+    finally:
+        _UNHOOKED.depth -= 1
+
+
 def no_hook() -> Any:
-    """A context in which ops on subclass objects run as on plain tensors (no hook); in a
-    shape-only run (:func:`abstract_run`), ops on shape-only data stay shape-only there."""
+    """A context in which ops on subclass objects run as on plain tensors (no hook; :func:`hooks_off`
+    says so inside); in a shape-only run (:func:`abstract_run`), ops on shape-only data stay
+    shape-only there."""
     if ACTIVE_RUNS:
         return ACTIVE_RUNS[-1].unhooking()
-    return NoFallbackGuard()
+    return _unhooked()
+
+
+def hooks_off() -> bool:
+    """Whether Python runs inside :func:`no_hook` (an op computing on subclass objects as on their
+    local data: a subclass answering metadata queries, such as a DTensor's global ``shape``, should
+    answer for its local data there).
+
+    >>> hooks_off()
+    False
+    >>> with no_hook():
+    ...     hooks_off()
+    True
+    """
+    return _UNHOOKED.depth > 0
 
 
 # ------------------------------------------------------------- subclass views

@@ -189,16 +189,26 @@ class DTensor(Tensor):
     # ----------------------------------------------------------- properties
     @property
     def shape(self) -> Tuple[int, ...]:
-        """The global shape."""
+        """The global shape (the local one while an op computes on the piece, inside ``no_hook``:
+        MindSpore ops written in Python read it to size their results)."""
+        if _ms_seam.hooks_off():
+            return tuple(Tensor.shape.fget(self))
         return self._dt_spec.shape
 
-    def size(self, dim: Optional[int] = None):
-        """The global shape, or its size along ``dim`` (PyTorch's ``Tensor.size``)."""
-        return self._dt_spec.shape if dim is None else self._dt_spec.shape[dim]
+    @property
+    def size(self) -> "_Size":
+        """PyTorch's ``size()`` / ``size(dim)`` (the global shape) and MindSpore's ``size`` (the number
+        of elements) at once: an int that can be called.
+
+        Example::
+
+            dt.size(), dt.size(0), dt.size + 0       # (8, 4), 8, 32
+        """
+        return _Size(self.shape)
 
     def numel(self) -> int:
         """Elements of the global tensor."""
-        return prod(self._dt_spec.shape)
+        return prod(self.shape)
 
     nelement = numel
 
@@ -210,18 +220,28 @@ class DTensor(Tensor):
 
             dt.stride()        # [6, 1] for a (4, 6) DTensor, whatever its placements
         """
-        strides = _contiguous_strides(self._dt_spec.shape)
+        strides = _contiguous_strides(self.shape)
         return strides if dim is None else strides[dim]
 
     @property
     def requires_grad(self) -> bool:
         """PyTorch's flag, recorded (``requires_grad_()``, the factories' ``requires_grad=``): MindSpore's
-        autodiff is functional (``ms.grad`` differentiates what it is asked to), so it changes nothing else."""
+        autodiff is functional (``ms.grad`` differentiates what it is asked to), so it changes nothing else.
+        A ``Parameter(DTensor)`` answers with the Parameter's own flag."""
+        if isinstance(self, ms.Parameter):
+            return ms.Parameter.requires_grad.fget(self)
         return self.__dict__.get("_hpms_requires_grad", False)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if isinstance(self, ms.Parameter):
+            ms.Parameter.requires_grad.fset(self, value)
+        else:
+            self.__dict__["_hpms_requires_grad"] = bool(value)
 
     def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
         """Set :attr:`requires_grad`; returns this DTensor (PyTorch's in-place form)."""
-        self.__dict__["_hpms_requires_grad"] = bool(requires_grad)
+        self.requires_grad = requires_grad
         return self
 
     def __reduce__(self):
@@ -326,6 +346,23 @@ class DTensor(Tensor):
                 f"dtype={self.dtype}, mesh={spec.mesh.shape})")
 
     __str__ = __repr__
+
+
+class _Size(int):
+    """The number of elements, callable as PyTorch's ``size()``: ``()`` gives the shape, ``(dim)`` one size.
+
+    >>> s = _Size((8, 4))
+    >>> int(s), s(), s(-1)
+    (32, (8, 4), 4)
+    """
+
+    def __new__(cls, shape: Tuple[int, ...]) -> "_Size":
+        obj = super().__new__(cls, prod(shape))
+        obj.dims = tuple(shape)
+        return obj
+
+    def __call__(self, dim: Optional[int] = None):
+        return self.dims if dim is None else self.dims[dim]
 
 
 def _contiguous_strides(shape: Tuple[int, ...]) -> list:
