@@ -322,3 +322,25 @@ def test_max_stack_split_slicing_and_norms_on_1d_mesh():
     check_op(mesh, _index_mixed, [_rand(3, 4, 6)], [[S0]], [S0])
     check_op(mesh, _rms, [_rand(4, 3, 6), _rand(6, seed=1)], [[S1], [R]], [S1])
     check_op(mesh, _layer_norm_mint, [_rand(4, 3, 6), _rand(6, seed=1), _rand(6, seed=2)], [[S2], [R], [R]], [R])
+
+
+def _addcmul(a, b, c):
+    return ops.addcmul(a, b, c, value=0.5)
+
+
+def _view_as_6x4(a):
+    return a.view_as(ms.Tensor(np.zeros((6, 4), np.float32)))
+
+
+@multi_rank(2)
+def test_view_as_addcmul_isclose_new_zeros():
+    """Ops a PyTorch port reaches that had no rule: each against one device (value and gradients)."""
+    mesh = init_device_mesh("cpu", (2,))
+    a, b, c = _rand(4, 6), _rand(4, 6, seed=1), _rand(4, 6, seed=2)
+    check_op(mesh, _addcmul, [a, b, c], [[S0], [S0], [R]], [S0])
+    check_op(mesh, _view_as_6x4, [a], [[S0]], [S0])
+    x, y = distribute_tensor(ms.Tensor(a), mesh, [S0]), distribute_tensor(ms.Tensor(a + 1e-9), mesh, [S1])
+    np.testing.assert_array_equal(ops.isclose(x, y).full_tensor().asnumpy(), np.isclose(a, a + 1e-9))
+    zeros = x.new_zeros((3, 2))
+    assert zeros.placements == (R,) and zeros.shape == (3, 2) and not zeros.full_tensor().asnumpy().any()
+    np.testing.assert_array_equal(x.new_ones((2,)).full_tensor().asnumpy(), [1.0, 1.0])

@@ -38,7 +38,7 @@ MULTIPLICATIVE = ("Mul", "Div", "RealDiv")
 OTHER_BINARY = ("Maximum", "Minimum", "Pow", "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
                 "Atan2", "LogicalAnd", "LogicalOr", "LogicalXor", "SquaredDifference", "FloorDiv",
                 "BitwiseAndTensor", "BitwiseOrTensor", "BitwiseXorTensor", "RemainderTensorTensor", "FmodTensor",
-                "Lerp", "ClampTensor", "Select", "MaskedFill", "MaskedFillScalar")
+                "Lerp", "ClampTensor", "Select", "MaskedFill", "MaskedFillScalar", "IsClose", "Addcmul", "Addcdiv")
 # Monotonic non-decreasing and defined everywhere: max_i f(x_i) = f(max_i x_i), so a Partial(max)
 # or Partial(min) operand stays Partial (Muls / Divs only by a non-negative / positive scalar).
 MONOTONE = ("ReLU", "Exp", "Sigmoid", "Tanh", "Erf", "Floor", "Ceil", "Round", "Trunc", "Sign", "ClampScalar",
@@ -134,3 +134,15 @@ def bias_add_rule(schema: OpSchema) -> OutputSharding:
         return pointwise_rule(schema)
     rep = replicate_all(x.layout)
     return OutputSharding(tuple(rep if isinstance(a, TensorArg) else None for a in schema.args), ((rep, x.shape),))
+
+
+@register_sharding("NewZeros", "NewOnes")
+def new_tensor_rule(schema: OpSchema) -> OutputSharding:
+    """``x.new_zeros(size)`` / ``x.new_ones(size)``: a replicated tensor of the global ``size`` (only
+    ``x``'s dtype is read, so it is not moved)."""
+    x = schema.args[0]
+    size = schema.args[1] if len(schema.args) > 1 else schema.kwarg("size")
+    shape = (int(size),) if isinstance(size, int) else tuple(int(s) for s in size)
+    inputs = (x.layout,) + (None,) * (len(schema.args) - 1)
+    return OutputSharding(inputs, ((layout_like(x.layout, [Replicate()] * len(x.layout.mesh_shape),
+                                                ndim=len(shape)), shape),))

@@ -306,6 +306,23 @@ def unstack_rule(schema: OpSchema) -> OutputSharding:
     return OutputSharding(one.inputs, one.outputs * x.shape[axis])
 
 
+@register_sharding("ViewAs")
+def view_as_rule(schema: OpSchema) -> OutputSharding:
+    """``x.view_as(other)``: sharded like ``x.reshape(other.shape)``; only ``other``'s global shape
+    is read (it is not moved), and each rank views its piece as its piece of the result."""
+    x, other = schema.args[0], schema.args[1]
+    as_reshape = reshape_rule(OpSchema("Reshape", (x, tuple(other.shape)), (), ()))
+    out, out_shape = as_reshape.outputs[0]
+
+    def local_fn(coord):
+        local = tuple(out.local_shape(out_shape, coord))
+
+        def view_as(piece, _other):
+            return piece.reshape(local)
+        return view_as
+    return OutputSharding((as_reshape.inputs[0], other.layout), ((out, out_shape),), local_fn=local_fn)
+
+
 @register_sharding("Flatten", "FlattenExt")
 def flatten_rule(schema: OpSchema) -> OutputSharding:
     """``ops.flatten`` (legacy ``Flatten``: all dims after the first) and ``mint.flatten`` /
