@@ -200,3 +200,25 @@ def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperpar
     hsdp(other, threshold=0, use_eager_hook=True)
     np.testing.assert_allclose(other(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
     assert hsdp_wait_grad_handle() is None and hsdp_sync_stream() is None
+
+
+@multi_rank(2)
+def test_reshard_after_forward_none_keeps_the_root_gathered_and_reshards_the_blocks():
+    """FSDP2's newer default: None is True for every unit but the root (found at the first
+    forward), which keeps its parameters for the backward; values equal one device."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ms.set_seed(0)
+    whole = Net()
+    ms.set_seed(0)
+    model = Net()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None)
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32))
+    np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
+    assert fsdp_state(model).reshard_after_forward is False
+    assert all(fsdp_state(layer).reshard_after_forward is True for layer in model.layers)
+    step = ms.value_and_grad(lambda t: (model(t) ** 2).mean(), None, model.trainable_params())
+    with CommDebugMode() as debug:
+        step(x)
+    assert debug.get_comm_counts()["all_gather"] == 3 + 2          # 3 units forward, the 2 blocks again

@@ -425,7 +425,7 @@ def _check_offload(offload_policy: Optional[OffloadPolicy]) -> None:
             "is not built; use OffloadPolicy() (keep them on the device)")
 
 
-def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True,
+def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Optional[Any] = True,
                 shard_placement_fn: Optional[Callable[[Parameter], Optional[Shard]]] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[Any] = None) -> nn.Cell:
@@ -443,7 +443,9 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
         reshard_after_forward: ``True`` (default): in PyNative the gathered parameters are freed when the
             forward ends and all-gathered again in the backward; an int ``k`` dividing the shard dim's
             size: ``1/k`` of them is kept and the backward all-gathers over ``k`` ranks; ``False``: kept
-            until the backward, one all-gather per step. Compiled graphs keep them (:mod:`._compiled`).
+            until the backward, one all-gather per step; ``None`` (FSDP2's newer default): ``True``, and
+            ``False`` for the root unit (found at the first forward). Compiled graphs keep them
+            (:mod:`._compiled`).
         shard_placement_fn: FSDP2's ``param -> Shard | None``: ``None`` or ``Shard(0)`` (dim 0 is the only
             dim this engine cuts; another is refused).
         mp_policy: a :class:`MixedPrecisionPolicy`: the dtype parameters are gathered in, gradients
@@ -460,5 +462,15 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Any = True
         fully_shard(model, mesh=mesh)
     """
     _check_offload(offload_policy)
-    return shard_cell(module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                      ignored_params=ignored_params, shard_placement_fn=shard_placement_fn)
+    shard_cell(module, mesh, reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+               mp_policy=mp_policy, ignored_params=ignored_params, shard_placement_fn=shard_placement_fn)
+    if reshard_after_forward is None:
+        fsdp_state(module).on_first_forward = _root_keeps_gathered
+    return module
+
+
+def _root_keeps_gathered(state: FSDPState, outermost: bool) -> None:
+    """``reshard_after_forward=None`` (FSDP2): True, except for the root (the unit whose forward no other
+    unit's encloses, found at the first forward), whose parameters the backward needs first."""
+    if outermost:
+        _set_reshard(state, False)

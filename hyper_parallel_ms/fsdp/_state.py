@@ -19,7 +19,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, nn
@@ -36,6 +37,13 @@ from ._sync import SyncState
 __all__ = ["FSDPState", "eager_hooks"]
 
 _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
+
+
+class _Forwards(threading.local):
+    depth = 0          # units whose PyNative forward is running (enclosing ones included)
+
+
+_FORWARDS = _Forwards()
 
 
 def _cast_floats(values, dtype):
@@ -74,6 +82,8 @@ class FSDPState:
         self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward (if resharding)
         self.prefetched: Optional[list] = None   # gathered ahead by another unit's forward (forward prefetch)
         self.forward_prefetch: List["FSDPState"] = []     # units this one gathers ahead of their forward
+        # called once, at the first forward, with whether no other unit's forward encloses it (the root)
+        self.on_first_forward: Optional[Callable[["FSDPState", bool], None]] = None
 
     @property
     def params(self) -> List[FSDPParam]:
@@ -172,6 +182,9 @@ class FSDPState:
         self.compiled = True
 
     def pre_forward(self, cell, args):
+        if self.on_first_forward is not None:
+            decide, self.on_first_forward = self.on_first_forward, None
+            decide(self, _FORWARDS.depth == 0)
         if self.deferred:
             self._check_initialised()
         if not self.checked:
@@ -180,11 +193,13 @@ class FSDPState:
         self._install(self._gather_for_forward())
         for other in self.forward_prefetch:
             other.prefetch()
+        _FORWARDS.depth += 1           # (only efficiency reads it: which unit is the root)
         if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
             return _cast_floats(args, self.policy.param_dtype)
         return None
 
     def post_forward(self, cell, args, output):
+        _FORWARDS.depth = max(_FORWARDS.depth - 1, 0)
         if self.saving is not None:
             self.saving.end()
         self._restore()
