@@ -197,6 +197,13 @@ def test_item_assignment_strides_and_scalar_updates_act_on_the_global_tensor():
     partial = distribute_tensor(ms.Tensor(a), flat, [Partial()])
     with pytest.raises(NotImplementedError, match=r"InplaceAddsExt on a DTensor with placements.*reduce_partial"):
         partial.add_(1.0)
+    from hyper_parallel_ms.mesh import DeviceMesh
+    ends = DeviceMesh("cpu", [0, 3])                      # ranks 1 and 2 are outside it
+    if ends.get_coordinate() is None:
+        with pytest.raises(ValueError, match=r"rank [12] is not in .*call it on the mesh's ranks only"):
+            zeros(4, 2, device_mesh=ends, placements=[Shard(0)])
+    else:
+        assert zeros(4, 2, device_mesh=ends, placements=[Shard(0)]).to_local().shape == (2, 2)
 
 
 @multi_rank(2)

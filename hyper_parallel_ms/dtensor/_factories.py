@@ -80,6 +80,9 @@ def _mesh_and_placements(device_mesh, placements, what: str):
     if mesh is None:
         raise ValueError(f"{what} got no device_mesh and no mesh is current: pass device_mesh=, or call it inside "
                          "`with mesh:`")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{what}: rank {mesh.get_rank()} is not in {mesh!r}; call it on the mesh's ranks only "
+                         "(a DTensor has no piece on other ranks here)")
     return mesh, (placements if placements is not None else [Replicate()] * mesh.ndim)
 
 
