@@ -124,7 +124,7 @@ def train_pipeline(cfg, model_config: Callable, batch: Callable, loss_cell: Call
     schedule = getattr(pipelining, SCHEDULES[cfg.schedule][0])(
         stages[0] if len(stages) == 1 else stages, cfg.microbatches, loss)
     params = schedule.parameters()
-    # fully_shard averages its pieces' gradients over dp itself; the reducer adds the tp sums
+    # fully_shard averages its pieces' gradients over dp itself (the styles' gradients are whole over tp)
     reducer = GradientReducer(params, **({} if cfg.fsdp or cfg.dp == 1 else {"dp_mesh": mesh, "dp_dim": "dp"}))
     optimizer = nn.AdamWeightDecay(params, learning_rate=cfg.lr, weight_decay=0.01)
     cell = schedule.stages[0].submodule                 # one stage per rank when checkpointing (checked)

@@ -270,7 +270,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     dp_mesh = mesh if cfg.dp > 1 else None
     if cfg.fsdp:
         _fully_shard(model, mesh[dp_dims])
-        # fully_shard averages gradients over dp; the reducer keeps only the tp sums (sequence parallelism)
+        # fully_shard averages gradients over dp (the styles' gradients are whole over tp)
         reducer = GradientReducer(model.trainable_params())
     else:
         reducer = GradientReducer(model.trainable_params(), dp_mesh=dp_mesh, dp_dim="dp" if dp_mesh else None)

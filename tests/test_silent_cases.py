@@ -300,3 +300,61 @@ def test_styled_layers_given_their_input_by_keyword_equal_one_device():
     with pytest.raises(ValueError, match=r"_TwoInputs got the input\(s\) \['scale'\] by keyword after the input "
                                          r"'mask' was left out.*pass them positionally"):
         two(piece, scale=piece)
+
+
+class _RootRowwise(nn.Cell):
+    """PyTorch's test_parallelize_module_with_root_module: a Rowwise layer whose output stays
+    sharded (its bias is added to each rank's rows only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Dense(6, 8)
+        self.net2 = nn.Dense(8, 6)
+
+    def construct(self, x):
+        return self.net2(ops.relu(self.net1(x)))
+
+
+_ROW_INPUT = ms.Tensor(np.random.RandomState(1).randn(4, 6).astype(np.float32))
+
+
+def _root_rowwise_loss(model, x):
+    return (model(x) ** 2).sum()
+
+
+def _three_sgd_steps(model, loss_of, batch, compiled: bool) -> None:
+    opt = nn.SGD(model.trainable_params(), learning_rate=0.1)
+
+    def loss_fn(*inputs):
+        return loss_of(model, *inputs)
+    step = ms.value_and_grad(loss_fn, None, opt.parameters)
+    step = ms.jit(step) if compiled else step
+    for _ in range(3):
+        opt(step(*batch)[1])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@multi_rank(2)
+def test_sequence_parallel_and_sharded_rowwise_bias_gradients_are_whole_without_a_reducer(compiled):
+    """The gradients of SequenceParallel Cells' parameters and of a Rowwise bias added to sharded
+    outputs were each rank's share unless GradientReducer summed them: a port of PyTorch's tests
+    with plain ms.value_and_grad + SGD trained every such parameter wrong (PyTorch's autograd
+    sums them). They are now summed in the backward: 3 SGD steps equal one device, no reducer."""
+    from tests._parity import gathered
+    from tests.test_parallel_styles import Transformer, _nll, _tokens, transformer_plan
+    from hyper_parallel_ms.nn import parameter_sharding
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rowwise = {"net1": ColwiseParallel(), "net2": RowwiseParallel(output_layouts=Shard(0))}
+    for make, plan, loss_of, batch in ((_RootRowwise, rowwise, _root_rowwise_loss, (_ROW_INPUT,)),
+                                       (Transformer, transformer_plan(mesh), _nll, _tokens(0, 1, 0))):
+        ms.set_seed(0)
+        ref = make()
+        ms.set_seed(0)
+        model = make()
+        parallelize_module(model, mesh, plan)
+        assert all(parameter_sharding(p) is None or not parameter_sharding(p).grad_partial_dims
+                   for p in model.trainable_params())
+        _three_sgd_steps(ref, loss_of, batch, False)
+        _three_sgd_steps(model, loss_of, batch, compiled)
+        for p, q in zip(model.trainable_params(), ref.trainable_params()):
+            np.testing.assert_allclose(gathered(p, p), q.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)

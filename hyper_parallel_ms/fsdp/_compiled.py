@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Dict, Sequence, Tuple
 
 from .._mindspore import cell_subclass, compiling_graph_code
+from ..nn._hooks import SUMMED_PREFIX
 
 __all__ = ["gathering_class", "READER_PREFIX"]
 
@@ -34,14 +35,22 @@ READER_PREFIX = "_hpms_fsdp_read_"
 _CLASSES: Dict[Tuple[type, Tuple[str, ...]], type] = {}
 
 
-def _gathered(attr: str) -> property:
+def _gathered(attr: str, summed: bool) -> property:
     reader = READER_PREFIX + attr
+    summer = SUMMED_PREFIX + attr
 
     def read(self):
+        value = self._params[attr]
+        if compiling_graph_code():
+            value = getattr(self, reader)(value)
+        return getattr(self, summer)(value) if summed else value
+
+    def read_unsummed(self):
         value = self._params[attr]
         if not compiling_graph_code():
             return value
         return getattr(self, reader)(value)
+    read = read if summed else read_unsummed
     read.__name__ = attr
     return property(read, doc=f"``{attr}``: the full parameter (gathered from the pieces when compiled)")
 
@@ -61,7 +70,8 @@ def gathering_class(base: type, attrs: Sequence[str]) -> type:
     """
     key = (base, tuple(sorted(attrs)))
     if key not in _CLASSES:
-        namespace = {a: _gathered(a) for a in key[1]}
+        summed = getattr(base, "_hpms_summed", ())    # a SequenceParallel Cell's reads sum their gradients
+        namespace = {a: _gathered(a, a in summed) for a in key[1]}
         namespace.update(__module__=base.__module__, __qualname__=base.__qualname__, _hpms_gathered=key[1])
         _CLASSES[key] = cell_subclass(base.__name__, (base,), namespace)
     return _CLASSES[key]

@@ -28,7 +28,7 @@ from ..dtensor import DTensor
 from ..placement import Placement, Replicate
 from ..redistribute._gradient import reduction_taken_over
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
-from ._hooks import Conversion, InputHook, KwargInputHook, OutputHook
+from ._hooks import SUMMED_PREFIX, Conversion, GradientSum, InputHook, KwargInputHook, OutputHook, summing_class
 from ._parameter import ParameterPlacement
 from ._rules import DATA_PARALLEL, check_not_fully_sharded, mark_done
 from ._tied import check_tied, parameter_holders, retie
@@ -78,13 +78,16 @@ class InputSpec:
 
 @dataclass
 class OutputSpec:
-    """The outputs converted inside ``construct`` (see :class:`~._hooks.OutputHook`)."""
+    """The outputs converted inside ``construct`` (see :class:`~._hooks.OutputHook`); ``bias_sum``:
+    the mesh over which the gradient of a bias added to sharded outputs is summed."""
 
     conversions: Dict[int, ConversionSpec]
     add_bias: bool = False
+    bias_sum: Any = None          # the tp mesh over which the bias's gradient is summed (None: not)
 
     def build(self) -> OutputHook:
-        return OutputHook({i: c.build() for i, c in self.conversions.items()}, add_bias=self.add_bias)
+        return OutputHook({i: c.build() for i, c in self.conversions.items()}, add_bias=self.add_bias,
+                          bias_sum=None if self.bias_sum is None else GradientSum(self.bias_sum))
 
 
 @dataclass
@@ -99,7 +102,9 @@ class ModuleEdit:
     other edit's changes); ``replicate_rest``: a mesh on which every parameter under the Cell
     that is not a DTensor afterwards becomes a replicated one; ``marks_done``: record that
     ``engine`` sharded this Cell (:func:`~._rules.check_not_done`); ``object_attributes``:
-    ``(object, name, value)`` marks on other objects (the parameters a unit replaced)."""
+    ``(object, name, value)`` marks on other objects (the parameters a unit replaced);
+    ``summed_reads``: parameters (by attribute) read through a :class:`~._hooks.GradientSum` over
+    the given mesh (:func:`~._hooks.summing_class`)."""
 
     path: str
     cell: nn.Cell
@@ -116,6 +121,7 @@ class ModuleEdit:
     replicate_rest: Any = None
     marks_done: bool = False
     object_attributes: List[Tuple[Any, str, Any]] = field(default_factory=list)
+    summed_reads: Dict[str, Any] = field(default_factory=dict)
 
 
 def _encloses(outer: ModuleEdit, inner: ModuleEdit) -> bool:
@@ -178,8 +184,13 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
         changes.set_parameter(edit.cell, name, _made(made, own_parameters(edit.cell)[name], placement))
     for name, value in edit.attributes.items():
         changes.set_attribute(edit.cell, name, value)
-    if edit.swap_class is not None:
-        changes.swap_class(edit.cell, edit.swap_class)
+    for name, mesh in edit.summed_reads.items():
+        changes.set_attribute(edit.cell, SUMMED_PREFIX + name, GradientSum(mesh))
+    cls = edit.swap_class
+    if edit.summed_reads:
+        cls = summing_class(cls or type(edit.cell), list(edit.summed_reads))
+    if cls is not None:
+        changes.swap_class(edit.cell, cls)
     changes.add_construct_hooks(edit.cell, pre=[edit.inputs.build()] if edit.inputs else [],
                                 post=[edit.outputs.build()] if edit.outputs else [],
                                 graph_error=_kwargs_in_graph(edit))

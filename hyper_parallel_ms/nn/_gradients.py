@@ -1,7 +1,7 @@
-"""Gradient reduction the parallel styles leave to the training step, as Megatron-LM and
-PyTorch's DDP do it: averaging over the data-parallel mesh dim, and summing the gradients
-of replicated parameters used on sequence-sharded activations (SequenceParallel), where
-each rank's gradient is its share of the whole.
+"""Gradient reduction the parallel styles leave to the training step, as PyTorch's DDP does it:
+averaging over the data-parallel mesh dim; and summing over the mesh dims a parameter's
+``ParameterSharding.grad_partial_dims`` names, where a user's own record says each rank's gradient
+is its share (the styles sum their sequence-parallel shares in the backward themselves).
 
 Example::
 

@@ -15,17 +15,18 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from mindspore import Tensor, nn, ops
 
+from .. import comm
 from .._mindspore import as_subclass, cell_subclass, is_compiling, plain_view, run_in_python, tensor_hook
 from ..dtensor import DTensor
 from ..layout import Layout
 from ..redistribute import LocalRedistribute, plan_global_shape, plan_layouts
 
-__all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class", "DeferredInput",
-           "DeferredDTensorInput"]
+__all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class", "summing_class",
+           "SUMMED_PREFIX", "GradientSum", "DeferredInput", "DeferredDTensorInput"]
 
 @run_in_python
 def _in_graph() -> bool:
@@ -214,17 +215,83 @@ class OutputHook(_PositionalConversions):
     ``ConstructHooks``) was added on every rank to a Partial result; it is taken out before the
     reduction and added once after it."""
 
-    def __init__(self, conversions: Dict[int, Conversion], add_bias: bool = False) -> None:
+    def __init__(self, conversions: Dict[int, Conversion], add_bias: bool = False,
+                 bias_sum: Optional[GradientSum] = None) -> None:
         super().__init__(conversions)
         self.add_bias = self.reads_bias = add_bias
+        self.sums_bias = bias_sum is not None
+        self.bias_sum = bias_sum if bias_sum is not None else nn.Identity()
 
     def post(self, cell, args, output, bias):
         if isinstance(output, tuple):
             return self.convert_tuple(output)
         if self.add_bias:
             conv = self.convs[0]
-            return conv.finish(conv.move(output - bias) + bias, output.shape)
+            # the bias added after the reduction meets this rank's piece only: its gradient is this
+            # rank's share, summed by ``bias_sum`` (the two other uses cancel exactly, locally)
+            added = self.bias_sum(bias) if self.sums_bias else bias
+            return conv.finish(conv.move(output - bias) + added, output.shape)
         return self.convs[0](output)
+
+
+SUMMED_PREFIX = "_hpms_summed_"
+
+
+class GradientSum(nn.Cell):
+    """The identity, whose backward sums the gradient over ``mesh`` (1-D): a replicated parameter
+    that each rank uses on its piece of the activations gets the whole gradient on every rank.
+    One instance per parameter (MindSpore 2.10 compiles two property reads through one shared
+    custom-bprop Cell as the first read: measured, the second parameter read the first's value).
+
+    Args:
+        mesh: the tensor-parallel :class:`DeviceMesh`.
+
+    Example::
+
+        weight = GradientSum(mesh)(norm_weight)
+    """
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        return (comm.all_reduce(dout, self.mesh, 0, op="sum"),)
+
+
+def _summed(attr: str) -> property:
+    summer = SUMMED_PREFIX + attr
+
+    def read(self):
+        return getattr(self, summer)(self._params[attr])
+    read.__name__ = attr
+    return property(read, doc=f"``{attr}``: the parameter, its gradient summed over the ranks that share it")
+
+
+def summing_class(base: type, attrs) -> type:
+    """A subclass of the Cell class ``base`` in which each parameter of ``attrs`` is read through the
+    instance's :class:`GradientSum` ``SUMMED_PREFIX + attr`` (the parameter is replicated but each
+    rank uses it on its piece of the activations, as ``SequenceParallel`` Cells do), in PyNative
+    and compiled code alike.
+
+    Example::
+
+        norm.__class__ = summing_class(type(norm), ["gamma", "beta"])
+    """
+    key = (base, tuple(sorted(attrs)))
+    cached = _SUMMING.get(key)
+    if cached is None:
+        namespace = {a: _summed(a) for a in key[1]}
+        namespace.update(__module__=base.__module__, __qualname__=base.__qualname__,
+                         _hpms_summed=tuple(getattr(base, "_hpms_summed", ())) + key[1])
+        cached = _SUMMING[key] = cell_subclass(base.__name__, (base,), namespace)
+    return cached
+
+
+_SUMMING: Dict[tuple, type] = {}
 
 
 def masked_rows_class(base: type) -> type:

@@ -191,15 +191,17 @@ class RowwiseParallel(_LayerStyle):
                                  "sum; move the activation out of the Dense (activation=None)")
             edit.parameters[name] = ParameterPlacement(mesh, (Shard(1),), src_data_rank=src_data_rank)
             has_bias = params.get("bias") is not None
+            bias_sum = None
             if has_bias:
-                # added after the reduction: on sharded outputs each rank adds it to its piece only
+                # added after the reduction: on sharded outputs each rank adds it to its piece only,
+                # so its gradient there is this rank's share, summed over the tp ranks in the backward
                 replicated = (Replicate(),)
-                edit.parameters["bias"] = ParameterPlacement(
-                    mesh, replicated, src_data_rank=src_data_rank,
-                    grad_partial_dims=shared_dims(replicated, self.output_layouts))
+                edit.parameters["bias"] = ParameterPlacement(mesh, replicated, src_data_rank=src_data_rank)
+                if shared_dims(replicated, self.output_layouts):
+                    bias_sum = mesh
             edit.inputs = InputSpec({0: ConversionSpec(mesh, self.input_layouts, (Shard(-1),),
                                                        dim_sizes=((-1, weight.shape[1]),), where=where)})
-            edit.outputs = OutputSpec(output, add_bias=has_bias)
+            edit.outputs = OutputSpec(output, add_bias=has_bias, bias_sum=bias_sum)
         else:
             if self.input_layouts[0] != Replicate():
                 raise ValueError(f"RowwiseParallel on the embedding {_where(path)} takes replicated ids: pass "
@@ -217,7 +219,9 @@ class RowwiseParallel(_LayerStyle):
 
 class SequenceParallel(ParallelStyle):
     """Run a Cell (a norm, a dropout) on sequence-sharded activations with replicated
-    parameters; each rank's parameter gradients are its share, summed by :class:`GradientReducer`.
+    parameters; each parameter is read through an identity whose backward sums its gradient over
+    the tp ranks (each rank's share: it meets the rank's sequence piece only), as PyTorch's DTensor
+    autograd does.
 
     Inputs and outputs are ``Shard(sequence_dim)`` pieces (a DTensor input is brought there);
     an input without a sequence dim before its features raises. A dropout Cell (``nn.Dropout``,
@@ -246,11 +250,11 @@ class SequenceParallel(ParallelStyle):
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
         layout, replicated = (Shard(self.sequence_dim),), (Replicate(),)
-        for name in own_parameters(cell):   # replicated, used on sequence pieces
-            edit.parameters[name] = ParameterPlacement(mesh, replicated, src_data_rank=src_data_rank,
-                                                       grad_partial_dims=shared_dims(replicated, layout))
         min_ndim = self.sequence_dim + 2 if self.sequence_dim >= 0 else -self.sequence_dim + 1
         where = _where(path)
+        for name in own_parameters(cell):   # replicated, used on sequence pieces: gradients summed when read
+            edit.parameters[name] = ParameterPlacement(mesh, replicated, src_data_rank=src_data_rank)
+            edit.summed_reads[name] = mesh
         if is_dropout(cell):
             check_dropout_seeded(cell, f"SequenceParallel on {where}")
             edit.swap_class = sharded_dropout_class(type(cell))
