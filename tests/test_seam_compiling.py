@@ -343,3 +343,50 @@ def test_contract_grad_of_a_compiled_forward_needs_one_custom_bprop_instance_per
         return Twice()(x).sum()
     ms.value_and_grad(ms.jit(twice))(x)
     assert len(built) == 3                          # one per call site while compiling for PyNative's grad
+
+
+class _PassThrough(nn.Cell):
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+class _TwoParameters(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = ms.Parameter(Tensor(np.ones(2, np.float32)), name="a")
+        self.b = ms.Parameter(Tensor(np.zeros(2, np.float32)), name="b")
+
+    def construct(self, x):
+        return self.a + x, self.b + x
+
+
+def _read_through(attr: str) -> property:
+    cell = "_through_" + attr
+
+    def read(self):
+        return getattr(self, cell)(self._params[attr])
+    return property(read)
+
+
+def test_contract_property_reads_through_one_shared_custom_bprop_cell_compile_as_the_first():
+    """Why ``nn._hooks.GradientSum`` is one Cell per parameter: two Parameters read by properties
+    of a swapped class, each through a custom-bprop Cell, compile right with one Cell instance
+    each, and as the first read for both when they share one instance (MindSpore 2.10, plain
+    ms.jit of the forward; PyNative is right either way)."""
+    x = Tensor(np.zeros(2, np.float32))
+    swapped = seam.cell_subclass("_TwoParameters", (_TwoParameters,), {"a": _read_through("a"),
+                                                                       "b": _read_through("b")})
+    shared = _PassThrough()
+    results = {}
+    for how, first, second in (("own", _PassThrough(), _PassThrough()), ("shared", shared, shared)):
+        cell = _TwoParameters()
+        object.__setattr__(cell, "_through_a", first)
+        object.__setattr__(cell, "_through_b", second)
+        cell.__class__ = swapped
+        assert [t.asnumpy().tolist() for t in cell(x)] == [[1.0, 1.0], [0.0, 0.0]]
+        results[how] = [t.asnumpy().tolist() for t in ms.jit(cell.construct)(x)]
+    assert results["own"] == [[1.0, 1.0], [0.0, 0.0]]
+    assert results["shared"] == [[1.0, 1.0], [1.0, 1.0]]          # b read as a

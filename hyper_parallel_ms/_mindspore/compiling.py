@@ -6,8 +6,10 @@ arguments (:func:`cached_in_python`, :func:`run_in_python`); graph compilation r
 ``_JitExecutor.compile`` / ``_CellGraphExecutor.compile`` (``mindspore.graph.api`` from 2.9,
 ``mindspore.common.api`` on 2.8), which receive the call's arguments (:func:`is_compiling`,
 :func:`reject_in_compiled_args`); differentiating a compiled forward from PyNative reads the last
-call's output for every call of one custom-bprop Cell instance (:func:`cell_per_call_site`); a Cell
-property is compiled only when declared in the Cell's own class (:func:`cell_subclass`).
+call's output for every call of one custom-bprop Cell instance (:func:`cell_per_call_site`), and a
+plain ``ms.jit`` compiles two property reads of Parameters through one shared custom-bprop Cell
+as the first read (so each such read has a Cell of its own); a Cell property is compiled only when
+declared in the Cell's own class (:func:`cell_subclass`).
 
 >>> @run_in_python
 ... def double(n):
