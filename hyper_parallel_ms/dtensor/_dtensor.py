@@ -151,13 +151,7 @@ class DTensor(Tensor):
         """
         if not isinstance(local, Tensor) or isinstance(local, DTensor):
             raise TypeError(f"from_local needs a plain mindspore Tensor, got {type(local).__name__}")
-        if device_mesh is None or placements is None:
-            from ..mesh import current_mesh
-            device_mesh = device_mesh if device_mesh is not None else current_mesh()
-            if device_mesh is None:
-                raise ValueError("from_local got no device_mesh and no mesh is current: pass device_mesh=, or call "
-                                 "it inside `with mesh:`")
-            placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
+        device_mesh, placements = mesh_and_placements(device_mesh, placements, "from_local")
         if stride is not None:
             if shape is None:
                 raise ValueError("from_local: stride needs shape (the global shape it describes)")
@@ -166,8 +160,6 @@ class DTensor(Tensor):
                                  f"{tuple(_contiguous_strides(tuple(shape)))} of shape {tuple(shape)}; DTensors here "
                                  "are contiguous")
         coord = device_mesh.get_coordinate()
-        if coord is None:
-            raise ValueError(f"rank {device_mesh.get_rank()} is not in {device_mesh!r}")
         layout = to_layout(device_mesh, placements, local.ndim)
         local_shape = tuple(local.shape)
         if shape is None:
@@ -346,6 +338,31 @@ class DTensor(Tensor):
                 f"dtype={self.dtype}, mesh={spec.mesh.shape})")
 
     __str__ = __repr__
+
+
+def mesh_and_placements(device_mesh, placements: Optional[Sequence], what: str):
+    """PyTorch's defaults for the mesh and placements of a new DTensor: the current mesh (``with
+    mesh:``) and ``Replicate()`` on every mesh dim; a rank outside the mesh is refused (a DTensor has
+    no piece there).
+
+    Args:
+        device_mesh: the mesh given, or ``None``.
+        placements: the placements given, or ``None``.
+        what: the caller, named in errors.
+
+    Example::
+
+        mesh, placements = mesh_and_placements(None, None, "zeros")     # inside ``with mesh:``
+    """
+    from ..mesh import current_mesh
+    mesh = device_mesh if device_mesh is not None else current_mesh()
+    if mesh is None:
+        raise ValueError(f"{what} got no device_mesh and no mesh is current: pass device_mesh=, or call it inside "
+                         "`with mesh:`")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{what}: rank {mesh.get_rank()} is not in {mesh!r}; call it on the mesh's ranks only "
+                         "(a DTensor has no piece on other ranks here)")
+    return mesh, (placements if placements is not None else [Replicate()] * mesh.ndim)
 
 
 class _Size(int):

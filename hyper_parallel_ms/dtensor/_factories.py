@@ -22,7 +22,7 @@ from mindspore import Parameter, Tensor, ops
 
 from .. import comm
 from .._deferred import initial_value
-from ._dtensor import DTensor
+from ._dtensor import DTensor, mesh_and_placements
 from ._spec import DTensorSpec
 
 __all__ = ["distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn"]
@@ -59,7 +59,7 @@ def distribute_tensor(tensor: Tensor, device_mesh=None, placements: Optional[Seq
         raise TypeError("distribute_tensor needs a plain Tensor; use DTensor.redistribute for a DTensor")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor needs a mindspore Tensor, got {type(tensor).__name__}")
-    device_mesh, placements = _mesh_and_placements(device_mesh, placements, "distribute_tensor")
+    device_mesh, placements = mesh_and_placements(device_mesh, placements, "distribute_tensor")
     if isinstance(tensor, Parameter) and tensor.has_init:      # deferred: its eager (or first-use) value
         tensor = Tensor(initial_value(tensor), dtype=tensor.dtype)
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape)
@@ -72,20 +72,6 @@ def distribute_tensor(tensor: Tensor, device_mesh=None, placements: Optional[Seq
     return DTensor(spec.piece_of(tensor), spec)
 
 
-def _mesh_and_placements(device_mesh, placements, what: str):
-    """PyTorch's defaults: the current mesh (``with mesh:``) and ``Replicate()`` on every mesh dim."""
-    from ..mesh import current_mesh
-    from ..placement import Replicate
-    mesh = device_mesh if device_mesh is not None else current_mesh()
-    if mesh is None:
-        raise ValueError(f"{what} got no device_mesh and no mesh is current: pass device_mesh=, or call it inside "
-                         "`with mesh:`")
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"{what}: rank {mesh.get_rank()} is not in {mesh!r}; call it on the mesh's ranks only "
-                         "(a DTensor has no piece on other ranks here)")
-    return mesh, (placements if placements is not None else [Replicate()] * mesh.ndim)
-
-
 def _shape_of(size: tuple, what: str) -> Tuple[int, ...]:
     """``zeros(8, 4)`` and ``zeros((8, 4))`` alike (PyTorch's ``*size``)."""
     if len(size) == 1 and not isinstance(size[0], int):
@@ -93,11 +79,6 @@ def _shape_of(size: tuple, what: str) -> Tuple[int, ...]:
     if not size:
         raise TypeError(f"{what} needs a size")
     return _size(size)
-
-
-def _made(local, spec: DTensorSpec, requires_grad: bool) -> DTensor:
-    out = DTensor(local, spec)
-    return out.requires_grad_(requires_grad) if requires_grad else out
 
 
 def full(size: Size, fill_value, *, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
@@ -119,11 +100,11 @@ def full(size: Size, fill_value, *, dtype=None, layout=None, requires_grad: bool
         dt = full((8, 4), 2.0, device_mesh=mesh, placements=[Shard(0)])
     """
     shape = _size(size)
-    device_mesh, placements = _mesh_and_placements(device_mesh, placements, "full")
+    device_mesh, placements = mesh_and_placements(device_mesh, placements, "full")
     spec = DTensorSpec.build(device_mesh, placements, shape)
     local = ops.full(spec.layout.local_shape(spec.shape, device_mesh.get_coordinate()), fill_value,
                      dtype=ms.float32 if dtype is None else dtype)
-    return _made(local, spec, requires_grad)
+    return DTensor(local, spec).requires_grad_(requires_grad)
 
 
 def zeros(*size, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,
@@ -173,9 +154,10 @@ def empty(*size, dtype=None, layout=None, requires_grad: bool = False, device_me
 
 def _random(draw, size: tuple, what: str, dtype, requires_grad: bool, device_mesh, placements) -> DTensor:
     shape = _shape_of(size, what)
-    device_mesh, placements = _mesh_and_placements(device_mesh, placements, what)
+    device_mesh, placements = mesh_and_placements(device_mesh, placements, what)
     spec = DTensorSpec.build(device_mesh, placements, shape)
-    return _made(spec.piece_of(draw(spec.shape, dtype=ms.float32 if dtype is None else dtype)), spec, requires_grad)
+    local = spec.piece_of(draw(spec.shape, dtype=ms.float32 if dtype is None else dtype))
+    return DTensor(local, spec).requires_grad_(requires_grad)
 
 
 def rand(*size, dtype=None, layout=None, requires_grad: bool = False, device_mesh=None,

@@ -44,13 +44,6 @@ def _gathered(attr: str, summed: bool) -> property:
         if compiling_graph_code():
             value = getattr(self, reader)(value)
         return getattr(self, summer)(value) if summed else value
-
-    def read_unsummed(self):
-        value = self._params[attr]
-        if not compiling_graph_code():
-            return value
-        return getattr(self, reader)(value)
-    read = read if summed else read_unsummed
     read.__name__ = attr
     return property(read, doc=f"``{attr}``: the full parameter (gathered from the pieces when compiled)")
 

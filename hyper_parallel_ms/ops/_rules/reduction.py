@@ -8,9 +8,9 @@ primitives (``ReduceSum``, ``ReduceMean``); and reductions with no Partial of th
 gather a sharded reduced dim.
 
 Reducing over a sharded dim leaves a Partial: sum -> P(sum); mean -> P(sum) of each piece's sum
-over the global count (exact for uneven and nested pieces, empty ones included, and seeding a gradient with ones on every rank gives each element 1 / count,
-which a P(avg) of the pieces' means would not: it gave the group size times the gradient);
-max / min -> P(max) / P(min). An index is only meaningful over the whole dim, so the
+over the global count (exact for uneven and nested pieces, empty ones included; a gradient seeded
+with ones on every rank gives each element 1 / count, which a P(avg) of the pieces' means did not:
+it gave the group size times the gradient); max / min -> P(max) / P(min). An index is only meaningful over the whole dim, so the
 forms returning indices gather a sharded reduced dim first.
 Sharded dims that are kept stay sharded (their index shifts when ``keepdim`` is False).
 A Partial(sum/avg) input stays Partial under sum / mean (both are linear), a Partial(max)
@@ -81,12 +81,11 @@ def reduction_rule(schema: OpSchema) -> OutputSharding:
     if schema.op not in MEANS:
         return decided
     x = schema.args[0]
-    dims, _ = _reduced_dims(schema, x.ndim)
+    dims, keepdim = _reduced_dims(schema, x.ndim)
     need = decided.inputs[0]
     if not any(p.is_shard() and p.dim in dims for p in need.placements):
         return decided
     count = prod(x.shape[d] for d in dims)
-    _, keepdim = _reduced_dims(schema, x.ndim)
     dtype = schema.kwarg("dtype")
 
     def local_fn(coord):
