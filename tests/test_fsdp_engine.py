@@ -222,3 +222,90 @@ def test_reshard_after_forward_none_keeps_the_root_gathered_and_reshards_the_blo
     with CommDebugMode() as debug:
         step(x)
     assert debug.get_comm_counts()["all_gather"] == 3 + 2          # 3 units forward, the 2 blocks again
+
+
+def _units(model):
+    return [layer for layer in model.layers] + [model]
+
+
+@multi_rank(2)
+def test_gradient_divide_factor_scales_pynative_and_compiled_gradients_2_ranks():
+    from tests._fsdp_models import GradStep, compiled, loss_of
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    x = ms.Tensor(np.random.default_rng(mesh.get_local_rank(0)).standard_normal((4, 8)).astype(np.float32))
+
+    def grads(divide, mode):
+        ms.set_seed(0)
+        model = Net()
+        per_block(mesh)(model)
+        if divide is not None:
+            for unit in _units(model):
+                unit.set_gradient_divide_factor(divide)
+        params = model.trainable_params()
+        if mode == "pynative":
+            step = ms.value_and_grad(lambda v: loss_of(model, v), None, params)
+        else:
+            step = compiled(mode, GradStep(model, params))
+        return model, [g.asnumpy() for g in step(x)[1]]
+
+    _, mean = grads(None, "pynative")
+    # FSDP2: the gradients summed over the 2 ranks, then divided by the factor (1.0: the sum; 4.0: half the mean)
+    for divide, factor in ((1.0, 2.0), (4.0, 0.5)):
+        for mode in ("pynative", "jit"):
+            model, got = grads(divide, mode)
+            for g, m in zip(got, mean):
+                np.testing.assert_allclose(g, factor * m, rtol=1e-6, atol=1e-7, err_msg=f"{divide} {mode}")
+    with pytest.raises(NotImplementedError, match="before the first compiled step"):
+        model.set_gradient_divide_factor(2.0)                 # compiled with 4.0 built in
+    with pytest.raises(ValueError, match="positive number"):
+        model.layers[0].set_gradient_divide_factor(0)
+    with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
+        grads(None, "pynative")[0].set_reduce_scatter_divide_factor(2.0)
+    # FSDP2's handle and flag: the gather is done when unshard returns
+    model = grads(None, "pynative")[0]
+    handle = model.layers[0].unshard(async_op=True)
+    assert handle.wait() is None and fsdp_state(model.layers[0]).kept is not None
+    assert model.layers[0].unshard() is None
+    model.set_is_last_backward(False)
+    assert not fsdp_state(model.layers[1]).is_last_backward
+    with pytest.raises(TypeError, match="bool"):
+        model.set_is_last_backward(1)
+
+
+def _accumulate_replicas(log):
+    """4 micro-steps, the all-reduce over replicas on the last only (gradient sync on throughout)."""
+    def train(model, step, x):
+        rows = x.shape[0] // 4
+        total_loss, total = 0.0, None
+        with CommDebugMode() as mode:
+            for i in range(4):
+                model.set_requires_all_reduce(i == 3)
+                loss, grads = step(x[i * rows:(i + 1) * rows])
+                if i < 3:
+                    assert all(not g.asnumpy().any() for g in grads)     # FSDP2: nothing until the all-reduce
+                total_loss = total_loss + loss
+                total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+        log.append(mode.get_comm_counts())
+        return total_loss / 4, tuple(g / 4 for g in total)
+    return train
+
+
+@multi_rank(4)
+def test_set_requires_all_reduce_accumulates_across_replicas_4_ranks():
+    from tests._fsdp_models import GradStep, compiled
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    log = []
+    compare(per_block(mesh), mesh.get_local_rank(0) * 2 + mesh.get_local_rank(1), 4, loss_mesh=mesh, rows=16,
+            steps=3, train=_accumulate_replicas(log))
+    # per micro-step: every unit gathers twice and reduce-scatters in its shard pair; the replicas
+    # all-reduce once per unit, on the last micro-step only
+    assert log == [{"all_gather": 24, "reduce_scatter": 12, "all_reduce": 3}] * 3, log
+    ms.set_seed(0)
+    model = Net()
+    per_block(mesh)(model)
+    model.set_requires_all_reduce(False)
+    step = compiled("jit", GradStep(model, model.trainable_params()))
+    with pytest.raises(NotImplementedError, match="set_requires_all_reduce"):
+        step(ms.Tensor(np.ones((2, 8), np.float32)))
+    with pytest.raises(TypeError, match="bool"):
+        model.set_requires_all_reduce("no")

@@ -31,11 +31,11 @@ Example::
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
 """
-from ._fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._hsdp import HSDPCell, hsdp, hsdp_sync_stream, hsdp_wait_grad_handle
 from ._init import init_parameters
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
            "register_fsdp_forward_method", "hsdp", "HSDPCell", "hsdp_sync_stream", "hsdp_wait_grad_handle",
            "init_parameters"]

@@ -34,7 +34,7 @@ from ._reshard import RegatherOnBackward
 from ._state import FSDPState, eager_hooks
 from ._sync import SyncState
 
-__all__ = ["fully_shard", "FSDPModule", "shard_cell", "fsdp_state", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "shard_cell", "fsdp_state", "register_fsdp_forward_method"]
 
 _STATE = "_hpms_fsdp_state"
 _CLASSES: Dict[Tuple[type, type], type] = {}
@@ -59,15 +59,16 @@ class FSDPModule:
         cells = [c for _, c in self.cells_and_names()] if recurse else [self]
         return [state for state in map(fsdp_state, cells) if state is not None]
 
-    def unshard(self) -> None:
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """Gather this Cell's parameters now and keep them until :meth:`reshard`: forwards until then
         gather nothing (their backward still reduces the gradients). The Cell keeps holding its
-        pieces (``trainable_params()`` and the optimizer see them); a forward reads the full values."""
+        pieces (``trainable_params()`` and the optimizer see them); a forward reads the full values.
+        ``async_op=True`` returns an :class:`UnshardHandle` (FSDP2); the gather has completed when
+        this returns (collectives here are synchronous), so its ``wait()`` returns at once."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {async_op!r}")
         self.__dict__[_STATE].unshard()
-
-    def reshard(self) -> None:
-        """Put this Cell's pieces back (frees the gathered parameters)."""
-        self.__dict__[_STATE].reshard()
+        return UnshardHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With ``False`` the backward accumulates unreduced gradients locally and sends nothing;
@@ -82,6 +83,53 @@ class FSDPModule:
                 "gradients of the micro-steps (the same sum as one big batch)")
         for state in states:
             state.sync.sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP (a 2-D mesh): with ``False`` the backward reduce-scatters over the shard dim but does not
+        all-reduce over the replicas: this rank's part is added to a local accumulator and the gradient
+        returned is zero; the next backward with ``True`` all-reduces the sum once (FSDP2's gradient
+        accumulation across replicas). Without a replicate dim there is nothing to skip."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
+        states = self._fsdp_states(recurse)
+        hsdp_states = [s for s in states if any(g.replicate_dim is not None for g in s.groups)]
+        if not requires_all_reduce and any(state.compiled for state in hsdp_states):
+            raise NotImplementedError(
+                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE, where every backward reduces the "
+                "gradients fully, so turning the all-reduce off would not take effect there: keep it on and add up "
+                "the returned gradients of the micro-steps")
+        for state in states:
+            state.sync.all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradients by ``factor`` instead of the number of data-parallel
+        ranks (FSDP2: the gradients are summed over the ranks, then divided by ``factor``; ``1.0``:
+        the sum). Set it before a graph gathering the unit is compiled."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor takes a positive number, got {factor!r}")
+        state = self.__dict__[_STATE]
+        if state.compiled:
+            raise NotImplementedError(
+                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE with its divide factor built in: set "
+                "the factor before the first compiled step")
+        state.sync.divide_factor = float(factor)
+        for group in state.groups:
+            group.rescale()
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's earlier name of :meth:`set_gradient_divide_factor` (deprecated there too)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (FSDP2 then waits for its pending
+        gradient reductions). Every reduction here completes inside the backward, so no step
+        waits on it; the flag is checked and kept (``is_last_backward``) for scripts written for FSDP2."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"is_last_backward must be a bool, got {is_last_backward!r}")
+        for state in self._fsdp_states(True):
+            state.is_last_backward = is_last_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: Any, *, recurse: bool = True) -> None:
         """``True``: PyNative frees the gathered parameters after the forward and gathers them again
@@ -135,6 +183,21 @@ class FSDPModule:
         """Drop gradients accumulated by backward passes without sync."""
         for state in self._fsdp_states(recurse):
             state.clear_pending()
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns (FSDP2's handle): :meth:`wait` returns once the
+    parameters are gathered, which on this package's synchronous collectives is already so.
+
+    Example::
+
+        handle = model.unshard(async_op=True)
+        handle.wait()
+    """
+
+    def wait(self) -> None:
+        """Return when the gather has completed (it has, when ``unshard`` returned)."""
+        return None
 
 
 def _cell_list(modules: Any, what: str) -> list:

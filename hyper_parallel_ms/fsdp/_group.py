@@ -33,7 +33,7 @@ from ..comm._tensor import pad_dim
 from ._flat import FlatLayout, pack, unpack
 from ._mesh import dp_mesh_dims
 from ._param import FSDPParam
-from ._sync import SyncState, cast_to, reduce_gradient
+from ._sync import SyncState, cast_to, reduce_gradient, reduce_over_replicas, reduce_over_shard
 
 __all__ = ["FSDPParamGroup", "GroupGather", "ParamGather"]
 
@@ -67,6 +67,7 @@ class FSDPParamGroup:
         self.shard_dim, self.replicate_dim = dp_mesh_dims(mesh)
         self.reduce = reduce if sharded else "replicated"
         self.layout = FlatLayout([p.chunks for p in self.params])
+        self.readers: List[ParamGather] = []   # the compiled reads' Cells (:meth:`reader`)
         self.gather = GroupGather(self)
         self.post_forward_mesh = None      # reshard_after_forward=k: this rank's k ranks of the shard dim
 
@@ -91,11 +92,21 @@ class FSDPParamGroup:
 
     def reader(self, index: int) -> "ParamGather":
         """The Cell a compiled read of parameter ``index`` calls on its piece."""
-        return ParamGather(self, index)
+        reader = ParamGather(self, index)
+        self.readers.append(reader)
+        return reader
+
+    def rescale(self) -> None:
+        """Give every backward of the group the scale of its :class:`SyncState` (after a change of
+        the divide factor; a compiled graph keeps the scale it was compiled with)."""
+        scale = self.sync.scale_for(self.mesh)
+        for step in [self.gather] + self.readers:
+            step.grad_scale = scale
 
     def clear(self) -> None:
-        """Drop the gradient accumulated without sync."""
+        """Drop the gradients accumulated without sync or without the all-reduce over replicas."""
         self.gather.pending = None
+        self.gather.partial = None
 
 
 def _padded_rows(x, rows: int):
@@ -120,7 +131,7 @@ class _Reducing(nn.Cell):
                                                                       group.replicate_dim, group.reduce)
         self.gather_dim = group.shard_dim if group.sharded else None
         self.param_dtype, self.reduce_dtype, self.grad_scale = (group.param_dtype, group.sync.reduce_dtype,
-                                                                group.sync.grad_scale)
+                                                                group.sync.scale_for(group.mesh))
         self.rows, self.start = rows, group.mesh.get_local_rank(group.shard_dim) * rows
 
     def _reduced(self, g, like):
@@ -131,6 +142,7 @@ class _Reducing(nn.Cell):
 class GroupGather(_Reducing):
     """PyNative: a group's packed pieces all-gathered over the shard dim (kept whole: cast only);
     backward: the gradient of the whole buffer reduced at once (or, with gradient sync off,
+    accumulated locally; with the HSDP all-reduce off, reduced over the shard dim and this part
     accumulated locally).
 
     Args:
@@ -143,7 +155,8 @@ class GroupGather(_Reducing):
 
     def __init__(self, group: FSDPParamGroup) -> None:
         super().__init__(group, group.layout.length)
-        self.pending = None
+        self.pending = None         # the unreduced gradient summed over backward passes without sync
+        self.partial = None         # this rank's part summed over backward passes without the all-reduce
         self.reused = None          # a buffer gathered earlier, returned instead of gathering
 
     def construct(self, packed):
@@ -155,14 +168,24 @@ class GroupGather(_Reducing):
         return flat
 
     def bprop(self, packed, out, dout):
+        sync = self._hpms_group.sync
         g = cast_to(dout, self.reduce_dtype)
         if self.pending is not None:
             g = self.pending + g
-        if not self._hpms_group.sync.sync:
+        if not sync.sync:
             self.pending = g
             return (ops.zeros_like(packed),)
         self.pending = None
-        return (self._reduced(g, packed),)
+        if self.replicate_dim is None or (sync.all_reduce and self.partial is None):
+            return (self._reduced(g, packed),)
+        part = reduce_over_shard(g, self.mesh, self.shard_dim, self.reduce, self.rows, self.start)
+        if self.partial is not None:
+            part = self.partial + part
+        if not sync.all_reduce:
+            self.partial = part
+            return (ops.zeros_like(packed),)
+        self.partial = None
+        return (reduce_over_replicas(part, packed, self.mesh, self.replicate_dim, self.grad_scale),)
 
 
 class ParamGather(_Reducing):

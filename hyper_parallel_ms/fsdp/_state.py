@@ -74,6 +74,7 @@ class FSDPState:
         self.groups: List[FSDPParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
+        self.is_last_backward = True           # FSDP2's flag (set_is_last_backward); reductions never wait here
         self.kept: Optional[list] = None       # per group (flat, values) gathered by unshard(), until reshard()
         self.reused: Optional[list] = None     # per group (flat, values) kept after a backward without sync
         self.deferred = True                   # until every piece is seen initialised
@@ -165,6 +166,12 @@ class FSDPState:
                 f"{name}: gradient sync is off, but inside ms.jit / GRAPH_MODE every backward reduces the gradients "
                 "(a compiled graph cannot keep unreduced ones between calls). Keep sync on and add up the returned "
                 "gradients of the micro-steps (the same sum as one big batch), or run the micro-steps in PyNative")
+        if not self.sync.all_reduce and any(g.replicate_dim is not None for g in self.groups):
+            raise NotImplementedError(
+                f"{name}: the all-reduce over replicas is off (set_requires_all_reduce(False)), but inside ms.jit / "
+                "GRAPH_MODE every backward reduces the gradients fully (a compiled graph cannot keep partial ones "
+                "between calls). Keep it on and add up the returned gradients of the micro-steps, or run the "
+                "micro-steps in PyNative")
         policy = self.policy
         if (policy.param_dtype is not None and policy.cast_forward_inputs) or policy.output_dtype is not None:
             raise NotImplementedError(

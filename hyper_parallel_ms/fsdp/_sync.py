@@ -18,7 +18,7 @@ from typing import Any, Optional
 from .. import comm
 from ..comm._tensor import narrow
 
-__all__ = ["SyncState", "cast_to", "reduce_gradient"]
+__all__ = ["SyncState", "cast_to", "reduce_gradient", "reduce_over_shard", "reduce_over_replicas"]
 
 
 def cast_to(x, dtype: Any):
@@ -35,12 +35,43 @@ def cast_to(x, dtype: Any):
     return x if dtype is None or x.dtype == dtype else x.astype(dtype)
 
 
+def reduce_over_shard(g, mesh, shard_dim: Optional[int], reduce: str, rows: int = 0, start: int = 0):
+    """A full (or flat) gradient reduced over the shard mesh dim to this rank's part, averaged:
+    ``"reduce_scatter"`` (dim 0), ``"all_reduce"`` (then this rank's ``rows`` rows from ``start``,
+    ZeRO-1) or ``"replicated"`` (all-reduce, the whole gradient); ``shard_dim`` ``None``: unchanged.
+
+    Example::
+
+        g = reduce_over_shard(dout, mesh, 0, "reduce_scatter")
+    """
+    if shard_dim is None:
+        return g
+    if reduce == "reduce_scatter":
+        return comm.reduce_scatter(g, mesh, shard_dim, dim=0, op="avg")
+    if reduce == "all_reduce":
+        return narrow(comm.all_reduce(g, mesh, shard_dim, op="avg"), 0, start, rows)
+    return comm.all_reduce(g, mesh, shard_dim, op="avg")
+
+
+def reduce_over_replicas(g, like, mesh, replicate_dim: Optional[int], grad_scale: float):
+    """This rank's part of a gradient (:func:`reduce_over_shard`) averaged over the HSDP replicate dim
+    (``None``: none), scaled by ``grad_scale`` and cast to ``like``'s dtype.
+
+    Example::
+
+        g = reduce_over_replicas(part, piece, mesh, 0, 1.0)
+    """
+    if replicate_dim is not None:
+        g = comm.all_reduce(g, mesh, replicate_dim, op="avg")
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    return g if g.dtype == like.dtype else g.astype(like.dtype)     # (``is None`` on a dtype fails in graphs)
+
+
 def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], grad_scale: float,
                     reduce: str, rows: int = 0, start: int = 0):
     """A full (or flat) gradient reduced to this rank's part, as every backward of fully_shard does it,
-    PyNative and compiled: over the shard dim ``"reduce_scatter"`` (dim 0), ``"all_reduce"`` (then
-    this rank's ``rows`` rows, ZeRO-1) or ``"replicated"`` (all-reduce, the whole gradient), each
-    averaged; then averaged over the replicas (HSDP), scaled, and cast to ``like``'s dtype.
+    PyNative and compiled: :func:`reduce_over_shard`, then :func:`reduce_over_replicas`.
 
     Args:
         g: the gradient, in the reduce dtype.
@@ -58,24 +89,16 @@ def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Opti
 
         g = reduce_gradient(dout, piece, mesh, 0, None, 1.0, "reduce_scatter")
     """
-    if shard_dim is not None:
-        if reduce == "reduce_scatter":
-            g = comm.reduce_scatter(g, mesh, shard_dim, dim=0, op="avg")
-        elif reduce == "all_reduce":
-            g = narrow(comm.all_reduce(g, mesh, shard_dim, op="avg"), 0, start, rows)
-        else:
-            g = comm.all_reduce(g, mesh, shard_dim, op="avg")
-    if replicate_dim is not None:
-        g = comm.all_reduce(g, mesh, replicate_dim, op="avg")
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    return g if g.dtype == like.dtype else g.astype(like.dtype)     # (``is None`` on a dtype fails in graphs)
+    g = reduce_over_shard(g, mesh, shard_dim, reduce, rows, start)
+    return reduce_over_replicas(g, like, mesh, replicate_dim, grad_scale)
 
 
 class SyncState:
     """Shared switches of one sharded Cell: gradient sync on/off (off: backward passes add the
     unreduced gradient to a local accumulator and send nothing; the next synchronised one reduces
-    the sum once), scale and reduce dtype.
+    the sum once), the HSDP all-reduce over replicas on/off (off: backward passes reduce-scatter
+    and add their part to a local accumulator; the next one with it on all-reduces the sum once),
+    scale, divide factor and reduce dtype.
 
     Example::
 
@@ -84,5 +107,14 @@ class SyncState:
 
     def __init__(self, *, reduce_dtype: Any = None, grad_scale: float = 1.0) -> None:
         self.sync = True
+        self.all_reduce = True
         self.reduce_dtype = reduce_dtype
         self.grad_scale = grad_scale
+        self.divide_factor: Optional[float] = None      # FSDP2's gradient divide factor (None: the mesh size)
+
+    def scale_for(self, mesh) -> float:
+        """The factor applied to gradients averaged over ``mesh``: ``grad_scale``, times
+        ``mesh.size() / divide_factor`` when a divide factor is set (sum over the ranks, divided by it)."""
+        if self.divide_factor is None:
+            return self.grad_scale
+        return self.grad_scale * mesh.size() / self.divide_factor
