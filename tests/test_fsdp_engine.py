@@ -9,6 +9,7 @@ from collections import Counter
 import mindspore as ms
 import numpy as np
 import pytest
+from mindspore import nn
 
 from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.fsdp import fully_shard
@@ -309,3 +310,63 @@ def test_set_requires_all_reduce_accumulates_across_replicas_4_ranks():
         step(ms.Tensor(np.ones((2, 8), np.float32)))
     with pytest.raises(TypeError, match="bool"):
         model.set_requires_all_reduce("no")
+
+
+def _shard_with_ends_grouped(mesh):
+    """Each block a unit, the input layer and the head one unit (FSDP2's list), then the root."""
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        cells = [model.inp, model.head]
+        assert fully_shard(cells, mesh=mesh) is cells
+        assert fsdp_state(model.inp) is fsdp_state(model.head) and len(fsdp_state(model.inp).groups) == 1
+        fully_shard(model, mesh=mesh)
+    return shard
+
+
+@multi_rank(2)
+def test_fully_shard_of_a_list_of_cells_is_one_unit_2_ranks():
+    from hyper_parallel_ms.fsdp import FSDPModule
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    log = []
+    compare(_shard_with_ends_grouped(mesh), rank, 2, loss_mesh=mesh, steps=3, train=_recorded(log), optimizer="adamw")
+    # 3 units with parameters (2 blocks, the input layer + head): one gather each in the forward, one
+    # again in the backward, one reduce-scatter each
+    assert log == [Counter({("all_gather", "dp", 2): 6, ("reduce_scatter", "dp", 2): 3})] * 3, log
+    compare(_shard_with_ends_grouped(mesh), rank, 2, loss_mesh=mesh, steps=2, mode="jit")
+
+    ms.set_seed(0)
+    ref = Net()
+    ms.set_seed(0)
+    par = Net()
+    _shard_with_ends_grouped(mesh)(par)
+    assert isinstance(par.inp, FSDPModule) and isinstance(par.head, FSDPModule)
+    x = ms.Tensor(np.random.default_rng(rank).standard_normal((2, 8)).astype(np.float32))
+    # a round the head does not reach: the input layer's next call starts a new one (the pieces it
+    # gathers are the current ones), and a whole forward puts every piece back
+    np.testing.assert_allclose(par.inp(x).asnumpy(), ref.inp(x).asnumpy(), rtol=1e-6)
+    np.testing.assert_allclose(par.inp(x).asnumpy(), ref.inp(x).asnumpy(), rtol=1e-6)
+    np.testing.assert_allclose(par(x).asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-6)
+    assert all(is_piece(p) for p in par.trainable_params())
+
+    # a weight tied between the two Cells of the list: one record, gathered once, gradients summed
+    def tied_ends():
+        model = Net(hidden=8)
+        model.head = nn.Dense(8, 8)
+        model.head.weight = model.inp.weight
+        return model
+
+    def shard_tied(model):
+        _shard_with_ends_grouped(mesh)(model)
+        assert [len(g.params) for g in fsdp_state(model.inp).groups] == [3]      # weight, two biases
+    compare(shard_tied, rank, 2, loss_mesh=mesh, steps=2, make_model=tied_ends)
+
+    fresh = Net()
+    before = [id(p) for p in fresh.get_parameters()]
+    for bad, error, match in (([fresh.inp, fresh.inp], ValueError, "twice"),
+                              ([fresh, fresh.inp], ValueError, "inside"),
+                              ([], TypeError, "non-empty list"), ([fresh.inp, 3], TypeError, "non-empty list")):
+        with pytest.raises(error, match=match):
+            fully_shard(bad, mesh=mesh)
+    assert [id(p) for p in fresh.get_parameters()] == before and not isinstance(fresh.inp, FSDPModule)

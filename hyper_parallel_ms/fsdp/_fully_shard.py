@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from math import prod
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from mindspore import Parameter, nn
 
@@ -69,6 +69,10 @@ class FSDPModule:
             raise TypeError(f"async_op must be a bool, got {async_op!r}")
         self.__dict__[_STATE].unshard()
         return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Put this Cell's pieces back (frees the gathered parameters)."""
+        self.__dict__[_STATE].reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With ``False`` the backward accumulates unreduced gradients locally and sends nothing;
@@ -353,12 +357,21 @@ def _buckets(params: List[FSDPParam], bucket_bytes: Optional[int]) -> List[List[
     return out
 
 
-def _plan(cell: nn.Cell, mesh, state: FSDPState, *, threshold_bytes: int, bucket_bytes: Optional[int], reduce: str,
-          dtensor_mesh: Optional[Callable[[Parameter], Any]], call: str, ignored: frozenset,
+def _unit_slots(cells: List[nn.Cell], ignored: frozenset) -> List[Tuple[Parameter, List[Tuple[nn.Cell, str]]]]:
+    """:func:`_own_slots` of every Cell of a unit, a parameter several of them hold once."""
+    found: Dict[int, Tuple[Parameter, List[Tuple[nn.Cell, str]]]] = {}
+    for cell in cells:
+        for p, holders in _own_slots(cell, ignored):
+            found.setdefault(id(p), (p, []))[1].extend(holders)
+    return list(found.values())
+
+
+def _plan(cells: List[nn.Cell], mesh, state: FSDPState, *, threshold_bytes: int, bucket_bytes: Optional[int],
+          reduce: str, dtensor_mesh: Optional[Callable[[Parameter], Any]], call: str, ignored: frozenset,
           shard_placement_fn: Optional[Callable]) -> FSDPState:
     """``state`` with its records and groups: the pieces made, no Cell changed, nothing sent."""
     kinds: Dict[Tuple[bool, Any, Any], List[FSDPParam]] = {}
-    for p, holders in _own_slots(cell, ignored):
+    for p, holders in _unit_slots(cells, ignored):
         _check_placement(shard_placement_fn, p, call)
         local, placed = local_parameter(p, call)
         unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
@@ -396,15 +409,22 @@ def _described(state: FSDPState) -> List[Tuple[str, str]]:
     return entries
 
 
-def _edits(cell: nn.Cell, state: FSDPState, mixin: type, prefix: str) -> List[ModuleEdit]:
+def _edits(cells: List[nn.Cell], state: FSDPState, mixin: type, prefix: str) -> List[ModuleEdit]:
     """The changes of one unit, one :class:`ModuleEdit` per Cell: each holder gets its pieces, its
-    compiled readers and the gathering class; the unit its state, hooks and ``FSDPModule`` class."""
-    paths = {id(sub): path for path, sub in named_cells(cell).items()}
+    compiled readers and the gathering class; each Cell of the unit its state, hooks and
+    ``FSDPModule`` class."""
+    several = len(cells) > 1
+    paths = {}
+    for i, root in enumerate(cells):
+        for path, sub in named_cells(root).items():
+            prefix_path = f"[{i}]" if several else ""
+            paths.setdefault(id(sub), ".".join(x for x in (prefix_path, path) if x))
     edits: Dict[int, ModuleEdit] = {}
 
     def edit_of(c: nn.Cell) -> ModuleEdit:
         return edits.setdefault(id(c), ModuleEdit(paths[id(c)], c, marks_done=True))
 
+    name = "[" + ", ".join(type(c).__name__ for c in cells) + "]" if several else type(cells[0]).__name__
     taken = []
     for group in state.groups:
         for i, record in enumerate(group.params):
@@ -415,17 +435,37 @@ def _edits(cell: nn.Cell, state: FSDPState, mixin: type, prefix: str) -> List[Mo
                 edit.attributes[READER_PREFIX + attr] = reader
             holder, attr = record.holders[0]
             use = f"{paths[id(holder)]}.{attr}" if paths[id(holder)] else attr
-            taken.append((record.original, TAKEN_BY, (type(cell).__name__, use)))
+            taken.append((record.original, TAKEN_BY, (name, use)))
     for edit in edits.values():
         edit.swap_class = gathering_class(type(edit.cell), list(edit.parameters))
-    unit = edit_of(cell)
-    unit.attributes[_STATE] = state
     pre, post = eager_hooks(state)
-    unit.forward_pre_hooks.append(pre)
-    unit.restoring_hooks.append(post)
-    unit.swap_class = _extended_class(unit.swap_class or type(cell), mixin, prefix)
-    unit.object_attributes.extend(taken)
+    for cell in cells:
+        unit = edit_of(cell)
+        unit.attributes[_STATE] = state
+        unit.forward_pre_hooks.append(pre)
+        unit.restoring_hooks.append(post)
+        unit.swap_class = _extended_class(unit.swap_class or type(cell), mixin, prefix)
+    edit_of(cells[0]).object_attributes.extend(taken)
     return list(edits.values())
+
+
+def _unit_cells(module: Any) -> List[nn.Cell]:
+    """The Cells of one unit: ``module``, or FSDP2's list of Cells sharded as one group (none inside
+    another, none twice)."""
+    if isinstance(module, nn.Cell):
+        return [module]
+    if not isinstance(module, (list, tuple)) or not module or not all(isinstance(m, nn.Cell) for m in module):
+        raise TypeError(f"fully_shard needs an nn.Cell or a non-empty list of them, got {module!r:.200}")
+    cells = list(module)
+    if len({id(c) for c in cells}) != len(cells):
+        raise ValueError("fully_shard: a Cell appears twice in the list")
+    for outer in cells:
+        inside = {id(c) for c in named_cells(outer).values()} - {id(outer)}
+        nested = [type(c).__name__ for c in cells if id(c) in inside]
+        if nested:
+            raise ValueError(f"fully_shard: {nested} lie inside {type(outer).__name__} in the same list; shard the "
+                             "inner Cells first (their own call), then the list of the outer ones")
+    return cells
 
 
 def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
@@ -439,11 +479,11 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     The plan is made without changing anything, agreed by every rank of ``mesh`` (a rank whose plan
     or error differs fails every rank) and applied through ``nn``'s edit engine (a failure leaves
     every Cell as it was); ``engine`` names the call in the done-marker that the parallel styles check."""
-    if not isinstance(cell, nn.Cell):
-        raise TypeError(f"fully_shard needs an nn.Cell, got {type(cell).__name__}")
-    if fsdp_state(cell) is not None:
-        raise ValueError(f"{type(cell).__name__} is already sharded by fully_shard; apply it once per Cell")
-    _refuse_below_a_unit(cell)
+    cells = _unit_cells(cell)
+    for c in cells:
+        if fsdp_state(c) is not None:
+            raise ValueError(f"{type(c).__name__} is already sharded by fully_shard; apply it once per Cell")
+        _refuse_below_a_unit(c)
     mesh = default_mesh() if mesh is None else mesh
     dp_mesh_dims(mesh)                          # a 1-D or 2-D mesh
     _check_reshard(reshard_after_forward)
@@ -452,19 +492,21 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     sync = SyncState(reduce_dtype=reduce_dtype if reduce_dtype is not None else policy.reduce_dtype,
                      grad_scale=grad_scale)
-    call = f"{prefix.lower()}({type(cell).__name__})"          # names this call in local_parameter's errors
+    names = ", ".join(type(c).__name__ for c in cells)
+    call = f"{prefix.lower()}({names if len(cells) == 1 else '[' + names + ']'})"   # names this call in errors
     ignored = _ignored_ids(ignored_params, call)
 
     def prepare() -> FSDPState:
-        state = FSDPState(cell, mesh, sync, policy, reshard_after_forward)
-        state = _plan(cell, mesh, state, threshold_bytes=threshold_bytes, bucket_bytes=bucket_bytes,
+        state = FSDPState(cells[0], mesh, sync, policy, reshard_after_forward)
+        state.cells = cells
+        state = _plan(cells, mesh, state, threshold_bytes=threshold_bytes, bucket_bytes=bucket_bytes,
                       reduce=reduce, dtensor_mesh=dtensor_mesh, call=call, ignored=ignored,
                       shard_placement_fn=shard_placement_fn)
-        _check_reshard(reshard_after_forward, state.groups, type(cell).__name__)
+        _check_reshard(reshard_after_forward, state.groups, names)
         return state
     state = agreed(prepare, _described, mesh, call)
     _set_reshard(state, reshard_after_forward)
-    apply_edits(_edits(cell, state, mixin, prefix), engine)
+    apply_edits(_edits(cells, state, mixin, prefix), engine)
     return cell
 
 
@@ -488,18 +530,21 @@ def _check_offload(offload_policy: Optional[OffloadPolicy]) -> None:
             "is not built; use OffloadPolicy() (keep them on the device)")
 
 
-def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Optional[Any] = True,
+def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_after_forward: Optional[Any] = True,
                 shard_placement_fn: Optional[Callable[[Parameter], Optional[Shard]]] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
-                ignored_params: Optional[Any] = None) -> nn.Cell:
+                ignored_params: Optional[Any] = None) -> Union[nn.Cell, List[nn.Cell]]:
     """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0
     over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
-    :class:`FSDPModule`. Apply bottom-up: each block, then the root. A parameter shared by
+    :class:`FSDPModule`. A list of Cells (none inside another) is one unit, as in FSDP2: their
+    parameters are gathered together when the first of them runs its forward and put back when
+    every one of them has run its own (a Cell running again before that starts a new round). Apply bottom-up: each block, then the root. A parameter shared by
     several Cells (tied) belongs to the lowest Cell holding every use: one piece, gathered once;
     a call finding it already taken by another unit raises.
 
     Args:
-        module: the Cell whose parameters are sharded (returned, changed in place).
+        module: the Cell whose parameters are sharded (returned, changed in place), or a list of Cells
+            sharded as one unit.
         mesh: a 1-D :class:`DeviceMesh` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP); default: every
             rank on one dim. For a TP model, the dp mesh (``mesh["dp"]``): TP parameters get a joint
             (dp, tp) layout.
@@ -528,7 +573,7 @@ def fully_shard(module: nn.Cell, *, mesh=None, reshard_after_forward: Optional[A
     shard_cell(module, mesh, reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
                mp_policy=mp_policy, ignored_params=ignored_params, shard_placement_fn=shard_placement_fn)
     if reshard_after_forward is None:
-        fsdp_state(module).on_first_forward = _root_keeps_gathered
+        fsdp_state(_unit_cells(module)[0]).on_first_forward = _root_keeps_gathered
     return module
 
 

@@ -10,11 +10,14 @@ or all kept whole. The forward all-gathers pieces over the shard mesh dim in ``p
   all-gather forward, one reduce-scatter backward; with gradient sync off the backward adds the
   unreduced gradient to a local accumulator instead.
 - Compiled (``ms.jit`` / GRAPH_MODE): each read of a parameter calls its :class:`ParamGather`
-  on its piece: one all-gather forward and one reduce-scatter backward per parameter. Gathering
-  the group's buffer at each read and letting MindSpore's compiler merge the copies was tried:
-  the merged gathers carry no order, and MindSpore's CPU runtime then ran two independent
-  collectives in different orders on two ranks (measured: a 64- and an 8-element all-reduce
-  swapped, "Memcpy error", the step failed). Each read keeps the order the graph gives it.
+  on its piece: one all-gather forward and one reduce-scatter backward per parameter. A graph
+  has no place where a unit's reads could share one gather: each Cell reads its parameters
+  through its own property, and MindSpore 2.10 merges no copies (measured: two reads packing the
+  same Parameters and calling one gathering Cell compile to two gathers and two reductions, also
+  with ``no_eliminate`` lifted from ``AllReduce``, also for plain ``Erf`` ops; MindSpore's comm
+  fusion with ``set_auto_parallel_context(comm_fusion=...)`` fails kernel selection of the
+  fused graph on CPU, "Select CPU operator[Concat] fail"). Each read keeps the order the graph
+  gives it.
 
 Example::
 

@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, nn
@@ -57,7 +57,7 @@ class FSDPState:
     """The groups of one unit, its policies and its PyNative forward hooks.
 
     Args:
-        cell: the unit (the Cell fully_shard / hsdp was applied to).
+        cell: the unit (the Cell fully_shard / hsdp was applied to; the first of them for a list).
         mesh: the data-parallel mesh it was given.
         sync: the :class:`SyncState` its backward passes read.
         policy: the :class:`MixedPrecisionPolicy`.
@@ -71,6 +71,10 @@ class FSDPState:
     def __init__(self, cell: nn.Cell, mesh, sync: SyncState, policy: MixedPrecisionPolicy,
                  reshard_after_forward: Any) -> None:
         self.cell, self.mesh, self.sync, self.policy = cell, mesh, sync, policy
+        self.cells: List[nn.Cell] = [cell]      # every Cell of the unit (``fully_shard([m1, m2])``)
+        self.running: Set[int] = set()          # Cells of the unit whose forward this round has not ended
+        self._round: Optional[list] = None      # the full values gathered for this round
+        self._slot_cache: Dict[int, List[Tuple[int, int]]] = {}
         self.groups: List[FSDPParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -98,16 +102,29 @@ class FSDPState:
                                "after fully_shard / hsdp and before the first forward")
         self.deferred = False
 
-    def _install(self, values: Sequence) -> None:
-        for param, value in zip(self.params, values):
-            value = as_placed(value, param.placed)
-            for holder, attr in param.holders:
-                put_parameter(holder, attr, value)
+    def _slots(self, cell: Optional[nn.Cell] = None) -> List[Tuple[int, int]]:
+        """(record index, holder index) of every use of the unit's parameters inside ``cell`` (one
+        Cell of the unit; ``None``: all of them). Indices only: MindSpore's compiler reads this object
+        (:meth:`check_compilable`) and fails on Cells inside its containers."""
+        key = -1 if cell is None or len(self.cells) == 1 else self.cells.index(cell)
+        if key not in self._slot_cache:
+            inside = None if key < 0 else {id(c) for _, c in cell.cells_and_names()}
+            self._slot_cache[key] = [(i, j) for i, param in enumerate(self.params)
+                                     for j, (holder, _) in enumerate(param.holders)
+                                     if inside is None or id(holder) in inside]
+        return self._slot_cache[key]
 
-    def _restore(self) -> None:
-        for param in self.params:
-            for holder, attr in param.holders:
-                put_parameter(holder, attr, param.piece)
+    def _install(self, values: Sequence, cell: Optional[nn.Cell] = None) -> None:
+        params = self.params
+        for i, j in self._slots(cell):
+            holder, attr = params[i].holders[j]
+            put_parameter(holder, attr, as_placed(values[i], params[i].placed))
+
+    def _restore(self, cell: Optional[nn.Cell] = None) -> None:
+        params = self.params
+        for i, j in self._slots(cell):
+            holder, attr = params[i].holders[j]
+            put_parameter(holder, attr, params[i].piece)
 
     def _frees_after_forward(self) -> bool:
         # inside an activation checkpoint MindSpore keeps nothing and the recompute gathers again
@@ -189,27 +206,53 @@ class FSDPState:
         self.compiled = True
 
     def pre_forward(self, cell, args):
+        """The forward pre-hook of each Cell of the unit: the first Cell of a round gathers, the
+        others of the same round (``fully_shard([m1, m2])``) take the values gathered then; each
+        Cell holds the full values only during its own forward."""
+        if self.running and id(cell) not in self.running:
+            self._end_round()          # this Cell ran already: the last round did not reach every Cell
+        if self.running:
+            if self.saving is not None:
+                self.saving.resume()
+        else:
+            self._begin_round()
+        self._install(self._round, cell)
+        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
+            return _cast_floats(args, self.policy.param_dtype)
+        return None
+
+    def _begin_round(self) -> None:
         if self.on_first_forward is not None:
             decide, self.on_first_forward = self.on_first_forward, None
             decide(self, _FORWARDS.depth == 0)
         if self.deferred:
             self._check_initialised()
         if not self.checked:
-            run_first_call_checks(self.cell)      # while the pieces are in place
+            for cell in self.cells:
+                run_first_call_checks(cell)      # while the pieces are in place
             self.checked = True
-        self._install(self._gather_for_forward())
+        self._round = self._gather_for_forward()
         for other in self.forward_prefetch:
             other.prefetch()
+        self.running = {id(c) for c in self.cells}
         _FORWARDS.depth += 1           # (only efficiency reads it: which unit is the root)
-        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
-            return _cast_floats(args, self.policy.param_dtype)
-        return None
 
-    def post_forward(self, cell, args, output):
+    def _end_round(self) -> None:
+        self.running, self._round = set(), None
         _FORWARDS.depth = max(_FORWARDS.depth - 1, 0)
         if self.saving is not None:
             self.saving.end()
-        self._restore()
+
+    def post_forward(self, cell, args, output):
+        """The forward hook of each Cell of the unit (run when the forward raises too): the Cell gets
+        its pieces back; the last Cell of a round ends it."""
+        self._restore(cell)
+        self.running.discard(id(cell))
+        if self.running:
+            if self.saving is not None:
+                self.saving.pause()    # other Cells' forwards run until the unit's next Cell
+        else:
+            self._end_round()
         dtype = self.policy.output_dtype
         if dtype is None:
             return None
