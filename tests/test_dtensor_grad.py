@@ -47,6 +47,9 @@ def test_grad_and_value_and_grad_on_op_rules():
         loss, gw_only = hp.value_and_grad(_loss, 1)(x, w)
         np.testing.assert_allclose(loss.full_tensor().asnumpy(), _loss(Tensor(_X), Tensor(_W)).asnumpy(), rtol=1e-5)
         _close(gw_only, want_gw.asnumpy(), "value_and_grad w")
+        gx_only = hp.grad(_loss, (0,))(x, w)                     # a one-position tuple: the gradient bare, as ms.grad
+        assert isinstance(gx_only, DTensor) and gx_only.placements == (px,)
+        _close(gx_only, want_gx.asnumpy(), "grad (0,)")
     x = distribute_tensor(Tensor(_X), mesh, [Shard(0)])
     (gx, aux) = hp.grad(_loss_aux, 0, has_aux=True)(x, Tensor(_W))
     _close(gx, ms.grad(_loss_aux, 0, has_aux=True)(Tensor(_X), Tensor(_W))[0].asnumpy(), "has_aux")
@@ -99,6 +102,68 @@ def test_shard_module_model_trains_with_dtensor_gradients():
         opt(tuple(g.to_local() for g in grads))
     for p, r in zip(net.trainable_params(), ref.trainable_params()):
         np.testing.assert_allclose(p.full_tensor().asnumpy(), r.asnumpy(), rtol=1e-5, atol=1e-5, err_msg=p.name)
+
+
+class _NormedMlp(nn.Cell):
+    """MindSpore's LayerNorm reads ``self.gamma.astype(x.dtype)``: a read of a Parameter(DTensor)
+    through a cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm((6,), gamma_init=Tensor(np.linspace(0.5, 1.5, 6).astype(np.float32)),
+                                 beta_init=Tensor(np.linspace(-0.2, 0.3, 6).astype(np.float32)))
+        self.mlp = _Mlp()
+
+    def construct(self, x):
+        return self.mlp(self.norm(x))
+
+
+_READS = {"plain": lambda w: w, "astype": lambda w: w.astype(ms.float32), "to": lambda w: w.to(ms.float32),
+          "float": lambda w: w.float(), "to_local": lambda w: DTensor.from_local(w.to_local(), w.device_mesh,
+                                                                                 w.placements),
+          "full_tensor": lambda w: w.full_tensor(), "redistribute": lambda w: w.redistribute(placements=[Replicate()]),
+          "to_local(grad_placements)": lambda w: DTensor.from_local(w.to_local(grad_placements=w.placements),
+                                                                   w.device_mesh, w.placements)}
+
+
+class _Reads(nn.Cell):
+    def __init__(self, w, read) -> None:
+        super().__init__()
+        self.w, self.read = w, read
+
+    def construct(self, x):
+        v = self.read(self.w)
+        return (v * x).sum() if not isinstance(v, DTensor) else (v * x).sum().full_tensor()
+
+
+@multi_rank(2)
+def test_a_parameter_read_through_casts_and_local_views_keeps_its_gradient():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = Tensor(np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32))
+    w0 = Tensor(np.random.default_rng(4).standard_normal((4, 6)).astype(np.float32))
+    for placement in (Replicate(), Shard(0), Shard(1)):
+        for name, read in _READS.items():
+            cell = _Reads(Parameter(distribute_tensor(w0, mesh, [placement]), name="w"), read)
+            g = hp.grad(cell, None, [cell.w])(x)[0]
+            np.testing.assert_allclose(g.full_tensor().asnumpy(), x.asnumpy(), rtol=1e-6,
+                                       err_msg=f"{placement} {name}")     # d/dw sum(w * x) = x
+    # shard_module over a model with nn.LayerNorm: gamma and beta train as on one device
+    plan = ShardingPlan(plan={"mlp.fc1.weight": ("tp", "None"), "mlp.fc1.bias": ("tp",)})
+    ref, net = _NormedMlp(), _NormedMlp()
+    net.mlp.fc2.weight.set_data(ref.mlp.fc2.weight.value().copy())
+    net.mlp.fc2.bias.set_data(ref.mlp.fc2.bias.value().copy())
+    net = shard_module(net, mesh, plan)
+    ref_opt, opt = nn.SGD(ref.trainable_params(), 0.1), nn.SGD(net.trainable_params(), 0.1)
+    x = Tensor(_X)
+    for step in range(3):
+        _, want = ms.value_and_grad(lambda t: _mse(ref)(t)[0], None, ref.trainable_params())(x)
+        _, grads = hp.value_and_grad(lambda t: _mse(net)(t)[0], None, net.trainable_params())(x)
+        for p, g, w in zip(net.trainable_params(), grads, want):
+            _close(g, w.asnumpy(), f"step {step} {p.name}")
+        ref_opt(want)
+        opt(tuple(g.to_local() for g in grads))
+    for p, r in zip(net.trainable_params(), ref.trainable_params()):
+        np.testing.assert_allclose(p.full_tensor().asnumpy(), r.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)
 
 
 @multi_rank(2)

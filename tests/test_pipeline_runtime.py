@@ -188,7 +188,7 @@ def test_compiled_stages_equal_one_device_on_two_ranks(name):
 def test_errors_raise_on_every_rank():
     from hyper_parallel_ms import pipelining as pl
     from hyper_parallel_ms.mesh import init_device_mesh
-    from hyper_parallel_ms.pipelining import ScheduleError
+    from hyper_parallel_ms.pipelining import PipelineError, ScheduleError
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     me = mesh.get_local_rank()
@@ -220,6 +220,35 @@ def test_errors_raise_on_every_rank():
         _schedule("GPipe", mesh, 2, loss=loss_fn if me == 0 else None)
     with pytest.raises(TypeError, match="needs n_microbatches \\(or HyperParallel's micro_batch_num\\)"):
         _schedule("GPipe", mesh, None)
+
+    # stages built separately with one parameter name each (an untied copy, or a weight tied across the
+    # stages but not listed in shared_parameters): every rank raises, naming the fix
+    def separate(model):
+        model.layers = nn.CellList([Block()])                    # "layers.0.dense.weight" on both ranks
+    with pytest.raises(ScheduleError, match=r"held by several stages: this rank \(pp rank \d\) holds "
+                                            r"\['layers.0.dense.bias', 'layers.0.dense.weight'.*shared_parameters"):
+        _schedule("GPipe", mesh, 2, prepare=separate)
+    # clipping by one stage's parameters (not the schedule): refused, naming the schedule
+    from hyper_parallel_ms.training import clip_grad_norm
+    schedule, _ = _schedule("GPipe", mesh, 2)
+    schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+    with pytest.raises(ValueError, match=r"parameters of one pipeline stage.*pass the schedule itself"):
+        clip_grad_norm(schedule.gradients(), 1.0, parameters=schedule.parameters())
+    clip_grad_norm(schedule.gradients(), 1.0, parameters=schedule)
+    # PyTorch's PipelineStage arguments: device, input_args / output_args (checked each micro-batch), group
+    ms.set_seed(0)
+    model = pl.split_blocks(Model(2), me, 2, first=("embed",), last=("head",))
+    good = (ms.Tensor(np.zeros((2, IN), np.float32)),) if me == 0 else (ms.Tensor(np.zeros((2, WIDTH), np.float32)),)
+    stage = pl.PipelineStage(model, me, 2, "cpu", input_args=good, group=mesh)
+    pl.ScheduleGPipe(stage, 2, loss_fn).step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+    bad = pl.PipelineStage(model, me, 2, "cpu", input_args=ms.Tensor(np.zeros((3, 1), np.float32)), group=mesh)
+    # the stage's rank raises the check's ValueError, the other rank a PipelineError naming it
+    with pytest.raises((ValueError, PipelineError), match=r"stage 0: a micro-batch's inputs have shapes \(\(2, 6\),\)"):
+        pl.ScheduleGPipe(bad, 2, loss_fn).step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+    with pytest.raises(ValueError, match="runs on 'cpu' devices"):
+        pl.PipelineStage(model, me, 2, "npu:0", mesh=mesh)
+    with pytest.raises(NotImplementedError, match="dw_builder"):
+        pl.PipelineStage(model, me, 2, dw_builder=lambda: None, mesh=mesh)
 
 
 def test_split_blocks_keeps_full_model_names_and_even_shares():

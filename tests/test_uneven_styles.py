@@ -84,3 +84,19 @@ def test_uneven_sequence_sharding_raises_with_the_length():
     assert model(ms.Tensor(np.ones((2, 8, 4), np.float32))).shape == (2, 2, 4)
     with pytest.raises(ValueError, match="shards dim 1 of length 7 over 4 ranks unevenly"):
         model(ms.Tensor(np.ones((2, 7, 4), np.float32)))
+
+
+@multi_rank(4)
+def test_a_parameter_leaving_a_rank_an_empty_piece_is_refused_before_any_change():
+    from hyper_parallel_ms.nn import ShardingPlan, shard_module
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    # 6 output features over 4 ranks: torch.chunk pieces 2, 2, 2, 0; MindSpore's optimizers cannot hold
+    # the empty one, so rank 3 alone would fail its first step while the others wait
+    dense = nn.Dense(8, 6)
+    before = [(p.name, tuple(p.shape)) for p in dense.trainable_params()]
+    with pytest.raises(ValueError, match=r"'weight' of shape \(6, 8\).*empty piece \(0, 8\)"):
+        parallelize_module(dense, mesh, ColwiseParallel())
+    with pytest.raises(ValueError, match=r"'weight' of shape \(6, 8\).*empty piece"):
+        shard_module(dense, mesh, ShardingPlan(plan={"weight": (Shard(0),)}))
+    assert [(p.name, tuple(p.shape)) for p in dense.trainable_params()] == before
+    parallelize_module(nn.Dense(8, 7), mesh, ColwiseParallel())      # 2, 2, 2, 1: every rank holds a piece

@@ -44,6 +44,17 @@ __all__ = ["DTensor"]
 _local_view = _ms_seam.plain_view   # a plain Tensor sharing storage (and the autodiff node) with ``t``
 
 
+def _local_tensor(t: "DTensor") -> Tensor:
+    """``t``'s piece as a plain Tensor that autodiff links to ``t``: a view (:func:`_local_view`),
+    or for a ``Parameter(DTensor)`` a view made by an op on the Parameter itself (autodiff tracks a
+    weight by its Parameter: a plain view of one got no gradient, so ``nn.LayerNorm``'s
+    ``gamma.astype(x.dtype)`` left gamma untrained)."""
+    if not isinstance(t, ms.Parameter):
+        return _local_view(t)
+    with _ms_seam.no_hook():
+        return t.reshape(t.shape)
+
+
 def _dispatch(func, args: tuple, kwargs: dict):
     """Sharding propagation for one op (the ops package, imported on the first op so that importing
     DTensor loads no op rules; it does not import this module: it reads DTensors through
@@ -274,9 +285,9 @@ class DTensor(Tensor):
         spec = self._dt_spec
         grad_layout = spec.layout if grad_placements is None else to_layout(spec.mesh, grad_placements, self.ndim)
         if grad_layout == gradient_layout(spec.layout):
-            return _local_view(self)
+            return _local_tensor(self)
         cell = redistribution(spec.mesh, spec.layout, spec.layout, spec.shape, grad_src=grad_layout)
-        return _local_view(cell(_local_view(self)))
+        return _local_view(cell(_local_tensor(self)))
 
     def redistribute(self, device_mesh=None, placements: Optional[Sequence] = None, *, async_op: bool = False,
                      forward_dtype=None, backward_dtype=None) -> "DTensor":
@@ -307,7 +318,7 @@ class DTensor(Tensor):
         layout = to_layout(spec.mesh, placements, self.ndim)
         if layout == spec.layout:
             return self
-        out = redistribution(spec.mesh, spec.layout, layout, spec.shape)(_local_view(self))
+        out = redistribution(spec.mesh, spec.layout, layout, spec.shape)(_local_tensor(self))
         return DTensor._adopt(out, spec.with_layout(layout))
 
     def full_tensor(self, *, grad_placements: Optional[Sequence] = None) -> Tensor:
@@ -325,7 +336,9 @@ class DTensor(Tensor):
         rounding = not str(dtype).lower().startswith(("float", "bfloat"))
         if rounding and any(p.is_partial("sum") or p.is_partial("avg") for p in self._dt_spec.placements):
             return self.reduce_partial().to(dtype)
-        return DTensor(_local_view(self).astype(dtype), self._dt_spec)
+        if dtype == self.dtype:
+            return self
+        return DTensor._adopt(_local_tensor(self).astype(dtype), self._dt_spec)
 
     def float(self) -> "DTensor":
         """Cast to float32."""

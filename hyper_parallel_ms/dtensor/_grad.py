@@ -45,6 +45,8 @@ def _as_dtensors(grads, grad_position: Positions, weights, args: tuple):
     def inputs_part(g):
         if isinstance(grad_position, int):
             return _laid_out_like(g, args[grad_position])
+        if isinstance(g, Tensor):          # MindSpore gives a one-position tuple's gradient bare
+            return _laid_out_like(g, args[grad_position[0]])
         return tuple(_laid_out_like(x, args[i]) for x, i in zip(g, grad_position))
 
     def weights_part(g):

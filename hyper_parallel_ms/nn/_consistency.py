@@ -13,25 +13,18 @@ Example::
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, List, Sequence, Tuple, TypeVar
 
 import numpy as np
 
-from ..comm._agreement import extremes, note_agreement
+from ..comm._agreement import digest, extremes, note_agreement
 
 __all__ = ["check_same_on_all_ranks", "agreed"]
 
 T = TypeVar("T")
 
-_CHUNK_BITS, _CHUNKS = 20, 3
+_CHUNKS = 3        # floats per digest
 _ABSENT = -1.0
-
-
-def _chunks(description: str) -> List[float]:
-    h = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "big")
-    mask = (1 << _CHUNK_BITS) - 1
-    return [float((h >> (_CHUNK_BITS * i)) & mask) for i in range(_CHUNKS)]
 
 
 def check_same_on_all_ranks(entries: Sequence[Tuple[str, str]], mesh, what: str) -> None:
@@ -44,10 +37,10 @@ def check_same_on_all_ranks(entries: Sequence[Tuple[str, str]], mesh, what: str)
         return
     high, low = extremes(np.array([float(len(entries))]), mesh)
     count = int(high[0])
-    digest = np.full((count, _CHUNKS), _ABSENT)
+    table = np.full((count, _CHUNKS), _ABSENT)
     for i, (_, description) in enumerate(entries):
-        digest[i] = _chunks(description)
-    high, low = extremes(digest.reshape(-1), mesh)
+        table[i] = digest(description)
+    high, low = extremes(table.reshape(-1), mesh)
     differs = (high != low).reshape(count, _CHUNKS).any(axis=1)
     if not differs.any():
         return

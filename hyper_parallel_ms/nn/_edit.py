@@ -207,6 +207,26 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
         changes.set_attribute(obj, name, value)
 
 
+def _check_no_empty_pieces(edits: List[ModuleEdit], engine: str) -> None:
+    """Refuse, before any change, a parameter whose piece would be empty on some rank: MindSpore's
+    optimizers cannot hold state for an empty Parameter, so that rank alone would fail its first
+    step while the others wait in their next collective."""
+    for edit in edits:
+        for attr, placement in edit.parameters.items():
+            if not isinstance(placement, ParameterPlacement):
+                continue
+            param = edit.cell._params.get(attr)
+            smallest = None if param is None else placement.empty_piece(tuple(param.shape))
+            if smallest is not None:
+                where = f"{edit.path}.{attr}" if edit.path else attr
+                raise ValueError(
+                    f"{engine}: parameter '{where}' of shape {tuple(param.shape)} cut by {tuple(placement.placements)} "
+                    f"over the mesh {placement.mesh.shape} leaves the last rank an empty piece {smallest} (torch.chunk "
+                    "pieces), which MindSpore's optimizers cannot hold (that rank alone would fail its step). Use a "
+                    "size that gives every rank at least one slice (a multiple of the mesh size), a smaller mesh, or "
+                    "leave this parameter replicated")
+
+
 def _scope(edits: List[ModuleEdit], root: Optional[nn.Cell]) -> List[nn.Cell]:
     """``root``, or by default the edited Cells (each once)."""
     return [root] if root is not None else list({id(e.cell): e.cell for e in edits}.values())
@@ -240,6 +260,7 @@ def apply_edits(edits: List[ModuleEdit], engine: str, root: Optional[nn.Cell] = 
         for cell in _scope(edits, root):
             check_not_fully_sharded(cell, engine)
     _check_tied(edits, root, engine)
+    _check_no_empty_pieces(edits, engine)
     touched = [e for e in edits if e.custom_apply is not None or e.replicate_rest is not None]
     snapshots = [(e.cell, snapshot_parameters(e.cell)) for e in touched]
     made: Made = {}

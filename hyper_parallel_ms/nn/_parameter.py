@@ -126,6 +126,15 @@ class ParameterPlacement:
         layout, coordinate = to_layout(self.mesh, self.placements, len(global_shape)), self.mesh.get_coordinate()
         return tuple(layout.global_offset(global_shape, coordinate)), tuple(layout.local_shape(global_shape, coordinate))
 
+    def empty_piece(self, global_shape: Sequence[int]) -> Optional[Tuple[int, ...]]:
+        """The shape of the smallest rank's piece if it is empty while ``global_shape`` is not
+        (``torch.chunk`` pieces shrink towards the last rank of each sharding mesh dim), else ``None``."""
+        if 0 in tuple(global_shape):
+            return None
+        layout = to_layout(self.mesh, self.placements, len(global_shape))
+        smallest = tuple(layout.local_shape(global_shape, tuple(n - 1 for n in self.mesh.shape)))
+        return smallest if 0 in smallest else None
+
     def make(self, param: Parameter) -> Parameter:
         """The new Parameter, with ``param``'s name, cut from ``param``'s values."""
         if self.as_dtensor:

@@ -34,7 +34,7 @@ from ._channel import Channel
 from ._failure import end_step
 from ._microbatch import as_tuple, is_float
 from ._plan import PipelinePlan
-from ._stage import PipelineStage, stage_forward
+from ._stage import PipelineStage, check_shapes, stage_forward
 
 __all__ = ["Runtime", "StepStats"]
 
@@ -161,11 +161,13 @@ class Runtime:
         stage = self.stages[s]
         args = self._batches[m] if s == 0 else self._inputs[s, m]
         self.forward_calls += 1
+        check_shapes(stage, args, stage.input_shapes, "inputs")
         if stage.is_last:
             out, loss = taped_call(self._forwards[s], *args, self._targets[m])
             self._results[m] = out
         else:
             out = taped_call(self._forwards[s], *args)
+        check_shapes(stage, out, stage.output_shapes, "outputs")
         if stage.is_last:
             if self._losses is not None:
                 self._losses.append(loss)

@@ -25,8 +25,8 @@ from ._action import PipelineError, ScheduleError
 from ._microbatch import split_microbatches
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
-from ._shared import SharedParameters, SharedSpec
-from ._stage import PipelineStage, stage_cells
+from ._shared import SharedParameters, SharedSpec, check_names_unshared
+from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
 
@@ -113,6 +113,10 @@ class PipelineSchedule:
         self.mesh = stages[0].mesh
         self.plan = self._agreed_plan(stages, n, loss_fn)
         self._shared = SharedParameters(shared_parameters, stages, self.mesh, type(self).__name__)
+        check_names_unshared(stages, self.mesh, shared_parameters, type(self).__name__)
+        for stage in stages:              # a norm of these alone is not the model's (TotalGradNorm checks)
+            for p in stage.parameters():
+                object.__setattr__(p, STAGE_MESH, self.mesh)
         self._runtime = Runtime(stages, self.plan, loss_fn, 1.0 / n if scale_grads else 1.0)
         self._grads: Optional[Tuple[Tensor, ...]] = None
 

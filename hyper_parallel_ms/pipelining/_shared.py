@@ -23,12 +23,12 @@ import numpy as np
 from mindspore import Tensor
 
 from .. import comm
-from ..comm._agreement import extremes
+from ..comm._agreement import digest, extremes
 from ..nn._adapter import named_cells, own_parameters
 from ._action import ScheduleError
 from ._stage import PipelineStage
 
-__all__ = ["SharedParameters", "SharedSpec"]
+__all__ = ["SharedParameters", "SharedSpec", "check_names_unshared"]
 
 SharedSpec = Sequence[Union[str, Sequence[str]]]
 
@@ -124,3 +124,49 @@ def _holders_mesh(device: str, ranks: List[int], member: bool):
     from ..mesh import DeviceMesh
     mesh = DeviceMesh(device, ranks, mesh_dim_names=("pp_shared",))
     return mesh if member else None
+
+
+def check_names_unshared(stages: Sequence[PipelineStage], mesh, spec: Optional[SharedSpec], name: str) -> None:
+    """Refuse, on every pp rank, a parameter name held by two stages (different Parameters) and not
+    listed in ``shared_parameters``: a weight tied across stages (an embedding and the head) would
+    train as two weights, each with its own stage's part of the gradient, and a checkpoint would
+    hold two values under one key.
+
+    Example::
+
+        check_names_unshared(stages, pp_mesh, ["embed.weight"], "Schedule1F1B")
+    """
+    shared = {n for names in _groups(spec) for n in names}
+    held: Dict[str, set] = {}
+    for stage in stages:
+        for p in stage.parameters():
+            if p.name not in shared:
+                held.setdefault(p.name, set()).add(id(p))
+    here = sorted(n for n, ids in held.items() if len(ids) > 1)     # two stages of this rank
+    names = sorted(held)
+    pp, me = mesh.size(), mesh.get_local_rank()
+    count = int(extremes(np.array([float(len(names))]), mesh)[0][0])
+    table = np.full((pp, count, 3), -1.0, np.float32)
+    for i, n in enumerate(names):
+        table[me, i] = digest(n)
+    flags = np.zeros(pp, np.float32)
+    flags[me] = float(bool(here))
+    high, _ = extremes(np.concatenate([table.ravel(), flags]), mesh)
+    table, flags = high[:table.size].reshape(table.shape), high[table.size:]
+    ranks: Dict[Tuple[float, ...], List[int]] = {}
+    for r in range(pp):
+        for row in table[r]:
+            if row[0] >= 0:
+                ranks.setdefault(tuple(row), []).append(r)
+    across = {key: rs for key, rs in ranks.items() if len(rs) > 1}
+    if not across and not flags.any():
+        return
+    mine = here + [n for n in names if tuple(digest(n)) in across and n not in here]
+    where = (f"this rank (pp rank {me}) holds {mine[:4]}" if mine else
+             f"pp ranks {sorted({r for rs in across.values() for r in rs} | set(np.flatnonzero(flags).tolist()))} "
+             "hold them")
+    raise ScheduleError(
+        f"{name}: parameters of one name are held by several stages: {where}. A weight tied across stages "
+        "(an embedding and the head) must be listed in shared_parameters=[...] (its gradient is then summed over "
+        "the stages); stages built separately must give their parameters distinct names (split_blocks keeps the "
+        "full model's names)")

@@ -13,12 +13,15 @@ Example::
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mindspore as ms
-from mindspore import nn
+from mindspore import Tensor, nn
 
-__all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList", "stage_forward"]
+__all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList", "stage_forward", "check_shapes",
+           "STAGE_MESH"]
+
+STAGE_MESH = "_hpms_stage_mesh"   # on each stage parameter of a schedule: its pp mesh
 
 
 def default_pp_mesh():
@@ -35,6 +38,38 @@ def default_pp_mesh():
     return DeviceMesh(world.device_type, list(range(world.size)), mesh_dim_names=("pp",), _world=world)
 
 
+def _check_device(device: Any, mesh) -> None:
+    if device is None:
+        return
+    kind = str(getattr(device, "type", device)).split(":")[0].lower()
+    wanted = mesh.device_type.lower()
+    if kind not in (wanted, {"npu": "ascend", "cpu": "cpu"}.get(wanted, wanted)):
+        raise ValueError(f"PipelineStage device={device!r}: this rank's pipeline runs on {mesh.device_type!r} devices "
+                         "(the mesh's); pass that, or leave device out")
+
+
+def _shapes_of(args: Any, what: str) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    if args is None:
+        return None
+    items = args if isinstance(args, (tuple, list)) else (args,)
+    if not all(isinstance(t, Tensor) for t in items):
+        raise TypeError(f"PipelineStage {what} must be a Tensor or a tuple of Tensors (one micro-batch), got {args!r}")
+    return tuple(tuple(t.shape) for t in items)
+
+
+def check_shapes(stage: "PipelineStage", values: Any, expected: Optional[Tuple[Tuple[int, ...], ...]],
+                 what: str) -> None:
+    """Raise if ``values`` (a micro-batch's inputs or outputs) differ in shape from the stage's
+    ``input_args`` / ``output_args``."""
+    if expected is None:
+        return
+    items = values if isinstance(values, (tuple, list)) else (values,)
+    got = tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in items)
+    if got != expected:
+        raise ValueError(f"stage {stage.stage_index}: a micro-batch's {what} have shapes {got}, but the stage was "
+                         f"built with {what}_args of shapes {expected}")
+
+
 class PipelineStage:
     """Stage ``stage_index`` of ``num_stages``: ``submodule`` runs it on this rank of ``mesh``.
 
@@ -43,6 +78,14 @@ class PipelineStage:
             tensors for stage 0) and returns a Tensor or a tuple of Tensors.
         stage_index: the index of this stage, ``0 <= stage_index < num_stages``.
         num_stages: the number of stages of the whole pipeline.
+        device: PyTorch's device argument: ``None`` or a name of this rank's device type (``"cpu"``,
+            ``"npu"``, ``"npu:0"``); another type is refused.
+        input_args: PyTorch's example inputs of one micro-batch (a Tensor or a tuple of Tensors). Shapes
+            travel with each message here, so none are needed; given, every micro-batch's inputs are
+            checked against their shapes.
+        output_args: as ``input_args``, for the stage's outputs.
+        group: PyTorch's process group of the pipeline: here the 1-D pp :class:`DeviceMesh` (as ``mesh``).
+        dw_builder: PyTorch's custom weight-gradient builder: not built (refused unless ``None``).
         mesh: the 1-D pipeline :class:`DeviceMesh` (default: every rank, one dim named "pp").
         jit: compile the stage: each micro-batch's forward (with ``loss_fn`` on the last stage)
             runs as one ``ms.jit`` graph, and its backward as the compiled backward graph of that
@@ -59,8 +102,9 @@ class PipelineStage:
         schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
     """
 
-    def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: int, *, mesh=None,
-                 jit: bool = False) -> None:
+    def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: int, device: Any = None,
+                 input_args: Any = None, output_args: Any = None, group: Any = None, dw_builder: Any = None, *,
+                 mesh=None, jit: bool = False) -> None:
         if not isinstance(submodule, nn.Cell):
             raise TypeError(f"PipelineStage needs an nn.Cell as submodule, got {type(submodule).__name__}")
         for name, value in (("num_stages", num_stages), ("stage_index", stage_index)):
@@ -71,10 +115,20 @@ class PipelineStage:
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage stage_index must be in 0..{num_stages - 1} (num_stages={num_stages}), "
                              f"got {stage_index}")
+        if dw_builder is not None:
+            raise NotImplementedError("PipelineStage(dw_builder=...): a custom weight-gradient builder is not built; "
+                                      "ScheduleZBVZeroBubble splits the backward itself")
+        if group is not None:
+            if mesh is not None and group is not mesh and group != mesh:
+                raise ValueError("PipelineStage got both group= and mesh=, and they differ; give the pp mesh once")
+            mesh = group
         mesh = default_pp_mesh() if mesh is None else mesh
         if mesh.ndim != 1:
             raise ValueError(f"PipelineStage needs the 1-D pipeline mesh (e.g. mesh['pp']), got a {mesh.ndim}-D mesh "
                              f"{mesh}")
+        _check_device(device, mesh)
+        self.input_shapes = _shapes_of(input_args, "input_args")
+        self.output_shapes = _shapes_of(output_args, "output_args")
         self.submodule = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages

@@ -33,6 +33,7 @@ from .. import comm
 from ..dtensor import DTensor
 from ..nn._parameter import parameter_sharding
 from ..pipelining._schedules import PipelineSchedule
+from ..pipelining._stage import STAGE_MESH
 
 __all__ = ["TotalGradNorm", "split_groups"]
 
@@ -95,7 +96,19 @@ def _pipeline(parameters, pp_mesh) -> Tuple[list, object, frozenset]:
                 frozenset(id(p) for p in parameters.replica_parameters))
     if pp_mesh is not None and pp_mesh.ndim != 1:
         raise ValueError(f"TotalGradNorm: pp_mesh must be a 1-D mesh (mesh['pp']), got {pp_mesh.ndim} dims")
-    return list(parameters), pp_mesh, frozenset()
+    parameters = list(parameters)
+    if pp_mesh is None:
+        staged = [p for p in parameters if _stage_mesh(p) is not None and _stage_mesh(p).size() > 1]
+        if staged:
+            raise ValueError(
+                f"TotalGradNorm: {[p.name for p in staged[:3]]} are parameters of one pipeline stage (a schedule "
+                f"over {_stage_mesh(staged[0])!r}), whose norm alone is not the model's: pass the schedule itself "
+                "(clip_grad_norm(grads, schedule) / TotalGradNorm(schedule)), or pp_mesh=mesh['pp']")
+    return parameters, pp_mesh, frozenset()
+
+
+def _stage_mesh(p):
+    return getattr(p, STAGE_MESH, None)
 
 
 class TotalGradNorm(nn.Cell):
