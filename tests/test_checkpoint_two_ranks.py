@@ -228,3 +228,40 @@ def test_in_memory_storage_reshards_and_planners_filter_keys():
     for key, value in after.items():
         want = before[key] if ".head." in key else expected[key]
         np.testing.assert_array_equal(value, want, err_msg=f"{key}, rank {rank}")
+
+
+class _Normed(ms.nn.Cell):
+    """BatchNorm statistics: module state each rank updates from its own batch rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = ms.nn.Dense(8, 8)
+        self.bn = ms.nn.BatchNorm1d(8)
+
+    def construct(self, x):
+        return self.bn(self.fc(x))
+
+
+@multi_rank(WORLD)
+def test_module_state_differing_between_ranks_saves_the_lowest_ranks_copy():
+    import pytest
+    rank = ms.communication.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    ms.set_seed(0)
+    model = fully_shard(_Normed(), mesh=mesh)
+    model.set_train(True)
+    model(batch(rank))                                # each rank's rows: the statistics differ
+    mean = model.bn.moving_mean.asnumpy().copy()
+    assert not np.array_equal(*comm_objects(mean))
+    writer = MemoryWriter()
+    with pytest.warns(UserWarning, match=r"module state \['model.bn.moving_mean', 'model.bn.moving_variance'\] "
+                                         r"differs between ranks.*lowest rank's copy"):
+        meta = dcp.save({"model": dcp.get_model_state_dict(model)}, storage_writer=writer)
+    assert len(meta.tensors["model.bn.moving_mean"].chunks) == 1
+    fresh = fully_shard(_Normed(), mesh=mesh)
+    dcp.load({"model": dcp.get_model_state_dict(fresh)}, storage_reader=MemoryReader(_joined(writer), meta))
+    np.testing.assert_array_equal(fresh.bn.moving_mean.asnumpy(), comm_objects(mean)[0])    # rank 0's, everywhere
+    # a trainable tensor saved as replicated whose copies differ is still refused (a piece saved as whole)
+    plain = {"w": ms.Tensor(np.full((2,), float(rank), np.float32))}
+    with pytest.raises(dcp.CheckpointError, match="'w' is a plain tensor .* differs between ranks"):
+        dcp.save(plain, storage_writer=MemoryWriter())

@@ -124,3 +124,62 @@ def test_mint_dropout_rule_cpu_twin():
         y = kernel(distribute_tensor(ms.Tensor(x), mesh, [placement]), 0.5, True, False, seed, offset)
         assert y.placements == (placement,)
         np.testing.assert_array_equal(y.full_tensor().asnumpy(), want)
+
+
+class _ConvNet(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, pad_mode="same", has_bias=True)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 6, (3, 2), stride=2, pad_mode="pad", padding=(1, 0, 1, 1), dilation=1)
+        self.bn2 = nn.BatchNorm2d(6)
+        self.fc = nn.Dense(6, 5)
+
+    def construct(self, x):
+        h = ops.relu(self.bn1(self.conv1(x)))
+        h = ops.relu(self.bn2(self.conv2(h)))
+        return self.fc(h.mean(axis=(2, 3)))
+
+
+@multi_rank(2)
+def test_a_conv_net_with_batch_norm_trains_as_one_device_under_shard_module():
+    import hyper_parallel_ms as hp
+    from hyper_parallel_ms.nn import ShardingPlan, shard_module
+    from hyper_parallel_ms.placement import Replicate, Shard
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 3, 7, 7)).astype(np.float32))
+    # data parallel (HyperParallel's input plan: the batch sharded), and the first conv's output channels
+    # sharded (weight rows, output dim 1; the batch norm, whose moving averages are replicated, gathers the
+    # channels: an update of a redistributed copy would be lost)
+    for plan, local in ((ShardingPlan(input_plan={"input": (Shard(0),)}), True),
+                        (ShardingPlan(plan={"conv1.weight": (Shard(0),), "conv1.bias": (Shard(0),)},
+                                      input_plan={"input": (Replicate(),)}), False),
+                        # ... and the batch norm's parameters and moving averages cut alike: updated in place
+                        (ShardingPlan(plan={"conv1.weight": (Shard(0),), "conv1.bias": (Shard(0),),
+                                            **{f"bn1.{n}": (Shard(0),) for n in
+                                               ("gamma", "beta", "moving_mean", "moving_variance")}},
+                                      input_plan={"input": (Replicate(),)}), False)):
+        ms.set_seed(0)
+        ref = _ConvNet()
+        ms.set_seed(0)
+        par = shard_module(_ConvNet(), mesh, plan)
+        ref.set_train(True)
+        par.set_train(True)                      # batch statistics: the whole batch's, as one device
+        ref_opt, opt = nn.SGD(ref.trainable_params(), 0.1), nn.SGD(par.trainable_params(), 0.1)
+        feed = x[rank * 2:(rank + 1) * 2] if local else x
+        for step in range(2):
+            loss, want = ms.value_and_grad(lambda t: (ref(t) ** 2).mean(), None, ref.trainable_params())(x)
+            p_loss, grads = hp.value_and_grad(lambda t: (par(t) ** 2).mean(), None, par.trainable_params())(feed)
+            np.testing.assert_allclose(p_loss.full_tensor().asnumpy(), loss.asnumpy(), rtol=1e-5)
+            for p, g, w in zip(par.trainable_params(), grads, want):
+                np.testing.assert_allclose(g.full_tensor().asnumpy(), w.asnumpy(), rtol=1e-4, atol=1e-6,
+                                           err_msg=f"step {step} {p.name}")
+            ref_opt(want)
+            opt(tuple(g.to_local() for g in grads))
+        for (name, p), r in zip(par.parameters_and_names(), ref.get_parameters()):
+            np.testing.assert_allclose(p.full_tensor().asnumpy(), r.asnumpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+        ref.set_train(False)
+        par.set_train(False)                     # moving statistics: equal, so inference agrees too
+        out = par(feed)
+        np.testing.assert_allclose(out.full_tensor().asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-6)

@@ -215,9 +215,14 @@ def test_errors_raise_on_every_rank():
     # a stage on the wrong rank (rank 0 holds stage 1 too): named on every rank
     with pytest.raises(ScheduleError, match=r"rank 0 must hold stages \(0,\)"):
         _schedule("GPipe", mesh, 2, stage_of=(1,))
-    # a missing loss_fn on the last stage's rank only
-    with pytest.raises(ScheduleError, match=r"the last stage \(on rank 1\) has no loss_fn"):
-        _schedule("GPipe", mesh, 2, loss=loss_fn if me == 0 else None)
+    # no loss_fn on the last stage's rank: forward only on every rank (PyTorch's); a target or a request
+    # for gradients is refused, naming loss_fn
+    forward_only, _ = _schedule("GPipe", mesh, 2, loss=loss_fn if me == 0 else None)
+    assert forward_only.forward_only
+    with pytest.raises(ValueError, match="the last stage got a target, but the schedule has no loss_fn"):
+        forward_only.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+    with pytest.raises(ScheduleError, match="runs forward only: no gradients"):
+        forward_only.gradients()
     with pytest.raises(TypeError, match="needs n_microbatches \\(or HyperParallel's micro_batch_num\\)"):
         _schedule("GPipe", mesh, None)
 
@@ -316,3 +321,53 @@ def test_a_stage_raising_mid_step_makes_every_rank_raise(at):
     assert f"RuntimeError: fault injected at {at}" in own, own
     assert (f"PipelineError: pipeline step failed: pp rank {failed} at {at}: RuntimeError: fault injected at {at}"
             in told), told
+
+
+class _TwoOutputs(nn.Cell):
+    """A last stage returning a tuple: the head's output and a per-row score."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell
+
+    def construct(self, x):
+        out = self.cell(x)
+        return out, out.sum(axis=1)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@multi_rank(2)
+def test_a_schedule_without_loss_runs_forward_only_and_merges_tuple_outputs(name):
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_local_rank()
+    v = STAGES_PER_RANK[name]
+    ms.set_seed(0)
+    whole = Model(2 * v)
+    x, _ = _batch(0, 8)
+    want = whole(x).asnumpy()
+    schedule, models = _schedule(name, mesh, 4, loss=None)
+    holds_last = any(st.is_last for st in schedule.stages)
+    calls = schedule.forward_calls
+    out = schedule.step(*((x,) if any(st.is_first for st in schedule.stages) else ()))
+    assert schedule.forward_calls - calls == 4 * v                      # one forward per stage and micro-batch
+    if holds_last:
+        np.testing.assert_allclose(out.asnumpy(), want, rtol=RTOL, atol=ATOL)
+    else:
+        assert out is None
+    # a last stage returning a tuple: each element merged over the micro-batches, as PyTorch's step
+    last = next(m for st, m in zip(schedule.stages, models) if st.is_last) if holds_last else None
+    stages = []
+    for st, m in zip(schedule.stages, models):
+        cell = _TwoOutputs(m) if st.is_last else m
+        stages.append(type(st)(cell, st.stage_index, st.num_stages, mesh=mesh))
+    from hyper_parallel_ms import pipelining as pl
+    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
+           "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
+    merged = cls(stages[0] if v == 1 else stages, 4, None).step(
+        *((x,) if any(st.is_first for st in stages) else ()))
+    if last is not None:
+        assert isinstance(merged, tuple) and len(merged) == 2
+        np.testing.assert_allclose(merged[0].asnumpy(), want, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(merged[1].asnumpy(), want.sum(axis=1), rtol=RTOL, atol=1e-5)

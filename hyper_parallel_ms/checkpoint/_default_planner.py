@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
+from mindspore import Parameter
 
 from ._metadata import CheckpointError, Metadata
 from ._names import is_param_list, mindspore_names
@@ -47,6 +48,12 @@ def _saved_key(key: str, metadata: Metadata) -> str:
     head, _, slot = key.rpartition(".")
     earlier = f"{head}.{_EARLIER_SLOTS[slot]}" if slot in _EARLIER_SLOTS and ".state." in f".{head}" else None
     return earlier if key not in metadata.tensors and earlier in metadata.tensors else key
+
+
+def _rank_state(target: Any) -> bool:
+    """Module state each rank may update on its own: a Parameter with ``requires_grad=False``
+    (BatchNorm's ``moving_mean`` / ``moving_variance``, counters)."""
+    return isinstance(target, Parameter) and not target.requires_grad
 
 
 class DefaultSavePlanner:
@@ -75,7 +82,8 @@ class DefaultSavePlanner:
         """This rank's pieces; a plain tensor's carries the CRC-32 of its data (its copies on
         the ranks must agree, since only one is written)."""
         return [ref.piece if ref.spec is not None or not with_checksums else
-                replace(ref.piece, crc32=crc32(ref.local_numpy())) for ref in self.tensors.values()]
+                replace(ref.piece, crc32=crc32(ref.local_numpy()), rank_state=_rank_state(ref.target))
+                for ref in self.tensors.values()]
 
     def create_global_plan(self, plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = True,
                            save_to_minimum_rank: bool = True) -> List[List[Piece]]:

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from math import prod
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -38,6 +39,9 @@ class Piece:
         offsets: the box's first index along each dim of the global tensor.
         sizes: the box's length along each dim.
         crc32: the CRC-32 of the box's data, or ``None`` (the default) when not compared.
+        rank_state: module state each rank updates from its own batch (a ``Parameter`` with
+            ``requires_grad=False``: BatchNorm statistics, counters): copies that differ are not an
+            error; the lowest rank's is written.
 
     Example:
         >>> Piece("w", (4, 2), "float32", (2, 0), (2, 2)).elements        # rows 2..3 of a 4x2 tensor
@@ -50,6 +54,7 @@ class Piece:
     offsets: Tuple[int, ...]
     sizes: Tuple[int, ...]
     crc32: Optional[int] = None      # of the data, for values said to be replicated (plain tensors)
+    rank_state: bool = False
 
     @property
     def elements(self) -> int:
@@ -74,11 +79,16 @@ def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = T
     Raises :class:`CheckpointError` when ranks disagree on a tensor's shape or dtype or on
     the data of a replicated piece, or when the pieces do not cover a tensor."""
     _check_consistent(plans)
-    _check_replicas(plans)
+    differing = _check_replicas(plans)
     writes: List[List[Piece]] = [[] for _ in plans]
     if not remove_redundancy:
+        written = set()
         for rank, pieces in enumerate(plans):
-            writes[rank] = [p for p in pieces if prod(p.sizes)]
+            for p in pieces:
+                box = (p.key, (p.offsets, p.sizes))
+                if prod(p.sizes) and (box not in differing or box not in written):
+                    writes[rank].append(p)
+                    written.add(box)
         return writes
     holders: Dict[Tuple[str, Box], List[int]] = {}
     first: Dict[Tuple[str, Box], Piece] = {}
@@ -118,18 +128,34 @@ def _check_consistent(plans: Sequence[Sequence[Piece]]) -> None:
                                   "must be held by some rank")
 
 
-def _check_replicas(plans: Sequence[Sequence[Piece]]) -> None:
+def _check_replicas(plans: Sequence[Sequence[Piece]]) -> set:
+    """Raise where the ranks' copies of a plain tensor differ; the boxes of module state (``rank_state``)
+    whose copies differ are returned instead (the lowest rank's copy is written), with a warning."""
     sums: Dict[Tuple[str, Box], Dict[int, List[int]]] = {}
+    state: set = set()
     for rank, pieces in enumerate(plans):
         for p in pieces:
             if p.crc32 is not None:
-                sums.setdefault((p.key, (p.offsets, p.sizes)), {}).setdefault(p.crc32, []).append(rank)
-    for (key, _), by_sum in sums.items():
+                box = (p.key, (p.offsets, p.sizes))
+                sums.setdefault(box, {}).setdefault(p.crc32, []).append(rank)
+                if p.rank_state:
+                    state.add(box)
+    differing = set()
+    for box, by_sum in sums.items():
         if len(by_sum) > 1:
+            if box in state:
+                differing.add(box)
+                continue
             groups = " vs ".join(f"ranks {ranks}" for ranks in by_sum.values())
-            raise CheckpointError(f"tensor {key!r} is a plain tensor (saved as replicated) but its data differs "
+            raise CheckpointError(f"tensor {box[0]!r} is a plain tensor (saved as replicated) but its data differs "
                                   f"between {groups}; if it is a piece of a sharded tensor, give its layout "
                                   "(a DTensor, a sharded Parameter or a ShardedTensor)")
+    if differing:
+        warnings.warn(f"module state {sorted({key for key, _ in differing})[:4]} differs between ranks (each rank "
+                      "updates it from its own batch, e.g. BatchNorm statistics without SyncBatchNorm): the lowest "
+                      "rank's copy is saved, as PyTorch's DCP saves one copy of a replicated tensor", UserWarning,
+                      stacklevel=4)
+    return differing
 
 
 @dataclass(frozen=True)

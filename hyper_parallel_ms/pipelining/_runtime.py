@@ -27,7 +27,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from .._mindspore import discard_grad_recording, tape_backward, taped_call
+from .._mindspore import discard_grad_recording, no_grad, tape_backward, taped_call
 from ..comm._simulated import RunFirst
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError
 from ._channel import Channel
@@ -105,8 +105,9 @@ class Runtime:
 
     # --------------------------------------------------------------- one step
     def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[Tensor, ...]]],
-            targets: Optional[Sequence[Tensor]], losses: Optional[list]) -> List[Tensor]:
+            targets: Optional[Sequence[Tensor]], losses: Optional[list], forward_only: bool = False) -> List[Tensor]:
         """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held here).
+        ``forward_only``: only the forwards and their transfers run, nothing recorded for a backward.
 
         Ends with the pp ranks' agreement on the step's outcome (:mod:`._failure`): if an action
         fails on any rank, every rank raises (the failed one its own error)."""
@@ -119,6 +120,9 @@ class Runtime:
         self._weight_grads: Dict[Key, Tuple[Optional[Tensor], ...]] = {}     # compiled stages: from I to W
         self._results: Dict[int, Tensor] = {}
         self._batches, self._targets, self._losses = microbatches, targets, losses
+        self._forward_only = forward_only
+        if forward_only:
+            actions = [a for a in actions if a.kind in (F, SEND_F, RECV_F)]
         self._channel.new_step()
         handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
                     SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b}
@@ -162,6 +166,17 @@ class Runtime:
         args = self._batches[m] if s == 0 else self._inputs[s, m]
         self.forward_calls += 1
         check_shapes(stage, args, stage.input_shapes, "inputs")
+        if self._forward_only:
+            with no_grad():
+                out = self._forwards[s](*args)
+            check_shapes(stage, out, stage.output_shapes, "outputs")
+            if stage.is_last:
+                self._results[m] = out
+            elif self.plan.placement[s + 1] == self.plan.placement[s]:
+                self._inputs[s + 1, m] = as_tuple(out)
+            else:
+                self._outs[s, m] = as_tuple(out)
+            return
         if stage.is_last:
             out, loss = taped_call(self._forwards[s], *args, self._targets[m])
             self._results[m] = out

@@ -30,7 +30,7 @@ from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
 
-_MISSING, _NOT_TENSOR, _UNEVEN = 1, 2, 3
+_MISSING, _NOT_TENSOR, _UNEVEN, _TARGET_WITHOUT_LOSS = 1, 2, 3, 4
 
 # the arguments every schedule takes after its own, written once: each schedule's docstring
 # holds a ``{shared_args}`` line that :func:`_shared_args` replaces with them
@@ -64,6 +64,9 @@ def _batch_problem(tensors: Optional[Sequence[object]], n: int) -> Tuple[int, in
 
 
 def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
+    if code == _TARGET_WITHOUT_LOSS:
+        return ("the last stage got a target, but the schedule has no loss_fn there and runs forward only; pass "
+                "loss_fn=... (loss_fn(output, target)) when building the schedule to train")
     if code == _MISSING:
         return (f"the rank holding the {what} stage got no {what == 'first' and 'batch' or 'target'}: pass "
                 f"{what == 'first' and 'the inputs to step(*args)' or 'step(..., target=...)'} there")
@@ -74,6 +77,19 @@ def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
             f"another n_microbatches")
 
 
+def _merged(outs: list):
+    """The last stage's outputs of the whole batch from its micro-batches' (PyTorch's merge): tensors
+    concatenated along dim 0, each element of tuple outputs likewise; 0-d tensors and other values
+    as a list over the micro-batches."""
+    def merge(items):
+        if all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
+            return ops.cat(items, axis=0)
+        return list(items)
+    if isinstance(outs[0], (tuple, list)):
+        return type(outs[0])(merge([o[i] for o in outs]) for i in range(len(outs[0])))
+    return merge(outs)
+
+
 @_shared_args
 class PipelineSchedule:
     """Base of the schedules: this rank's stages, the checked plan, and the runtime.
@@ -81,7 +97,9 @@ class PipelineSchedule:
     Args:
         stages: this rank's :class:`PipelineStage` objects.
         n_microbatches: micro-batches per step (the batch splits along dim 0).
-        loss_fn: ``loss_fn(output, target_microbatch)``; needed on the rank of the last stage.
+        loss_fn: ``loss_fn(output, target_microbatch)``; needed on the rank of the last stage to train
+            (without it there the schedule runs forward only, as PyTorch's: :meth:`step` returns the
+            outputs, :meth:`gradients` raises).
         {shared_args}
 
     Example::
@@ -144,10 +162,8 @@ class PipelineSchedule:
                  for r in range(pp) if high[r, 0]]
         if wrong:
             raise ScheduleError(f"{name}: " + "; ".join(wrong))
-        lossless = [r for r in range(pp) if high[r, 1]]
-        if lossless:
-            raise ScheduleError(f"{name}: the last stage (on rank {lossless[0]}) has no loss_fn; pass "
-                                f"loss_fn=... (loss_fn(output, target)) on every rank")
+        # the last stage without loss_fn: forward only (PyTorch's schedules without a loss), on every rank
+        self.forward_only = bool(high[:, 1].any())
         return plan
 
     # --------------------------------------------------------------- one step
@@ -160,8 +176,8 @@ class PipelineSchedule:
             losses: a list that receives each micro-batch's loss, in order (on the last stage's rank).
 
         Returns:
-            On the rank of the last stage, its outputs of the whole batch (concatenated along dim 0);
-            ``None`` elsewhere.
+            On the rank of the last stage, its outputs of the whole batch (concatenated along dim 0; a
+            tuple output element by element); ``None`` elsewhere.
 
         Raises:
             PipelineError: an action failed on another pp rank during the step (the rank where it
@@ -179,20 +195,25 @@ class PipelineSchedule:
             raise PipelineError(f"{type(self).__name__}.step: an earlier step failed, and messages may be left in "
                                 f"flight between the pp ranks; build the pipeline again in a new job")
         fcode = _batch_problem(args, n) if first else (0, 0, 0)
-        lcode = _batch_problem(None if target is None else (target,), n) if last else (0, 0, 0)
+        if self.forward_only:
+            lcode = (_TARGET_WITHOUT_LOSS, 0, 0) if last and target is not None else (0, 0, 0)
+        else:
+            lcode = _batch_problem(None if target is None else (target,), n) if last else (0, 0, 0)
         high, _ = extremes(np.array(fcode + lcode, np.float32), self.mesh)
         for what, (code, index, size) in (("first", high[0:3]), ("last", high[3:6])):
             if code:
                 raise ValueError(f"{type(self).__name__}.step: " + _batch_message(what, int(code), int(index),
                                                                                     int(size), n))
         batches = split_microbatches(args, n) if first else None
-        targets = [t[0] for t in split_microbatches((target,), n)] if last else None
+        targets = [t[0] for t in split_microbatches((target,), n)] if last and not self.forward_only else None
         self._grads = None
-        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses)
-        self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
+        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
+                                 forward_only=self.forward_only)
+        if not self.forward_only:
+            self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
         if not last:
             return None
-        return ops.cat(outs, axis=0) if isinstance(outs[0], Tensor) else outs
+        return _merged(outs)
 
     def run(self, *args: Tensor, target: Optional[Tensor] = None, losses: Optional[list] = None):
         """HyperParallel's name for :meth:`step` (same arguments and result).
@@ -235,6 +256,9 @@ class PipelineSchedule:
 
             opt(schedule.gradients())
         """
+        if self.forward_only:
+            raise ScheduleError(f"{type(self).__name__} has no loss_fn on its last stage and runs forward only: no "
+                                "gradients; pass loss_fn=... when building the schedule to train")
         return self._runtime.gradients() if self._grads is None else self._grads
 
     @property
@@ -279,7 +303,7 @@ class ScheduleGPipe(_SingleStage):
     Args:
         stage: this rank's :class:`PipelineStage`.
         n_microbatches: micro-batches per step.
-        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
         {shared_args}
 
     Example::
@@ -299,7 +323,7 @@ class Schedule1F1B(_SingleStage):
     Args:
         stage: this rank's :class:`PipelineStage`.
         n_microbatches: micro-batches per step (at least the number of stages).
-        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
         {shared_args}
 
     Example::
@@ -317,7 +341,7 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     Args:
         stages: this rank's stages (e.g. stages r and r + pp).
         n_microbatches: micro-batches per step (any number).
-        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
         {shared_args}
 
     Example::
@@ -343,7 +367,7 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
     Args:
         stages: this rank's two stages (r and 2 pp - 1 - r).
         n_microbatches: micro-batches per step (any number).
-        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on rank 0, which holds the last stage).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on rank 0, which holds the last stage, to train; without it: forward only).
         {shared_args}
 
     Example::

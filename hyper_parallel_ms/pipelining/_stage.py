@@ -189,7 +189,7 @@ class PipelineStage:
 
 def stage_forward(stage: PipelineStage, loss_fn: Optional[Callable]) -> Callable:
     """The function one micro-batch's forward runs: ``forward(*inputs)`` -> outputs, and on the
-    last stage ``forward(*inputs, target)`` -> ``(outputs, loss_fn(outputs, target))``; under
+    last stage with a ``loss_fn`` ``forward(*inputs, target)`` -> ``(outputs, loss_fn(outputs, target))``; under
     ``ms.jit`` when ``stage.jit``. The runtime records it as one top graph
     (:func:`~hyper_parallel_ms._mindspore.taped_call`), so a compiled forward keeps what its
     backward graph reads.
@@ -200,7 +200,7 @@ def stage_forward(stage: PipelineStage, loss_fn: Optional[Callable]) -> Callable
         out, loss = taped_call(forward, x_microbatch, target_microbatch)
     """
     cell = stage.submodule
-    if stage.is_last:
+    if stage.is_last and loss_fn is not None:
         def forward(*args):
             out = cell(*args[:-1])
             return out, loss_fn(out, args[-1])

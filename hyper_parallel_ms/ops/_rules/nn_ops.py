@@ -19,7 +19,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import List
+import math
+from typing import List, Sequence, Tuple
 
 from mindspore import ops
 
@@ -29,7 +30,7 @@ from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all, whole_and_reduced
 
 __all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "index_select_rule",
-           "gather_elements_rule", "inplace_rule"]
+           "gather_elements_rule", "inplace_rule", "conv2d_rule", "batch_norm_rule"]
 
 
 def _norm(schema: OpSchema, axis: int, statistics: int) -> OutputSharding:
@@ -219,3 +220,102 @@ def inplace_rule(schema: OpSchema) -> OutputSharding:
                 need.append(Replicate())
         inputs.append(layout_like(target.layout, need, ndim=other.ndim))
     return OutputSharding(tuple(inputs), ((target.layout, target.shape),), inplace=True)
+
+
+def _conv_length(size: int, kernel: int, stride: int, dilation: int, pad_mode: str, pads: Tuple[int, int]) -> int:
+    """Output length of one spatial dim of ``Conv2D``."""
+    if pad_mode == "same":
+        return math.ceil(size / stride)
+    span = dilation * (kernel - 1) + 1
+    extra = sum(pads) if pad_mode == "pad" else 0
+    return (size + extra - span) // stride + 1
+
+
+def _pair(value, last: int = 2) -> Tuple[int, ...]:
+    value = tuple(value) if isinstance(value, (tuple, list)) else (value,) * last
+    return value[-last:]
+
+
+@register_sharding("Conv2D")
+def conv2d_rule(schema: OpSchema) -> OutputSharding:
+    """``nn.Conv2d`` / ``ops.conv2d`` (NCHW): a batch-sharded input gives a batch-sharded output
+    (data parallelism, no communication); a weight sharded on its output channels gives an output
+    sharded on dim 1 (groups 1); a Partial input with a replicated weight stays Partial (the
+    convolution is linear in its input); anything else is gathered first."""
+    x, w = schema.args[0], schema.args[1]
+    if str(schema.attr("data_format", "NCHW")).upper() != "NCHW" or x.ndim != 4:
+        rep = replicate_all(x.layout)
+        return OutputSharding((rep, rep) + (None,) * (len(schema.args) - 2), ((rep, _conv_shape(schema)),))
+    groups = int(schema.attr("group", 1))
+    out_p: List[Placement] = []
+    x_needs: List[Placement] = []
+    w_needs: List[Placement] = []
+    for px, pw in zip(x.layout.placements, w.layout.placements):
+        if px.is_shard() and px.dim == 0:
+            out_p.append(Shard(0)); x_needs.append(px); w_needs.append(Replicate())
+        elif pw.is_shard() and pw.dim == 0 and groups == 1:
+            out_p.append(Shard(1)); x_needs.append(Replicate()); w_needs.append(pw)
+        elif px.is_partial("sum") and not pw.is_partial():
+            out_p.append(px); x_needs.append(px); w_needs.append(Replicate())
+        else:
+            out_p.append(Replicate()); x_needs.append(Replicate()); w_needs.append(Replicate())
+    order = dict(x.layout.shard_order)
+    order = {0: order[0]} if 0 in order else None
+    w_layout = layout_like(w.layout, w_needs, ndim=4)
+    inputs = (layout_like(x.layout, x_needs, order, ndim=4), w_layout) + (None,) * (len(schema.args) - 2)
+    outputs = ((layout_like(x.layout, out_p, order, ndim=4), _conv_shape(schema)),)
+    if not any(p.is_shard() for p in w_needs):
+        return OutputSharding(inputs, outputs)
+    attrs = dict(schema.attrs)
+
+    def local_conv(coordinate):
+        """The primitive fixes ``out_channel``: this rank's piece of the output channels."""
+        rows = w_layout.local_shape(w.shape, coordinate)[0]
+        prim = ops.Conv2D(rows, attrs["kernel_size"], mode=attrs.get("mode", 1), pad_mode=attrs.get("pad_mode", "valid"),
+                          pad=attrs.get("pad", 0), stride=attrs.get("stride", 1), dilation=attrs.get("dilation", 1),
+                          group=groups, data_format="NCHW")
+        return lambda x_local, w_local, *rest: prim(x_local, w_local)
+    return OutputSharding(inputs, outputs, local_fn=local_conv)
+
+
+def _conv_shape(schema: OpSchema) -> Tuple[int, ...]:
+    x, w = schema.args[0], schema.args[1]
+    kernel = _pair(schema.attr("kernel_size", w.shape[2:]))
+    stride, dilation = _pair(schema.attr("stride", 1)), _pair(schema.attr("dilation", 1))
+    pad_mode = str(schema.attr("pad_mode", "valid")).lower()
+    pad = tuple(schema.attr("pad", (0, 0, 0, 0)))
+    pad = pad * 4 if len(pad) == 1 else pad
+    pads = ((pad[0], pad[1]), (pad[2], pad[3]))
+    spatial = tuple(_conv_length(x.shape[2 + i], kernel[i], stride[i], dilation[i], pad_mode, pads[i]) for i in range(2))
+    return (x.shape[0], w.shape[0]) + spatial
+
+
+@register_sharding("BatchNorm")
+def batch_norm_rule(schema: OpSchema) -> OutputSharding:
+    """``nn.BatchNorm1d/2d`` (``BatchNorm(x, scale, bias, mean, variance)``, NCHW): per channel, so
+    a channel-sharded input keeps its sharding and the four per-channel tensors are cut alike. In
+    training the statistics are over every other dim, so those are gathered first (the one-device
+    values: each rank computes the whole batch's statistics and updates its moving averages with
+    them, as SyncBatchNorm); in inference a batch- or space-sharded input stays so. Training updates
+    the moving averages in place, so their layout is kept: the channels stay sharded only on mesh
+    dims where the averages are cut too. Outputs: the normalised tensor and four per-channel vectors."""
+    x = schema.args[0]
+    training = bool(schema.attr("is_training", True))
+    channels = x.shape[1]
+    moving = [a for a in schema.args[3:5] if isinstance(a, TensorArg)]
+    x_needs: List[Placement] = []
+    c_needs: List[Placement] = []
+    for axis, p in enumerate(x.layout.placements):
+        # training updates the moving averages in place: they keep their own layout (cut on the
+        # channels only where they already are; a redistributed copy would take the update instead)
+        cut_stats = all(m.layout.placements[axis] == Shard(0) for m in moving) if training else True
+        if p.is_shard() and p.dim == 1 and cut_stats:
+            x_needs.append(p); c_needs.append(Shard(0))
+        elif p.is_shard() and not training:
+            x_needs.append(p); c_needs.append(Replicate())
+        else:
+            x_needs.append(Replicate()); c_needs.append(Replicate())
+    x_layout = layout_like(x.layout, x_needs, ndim=x.ndim)
+    c_layout = layout_like(x.layout, c_needs, ndim=1)
+    inputs = (x_layout,) + tuple(c_layout if isinstance(a, TensorArg) else None for a in schema.args[1:])
+    return OutputSharding(inputs, ((x_layout, x.shape),) + ((c_layout, (channels,)),) * 4)

@@ -126,14 +126,32 @@ def pointwise_rule(schema: OpSchema) -> OutputSharding:
 register_sharding(*LINEAR_UNARY, *UNARY, *ADDITIVE, *MULTIPLICATIVE, *OTHER_BINARY)(pointwise_rule)
 
 
+_CHANNELS_FIRST = (0, "NCHW", "NCDHW", "NCL", "NC")
+
+
 @register_sharding("BiasAdd")
 def bias_add_rule(schema: OpSchema) -> OutputSharding:
-    """``BiasAdd`` (as in ``nn.Dense``): element-wise for 2-D inputs; other ranks replicated."""
+    """``BiasAdd`` (``nn.Dense``, ``nn.Conv2d``): the bias added along the channel dim (dim 1, channels
+    first; the last dim otherwise): element-wise for 2-D inputs; an N-D input keeps its sharding, the
+    bias cut alike where the channels are sharded, a Partial input reduced first (the bias is added once)."""
     x = schema.args[0]
     if x.ndim == 2:
         return pointwise_rule(schema)
-    rep = replicate_all(x.layout)
-    return OutputSharding(tuple(rep if isinstance(a, TensorArg) else None for a in schema.args), ((rep, x.shape),))
+    fmt = schema.attr("data_format", 0)
+    channel = 1 if fmt in _CHANNELS_FIRST or str(fmt).upper() in _CHANNELS_FIRST else x.ndim - 1
+    x_needs: List[Placement] = []
+    b_needs: List[Placement] = []
+    for p in x.layout.placements:
+        if p.is_shard():
+            x_needs.append(p)
+            b_needs.append(Shard(0) if p.dim % x.ndim == channel else Replicate())
+        else:
+            x_needs.append(Replicate())
+            b_needs.append(Replicate())
+    x_layout = layout_like(x.layout, x_needs, dict(x.layout.shard_order) or None, ndim=x.ndim)
+    b_layout = layout_like(x.layout, b_needs, ndim=1)
+    inputs = (x_layout,) + tuple(b_layout if isinstance(a, TensorArg) else None for a in schema.args[1:])
+    return OutputSharding(inputs, ((x_layout, x.shape),))
 
 
 @register_sharding("NewZeros", "NewOnes")
