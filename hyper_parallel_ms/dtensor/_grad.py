@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import mindspore as ms
 from mindspore import Tensor
 
-from .._mindspore import is_compiling, run_in_python
+from .._mindspore import discard_grad_recording, is_compiling, run_in_python
 from ..redistribute import gradient_layout
 from ._dtensor import DTensor
 
@@ -77,11 +77,22 @@ def grad(fn: Callable, grad_position: Positions = 0, weights=None, has_aux: bool
     inner = ms.grad(fn, grad_position, weights, has_aux)
 
     def gradient(*args, **kwargs):
-        out = inner(*args, **kwargs)
+        out = _called(inner, args, kwargs)
         if has_aux:
             return _as_dtensors(out[0], grad_position, weights, args), out[1]
         return _as_dtensors(out, grad_position, weights, args)
     return gradient
+
+
+def _called(inner: Callable, args: tuple, kwargs: dict):
+    """``inner(*args, **kwargs)``; if it raises, MindSpore's record of the failed gradient call is
+    dropped first (on 2.8 - 2.10 the executor otherwise stays recording and the next gradient call
+    fails, e.g. "For LayerNormGrad, the index 7 is out of range")."""
+    try:
+        return inner(*args, **kwargs)
+    except BaseException:
+        discard_grad_recording()
+        raise
 
 
 def value_and_grad(fn: Callable, grad_position: Positions = 0, weights=None, has_aux: bool = False) -> Callable:
@@ -97,7 +108,7 @@ def value_and_grad(fn: Callable, grad_position: Positions = 0, weights=None, has
     inner = ms.value_and_grad(fn, grad_position, weights, has_aux)
 
     def value_and_gradient(*args, **kwargs):
-        value, grads = inner(*args, **kwargs)
+        value, grads = _called(inner, args, kwargs)
         return value, _as_dtensors(grads, grad_position, weights, args)
     return value_and_gradient
 
