@@ -261,6 +261,18 @@ def test_module_state_differing_between_ranks_saves_the_lowest_ranks_copy():
     fresh = fully_shard(_Normed(), mesh=mesh)
     dcp.load({"model": dcp.get_model_state_dict(fresh)}, storage_reader=MemoryReader(_joined(writer), meta))
     np.testing.assert_array_equal(fresh.bn.moving_mean.asnumpy(), comm_objects(mean)[0])    # rank 0's, everywhere
+    # writes spread over the ranks: the differing state is still rank 0's (its checksum is rank 0's)
+    for spread in (dict(save_to_minimum_rank=False), dict(remove_redundancy=False)):
+        writer = MemoryWriter()
+        with pytest.warns(UserWarning, match="lowest rank's copy"):
+            meta = dcp.save({"model": dcp.get_model_state_dict(model)}, storage_writer=writer, **spread)
+        fresh = fully_shard(_Normed(), mesh=mesh)
+        dcp.load({"model": dcp.get_model_state_dict(fresh)}, storage_reader=MemoryReader(_joined(writer), meta))
+        np.testing.assert_array_equal(fresh.bn.moving_mean.asnumpy(), comm_objects(mean)[0], err_msg=str(spread))
+    # a frozen weight (not batch norm statistics) whose copies differ is still refused
+    frozen = {"w": ms.Parameter(ms.Tensor(np.full((2,), float(rank), np.float32)), name="w", requires_grad=False)}
+    with pytest.raises(dcp.CheckpointError, match="'w' is a plain tensor .* differs between ranks"):
+        dcp.save(frozen, storage_writer=MemoryWriter())
     # a trainable tensor saved as replicated whose copies differ is still refused (a piece saved as whole)
     plain = {"w": ms.Tensor(np.full((2,), float(rank), np.float32))}
     with pytest.raises(dcp.CheckpointError, match="'w' is a plain tensor .* differs between ranks"):

@@ -312,6 +312,15 @@ def test_set_requires_all_reduce_accumulates_across_replicas_4_ranks():
         model.set_requires_all_reduce("no")
 
 
+class _OnlyInput(nn.Cell):
+    def __init__(self, net) -> None:
+        super().__init__()
+        self.net = net
+
+    def construct(self, x):
+        return self.net.inp(x)
+
+
 def _shard_with_ends_grouped(mesh):
     """Each block a unit, the input layer and the head one unit (FSDP2's list), then the root."""
     def shard(model):
@@ -343,10 +352,21 @@ def test_fully_shard_of_a_list_of_cells_is_one_unit_2_ranks():
     _shard_with_ends_grouped(mesh)(par)
     assert isinstance(par.inp, FSDPModule) and isinstance(par.head, FSDPModule)
     x = ms.Tensor(np.random.default_rng(rank).standard_normal((2, 8)).astype(np.float32))
-    # a round the head does not reach: the input layer's next call starts a new one (the pieces it
-    # gathers are the current ones), and a whole forward puts every piece back
+    # a Cell of the list called alone (no enclosing forward could continue its round): the round ends
+    # with it, so a later call of the head gathers the pieces as they are then (here changed in between,
+    # as an optimizer step or a checkpoint load would)
+    state = fsdp_state(par.inp)
     np.testing.assert_allclose(par.inp(x).asnumpy(), ref.inp(x).asnumpy(), rtol=1e-6)
-    np.testing.assert_allclose(par.inp(x).asnumpy(), ref.inp(x).asnumpy(), rtol=1e-6)
+    assert not state.running and state._round is None
+    for model in (ref, par):
+        model.head.bias.set_data(model.head.bias.value() + 1.0)
+    h = ref.inp(x)
+    np.testing.assert_allclose(par.head(h).asnumpy(), ref.head(h).asnumpy(), rtol=1e-6)
+    # a round its enclosing forward leaves unfinished (the head not run) ends with that forward
+    only_inp = _OnlyInput(par)
+    fully_shard(only_inp, mesh=mesh)
+    np.testing.assert_allclose(only_inp(x).asnumpy(), ref.inp(x).asnumpy(), rtol=1e-6)
+    assert not state.running and state._round is None
     np.testing.assert_allclose(par(x).asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-6)
     assert all(is_piece(p) for p in par.trainable_params())
 

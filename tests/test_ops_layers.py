@@ -159,6 +159,10 @@ def test_a_conv_net_with_batch_norm_trains_as_one_device_under_shard_module():
                         (ShardingPlan(plan={"conv1.weight": (Shard(0),), "conv1.bias": (Shard(0),),
                                             **{f"bn1.{n}": (Shard(0),) for n in
                                                ("gamma", "beta", "moving_mean", "moving_variance")}},
+                                      input_plan={"input": (Replicate(),)}), False),
+                        # only the batch norm's parameters cut: its input is cut to follow them
+                        (ShardingPlan(plan={f"bn1.{n}": (Shard(0),) for n in
+                                            ("gamma", "beta", "moving_mean", "moving_variance")},
                                       input_plan={"input": (Replicate(),)}), False)):
         ms.set_seed(0)
         ref = _ConvNet()

@@ -363,3 +363,18 @@ def test_contract_an_error_inside_a_gradient_call_leaves_the_executor_recording(
         assert _inplace_update_works()
     finally:
         seam.discard_grad_recording()
+
+
+def test_contract_recording_gradients_is_seen_inside_a_gradient_call_only():
+    """The grad flag: on while ms.grad / ms.value_and_grad run the function (fully_shard ends a round of
+    a list of Cells gathered under another flag), off before and after."""
+    w = ms.Parameter(Tensor(np.ones(3, np.float32)), name="w")
+    seen = []
+
+    def loss(v):
+        seen.append(seam.recording_gradients())
+        return (v * w).sum()
+    assert not seam.recording_gradients()
+    ms.value_and_grad(loss, None, [w])(Tensor(np.ones(3, np.float32)))
+    loss(Tensor(np.ones(3, np.float32)))
+    assert seen == [True, False] and not seam.recording_gradients()

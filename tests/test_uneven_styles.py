@@ -100,3 +100,14 @@ def test_a_parameter_leaving_a_rank_an_empty_piece_is_refused_before_any_change(
         shard_module(dense, mesh, ShardingPlan(plan={"weight": (Shard(0),)}))
     assert [(p.name, tuple(p.shape)) for p in dense.trainable_params()] == before
     parallelize_module(nn.Dense(8, 7), mesh, ColwiseParallel())      # 2, 2, 2, 1: every rank holds a piece
+
+
+def test_the_empty_piece_check_sees_nested_chunks_on_every_rank():
+    from hyper_parallel_ms.nn._parameter import ParameterPlacement
+    # 7 rows cut over a (2, 3) mesh twice: 4, 3 and then 2, 2, 0 / 1, 1, 1: rank (0, 2) is empty, the last is not
+    for rank in range(6):
+        mesh = init_device_mesh("cpu", (2, 3), mesh_dim_names=("a", "b"), simulate=(6, rank))
+        placement = ParameterPlacement(mesh, (Shard(0), Shard(0)))
+        assert placement.empty_piece((7, 2)) == (0, 2)
+        assert placement.empty_piece((6, 2)) is None
+        assert ParameterPlacement(mesh, (Replicate(), Shard(1))).empty_piece((7, 2)) == (7, 0)

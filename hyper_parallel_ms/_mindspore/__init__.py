@@ -123,8 +123,8 @@ from ._release import (ADOPTED_REACH_HOOK, HOOK_ERRORS_REACH_CALLER, LIST_ARGS_R
                        OVERLOAD_OPS_CALLABLE)
 from .abstract import GRAD_ENTRY_POINTS, abstract_run, has_custom_bprop, numpy_dtype, stride_free_view
 from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_recording, no_grad, recompute_eagerly,
-                       recompute_in_graph, recomputing, saved_tensors_hooks, tape_backward, taped, taped_call,
-                       tensor_address)
+                       recompute_in_graph, recomputing, recording_gradients, saved_tensors_hooks, tape_backward,
+                       taped, taped_call, tensor_address)
 from .compiling import (cached_in_python, cell_per_call_site, cell_subclass, compile_argument_checks,
                         compiling_graph_code, is_compiling, reject_in_compiled_args, run_first_call_checks,
                         run_in_python, running_eagerly)
@@ -149,5 +149,6 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "deferred_parameter", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
            "taped", "taped_call", "tape_backward", "discard_grad_recording",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
-           "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address",
+           "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad",
+           "recording_gradients", "tensor_address",
            "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recomputing", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]

@@ -121,6 +121,17 @@ def tape_backward(outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Seq
     return tuple(grads)
 
 
+def recording_gradients() -> bool:
+    """Whether PyNative ops now are recorded for a gradient call (``ms.grad`` / ``ms.value_and_grad``
+    running their function).
+
+    >>> recording_gradients()
+    False
+    """
+    from mindspore.common.api import _pynative_executor
+    return bool(_pynative_executor.grad_flag())
+
+
 def discard_grad_recording() -> None:
     """Drop what the PyNative executor recorded for a gradient call whose forward is failing (an
     error about to leave it): otherwise the executor stays recording and later in-place updates of

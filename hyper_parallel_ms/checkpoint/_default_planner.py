@@ -50,10 +50,15 @@ def _saved_key(key: str, metadata: Metadata) -> str:
     return earlier if key not in metadata.tensors and earlier in metadata.tensors else key
 
 
+_RANK_STATE_NAMES = ("moving_mean", "moving_variance", "running_mean", "running_var", "num_batches_tracked")
+
+
 def _rank_state(target: Any) -> bool:
-    """Module state each rank may update on its own: a Parameter with ``requires_grad=False``
-    (BatchNorm's ``moving_mean`` / ``moving_variance``, counters)."""
-    return isinstance(target, Parameter) and not target.requires_grad
+    """Module state each rank updates from its own batch: a batch norm's statistics (a Parameter with
+    ``requires_grad=False`` named as MindSpore's and PyTorch-style batch norms name them). Other
+    frozen weights keep the check that their copies agree (a piece saved without its layout)."""
+    return (isinstance(target, Parameter) and not target.requires_grad
+            and target.name.rsplit(".", 1)[-1] in _RANK_STATE_NAMES)
 
 
 class DefaultSavePlanner:

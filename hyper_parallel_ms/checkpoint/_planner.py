@@ -39,9 +39,8 @@ class Piece:
         offsets: the box's first index along each dim of the global tensor.
         sizes: the box's length along each dim.
         crc32: the CRC-32 of the box's data, or ``None`` (the default) when not compared.
-        rank_state: module state each rank updates from its own batch (a ``Parameter`` with
-            ``requires_grad=False``: BatchNorm statistics, counters): copies that differ are not an
-            error; the lowest rank's is written.
+        rank_state: module state each rank updates from its own batch (batch norm statistics):
+            copies that differ are not an error; the lowest rank's is written.
 
     Example:
         >>> Piece("w", (4, 2), "float32", (2, 0), (2, 2)).elements        # rows 2..3 of a 4x2 tensor
@@ -101,7 +100,9 @@ def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = T
     load = [0] * len(plans)
     for box in sorted(holders, key=lambda b: (-first[b].elements, b)):
         ranks = holders[box]
-        writer = ranks[0] if save_to_minimum_rank else min(ranks, key=lambda r: (load[r], r))
+        # a copy that differs between ranks (module state) is the lowest rank's, whose CRC-32 the piece carries
+        lowest = save_to_minimum_rank or box in differing
+        writer = ranks[0] if lowest else min(ranks, key=lambda r: (load[r], r))
         load[writer] += first[box].elements
         writes[writer].append(first[box])
     for pieces in writes:
@@ -152,7 +153,7 @@ def _check_replicas(plans: Sequence[Sequence[Piece]]) -> set:
                                   "(a DTensor, a sharded Parameter or a ShardedTensor)")
     if differing:
         warnings.warn(f"module state {sorted({key for key, _ in differing})[:4]} differs between ranks (each rank "
-                      "updates it from its own batch, e.g. BatchNorm statistics without SyncBatchNorm): the lowest "
+                      "updates it from its own batch: batch norm statistics without SyncBatchNorm): the lowest "
                       "rank's copy is saved, as PyTorch's DCP saves one copy of a replicated tensor", UserWarning,
                       stacklevel=4)
     return differing

@@ -31,9 +31,11 @@ from mindspore import Tensor
 from . import all_reduce
 from .debug import unrecorded
 
-__all__ = ["digest", "extremes", "failed_coordinates", "failure_messages", "note_agreement", "observing_agreements"]
+__all__ = ["digest", "DIGEST_LENGTH", "extremes", "failed_coordinates", "failure_messages", "note_agreement",
+           "observing_agreements"]
 
-_DIGEST_BITS, _DIGEST_CHUNKS = 20, 3
+_DIGEST_BITS = 20
+DIGEST_LENGTH = 3          # floats per :func:`digest`
 
 Observer = Callable[[str, Any, Sequence[Tuple[str, str]]], None]
 _OBSERVERS: List[Observer] = []
@@ -84,7 +86,7 @@ def digest(text: str) -> List[float]:
     """
     h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     mask = (1 << _DIGEST_BITS) - 1
-    return [float((h >> (_DIGEST_BITS * i)) & mask) for i in range(_DIGEST_CHUNKS)]
+    return [float((h >> (_DIGEST_BITS * i)) & mask) for i in range(DIGEST_LENGTH)]
 
 
 def extremes(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,9 @@
 
 A group holds parameters of one data-parallel mesh, one dtype, all cut on dim 0 (``sharded``)
 or all kept whole. The forward all-gathers pieces over the shard mesh dim in ``param_dtype``
-(kept whole: passed through); every backward reduces with :func:`._sync.reduce_gradient`.
+(kept whole: passed through); every backward reduces with :func:`._sync.reduce_gradient` (its two
+steps, :func:`._sync.reduce_over_shard` and :func:`._sync.reduce_over_replicas`, apart while the
+HSDP all-reduce is deferred).
 
 - PyNative: the unit's hooks call :meth:`FSDPParamGroup.gathered`: the group's pieces packed
   into one flat buffer (:mod:`._flat`) and moved by one :class:`GroupGather` call: one
@@ -171,6 +173,7 @@ class GroupGather(_Reducing):
         return flat
 
     def bprop(self, packed, out, dout):
+        self._hpms_group.unit.note_backward()
         sync = self._hpms_group.sync
         g = cast_to(dout, self.reduce_dtype)
         if self.pending is not None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import mindspore as ms
 from mindspore import Tensor, nn
 
-from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, run_first_call_checks, running_eagerly
+from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, recording_gradients, run_first_call_checks, running_eagerly
 from ..nn._adapter import put_parameter
 from ._dparams import as_placed
 from ._group import FSDPParamGroup
@@ -40,10 +40,18 @@ _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 class _Forwards(threading.local):
-    depth = 0          # units whose PyNative forward is running (enclosing ones included)
+    def __init__(self) -> None:
+        self.running: List["FSDPState"] = []    # units whose PyNative forward round is open, outermost first
 
 
 _FORWARDS = _Forwards()
+
+
+class _Backwards:
+    count = 0          # PyNative backward passes through any unit's gather (rounds older than one are stale)
+
+
+_BACKWARDS = _Backwards()
 
 
 def _cast_floats(values, dtype):
@@ -74,6 +82,9 @@ class FSDPState:
         self.cells: List[nn.Cell] = [cell]      # every Cell of the unit (``fully_shard([m1, m2])``)
         self.running: Set[int] = set()          # Cells of the unit whose forward this round has not ended
         self._round: Optional[list] = None      # the full values gathered for this round
+        self._round_mark: Tuple[int, bool] = (0, False)    # backward count and gradient recording then
+        self._enclosing: Optional["FSDPState"] = None      # the unit whose forward encloses the round's start
+        self.inside: List["FSDPState"] = []                # units whose rounds began inside this one's
         self._slot_cache: Dict[int, List[Tuple[int, int]]] = {}
         self.groups: List[FSDPParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
@@ -209,8 +220,8 @@ class FSDPState:
         """The forward pre-hook of each Cell of the unit: the first Cell of a round gathers, the
         others of the same round (``fully_shard([m1, m2])``) take the values gathered then; each
         Cell holds the full values only during its own forward."""
-        if self.running and id(cell) not in self.running:
-            self._end_round()          # this Cell ran already: the last round did not reach every Cell
+        if self.running and not self._round_continues(cell):
+            self._end_round()
         if self.running:
             if self.saving is not None:
                 self.saving.resume()
@@ -221,25 +232,40 @@ class FSDPState:
             return _cast_floats(args, self.policy.param_dtype)
         return None
 
+    def _round_continues(self, cell) -> bool:
+        """Whether ``cell``'s forward belongs to the open round: it has not run in it, the forward
+        enclosing the round's start (another unit's) is still running, and no backward or change of
+        gradient recording came since (the round's values are then this forward's)."""
+        enclosing = self._enclosing
+        return (id(cell) in self.running and enclosing is not None and any(u is enclosing for u in _FORWARDS.running)
+                and self._round_mark == _round_mark())
+
     def _begin_round(self) -> None:
         if self.on_first_forward is not None:
             decide, self.on_first_forward = self.on_first_forward, None
-            decide(self, _FORWARDS.depth == 0)
+            decide(self, not _FORWARDS.running)
         if self.deferred:
             self._check_initialised()
         if not self.checked:
             for cell in self.cells:
                 run_first_call_checks(cell)      # while the pieces are in place
             self.checked = True
-        self._round = self._gather_for_forward()
+        self._round, self._round_mark = self._gather_for_forward(), _round_mark()
         for other in self.forward_prefetch:
             other.prefetch()
         self.running = {id(c) for c in self.cells}
-        _FORWARDS.depth += 1           # (only efficiency reads it: which unit is the root)
+        self._enclosing = _FORWARDS.running[-1] if _FORWARDS.running else None
+        if self._enclosing is not None:
+            self._enclosing.inside.append(self)
+        _FORWARDS.running.append(self)
 
     def _end_round(self) -> None:
         self.running, self._round = set(), None
-        _FORWARDS.depth = max(_FORWARDS.depth - 1, 0)
+        _FORWARDS.running[:] = [u for u in _FORWARDS.running if u is not self]
+        inside, self.inside = self.inside, []
+        for unit in inside:           # rounds begun inside this forward that did not reach every Cell
+            if unit.running:
+                unit._end_round()
         if self.saving is not None:
             self.saving.end()
 
@@ -248,11 +274,11 @@ class FSDPState:
         its pieces back; the last Cell of a round ends it."""
         self._restore(cell)
         self.running.discard(id(cell))
-        if self.running:
+        if self.running and self._enclosing is not None:
             if self.saving is not None:
                 self.saving.pause()    # other Cells' forwards run until the unit's next Cell
         else:
-            self._end_round()
+            self._end_round()          # every Cell ran, or no enclosing forward could continue the round
         dtype = self.policy.output_dtype
         if dtype is None:
             return None
@@ -260,18 +286,30 @@ class FSDPState:
             return _cast_floats(output, dtype)
         return _cast_floats((output,), dtype)[0]
 
+    def note_backward(self) -> None:
+        """A backward pass reached one of this unit's gathers (called by it): open rounds are stale."""
+        _BACKWARDS.count += 1
+
     def unshard(self) -> None:
         """Gather every group now; forwards until :meth:`reshard` use these buffers (no collective)."""
         self.kept = [g.gathered() for g in self.groups]
 
     def reshard(self) -> None:
+        if self.running:
+            self._end_round()
         self.kept, self.reused, self.prefetched = None, None, None
         self._restore()
 
     def clear_pending(self) -> None:
+        if self.running:
+            self._end_round()
         self.reused = None
         for g in self.groups:
             g.clear()
+
+
+def _round_mark() -> Tuple[int, bool]:
+    return _BACKWARDS.count, recording_gradients()
 
 
 def eager_hooks(state: FSDPState):

@@ -17,13 +17,12 @@ from typing import Callable, List, Sequence, Tuple, TypeVar
 
 import numpy as np
 
-from ..comm._agreement import digest, extremes, note_agreement
+from ..comm._agreement import DIGEST_LENGTH, digest, extremes, note_agreement
 
 __all__ = ["check_same_on_all_ranks", "agreed"]
 
 T = TypeVar("T")
 
-_CHUNKS = 3        # floats per digest
 _ABSENT = -1.0
 
 
@@ -37,11 +36,11 @@ def check_same_on_all_ranks(entries: Sequence[Tuple[str, str]], mesh, what: str)
         return
     high, low = extremes(np.array([float(len(entries))]), mesh)
     count = int(high[0])
-    table = np.full((count, _CHUNKS), _ABSENT)
+    table = np.full((count, DIGEST_LENGTH), _ABSENT)
     for i, (_, description) in enumerate(entries):
         table[i] = digest(description)
     high, low = extremes(table.reshape(-1), mesh)
-    differs = (high != low).reshape(count, _CHUNKS).any(axis=1)
+    differs = (high != low).reshape(count, DIGEST_LENGTH).any(axis=1)
     if not differs.any():
         return
     first = int(np.argmax(differs))

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+import itertools
 from typing import Any, Optional, Sequence, Tuple
 
 from mindspore import Parameter, Tensor
@@ -127,13 +128,21 @@ class ParameterPlacement:
         return tuple(layout.global_offset(global_shape, coordinate)), tuple(layout.local_shape(global_shape, coordinate))
 
     def empty_piece(self, global_shape: Sequence[int]) -> Optional[Tuple[int, ...]]:
-        """The shape of the smallest rank's piece if it is empty while ``global_shape`` is not
-        (``torch.chunk`` pieces shrink towards the last rank of each sharding mesh dim), else ``None``."""
+        """The shape of an empty piece some rank would hold while ``global_shape`` is not empty, else
+        ``None`` (every coordinate of the mesh dims that cut it: nested ``torch.chunk`` pieces do not
+        shrink in one direction)."""
         if 0 in tuple(global_shape):
             return None
         layout = to_layout(self.mesh, self.placements, len(global_shape))
-        smallest = tuple(layout.local_shape(global_shape, tuple(n - 1 for n in self.mesh.shape)))
-        return smallest if 0 in smallest else None
+        cutting = [d for d, p in enumerate(layout.placements) if p.is_shard()]
+        for coords in itertools.product(*(range(self.mesh.shape[d]) for d in cutting)):
+            coordinate = [0] * len(self.mesh.shape)
+            for d, c in zip(cutting, coords):
+                coordinate[d] = c
+            shape = tuple(layout.local_shape(global_shape, tuple(coordinate)))
+            if 0 in shape:
+                return shape
+        return None
 
     def make(self, param: Parameter) -> Parameter:
         """The new Parameter, with ``param``'s name, cut from ``param``'s values."""

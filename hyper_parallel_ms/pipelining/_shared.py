@@ -23,7 +23,7 @@ import numpy as np
 from mindspore import Tensor
 
 from .. import comm
-from ..comm._agreement import digest, extremes
+from ..comm._agreement import DIGEST_LENGTH, digest, extremes
 from ..nn._adapter import named_cells, own_parameters
 from ._action import ScheduleError
 from ._stage import PipelineStage
@@ -146,7 +146,7 @@ def check_names_unshared(stages: Sequence[PipelineStage], mesh, spec: Optional[S
     names = sorted(held)
     pp, me = mesh.size(), mesh.get_local_rank()
     count = int(extremes(np.array([float(len(names))]), mesh)[0][0])
-    table = np.full((pp, count, 3), -1.0, np.float32)
+    table = np.full((pp, count, DIGEST_LENGTH), -1.0, np.float32)
     for i, n in enumerate(names):
         table[me, i] = digest(n)
     flags = np.zeros(pp, np.float32)

@@ -297,8 +297,9 @@ def batch_norm_rule(schema: OpSchema) -> OutputSharding:
     training the statistics are over every other dim, so those are gathered first (the one-device
     values: each rank computes the whole batch's statistics and updates its moving averages with
     them, as SyncBatchNorm); in inference a batch- or space-sharded input stays so. Training updates
-    the moving averages in place, so their layout is kept: the channels stay sharded only on mesh
-    dims where the averages are cut too. Outputs: the normalised tensor and four per-channel vectors."""
+    the moving averages in place, so their layout is kept and the input follows it: channels cut on
+    the mesh dims where the averages are cut, whole elsewhere. Outputs: the normalised tensor and
+    four per-channel vectors."""
     x = schema.args[0]
     training = bool(schema.attr("is_training", True))
     channels = x.shape[1]
@@ -306,10 +307,19 @@ def batch_norm_rule(schema: OpSchema) -> OutputSharding:
     x_needs: List[Placement] = []
     c_needs: List[Placement] = []
     for axis, p in enumerate(x.layout.placements):
-        # training updates the moving averages in place: they keep their own layout (cut on the
-        # channels only where they already are; a redistributed copy would take the update instead)
-        cut_stats = all(m.layout.placements[axis] == Shard(0) for m in moving) if training else True
-        if p.is_shard() and p.dim == 1 and cut_stats:
+        if training and moving:
+            # the moving averages are updated in place: they keep their own layout (a redistributed
+            # copy would take the update instead), and the input follows them on the channels
+            kept = {m.layout.placements[axis] for m in moving}
+            if len(kept) != 1 or not all(k.is_replicate() or k == Shard(0) for k in kept):
+                raise NotImplementedError(
+                    f"BatchNorm in training: the moving averages are laid out {sorted(map(str, kept))} on mesh dim "
+                    f"{axis}; they must be Replicate or Shard(0) there, both alike (they are updated in place)")
+            if kept == {Shard(0)}:
+                x_needs.append(Shard(1)); c_needs.append(Shard(0))
+            else:
+                x_needs.append(Replicate()); c_needs.append(Replicate())
+        elif p.is_shard() and p.dim == 1:
             x_needs.append(p); c_needs.append(Shard(0))
         elif p.is_shard() and not training:
             x_needs.append(p); c_needs.append(Replicate())
