@@ -33,6 +33,9 @@ __all__ = ["RankPool", "RankFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("HPMS_TEST_TIMEOUT", "180"))
 START_TIMEOUT = float(os.environ.get("HPMS_START_TIMEOUT", "120"))
+# a rank process holding more than this after a run is restarted before the next one (compiled graphs
+# and allocator pools of many tests add up: several GiB per rank over a whole suite)
+MAX_RANK_RSS_MB = float(os.environ.get("HPMS_MAX_RANK_RSS_MB", "2500"))
 FAILURE_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,6 +66,18 @@ def _reference(fn: Callable) -> Tuple[str, str]:
     if module == "__main__":
         module = script_reference(sys.modules["__main__"], fn)
     return module, qualname
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB (0 where ``/proc`` cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
 
 
 def _tail(path: str, start: int = 0, limit: int = 6000) -> str:
@@ -250,6 +265,8 @@ class RankPool:
             self.stop()
             raise RankFailure(f"{len(failures)} of {self.world_size} ranks failed in {module}.{qualname}:\n"
                               + "\n".join(failures[k] for k in sorted(failures)))
+        if max(_rss_mb(r.proc.pid) for r in self._ranks) > MAX_RANK_RSS_MB:
+            self.stop()                  # the next run starts fresh ranks
         return [results[k] for k in range(self.world_size)]
 
     @staticmethod
