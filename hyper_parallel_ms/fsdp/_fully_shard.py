@@ -74,36 +74,38 @@ class FSDPModule:
         """Put this Cell's pieces back (frees the gathered parameters)."""
         self.__dict__[_STATE].reshard()
 
+    def _set_reduction_switch(self, name: str, value: bool, recurse: bool, field: str, off: str,
+                              applies: Callable[[FSDPState], bool] = lambda state: True) -> None:
+        """Set ``SyncState.<field>`` of this unit's states (and those below with ``recurse``); turning it
+        off is refused where a compiled graph (which reduces every backward) holds a unit it applies to."""
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+        states = self._fsdp_states(recurse)
+        if not value and any(state.compiled and applies(state) for state in states):
+            raise NotImplementedError(
+                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE, where every backward reduces the "
+                f"gradients{off}")
+        for state in states:
+            setattr(state.sync, field, value)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With ``False`` the backward accumulates unreduced gradients locally and sends nothing;
         the next backward with ``True`` reduces the sum once (gradient accumulation)."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
-        states = self._fsdp_states(recurse)
-        if not requires_gradient_sync and any(state.compiled for state in states):
-            raise NotImplementedError(
-                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE, where every backward reduces the "
-                "gradients, so turning sync off would not take effect there: keep sync on and add up the returned "
-                "gradients of the micro-steps (the same sum as one big batch)")
-        for state in states:
-            state.sync.sync = requires_gradient_sync
+        self._set_reduction_switch(
+            "requires_gradient_sync", requires_gradient_sync, recurse, "sync",
+            ", so turning sync off would not take effect there: keep sync on and add up the returned gradients of "
+            "the micro-steps (the same sum as one big batch)")
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP (a 2-D mesh): with ``False`` the backward reduce-scatters over the shard dim but does not
         all-reduce over the replicas: this rank's part is added to a local accumulator and the gradient
         returned is zero; the next backward with ``True`` all-reduces the sum once (FSDP2's gradient
         accumulation across replicas). Without a replicate dim there is nothing to skip."""
-        if not isinstance(requires_all_reduce, bool):
-            raise TypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
-        states = self._fsdp_states(recurse)
-        hsdp_states = [s for s in states if any(g.replicate_dim is not None for g in s.groups)]
-        if not requires_all_reduce and any(state.compiled for state in hsdp_states):
-            raise NotImplementedError(
-                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE, where every backward reduces the "
-                "gradients fully, so turning the all-reduce off would not take effect there: keep it on and add up "
-                "the returned gradients of the micro-steps")
-        for state in states:
-            state.sync.all_reduce = requires_all_reduce
+        self._set_reduction_switch(
+            "requires_all_reduce", requires_all_reduce, recurse, "all_reduce",
+            " fully, so turning the all-reduce off would not take effect there: keep it on and add up the "
+            "returned gradients of the micro-steps",
+            applies=lambda state: any(g.replicate_dim is not None for g in state.groups))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's reduced gradients by ``factor`` instead of the number of data-parallel
