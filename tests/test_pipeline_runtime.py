@@ -154,6 +154,67 @@ def _check_parity(name: str, n: int, jit: bool = False) -> None:
     assert schedule.forward_calls == len(schedule.stages) * n * len(BATCHES)
 
 
+class MaskedModel(Model):
+    """``Model`` whose first stage takes keyword inputs: a Tensor ``mask`` (split with the batch) and a
+    float ``shift`` (given to every micro-batch)."""
+
+    def construct(self, x, mask=None, shift=0.0):
+        if mask is not None:
+            x = x * mask + shift
+        return super().construct(x)
+
+
+@pytest.mark.parametrize("name,n,jit", [("1F1B", 3, False), ("ZBVZeroBubble", 3, False), ("GPipe", 4, True)])
+@multi_rank(2)
+def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
+    """Batches of 7 and 10 rows that do not split evenly (torch.tensor_split's chunks: 3, 2, 2 and
+    4, 3, 3 over 3; 2, 2, 2, 1 and 3, 3, 2, 2 over 4) and keyword inputs of stage 0 (a Tensor split
+    with the batch, a float given to each micro-batch): each micro-batch's loss, the full-batch
+    gradients (micro-batch m weighs rows_m / rows) and the parameters after 2 AdamWeightDecay steps
+    equal one device."""
+    from hyper_parallel_ms import pipelining as pl
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.pipelining._microbatch import chunk_sizes
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    v = STAGES_PER_RANK[name]
+    num_stages = 2 * v
+    ms.set_seed(0)
+    reference = MaskedModel(num_stages)
+    params = reference.trainable_params()
+    ref_opt = _optimizer(params)
+    stages = []
+    for s in pl.build_plan(name, 2, num_stages, stages_per_rank=v).stages_of(mesh.get_local_rank()):
+        ms.set_seed(0)
+        model = pl.split_blocks(MaskedModel(num_stages), s, num_stages, first=("embed",), last=("head",))
+        stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
+    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
+    schedule = cls(stages[0] if v == 1 else stages, n, loss_fn)
+    first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
+    opt = _optimizer(schedule.parameters())
+    for step, size in enumerate((7, 10)):
+        x, y = _batch(step, size)
+        mask = ms.Tensor(np.random.RandomState(7 + step).rand(size, IN).astype(np.float32))
+        bounds = [int(b) for b in np.cumsum([0] + chunk_sizes(size, n))]
+        want_losses = [float(loss_fn(reference(x[a:b], mask=mask[a:b], shift=0.5), y[a:b]).asnumpy())
+                       for a, b in zip(bounds[:-1], bounds[1:])]
+        _, want = ms.value_and_grad(lambda x, y: loss_fn(reference(x, mask=mask, shift=0.5), y), None, params)(x, y)
+        want = {p.name: g.asnumpy() for p, g in zip(params, want)}
+        ref_opt(tuple(ms.Tensor(want[p.name]) for p in params))
+        losses: list = []
+        out = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses,
+                            **(dict(mask=mask, shift=0.5) if first else {}))
+        if last:
+            assert out.shape == (size, OUT)
+            np.testing.assert_allclose([float(v.asnumpy()) for v in losses], want_losses, rtol=RTOL, atol=ATOL)
+        for p, g in zip(schedule.parameters(), schedule.gradients()):
+            np.testing.assert_allclose(g.asnumpy(), want[p.name], rtol=RTOL, atol=ATOL, err_msg=f"{p.name}, {size}")
+        opt(schedule.gradients())
+    final = {p.name: p.asnumpy() for p in params}
+    for p in schedule.parameters():
+        np.testing.assert_allclose(p.asnumpy(), final[p.name], rtol=RTOL, atol=ATOL, err_msg=p.name)
+
+
 def _microbatch_counts(name: str, pp: int):
     """num_stages, more, and fewer where the schedule allows it (1F1B refuses fewer)."""
     stages = pp * STAGES_PER_RANK[name]
@@ -195,12 +256,19 @@ def test_errors_raise_on_every_rank():
     # a batch that does not split: only stage 0's rank sees it, every rank raises
     schedule, _ = _schedule("1F1B", mesh, 2)
     x, y = _batch(0, 5)
-    with pytest.raises(ValueError, match="first stage's argument 0 has batch size 5, which does not split into 2 "
-                                         "equal micro-batches along dim 0"):
+    with pytest.raises(ValueError, match=r"first stage's input 0 \(positional arguments, then keyword arguments\) "
+                                         "has batch size 1, fewer rows than 2 micro-batches"):
+        schedule.step(*((x[:1],) if me == 0 else ()), target=y[:1] if me == 1 else None)
+    with pytest.raises(ValueError, match="first stage's input 1 .* has batch size 4, where the stage's other "
+                                         "inputs have 5"):
+        schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None, mask=x[:4])
+    with pytest.raises(ValueError, match="first stage's input 0 .* is a 0-d Tensor"):
+        schedule.step(*((x[0, 0],) if me == 0 else ()), target=y if me == 1 else None)
+    with pytest.raises(ValueError, match="the first stage's inputs have batch size 5 and the last stage's target 4"):
         schedule.step(*((x,) if me == 0 else ()), target=y[:4] if me == 1 else None)
     x, y = _batch(0, 4)
-    with pytest.raises(ValueError, match="last stage's target 0 has batch size 3"):
-        schedule.step(*((x,) if me == 0 else ()), target=y[:3] if me == 1 else None)
+    with pytest.raises(ValueError, match="last stage's target has batch size 1, fewer rows than 2"):
+        schedule.step(*((x,) if me == 0 else ()), target=y[:1] if me == 1 else None)
     with pytest.raises(ValueError, match="rank holding the last stage got no target"):
         schedule.step(*((x,) if me == 0 else ()))
     losses: list = []

@@ -6,7 +6,7 @@ fixed :data:`HEADER` length (up to :data:`MAX_TENSORS` tensors of at most :data:
 
 Example::
 
-    mbs = split_microbatches((x, y), 4)              # 4 tuples (x_m, y_m), rows split evenly
+    mbs = split_microbatches((x, y), 4)              # 4 tuples (x_m, y_m), rows as torch.tensor_split
     sig = signature(mbs[0]); like_tensors(sig)       # zero tensors of those shapes and dtypes
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-__all__ = ["split_microbatches", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
+__all__ = ["chunk_sizes", "split_microbatches", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
            "MAX_NDIM", "as_tuple", "is_float"]
 
 MAX_TENSORS, MAX_NDIM = 8, 8
@@ -36,9 +36,22 @@ def is_float(x: Tensor) -> bool:
     return x.dtype in _FLOATS
 
 
-def split_microbatches(tensors: Sequence[Tensor], n: int) -> List[Tuple[Tensor, ...]]:
-    """``n`` tuples, the i-th holding the i-th equal chunk (along dim 0) of each tensor."""
-    chunks = [ops.split(t, t.shape[0] // n, axis=0) for t in tensors]
+def chunk_sizes(rows: int, n: int) -> List[int]:
+    """The rows of each of ``n`` micro-batches of a batch of ``rows`` (``torch.tensor_split``'s: the
+    first ``rows % n`` hold one more).
+
+    >>> chunk_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    q, r = divmod(rows, n)
+    return [q + 1] * r + [q] * (n - r)
+
+
+def split_microbatches(values: Sequence[object], n: int) -> List[Tuple[object, ...]]:
+    """``n`` tuples, the i-th holding the i-th chunk (along dim 0, :func:`chunk_sizes`) of each
+    Tensor of ``values``; any other value goes to every micro-batch unchanged (PyTorch's)."""
+    chunks = [ops.split(v, chunk_sizes(v.shape[0], n), axis=0) if isinstance(v, Tensor) else (v,) * n
+              for v in values]
     return [tuple(c[m] for c in chunks) for m in range(n)]
 
 

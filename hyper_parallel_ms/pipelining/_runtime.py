@@ -13,8 +13,8 @@ A failed action ends the step on every rank (:mod:`._failure`).
 
 Example::
 
-    runtime = Runtime(stages, plan, loss_fn, scale=1 / plan.n_microbatches)
-    runtime.run(plan.actions[rank], microbatches, targets, losses)
+    runtime = Runtime(stages, plan, loss_fn)
+    runtime.run(plan.actions[rank], microbatches, targets, losses, scales=[0.25] * 4)   # 4 micro-batches, averaged
     runtime.gradients()            # tuple aligned with runtime.parameters()
 """
 from __future__ import annotations
@@ -64,15 +64,21 @@ class StepStats:
     peak_live_forwards: int
 
 
+def _with_keywords(forward: Callable, kwargs: dict) -> Callable:
+    """``forward`` with stage 0's keyword inputs of one micro-batch bound (a named function: the
+    PyNative executor names its top graph after it)."""
+    def forward_with_keywords(*args):
+        return forward(*args, **kwargs)
+    return forward_with_keywords
+
+
 class Runtime:
     """Executes action lists for this rank's ``stages`` of ``plan``, accumulating gradients."""
 
-    def __init__(self, stages: Sequence[PipelineStage], plan: PipelinePlan, loss_fn: Optional[Callable],
-                 scale: float) -> None:
+    def __init__(self, stages: Sequence[PipelineStage], plan: PipelinePlan, loss_fn: Optional[Callable]) -> None:
         self.stages: Dict[int, PipelineStage] = {s.stage_index: s for s in stages}
         self.plan = plan
         self.loss_fn = loss_fn
-        self.scale = scale
         self.mesh = stages[0].mesh
         self._params: Dict[int, List[ms.Parameter]] = {s: self.stages[s].parameters() for s in sorted(self.stages)}
         self._forwards: Dict[int, Callable] = {s: stage_forward(st, loss_fn) for s, st in self.stages.items()}
@@ -104,9 +110,12 @@ class Runtime:
         return tuple(total.get(id(p), ops.zeros(p.shape, p.dtype)) for p in self.parameters())
 
     # --------------------------------------------------------------- one step
-    def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[Tensor, ...]]],
-            targets: Optional[Sequence[Tensor]], losses: Optional[list], forward_only: bool = False) -> List[Tensor]:
+    def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[tuple, dict]]],
+            targets: Optional[Sequence[Tensor]], losses: Optional[list], forward_only: bool = False,
+            scales: Sequence[float] = ()) -> List[Tensor]:
         """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held here).
+        ``microbatches``: stage 0's ``(args, kwargs)`` per micro-batch (on its rank). ``scales``: the
+        weight of each micro-batch's loss in the gradients (read on the last stage's rank).
         ``forward_only``: only the forwards and their transfers run, nothing recorded for a backward.
 
         Ends with the pp ranks' agreement on the step's outcome (:mod:`._failure`): if an action
@@ -119,7 +128,7 @@ class Runtime:
         self._in_grads: Dict[Key, Tuple[Tensor, ...]] = {}
         self._weight_grads: Dict[Key, Tuple[Optional[Tensor], ...]] = {}     # compiled stages: from I to W
         self._results: Dict[int, Tensor] = {}
-        self._batches, self._targets, self._losses = microbatches, targets, losses
+        self._batches, self._targets, self._losses, self._scales = microbatches, targets, losses, scales
         self._forward_only = forward_only
         if forward_only:
             actions = [a for a in actions if a.kind in (F, SEND_F, RECV_F)]
@@ -163,12 +172,13 @@ class Runtime:
     # --------------------------------------------------------------- compute
     def _forward(self, s: int, m: int) -> None:
         stage = self.stages[s]
-        args = self._batches[m] if s == 0 else self._inputs[s, m]
+        args, kwargs = self._batches[m] if s == 0 else (self._inputs[s, m], {})
+        forward = _with_keywords(self._forwards[s], kwargs) if kwargs else self._forwards[s]
         self.forward_calls += 1
         check_shapes(stage, args, stage.input_shapes, "inputs")
         if self._forward_only:
             with no_grad():
-                out = self._forwards[s](*args)
+                out = forward(*args)
             check_shapes(stage, out, stage.output_shapes, "outputs")
             if stage.is_last:
                 self._results[m] = out
@@ -178,15 +188,15 @@ class Runtime:
                 self._outs[s, m] = as_tuple(out)
             return
         if stage.is_last:
-            out, loss = taped_call(self._forwards[s], *args, self._targets[m])
+            out, loss = taped_call(forward, *args, self._targets[m])
             self._results[m] = out
         else:
-            out = taped_call(self._forwards[s], *args)
+            out = taped_call(forward, *args)
         check_shapes(stage, out, stage.output_shapes, "outputs")
         if stage.is_last:
             if self._losses is not None:
                 self._losses.append(loss)
-            self._tape[s, m] = ((loss,), (Tensor(np.full(loss.shape, self.scale), loss.dtype),))
+            self._tape[s, m] = ((loss,), (Tensor(np.full(loss.shape, self._scales[m]), loss.dtype),))
             return
         outs = as_tuple(out)
         self._tape[s, m] = (tuple(o for o in outs if is_float(o)), None)

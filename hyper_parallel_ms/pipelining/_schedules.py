@@ -22,7 +22,7 @@ from mindspore import Tensor, ops
 
 from ..comm._agreement import extremes
 from ._action import PipelineError, ScheduleError
-from ._microbatch import split_microbatches
+from ._microbatch import chunk_sizes, split_microbatches
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec, check_names_unshared
@@ -30,13 +30,15 @@ from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
 
-_MISSING, _NOT_TENSOR, _UNEVEN, _TARGET_WITHOUT_LOSS = 1, 2, 3, 4
+_MISSING, _ZERO_DIM, _NO_TENSOR, _TOO_SMALL, _MISMATCH, _TARGET_WITHOUT_LOSS = 1, 2, 3, 4, 5, 6
 
 # the arguments every schedule takes after its own, written once: each schedule's docstring
 # holds a ``{shared_args}`` line that :func:`_shared_args` replaces with them
 _SHARED_ARGS = """\
         scale_grads: average the gradients over micro-batches (default ``True``: one step equals
-            the full-batch step when ``loss_fn`` is a mean over the batch); ``False`` sums them.
+            the full-batch step when ``loss_fn`` is a mean over the batch; micro-batch ``m`` of
+            ``rows_m`` rows weighs ``rows_m / rows``, which is PyTorch's ``1 / n_microbatches`` when
+            the batch splits evenly); ``False`` sums them.
         micro_batch_num: HyperParallel's name for ``n_microbatches`` (give one of the two).
         shared_parameters: names (or tuples of names) of parameters several stages hold, e.g. an
             embedding tied to the head on the last stage: their gradients are summed over the stages
@@ -51,30 +53,48 @@ def _shared_args(cls: type) -> type:
     return cls
 
 
-def _batch_problem(tensors: Optional[Sequence[object]], n: int) -> Tuple[int, int, int]:
-    """(code, index, batch size) of the first tensor that cannot be split into ``n`` micro-batches; code 0: fine."""
-    if not tensors:
-        return _MISSING, 0, 0
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor) or t.ndim == 0:
-            return _NOT_TENSOR, i, 0
-        if t.shape[0] % n:
-            return _UNEVEN, i, t.shape[0]
-    return 0, 0, 0
+def _batch_problem(values: Optional[Sequence[object]], n: int) -> Tuple[int, int, int, int]:
+    """(code, index, rows, batch rows) for ``values`` (a stage's inputs, or the target alone) split into
+    ``n`` micro-batches; code 0: fine, batch rows then the rows every Tensor shares. Values that are
+    not Tensors go to every micro-batch (PyTorch's); a Tensor needs a batch dim of at least ``n`` rows,
+    the same for all."""
+    if not values:
+        return _MISSING, 0, 0, 0
+    rows = None
+    for i, t in enumerate(values):
+        if not isinstance(t, Tensor):
+            continue
+        if t.ndim == 0:
+            return _ZERO_DIM, i, 0, 0
+        if t.shape[0] < n:
+            return _TOO_SMALL, i, t.shape[0], 0
+        if rows is not None and t.shape[0] != rows:
+            return _MISMATCH, i, t.shape[0], rows
+        rows = t.shape[0]
+    if rows is None:
+        return _NO_TENSOR, 0, 0, 0
+    return 0, 0, 0, rows
 
 
-def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
+def _batch_message(what: str, code: int, index: int, size: int, rows: int, n: int) -> str:
     if code == _TARGET_WITHOUT_LOSS:
         return ("the last stage got a target, but the schedule has no loss_fn there and runs forward only; pass "
                 "loss_fn=... (loss_fn(output, target)) when building the schedule to train")
     if code == _MISSING:
         return (f"the rank holding the {what} stage got no {what == 'first' and 'batch' or 'target'}: pass "
-                f"{what == 'first' and 'the inputs to step(*args)' or 'step(..., target=...)'} there")
-    if code == _NOT_TENSOR:
-        return f"{what} stage's {'argument' if what == 'first' else 'target'} {index} is not a Tensor with a batch dim"
-    return (f"{what} stage's {'argument' if what == 'first' else 'target'} {index} has batch size {size}, which does "
-            f"not split into {n} equal micro-batches along dim 0; use a batch size that is a multiple of {n} or "
-            f"another n_microbatches")
+                f"{what == 'first' and 'the inputs to step(*args, **kwargs)' or 'step(..., target=...)'} there")
+    name = (f"input {index} (positional arguments, then keyword arguments)" if what == "first"
+            else "target")
+    if code == _ZERO_DIM:
+        return f"{what} stage's {name} is a 0-d Tensor, which has no batch dim to split"
+    if code == _NO_TENSOR:
+        return (f"{what} stage's {'inputs hold' if what == 'first' else 'target is'} no Tensor with a batch dim to "
+                f"split into micro-batches")
+    if code == _TOO_SMALL:
+        return (f"{what} stage's {name} has batch size {size}, fewer rows than {n} micro-batches; use a batch of at "
+                f"least {n} rows or fewer micro-batches")
+    return (f"{what} stage's {name} has batch size {size}, where the stage's other inputs have {rows}; every "
+            f"Tensor splits along dim 0 into the same micro-batches")
 
 
 def _merged(outs: list):
@@ -135,7 +155,7 @@ class PipelineSchedule:
         for stage in stages:              # a norm of these alone is not the model's (TotalGradNorm checks)
             for p in stage.parameters():
                 object.__setattr__(p, STAGE_MESH, self.mesh)
-        self._runtime = Runtime(stages, self.plan, loss_fn, 1.0 / n if scale_grads else 1.0)
+        self._runtime = Runtime(stages, self.plan, loss_fn)
         self._grads: Optional[Tuple[Tensor, ...]] = None
 
     # --------------------------------------------------------------- construction checks
@@ -167,19 +187,25 @@ class PipelineSchedule:
         return plan
 
     # --------------------------------------------------------------- one step
-    def step(self, *args: Tensor, target: Optional[Tensor] = None, losses: Optional[list] = None):
+    def step(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
+             **kwargs: object):
         """Run one step on the whole batch; gradients from zero (see :meth:`gradients`).
 
         Args:
-            args: the batch's inputs of stage 0 (read on the rank holding it; split along dim 0).
-            target: the batch's target (read on the rank holding the last stage; split along dim 0).
+            args: the batch's inputs of stage 0 (read on the rank holding it). Tensors split along
+                dim 0 as ``torch.tensor_split`` does (a batch of 10 rows into 4 micro-batches: 3, 3,
+                2, 2 rows); other values go to every micro-batch unchanged.
+            target: the batch's target (read on the rank holding the last stage; split as ``args``).
             losses: a list that receives each micro-batch's loss, in order (on the last stage's rank).
+            kwargs: keyword inputs of stage 0's Cell, split as ``args``.
 
         Returns:
             On the rank of the last stage, its outputs of the whole batch (concatenated along dim 0; a
             tuple output element by element); ``None`` elsewhere.
 
         Raises:
+            ValueError: a batch that does not split (fewer rows than micro-batches, inputs or target
+                with different rows, no target where a loss_fn needs one), on every rank.
             PipelineError: an action failed on another pp rank during the step (the rank where it
                 failed raises that action's own error; :class:`TransferFailed` where a peer was
                 lost). Every rank raises; the schedule then refuses further steps.
@@ -194,40 +220,50 @@ class PipelineSchedule:
         if self._runtime.failed:           # on every rank: a failed step raised on every rank
             raise PipelineError(f"{type(self).__name__}.step: an earlier step failed, and messages may be left in "
                                 f"flight between the pp ranks; build the pipeline again in a new job")
-        fcode = _batch_problem(args, n) if first else (0, 0, 0)
+        inputs = args + tuple(kwargs.values())
+        fcode = _batch_problem(inputs, n) if first else (0, 0, 0, 0)
         if self.forward_only:
-            lcode = (_TARGET_WITHOUT_LOSS, 0, 0) if last and target is not None else (0, 0, 0)
+            lcode = (_TARGET_WITHOUT_LOSS, 0, 0, 0) if last and target is not None else (0, 0, 0, 0)
         else:
-            lcode = _batch_problem(None if target is None else (target,), n) if last else (0, 0, 0)
+            lcode = _batch_problem(None if target is None else (target,), n) if last else (0, 0, 0, 0)
         high, _ = extremes(np.array(fcode + lcode, np.float32), self.mesh)
-        for what, (code, index, size) in (("first", high[0:3]), ("last", high[3:6])):
+        for what, (code, index, size, rows) in (("first", high[0:4]), ("last", high[4:8])):
             if code:
-                raise ValueError(f"{type(self).__name__}.step: " + _batch_message(what, int(code), int(index),
-                                                                                    int(size), n))
-        batches = split_microbatches(args, n) if first else None
+                raise ValueError(f"{type(self).__name__}.step: " + _batch_message(
+                    what, int(code), int(index), int(size), int(rows), n))
+        rows, target_rows = int(high[3]), int(high[7])
+        if target_rows and target_rows != rows:
+            raise ValueError(f"{type(self).__name__}.step: the first stage's inputs have batch size {rows} and the "
+                             f"last stage's target {target_rows}; give the target of the same batch")
+        batches = None
+        if first:
+            batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):]))) for mb in split_microbatches(inputs, n)]
         targets = [t[0] for t in split_microbatches((target,), n)] if last and not self.forward_only else None
+        scales = [r / rows if self.scale_grads else 1.0 for r in chunk_sizes(rows, n)]
         self._grads = None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
-                                 forward_only=self.forward_only)
+                                 forward_only=self.forward_only, scales=scales)
         if not self.forward_only:
             self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
         if not last:
             return None
         return _merged(outs)
 
-    def run(self, *args: Tensor, target: Optional[Tensor] = None, losses: Optional[list] = None):
+    def run(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
+            **kwargs: object):
         """HyperParallel's name for :meth:`step` (same arguments and result).
 
         Args:
             args: as :meth:`step`.
             target: as :meth:`step`.
             losses: as :meth:`step`.
+            kwargs: as :meth:`step`.
 
         Example::
 
             schedule.run(x, target=y)
         """
-        return self.step(*args, target=target, losses=losses)
+        return self.step(*args, target=target, losses=losses, **kwargs)
 
     def parameters(self) -> List[ms.Parameter]:
         """This rank's stages' trainable parameters (stage order), for an optimizer.

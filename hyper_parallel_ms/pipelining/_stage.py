@@ -201,12 +201,12 @@ def stage_forward(stage: PipelineStage, loss_fn: Optional[Callable]) -> Callable
     """
     cell = stage.submodule
     if stage.is_last and loss_fn is not None:
-        def forward(*args):
-            out = cell(*args[:-1])
+        def forward(*args, **kwargs):
+            out = cell(*args[:-1], **kwargs)
             return out, loss_fn(out, args[-1])
     else:
-        def forward(*args):
-            return cell(*args)
+        def forward(*args, **kwargs):
+            return cell(*args, **kwargs)
     return ms.jit(forward) if stage.jit else forward
 
 
