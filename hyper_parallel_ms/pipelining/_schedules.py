@@ -30,7 +30,7 @@ from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
 
-_MISSING, _ZERO_DIM, _NO_TENSOR, _TOO_SMALL, _MISMATCH, _TARGET_WITHOUT_LOSS = 1, 2, 3, 4, 5, 6
+_MISSING, _ZERO_DIM, _NO_TENSOR, _TOO_SMALL, _TARGET_WITHOUT_LOSS = 1, 2, 3, 4, 5
 
 # the arguments every schedule takes after its own, written once: each schedule's docstring
 # holds a ``{shared_args}`` line that :func:`_shared_args` replaces with them
@@ -53,30 +53,28 @@ def _shared_args(cls: type) -> type:
     return cls
 
 
-def _batch_problem(values: Optional[Sequence[object]], n: int) -> Tuple[int, int, int, int]:
-    """(code, index, rows, batch rows) for ``values`` (a stage's inputs, or the target alone) split into
-    ``n`` micro-batches; code 0: fine, batch rows then the rows every Tensor shares. Values that are
-    not Tensors go to every micro-batch (PyTorch's); a Tensor needs a batch dim of at least ``n`` rows,
-    the same for all."""
+def _batch_problem(values: Optional[Sequence[object]], n: int) -> Tuple[int, int, int, int, int, int]:
+    """(code, index, rows, fewest rows, most rows, uneven) of ``values`` (a stage's inputs, or the target
+    alone) split into ``n`` micro-batches; code 0: fine, then the fewest and most rows of its Tensors
+    and whether one does not split evenly. Values that are not Tensors go to every micro-batch
+    (PyTorch's); a Tensor needs a batch dim of at least ``n`` rows."""
     if not values:
-        return _MISSING, 0, 0, 0
-    rows = None
+        return _MISSING, 0, 0, 0, 0, 0
+    rows = []
     for i, t in enumerate(values):
         if not isinstance(t, Tensor):
             continue
         if t.ndim == 0:
-            return _ZERO_DIM, i, 0, 0
+            return _ZERO_DIM, i, 0, 0, 0, 0
         if t.shape[0] < n:
-            return _TOO_SMALL, i, t.shape[0], 0
-        if rows is not None and t.shape[0] != rows:
-            return _MISMATCH, i, t.shape[0], rows
-        rows = t.shape[0]
-    if rows is None:
-        return _NO_TENSOR, 0, 0, 0
-    return 0, 0, 0, rows
+            return _TOO_SMALL, i, t.shape[0], 0, 0, 0
+        rows.append(t.shape[0])
+    if not rows:
+        return _NO_TENSOR, 0, 0, 0, 0, 0
+    return 0, 0, 0, min(rows), max(rows), int(any(r % n for r in rows))
 
 
-def _batch_message(what: str, code: int, index: int, size: int, rows: int, n: int) -> str:
+def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
     if code == _TARGET_WITHOUT_LOSS:
         return ("the last stage got a target, but the schedule has no loss_fn there and runs forward only; pass "
                 "loss_fn=... (loss_fn(output, target)) when building the schedule to train")
@@ -90,11 +88,27 @@ def _batch_message(what: str, code: int, index: int, size: int, rows: int, n: in
     if code == _NO_TENSOR:
         return (f"{what} stage's {'inputs hold' if what == 'first' else 'target is'} no Tensor with a batch dim to "
                 f"split into micro-batches")
-    if code == _TOO_SMALL:
-        return (f"{what} stage's {name} has batch size {size}, fewer rows than {n} micro-batches; use a batch of at "
-                f"least {n} rows or fewer micro-batches")
-    return (f"{what} stage's {name} has batch size {size}, where the stage's other inputs have {rows}; every "
-            f"Tensor splits along dim 0 into the same micro-batches")
+    return (f"{what} stage's {name} has batch size {size}, fewer rows than {n} micro-batches; use a batch of at "
+            f"least {n} rows or fewer micro-batches")
+
+
+def _microbatch_weights(first: Sequence[float], last: Sequence[float], n: int, scale_grads: bool,
+                        name: str) -> List[float]:
+    """Each micro-batch's weight in the gradients, from the agreed (fewest rows, most rows, uneven) of
+    the first stage's inputs and of the last stage's target (zeros where absent): ``1 / n`` for an
+    even split (Tensors may then differ in rows, e.g. a target of one row per token), ``rows_m /
+    rows`` for an uneven one, which needs one row count in every Tensor (chunks of different rows
+    would not pair up)."""
+    sizes = {int(v) for v in (first[0], first[1], last[0], last[1]) if v}
+    if first[2] or last[2]:
+        if len(sizes) > 1:
+            raise ValueError(f"{name}.step: a batch that does not split evenly into {n} micro-batches needs the same "
+                             f"rows in every Tensor of the first stage's inputs and the last stage's target, got "
+                             f"{sorted(sizes)}; use a batch size that is a multiple of {n} or give every Tensor the "
+                             f"batch's rows")
+        rows = sizes.pop()
+        return [r / rows if scale_grads else 1.0 for r in chunk_sizes(rows, n)]
+    return [1.0 / n if scale_grads else 1.0] * n
 
 
 def _merged(outs: list):
@@ -204,8 +218,8 @@ class PipelineSchedule:
             tuple output element by element); ``None`` elsewhere.
 
         Raises:
-            ValueError: a batch that does not split (fewer rows than micro-batches, inputs or target
-                with different rows, no target where a loss_fn needs one), on every rank.
+            ValueError: a batch that does not split (fewer rows than micro-batches, an uneven split
+                of Tensors with different rows, no target where a loss_fn needs one), on every rank.
             PipelineError: an action failed on another pp rank during the step (the rank where it
                 failed raises that action's own error; :class:`TransferFailed` where a peer was
                 lost). Every rank raises; the schedule then refuses further steps.
@@ -221,25 +235,22 @@ class PipelineSchedule:
             raise PipelineError(f"{type(self).__name__}.step: an earlier step failed, and messages may be left in "
                                 f"flight between the pp ranks; build the pipeline again in a new job")
         inputs = args + tuple(kwargs.values())
-        fcode = _batch_problem(inputs, n) if first else (0, 0, 0, 0)
+        none = (0,) * 6
+        fcode = _batch_problem(inputs, n) if first else none
         if self.forward_only:
-            lcode = (_TARGET_WITHOUT_LOSS, 0, 0, 0) if last and target is not None else (0, 0, 0, 0)
+            lcode = (_TARGET_WITHOUT_LOSS,) + none[1:] if last and target is not None else none
         else:
-            lcode = _batch_problem(None if target is None else (target,), n) if last else (0, 0, 0, 0)
+            lcode = _batch_problem(None if target is None else (target,), n) if last else none
         high, _ = extremes(np.array(fcode + lcode, np.float32), self.mesh)
-        for what, (code, index, size, rows) in (("first", high[0:4]), ("last", high[4:8])):
+        for what, (code, index, size) in (("first", high[0:3]), ("last", high[6:9])):
             if code:
                 raise ValueError(f"{type(self).__name__}.step: " + _batch_message(
-                    what, int(code), int(index), int(size), int(rows), n))
-        rows, target_rows = int(high[3]), int(high[7])
-        if target_rows and target_rows != rows:
-            raise ValueError(f"{type(self).__name__}.step: the first stage's inputs have batch size {rows} and the "
-                             f"last stage's target {target_rows}; give the target of the same batch")
+                    what, int(code), int(index), int(size), n))
+        scales = _microbatch_weights(high[3:6], high[9:12], n, self.scale_grads, type(self).__name__)
         batches = None
         if first:
             batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):]))) for mb in split_microbatches(inputs, n)]
         targets = [t[0] for t in split_microbatches((target,), n)] if last and not self.forward_only else None
-        scales = [r / rows if self.scale_grads else 1.0 for r in chunk_sizes(rows, n)]
         self._grads = None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
                                  forward_only=self.forward_only, scales=scales)
