@@ -20,7 +20,7 @@ from hyper_parallel_ms.nn import GradientReducer, parameter_sharding
 from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
-from tests._fsdp_models import Net, accumulate_4, compare
+from tests._fsdp_models import GradStep, Net, accumulate_4, compare, compiled
 from tests._parity import gathered
 
 
@@ -301,3 +301,61 @@ def test_fully_shard_on_a_child_after_its_parent_is_refused_and_changes_nothing(
     with pytest.raises(ValueError, match=r"already belong to an enclosing fully_shard unit.*bottom-up"):
         fully_shard(child, mesh=mesh)
     assert (type(child), child.up.weight) == before and not isinstance(child, FSDPModule)
+
+
+@multi_rank(4)
+def test_all_reduce_hook_reduces_over_a_dim_fully_shard_does_not_4_ranks():
+    """FSDP2's set_all_reduce_hook: fully_shard over the "dp" dim of a (2, 2) mesh whose other dim
+    holds other rows of the batch too; the hook averages each reduced gradient over that dim, so the
+    model trains as one device on the whole batch (returned or changed in place); without the hook
+    it does not. A stream is refused with HSDP, and compiling a step with a hook set."""
+    from hyper_parallel_ms import comm
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("other", "dp"))
+    rank = mesh.get_local_rank("other") * 2 + mesh.get_local_rank("dp")
+    calls = []
+
+    def returned(g):
+        calls.append(g.shape)
+        return comm.all_reduce(g, mesh, "other", op="avg")
+
+    def in_place(g):
+        g.copy_(comm.all_reduce(g, mesh, "other", op="avg"))
+
+    for hook in (returned, in_place):
+        def shard(model, hook=hook):
+            for unit in list(model.layers) + [model]:
+                fully_shard(unit, mesh=mesh["dp"])
+                unit.set_all_reduce_hook(hook)
+        compare(shard, rank, 4, loss_mesh=mesh, steps=3, optimizer="adamw")
+    assert calls and len(calls) % 3 == 0, calls                 # once per unit and step
+    with pytest.raises(AssertionError, match="after 3 sgd steps|loss, step"):
+        compare(lambda m: _fsdp_per_block(m, mesh["dp"]), rank, 4, loss_mesh=mesh, steps=3)
+
+    hsdp = _fsdp_per_block(Net(), mesh)
+    with pytest.raises(ValueError, match="a stream cannot be given with HSDP"):
+        hsdp.set_all_reduce_hook(returned, stream=object())
+    with pytest.raises(TypeError, match="takes a callable hook"):
+        hsdp.set_all_reduce_hook(3)
+    model = _fsdp_per_block(Net(), mesh["dp"])
+    model.set_all_reduce_hook(returned)
+    step = compiled("jit", GradStep(model, model.trainable_params()))
+    with pytest.raises(Exception, match="an all-reduce hook is set"):
+        step(ms.Tensor(np.ones((2, 8), np.float32)))
+
+
+@multi_rank(2)
+def test_post_optimizer_event_is_waited_once_before_the_next_gathers():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = _fsdp_per_block(Net(), mesh)
+    order = []
+
+    class Event:
+        def wait(self):
+            order.append("wait")
+    with CommDebugMode() as mode:
+        model.set_post_optimizer_event(Event())
+        model(ms.Tensor(np.ones((2, 8), np.float32)))
+        model(ms.Tensor(np.ones((2, 8), np.float32)))
+    assert order == ["wait"] and mode.get_comm_counts()["all_gather"] == 6
+    with pytest.raises(TypeError, match="an event with wait"):
+        model.set_post_optimizer_event(3)

@@ -155,9 +155,10 @@ def test_prefetch_gathers_ahead_with_the_same_collectives_and_results_2_ranks():
         assert all(Counter(o) == {"all_gather": 6, "reduce_scatter": 3} for o in orders), orders
         # the root's and block 0's gathers (and block 1's, fetched ahead) before block 0 computes
         assert seen == [3 if prefetch else 2] * 2, (prefetch, seen)
-        # the backward runs block 1, block 0, the root, each gathering then reducing; block 0's
-        # gather is issued with block 1's, ahead of block 1's reduce-scatter
-        assert [_gathers_before(o) for o in orders] == [2 if prefetch else 1] * 2, (prefetch, orders)
+        # the backward gathers each unit when its first value is read: the root's head, then block 1,
+        # whose reduce-scatter comes next (the root's comes last, its input layer ends the backward);
+        # block 0's gather is issued with block 1's, ahead of block 1's reduce-scatter
+        assert [_gathers_before(o) for o in orders] == [3 if prefetch else 2] * 2, (prefetch, orders)
 
 
 _ACTIVE_LOG: list = []

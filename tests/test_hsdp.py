@@ -49,7 +49,8 @@ def test_hsdp_levels_fusion_and_threshold_2_ranks():
     counts = []
     compare(lambda m: _hsdp_per_block(m, threshold=0, optimizer_level="level3"), rank, 2, loss_mesh=mesh,
             counts=counts, steps=1)
-    assert counts == [{"all_gather": 24, "reduce_scatter": 12}], counts
+    # the backward gathers again only the 6 weights: a bias's gradient reads no value of it
+    assert counts == [{"all_gather": 18, "reduce_scatter": 12}], counts
     counts = []
     compare(lambda m: _hsdp_per_block(m, optimizer_level="level3"), rank, 2, loss_mesh=mesh, counts=counts, steps=1)
     assert counts == [{"all_reduce": 12}], counts

@@ -218,9 +218,14 @@ def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine):
     reduces = [r for r in records if r.mesh_dim in dims and r.kind in ("reduce_scatter", "all_reduce")]
     gathers = [r for r in records if r.mesh_dim in dims and r.kind == "all_gather"]
     # one gradient reduction per sharded unit and step (not per micro-batch); with reshard_after_forward=True
-    # (the default) each micro-batch's forward gathers and its backward gathers again
+    # (the default) each micro-batch's forward gathers and its backward gathers again; ZBV's weight pass
+    # replays the recorded backward, which reads a unit's freed values again where its input pass read
+    # them (a third gather; a stage's input pass does not read every unit's)
     assert len(reduces) == units * STEPS, (len(reduces), units)
-    assert len(gathers) == 2 * units * n * STEPS, (len(gathers), units)
+    if name == "ZBVZeroBubble" and engine == "fully_shard":
+        assert 2 * units * n * STEPS <= len(gathers) <= 3 * units * n * STEPS, (len(gathers), units)
+    else:
+        assert len(gathers) == 2 * units * n * STEPS, (len(gathers), units)
 
 
 # ----------------------------------------------------------------------------- tied embedding / head

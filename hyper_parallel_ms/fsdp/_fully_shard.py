@@ -14,7 +14,7 @@ import warnings
 from math import prod
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from mindspore import Parameter, nn
+from mindspore import Parameter, Tensor, nn
 
 from .._cluster import device_target
 from .._mindspore import cell_subclass
@@ -127,6 +127,77 @@ class FSDPModule:
         warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
                       FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[Tensor], Optional[Tensor]], *, stream: Any = None) -> None:
+        """Call ``hook`` on this unit's reduced gradient in each backward that reduces it (FSDP2's):
+        after the reduce-scatter, or after the all-reduce over replicas with HSDP, before the
+        gradient reaches its parameters (one call per parameter group, on the group's flat gradient
+        piece). ``hook(g)`` changes ``g`` in place and returns ``None``, or returns the new gradient
+        (MindSpore's collectives mostly return their result). E.g. an all-reduce over a mesh dim
+        fully_shard does not reduce. PyNative only: compiling a step over the unit is refused while
+        a hook is set. ``hook=None`` removes it.
+
+        Args:
+            hook: ``hook(gradient) -> None | Tensor``, or ``None``.
+            stream: FSDP2's stream to run the hook on; collectives here complete in order on the
+                current stream, so any stream given is accepted and the hook runs there too. As in
+                FSDP2, refused with HSDP (a replicate dim).
+
+        Example::
+
+            model.set_all_reduce_hook(lambda g: comm.all_reduce(g, mesh, "tp"))
+        """
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook takes a callable hook(gradient) or None, got {hook!r}")
+        state = self.__dict__[_STATE]
+        if stream is not None and any(g.replicate_dim is not None for g in state.groups):
+            raise ValueError("set_all_reduce_hook: a stream cannot be given with HSDP (a replicate mesh dim), whose "
+                             "all-reduce runs before the hook; leave stream=None")
+        if hook is not None and state.compiled:
+            raise NotImplementedError(
+                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE, whose graph does not call a Python "
+                "hook; apply it to the gradients the compiled step returns")
+        state.sync.all_reduce_hook = hook
+
+    def set_post_optimizer_event(self, event: Any) -> None:
+        """FSDP2's: an event recorded after the optimizer step (``mindspore.runtime.Event`` on Ascend),
+        waited on once before this unit's next forward gathers (then dropped), so the gathers read
+        the updated pieces. Without one, the gathers run after the optimizer's kernels in the order
+        of the current stream.
+
+        Args:
+            event: an object with ``wait()`` (MindSpore's or PyTorch's Event).
+
+        Example::
+
+            event = ms.runtime.Event(); event.record()
+            model.set_post_optimizer_event(event)
+        """
+        if not callable(getattr(event, "wait", None)):
+            raise TypeError(f"set_post_optimizer_event takes an event with wait() (mindspore.runtime.Event), got "
+                            f"{type(event).__name__}")
+        self.__dict__[_STATE].post_optimizer_event = event
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """FSDP2's hint that this unit's backward needs none of its gathered parameters (e.g. an
+        embedding table). Here every unit's backward gathers a freed group again only when
+        MindSpore's autodiff reads one of its values, so an embedding's backward gathers nothing
+        whatever this flag; ``False`` adds a check: if the backward does read a value, it is gathered
+        anyway (exact gradients) with a ``UserWarning`` naming the unit (FSDP2 would fail there).
+
+        Args:
+            unshard_in_backward: ``False``: the backward is expected to read no gathered value.
+
+        Example::
+
+            model.tok_embeddings.set_unshard_in_backward(False)
+        """
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(f"unshard_in_backward must be a bool, got {unshard_in_backward!r}")
+        state = self.__dict__[_STATE]
+        state.unshard_in_backward = unshard_in_backward
+        if state.saving is not None:
+            state.saving.unshard_in_backward = unshard_in_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the step (FSDP2 then waits for its pending
@@ -280,11 +351,13 @@ def _set_reshard(state: FSDPState, value: Any) -> None:
         group.post_forward_mesh = None
         if value is not True and value is not False and group.sharded and 1 < value < n:
             group.post_forward_mesh = post_forward_mesh(group.mesh, value)
-    ahead = state.saving.ahead if state.saving is not None else []
+    earlier = state.saving
     state.reshard_after_forward = value
     state.saving = None if value is False else RegatherOnBackward(state.groups, value)
     if state.saving is not None:
-        state.saving.ahead = ahead
+        state.saving.name, state.saving.unshard_in_backward = type(state.cell).__name__, state.unshard_in_backward
+        if earlier is not None:
+            state.saving.ahead = earlier.ahead
 
 
 def _extended_class(cls: type, mixin: type, prefix: str) -> type:

@@ -93,7 +93,10 @@ class FSDPParamGroup:
             flat = self.gather(pack(self.layout, self.pieces()))
         finally:
             self.gather.reused = None
-        return flat, unpack(self.layout, flat)
+        # each value a tensor of its own, not a view of the buffer: MindSpore's autodiff keeps a
+        # contiguous copy of a view an op reads (one per read, which the unit's saved-tensor hooks
+        # cannot recognise and free), and the value itself when it owns its memory (measured)
+        return flat, [ops.deepcopy(v) for v in unpack(self.layout, flat)]
 
     def reader(self, index: int) -> "ParamGather":
         """The Cell a compiled read of parameter ``index`` calls on its piece."""
@@ -146,9 +149,9 @@ class _Reducing(nn.Cell):
 
 class GroupGather(_Reducing):
     """PyNative: a group's packed pieces all-gathered over the shard dim (kept whole: cast only);
-    backward: the gradient of the whole buffer reduced at once (or, with gradient sync off,
-    accumulated locally; with the HSDP all-reduce off, reduced over the shard dim and this part
-    accumulated locally).
+    backward: the gradient of the whole buffer reduced at once, then given to the unit's all-reduce
+    hook if one is set (or, with gradient sync off, accumulated locally; with the HSDP all-reduce
+    off, reduced over the shard dim and this part accumulated locally).
 
     Args:
         group: the :class:`FSDPParamGroup`.
@@ -183,7 +186,7 @@ class GroupGather(_Reducing):
             return (ops.zeros_like(packed),)
         self.pending = None
         if self.replicate_dim is None or (sync.all_reduce and self.partial is None):
-            return (self._reduced(g, packed),)
+            return (sync.hooked(self._reduced(g, packed)),)
         part = reduce_over_shard(g, self.mesh, self.shard_dim, self.reduce, self.rows, self.start)
         if self.partial is not None:
             part = self.partial + part
@@ -191,7 +194,7 @@ class GroupGather(_Reducing):
             self.partial = part
             return (ops.zeros_like(packed),)
         self.partial = None
-        return (reduce_over_replicas(part, packed, self.mesh, self.replicate_dim, self.grad_scale),)
+        return (sync.hooked(reduce_over_replicas(part, packed, self.mesh, self.replicate_dim, self.grad_scale)),)
 
 
 class ParamGather(_Reducing):

@@ -13,6 +13,8 @@ tensor kept: a gathered value of the unit (or the flat gathered buffer) is kept 
 record instead, so the gathered values are freed when the forward ends; the first backward
 use of a record gathers that group again, without autodiff (the pieces' gradient comes from
 the forward's gathering Cell), and the values are dropped once the group's last record is used.
+The flat buffer itself is never gathered again: the backward reads only its shape (a unit whose
+backward reads none of its values, an embedding table, gathers nothing in the backward).
 
 Example::
 
@@ -24,6 +26,7 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from mindspore import mint
@@ -39,10 +42,10 @@ class _Kept:
     """A tensor kept for the backward: the tensor itself, or (once freed) the forward call,
     group and index (-1: the flat buffer) to gather it again from."""
 
-    __slots__ = ("tensor", "call", "group", "index")
+    __slots__ = ("tensor", "call", "group", "index", "like")
 
     def __init__(self, tensor: Any) -> None:
-        self.tensor, self.call, self.group, self.index = tensor, 0, 0, 0
+        self.tensor, self.call, self.group, self.index, self.like = tensor, 0, 0, 0, None
 
 
 class RegatherOnBackward:
@@ -70,6 +73,8 @@ class RegatherOnBackward:
         self._early: Optional[List[_Kept]] = None         # kept while gathering, before addresses are known
         self._live: Dict[Tuple[int, int], List[Any]] = {}   # (call, group) -> [values or None, records unused, rows]
         self._hooks = None
+        self.name = "the unit"            # for messages: the unit's Cell class
+        self.unshard_in_backward = True   # FSDP2's flag: False promises the backward reads no gathered value
 
     def begin(self) -> None:
         """Start hooking the tensors the unit's forward keeps (call before its gather)."""
@@ -85,9 +90,13 @@ class RegatherOnBackward:
         for g, item in enumerate(gathered):
             if item is not None:
                 flat, values = item
-                for index, value in [(-1, flat)] + list(enumerate(values)):
-                    self._where[(tensor_address(value), tuple(value.shape))] = (g, index)
-                    self._shapes.add(tuple(value.shape))
+                layout = self.groups[g].layout
+                # the flat buffer, also as the (ranks, length) table the values are cut from, then the values
+                for address, shape, index in ([(tensor_address(flat), tuple(flat.shape), -1),
+                                               (tensor_address(flat), (layout.n, layout.length), -1)] +
+                                              [(tensor_address(v), tuple(v.shape), i) for i, v in enumerate(values)]):
+                    self._where[(address, shape)] = (g, index)
+                    self._shapes.add(shape)
                 if self.reshard_after_forward is not True and self.groups[g].post_forward_mesh is not None:
                     self._chunks[g] = self._kept_rows(g, flat)
         early, self._early = self._early or [], None
@@ -150,6 +159,7 @@ class RegatherOnBackward:
         where = self._where.get((tensor_address(kept.tensor), shape))
         if where is None:
             return
+        kept.like = (shape, kept.tensor.dtype)
         kept.tensor, kept.call, (kept.group, kept.index) = None, self.call, where
         self._live.setdefault((self.call, kept.group), [None, 0, self._chunks.get(kept.group)])[1] += 1
 
@@ -166,14 +176,27 @@ class RegatherOnBackward:
             return kept.tensor
         key = (kept.call, kept.group)
         entry = self._live.setdefault(key, [None, 1, None])
+        if kept.index < 0:
+            # the flat buffer is kept only by its gathering Cell (whose backward reads no value) and by
+            # the views cutting it (which read its shape): zeros of its shape, no gather. A unit whose
+            # backward reads none of its values (an embedding table) is not gathered again at all.
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._live[key]
+            return mint.zeros(kept.like[0], dtype=kept.like[1])
         if entry[0] is None:
+            if not self.unshard_in_backward:
+                warnings.warn(f"set_unshard_in_backward(False), but the backward reads the gathered values of "
+                              f"{self.name}: they are gathered again (the gradients stay exact); leave it True for "
+                              f"this unit", UserWarning, stacklevel=2)
+                self.unshard_in_backward = True
             with no_grad():
                 entry[0] = self._regather(kept.group, entry[2])
             entry[2] = None
             for other in self.ahead:            # backward prefetch: their gathers issued now
                 other.gather_ahead()
-        flat, values = entry[0]
+        values = entry[0][1]
         entry[1] -= 1
         if entry[1] <= 0:
             del self._live[key]
-        return flat if kept.index < 0 else values[kept.index]
+        return values[kept.index]

@@ -98,6 +98,8 @@ class FSDPState:
         self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward (if resharding)
         self.prefetched: Optional[list] = None   # gathered ahead by another unit's forward (forward prefetch)
         self.forward_prefetch: List["FSDPState"] = []     # units this one gathers ahead of their forward
+        self.post_optimizer_event: Any = None    # FSDP2's: waited on once before the next forward's gathers
+        self.unshard_in_backward = True          # FSDP2's hint (set_unshard_in_backward): checked, see _reshard
         # called once, at the first forward, with whether no other unit's forward encloses it (the root)
         self.on_first_forward: Optional[Callable[["FSDPState", bool], None]] = None
 
@@ -206,6 +208,11 @@ class FSDPState:
                 f"{name}: the mixed-precision policy casts the Cell's inputs or outputs, which fully_shard does in "
                 "PyNative forward hooks; inside ms.jit / GRAPH_MODE use MixedPrecisionPolicy(param_dtype=..., "
                 "cast_forward_inputs=False) without output_dtype and cast inputs in the model, or run in PyNative")
+        if self.sync.all_reduce_hook is not None:
+            raise NotImplementedError(
+                f"{name}: an all-reduce hook is set (set_all_reduce_hook), which runs as Python on each reduced "
+                "gradient in PyNative; a compiled graph does not call it. Apply the hook's collective to the "
+                "gradients the compiled step returns, or run the step in PyNative")
         if self.kept is not None:
             raise RuntimeError(f"{name} holds gathered parameters from unshard(): call reshard() before compiling")
         placed = [p.name for p in self.params if p.placed is not None]
@@ -250,6 +257,9 @@ class FSDPState:
             for cell in self.cells:
                 run_first_call_checks(cell)      # while the pieces are in place
             self.checked = True
+        if self.post_optimizer_event is not None:
+            event, self.post_optimizer_event = self.post_optimizer_event, None
+            event.wait()
         self._round, self._round_mark = self._gather_for_forward(), _round_mark()
         for other in self.forward_prefetch:
             other.prefetch()

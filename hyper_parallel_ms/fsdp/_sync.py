@@ -13,7 +13,9 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from mindspore import ops
 
 from .. import comm
 from ..comm._tensor import narrow
@@ -111,6 +113,18 @@ class SyncState:
         self.reduce_dtype = reduce_dtype
         self.grad_scale = grad_scale
         self.divide_factor: Optional[float] = None      # FSDP2's gradient divide factor (None: the mesh size)
+        self.all_reduce_hook: Optional[Callable] = None  # FSDP2's: called on each reduced gradient (PyNative)
+
+    def hooked(self, g):
+        """``g`` (a reduced gradient) after the all-reduce hook: the hook's result, or ``g`` itself
+        where the hook changed it in place and returned ``None`` (FSDP2's signature)."""
+        if self.all_reduce_hook is None:
+            return g
+        # a tensor owning its memory: the reduced gradient may be a view, and MindSpore's CPU in-place
+        # copy into a view with an offset does nothing (a warning) or fails on the storage's size
+        g = ops.deepcopy(g)
+        out = self.all_reduce_hook(g)
+        return g if out is None else out
 
     def scale_for(self, mesh) -> float:
         """The factor applied to gradients averaged over ``mesh``: ``grad_scale``, times
