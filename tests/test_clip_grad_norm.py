@@ -204,6 +204,40 @@ def test_one_all_reduce_per_group_inf_norm_and_nonfinite_on_4_ranks():
     assert abs(local - total) > 1e-3 * total
 
 
+@multi_rank(4, timeout=600)
+def test_parameters_on_two_meshes_of_the_same_ranks_on_4_ranks():
+    """Blocks tensor-parallel over tp and fully_shard over dp of a (2, 2) mesh, the root fully_shard on
+    its default mesh of all 4 ranks: each entry is reduced over its own groups only, so the norm equals
+    one device for every order (reducing the root's entry over the world group before the blocks' dp
+    group dropped some ranks' shares and doubled others: 21.22 for 22.02); an inf gradient gives inf,
+    not nan; max_norm 0 zeroes the gradients, a negative one is refused; PyTorch's foreach is taken."""
+    from hyper_parallel_ms.fsdp import fully_shard
+    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+    from hyper_parallel_ms.training import clip_grad_norm
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_index = mesh.get_coordinate()[0]
+    x = batch(0)
+    ms.set_seed(0)
+    ref_params, ref_grads = _grads(Net(), x)
+    ms.set_seed(0)
+    model = Net()
+    parallelize_module(model, mesh["tp"], {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model)
+    params, grads = _grads(model, x[dp_index * 4:(dp_index + 1) * 4])
+    for norm_type in (2.0, float("inf"), 1.0, 3.0):
+        want = _ref_norm(ref_grads, norm_type)
+        total = _counts_and_norm(model, params, grads, norm_type)[0]
+        assert abs(total - want) <= 1e-5 * want, (norm_type, total, want)
+    poisoned = (grads[0] * float("inf"),) + tuple(grads[1:])
+    assert math.isinf(_counts_and_norm(model, params, poisoned)[0])
+    zeroed, total = clip_grad_norm(grads, 0.0, parameters=params, foreach=True)
+    assert float(total.asnumpy()) > 0 and all(not g.asnumpy().any() for g in zeroed)
+    with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
+        clip_grad_norm(grads, -1.0, parameters=params)
+
+
 def test_the_cached_norm_does_not_keep_the_parameters():
     """clip_grad_norm builds a TotalGradNorm per parameter tuple once; the cache holds weak references,
     so a model dropped by its user is released (and its entry with it)."""

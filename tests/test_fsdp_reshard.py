@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
+import pytest
 
 from hyper_parallel_ms.fsdp._fully_shard import fsdp_state
 from hyper_parallel_ms.mesh import init_device_mesh
@@ -49,3 +50,50 @@ def test_reshard_after_forward_frees_the_gathered_values_until_the_backward_2_ra
             assert all(not s.saving._live for s in states)       # all used and dropped by the backward
         else:
             assert held["records"] == 0
+
+
+class _Embedded(ms.nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.emb = ms.nn.Embedding(16, 8)
+        self.dense = ms.nn.Dense(8, 4)
+
+    def construct(self, idx):
+        return (self.dense(self.emb(idx)) ** 2).mean()
+
+
+@multi_rank(2)
+def test_a_backward_that_reads_no_gathered_value_gathers_nothing_2_ranks():
+    """reshard_after_forward=True: the embedding unit's backward reads none of its gathered values (only
+    the indices), so it is not gathered again: 2 forward gathers + 1 (the Dense's) in the backward;
+    gradients equal one device. set_unshard_in_backward(False) (FSDP2's hint) is silent there and, on
+    the Dense whose backward reads its weight, gathers anyway with a warning naming the unit."""
+    import warnings
+
+    from hyper_parallel_ms.comm import CommDebugMode
+    from hyper_parallel_ms.fsdp import fully_shard
+    from tests._parity import gathered
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    idx = ms.Tensor(np.array([[1, 2, 3], [4, 5, 15]], np.int32))
+    ms.set_seed(0)
+    ref = _Embedded()
+    want = ms.value_and_grad(ref, None, ref.trainable_params())(idx)[1]
+    for hint in (None, "emb", "dense"):
+        ms.set_seed(0)
+        model = _Embedded()
+        fully_shard(model.emb, mesh=mesh)
+        fully_shard(model.dense, mesh=mesh)
+        if hint:
+            getattr(model, hint).set_unshard_in_backward(False)
+        step = ms.value_and_grad(model, None, model.trainable_params())
+        with CommDebugMode() as mode, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, grads = step(idx)
+        assert mode.get_comm_counts() == {"all_gather": 3, "reduce_scatter": 2}, (hint, mode.get_comm_counts())
+        named = [w for w in caught if "set_unshard_in_backward(False)" in str(w.message)]
+        assert len(named) == (1 if hint == "dense" else 0) and (not named or "Dense" in str(named[0].message))
+        for p, g, w in zip(model.trainable_params(), grads, want):
+            np.testing.assert_allclose(gathered(p, g), w.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)
+    with pytest.raises(TypeError, match="must be a bool"):
+        model.emb.set_unshard_in_backward(0)

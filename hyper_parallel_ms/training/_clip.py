@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 from mindspore import Tensor, ops
 
@@ -71,10 +71,11 @@ def _raise_if_nonfinite(total: Tensor, norm_type: float) -> None:
 
 def _clip(grads, max_norm, norm: TotalGradNorm):
     total = norm(grads)
-    bound = ops.maximum(total, max_norm)
+    # PyTorch's coefficient: max_norm / (total + 1e-6), at most 1 (max_norm 0 zeroes the gradients)
+    coef = ops.minimum(max_norm / (total + 1e-6), 1.0)
     out = ()
     for g in grads:
-        out = out + ((g * max_norm / bound).astype(g.dtype),)
+        out = out + ((g * coef).astype(g.dtype),)
     return out, total
 
 
@@ -101,10 +102,11 @@ def _clip_eager(grads, max_norm, norm: TotalGradNorm, norm_type, error_if_nonfin
 
 
 def clip_grad_norm(grads: Sequence[Tensor], max_norm: Union[float, Tensor], *,
-                   parameters, norm_type: float = 2.0,
-                   error_if_nonfinite: bool = False) -> Tuple[Tuple[Tensor, ...], Tensor]:
-    """Clip gradients by the norm of the global gradient, as ``ops.clip_by_global_norm`` (and PyTorch's
-    ``clip_grad_norm_``) do on one device: each gradient times ``max_norm / max(total, max_norm)``.
+                   parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: Optional[bool] = None) -> Tuple[Tuple[Tensor, ...], Tensor]:
+    """Clip gradients by the norm of the global gradient, as PyTorch's ``clip_grad_norm_`` does on one
+    device: each gradient times ``min(max_norm / (total + 1e-6), 1)`` (``ops.clip_by_global_norm``'s
+    ``max_norm / max(total, max_norm)`` but for the ``1e-6``; ``max_norm=0`` zeroes them).
     The total is the one-device norm: pieces summed over the mesh dims their parameter is split on,
     replicated gradients counted once (see :class:`TotalGradNorm`). Give it reduced gradients (after
     :class:`GradientReducer`, which sums SequenceParallel shares; fully_shard / hsdp pieces as
@@ -121,6 +123,8 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: Union[float, Tensor], *,
         norm_type: ``2.0`` (default), any positive order, or ``float("inf")``.
         error_if_nonfinite: raise ``RuntimeError`` on every rank when the total is nan or inf
             (PyNative only: inside ``ms.jit`` it raises at compile time, naming the fix).
+        foreach: PyTorch's choice of kernels (``None`` / ``True`` / ``False``); accepted, the same
+            result either way.
 
     Returns:
         ``(clipped_grads, total_norm)``: a tuple the optimizer takes, and the norm before clipping.
@@ -130,6 +134,11 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: Union[float, Tensor], *,
         grads, total = clip_grad_norm(reducer(grads), 1.0, parameters=optimizer.parameters)
         optimizer(grads)
     """
+    if isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and not max_norm >= 0:
+        raise ValueError(f"clip_grad_norm: max_norm must be a number >= 0, got {max_norm!r} (a negative one would "
+                         "flip the gradients)")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"clip_grad_norm: foreach must be None or a bool, got {foreach!r}")
     norm = _norm_of(parameters, norm_type, error_if_nonfinite)
     if running_eagerly():
         return _clip_eager(grads, max_norm, norm, norm_type, error_if_nonfinite)

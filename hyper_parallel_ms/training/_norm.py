@@ -3,12 +3,13 @@
 Each parameter's ``ParameterSharding`` record (or a ``Parameter(DTensor)``'s spec) says over which
 mesh dims its gradient is split. Parameters split over the same communication groups share one
 entry of a small vector of local partial norms (sums of ``|g|**p``, or maxima for ``inf``); the
-vector is all-reduced once per group. The groups are reduced in one order on every rank, by
-mesh dim name and the ranks' strides (so the tp groups of all dp ranks come at the same place):
-every member of a group has then reduced the same mesh dims before it, which keeps the sums exact. An entry whose parameter is replicated over a group is counted once:
-only the group's first rank contributes it to that reduction. Replicated gradients must be
-equal on the ranks that hold them, i.e. already reduced (after :class:`GradientReducer`, or as
-fully_shard / hsdp return them).
+vector is all-reduced once per group, in one order on every rank (by mesh dim name and the
+ranks' strides, so the tp groups of all dp ranks come at the same place). Each reduction
+changes only the entries its group splits: an entry is reduced over exactly its own groups
+(whose pieces it sums once each), whatever else the ranks share (a mesh of all ranks beside a
+(dp, tp) mesh: its group splits some entries and holds others whole or still in pieces of
+another group). Replicated gradients must be equal on the ranks that hold them, i.e. already
+reduced (after :class:`GradientReducer`, or as fully_shard / hsdp return them).
 
 Pipeline stages hold different parameters: their sums (or maxima) are reduced once more over the
 pp mesh (one all-reduce of a scalar), a parameter shared by several stages (``shared_parameters``)
@@ -74,16 +75,18 @@ def _role(ranks: Tuple[int, ...], mesh, dim: int) -> Tuple[str, Tuple[int, ...]]
     return (names[dim] if names else "", tuple(r - ranks[0] for r in ranks))
 
 
-class _MaskedReduce(nn.Cell):
-    """All-reduce the entry vector over one group, each entry replicated there counted once."""
+class _GroupReduce(nn.Cell):
+    """All-reduce the entries of the vector that one group splits over that group; the others
+    unchanged (selected, not multiplied by a mask: an inf entry stays inf, not NaN)."""
 
-    def __init__(self, mesh, dim: int, mask: np.ndarray, op: str) -> None:
+    def __init__(self, mesh, dim: int, split: np.ndarray, op: str) -> None:
         super().__init__()
         self.mesh, self.dim, self.op = mesh, dim, op
-        self.mask = Tensor(mask.astype(np.float32))
+        self.split = Tensor(split.astype(np.bool_))
 
     def construct(self, v):
-        return comm.all_reduce(v * self.mask, self.mesh, self.dim, op=self.op)
+        reduced = comm.all_reduce(ops.where(self.split, v, ops.zeros_like(v)), self.mesh, self.dim, op=self.op)
+        return ops.where(self.split, reduced, v)
 
 
 def _pipeline(parameters, pp_mesh) -> Tuple[list, object, frozenset]:
@@ -159,12 +162,10 @@ class TotalGradNorm(nn.Cell):
         steps = []
         for ranks in order:
             mesh, dim = groups[ranks]
-            first = mesh.comm_group(dim).rank == 0
-            mask = np.array([1.0 if ranks in key or first else 0.0 for key in keys], np.float32)
-            steps.append(_MaskedReduce(mesh, dim, mask, op))
+            steps.append(_GroupReduce(mesh, dim, np.array([ranks in key for key in keys]), op))
         self.steps = nn.CellList(steps)
         self.across_stages = None if pp_mesh is None or pp_mesh.size() == 1 else \
-            _MaskedReduce(pp_mesh, 0, np.ones(1, np.float32), op)
+            _GroupReduce(pp_mesh, 0, np.ones(1, np.bool_), op)
         self.reductions = len(steps) + (self.across_stages is not None)
 
     def _part(self, g):
