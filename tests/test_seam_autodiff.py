@@ -378,3 +378,16 @@ def test_contract_recording_gradients_is_seen_inside_a_gradient_call_only():
     ms.value_and_grad(loss, None, [w])(Tensor(np.ones(3, np.float32)))
     loss(Tensor(np.ones(3, np.float32)))
     assert seen == [True, False] and not seam.recording_gradients()
+
+
+def test_contract_random_state_holds_the_seeds_functional_random_ops_draw():
+    """ops.dropout takes its seeds from per-op counters it advances in Python at each call
+    (mindspore.common.seed._KERNEL_SEED): putting back random_state() draws the same mask again."""
+    ms.set_seed(3)
+    x = Tensor(np.ones((64,), np.float32))
+    state = seam.random_state()
+    first = ops.dropout(x, p=0.5).asnumpy()
+    second = ops.dropout(x, p=0.5).asnumpy()
+    assert not np.array_equal(first, second)           # the counters moved on
+    seam.set_random_state(state)
+    np.testing.assert_array_equal(ops.dropout(x, p=0.5).asnumpy(), first)

@@ -101,7 +101,8 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
   later replacement). ``context_fn()`` returns (forward context, recompute context). Inside
   ``ms.jit`` the same call on a bound method compiles to ``ops.recompute_block``, and the
   compiler's ``add_recomputation`` pass duplicates the method's forward ops into the backward
-  (:func:`recompute_eagerly`, :func:`recompute_in_graph`; :data:`RECOMPUTE_CONTEXT_FN`).
+  (:func:`recompute_eagerly`, :func:`recompute_in_graph`; :data:`RECOMPUTE_CONTEXT_FN`); the random
+  state a recompute draws from again (:func:`random_state`, :func:`set_random_state`).
 - **op interception**: a ``mindspore.MsDispatchMode`` subclass sees every PyNative primitive
   run inside its ``with`` block as ``__ms_dispatch__(func, args, kwargs)`` with ``func.name``;
   what it returns is the op's result, and the op is recorded for autodiff as usual
@@ -122,7 +123,8 @@ from __future__ import annotations
 from ._release import (ADOPTED_REACH_HOOK, HOOK_ERRORS_REACH_CALLER, LIST_ARGS_REACH_HOOK, MINDSPORE_VERSION,
                        OVERLOAD_OPS_CALLABLE)
 from .abstract import GRAD_ENTRY_POINTS, abstract_run, has_custom_bprop, numpy_dtype, stride_free_view
-from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_recording, no_grad, recompute_eagerly,
+from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_recording, no_grad, random_state,
+                       recompute_eagerly, set_random_state,
                        recompute_in_graph, recomputing, recording_gradients, saved_tensors_hooks, tape_backward,
                        taped, taped_call, tensor_address)
 from .compiling import (cached_in_python, cell_per_call_site, cell_subclass, compile_argument_checks,
@@ -151,4 +153,4 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad",
            "recording_gradients", "tensor_address",
-           "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recomputing", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]
+           "RECOMPUTE_CONTEXT_FN", "random_state", "set_random_state", "recompute_eagerly", "recomputing", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]

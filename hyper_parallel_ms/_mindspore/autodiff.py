@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
@@ -29,7 +30,7 @@ from ._active import ACTIVE_RUNS
 
 __all__ = ["SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address", "taped", "taped_call",
            "tape_backward", "discard_grad_recording", "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recomputing",
-           "recompute_in_graph"]
+           "recompute_in_graph", "random_state", "set_random_state"]
 
 
 SAVED_TENSOR_HOOKS = hasattr(mindspore, "saved_tensors_hooks") and hasattr(mindspore, "_no_grad")
@@ -156,6 +157,28 @@ _RECOMPUTE_ARGS = inspect.signature(mindspore.recompute).parameters
 RECOMPUTE_CONTEXT_FN: bool = all(k in _RECOMPUTE_ARGS for k in ("use_reentrant", "early_stop", "context_fn"))
 
 
+def random_state() -> Tuple[Any, dict]:
+    """MindSpore's random state: the default generator's state and the per-op seed counters that
+    functional random ops (``ops.dropout``, ``ops.uniform``, ...) advance in Python at each call
+    (``mindspore.common.seed._KERNEL_SEED``). A primitive kept by a Cell (``nn.Dropout``'s) also
+    keeps a generator in its kernel, which this does not hold.
+
+    Example::
+
+        state = random_state(); ops.dropout(x); set_random_state(state); ops.dropout(x)   # same mask
+    """
+    seed = sys.modules["mindspore.common.seed"]   # the module (mindspore.common.seed is a function)
+    return mindspore.get_rng_state(), dict(seed._KERNEL_SEED)
+
+
+def set_random_state(state: Tuple[Any, dict]) -> None:
+    """Put back a :func:`random_state`."""
+    seed = sys.modules["mindspore.common.seed"]   # the module (mindspore.common.seed is a function)
+    mindspore.set_rng_state(state[0])
+    seed._KERNEL_SEED.clear()
+    seed._KERNEL_SEED.update(state[1])
+
+
 def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optional[Callable] = None) -> Any:
     """``fn(*args, **kwargs)`` (PyNative) keeping none of the tensors it saves for the backward:
     the backward runs ``fn`` again, whole (``early_stop=False``: Cell hooks after the last saved
@@ -165,12 +188,24 @@ def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optio
             f"activation checkpointing needs mindspore.recompute(use_reentrant=False, early_stop=..., context_fn=...) "
             f"(MindSpore 2.9 and later); MindSpore {mindspore.__version__} lacks it: upgrade MindSpore")
 
+    forward_rng = []
+
     def flagged(*inner_args, **inner_kwargs):     # the forward and its recompute in the backward alike
+        # the recompute draws seeds as the forward did and leaves the random state as it found it
+        # (PyTorch's preserve_rng_state): random ops that take their seeds in Python advance it
+        after = None
+        if forward_rng:
+            after = random_state()
+            set_random_state(forward_rng[0])
+        else:
+            forward_rng.append(random_state())
         _RECOMPUTING.depth += 1
         try:
             return fn(*inner_args, **inner_kwargs)
         finally:
             _RECOMPUTING.depth -= 1
+            if after is not None:
+                set_random_state(after)
     if ACTIVE_RUNS:
         return ACTIVE_RUNS[-1].recompute(flagged, args, kwargs, context_fn)
     return mindspore.recompute(flagged, *args, use_reentrant=False, early_stop=False, context_fn=context_fn, **kwargs)

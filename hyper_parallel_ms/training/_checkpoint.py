@@ -56,6 +56,22 @@ SAVE_MATMUL_AND_COLLECTIVES = frozenset({
     "MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "Mm", "Bmm", "BmmExt", "Baddbmm",
     "AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "AlltoAllV", "Broadcast",
     "DistCommAllReduce", "DistCommAllGather", "DistCommReduceScatter", "DistCommAllToAll"})
+# random ops: their outputs are kept by every policy and handed to the recompute, which would draw
+# other numbers (MindSpore's dropout primitives keep their generator state in the kernel, which no
+# saved RNG state restores; PyTorch restores its RNG state instead, preserve_rng_state=True)
+_RANDOM_PREFIXES = ("Rand", "Random", "Uniform", "StandardNormal", "Normal", "Bernoulli", "Multinomial", "Gamma",
+                    "Poisson", "InplaceNormal", "InplaceUniform", "InplaceRandom", "Gumbel", "LogNormal")
+
+
+def is_random_op(name: str) -> bool:
+    """Whether the MindSpore primitive ``name`` draws random numbers (its output is never recomputed).
+
+    >>> is_random_op("Dropout"), is_random_op("DropoutExt"), is_random_op("UniformReal"), is_random_op("MatMul")
+    (True, True, True, False)
+    """
+    return "Dropout" in name or name.startswith(_RANDOM_PREFIXES)
+
+
 _NEVER_SAVED = frozenset({"StopGradient"})     # run by MindSpore's recompute itself, in the recompute only
 _STATE = "_hpms_checkpoint"
 _RUNNING = threading.local()          # .cell: the checkpointed Cell whose forward runs now (nesting check)
@@ -257,7 +273,9 @@ class CheckpointWrapper:
         context_fn = None
         if state.keep is not None:
             _refuse_dtensors(self, args)
-            context_fn = _selective_contexts(state.keep, state.stats)
+            context_fn = _selective_contexts(lambda name: is_random_op(name) or state.keep(name), state.stats)
+        elif OP_INTERCEPTION:
+            context_fn = _selective_contexts(is_random_op, state.stats)
         stats = state.stats
         inner = next((name for name, cell in self.cells_and_names() if cell is not self and
                       isinstance(cell, CheckpointWrapper)), None)
