@@ -13,7 +13,7 @@ from mindspore import nn
 
 from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.fsdp import fully_shard
-from hyper_parallel_ms.fsdp._fully_shard import fsdp_state
+from hyper_parallel_ms.fsdp._module import fsdp_state
 from hyper_parallel_ms.fsdp._param import is_piece
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import multi_rank

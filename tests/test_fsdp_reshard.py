@@ -7,7 +7,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from hyper_parallel_ms.fsdp._fully_shard import fsdp_state
+from hyper_parallel_ms.fsdp._module import fsdp_state
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import multi_rank
 from tests._fsdp_models import Net, accumulate_4, compare, loss_of, per_block

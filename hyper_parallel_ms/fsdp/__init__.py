@@ -17,9 +17,12 @@ Cell's forward twice.
 Memory, stated plainly: parameters, gradients and optimizer state held between steps are
 1/N (plus parameters kept whole). During a PyNative step, ``reshard_after_forward=True``
 (or an int) frees a Cell's gathered values when its forward ends: the autodiff tape keeps a
-small record instead and the backward all-gathers the Cell's group again (:mod:`._reshard`;
-two all-gathers per Cell and step, as FSDP2); ``False`` keeps them on the tape until the
-backward (one all-gather). An int reshards to the whole shard group, not to a smaller one. The forward hooks do their work in PyNative only; inside
+small record instead and the backward all-gathers the Cell's group again when it first reads
+one of its values (:mod:`._reshard`; two all-gathers per Cell and step, as FSDP2; one for a
+Cell whose backward reads none, an embedding table); ``False`` keeps them on the tape until
+the backward (one all-gather); an int ``k`` keeps ``1/k`` of them and gathers over ``k`` ranks
+in the backward. The methods the sharded Cell gains are :mod:`._module`'s ``FSDPModule``. The
+forward hooks do their work in PyNative only; inside
 ``ms.jit`` or GRAPH_MODE each sharded attribute is a property that gathers the piece in the
 graph itself (:mod:`._compiled`).
 
@@ -31,7 +34,8 @@ Example::
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
 """
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._fully_shard import fully_shard
+from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._hsdp import HSDPCell, hsdp, hsdp_sync_stream, hsdp_wait_grad_handle
 from ._init import init_parameters
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

@@ -84,10 +84,10 @@ class FSDPParamGroup:
     def pieces(self) -> Tuple:
         return tuple(p.piece for p in self.params)
 
-    def gathered(self, reuse: Any = None) -> Tuple[Any, list]:
+    def gathered(self, reuse: Any = None, owned: bool = True) -> Tuple[Any, list]:
         """The group's gathered flat buffer and every parameter's full value cut from it;
         ``reuse``: a buffer gathered earlier from the same pieces, used instead of a collective
-        (the backward still reduces)."""
+        (the backward still reduces); ``owned=False``: the values as views of the buffer."""
         self.gather.reused = reuse
         try:
             flat = self.gather(pack(self.layout, self.pieces()))
@@ -96,7 +96,8 @@ class FSDPParamGroup:
         # each value a tensor of its own, not a view of the buffer: MindSpore's autodiff keeps a
         # contiguous copy of a view an op reads (one per read, which the unit's saved-tensor hooks
         # cannot recognise and free), and the value itself when it owns its memory (measured)
-        return flat, [ops.deepcopy(v) for v in unpack(self.layout, flat)]
+        values = unpack(self.layout, flat)
+        return flat, [ops.deepcopy(v) for v in values] if owned else values
 
     def reader(self, index: int) -> "ParamGather":
         """The Cell a compiled read of parameter ``index`` calls on its piece."""

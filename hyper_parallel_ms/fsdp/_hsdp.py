@@ -35,7 +35,8 @@ from ..mesh import DeviceMesh, mesh_world
 from ..nn._adapter import named_cells, own_parameters
 from ..nn._parameter import parameter_sharding
 from ._dparams import replicated_dp_mesh
-from ._fully_shard import FSDPModule, fsdp_state, shard_cell
+from ._fully_shard import shard_cell
+from ._module import FSDPModule, fsdp_state
 from ._mesh import FSDP_X_TP, complement_ranks
 from ._param import is_piece
 

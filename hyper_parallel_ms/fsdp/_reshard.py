@@ -102,6 +102,9 @@ class RegatherOnBackward:
         early, self._early = self._early or [], None
         for kept in early:
             self._free(kept)
+        # the flat buffer is kept only while gathering (its Cell and the views cutting it): its memory is
+        # free now, and a later tensor placed there with its shape is an activation, not a record
+        self._where = {key: where for key, where in self._where.items() if where[1] >= 0}
 
     def pause(self) -> None:
         """Stop hooking until :meth:`resume`, keeping what to free (a gather made ahead of the
@@ -148,7 +151,7 @@ class RegatherOnBackward:
     def _regather(self, g: int, rows: Any) -> Tuple[Any, list]:
         group = self.groups[g]
         if rows is None:
-            return group.gathered()
+            return group.gathered(owned=False)      # handed to the backward, never to a Cell: views do
         flat = comm.all_gather(rows, group.post_forward_mesh, 1, dim=0).reshape((-1,))
         return flat, unpack(group.layout, flat)
 

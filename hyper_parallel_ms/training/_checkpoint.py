@@ -43,7 +43,7 @@ from mindspore import Parameter, nn
 from .._mindspore import (OP_INTERCEPTION, OpInterception, cell_subclass, discard_grad_recording, is_compiling,
                           recompute_eagerly, recompute_in_graph, run_in_python, running_eagerly)
 from ..dtensor import DTensor
-from ..fsdp._fully_shard import fsdp_state
+from ..fsdp._module import fsdp_state
 from ..fsdp._param import is_piece
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 
@@ -59,8 +59,10 @@ SAVE_MATMUL_AND_COLLECTIVES = frozenset({
 # random ops: their outputs are kept by every policy and handed to the recompute, which would draw
 # other numbers (MindSpore's dropout primitives keep their generator state in the kernel, which no
 # saved RNG state restores; PyTorch restores its RNG state instead, preserve_rng_state=True)
+# (in-place random ops are not replayed, which would leave their target unwritten: they draw again from
+# the restored random state)
 _RANDOM_PREFIXES = ("Rand", "Random", "Uniform", "StandardNormal", "Normal", "Bernoulli", "Multinomial", "Gamma",
-                    "Poisson", "InplaceNormal", "InplaceUniform", "InplaceRandom", "Gumbel", "LogNormal")
+                    "Poisson", "Gumbel", "LogNormal", "TruncatedNormal", "StandardLaplace")
 
 
 def is_random_op(name: str) -> bool:

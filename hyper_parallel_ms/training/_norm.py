@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import mindspore as ms
 import numpy as np

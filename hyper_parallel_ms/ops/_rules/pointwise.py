@@ -24,7 +24,7 @@ from ._common import layout_like, replicate_all
 
 __all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY", "MONOTONE"]
 
-LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast", "Clone", "StopGradient")
+LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast", "Clone", "Identity", "StopGradient")
 UNARY = ("ReLU", "Exp", "Log", "Erf", "Sqrt", "Rsqrt", "Square", "Sigmoid", "Tanh", "SiLU", "GeLU", "Abs",
          "Reciprocal", "Sin", "Cos", "Softplus", "PowTensorScalar", "AddScalar", "SubScalar", "Sign", "Floor",
          "Ceil", "Round", "LogicalNot", "IsNan", "IsInf", "ZerosLike", "OnesLike", "Clamp", "ClampScalar",
