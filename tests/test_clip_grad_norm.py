@@ -76,7 +76,9 @@ def _hsdp(**kwargs):
     return shard
 
 
-def _fsdp_tp(mesh):
+def _fsdp_tp(mesh, root_on_all_ranks: bool = False):
+    """Blocks tensor-parallel over tp and fully_shard over dp; the root over dp too, or with
+    ``root_on_all_ranks`` on fully_shard's default mesh of every rank."""
     from hyper_parallel_ms.fsdp import fully_shard
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -84,8 +86,23 @@ def _fsdp_tp(mesh):
         parallelize_module(model, mesh["tp"], {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        fully_shard(model, **({} if root_on_all_ranks else {"mesh": mesh["dp"]}))
     return shard
+
+
+def _fsdp_tp_grads(root_on_all_ranks: bool = False):
+    """On a (dp, tp) = (2, 2) mesh: the one-device gradients of batch 0, and the sharded model with
+    its parameters and this rank's gradients (of its dp rows)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_index = mesh.get_coordinate()[0]
+    x = batch(0)
+    ms.set_seed(0)
+    _, ref_grads = _grads(Net(), x)
+    ms.set_seed(0)
+    model = Net()
+    _fsdp_tp(mesh, root_on_all_ranks)(model)
+    params, grads = _grads(model, x[dp_index * 4:(dp_index + 1) * 4])
+    return mesh, ref_grads, model, params, grads
 
 
 def _clip_parity(make_model, shard, batch_of, loss, *, jit, graph=False, dp_mesh=None, dp_dim=None, dp_index=0,
@@ -163,15 +180,8 @@ def test_one_all_reduce_per_group_inf_norm_and_nonfinite_on_4_ranks():
     """The counts: one all-reduce per communication group splitting some parameter, whatever the
     number of parameters; norm_type inf equals the largest element; a nan on one rank raises on all."""
     from hyper_parallel_ms.training import clip_grad_norm
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_index = mesh.get_coordinate()[0]
+    mesh, ref_grads, model, params, grads = _fsdp_tp_grads()
     x = batch(0)
-    ms.set_seed(0)
-    ref_params, ref_grads = _grads(Net(), x)
-    ms.set_seed(0)
-    model = Net()
-    _fsdp_tp(mesh)(model)
-    params, grads = _grads(model, x[dp_index * 4:(dp_index + 1) * 4])
     assert len(params) == 12
     for norm_type in (2.0, float("inf"), 1.0):
         want = _ref_norm(ref_grads, norm_type)
@@ -211,21 +221,8 @@ def test_parameters_on_two_meshes_of_the_same_ranks_on_4_ranks():
     one device for every order (reducing the root's entry over the world group before the blocks' dp
     group dropped some ranks' shares and doubled others: 21.22 for 22.02); an inf gradient gives inf,
     not nan; max_norm 0 zeroes the gradients, a negative one is refused; PyTorch's foreach is taken."""
-    from hyper_parallel_ms.fsdp import fully_shard
-    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
     from hyper_parallel_ms.training import clip_grad_norm
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_index = mesh.get_coordinate()[0]
-    x = batch(0)
-    ms.set_seed(0)
-    ref_params, ref_grads = _grads(Net(), x)
-    ms.set_seed(0)
-    model = Net()
-    parallelize_module(model, mesh["tp"], {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()})
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model)
-    params, grads = _grads(model, x[dp_index * 4:(dp_index + 1) * 4])
+    _, ref_grads, model, params, grads = _fsdp_tp_grads(root_on_all_ranks=True)
     for norm_type in (2.0, float("inf"), 1.0, 3.0):
         want = _ref_norm(ref_grads, norm_type)
         total = _counts_and_norm(model, params, grads, norm_type)[0]
