@@ -155,12 +155,12 @@ def _check_parity(name: str, n: int, jit: bool = False) -> None:
 
 
 class MaskedModel(Model):
-    """``Model`` whose first stage takes keyword inputs: a Tensor ``mask`` (split with the batch) and a
-    float ``shift`` (given to every micro-batch)."""
+    """``Model`` whose first stage takes keyword inputs: ``masks``, nested Tensors (each split with the
+    batch), and a float ``shift`` (given to every micro-batch)."""
 
-    def construct(self, x, mask=None, shift=0.0):
-        if mask is not None:
-            x = x * mask + shift
+    def construct(self, x, masks=None, shift=0.0):
+        if masks is not None:
+            x = x * masks["scale"] + masks["bias"][0] + shift
         return super().construct(x)
 
 
@@ -168,8 +168,9 @@ class MaskedModel(Model):
 @multi_rank(2)
 def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
     """Batches of 7 and 10 rows that do not split evenly (torch.tensor_split's chunks: 3, 2, 2 and
-    4, 3, 3 over 3; 2, 2, 2, 1 and 3, 3, 2, 2 over 4) and keyword inputs of stage 0 (a Tensor split
-    with the batch, a float given to each micro-batch): each micro-batch's loss, the full-batch
+    4, 3, 3 over 3; 2, 2, 2, 1 and 3, 3, 2, 2 over 4) and keyword inputs of stage 0 (a dict holding a
+    Tensor and a list of one, each split with the batch as PyTorch's tree split; a float given to each
+    micro-batch): each micro-batch's loss, the full-batch
     gradients (micro-batch m weighs rows_m / rows) and the parameters after 2 AdamWeightDecay steps
     equal one device."""
     from hyper_parallel_ms import pipelining as pl
@@ -194,16 +195,17 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
     opt = _optimizer(schedule.parameters())
     for step, size in enumerate((7, 10)):
         x, y = _batch(step, size)
-        mask = ms.Tensor(np.random.RandomState(7 + step).rand(size, IN).astype(np.float32))
+        mask, bias = (ms.Tensor(np.random.RandomState(7 + step + k).rand(size, IN).astype(np.float32)) for k in (0, 9))
         bounds = [int(b) for b in np.cumsum([0] + chunk_sizes(size, n))]
-        want_losses = [float(loss_fn(reference(x[a:b], mask=mask[a:b], shift=0.5), y[a:b]).asnumpy())
-                       for a, b in zip(bounds[:-1], bounds[1:])]
-        _, want = ms.value_and_grad(lambda x, y: loss_fn(reference(x, mask=mask, shift=0.5), y), None, params)(x, y)
+        want_losses = [float(loss_fn(reference(x[a:b], masks={"scale": mask[a:b], "bias": [bias[a:b]]}, shift=0.5),
+                                     y[a:b]).asnumpy()) for a, b in zip(bounds[:-1], bounds[1:])]
+        masks = {"scale": mask, "bias": [bias]}
+        _, want = ms.value_and_grad(lambda x, y: loss_fn(reference(x, masks=masks, shift=0.5), y), None, params)(x, y)
         want = {p.name: g.asnumpy() for p, g in zip(params, want)}
         ref_opt(tuple(ms.Tensor(want[p.name]) for p in params))
         losses: list = []
         out = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses,
-                            **(dict(mask=mask, shift=0.5) if first else {}))
+                            **(dict(masks=masks, shift=0.5) if first else {}))
         if last:
             assert out.shape == (size, OUT)
             np.testing.assert_allclose([float(v.asnumpy()) for v in losses], want_losses, rtol=RTOL, atol=ATOL)
@@ -256,7 +258,8 @@ def test_errors_raise_on_every_rank():
     # a batch that does not split: only stage 0's rank sees it, every rank raises
     schedule, _ = _schedule("1F1B", mesh, 2)
     x, y = _batch(0, 5)
-    with pytest.raises(ValueError, match=r"first stage's input 0 \(positional arguments, then keyword arguments\) "
+    with pytest.raises(ValueError, match=r"first stage's input 0 \(positional arguments, then keyword arguments, nested "
+                                         r"tuples, lists and dicts flattened\) "
                                          "has batch size 1, fewer rows than 2 micro-batches"):
         schedule.step(*((x[:1],) if me == 0 else ()), target=y[:1] if me == 1 else None)
     # an uneven split pairs chunks only when every Tensor has the batch's rows (an even one allows a
@@ -316,6 +319,8 @@ def test_errors_raise_on_every_rank():
     good = (ms.Tensor(np.zeros((2, IN), np.float32)),) if me == 0 else (ms.Tensor(np.zeros((2, WIDTH), np.float32)),)
     stage = pl.PipelineStage(model, me, 2, "cpu", input_args=good, group=mesh)
     pl.ScheduleGPipe(stage, 2, loss_fn).step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+    x5, y5 = _batch(1, 5)      # micro-batches of 3 and 2 rows: input_args' rows (dim 0) are not compared
+    pl.ScheduleGPipe(stage, 2, loss_fn).step(*((x5,) if me == 0 else ()), target=y5 if me == 1 else None)
     bad = pl.PipelineStage(model, me, 2, "cpu", input_args=ms.Tensor(np.zeros((3, 1), np.float32)), group=mesh)
     # the stage's rank raises the check's ValueError, the other rank a PipelineError naming it
     with pytest.raises((ValueError, PipelineError), match=r"stage 0: a micro-batch's inputs have shapes \(\(2, 6\),\)"):
@@ -441,3 +446,22 @@ def test_a_schedule_without_loss_runs_forward_only_and_merges_tuple_outputs(name
         assert isinstance(merged, tuple) and len(merged) == 2
         np.testing.assert_allclose(merged[0].asnumpy(), want, rtol=RTOL, atol=ATOL)
         np.testing.assert_allclose(merged[1].asnumpy(), want.sum(axis=1), rtol=RTOL, atol=1e-5)
+
+
+def test_split_microbatches_splits_tensors_inside_nested_tuples_lists_and_dicts():
+    """Each Tensor of nested containers is split along dim 0 (torch.tensor_split's chunks), other
+    values go to every micro-batch, and the containers' types are kept (PyTorch's tree split)."""
+    from collections import namedtuple
+
+    from hyper_parallel_ms.pipelining._microbatch import split_microbatches
+
+    Pair = namedtuple("Pair", "a b")
+    x = ms.Tensor(np.arange(10, dtype=np.float32).reshape(5, 2))
+    m = ms.Tensor(np.arange(5, dtype=np.int32))
+    mbs = split_microbatches((x, (m, [x]), {"mask": m, "pair": Pair(x, 3)}, "tag"), 2)
+    assert len(mbs) == 2
+    for mb, (a, b) in zip(mbs, ((0, 3), (3, 5))):
+        xs, (ms_, (xs2,)), d, tag = mb
+        assert isinstance(mb[1][1], list) and isinstance(d["pair"], Pair) and tag == "tag" and d["pair"].b == 3
+        for got, want in ((xs, x), (ms_, m), (xs2, x), (d["mask"], m), (d["pair"].a, x)):
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy()[a:b])

@@ -75,6 +75,7 @@ class RegatherOnBackward:
         self._hooks = None
         self.name = "the unit"            # for messages: the unit's Cell class
         self.unshard_in_backward = True   # FSDP2's flag: False promises the backward reads no gathered value
+        self._warned = False              # that promise broken: warned once (the user's flag is kept)
 
     def begin(self) -> None:
         """Start hooking the tensors the unit's forward keeps (call before its gather)."""
@@ -188,11 +189,11 @@ class RegatherOnBackward:
                 del self._live[key]
             return mint.zeros(kept.like[0], dtype=kept.like[1])
         if entry[0] is None:
-            if not self.unshard_in_backward:
+            if not self.unshard_in_backward and not self._warned:
                 warnings.warn(f"set_unshard_in_backward(False), but the backward reads the gathered values of "
                               f"{self.name}: they are gathered again (the gradients stay exact); leave it True for "
                               f"this unit", UserWarning, stacklevel=2)
-                self.unshard_in_backward = True
+                self._warned = True
             with no_grad():
                 entry[0] = self._regather(kept.group, entry[2])
             entry[2] = None

@@ -7,17 +7,18 @@ fixed :data:`HEADER` length (up to :data:`MAX_TENSORS` tensors of at most :data:
 Example::
 
     mbs = split_microbatches((x, y), 4)              # 4 tuples (x_m, y_m), rows as torch.tensor_split
+    split_microbatches(((a, b), {"mask": m}), 2)     # nested tuples, lists and dicts: each Tensor split
     sig = signature(mbs[0]); like_tensors(sig)       # zero tensors of those shapes and dtypes
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-__all__ = ["chunk_sizes", "split_microbatches", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
+__all__ = ["chunk_sizes", "split_microbatches", "tree_leaves", "tree_unflatten", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
            "MAX_NDIM", "as_tuple", "is_float"]
 
 MAX_TENSORS, MAX_NDIM = 8, 8
@@ -47,12 +48,43 @@ def chunk_sizes(rows: int, n: int) -> List[int]:
     return [q + 1] * r + [q] * (n - r)
 
 
+def tree_leaves(value: object) -> List[object]:
+    """The leaves of ``value``: nested tuples, lists and dicts flattened in order (dict values in
+    their order), anything else a leaf.
+
+    >>> tree_leaves((1, [2, {"a": 3}], "x"))
+    [1, 2, 3, 'x']
+    """
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in tree_leaves(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in tree_leaves(item)]
+    return [value]
+
+
+def tree_unflatten(like: object, leaves: Iterator[object]) -> object:
+    """``like``'s structure (as :func:`tree_leaves` walks it) with its leaves taken from ``leaves``
+    in order; tuple, list and dict types (named tuples too) are kept.
+
+    >>> tree_unflatten((1, [2, {"a": 3}]), iter("xyz"))
+    ('x', ['y', {'a': 'z'}])
+    """
+    if isinstance(like, (tuple, list)):
+        items = [tree_unflatten(item, leaves) for item in like]
+        return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
+    if isinstance(like, dict):
+        return type(like)((key, tree_unflatten(item, leaves)) for key, item in like.items())
+    return next(leaves)
+
+
 def split_microbatches(values: Sequence[object], n: int) -> List[Tuple[object, ...]]:
-    """``n`` tuples, the i-th holding the i-th chunk (along dim 0, :func:`chunk_sizes`) of each
-    Tensor of ``values``; any other value goes to every micro-batch unchanged (PyTorch's)."""
+    """``n`` tuples like ``values``, the i-th holding the i-th chunk (along dim 0, :func:`chunk_sizes`)
+    of each Tensor of ``values``, inside nested tuples, lists and dicts too; any other value goes to
+    every micro-batch unchanged (PyTorch's)."""
+    values = tuple(values)
     chunks = [ops.split(v, chunk_sizes(v.shape[0], n), axis=0) if isinstance(v, Tensor) else (v,) * n
-              for v in values]
-    return [tuple(c[m] for c in chunks) for m in range(n)]
+              for v in tree_leaves(values)]
+    return [tree_unflatten(values, iter([c[m] for c in chunks])) for m in range(n)]
 
 
 def signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:

@@ -22,7 +22,7 @@ from mindspore import Tensor, ops
 
 from ..comm._agreement import extremes
 from ._action import PipelineError, ScheduleError
-from ._microbatch import chunk_sizes, split_microbatches
+from ._microbatch import chunk_sizes, split_microbatches, tree_leaves
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec, check_names_unshared
@@ -56,12 +56,13 @@ def _shared_args(cls: type) -> type:
 def _batch_problem(values: Optional[Sequence[object]], n: int) -> Tuple[int, int, int, int, int, int]:
     """(code, index, rows, fewest rows, most rows, uneven) of ``values`` (a stage's inputs, or the target
     alone) split into ``n`` micro-batches; code 0: fine, then the fewest and most rows of its Tensors
-    and whether one does not split evenly. Values that are not Tensors go to every micro-batch
-    (PyTorch's); a Tensor needs a batch dim of at least ``n`` rows."""
+    and whether one does not split evenly. Nested tuples, lists and dicts are flattened (the index
+    counts their leaves); values that are not Tensors go to every micro-batch (PyTorch's); a Tensor
+    needs a batch dim of at least ``n`` rows."""
     if not values:
         return _MISSING, 0, 0, 0, 0, 0
     rows = []
-    for i, t in enumerate(values):
+    for i, t in enumerate(tree_leaves(tuple(values))):
         if not isinstance(t, Tensor):
             continue
         if t.ndim == 0:
@@ -81,8 +82,8 @@ def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
     if code == _MISSING:
         return (f"the rank holding the {what} stage got no {what == 'first' and 'batch' or 'target'}: pass "
                 f"{what == 'first' and 'the inputs to step(*args, **kwargs)' or 'step(..., target=...)'} there")
-    name = (f"input {index} (positional arguments, then keyword arguments)" if what == "first"
-            else "target")
+    name = (f"input {index} (positional arguments, then keyword arguments, nested tuples, lists and dicts "
+            f"flattened)" if what == "first" else "target" if index == 0 else f"target's Tensor {index}")
     if code == _ZERO_DIM:
         return f"{what} stage's {name} is a 0-d Tensor, which has no batch dim to split"
     if code == _NO_TENSOR:
@@ -208,7 +209,8 @@ class PipelineSchedule:
         Args:
             args: the batch's inputs of stage 0 (read on the rank holding it). Tensors split along
                 dim 0 as ``torch.tensor_split`` does (a batch of 10 rows into 4 micro-batches: 3, 3,
-                2, 2 rows); other values go to every micro-batch unchanged.
+                2, 2 rows), inside nested tuples, lists and dicts too; other values go to every
+                micro-batch unchanged.
             target: the batch's target (read on the rank holding the last stage; split as ``args``).
             losses: a list that receives each micro-batch's loss, in order (on the last stage's rank).
             kwargs: keyword inputs of stage 0's Cell, split as ``args``.

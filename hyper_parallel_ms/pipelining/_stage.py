@@ -18,6 +18,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import Tensor, nn
 
+from ._microbatch import tree_leaves
+
 __all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList", "stage_forward", "check_shapes",
            "STAGE_MESH"]
 
@@ -51,23 +53,25 @@ def _check_device(device: Any, mesh) -> None:
 def _shapes_of(args: Any, what: str) -> Optional[Tuple[Tuple[int, ...], ...]]:
     if args is None:
         return None
-    items = args if isinstance(args, (tuple, list)) else (args,)
+    items = tree_leaves(args)
     if not all(isinstance(t, Tensor) for t in items):
-        raise TypeError(f"PipelineStage {what} must be a Tensor or a tuple of Tensors (one micro-batch), got {args!r}")
+        raise TypeError(f"PipelineStage {what} must be a Tensor or a tuple of Tensors (one micro-batch; nested "
+                        f"tuples, lists and dicts of Tensors too), got {args!r}")
     return tuple(tuple(t.shape) for t in items)
 
 
 def check_shapes(stage: "PipelineStage", values: Any, expected: Optional[Tuple[Tuple[int, ...], ...]],
                  what: str) -> None:
-    """Raise if ``values`` (a micro-batch's inputs or outputs) differ in shape from the stage's
-    ``input_args`` / ``output_args``."""
+    """Raise if ``values`` (a micro-batch's inputs or outputs, nested tuples, lists and dicts
+    flattened) differ from the stage's ``input_args`` / ``output_args`` in their Tensors' ranks or
+    non-batch dims (dim 0 may differ: a batch that splits unevenly gives micro-batches of two sizes)."""
     if expected is None:
         return
-    items = values if isinstance(values, (tuple, list)) else (values,)
-    got = tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in items)
-    if got != expected:
+    got = tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in tree_leaves(values))
+    if [g and (len(g), g[1:]) for g in got] != [e and (len(e), e[1:]) for e in expected]:
         raise ValueError(f"stage {stage.stage_index}: a micro-batch's {what} have shapes {got}, but the stage was "
-                         f"built with {what}_args of shapes {expected}")
+                         f"built with {what}_args of shapes {expected} (compared but for dim 0, the micro-batch's "
+                         f"rows)")
 
 
 class PipelineStage:
