@@ -39,9 +39,10 @@ def test_example_trains_on_2_ranks(mode, loss_parallel):
     _train(tp=2, mode=mode, loss_parallel=loss_parallel)
 
 
-@pytest.mark.parametrize("mode", ["jit", "graph", "pynative"])
+@pytest.mark.parametrize("mode", ["graph", "pynative"])
 @multi_rank(4, timeout=600)
 def test_example_trains_on_4_ranks_dp_x_tp(mode):
+    """dp x tp compiled as a GRAPH_MODE Cell and in PyNative (ms.jit: on 2 ranks above; test time)."""
     _train(dp=2, tp=2, mode=mode)
 
 
@@ -55,12 +56,10 @@ def test_example_trains_as_a_graph_mode_cell(sequence_parallel):
 @multi_rank(2, timeout=600)
 def test_example_clips_and_checkpoints_on_2_ranks(mode, checkpoint):
     """--clip-grad-norm with --activation-checkpoint on tp=2 with sequence parallelism (the clip
-    compiled in a GRAPH_MODE train step), then fully_shard over dp=2 (a GRAPH_MODE Cell; in PyNative
-    with its blocks checkpointed)."""
+    compiled in a GRAPH_MODE train step), then, in PyNative, fully_shard over dp=2 with its blocks
+    checkpointed (fully_shard's clip in a GRAPH_MODE Cell: tests/test_clip_grad_norm.py)."""
     _train(tp=2, mode=mode, activation_checkpoint=checkpoint, clip_grad_norm=CLIP, steps=4)
-    if mode == "graph":
-        _train(dp=2, tp=1, fsdp=True, sequence_parallel=False, mode=mode, clip_grad_norm=CLIP, steps=4)
-    else:           # fully_shard units (the blocks) checkpointed whole
+    if mode == "pynative":           # fully_shard units (the blocks) checkpointed whole
         _train(dp=2, tp=1, fsdp=True, mode=mode, activation_checkpoint=checkpoint, clip_grad_norm=CLIP, steps=4)
 
 
