@@ -155,12 +155,13 @@ def _check_parity(name: str, n: int, jit: bool = False) -> None:
 
 
 class MaskedModel(Model):
-    """``Model`` whose first stage takes keyword inputs: ``masks``, nested Tensors (each split with the
-    batch), and a float ``shift`` (given to every micro-batch)."""
+    """``Model`` whose first stage takes its input transposed, ``(IN, rows)``, and keyword inputs:
+    ``masks``, nested Tensors (``scale`` of ``(rows, IN)``, ``bias`` a list of one ``(IN, rows)``),
+    and a float ``shift`` (given to every micro-batch)."""
 
     def construct(self, x, masks=None, shift=0.0):
-        if masks is not None:
-            x = x * masks["scale"] + masks["bias"][0] + shift
+        if masks is not None:                # stage 0 (and the one-device model)
+            x = x.T * masks["scale"] + masks["bias"][0].T + shift
         return super().construct(x)
 
 
@@ -170,7 +171,8 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
     """Batches of 7 and 10 rows that do not split evenly (torch.tensor_split's chunks: 3, 2, 2 and
     4, 3, 3 over 3; 2, 2, 2, 1 and 3, 3, 2, 2 over 4) and keyword inputs of stage 0 (a dict holding a
     Tensor and a list of one, each split with the batch as PyTorch's tree split; a float given to each
-    micro-batch): each micro-batch's loss, the full-batch
+    micro-batch), the input and one mask split along dim 1 (PyTorch's args_chunk_spec /
+    kwargs_chunk_spec with TensorChunkSpec): each micro-batch's loss, the full-batch
     gradients (micro-batch m weighs rows_m / rows) and the parameters after 2 AdamWeightDecay steps
     equal one device."""
     from hyper_parallel_ms import pipelining as pl
@@ -190,15 +192,18 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
         model = pl.split_blocks(MaskedModel(num_stages), s, num_stages, first=("embed",), last=("head",))
         stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
     cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
-    schedule = cls(stages[0] if v == 1 else stages, n, loss_fn)
+    schedule = cls(stages[0] if v == 1 else stages, n, loss_fn, (pl.TensorChunkSpec(1),),
+                   {"masks": {"scale": pl.TensorChunkSpec(0), "bias": [pl.TensorChunkSpec(1)]}})
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
     opt = _optimizer(schedule.parameters())
     for step, size in enumerate((7, 10)):
         x, y = _batch(step, size)
+        x = x.T                                                       # (IN, rows): split along dim 1
         mask, bias = (ms.Tensor(np.random.RandomState(7 + step + k).rand(size, IN).astype(np.float32)) for k in (0, 9))
+        bias = bias.T
         bounds = [int(b) for b in np.cumsum([0] + chunk_sizes(size, n))]
-        want_losses = [float(loss_fn(reference(x[a:b], masks={"scale": mask[a:b], "bias": [bias[a:b]]}, shift=0.5),
-                                     y[a:b]).asnumpy()) for a, b in zip(bounds[:-1], bounds[1:])]
+        want_losses = [float(loss_fn(reference(x[:, a:b], masks={"scale": mask[a:b], "bias": [bias[:, a:b]]},
+                                               shift=0.5), y[a:b]).asnumpy()) for a, b in zip(bounds[:-1], bounds[1:])]
         masks = {"scale": mask, "bias": [bias]}
         _, want = ms.value_and_grad(lambda x, y: loss_fn(reference(x, masks=masks, shift=0.5), y), None, params)(x, y)
         want = {p.name: g.asnumpy() for p, g in zip(params, want)}
@@ -271,6 +276,12 @@ def test_errors_raise_on_every_rank():
         schedule.step(*((x,) if me == 0 else ()), target=y[:4] if me == 1 else None)
     with pytest.raises(ValueError, match="first stage's input 0 .* is a 0-d Tensor"):
         schedule.step(*((x[0, 0],) if me == 0 else ()), target=y if me == 1 else None)
+    # a chunk spec that does not fit stage 0's inputs: its rank names the spec, the other raises too
+    schedule.args_chunk_spec = (pl.TensorChunkSpec(2),)
+    with pytest.raises(ValueError, match=r"input 0: TensorChunkSpec\(2\) does not fit a Tensor of shape \(5, 6\)"
+                                         if me == 0 else "do not fit args_chunk_spec / kwargs_chunk_spec"):
+        schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+    schedule.args_chunk_spec = None
     x, y = _batch(0, 4)
     with pytest.raises(ValueError, match="last stage's target has batch size 1, fewer rows than 2"):
         schedule.step(*((x,) if me == 0 else ()), target=y[:1] if me == 1 else None)
@@ -465,3 +476,41 @@ def test_split_microbatches_splits_tensors_inside_nested_tuples_lists_and_dicts(
         assert isinstance(mb[1][1], list) and isinstance(d["pair"], Pair) and tag == "tag" and d["pair"].b == 3
         for got, want in ((xs, x), (ms_, m), (xs2, x), (d["mask"], m), (d["pair"].a, x)):
             np.testing.assert_array_equal(got.asnumpy(), want.asnumpy()[a:b])
+
+
+def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
+    """PyTorch's TensorChunkSpec: split dims per input (a structure like a nested input's, None: whole),
+    keyword inputs the spec does not name along dim 0; outputs merged along the merge spec's dims."""
+    from hyper_parallel_ms.pipelining import TensorChunkSpec
+    from hyper_parallel_ms.pipelining._microbatch import merge_chunks, split_dims, split_microbatches
+    from hyper_parallel_ms.pipelining._schedules import _check_chunk_specs
+
+    x = ms.Tensor(np.arange(30, dtype=np.float32).reshape(3, 5, 2))
+    kw = {"pair": (x, x), "m": x}
+    dims = split_dims((x, x), kw, (TensorChunkSpec(-2), None), {"pair": (TensorChunkSpec(2), TensorChunkSpec(0))})
+    assert dims == [1, None, 2, 0, 0]
+    mbs = split_microbatches((x, x) + tuple(kw.values()), 2, dims)
+    np.testing.assert_array_equal(mbs[1][0].asnumpy(), x.asnumpy()[:, 3:])          # 5 along dim 1: 3, 2
+    assert mbs[1][1] is x
+    np.testing.assert_array_equal(mbs[0][2][0].asnumpy(), x.asnumpy()[:, :, :1])
+    np.testing.assert_array_equal(mbs[1][3].asnumpy(), x.asnumpy()[2:])
+    merged = merge_chunks([(m[0], m[2][0]) for m in mbs], (TensorChunkSpec(1), None))
+    np.testing.assert_array_equal(merged[0].asnumpy(), x.asnumpy())
+    assert isinstance(merged[1], list) and len(merged[1]) == 2
+    np.testing.assert_array_equal(merge_chunks([m[3] for m in mbs]).asnumpy(), x.asnumpy())
+    assert TensorChunkSpec.from_tuple((0, 1)) == (TensorChunkSpec(0), TensorChunkSpec(1))
+    assert TensorChunkSpec.from_dict({"m": 2}) == {"m": TensorChunkSpec(2)}
+    with pytest.raises(ValueError, match=r"input 0: TensorChunkSpec\(3\) does not fit a Tensor of shape \(3, 5, 2\)"):
+        split_dims((x,), {}, (TensorChunkSpec(3),), None)
+    with pytest.raises(ValueError, match="args_chunk_spec has 1 entries for 2 positional inputs"):
+        split_dims((x, x), {}, (TensorChunkSpec(0),), None)
+    with pytest.raises(ValueError, match=r"kwargs_chunk_spec names \['n'\]"):
+        split_dims((), kw, None, {"n": TensorChunkSpec(0)})
+    with pytest.raises(ValueError, match="one of those per Tensor \\(2 leaves\\)"):
+        split_dims((), kw, None, {"pair": (TensorChunkSpec(0),)})
+    with pytest.raises(TypeError, match="TensorChunkSpec takes an int"):
+        TensorChunkSpec("1")
+    for bad in (dict(args_spec=TensorChunkSpec(0)), dict(kwargs_spec=(TensorChunkSpec(0),)),
+                dict(merge_spec={"a": 1})):
+        with pytest.raises(TypeError, match="chunk_spec|merge_spec"):
+            _check_chunk_specs(bad.get("args_spec"), bad.get("kwargs_spec"), bad.get("merge_spec"), "ScheduleGPipe")

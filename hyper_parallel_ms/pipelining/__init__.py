@@ -31,7 +31,7 @@ __all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "TransferFa
            "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
            "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
            "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
+           "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "TensorChunkSpec"]
 
 _RUNTIME = ("PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
             "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble")
@@ -45,4 +45,7 @@ def __getattr__(name: str):
     if name in _RUNTIME:
         from . import _schedules
         return getattr(_schedules, name)
+    if name == "TensorChunkSpec":
+        from . import _microbatch
+        return _microbatch.TensorChunkSpec
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

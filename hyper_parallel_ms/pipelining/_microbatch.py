@@ -1,5 +1,6 @@
-"""Micro-batches and the shapes that cross stages: splitting along dim 0, and the small integer
-descriptions (signatures) of a tuple of tensors that ranks exchange to learn receive shapes.
+"""Micro-batches and the shapes that cross stages: splitting a batch (along dim 0, or the dims
+of :class:`TensorChunkSpec`) and merging the outputs, and the small integer descriptions
+(signatures) of a tuple of tensors that ranks exchange to learn receive shapes.
 
 A signature is ``(count, dtype code, ndim, d0, .., d7, dtype code, ndim, ...)``; it fits the
 fixed :data:`HEADER` length (up to :data:`MAX_TENSORS` tensors of at most :data:`MAX_NDIM` dims).
@@ -12,13 +13,14 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-__all__ = ["chunk_sizes", "split_microbatches", "tree_leaves", "tree_unflatten", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
+__all__ = ["TensorChunkSpec", "chunk_sizes", "split_microbatches", "split_dims", "merge_chunks", "tree_leaves",
+           "tree_unflatten", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
            "MAX_NDIM", "as_tuple", "is_float"]
 
 MAX_TENSORS, MAX_NDIM = 8, 8
@@ -77,14 +79,139 @@ def tree_unflatten(like: object, leaves: Iterator[object]) -> object:
     return next(leaves)
 
 
-def split_microbatches(values: Sequence[object], n: int) -> List[Tuple[object, ...]]:
-    """``n`` tuples like ``values``, the i-th holding the i-th chunk (along dim 0, :func:`chunk_sizes`)
-    of each Tensor of ``values``, inside nested tuples, lists and dicts too; any other value goes to
-    every micro-batch unchanged (PyTorch's)."""
+class TensorChunkSpec:
+    """How a Tensor of the batch splits into micro-batches: along ``split_dim`` (PyTorch's
+    ``TensorChunkSpec``; a schedule's ``args_chunk_spec`` / ``kwargs_chunk_spec`` /
+    ``output_merge_spec``). ``None`` in their place gives the value whole to every micro-batch.
+
+    Args:
+        split_dim: the dim to split (and to concatenate outputs along); negative counts from the end.
+
+    Example::
+
+        ScheduleGPipe(stage, 4, loss_fn, args_chunk_spec=(TensorChunkSpec(1),))   # x: (seq, batch, dim)
+        TensorChunkSpec.from_tuple((1, 0))            # (TensorChunkSpec(1), TensorChunkSpec(0))
+    """
+
+    def __init__(self, split_dim: int) -> None:
+        if isinstance(split_dim, bool) or not isinstance(split_dim, int):
+            raise TypeError(f"TensorChunkSpec takes an int split_dim, got {split_dim!r}")
+        self.split_dim = split_dim
+
+    def __repr__(self) -> str:
+        return f"TensorChunkSpec({self.split_dim})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorChunkSpec) and other.split_dim == self.split_dim
+
+    def __hash__(self) -> int:
+        return hash(("TensorChunkSpec", self.split_dim))
+
+    @staticmethod
+    def from_tuple(chunk_dims: Tuple[int, ...]) -> Tuple["TensorChunkSpec", ...]:
+        """One spec per positional input, from their split dims.
+
+        Args:
+            chunk_dims: a split dim per input.
+
+        Example::
+
+            args_chunk_spec = TensorChunkSpec.from_tuple((0, 1))
+        """
+        return tuple(TensorChunkSpec(d) for d in chunk_dims)
+
+    @staticmethod
+    def from_dict(chunk_dims: Dict[str, int]) -> Dict[str, "TensorChunkSpec"]:
+        """One spec per keyword input, from their split dims.
+
+        Args:
+            chunk_dims: a split dim per keyword.
+
+        Example::
+
+            kwargs_chunk_spec = TensorChunkSpec.from_dict({"mask": 1})
+        """
+        return {k: TensorChunkSpec(d) for k, d in chunk_dims.items()}
+
+
+def _dims_of(value: object, spec: Any, what: str) -> List[Optional[int]]:
+    """The split dim of each leaf of ``value`` under ``spec``: a :class:`TensorChunkSpec` for all
+    its Tensors, ``None`` for none of them, or a structure like ``value``'s with one of those per
+    leaf; other leaves are never split."""
+    leaves = tree_leaves(value)
+    if spec is None or isinstance(spec, TensorChunkSpec):
+        specs = [spec] * len(leaves)
+    else:
+        specs = tree_leaves(spec)
+        if len(specs) != len(leaves) or not all(s is None or isinstance(s, TensorChunkSpec) for s in specs):
+            raise ValueError(f"{what}: the chunk spec {spec!r} must be a TensorChunkSpec, None, or a structure like the "
+                             f"input's with one of those per Tensor ({len(leaves)} leaves)")
+    dims: List[Optional[int]] = []
+    for leaf, s in zip(leaves, specs):
+        if not isinstance(leaf, Tensor) or s is None:
+            dims.append(None)
+        elif leaf.ndim == 0:
+            dims.append(0)                  # no dim to split: the batch check names it
+        elif -leaf.ndim <= s.split_dim < leaf.ndim:
+            dims.append(s.split_dim % leaf.ndim)
+        else:
+            raise ValueError(f"{what}: {s!r} does not fit a Tensor of shape {tuple(leaf.shape)}")
+    return dims
+
+
+def split_dims(args: Sequence[object], kwargs: Dict[str, object], args_chunk_spec: Optional[Sequence[Any]],
+               kwargs_chunk_spec: Optional[Dict[str, Any]]) -> List[Optional[int]]:
+    """The split dim of each leaf of ``args + tuple(kwargs.values())`` (``None``: given whole):
+    dim 0 of every Tensor by default, else as the specs say (PyTorch's ``args_chunk_spec`` /
+    ``kwargs_chunk_spec``; a keyword the spec does not name splits along dim 0).
+
+    >>> split_dims(("tag",), {}, None, None)
+    [None]
+    """
+    if args_chunk_spec is not None and len(args_chunk_spec) != len(args):
+        raise ValueError(f"args_chunk_spec has {len(args_chunk_spec)} entries for {len(args)} positional inputs; give "
+                         f"one per input (None: given whole to every micro-batch)")
+    unknown = sorted(set(kwargs_chunk_spec or {}) - set(kwargs))
+    if unknown:
+        raise ValueError(f"kwargs_chunk_spec names {unknown}, which are not keyword inputs of this step "
+                         f"({sorted(kwargs)})")
+    default = TensorChunkSpec(0)
+    dims: List[Optional[int]] = []
+    for i, a in enumerate(args):
+        dims += _dims_of(a, default if args_chunk_spec is None else args_chunk_spec[i], f"input {i}")
+    for k, v in kwargs.items():
+        dims += _dims_of(v, (kwargs_chunk_spec or {}).get(k, default), f"keyword input {k!r}")
+    return dims
+
+
+def split_microbatches(values: Sequence[object], n: int, dims: Optional[Sequence[Optional[int]]] = None
+                       ) -> List[Tuple[object, ...]]:
+    """``n`` tuples like ``values``, the i-th holding the i-th chunk (:func:`chunk_sizes`) of each
+    Tensor of ``values``, inside nested tuples, lists and dicts too; any other value goes to every
+    micro-batch unchanged (PyTorch's). ``dims``: the split dim of each leaf (:func:`split_dims`;
+    ``None`` gives it whole); default dim 0 of every Tensor."""
     values = tuple(values)
-    chunks = [ops.split(v, chunk_sizes(v.shape[0], n), axis=0) if isinstance(v, Tensor) else (v,) * n
-              for v in tree_leaves(values)]
+    leaves = tree_leaves(values)
+    dims = [0 if isinstance(v, Tensor) else None for v in leaves] if dims is None else dims
+    chunks = [ops.split(v, chunk_sizes(v.shape[d], n), axis=d) if d is not None else (v,) * n
+              for v, d in zip(leaves, dims)]
     return [tree_unflatten(values, iter([c[m] for c in chunks])) for m in range(n)]
+
+
+def merge_chunks(outs: Sequence[object], spec: Any = None) -> object:
+    """The whole batch's output from its micro-batches' (PyTorch's merge): Tensors concatenated
+    along dim 0 or their ``spec``'s dim (a :class:`TensorChunkSpec`, or a tuple of them for a tuple
+    output), each element of a tuple output likewise; 0-d tensors, other values and ``None`` specs
+    as a list over the micro-batches."""
+    def merge(items: Sequence[object], item_spec: Any) -> object:
+        if item_spec is not None and all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
+            return ops.cat(items, axis=item_spec.split_dim % items[0].ndim)
+        return list(items)
+    default = TensorChunkSpec(0)
+    if isinstance(outs[0], (tuple, list)):
+        specs = spec if isinstance(spec, (tuple, list)) else [default if spec is None else spec] * len(outs[0])
+        return type(outs[0])(merge([o[i] for o in outs], specs[i]) for i in range(len(outs[0])))
+    return merge(outs, default if spec is None else spec)
 
 
 def signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:

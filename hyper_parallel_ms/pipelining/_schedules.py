@@ -14,7 +14,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
 import numpy as np
@@ -22,7 +22,7 @@ from mindspore import Tensor, ops
 
 from ..comm._agreement import extremes
 from ._action import PipelineError, ScheduleError
-from ._microbatch import chunk_sizes, split_microbatches, tree_leaves
+from ._microbatch import TensorChunkSpec, chunk_sizes, merge_chunks, split_dims, split_microbatches, tree_leaves
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec, check_names_unshared
@@ -30,11 +30,18 @@ from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
 
-_MISSING, _ZERO_DIM, _NO_TENSOR, _TOO_SMALL, _TARGET_WITHOUT_LOSS = 1, 2, 3, 4, 5
+_MISSING, _ZERO_DIM, _NO_TENSOR, _TOO_SMALL, _TARGET_WITHOUT_LOSS, _BAD_SPEC = 1, 2, 3, 4, 5, 6
 
 # the arguments every schedule takes after its own, written once: each schedule's docstring
 # holds a ``{shared_args}`` line that :func:`_shared_args` replaces with them
 _SHARED_ARGS = """\
+        args_chunk_spec: PyTorch's: per positional input of stage 0, how it splits: a
+            :class:`TensorChunkSpec` (its dim), ``None`` (given whole to every micro-batch) or a
+            structure of them like a nested input's; default: every Tensor along dim 0.
+        kwargs_chunk_spec: as ``args_chunk_spec``, a dict per keyword input (unnamed ones: dim 0).
+        output_merge_spec: how the last stage's outputs are merged: a :class:`TensorChunkSpec`, or a
+            tuple of them for a tuple output (``None`` entries: a list over the micro-batches);
+            default: concatenated along dim 0.
         scale_grads: average the gradients over micro-batches (default ``True``: one step equals
             the full-batch step when ``loss_fn`` is a mean over the batch; micro-batch ``m`` of
             ``rows_m`` rows weighs ``rows_m / rows``, which is PyTorch's ``1 / n_microbatches`` when
@@ -53,32 +60,55 @@ def _shared_args(cls: type) -> type:
     return cls
 
 
-def _batch_problem(values: Optional[Sequence[object]], n: int) -> Tuple[int, int, int, int, int, int]:
+def _batch_problem(values: Optional[Sequence[object]], n: int, dims: Optional[Sequence[Optional[int]]] = None
+                   ) -> Tuple[int, int, int, int, int, int]:
     """(code, index, rows, fewest rows, most rows, uneven) of ``values`` (a stage's inputs, or the target
     alone) split into ``n`` micro-batches; code 0: fine, then the fewest and most rows of its Tensors
     and whether one does not split evenly. Nested tuples, lists and dicts are flattened (the index
-    counts their leaves); values that are not Tensors go to every micro-batch (PyTorch's); a Tensor
-    needs a batch dim of at least ``n`` rows."""
+    counts their leaves); ``dims``: each leaf's split dim (default 0 for Tensors; ``None``: given
+    whole); values that are not Tensors go to every micro-batch (PyTorch's); a Tensor needs a split
+    dim of at least ``n`` rows."""
     if not values:
         return _MISSING, 0, 0, 0, 0, 0
+    leaves = tree_leaves(tuple(values))
+    dims = [0] * len(leaves) if dims is None else dims
     rows = []
-    for i, t in enumerate(tree_leaves(tuple(values))):
-        if not isinstance(t, Tensor):
+    for i, (t, d) in enumerate(zip(leaves, dims)):
+        if not isinstance(t, Tensor) or d is None:
             continue
         if t.ndim == 0:
             return _ZERO_DIM, i, 0, 0, 0, 0
-        if t.shape[0] < n:
-            return _TOO_SMALL, i, t.shape[0], 0, 0, 0
-        rows.append(t.shape[0])
+        if t.shape[d] < n:
+            return _TOO_SMALL, i, t.shape[d], 0, 0, 0
+        rows.append(t.shape[d])
     if not rows:
         return _NO_TENSOR, 0, 0, 0, 0, 0
     return 0, 0, 0, min(rows), max(rows), int(any(r % n for r in rows))
+
+
+def _check_chunk_specs(args_spec: Any, kwargs_spec: Any, merge_spec: Any, name: str) -> None:
+    """PyTorch's chunk specs: a tuple per positional input, a dict per keyword, a spec (or a tuple
+    of them) for the outputs; each entry a :class:`TensorChunkSpec`, ``None`` or a structure of them."""
+    def entries_ok(value: Any) -> bool:
+        return all(v is None or isinstance(v, TensorChunkSpec) for v in tree_leaves(value))
+    if args_spec is not None and not (isinstance(args_spec, (tuple, list)) and entries_ok(args_spec)):
+        raise TypeError(f"{name}: args_chunk_spec must be a tuple with a TensorChunkSpec (or None, or a structure of "
+                        f"them) per positional input, got {args_spec!r}")
+    if kwargs_spec is not None and not (isinstance(kwargs_spec, dict) and entries_ok(kwargs_spec)):
+        raise TypeError(f"{name}: kwargs_chunk_spec must be a dict of TensorChunkSpec (or None) per keyword input, "
+                        f"got {kwargs_spec!r}")
+    if merge_spec is not None and not (isinstance(merge_spec, (TensorChunkSpec, tuple, list)) and entries_ok(merge_spec)):
+        raise TypeError(f"{name}: output_merge_spec must be a TensorChunkSpec or a tuple of them (None: a list over "
+                        f"the micro-batches) per output, got {merge_spec!r}")
 
 
 def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
     if code == _TARGET_WITHOUT_LOSS:
         return ("the last stage got a target, but the schedule has no loss_fn there and runs forward only; pass "
                 "loss_fn=... (loss_fn(output, target)) when building the schedule to train")
+    if code == _BAD_SPEC:
+        return ("the first stage's inputs do not fit args_chunk_spec / kwargs_chunk_spec (the rank holding it "
+                "raises the details)")
     if code == _MISSING:
         return (f"the rank holding the {what} stage got no {what == 'first' and 'batch' or 'target'}: pass "
                 f"{what == 'first' and 'the inputs to step(*args, **kwargs)' or 'step(..., target=...)'} there")
@@ -112,19 +142,6 @@ def _microbatch_weights(first: Sequence[float], last: Sequence[float], n: int, s
     return [1.0 / n if scale_grads else 1.0] * n
 
 
-def _merged(outs: list):
-    """The last stage's outputs of the whole batch from its micro-batches' (PyTorch's merge): tensors
-    concatenated along dim 0, each element of tuple outputs likewise; 0-d tensors and other values
-    as a list over the micro-batches."""
-    def merge(items):
-        if all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
-            return ops.cat(items, axis=0)
-        return list(items)
-    if isinstance(outs[0], (tuple, list)):
-        return type(outs[0])(merge([o[i] for o in outs]) for i in range(len(outs[0])))
-    return merge(outs)
-
-
 @_shared_args
 class PipelineSchedule:
     """Base of the schedules: this rank's stages, the checked plan, and the runtime.
@@ -146,8 +163,11 @@ class PipelineSchedule:
     schedule_name = ""
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: Optional[int] = None,
-                 loss_fn: Optional[Callable] = None, *, scale_grads: bool = True,
-                 micro_batch_num: Optional[int] = None, shared_parameters: Optional[SharedSpec] = None) -> None:
+                 loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
+                 kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
+                 scale_grads: bool = True, micro_batch_num: Optional[int] = None,
+                 shared_parameters: Optional[SharedSpec] = None) -> None:
+        _check_chunk_specs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec, type(self).__name__)
         if (n_microbatches is None) == (micro_batch_num is None):
             raise TypeError(f"{type(self).__name__} needs n_microbatches (or HyperParallel's micro_batch_num), "
                             f"exactly one of them; got {n_microbatches!r} and {micro_batch_num!r}")
@@ -162,6 +182,8 @@ class PipelineSchedule:
         self.stages = stages
         self.n_microbatches = n
         self.loss_fn = loss_fn
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
         self.mesh = stages[0].mesh
         self.plan = self._agreed_plan(stages, n, loss_fn)
@@ -238,12 +260,20 @@ class PipelineSchedule:
                                 f"flight between the pp ranks; build the pipeline again in a new job")
         inputs = args + tuple(kwargs.values())
         none = (0,) * 6
-        fcode = _batch_problem(inputs, n) if first else none
+        dims, spec_error = None, None
+        if first:
+            try:
+                dims = split_dims(args, kwargs, self.args_chunk_spec, self.kwargs_chunk_spec)
+            except ValueError as exc:
+                spec_error = exc
+        fcode = ((_BAD_SPEC,) + none[1:] if spec_error else _batch_problem(inputs, n, dims)) if first else none
         if self.forward_only:
             lcode = (_TARGET_WITHOUT_LOSS,) + none[1:] if last and target is not None else none
         else:
             lcode = _batch_problem(None if target is None else (target,), n) if last else none
         high, _ = extremes(np.array(fcode + lcode, np.float32), self.mesh)
+        if spec_error is not None:
+            raise ValueError(f"{type(self).__name__}.step: {spec_error}") from spec_error
         for what, (code, index, size) in (("first", high[0:3]), ("last", high[6:9])):
             if code:
                 raise ValueError(f"{type(self).__name__}.step: " + _batch_message(
@@ -251,7 +281,8 @@ class PipelineSchedule:
         scales = _microbatch_weights(high[3:6], high[9:12], n, self.scale_grads, type(self).__name__)
         batches = None
         if first:
-            batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):]))) for mb in split_microbatches(inputs, n)]
+            batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):])))
+                       for mb in split_microbatches(inputs, n, dims)]
         targets = [t[0] for t in split_microbatches((target,), n)] if last and not self.forward_only else None
         self._grads = None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
@@ -260,7 +291,7 @@ class PipelineSchedule:
             self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
         if not last:
             return None
-        return _merged(outs)
+        return merge_chunks(outs, self.output_merge_spec)
 
     def run(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
             **kwargs: object):
@@ -336,13 +367,14 @@ class PipelineSchedule:
 
 class _SingleStage(PipelineSchedule):
     def __init__(self, stage: PipelineStage, n_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
-                 *, scale_grads: bool = True, micro_batch_num: Optional[int] = None,
+                 args_chunk_spec: Optional[Sequence[Any]] = None, kwargs_chunk_spec: Optional[Dict[str, Any]] = None,
+                 output_merge_spec: Any = None, *, scale_grads: bool = True, micro_batch_num: Optional[int] = None,
                  shared_parameters: Optional[SharedSpec] = None) -> None:
         if not isinstance(stage, PipelineStage):
             raise TypeError(f"{type(self).__name__} runs one PipelineStage per rank, got {type(stage).__name__}; "
                             f"use ScheduleInterleaved1F1B for several")
-        super().__init__([stage], n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num,
-                         shared_parameters=shared_parameters)
+        super().__init__([stage], n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters)
 
 
 @_shared_args
@@ -401,11 +433,13 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     schedule_name = "Interleaved1F1B"
 
     def __init__(self, stages: Union[Sequence[PipelineStage], PipelineStage], n_microbatches: Optional[int] = None,
-                 loss_fn: Optional[Callable] = None, *, scale_grads: bool = True,
-                 micro_batch_num: Optional[int] = None, shared_parameters: Optional[SharedSpec] = None) -> None:
+                 loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
+                 kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
+                 scale_grads: bool = True, micro_batch_num: Optional[int] = None,
+                 shared_parameters: Optional[SharedSpec] = None) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else stages
-        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads, micro_batch_num=micro_batch_num,
-                         shared_parameters=shared_parameters)
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters)
 
 
 @_shared_args
