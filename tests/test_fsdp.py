@@ -14,7 +14,9 @@ from mindspore import nn, ops
 
 from hyper_parallel_ms import no_init_parameters
 from hyper_parallel_ms.comm import CommDebugMode
-from hyper_parallel_ms.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, init_parameters
+from hyper_parallel_ms.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard, init_parameters,
+                                   register_fsdp_forward_method)
+from hyper_parallel_ms.fsdp._module import fsdp_state
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import GradientReducer, parameter_sharding
 from hyper_parallel_ms.placement import Replicate, Shard
@@ -77,6 +79,18 @@ def _deferred_net():
         return Net()
 
 
+class _Scaled(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Dense(8, 4)
+
+    def construct(self, x, scale=None):
+        return self.dense(x) * scale
+
+    def scaled(self, x, scale=None):
+        return self.dense(x) * scale
+
+
 @multi_rank(2)
 def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
@@ -97,10 +111,20 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     # fp16 compute against the fp32 model: 1e-2 covers fp16 rounding (eps 1e-3) over 5 SGD steps
     compare(shard, rank, 2, loss_mesh=mesh, tol=1e-2, counts=counts)
     assert seen["dtypes"] == {ms.float32}                                   # pieces stay fp32
+    # cast_forward_inputs casts the floating keyword inputs too (FSDP2's; an fp32 keyword promoted the
+    # output to fp32), in forward and in a registered forward method
+    scaled = _Scaled()
+    fully_shard(scaled, mesh=mesh, mp_policy=policy)
+    register_fsdp_forward_method(scaled, "scaled")
+    x, scale = ms.Tensor(np.ones((2, 8), np.float32)), ms.Tensor(np.full((2, 4), 2.0, np.float32))
+    assert scaled(x, scale=scale).dtype == ms.float16 and scaled.scaled(x, scale=scale).dtype == ms.float16
     assert counts[-1] == {"all_gather": 6, "reduce_scatter": 3}
-    # unshard() gathers now and forwards until reshard() gather nothing (same values and gradients;
-    # the Cell keeps its pieces, so trainable_params() works, also before the first forward);
-    # zero_accumulated_grads() drops what backward passes without sync accumulated
+    # unshard() gathers now and the next forward gathers nothing (same values and gradients; the
+    # Cell keeps its pieces, so trainable_params() works, also before the first forward), then the
+    # unit reshards as FSDP2's: after that forward (reshard_after_forward=True) or, with False, after
+    # the backward, so a step of the pieces in between is seen (it was not: forwards kept the values
+    # gathered before it until reshard()); zero_accumulated_grads() drops what backward passes
+    # without sync accumulated
     ms.set_seed(0)
     whole = Net()
     ms.set_seed(0)
@@ -120,6 +144,17 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
     np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
     for g, f in zip(kept[1], fresh[1]):
         np.testing.assert_allclose(g.asnumpy(), f.asnumpy(), rtol=1e-6, atol=1e-7)
+    state = fsdp_state(block)
+    for reshard_after_forward in (True, False):
+        block.set_reshard_after_forward(reshard_after_forward)
+        block.unshard()
+        model(x)
+        assert (state.kept is None) == reshard_after_forward
+        step(x)
+        assert state.kept is None
+        for m in (block, whole.layers[0]):       # a step of the pieces (and of the one-device weight)
+            ops.assign(m.up.weight, m.up.weight * 0.5)
+        np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6, atol=1e-7)
     model.set_requires_gradient_sync(False)
     step(x * 100.0)
     model.zero_accumulated_grads()

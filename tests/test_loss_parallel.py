@@ -90,8 +90,10 @@ def test_loss_parallel_entry_points_match_single_device():
     assert _all_context_cases() == 36
 
 
-def _cell_case(mesh, jit, reduction, smoothing, classes):
+def _cell_case(mesh, jit, reduction, smoothing, classes, all_ignored=False):
     logits, target, weights = _case(classes, True)
+    if all_ignored:          # a batch of padding only: loss nan (0 / 0) and gradient 0, as one device
+        target[:] = -100
     cell = ParallelCrossEntropy(mesh, num_classes=classes, reduction=reduction, label_smoothing=smoothing)
 
     def f(local, t):
@@ -113,6 +115,8 @@ def _cell_cases():
     _cell_case(mesh, True, "mean", 0.1, 7)
     _cell_case(mesh, True, "sum", 0.0, 8)
     _cell_case(mesh, False, "mean", 0.0, 3)    # pieces of 2 and 1 classes
+    _cell_case(mesh, False, "mean", 0.1, 7, all_ignored=True)
+    _cell_case(mesh, True, "mean", 0.0, 8, all_ignored=True)
     return True
 
 

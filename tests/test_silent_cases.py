@@ -358,3 +358,79 @@ def test_sequence_parallel_and_sharded_rowwise_bias_gradients_are_whole_without_
         _three_sgd_steps(model, loss_of, batch, compiled)
         for p, q in zip(model.trainable_params(), ref.trainable_params()):
             np.testing.assert_allclose(gathered(p, p), q.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)
+
+
+class _MLP(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Dense(4, 6)
+        self.down = nn.Dense(6, 4)
+
+    def construct(self, x):
+        return self.down(ops.tanh(self.up(x)))
+
+
+@multi_rank(2)
+def test_optimizers_reading_whole_parameters_are_refused_over_pieces():
+    """AdaFactor (factored moments, parameter RMS) and grad_centralization (a mean over each
+    gradient) stepped each rank's piece as if it were the whole parameter: parameters off by up to
+    7e-3 after 3 steps, silently; an optimizer built before sharding held Parameters the model no
+    longer reads (zero gradients, no learning). Over pieces of the parallel styles and of
+    fully_shard both are refused when the step compiles, before any parameter changes; element-wise
+    SGD steps the pieces; a model without pieces keeps AdaFactor."""
+    from hyper_parallel_ms.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32))
+
+    def adafactor(params):
+        return nn.AdaFactor(params, learning_rate=0.01, scale_parameter=False, relative_step=False,
+                            warmup_init=False)
+
+    def tp(model):
+        parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def fsdp(model):
+        fully_shard(model, mesh=mesh)
+    for shard, engine in ((tp, r"a parallel style \(parallelize_module"), (fsdp, r"fully_shard\(_MLP\)")):
+        ms.set_seed(0)
+        model = _MLP()
+        early = nn.SGD(model.trainable_params(), learning_rate=0.1)       # built before sharding
+        shard(model)
+        params = model.trainable_params()
+        # its Parameters are no longer the model's: zero gradients, a model that never learns
+        zeros = ms.value_and_grad(lambda v: (model(v) ** 2).mean(), None, early.parameters)(x)[1]
+        with pytest.raises(TypeError, match=f"SGD holds 4 Parameters that {engine}.* replaced .* Build the optimizer "
+                                            "after sharding"):
+            early(zeros)
+        grads = ms.value_and_grad(lambda v: (model(v) ** 2).mean(), None, params)(x)[1]
+        before = [p.asnumpy().copy() for p in params]
+        with pytest.raises(TypeError, match=r"AdaFactor reads each parameter whole .* hold this rank's pieces"):
+            adafactor(params)(grads)
+        with pytest.raises(TypeError, match="SGD reads each parameter whole .*grad_centralization"):
+            nn.SGD([{"params": params, "grad_centralization": True}], learning_rate=0.1)(grads)
+        assert all(np.array_equal(b, p.asnumpy()) for b, p in zip(before, params)), shard.__name__
+        nn.SGD(params, learning_rate=0.1)(grads)
+        for b, p, g in zip(before, params, grads):
+            np.testing.assert_allclose(p.asnumpy(), b - 0.1 * g.asnumpy(), rtol=1e-6, atol=1e-7)
+    plain = _MLP()
+    params = plain.trainable_params()
+    adafactor(params)(ms.value_and_grad(lambda v: (plain(v) ** 2).mean(), None, params)(x)[1])
+
+
+@multi_rank(2)
+def test_scalars_of_a_partial_dtensor_are_refused():
+    """``float(loss)`` / ``loss.item()`` of a Partial DTensor (a mean over a sharded dim) gave each rank
+    its share (1.75 and 15.75 for 17.5); now refused naming full_tensor(); Replicate gives the value."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    full = np.arange(8, dtype=np.float32).reshape(4, 2)
+    d = distribute_tensor(ms.Tensor(full), mesh, [Shard(0)])
+    loss = (d * d).mean()
+    assert loss.placements[0].is_partial()
+    for read in (lambda t: t.item(), float, int, bool, lambda t: t.tolist()):
+        with pytest.raises(RuntimeError, match="share of the value, not the value; call .full_tensor()"):
+            read(loss)
+    want = float((full * full).mean())
+    assert abs(loss.full_tensor().item() - want) < 1e-5
+    assert abs(float(loss.redistribute(placements=[Replicate()])) - want) < 1e-5
+    with pytest.raises(ValueError, match=r"Only one element tensors .* global shape \(4, 2\)"):
+        d.item()

@@ -43,7 +43,7 @@ Contracts (measured on MindSpore 2.8, 2.9 and 2.10):
 - **compile detection**: graph compilation runs in ``_JitExecutor.compile`` (``ms.jit``)
   or ``_CellGraphExecutor.compile`` (GRAPH_MODE Cells), in ``mindspore.graph.api`` from
   2.9 and ``mindspore.common.api`` on 2.8; both receive the call's arguments
-  (:func:`is_compiling`; :func:`reject_in_compiled_args` wraps them).
+  (:func:`is_compiling`; :func:`reject_in_compiled_args` and :func:`check_compiled_calls` wrap them).
 - **op entry points** (2.8 / 2.9 only): ops reach C++ through ``Primitive.__call__``, the
   generated primitives' ``__call__`` and ``mindspore.ops.functional_overload``; wrapping
   them restores hook errors. ``ops`` / ``mint`` sequence functions are wrapped to pass
@@ -127,8 +127,8 @@ from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_re
                        recompute_eagerly, set_random_state,
                        recompute_in_graph, recomputing, recording_gradients, saved_tensors_hooks, tape_backward,
                        taped, taped_call, tensor_address)
-from .compiling import (cached_in_python, cell_per_call_site, cell_subclass, compile_argument_checks,
-                        compiling_graph_code, is_compiling, reject_in_compiled_args, run_first_call_checks,
+from .compiling import (cached_in_python, cell_per_call_site, cell_subclass, check_compiled_calls,
+                        compile_argument_checks, compiling_graph_code, is_compiling, reject_in_compiled_args, run_first_call_checks,
                         run_in_python, running_eagerly)
 from .deferred import (deferred_creation_hooked, deferred_parameter, draw_numpy_seed, fill_deferred, initial_array,
                        initializer_draws, pending_init)
@@ -146,7 +146,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "as_subclass",
            "plain_view", "adopt", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site", "is_compiling", "running_eagerly",
            "compiling_graph_code",
-           "guard_mindspore_for", "reject_in_compiled_args", "compile_argument_checks", "route_list_arguments",
+           "guard_mindspore_for", "reject_in_compiled_args", "check_compiled_calls", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
            "deferred_parameter", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
            "taped", "taped_call", "tape_backward", "discard_grad_recording",

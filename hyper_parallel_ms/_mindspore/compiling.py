@@ -192,35 +192,48 @@ def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rej
 
 _GUARDED: list = []
 _ALLOWED: list = []
+_CHECKS: list = []
+_SWAPPED: list = []          # one entry once the compile entry points are swapped
 
 
 def compile_argument_checks(rejected: Sequence[type],
-                            allowed: Sequence[Callable[[Callable, tuple], bool]] = ()) -> List[Swap]:
-    """Swaps of MindSpore's compile entry points (``ms.jit`` and GRAPH_MODE Cells) that raise
-    a ``TypeError`` naming the argument when a compiled call gets an object of a type in
-    ``rejected`` (read at each compile, so it may grow), unless a predicate of ``allowed``
+                            allowed: Sequence[Callable[[Callable, tuple], bool]] = (),
+                            checks: Sequence[Callable[[Callable, tuple], None]] = ()) -> List[Swap]:
+    """Swaps of MindSpore's compile entry points (``ms.jit`` and GRAPH_MODE Cells) that run
+    each of ``checks`` (``check(fn, args)``, raising to refuse the call), then raise a
+    ``TypeError`` naming the argument when a compiled call gets an object of a type in
+    ``rejected`` (all read at each compile, so they may grow), unless a predicate of ``allowed``
     (``allow(fn, args)``, ``args`` starting with the bound object) accepts the call, for
     :func:`swap_entry_points`."""
+
+    def run_checks(kind: str, fn: Callable, args: tuple, kwargs: dict) -> None:
+        for check in checks:
+            check(fn, args)
+        _check_compiled_call(kind, fn, args, kwargs, tuple(rejected), allowed)
 
     def jit_compile(original: Callable) -> Callable:
         @functools.wraps(original)
         def compile(self, method_name, *args, **kwargs):
             given = args if self.obj is None else (self.obj,) + args
-            _check_compiled_call("the ms.jit function", self.fn, given,
-                                 {k: v for k, v in kwargs.items() if k != "phase"}, tuple(rejected), allowed)
+            run_checks("the ms.jit function", self.fn, given, {k: v for k, v in kwargs.items() if k != "phase"})
             return original(self, method_name, *args, **kwargs)
         return compile
 
     def cell_compile(original: Callable) -> Callable:
         @functools.wraps(original)
         def compile(self, obj, *args, **kwargs):
-            _check_compiled_call("the GRAPH_MODE Cell", type(obj).construct, (obj,) + args,
-                                 {k: v for k, v in kwargs.items() if k not in ("phase", "do_convert", "jit_config_dict")},
-                                 tuple(rejected), allowed)
+            run_checks("the GRAPH_MODE Cell", type(obj).construct, (obj,) + args,
+                       {k: v for k, v in kwargs.items() if k not in ("phase", "do_convert", "jit_config_dict")})
             return original(self, obj, *args, **kwargs)
         return compile
 
     return [(_graph_api._JitExecutor, "compile", jit_compile), (_graph_api._CellGraphExecutor, "compile", cell_compile)]
+
+
+def _swap_compile_entry_points() -> None:
+    if not _SWAPPED:
+        swap_entry_points(compile_argument_checks(_GUARDED, _ALLOWED, _CHECKS))
+        _SWAPPED.append(True)
 
 
 def reject_in_compiled_args(rejected: type, allow: Optional[Callable[[Callable, tuple], bool]] = None) -> None:
@@ -232,5 +245,18 @@ def reject_in_compiled_args(rejected: type, allow: Optional[Callable[[Callable, 
     _GUARDED.append(rejected)
     if allow is not None:
         _ALLOWED.append(allow)
-    if len(_GUARDED) == 1:
-        swap_entry_points(compile_argument_checks(_GUARDED, _ALLOWED))
+    _swap_compile_entry_points()
+
+
+def check_compiled_calls(check: Callable[[Callable, tuple], None]) -> None:
+    """From now on, every compile of an ``ms.jit`` function or a GRAPH_MODE Cell first runs
+    ``check(fn, args)`` (``args`` starting with the bound object: a Cell, an optimizer), which
+    raises to refuse the call. Idempotent.
+
+    Example::
+
+        check_compiled_calls(refuse_whole_parameter_updates)    # optimizers reading whole parameters
+    """
+    if check not in _CHECKS:
+        _CHECKS.append(check)
+    _swap_compile_entry_points()

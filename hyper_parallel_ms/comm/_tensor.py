@@ -18,7 +18,7 @@ from typing import Sequence
 from mindspore import mint, ops
 from mindspore.common import dtype as mstype
 
-__all__ = ["narrow", "pad_dim", "shape_with", "move_to_front", "move_from_front", "select_pieces"]
+__all__ = ["narrow", "pad_dim", "shape_with", "move_to_front", "move_from_front", "select_pieces", "owned_copy"]
 
 
 def shape_with(shape: Sequence[int], dim: int, size: int) -> tuple:
@@ -80,3 +80,23 @@ def select_pieces(x, dim: int, block: int, sizes: Sequence[int]):
     if not pieces:
         return narrow(x, dim, 0, 0)
     return pieces[0] if len(pieces) == 1 else mint.cat(pieces, dim)
+
+
+def owned_copy(x):
+    """A copy of ``x`` owning its memory (a view's copy is not a view), the gradient passing
+    through: ``ops.deepcopy``, except bfloat16 on CPU, whose copy kernel (Identity) has no bfloat16,
+    where the exact round trip through float32 copies it.
+
+    >>> import numpy as np, mindspore as ms
+    >>> y = owned_copy(ms.Tensor(np.array([1.5, -2.0]), ms.bfloat16))
+    >>> y.dtype, y.astype(ms.float32).asnumpy().tolist()
+    (mindspore.bfloat16, [1.5, -2.0])
+    """
+    if x.dtype == mstype.bfloat16 and _on_cpu():
+        return x.astype(mstype.float32).astype(mstype.bfloat16)
+    return ops.deepcopy(x)
+
+
+def _on_cpu() -> bool:
+    import mindspore as ms
+    return ms.get_context("device_target") == "CPU"

@@ -344,6 +344,33 @@ class DTensor(Tensor):
         """Cast to float32."""
         return self.to(ms.float32)
 
+    def _item(self):
+        """The value of a one-element DTensor: what ``item()``, ``float()``, ``int()`` and ``bool()``
+        read. Refused where this rank's piece is not the value: a Partial DTensor (its piece is this
+        rank's share: ``full_tensor().item()`` on every rank gives the value), or more than one
+        element in the global tensor (one device raises too)."""
+        spec = self._dt_spec
+        if prod(spec.shape) != 1:
+            raise ValueError(f"Only one element tensors can be converted to Python scalars: a DTensor of global shape "
+                             f"{spec.shape}")
+        self._refuse_partial("item() / float() / int() / bool()")
+        if prod(self.local_shape) != 1:
+            raise ValueError(f"this rank holds an empty piece of the one-element DTensor ({self.placements}): call "
+                             f"full_tensor().item() on every rank")
+        return super()._item()
+
+    def _tolist(self):
+        """``tolist()``: this rank's piece as lists (as ``asnumpy``), refused for a Partial DTensor."""
+        self._refuse_partial("tolist()")
+        return super()._tolist()
+
+    def _refuse_partial(self, what: str) -> None:
+        placements = self._dt_spec.placements
+        if any(p.is_partial() for p in placements):
+            raise RuntimeError(f"DTensor.{what} of a DTensor placed {tuple(placements)}: this rank holds only its "
+                               f"share of the value, not the value; call .full_tensor() (on every rank) or "
+                               f".redistribute(placements=[Replicate(), ...]) first")
+
     def __repr__(self) -> str:
         spec = self._dt_spec
         placements = "(" + ", ".join(str(p) for p in spec.placements) + ")"

@@ -5,7 +5,10 @@ its local piece; the package refuses DTensors as compiled arguments (compiled co
 pieces as if they were whole). An optimizer whose update is element-wise is the exception: given
 gradients laid out exactly as its parameters, each rank updating its pieces from its gradient
 pieces is the whole update. Optimizers reading norms or factored moments of a whole parameter
-(``Lamb``, ``LARS``, ``AdaFactor``) and subclasses with a ``construct`` of their own stay refused.
+(``Lamb``, ``LARS``, ``AdaFactor``), subclasses with a ``construct`` of their own and parameter
+groups with ``grad_centralization`` (a mean over each gradient's dims) stay refused
+(:func:`whole_parameter_reads`; plain Parameters holding pieces are checked by
+``nn._parameter.refuse_whole_parameter_updates``).
 
 Example::
 
@@ -14,11 +17,11 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Any, Callable, List, Tuple
 
 from ._spec import spec_of
 
-__all__ = ["elementwise_step_on_pieces"]
+__all__ = ["elementwise_step_on_pieces", "whole_parameter_reads"]
 
 _ELEMENTWISE = ("SGD", "Momentum", "Adam", "AdamWeightDecay", "AdamOffload", "LazyAdam", "Adagrad", "Adadelta",
                 "AdaMax", "RMSProp", "FTRL", "ProximalAdagrad", "ASGD", "Rprop")
@@ -27,6 +30,25 @@ _ELEMENTWISE = ("SGD", "Momentum", "Adam", "AdamWeightDecay", "AdamOffload", "La
 def _elementwise_constructs() -> Tuple[Callable, ...]:
     from mindspore import nn
     return tuple(getattr(nn, name).construct for name in _ELEMENTWISE if hasattr(nn, name))
+
+
+def whole_parameter_reads(optimizer: Any) -> List[int]:
+    """Indices of ``optimizer``'s parameters whose update reads more than their own elements and
+    their gradient's: all of them for an optimizer that is not element-wise, else those of
+    parameter groups with ``grad_centralization``.
+
+    Args:
+        optimizer: a MindSpore ``nn.Optimizer``.
+
+    Example::
+
+        whole_parameter_reads(nn.AdaFactor(params))      # [0, 1, ...]: norms and factored moments
+    """
+    n = len(tuple(optimizer.parameters))
+    if type(optimizer).construct not in _elementwise_constructs():
+        return list(range(n))
+    flags = getattr(optimizer, "grad_centralization_flags", None) if getattr(optimizer, "is_group", False) else None
+    return [i for i, flag in enumerate(flags or ()) if flag]
 
 
 def elementwise_step_on_pieces(fn: Callable, args: tuple) -> bool:
@@ -45,7 +67,7 @@ def elementwise_step_on_pieces(fn: Callable, args: tuple) -> bool:
     if len(args) != 2 or not isinstance(args[0], nn.Optimizer) or not isinstance(args[1], tuple):
         return False
     optimizer, grads = args
-    if type(optimizer).construct not in _elementwise_constructs():
+    if whole_parameter_reads(optimizer):
         return False
     params = tuple(optimizer.parameters)
     if len(grads) != len(params):

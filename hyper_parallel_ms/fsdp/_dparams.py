@@ -27,11 +27,9 @@ from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..mesh import DeviceMesh
-from ..nn._parameter import ParameterSharding
+from ..nn._parameter import ParameterSharding, record_sharding
 
 __all__ = ["local_parameter", "replicated_dp_mesh", "as_placed"]
-
-_SHARDING = "_hpms_sharding"
 
 
 def _check_placements(param: DTensor, engine: str) -> None:
@@ -63,7 +61,7 @@ def local_parameter(param: Parameter, engine: str) -> Tuple[Parameter, Optional[
         order = {t: tuple(dims.index(a) for a in axes) for t, axes in spec.layout.shard_order}
         layout = Layout(mesh.shape, [spec.placements[d] for d in dims], mesh_dim_names=mesh.mesh_dim_names,
                         shard_order=order)
-        object.__setattr__(local, _SHARDING, ParameterSharding(DTensorSpec(mesh, layout, tuple(spec.shape))))
+        record_sharding(local, ParameterSharding(DTensorSpec(mesh, layout, tuple(spec.shape))))
     return local, spec
 
 

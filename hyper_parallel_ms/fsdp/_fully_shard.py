@@ -20,6 +20,7 @@ from .._cluster import device_target
 from .._mindspore import cell_subclass
 from ..placement import Shard
 from ..nn._adapter import named_cells, own_parameters
+from ..nn._parameter import REPLACED_BY
 from ..nn._consistency import agreed
 from ..nn._edit import ModuleEdit, apply_edits
 from ._chunks import Chunks
@@ -31,7 +32,7 @@ from ._module import STATE, FSDPModule, check_reshard, fsdp_state, set_reshard
 from ._param import FSDPParam, is_piece
 from ._pieces import TAKEN_BY, chunks_of
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._state import FSDPState, eager_hooks
+from ._state import FSDPState, cast_keyword_inputs, eager_hooks
 from ._sync import SyncState
 
 __all__ = ["fully_shard", "shard_cell"]
@@ -190,6 +191,7 @@ def _edits(cells: List[nn.Cell], state: FSDPState, mixin: type, prefix: str) -> 
             holder, attr = record.holders[0]
             use = f"{paths[id(holder)]}.{attr}" if paths[id(holder)] else attr
             taken.append((record.original, TAKEN_BY, (name, use)))
+            taken.append((record.original, REPLACED_BY, f"fully_shard({name})"))
     for edit in edits.values():
         edit.swap_class = gathering_class(type(edit.cell), list(edit.parameters))
     pre, post = eager_hooks(state)
@@ -197,6 +199,8 @@ def _edits(cells: List[nn.Cell], state: FSDPState, mixin: type, prefix: str) -> 
         unit = edit_of(cell)
         unit.attributes[STATE] = state
         unit.forward_pre_hooks.append(pre)
+        if state.policy.cast_forward_inputs and state.policy.param_dtype is not None:
+            unit.kwargs_pre_hooks.append(cast_keyword_inputs(state))
         unit.restoring_hooks.append(post)
         unit.swap_class = _extended_class(unit.swap_class or type(cell), mixin, prefix)
     edit_of(cells[0]).object_attributes.extend(taken)

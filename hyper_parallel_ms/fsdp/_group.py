@@ -34,7 +34,7 @@ from mindspore import mint, nn, ops
 
 from .. import comm
 from .._mindspore import run_in_python
-from ..comm._tensor import pad_dim
+from ..comm._tensor import owned_copy, pad_dim
 from ._flat import FlatLayout, pack, unpack
 from ._mesh import dp_mesh_dims
 from ._param import FSDPParam
@@ -97,7 +97,7 @@ class FSDPParamGroup:
         # contiguous copy of a view an op reads (one per read, which the unit's saved-tensor hooks
         # cannot recognise and free), and the value itself when it owns its memory (measured)
         values = unpack(self.layout, flat)
-        return flat, [ops.deepcopy(v) for v in values] if owned else values
+        return flat, [owned_copy(v) for v in values] if owned else values
 
     def reader(self, index: int) -> "ParamGather":
         """The Cell a compiled read of parameter ``index`` calls on its piece."""

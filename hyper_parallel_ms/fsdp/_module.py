@@ -18,7 +18,7 @@ from mindspore import Tensor, nn
 from ._group import FSDPParamGroup
 from ._mesh import post_forward_mesh
 from ._reshard import RegatherOnBackward
-from ._state import FSDPState, eager_hooks
+from ._state import FSDPState, cast_keyword_inputs, eager_hooks
 
 __all__ = ["STATE", "fsdp_state", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "check_reshard",
            "set_reshard"]
@@ -290,10 +290,13 @@ def register_fsdp_forward_method(module: nn.Cell, method_name: str) -> None:
     if not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
     pre, post = eager_hooks(state)
+    cast_keywords = cast_keyword_inputs(state)
 
     def forward_method(*args, **kwargs):
         cast = pre(module, args)
         args = args if cast is None else cast
+        if state.policy.cast_forward_inputs and state.policy.param_dtype is not None:
+            args, kwargs = cast_keywords(module, args, kwargs) or (args, kwargs)
         output = None
         try:
             output = method(module, *args, **kwargs)

@@ -28,7 +28,7 @@ from mindspore.common.initializer import initializer
 from .._mindspore import deferred_parameter
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
-from ..nn._parameter import ParameterSharding, parameter_sharding
+from ..nn._parameter import ParameterSharding, parameter_sharding, record_sharding
 from ..placement import Replicate, Shard
 from ._chunks import Chunks
 from ._mesh import dp_mesh_dims, join_meshes
@@ -37,7 +37,6 @@ __all__ = ["chunks_of", "new_piece", "piece_record", "cut_piece", "GRAD_REDUCED"
 
 GRAD_REDUCED = "_hpms_grad_reduced_dims"
 TAKEN_BY = "_hpms_fsdp_taken_by"      # on a parameter a unit replaced by its piece: (unit class, use)
-_SHARDING = "_hpms_sharding"
 
 
 def chunks_of(shape, mesh) -> Chunks:
@@ -109,6 +108,6 @@ def new_piece(param: Parameter, mesh, sharded: bool) -> Parameter:
     else:
         piece = Parameter(Tensor(cut_piece(param.asnumpy(), mesh, sharded), dtype=param.dtype), name=param.name,
                           requires_grad=param.requires_grad)
-    object.__setattr__(piece, _SHARDING, record)
+    record_sharding(piece, record)
     object.__setattr__(piece, GRAD_REDUCED, dp_dims)
     return piece

@@ -34,7 +34,7 @@ from ._policy import MixedPrecisionPolicy
 from ._reshard import RegatherOnBackward
 from ._sync import SyncState
 
-__all__ = ["FSDPState", "eager_hooks"]
+__all__ = ["FSDPState", "eager_hooks", "cast_keyword_inputs"]
 
 _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
@@ -90,7 +90,7 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.is_last_backward = True           # FSDP2's flag (set_is_last_backward); reductions never wait here
-        self.kept: Optional[list] = None       # per group (flat, values) gathered by unshard(), until reshard()
+        self.kept: Optional[list] = None       # per group (flat, values) gathered by unshard(), until resharded
         self.reused: Optional[list] = None     # per group (flat, values) kept after a backward without sync
         self.deferred = True                   # until every piece is seen initialised
         self.checked = False                   # MindSpore's first-call checks of the Cells done
@@ -271,6 +271,8 @@ class FSDPState:
 
     def _end_round(self) -> None:
         self.running, self._round = set(), None
+        if self.kept is not None and self.reshard_after_forward is not False:
+            self.kept = None     # FSDP2's post-forward reshard: the next forward gathers (sees an optimizer step)
         _FORWARDS.running[:] = [u for u in _FORWARDS.running if u is not self]
         inside, self.inside = self.inside, []
         for unit in inside:           # rounds begun inside this forward that did not reach every Cell
@@ -297,11 +299,16 @@ class FSDPState:
         return _cast_floats((output,), dtype)[0]
 
     def note_backward(self) -> None:
-        """A backward pass reached one of this unit's gathers (called by it): open rounds are stale."""
+        """A backward pass reached one of this unit's gathers (called by it): open rounds are stale,
+        and values kept by :meth:`unshard` are dropped (FSDP2's post-backward reshard)."""
         _BACKWARDS.count += 1
+        if self.reshard_after_backward:
+            self.kept = None
 
     def unshard(self) -> None:
-        """Gather every group now; forwards until :meth:`reshard` use these buffers (no collective)."""
+        """Gather every group now; the next forwards use these buffers (no collective) until the
+        unit reshards as FSDP2's: after a forward with ``reshard_after_forward`` (True or an int),
+        after a backward with ``reshard_after_backward``, or at :meth:`reshard`."""
         self.kept = [g.gathered() for g in self.groups]
 
     def reshard(self) -> None:
@@ -320,6 +327,18 @@ class FSDPState:
 
 def _round_mark() -> Tuple[int, bool]:
     return _BACKWARDS.count, recording_gradients()
+
+
+def cast_keyword_inputs(state: FSDPState) -> Callable:
+    """A forward pre-hook (with keyword arguments) casting the floating Tensors among a unit's
+    keyword inputs to its ``param_dtype`` (FSDP2's ``cast_forward_inputs`` casts both; the positional
+    ones are cast by :meth:`FSDPState.pre_forward`)."""
+    def pre(cell, args, kwargs):
+        if not running_eagerly() or not kwargs:
+            return None
+        names = list(kwargs)
+        return args, dict(zip(names, _cast_floats([kwargs[k] for k in names], state.policy.param_dtype)))
+    return pre
 
 
 def eager_hooks(state: FSDPState):

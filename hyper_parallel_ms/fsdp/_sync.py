@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 from mindspore import ops
 
 from .. import comm
-from ..comm._tensor import narrow
+from ..comm._tensor import narrow, owned_copy
 
 __all__ = ["SyncState", "cast_to", "reduce_gradient", "reduce_over_shard", "reduce_over_replicas"]
 
@@ -122,7 +122,7 @@ class SyncState:
             return g
         # a tensor owning its memory: the reduced gradient may be a view, and MindSpore's CPU in-place
         # copy into a view with an offset does nothing (a warning) or fails on the storage's size
-        g = ops.deepcopy(g)
+        g = owned_copy(g)
         out = self.all_reduce_hook(g)
         return g if out is None else out
 

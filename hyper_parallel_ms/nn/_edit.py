@@ -29,7 +29,7 @@ from ..placement import Placement, Replicate
 from ..redistribute._gradient import reduction_taken_over
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
 from ._hooks import SUMMED_PREFIX, Conversion, GradientSum, InputHook, KwargInputHook, OutputHook, summing_class
-from ._parameter import ParameterPlacement
+from ._parameter import REPLACED_BY, ParameterPlacement
 from ._rules import DATA_PARALLEL, check_not_fully_sharded, mark_done
 from ._tied import check_tied, parameter_holders, retie
 
@@ -97,7 +97,8 @@ class ModuleEdit:
     ``parameters``: how each parameter (by attribute name) is cut; ``inputs`` / ``outputs`` /
     ``kwarg_inputs``: conversions run inside ``construct`` (keyword ones: a PyNative forward
     pre-hook); ``forward_pre_hooks`` / ``forward_hooks``: plain PyNative forward hooks (the
-    DTensor path); ``restoring_hooks``: forward hooks run even when the forward raises (they put
+    DTensor path); ``kwargs_pre_hooks``: forward pre-hooks taking and returning ``(args, kwargs)``;
+    ``restoring_hooks``: forward hooks run even when the forward raises (they put
     the Cell back); ``custom_apply``: a user's code changing the Cell itself (run after every
     other edit's changes); ``replicate_rest``: a mesh on which every parameter under the Cell
     that is not a DTensor afterwards becomes a replicated one; ``marks_done``: record that
@@ -116,6 +117,7 @@ class ModuleEdit:
     kwarg_inputs: Dict[str, ConversionSpec] = field(default_factory=dict)
     forward_pre_hooks: List[Callable] = field(default_factory=list)
     forward_hooks: List[Callable] = field(default_factory=list)
+    kwargs_pre_hooks: List[Callable] = field(default_factory=list)
     restoring_hooks: List[Callable] = field(default_factory=list)
     custom_apply: Optional[Callable[[], Any]] = None
     replicate_rest: Any = None
@@ -162,12 +164,16 @@ def _kwargs_in_graph(edit: ModuleEdit) -> str:
 Made = Dict[int, Tuple[Parameter, Parameter]]          # id(original): (original, its new Parameter)
 
 
-def _made(made: Made, param: Parameter, placement: ParameterPlacement) -> Parameter:
+def _made(changes: CellChanges, made: Made, param: Parameter, placement: ParameterPlacement) -> Parameter:
     """``param`` cut by ``placement``, once: a parameter shared by several Cells (tied) gets one
-    new Parameter, put into each of them (their placements agree, :func:`~._tied.check_tied`)."""
+    new Parameter, put into each of them (their placements agree, :func:`~._tied.check_tied`);
+    ``param`` is marked replaced (an optimizer built on it before is refused)."""
     known = made.get(id(param))
     if known is None or known[0] is not param:
         known = made[id(param)] = (param, placement.make(param))
+        if known[1] is not param:
+            changes.set_attribute(param, REPLACED_BY, "a parallel style (parallelize_module / shard_module / "
+                                                      "distribute_module)")
     return known[1]
 
 
@@ -176,12 +182,12 @@ def _replicate_rest(changes: CellChanges, root: nn.Cell, mesh, made: Made) -> No
     for cell in named_cells(root).values():
         for name, p in own_parameters(cell).items():
             if not isinstance(p, DTensor):
-                changes.set_parameter(cell, name, _made(made, p, replicated))
+                changes.set_parameter(cell, name, _made(changes, made, p, replicated))
 
 
 def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
     for name, placement in edit.parameters.items():
-        changes.set_parameter(edit.cell, name, _made(made, own_parameters(edit.cell)[name], placement))
+        changes.set_parameter(edit.cell, name, _made(changes, made, own_parameters(edit.cell)[name], placement))
     for name, value in edit.attributes.items():
         changes.set_attribute(edit.cell, name, value)
     for name, mesh in edit.summed_reads.items():
@@ -201,6 +207,8 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
         changes.add_forward_pre_hook(edit.cell, fn)
     for fn in edit.forward_hooks:
         changes.add_forward_hook(edit.cell, fn)
+    for fn in edit.kwargs_pre_hooks:
+        changes.add_forward_pre_hook(edit.cell, fn, with_kwargs=True)
     for fn in edit.restoring_hooks:
         changes.add_forward_hook(edit.cell, fn, always_call=True)
     for obj, name, value in edit.object_attributes:

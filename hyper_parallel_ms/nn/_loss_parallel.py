@@ -134,7 +134,11 @@ def parallel_cross_entropy(local_logits, target, mesh, mesh_dim=0, *, num_classe
         return loss
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / kept.sum()
+    # every target ignored: the loss is nan (0 / 0, as one device) and the gradient 0 (a plain
+    # division would send inf * 0 = nan into every logit)
+    count = kept.sum()
+    mean = loss.sum() / ops.maximum(count, ops.ones_like(count))
+    return ops.where(count > 0, mean, ops.full_like(mean, float("nan")))
 
 
 class ParallelCrossEntropy(nn.Cell):

@@ -22,19 +22,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import itertools
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from mindspore import Parameter, Tensor
 
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
+from ..dtensor._optimizer import whole_parameter_reads
 from ..dtensor._spec import DTensorSpec, to_layout
 from .._deferred import initial_value
-from .._mindspore import deferred_parameter
+from .._mindspore import check_compiled_calls, deferred_parameter
 
-__all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter"]
+__all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter",
+           "record_sharding", "check_optimizer_step", "REPLACED_BY"]
 
 _ATTR = "_hpms_sharding"
+REPLACED_BY = "_hpms_replaced_by"     # on a Parameter an engine replaced by a new one in the model: which engine
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,69 @@ def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_
         spec = piece._dt_spec
         local = Parameter(Tensor(piece.to_local().asnumpy(), dtype=param.dtype), name=param.name,
                           requires_grad=param.requires_grad)
-    object.__setattr__(local, _ATTR, ParameterSharding(spec, tuple(grad_partial_dims)))
+    record_sharding(local, ParameterSharding(spec, tuple(grad_partial_dims)))
     return local
+
+
+def record_sharding(param: Parameter, record: ParameterSharding) -> None:
+    """Record on ``param`` (a plain Parameter holding this rank's piece) its sharding; from then
+    on, compiling a MindSpore optimizer step that cannot step such pieces is refused
+    (:func:`check_optimizer_step`).
+
+    Args:
+        param: the Parameter holding the piece.
+        record: its sharding.
+
+    Example::
+
+        record_sharding(piece, ParameterSharding(spec))
+    """
+    check_compiled_calls(check_optimizer_step)
+    object.__setattr__(param, _ATTR, record)
+
+
+def _cut(param: Any) -> bool:
+    """Whether ``param`` holds a piece cut along some dim (not a replica of the whole)."""
+    record = parameter_sharding(param)
+    return record is not None and any(p.is_shard() and record.spec.mesh.size(d) > 1
+                                      for d, p in enumerate(record.spec.placements))
+
+
+def check_optimizer_step(fn: Callable, args: tuple) -> None:
+    """A compile check (:func:`check_compiled_calls`) of MindSpore optimizer steps, each a silent
+    wrong result otherwise, refused with a ``TypeError`` naming the parameters: an optimizer holding
+    Parameters an engine has replaced in the model (built before ``fully_shard`` or a parallel
+    style: their gradients are zero, they never change), and an update reading whole parameters
+    (``AdaFactor``'s factored moments, ``Lamb`` / ``LARS`` norms, a group's ``grad_centralization``)
+    over Parameters holding pieces (it would treat each piece as the whole parameter).
+
+    Args:
+        fn: the compiled function.
+        args: its arguments, the bound object (the optimizer) first.
+
+    Example::
+
+        check_compiled_calls(check_optimizer_step)
+    """
+    from mindspore import nn as ms_nn
+    if not args or not isinstance(args[0], ms_nn.Optimizer):
+        return
+    optimizer = args[0]
+    params = tuple(optimizer.parameters)
+    name = type(optimizer).__name__
+    replaced = [(p.name, getattr(p, REPLACED_BY)) for p in params if getattr(p, REPLACED_BY, None)]
+    if replaced:
+        raise TypeError(f"{name} holds {len(replaced)} Parameters that {replaced[0][1]} replaced in the model with "
+                        f"its own, e.g. {[n for n, _ in replaced[:3]]}: the optimizer was built before the model was "
+                        f"sharded, so their gradients are zero and the model would never change. Build the optimizer "
+                        f"after sharding, from model.trainable_params()")
+    cut = [params[i].name for i in whole_parameter_reads(optimizer) if _cut(params[i])]
+    if cut:
+        raise TypeError(f"{name} reads each parameter whole (norms, factored moments or grad_centralization), but "
+                        f"{len(cut)} of its parameters hold this rank's pieces (parallel styles, fully_shard or hsdp), "
+                        f"e.g. {cut[:3]}: it would update each piece as if it were the whole parameter. Use an "
+                        f"element-wise optimizer (SGD, Momentum, Adam, AdamWeightDecay, Adagrad, RMSProp, ...) or "
+                        f"leave grad_centralization off for those parameters")
 
 
 @dataclass(frozen=True)
