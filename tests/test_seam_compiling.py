@@ -76,6 +76,39 @@ def test_contract_compile_entry_points_see_the_arguments():
     np.testing.assert_allclose(ms.jit(_takes)(Tensor([1.0]), Tensor([2.0])).asnumpy(), [3.0])
 
 
+class _Refused(nn.Cell):
+    """A Cell that the check registered by test_contract_compile_checks_see_the_bound_object refuses."""
+
+    def construct(self, x):
+        return x + 1
+
+
+def _refuse_marked(fn, args):
+    if args and isinstance(args[0], _Refused):
+        raise TypeError(f"refused: {getattr(fn, '__qualname__', fn)}")
+
+
+def test_contract_compile_checks_see_the_bound_object():
+    """check_compiled_calls: each compile of an ms.jit method (MindSpore's optimizers' construct) and
+    of a GRAPH_MODE Cell calls the check with the bound object first (check_optimizer_step relies on it)."""
+    seam.check_compiled_calls(_refuse_marked)
+    seam.check_compiled_calls(_refuse_marked)              # idempotent
+
+    class Jitted(_Refused):
+        @ms.jit
+        def construct(self, x):
+            return x + 1
+    with pytest.raises(TypeError, match="refused: .*construct"):
+        Jitted()(Tensor([1.0]))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(TypeError, match=r"refused: _Refused.construct"):
+            _Refused()(Tensor([1.0]))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    np.testing.assert_allclose(ms.jit(_takes)(Tensor([1.0]), Tensor([2.0])).asnumpy(), [3.0])
+
+
 def _tagged(tag: str, calls: list):
     def wrap(original):
         def call(*args, **kwargs):
