@@ -172,7 +172,8 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
     4, 3, 3 over 3; 2, 2, 2, 1 and 3, 3, 2, 2 over 4) and keyword inputs of stage 0 (a dict holding a
     Tensor and a list of one, each split with the batch as PyTorch's tree split; a float given to each
     micro-batch), the input and one mask split along dim 1 (PyTorch's args_chunk_spec /
-    kwargs_chunk_spec with TensorChunkSpec): each micro-batch's loss, the full-batch
+    kwargs_chunk_spec with TensorChunkSpec), PyTorch's eval (forwards only, with and without a
+    target) and step(return_outputs=False) between the steps: each micro-batch's loss, the full-batch
     gradients (micro-batch m weighs rows_m / rows) and the parameters after 2 AdamWeightDecay steps
     equal one device."""
     from hyper_parallel_ms import pipelining as pl
@@ -216,6 +217,26 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
             np.testing.assert_allclose([float(v.asnumpy()) for v in losses], want_losses, rtol=RTOL, atol=ATOL)
         for p, g in zip(schedule.parameters(), schedule.gradients()):
             np.testing.assert_allclose(g.asnumpy(), want[p.name], rtol=RTOL, atol=ATOL, err_msg=f"{p.name}, {size}")
+        opt(schedule.gradients())
+        # PyTorch's eval: forwards only, with the updated parameters; losses where a target is given,
+        # the merged outputs; the step's gradients are kept
+        after = [float(loss_fn(reference(x[:, a:b], masks={"scale": mask[a:b], "bias": [bias[:, a:b]]}, shift=0.5),
+                               y[a:b]).asnumpy()) for a, b in zip(bounds[:-1], bounds[1:])]
+        for with_target in (True, False):
+            eval_losses: list = []
+            out = schedule.eval(*((x,) if first else ()), target=y if last and with_target else None,
+                                losses=eval_losses, **(dict(masks=masks, shift=0.5) if first else {}))
+            if last:
+                np.testing.assert_allclose(out.asnumpy(), reference(x, masks=masks, shift=0.5).asnumpy(), rtol=RTOL,
+                                           atol=ATOL)
+                np.testing.assert_allclose([float(v.asnumpy()) for v in eval_losses], after if with_target else [],
+                                           rtol=RTOL, atol=ATOL)
+        for p, g in zip(schedule.parameters(), schedule.gradients()):
+            np.testing.assert_allclose(g.asnumpy(), want[p.name], rtol=RTOL, atol=ATOL, err_msg=f"{p.name} after eval")
+        assert schedule.step(*((x,) if first else ()), target=y if last else None, return_outputs=False,
+                             **(dict(masks=masks, shift=0.5) if first else {})) is None
+        ref_opt(tuple(ms.Tensor(g) for g in ms.value_and_grad(
+            lambda x, y: loss_fn(reference(x, masks=masks, shift=0.5), y), None, params)(x, y)[1]))
         opt(schedule.gradients())
     final = {p.name: p.asnumpy() for p in params}
     for p in schedule.parameters():

@@ -82,6 +82,7 @@ class Runtime:
         self.mesh = stages[0].mesh
         self._params: Dict[int, List[ms.Parameter]] = {s: self.stages[s].parameters() for s in sorted(self.stages)}
         self._forwards: Dict[int, Callable] = {s: stage_forward(st, loss_fn) for s, st in self.stages.items()}
+        self._plain: Dict[int, Callable] = {}          # last stage without the loss (built when first needed)
         self._grads: Dict[int, List[Optional[Tensor]]] = {}
         self._channel = Channel(self.mesh)
         self.forward_calls = 0
@@ -116,11 +117,14 @@ class Runtime:
         """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held here).
         ``microbatches``: stage 0's ``(args, kwargs)`` per micro-batch (on its rank). ``scales``: the
         weight of each micro-batch's loss in the gradients (read on the last stage's rank).
-        ``forward_only``: only the forwards and their transfers run, nothing recorded for a backward.
+        ``forward_only``: only the forwards and their transfers run, nothing recorded for a backward
+        (the last stage's losses only where ``targets`` are given; the gradients of the last
+        training step are kept).
 
         Ends with the pp ranks' agreement on the step's outcome (:mod:`._failure`): if an action
         fails on any rank, every rank raises (the failed one its own error)."""
-        self._grads = {s: [None] * len(ps) for s, ps in self._params.items()}
+        if not forward_only:
+            self._grads = {s: [None] * len(ps) for s, ps in self._params.items()}
         self._inputs: Dict[Key, Tuple[Tensor, ...]] = {}
         self._tape: Dict[Key, Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]] = {}   # (outputs, sens)
         self._outs: Dict[Key, Tuple[Tensor, ...]] = {}
@@ -178,7 +182,12 @@ class Runtime:
         check_shapes(stage, args, stage.input_shapes, "inputs")
         if self._forward_only:
             with no_grad():
-                out = forward(*args)
+                if stage.is_last and self._targets is not None:
+                    out, loss = forward(*args, self._targets[m])
+                    if self._losses is not None:
+                        self._losses.append(loss)
+                else:
+                    out = (self._plain_forward(s, kwargs) if stage.is_last else forward)(*args)
             check_shapes(stage, out, stage.output_shapes, "outputs")
             if stage.is_last:
                 self._results[m] = out
@@ -204,6 +213,16 @@ class Runtime:
             self._take_inputs(s + 1, m, tuple(ops.stop_gradient(o) for o in outs))
         else:
             self._outs[s, m] = outs
+
+    def _plain_forward(self, s: int, kwargs: dict) -> Callable:
+        """The last stage's forward without its loss (a forward-only step without targets)."""
+        if self.loss_fn is None:
+            forward = self._forwards[s]
+        else:
+            if s not in self._plain:
+                self._plain[s] = stage_forward(self.stages[s], None)
+            forward = self._plain[s]
+        return _with_keywords(forward, kwargs) if kwargs else forward
 
     def _take_inputs(self, s: int, m: int, tensors: Tuple[Tensor, ...]) -> None:
         for t in tensors:

@@ -225,7 +225,7 @@ class PipelineSchedule:
 
     # --------------------------------------------------------------- one step
     def step(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
-             **kwargs: object):
+             return_outputs: bool = True, **kwargs: object):
         """Run one step on the whole batch; gradients from zero (see :meth:`gradients`).
 
         Args:
@@ -235,11 +235,12 @@ class PipelineSchedule:
                 micro-batch unchanged.
             target: the batch's target (read on the rank holding the last stage; split as ``args``).
             losses: a list that receives each micro-batch's loss, in order (on the last stage's rank).
+            return_outputs: ``False``: return ``None`` (no merge of the last stage's outputs).
             kwargs: keyword inputs of stage 0's Cell, split as ``args``.
 
         Returns:
-            On the rank of the last stage, its outputs of the whole batch (concatenated along dim 0; a
-            tuple output element by element); ``None`` elsewhere.
+            On the rank of the last stage, its outputs of the whole batch (concatenated along dim 0, or
+            as ``output_merge_spec`` says; a tuple output element by element); ``None`` elsewhere.
 
         Raises:
             ValueError: a batch that does not split (fewer rows than micro-batches, an uneven split
@@ -253,6 +254,36 @@ class PipelineSchedule:
             losses = []
             schedule.step(x, target=y, losses=losses)
         """
+        outs = self._step(args, kwargs, target, losses, self.forward_only)
+        return merge_chunks(outs, self.output_merge_spec) if outs is not None and return_outputs else None
+
+    def eval(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
+             **kwargs: object):
+        """PyTorch's forward-only step: the forwards of the whole batch, no backward, gradients of the
+        last :meth:`step` kept; with a ``target`` (and the schedule's ``loss_fn``) each micro-batch's
+        loss goes to ``losses``.
+
+        Args:
+            args: as :meth:`step`.
+            target: the batch's target (optional).
+            losses: as :meth:`step`.
+            kwargs: as :meth:`step`.
+
+        Returns:
+            As :meth:`step`: the last stage's merged outputs on its rank, ``None`` elsewhere.
+
+        Example::
+
+            val_losses = []
+            schedule.eval(x_val, target=y_val, losses=val_losses)
+        """
+        outs = self._step(args, kwargs, target, losses, True)
+        return None if outs is None else merge_chunks(outs, self.output_merge_spec)
+
+    def _step(self, args: tuple, kwargs: dict, target: Optional[Tensor], losses: Optional[list],
+              forward_only: bool) -> Optional[list]:
+        """One step (``forward_only``: forwards only); the last stage's outputs per micro-batch on its
+        rank, ``None`` elsewhere."""
         first, last = self.stages[0].is_first, self.stages[-1].is_last
         n = self.n_microbatches
         if self._runtime.failed:           # on every rank: a failed step raised on every rank
@@ -269,6 +300,8 @@ class PipelineSchedule:
         fcode = ((_BAD_SPEC,) + none[1:] if spec_error else _batch_problem(inputs, n, dims)) if first else none
         if self.forward_only:
             lcode = (_TARGET_WITHOUT_LOSS,) + none[1:] if last and target is not None else none
+        elif forward_only:               # eval: a target is optional
+            lcode = _batch_problem((target,), n) if last and target is not None else none
         else:
             lcode = _batch_problem(None if target is None else (target,), n) if last else none
         high, _ = extremes(np.array(fcode + lcode, np.float32), self.mesh)
@@ -283,15 +316,17 @@ class PipelineSchedule:
         if first:
             batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):])))
                        for mb in split_microbatches(inputs, n, dims)]
-        targets = [t[0] for t in split_microbatches((target,), n)] if last and not self.forward_only else None
-        self._grads = None
+        targets = None
+        if last and not self.forward_only and target is not None:
+            targets = [t[0] for t in split_microbatches((target,), n)]
+        if not forward_only:
+            self._grads = None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
-                                 forward_only=self.forward_only, scales=scales)
-        if not self.forward_only:
+                                 forward_only=forward_only, scales=scales)
+        if not forward_only:
             self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
-        if not last:
-            return None
-        return merge_chunks(outs, self.output_merge_spec)
+        return outs if last else None
+
 
     def run(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
             **kwargs: object):
