@@ -332,8 +332,9 @@ def _round_mark() -> Tuple[int, bool]:
 def cast_keyword_inputs(state: FSDPState) -> Callable:
     """A forward pre-hook (with keyword arguments) casting the floating Tensors among a unit's
     keyword inputs to its ``param_dtype`` (FSDP2's ``cast_forward_inputs`` casts both; the positional
-    ones are cast by :meth:`FSDPState.pre_forward`)."""
-    def pre(cell, args, kwargs):
+    ones are cast by :meth:`FSDPState.pre_forward`). Compiled code calls forward pre-hooks without
+    keyword arguments (``kwargs`` then ``None``): nothing to do there."""
+    def pre(cell, args, kwargs=None):
         if not running_eagerly() or not kwargs:
             return None
         names = list(kwargs)
