@@ -193,6 +193,41 @@ def _sgd(model):
 
 
 @multi_rank(WORLD)
+def test_set_state_dict_refuses_pieces_of_another_layout_on_every_rank():
+    """set_model_state_dict / set_optimizer_state_dict given the pieces of a model laid out over
+    another mesh dim (ColwiseParallel over tp into fully_shard over dp: equal local shapes, other
+    rows) copied them into the wrong rows (0.48 off), silently; refused on every rank now, nothing
+    changed; whole tensors load exactly."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ms.set_seed(0)
+    a = nn.Dense(8, 6)
+    parallelize_module(a, mesh["tp"], ColwiseParallel())
+    oa = nn.Momentum(a.trainable_params(), 0.1, 0.9)
+    oa(ms.value_and_grad(lambda x: (a(x) ** 2).mean(), None, a.trainable_params())(ms.Tensor(np.ones((2, 8),
+                                                                                            np.float32)))[1])
+    ms.set_seed(3)
+    b = nn.Dense(8, 6)
+    fully_shard(b, mesh=mesh["dp"])
+    ob = nn.Momentum(b.trainable_params(), 0.1, 0.9)
+    full = dcp.StateDictOptions(full_state_dict=True)
+    before = {k: v.asnumpy().copy() for k, v in dcp.get_model_state_dict(b, options=full).items()}
+    with pytest.raises(dcp.CheckpointError, match="is a piece of another layout .*full_state_dict=True"):
+        dcp.set_model_state_dict(b, dcp.get_model_state_dict(a))
+    with pytest.raises(dcp.CheckpointError, match="piece of another layout"):
+        dcp.set_optimizer_state_dict(b, ob, dcp.get_optimizer_state_dict(a, oa))
+    for k, v in dcp.get_model_state_dict(b, options=full).items():
+        np.testing.assert_array_equal(v.asnumpy(), before[k], err_msg=k)
+    want = dcp.get_model_state_dict(a, options=full)
+    dcp.set_model_state_dict(b, want)
+    dcp.set_optimizer_state_dict(b, ob, dcp.get_optimizer_state_dict(a, oa, options=full))
+    for k, v in dcp.get_model_state_dict(b, options=full).items():
+        np.testing.assert_array_equal(v.asnumpy(), want[k].asnumpy(), err_msg=k)
+    moments = dcp.get_optimizer_state_dict(b, ob, options=full)["state"]["weight"]
+    np.testing.assert_array_equal(moments["moments"].asnumpy(),
+                                  dcp.get_optimizer_state_dict(a, oa, options=full)["state"]["weight"]["moments"].asnumpy())
+
+
+@multi_rank(WORLD)
 def test_training_resumed_from_a_checkpoint_matches_the_uninterrupted_run():
     base = _shared_dir()
     rank = ms.communication.get_rank()

@@ -31,7 +31,7 @@ from ..dtensor._dtensor import _local_view
 from ..nn import as_dtensor, parameter_sharding
 from ..nn._adapter import own_parameters
 from ._metadata import CheckpointError
-from ._pieces import ShardedTensor, TensorRef, flatten, to_numpy
+from ._pieces import ShardedTensor, TensorRef, flatten, is_tensor_like, to_numpy
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict", "IncompatibleKeys"]
@@ -233,8 +233,9 @@ def _stage(key: str, target: Union[Parameter, ShardedTensor], value: Any) -> Opt
         return None
     refs, _ = flatten({key: target}, for_save=False)
     ref = refs[key]
-    data = to_numpy(value.local if isinstance(value, ShardedTensor) else value)
     piece = ref.piece
+    _check_same_box(key, ref, value)
+    data = to_numpy(value.local if isinstance(value, ShardedTensor) else value)
     if tuple(data.shape) == piece.shape and piece.sizes != piece.shape:
         data = data[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes))]
     if tuple(data.shape) != piece.sizes:
@@ -243,6 +244,33 @@ def _stage(key: str, target: Union[Parameter, ShardedTensor], value: Any) -> Opt
     if data.dtype.name != piece.dtype:
         raise CheckpointError(f"state dict entry {key!r} has dtype {data.dtype.name}; the parameter is {piece.dtype}")
     return ref, np.asarray(data, order="C")
+
+
+def _boxes(spec: Any) -> Dict[int, Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """Every rank's (offsets, sizes) under ``spec`` (the same answer on every rank)."""
+    mesh = spec.mesh.mesh
+    return {int(mesh[c]): (tuple(spec.layout.global_offset(spec.shape, c)), tuple(spec.layout.local_shape(spec.shape, c)))
+            for c in np.ndindex(*mesh.shape)}
+
+
+def _check_same_box(key: str, ref: TensorRef, value: Any) -> None:
+    """Refuse a value that is a piece of another layout (a DTensor, a ShardedTensor or a sharded
+    Parameter whose box on some rank is not the target's there): copying it would put other rows
+    in place, silently. Decided from both layouts, so every rank raises alike. A whole value (or
+    a plain tensor of the piece's shape) is taken as before."""
+    if not is_tensor_like(value) or ref.spec is None:
+        return
+    given = flatten({key: value}, for_save=True)[0][key]
+    if given.spec is None or given.piece.sizes == given.piece.shape or given.piece.shape != ref.piece.shape:
+        return
+    theirs, ours = _boxes(given.spec), _boxes(ref.spec)
+    if any(ours.get(r, box) != box for r, box in theirs.items()) or set(ours) - set(theirs):
+        raise CheckpointError(
+            f"state dict entry {key!r} is a piece of another layout ({given.spec.layout} on ranks "
+            f"{sorted(theirs)}) than the target's ({ref.spec.layout} on ranks {sorted(ours)}): copying pieces "
+            f"would put other rows in place. Pass whole tensors (get_model_state_dict / "
+            f"get_optimizer_state_dict with StateDictOptions(full_state_dict=True)) or save and load through "
+            f"hyper_parallel_ms.checkpoint, which reshards")
 
 
 def _check_keys(kind: str, expected: Sequence[str], given: Sequence[str], strict: bool) -> IncompatibleKeys:
