@@ -7,8 +7,8 @@ gradients laid out exactly as its parameters, each rank updating its pieces from
 pieces is the whole update. Optimizers reading norms or factored moments of a whole parameter
 (``Lamb``, ``LARS``, ``AdaFactor``), subclasses with a ``construct`` of their own and parameter
 groups with ``grad_centralization`` (a mean over each gradient's dims) stay refused
-(:func:`whole_parameter_reads`; plain Parameters holding pieces are checked by
-``nn._parameter.refuse_whole_parameter_updates``).
+(:func:`reads_whole_parameters`, :func:`centralized_gradients`; plain Parameters holding pieces are
+checked by ``nn._parameter.check_optimizer_step``).
 
 Example::
 
@@ -21,10 +21,11 @@ from typing import Any, Callable, List, Tuple
 
 from ._spec import spec_of
 
-__all__ = ["elementwise_step_on_pieces", "whole_parameter_reads"]
+__all__ = ["elementwise_step_on_pieces", "reads_whole_parameters", "centralized_gradients"]
 
 _ELEMENTWISE = ("SGD", "Momentum", "Adam", "AdamWeightDecay", "AdamOffload", "LazyAdam", "Adagrad", "Adadelta",
                 "AdaMax", "RMSProp", "FTRL", "ProximalAdagrad", "ASGD", "Rprop")
+_WHOLE_READING = ("AdaFactor", "Lamb", "LARS", "THOR")
 
 
 def _elementwise_constructs() -> Tuple[Callable, ...]:
@@ -32,21 +33,33 @@ def _elementwise_constructs() -> Tuple[Callable, ...]:
     return tuple(getattr(nn, name).construct for name in _ELEMENTWISE if hasattr(nn, name))
 
 
-def whole_parameter_reads(optimizer: Any) -> List[int]:
-    """Indices of ``optimizer``'s parameters whose update reads more than their own elements and
-    their gradient's: all of them for an optimizer that is not element-wise, else those of
-    parameter groups with ``grad_centralization``.
+def reads_whole_parameters(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is one of MindSpore's optimizers whose update of a parameter reads all
+    of it (``AdaFactor``'s factored moments and RMS, ``Lamb`` / ``LARS`` norms, ``THOR``), or a
+    subclass of one.
 
     Args:
         optimizer: a MindSpore ``nn.Optimizer``.
 
     Example::
 
-        whole_parameter_reads(nn.AdaFactor(params))      # [0, 1, ...]: norms and factored moments
+        reads_whole_parameters(nn.AdaFactor(params))      # True
     """
-    n = len(tuple(optimizer.parameters))
-    if type(optimizer).construct not in _elementwise_constructs():
-        return list(range(n))
+    from mindspore import nn
+    return isinstance(optimizer, tuple(getattr(nn, name) for name in _WHOLE_READING if hasattr(nn, name)))
+
+
+def centralized_gradients(optimizer: Any) -> List[int]:
+    """Indices of ``optimizer``'s parameters whose groups set ``grad_centralization`` (MindSpore
+    subtracts from each dim-0 row of a gradient of 2 or more dims its mean over the other dims).
+
+    Args:
+        optimizer: a MindSpore ``nn.Optimizer``.
+
+    Example::
+
+        centralized_gradients(nn.SGD([{"params": params, "grad_centralization": True}]))   # [0, 1, ...]
+    """
     flags = getattr(optimizer, "grad_centralization_flags", None) if getattr(optimizer, "is_group", False) else None
     return [i for i, flag in enumerate(flags or ()) if flag]
 
@@ -67,7 +80,7 @@ def elementwise_step_on_pieces(fn: Callable, args: tuple) -> bool:
     if len(args) != 2 or not isinstance(args[0], nn.Optimizer) or not isinstance(args[1], tuple):
         return False
     optimizer, grads = args
-    if whole_parameter_reads(optimizer):
+    if type(optimizer).construct not in _elementwise_constructs() or centralized_gradients(optimizer):
         return False
     params = tuple(optimizer.parameters)
     if len(grads) != len(params):

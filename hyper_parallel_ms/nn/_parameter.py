@@ -28,7 +28,7 @@ from mindspore import Parameter, Tensor
 
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
-from ..dtensor._optimizer import whole_parameter_reads
+from ..dtensor._optimizer import centralized_gradients, reads_whole_parameters
 from ..dtensor._spec import DTensorSpec, to_layout
 from .._deferred import initial_value
 from .._mindspore import check_compiled_calls, deferred_parameter
@@ -124,11 +124,15 @@ def record_sharding(param: Parameter, record: ParameterSharding) -> None:
     object.__setattr__(param, _ATTR, record)
 
 
-def _cut(param: Any) -> bool:
-    """Whether ``param`` holds a piece cut along some dim (not a replica of the whole)."""
+def _cut_dims(param: Any) -> Tuple[int, ...]:
+    """The tensor dims along which ``param`` holds a piece (not a replica of the whole)."""
     record = parameter_sharding(param)
-    return record is not None and any(p.is_shard() and record.spec.mesh.size(d) > 1
-                                      for d, p in enumerate(record.spec.placements))
+    if record is None:
+        return ()
+    spec = record.spec
+    sizes = spec.mesh.shape
+    return tuple(d for d, axes in enumerate(spec.layout.sharding_axes(len(spec.shape)))
+                 if any(sizes[a] > 1 for a in axes))
 
 
 def check_optimizer_step(fn: Callable, args: tuple) -> None:
@@ -136,8 +140,10 @@ def check_optimizer_step(fn: Callable, args: tuple) -> None:
     wrong result otherwise, refused with a ``TypeError`` naming the parameters: an optimizer holding
     Parameters an engine has replaced in the model (built before ``fully_shard`` or a parallel
     style: their gradients are zero, they never change), and an update reading whole parameters
-    (``AdaFactor``'s factored moments, ``Lamb`` / ``LARS`` norms, a group's ``grad_centralization``)
-    over Parameters holding pieces (it would treat each piece as the whole parameter).
+    (``AdaFactor``'s factored moments, ``Lamb`` / ``LARS`` norms) over Parameters holding pieces, or
+    a group's ``grad_centralization`` over pieces cut along a dim other than 0 (it would treat each
+    piece as the whole parameter; pieces of rows, fully_shard's, centralize exactly). Optimizers of
+    other classes (a user's own) are taken as element-wise.
 
     Args:
         fn: the compiled function.
@@ -159,13 +165,17 @@ def check_optimizer_step(fn: Callable, args: tuple) -> None:
                         f"its own, e.g. {[n for n, _ in replaced[:3]]}: the optimizer was built before the model was "
                         f"sharded, so their gradients are zero and the model would never change. Build the optimizer "
                         f"after sharding, from model.trainable_params()")
-    cut = [params[i].name for i in whole_parameter_reads(optimizer) if _cut(params[i])]
+    if reads_whole_parameters(optimizer):
+        cut = [p.name for p in params if _cut_dims(p)]
+        why = "reads each parameter whole (norms or factored moments)"
+    else:       # centralization: a mean over dims 1.. of each dim-0 row (exact on pieces of rows)
+        cut = [params[i].name for i in centralized_gradients(optimizer) if any(d >= 1 for d in _cut_dims(params[i]))]
+        why = "centralizes gradients (grad_centralization: a mean over dims 1.. of each row)"
     if cut:
-        raise TypeError(f"{name} reads each parameter whole (norms, factored moments or grad_centralization), but "
-                        f"{len(cut)} of its parameters hold this rank's pieces (parallel styles, fully_shard or hsdp), "
-                        f"e.g. {cut[:3]}: it would update each piece as if it were the whole parameter. Use an "
-                        f"element-wise optimizer (SGD, Momentum, Adam, AdamWeightDecay, Adagrad, RMSProp, ...) or "
-                        f"leave grad_centralization off for those parameters")
+        raise TypeError(f"{name} {why}, but {len(cut)} of its parameters hold this rank's pieces (parallel styles, "
+                        f"fully_shard or hsdp), e.g. {cut[:3]}: it would update each piece as if it were the whole "
+                        f"parameter. Use an element-wise optimizer (SGD, Momentum, Adam, AdamWeightDecay, Adagrad, "
+                        f"RMSProp, ...) or leave grad_centralization off for those parameters")
 
 
 @dataclass(frozen=True)
