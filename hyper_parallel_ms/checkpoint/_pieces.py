@@ -25,7 +25,9 @@ from mindspore import Tensor
 from ..dtensor import DTensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
+from ..fsdp._param import note_piece_written
 from ..nn import parameter_sharding
+from .._mindspore import fill_deferred, pending_init
 from ._metadata import CheckpointError
 from ._planner import Piece
 
@@ -67,13 +69,19 @@ class TensorRef:
         return to_numpy(_local_of(self.target))
 
     def assign(self, data: np.ndarray) -> None:
-        """Write ``data`` (the piece's shape and dtype) into the target, in place."""
+        """Write ``data`` (the piece's shape and dtype) into the target, in place. A Parameter
+        built under ``no_init_parameters()`` counts as initialised by it (``init_parameters`` leaves
+        it alone), and a fully_shard unit holding it drops the values it gathered ahead (unshard)."""
         local = _local_of(self.target)
         if isinstance(local, np.ndarray):
             local[...] = data
             return
-        # from_numpy shares the buffer (no copy); copy_ writes into the tensor's own storage
-        _local_view(local).copy_(Tensor.from_numpy(np.asarray(data, order="C")))
+        if pending_init(local) is not None:
+            fill_deferred(local, np.asarray(data, order="C"))
+        else:
+            # from_numpy shares the buffer (no copy); copy_ writes into the tensor's own storage
+            _local_view(local).copy_(Tensor.from_numpy(np.asarray(data, order="C")))
+        note_piece_written(local)
 
 
 @dataclass(frozen=True, eq=False)

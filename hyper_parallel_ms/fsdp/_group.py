@@ -69,6 +69,8 @@ class FSDPParamGroup:
             raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got {reduce!r}")
         self.params: List[FSDPParam] = list(params)
         self.sharded, self.mesh, self.sync, self.param_dtype, self.unit = sharded, mesh, sync, param_dtype, unit
+        for p in params:
+            p.unit = unit
         self.shard_dim, self.replicate_dim = dp_mesh_dims(mesh)
         self.reduce = reduce if sharded else "replicated"
         self.layout = FlatLayout([p.chunks for p in self.params])

@@ -25,7 +25,7 @@ from ..dtensor._spec import DTensorSpec
 from ._chunks import Chunks
 from ._pieces import new_piece
 
-__all__ = ["FSDPParam", "fsdp_param", "is_piece", "FSDP_PARAM"]
+__all__ = ["FSDPParam", "fsdp_param", "is_piece", "note_piece_written", "FSDP_PARAM"]
 
 FSDP_PARAM = "_hpms_fsdp_param"
 
@@ -41,6 +41,27 @@ def fsdp_param(param: Any) -> Optional["FSDPParam"]:
         fsdp_param(model.head.weight).mesh
     """
     return getattr(param, FSDP_PARAM, None)
+
+
+def note_piece_written(param: Any) -> None:
+    """A load wrote ``param``'s values: if it is a fully_shard / hsdp piece, it counts as initialised
+    (``init_parameters`` leaves it alone) and its unit drops what it gathered ahead (``unshard()``,
+    values kept between micro-steps), so the next forward gathers the loaded values (FSDP2 loads
+    into resharded units).
+
+    Args:
+        param: any Parameter (others are left alone).
+
+    Example::
+
+        note_piece_written(model.head.weight)
+    """
+    record = fsdp_param(param)
+    if record is None:
+        return
+    record.deferred = None
+    if record.unit is not None:
+        record.unit.drop_gathered()
 
 
 def is_piece(param: Any) -> bool:
@@ -71,6 +92,7 @@ class FSDPParam:
     placed: Optional[DTensorSpec] = None
     piece: Optional[Parameter] = None
     deferred: Optional[Parameter] = field(default=None, repr=False)   # built under no_init_parameters()
+    unit: Any = field(default=None, repr=False)                       # the FSDPState holding it
 
     @property
     def name(self) -> str:

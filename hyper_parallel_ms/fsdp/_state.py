@@ -314,8 +314,13 @@ class FSDPState:
     def reshard(self) -> None:
         if self.running:
             self._end_round()
-        self.kept, self.reused, self.prefetched = None, None, None
+        self.drop_gathered()
         self._restore()
+
+    def drop_gathered(self) -> None:
+        """Forget values gathered ahead of a forward (:meth:`unshard`, kept between micro-steps,
+        prefetched): the pieces changed (a load), the next forward gathers again."""
+        self.kept, self.reused, self.prefetched = None, None, None
 
     def clear_pending(self) -> None:
         if self.running:
