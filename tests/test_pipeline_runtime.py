@@ -519,6 +519,10 @@ def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
     np.testing.assert_array_equal(merged[0].asnumpy(), x.asnumpy())
     assert isinstance(merged[1], list) and len(merged[1]) == 2
     np.testing.assert_array_equal(merge_chunks([m[3] for m in mbs]).asnumpy(), x.asnumpy())
+    with pytest.raises(ValueError, match=r"TensorChunkSpec\(3\) does not fit an output of shape \(3, 5, 2\)"):
+        merge_chunks([x, x], TensorChunkSpec(3))
+    with pytest.raises(ValueError, match="is a tuple, but the outputs are one value"):
+        merge_chunks([x, x], (TensorChunkSpec(0),))
     assert TensorChunkSpec.from_tuple((0, 1)) == (TensorChunkSpec(0), TensorChunkSpec(1))
     assert TensorChunkSpec.from_dict({"m": 2}) == {"m": TensorChunkSpec(2)}
     with pytest.raises(ValueError, match=r"input 0: TensorChunkSpec\(3\) does not fit a Tensor of shape \(3, 5, 2\)"):
@@ -535,3 +539,32 @@ def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
                 dict(merge_spec={"a": 1})):
         with pytest.raises(TypeError, match="chunk_spec|merge_spec"):
             _check_chunk_specs(bad.get("args_spec"), bad.get("kwargs_spec"), bad.get("merge_spec"), "ScheduleGPipe")
+
+
+@multi_rank(2)
+def test_a_stage_without_trainable_parameters_trains_the_others():
+    """Stage 0 wholly frozen (fine-tuning the top layers): its backward has nothing to compute, and
+    MindSpore refused a backward without inputs, so the step failed on every rank; now the last
+    stage's gradients equal one device (PyNative GPipe, compiled 1F1B)."""
+    from hyper_parallel_ms.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_local_rank()
+
+    def freeze(model):
+        if me == 0:
+            for p in model.get_parameters():
+                p.requires_grad = False
+    x, y = _batch(0, 4)
+    ms.set_seed(0)
+    reference = Model(2)
+    for p in list(reference.embed.get_parameters()) + list(reference.layers[0].get_parameters()):
+        p.requires_grad = False
+    params = reference.trainable_params()
+    want = dict(zip([p.name for p in params],
+                    ms.value_and_grad(lambda a, b: loss_fn(reference(a), b), None, params)(x, y)[1]))
+    for name, jit in (("GPipe", False), ("1F1B", True)):
+        schedule, _ = _schedule(name, mesh, 2, jit=jit, prepare=freeze)
+        schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+        assert len(schedule.parameters()) == (0 if me == 0 else 4), name
+        for p, g in zip(schedule.parameters(), schedule.gradients()):
+            np.testing.assert_allclose(g.asnumpy(), want[p.name].asnumpy(), rtol=RTOL, atol=ATOL, err_msg=p.name)

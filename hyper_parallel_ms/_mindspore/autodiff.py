@@ -113,7 +113,11 @@ def taped_call(top: Callable, *args: Any) -> Any:
 def tape_backward(outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Sequence[Tensor],
                   keep_graph: bool = False) -> Tuple[Optional[Tensor], ...]:
     """Gradients of ``inputs`` (``None`` where unreached) of ``sum(outputs * sens)`` from a
-    forward recorded under :func:`taped`; ``keep_graph=True`` allows another call on it."""
+    forward recorded under :func:`taped`; ``keep_graph=True`` allows another call on it. No
+    ``inputs`` (a pipeline stage without trainable parameters or input gradients): nothing to
+    compute, ``()`` (MindSpore refuses a backward without inputs)."""
+    if not inputs:
+        return ()
     if ACTIVE_RUNS:
         return ACTIVE_RUNS[-1].tape_backward(outputs, sens, inputs, keep_graph)
     from mindspore._c_expression import run_backward

@@ -13,6 +13,8 @@ Example::
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mindspore as ms
@@ -21,7 +23,7 @@ from mindspore import Tensor, ops
 
 __all__ = ["TensorChunkSpec", "chunk_sizes", "split_microbatches", "split_dims", "merge_chunks", "tree_leaves",
            "tree_unflatten", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
-           "MAX_NDIM", "as_tuple", "is_float"]
+           "MAX_NDIM", "as_tuple", "is_float", "stage_outputs"]
 
 MAX_TENSORS, MAX_NDIM = 8, 8
 HEADER = 1 + MAX_TENSORS * (2 + MAX_NDIM)
@@ -32,6 +34,25 @@ _FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
 def as_tuple(value) -> Tuple:
     """A stage's output as a tuple of tensors."""
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def stage_outputs(value: object, stage: int) -> Tuple[Tensor, ...]:
+    """A stage's output, to cross to the next stage, as a tuple of Tensors; anything else (a dict,
+    a nested tuple, ``None``) raises naming the stage.
+
+    >>> stage_outputs({"h": 1}, 0)
+    Traceback (most recent call last):
+    ...
+    TypeError: stage 0 returned a dict; a stage that is not the last must return a Tensor or a flat tuple / list of Tensors (they cross to the next stage): return (h, mask) rather than a dict or nested tuples
+    """
+    out = as_tuple(value)
+    if isinstance(value, dict) or not all(isinstance(t, Tensor) for t in out):
+        kinds = type(value).__name__ if not isinstance(value, (tuple, list)) else \
+            f"{type(value).__name__} of {[type(t).__name__ for t in out]}"
+        raise TypeError(f"stage {stage} returned a {kinds}; a stage that is not the last must return a Tensor or a "
+                        f"flat tuple / list of Tensors (they cross to the next stage): return (h, mask) rather than a "
+                        f"dict or nested tuples")
+    return out
 
 
 def is_float(x: Tensor) -> bool:
@@ -75,7 +96,10 @@ def tree_unflatten(like: object, leaves: Iterator[object]) -> object:
         items = [tree_unflatten(item, leaves) for item in like]
         return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
     if isinstance(like, dict):
-        return type(like)((key, tree_unflatten(item, leaves)) for key, item in like.items())
+        out = copy.copy(like)          # keeps the dict's type and its settings (a defaultdict's factory)
+        for key, item in like.items():
+            out[key] = tree_unflatten(item, leaves)
+        return out
     return next(leaves)
 
 
@@ -200,17 +224,26 @@ def split_microbatches(values: Sequence[object], n: int, dims: Optional[Sequence
 
 def merge_chunks(outs: Sequence[object], spec: Any = None) -> object:
     """The whole batch's output from its micro-batches' (PyTorch's merge): Tensors concatenated
-    along dim 0 or their ``spec``'s dim (a :class:`TensorChunkSpec`, or a tuple of them for a tuple
-    output), each element of a tuple output likewise; 0-d tensors, other values and ``None`` specs
-    as a list over the micro-batches."""
+    along dim 0 or their ``spec``'s dim (a :class:`TensorChunkSpec`, or a tuple of them, one per
+    element of a tuple output), each element of a tuple output likewise; 0-d tensors, other values
+    and ``None`` entries of a tuple spec as a list over the micro-batches. A spec that does not fit
+    the outputs raises ``ValueError``."""
     def merge(items: Sequence[object], item_spec: Any) -> object:
-        if item_spec is not None and all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
-            return ops.cat(items, axis=item_spec.split_dim % items[0].ndim)
-        return list(items)
+        if item_spec is None or not all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
+            return list(items)
+        if not isinstance(item_spec, TensorChunkSpec) or not -items[0].ndim <= item_spec.split_dim < items[0].ndim:
+            raise ValueError(f"output_merge_spec {item_spec!r} does not fit an output of shape {tuple(items[0].shape)}")
+        return ops.cat(items, axis=item_spec.split_dim % items[0].ndim)
     default = TensorChunkSpec(0)
     if isinstance(outs[0], (tuple, list)):
-        specs = spec if isinstance(spec, (tuple, list)) else [default if spec is None else spec] * len(outs[0])
-        return type(outs[0])(merge([o[i] for o in outs], specs[i]) for i in range(len(outs[0])))
+        size = len(outs[0])
+        specs = list(spec) if isinstance(spec, (tuple, list)) else [default if spec is None else spec] * size
+        if len(specs) != size:
+            raise ValueError(f"output_merge_spec has {len(specs)} entries for outputs of {size} elements")
+        items = [merge([o[i] for o in outs], specs[i]) for i in range(size)]
+        return type(outs[0])(*items) if hasattr(outs[0], "_fields") else type(outs[0])(items)
+    if isinstance(spec, (tuple, list)):
+        raise ValueError(f"output_merge_spec {spec!r} is a tuple, but the outputs are one value")
     return merge(outs, default if spec is None else spec)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -32,7 +32,7 @@ from ..comm._simulated import RunFirst
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError
 from ._channel import Channel
 from ._failure import end_step
-from ._microbatch import as_tuple, is_float
+from ._microbatch import is_float, stage_outputs
 from ._plan import PipelinePlan
 from ._stage import PipelineStage, check_shapes, stage_forward
 
@@ -113,8 +113,9 @@ class Runtime:
     # --------------------------------------------------------------- one step
     def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[tuple, dict]]],
             targets: Optional[Sequence[Tensor]], losses: Optional[list], forward_only: bool = False,
-            scales: Sequence[float] = ()) -> List[Tensor]:
-        """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held here).
+            scales: Sequence[float] = (), merge: Optional[Callable[[list], Any]] = None) -> Any:
+        """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held
+        here), or what ``merge`` makes of them (run inside the step: its error is the step's, on every rank).
         ``microbatches``: stage 0's ``(args, kwargs)`` per micro-batch (on its rank). ``scales``: the
         weight of each micro-batch's loss in the gradients (read on the last stage's rank).
         ``forward_only``: only the forwards and their transfers run, nothing recorded for a backward
@@ -156,6 +157,9 @@ class Runtime:
                     ms.runtime.synchronize()
                 compute += time.perf_counter() - start
                 live = max(live, len(self._tape))
+            results = [self._results[m] for m in sorted(self._results)]
+            if merge is not None and results:
+                results = merge(results)
         except RunFirst:
             raise                  # a simulation runs the sending rank first, then this step again
         except BaseException as exc:  # noqa: BLE001  (end_step raises it once every rank knows)
@@ -171,7 +175,7 @@ class Runtime:
         if self.profile:
             ms.runtime.synchronize()
         self.stats = StepStats(time.perf_counter() - began, compute, live)
-        return [self._results[m] for m in sorted(self._results)]
+        return results
 
     # --------------------------------------------------------------- compute
     def _forward(self, s: int, m: int) -> None:
@@ -192,9 +196,9 @@ class Runtime:
             if stage.is_last:
                 self._results[m] = out
             elif self.plan.placement[s + 1] == self.plan.placement[s]:
-                self._inputs[s + 1, m] = as_tuple(out)
+                self._inputs[s + 1, m] = stage_outputs(out, s)
             else:
-                self._outs[s, m] = as_tuple(out)
+                self._outs[s, m] = stage_outputs(out, s)
             return
         if stage.is_last:
             out, loss = taped_call(forward, *args, self._targets[m])
@@ -207,7 +211,7 @@ class Runtime:
                 self._losses.append(loss)
             self._tape[s, m] = ((loss,), (Tensor(np.full(loss.shape, self._scales[m]), loss.dtype),))
             return
-        outs = as_tuple(out)
+        outs = stage_outputs(out, s)
         self._tape[s, m] = (tuple(o for o in outs if is_float(o)), None)
         if self.plan.placement[s + 1] == self.plan.placement[s]:
             self._take_inputs(s + 1, m, tuple(ops.stop_gradient(o) for o in outs))

@@ -107,8 +107,8 @@ def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
         return ("the last stage got a target, but the schedule has no loss_fn there and runs forward only; pass "
                 "loss_fn=... (loss_fn(output, target)) when building the schedule to train")
     if code == _BAD_SPEC:
-        return ("the first stage's inputs do not fit args_chunk_spec / kwargs_chunk_spec (the rank holding it "
-                "raises the details)")
+        return ("the first stage's inputs do not fit args_chunk_spec / kwargs_chunk_spec or do not split (the rank "
+                "holding it raises the details)")
     if code == _MISSING:
         return (f"the rank holding the {what} stage got no {what == 'first' and 'batch' or 'target'}: pass "
                 f"{what == 'first' and 'the inputs to step(*args, **kwargs)' or 'step(..., target=...)'} there")
@@ -254,8 +254,7 @@ class PipelineSchedule:
             losses = []
             schedule.step(x, target=y, losses=losses)
         """
-        outs = self._step(args, kwargs, target, losses, self.forward_only)
-        return merge_chunks(outs, self.output_merge_spec) if outs is not None and return_outputs else None
+        return self._step(args, kwargs, target, losses, self.forward_only, return_outputs)
 
     def eval(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
              **kwargs: object):
@@ -277,13 +276,13 @@ class PipelineSchedule:
             val_losses = []
             schedule.eval(x_val, target=y_val, losses=val_losses)
         """
-        outs = self._step(args, kwargs, target, losses, True)
-        return None if outs is None else merge_chunks(outs, self.output_merge_spec)
+        return self._step(args, kwargs, target, losses, True, True)
 
     def _step(self, args: tuple, kwargs: dict, target: Optional[Tensor], losses: Optional[list],
-              forward_only: bool) -> Optional[list]:
-        """One step (``forward_only``: forwards only); the last stage's outputs per micro-batch on its
-        rank, ``None`` elsewhere."""
+              forward_only: bool, return_outputs: bool) -> Any:
+        """One step (``forward_only``: forwards only); the last stage's merged outputs on its rank
+        with ``return_outputs`` (merged inside the step: a spec that does not fit fails it on every
+        rank), else ``None``."""
         first, last = self.stages[0].is_first, self.stages[-1].is_last
         n = self.n_microbatches
         if self._runtime.failed:           # on every rank: a failed step raised on every rank
@@ -291,13 +290,16 @@ class PipelineSchedule:
                                 f"flight between the pp ranks; build the pipeline again in a new job")
         inputs = args + tuple(kwargs.values())
         none = (0,) * 6
-        dims, spec_error = None, None
-        if first:
+        fcode, batches, spec_error = none, None, None
+        if first:        # split before the ranks agree: a failure is then agreed, not a hang
             try:
                 dims = split_dims(args, kwargs, self.args_chunk_spec, self.kwargs_chunk_spec)
-            except ValueError as exc:
-                spec_error = exc
-        fcode = ((_BAD_SPEC,) + none[1:] if spec_error else _batch_problem(inputs, n, dims)) if first else none
+                fcode = _batch_problem(inputs, n, dims)
+                if not fcode[0]:
+                    batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):])))
+                               for mb in split_microbatches(inputs, n, dims)]
+            except (ValueError, TypeError) as exc:
+                spec_error, fcode = exc, (_BAD_SPEC,) + none[1:]
         if self.forward_only:
             lcode = (_TARGET_WITHOUT_LOSS,) + none[1:] if last and target is not None else none
         elif forward_only:               # eval: a target is optional
@@ -312,20 +314,17 @@ class PipelineSchedule:
                 raise ValueError(f"{type(self).__name__}.step: " + _batch_message(
                     what, int(code), int(index), int(size), n))
         scales = _microbatch_weights(high[3:6], high[9:12], n, self.scale_grads, type(self).__name__)
-        batches = None
-        if first:
-            batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):])))
-                       for mb in split_microbatches(inputs, n, dims)]
         targets = None
         if last and not self.forward_only and target is not None:
             targets = [t[0] for t in split_microbatches((target,), n)]
         if not forward_only:
             self._grads = None
+        merge = (lambda outs: merge_chunks(outs, self.output_merge_spec)) if last and return_outputs else None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
-                                 forward_only=forward_only, scales=scales)
+                                 forward_only=forward_only, scales=scales, merge=merge)
         if not forward_only:
             self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
-        return outs if last else None
+        return outs if merge is not None else None
 
 
     def run(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
