@@ -93,6 +93,12 @@ def test_a_backward_that_reads_no_gathered_value_gathers_nothing_2_ranks():
         assert mode.get_comm_counts() == {"all_gather": 3, "reduce_scatter": 2}, (hint, mode.get_comm_counts())
         named = [w for w in caught if "set_unshard_in_backward(False)" in str(w.message)]
         assert len(named) == (1 if hint == "dense" else 0) and (not named or "Dense" in str(named[0].message))
+        if hint == "dense":         # warned once per unit; the user's setting is kept
+            with warnings.catch_warnings(record=True) as again:
+                warnings.simplefilter("always")
+                step(idx)
+            assert not [w for w in again if "set_unshard_in_backward" in str(w.message)]
+            assert fsdp_state(model.dense).unshard_in_backward is False
         for p, g, w in zip(model.trainable_params(), grads, want):
             np.testing.assert_allclose(gathered(p, g), w.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)
     with pytest.raises(TypeError, match="must be a bool"):

@@ -184,3 +184,20 @@ def test_contract_op_interception_sees_primitive_names_and_keeps_gradients_and_r
     with Seen(replace=Tensor(np.full((3, 4), 0.5, np.float32))):
         replaced = (ops.tanh(cell(x)) ** 2).sum()
     assert float(replaced.asnumpy()) == 3.0
+
+
+class _ScalarProbe(Tensor):
+    """Overrides the two private reads that DTensor overrides (test_contract_scalar_reads_...)."""
+
+    def _item(self):
+        return 7
+
+    def _tolist(self):
+        return ["probe"]
+
+
+def test_contract_scalar_reads_route_through_item_and_tolist():
+    """DTensor refuses scalar reads of a Partial value by overriding Tensor._item / _tolist:
+    item(), float(), int(), bool() and tolist() must reach them."""
+    t = seam.as_subclass(_ScalarProbe, Tensor(np.array([1.0], np.float32)))
+    assert t.item() == 7 and float(t) == 7.0 and int(t) == 7 and bool(t) is True and t.tolist() == ["probe"]

@@ -92,11 +92,7 @@ def owned_copy(x):
     >>> y.dtype, y.astype(ms.float32).asnumpy().tolist()
     (mindspore.bfloat16, [1.5, -2.0])
     """
-    if x.dtype == mstype.bfloat16 and _on_cpu():
+    from .._cluster import device_target
+    if x.dtype == mstype.bfloat16 and device_target() == "CPU":
         return x.astype(mstype.float32).astype(mstype.bfloat16)
     return ops.deepcopy(x)
-
-
-def _on_cpu() -> bool:
-    import mindspore as ms
-    return ms.get_context("device_target") == "CPU"

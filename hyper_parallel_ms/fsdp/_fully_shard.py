@@ -199,8 +199,9 @@ def _edits(cells: List[nn.Cell], state: FSDPState, mixin: type, prefix: str) -> 
         unit = edit_of(cell)
         unit.attributes[STATE] = state
         unit.forward_pre_hooks.append(pre)
-        if state.policy.cast_forward_inputs and state.policy.param_dtype is not None:
-            unit.kwargs_pre_hooks.append(cast_keyword_inputs(state))
+        cast = cast_keyword_inputs(state)
+        if cast is not None:
+            unit.kwargs_pre_hooks.append(cast)
         unit.restoring_hooks.append(post)
         unit.swap_class = _extended_class(unit.swap_class or type(cell), mixin, prefix)
     edit_of(cells[0]).object_attributes.extend(taken)

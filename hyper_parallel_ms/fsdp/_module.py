@@ -295,7 +295,7 @@ def register_fsdp_forward_method(module: nn.Cell, method_name: str) -> None:
     def forward_method(*args, **kwargs):
         cast = pre(module, args)
         args = args if cast is None else cast
-        if state.policy.cast_forward_inputs and state.policy.param_dtype is not None:
+        if cast_keywords is not None:
             args, kwargs = cast_keywords(module, args, kwargs) or (args, kwargs)
         output = None
         try:

@@ -55,10 +55,20 @@ _BACKWARDS = _Backwards()
 
 
 def _cast_floats(values, dtype):
+    """``values`` (a tuple) with each floating Tensor cast to ``dtype``, inside nested tuples, lists
+    and dicts too (FSDP2's input cast)."""
     if dtype is None:
         return values
-    return tuple(v.astype(dtype) if isinstance(v, Tensor) and v.dtype in _FLOATS and v.dtype != dtype
-                 else v for v in values)
+
+    def cast(v):
+        if isinstance(v, Tensor):
+            return v.astype(dtype) if v.dtype in _FLOATS and v.dtype != dtype else v
+        if isinstance(v, (tuple, list)) and not hasattr(v, "_fields"):
+            return type(v)(cast(item) for item in v)
+        if isinstance(v, dict):
+            return {k: cast(item) for k, item in v.items()}
+        return v
+    return tuple(cast(v) for v in values)
 
 
 class FSDPState:
@@ -334,11 +344,16 @@ def _round_mark() -> Tuple[int, bool]:
     return _BACKWARDS.count, recording_gradients()
 
 
-def cast_keyword_inputs(state: FSDPState) -> Callable:
+def cast_keyword_inputs(state: FSDPState) -> Optional[Callable]:
     """A forward pre-hook (with keyword arguments) casting the floating Tensors among a unit's
     keyword inputs to its ``param_dtype`` (FSDP2's ``cast_forward_inputs`` casts both; the positional
     ones are cast by :meth:`FSDPState.pre_forward`). Compiled code calls forward pre-hooks without
-    keyword arguments (``kwargs`` then ``None``): nothing to do there."""
+    keyword arguments (``kwargs`` then ``None``): nothing to do there. ``None`` where the unit's
+    policy casts no inputs."""
+    policy = state.policy
+    if not policy.cast_forward_inputs or policy.param_dtype is None:
+        return None
+
     def pre(cell, args, kwargs=None):
         if not running_eagerly() or not kwargs:
             return None
