@@ -407,13 +407,15 @@ def test_a_save_failing_midway_leaves_the_old_checkpoint_whole(tmp_path):
 def test_async_save_snapshots_the_state_and_commits_on_result(tmp_path):
     path = str(tmp_path / "c")
     param = ms.Parameter(ms.Tensor(np.arange(4, dtype=np.float32)), name="w")
-    pending = dcp.async_save({"w": param, "step": 1}, checkpoint_id=path, no_dist=True)
+    history = [1.0]
+    pending = dcp.async_save({"w": param, "step": 1, "history": history}, checkpoint_id=path, no_dist=True)
     param.set_data(ms.Tensor(np.zeros(4, np.float32)))          # training goes on
+    history.append(2.0)                                         # non-tensor values too (they were saved changed)
     meta = pending.result()
-    assert pending.done() and meta.values["step"] == 1
-    state = {"w": np.full(4, -1, np.float32), "step": 0}
+    assert pending.done() and meta.values["step"] == 1 and meta.values["history"] == [1.0]
+    state = {"w": np.full(4, -1, np.float32), "step": 0, "history": []}
     dcp.load(state, checkpoint_id=path)
-    assert state["w"].tolist() == [0, 1, 2, 3] and state["step"] == 1
+    assert state["w"].tolist() == [0, 1, 2, 3] and state["step"] == 1 and state["history"] == [1.0]
 
 
 def test_bfloat16_int_and_scalar_tensors_round_trip(tmp_path):
@@ -429,3 +431,14 @@ def test_bfloat16_int_and_scalar_tensors_round_trip(tmp_path):
     dcp.export_full(str(tmp_path / "c"), str(tmp_path / "full.safetensors"))
     loaded = ms.load_checkpoint(str(tmp_path / "full.safetensors"), format="safetensors")
     assert loaded["b"].dtype == ms.bfloat16 and loaded["b"].astype(ms.float32).asnumpy().tolist() == [1.5, -2.25, 3.0]
+
+
+def test_optimizer_state_dicts_name_the_optimizers_they_read():
+    """A mint.optim optimizer (its state kept another way) is refused naming the supported kind,
+    instead of "'AdamW' object is not iterable"."""
+    from mindspore import mint
+    model = nn.Dense(2, 2)
+    with pytest.raises(TypeError, match=r"read mindspore.nn optimizers .*mint.optim.adamw.AdamW"):
+        dcp.get_optimizer_state_dict(model, mint.optim.AdamW(model.trainable_params()))
+    assert set(dcp.get_optimizer_state_dict(model, [nn.SGD(model.trainable_params(), 0.1)])) == {"state",
+                                                                                                   "param_groups"}

@@ -7,6 +7,8 @@ Example::
 """
 from __future__ import annotations
 
+import copy
+
 import os
 import threading
 import uuid
@@ -101,8 +103,10 @@ class _SaveJob:
         plans = coord.all_gather(planner.create_local_plan(with_checksums=coord.world_size > 1))
         self.pieces = planner.create_global_plan(plans, remove_redundancy=remove_redundancy,
                                                  save_to_minimum_rank=save_to_minimum_rank)[coord.rank]
-        # host copies when the caller goes on training while the data is written
+        # host copies when the caller goes on training while the data is written (and of the
+        # non-tensor values, which the caller may change before finish() writes the metadata)
         self.arrays = _arrays(self.pieces, planner, copy=snapshot)
+        self.values = copy.deepcopy(planner.values) if snapshot else planner.values
         self.error: Optional[str] = None
         self.written: Optional[List[Tuple[Piece, StoredChunk]]] = None
 
@@ -120,7 +124,7 @@ class _SaveJob:
         if failures:
             raise CheckpointError(f"save to {_target(self.writer)} failed, nothing was committed: " +
                                   "; ".join(failures))
-        metadata = _metadata([w for _, w in results], self.planner.values, coord.world_size,
+        metadata = _metadata([w for _, w in results], self.values, coord.world_size,
                              coord.all_gather(uuid.uuid4().hex if coord.rank == 0 else None)[0])
         error = None
         if coord.rank == 0:

@@ -197,7 +197,7 @@ def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
     options = options or StateDictOptions()
     state: Dict[str, Dict[str, Any]] = {}
     groups = []
-    for optimizer in ([optimizers] if isinstance(optimizers, nn.Optimizer) else list(optimizers)):
+    for optimizer in _optimizer_list(optimizers):
         slots, scalars, fqns = _slots(model, optimizer)
         params = dict(model.parameters_and_names())
         for fqn, named in slots.items():
@@ -208,6 +208,20 @@ def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
         group["params"] = fqns
         groups.append(group)
     return {"state": state, "param_groups": groups}
+
+
+def _optimizer_list(optimizers: Any) -> List[nn.Optimizer]:
+    """``optimizers`` (one or a sequence) as a list of ``mindspore.nn.Optimizer``; anything else
+    (``mint.optim`` / ``experimental.optim`` optimizers, whose state this module does not read) is
+    refused naming the supported kind."""
+    found = [optimizers] if isinstance(optimizers, nn.Cell) else list(optimizers) if isinstance(
+        optimizers, (list, tuple)) else [optimizers]
+    wrong = [type(o).__module__ + "." + type(o).__name__ for o in found if not isinstance(o, nn.Optimizer)]
+    if wrong:
+        raise TypeError(f"optimizer state dicts read mindspore.nn optimizers (nn.Optimizer: nn.AdamWeightDecay, "
+                        f"nn.Adam, nn.SGD, ...); got {wrong}: mint.optim / experimental.optim optimizers keep their "
+                        f"state another way and are not supported yet")
+    return found
 
 
 def get_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.Optimizer]], *,
