@@ -279,7 +279,7 @@ def test_module_state_differing_between_ranks_saves_the_lowest_ranks_copy():
         dcp.save(plain, storage_writer=MemoryWriter())
 
 
-def _full(model) -> dict:
+def _whole_state(model) -> dict:
     options = dcp.StateDictOptions(full_state_dict=True)
     return {k: v.asnumpy() for k, v in dcp.get_model_state_dict(model, options=options).items()}
 
@@ -295,7 +295,7 @@ def test_loads_initialise_deferred_parameters_and_reach_unsharded_units():
     base = _shared_dir()
     ms.set_seed(0)
     source = Net()
-    saved = _full(source)
+    saved = _whole_state(source)
     dcp.save({"model": dcp.get_model_state_dict(source)}, checkpoint_id=os.path.join(base, "net"))
     x = batch(0)
     want = source(x).asnumpy()
@@ -308,7 +308,7 @@ def test_loads_initialise_deferred_parameters_and_reach_unsharded_units():
         dcp.load({"model": dcp.get_model_state_dict(model)}, checkpoint_id=os.path.join(base, "net"))
         np.testing.assert_allclose(model(x).asnumpy(), want, rtol=1e-6, atol=1e-7, err_msg=f"fully_shard={shard}")
         init_parameters(model)                       # nothing left to initialise: the loaded values stay
-        for k, v in _full(model).items():
+        for k, v in _whole_state(model).items():
             np.testing.assert_array_equal(v, saved[k], err_msg=k)
     ms.set_seed(5)
     model = Net()
