@@ -504,7 +504,7 @@ def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
     keyword inputs the spec does not name along dim 0; outputs merged along the merge spec's dims."""
     from hyper_parallel_ms.pipelining import TensorChunkSpec
     from hyper_parallel_ms.pipelining._microbatch import merge_chunks, split_dims, split_microbatches
-    from hyper_parallel_ms.pipelining._schedules import _check_chunk_specs
+    from hyper_parallel_ms.pipelining._batch import check_chunk_specs
 
     x = ms.Tensor(np.arange(30, dtype=np.float32).reshape(3, 5, 2))
     kw = {"pair": (x, x), "m": x}
@@ -538,7 +538,7 @@ def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
     for bad in (dict(args_spec=TensorChunkSpec(0)), dict(kwargs_spec=(TensorChunkSpec(0),)),
                 dict(merge_spec={"a": 1})):
         with pytest.raises(TypeError, match="chunk_spec|merge_spec"):
-            _check_chunk_specs(bad.get("args_spec"), bad.get("kwargs_spec"), bad.get("merge_spec"), "ScheduleGPipe")
+            check_chunk_specs(bad.get("args_spec"), bad.get("kwargs_spec"), bad.get("merge_spec"), "ScheduleGPipe")
 
 
 @multi_rank(2)
@@ -568,3 +568,29 @@ def test_a_stage_without_trainable_parameters_trains_the_others():
         assert len(schedule.parameters()) == (0 if me == 0 else 4), name
         for p, g in zip(schedule.parameters(), schedule.gradients()):
             np.testing.assert_allclose(g.asnumpy(), want[p.name].asnumpy(), rtol=RTOL, atol=ATOL, err_msg=p.name)
+
+
+def test_pytorch_names_of_the_pipelining_api():
+    """PyTorch's get_schedule_class, PipelineScheduleSingle / PipelineScheduleMulti bases,
+    split_args_kwargs_into_chunks / merge_chunks (the split of a batch and its inverse) and
+    PipelineStage.submod."""
+    from hyper_parallel_ms import pipelining as pl
+
+    assert pl.get_schedule_class("1f1b") is pl.Schedule1F1B and pl.get_schedule_class("ZBVZeroBubble") is \
+        pl.ScheduleZBVZeroBubble
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'LoopedBFS'.*'GPipe'"):
+        pl.get_schedule_class("LoopedBFS")
+    assert issubclass(pl.ScheduleGPipe, pl.PipelineScheduleSingle) and issubclass(pl.Schedule1F1B,
+                                                                                   pl.PipelineScheduleSingle)
+    assert issubclass(pl.ScheduleInterleaved1F1B, pl.PipelineScheduleMulti) and issubclass(
+        pl.ScheduleZBVZeroBubble, pl.PipelineScheduleMulti)
+    x = ms.Tensor(np.arange(14, dtype=np.float32).reshape(7, 2))
+    args_split, kwargs_split = pl.split_args_kwargs_into_chunks((x, 3), {"m": x.T}, 3, None,
+                                                                {"m": pl.TensorChunkSpec(1)})
+    assert [a[0].shape for a in args_split] == [(3, 2), (2, 2), (2, 2)] and all(a[1] == 3 for a in args_split)
+    assert [k["m"].shape for k in kwargs_split] == [(2, 3), (2, 2), (2, 2)]
+    np.testing.assert_array_equal(pl.merge_chunks([a[0] for a in args_split]).asnumpy(), x.asnumpy())
+    np.testing.assert_array_equal(pl.merge_chunks([k["m"] for k in kwargs_split], pl.TensorChunkSpec(1)).asnumpy(),
+                                  x.T.asnumpy())
+    cell = nn.Dense(2, 2)
+    assert pl.PipelineStage(cell, 0, 1).submod is cell

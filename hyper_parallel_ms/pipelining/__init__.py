@@ -31,10 +31,13 @@ __all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "TransferFa
            "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
            "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
            "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "TensorChunkSpec"]
+           "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "TensorChunkSpec", "PipelineScheduleSingle",
+           "PipelineScheduleMulti", "get_schedule_class", "split_args_kwargs_into_chunks", "merge_chunks"]
 
 _RUNTIME = ("PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
-            "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble")
+            "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "PipelineScheduleSingle", "PipelineScheduleMulti",
+            "get_schedule_class")
+_MICROBATCH = ("TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks")
 
 
 def __getattr__(name: str):
@@ -45,7 +48,7 @@ def __getattr__(name: str):
     if name in _RUNTIME:
         from . import _schedules
         return getattr(_schedules, name)
-    if name == "TensorChunkSpec":
+    if name in _MICROBATCH:
         from . import _microbatch
-        return _microbatch.TensorChunkSpec
+        return getattr(_microbatch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-__all__ = ["TensorChunkSpec", "chunk_sizes", "split_microbatches", "split_dims", "merge_chunks", "tree_leaves",
+__all__ = ["TensorChunkSpec", "chunk_sizes", "split_microbatches", "split_dims", "merge_chunks",
+           "split_args_kwargs_into_chunks", "tree_leaves",
            "tree_unflatten", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
            "MAX_NDIM", "as_tuple", "is_float", "stage_outputs"]
 
@@ -222,12 +223,47 @@ def split_microbatches(values: Sequence[object], n: int, dims: Optional[Sequence
     return [tree_unflatten(values, iter([c[m] for c in chunks])) for m in range(n)]
 
 
-def merge_chunks(outs: Sequence[object], spec: Any = None) -> object:
+def split_args_kwargs_into_chunks(args: Sequence[object], kwargs: Optional[Dict[str, object]], chunks: int,
+                                  args_chunk_spec: Optional[Sequence[Any]] = None,
+                                  kwargs_chunk_spec: Optional[Dict[str, Any]] = None
+                                  ) -> Tuple[List[Tuple[object, ...]], List[Dict[str, object]]]:
+    """PyTorch's split of a batch's inputs: ``chunks`` micro-batches of positional arguments (tuples)
+    and of keyword arguments (dicts), each Tensor split by its spec (:func:`split_dims`; default
+    dim 0, as ``torch.tensor_split``), other values given whole.
+
+    Args:
+        args: the positional inputs.
+        kwargs: the keyword inputs (``None``: none).
+        chunks: the number of micro-batches.
+        args_chunk_spec: per positional input, a :class:`TensorChunkSpec`, ``None`` or a structure of them.
+        kwargs_chunk_spec: per keyword input, as ``args_chunk_spec``.
+
+    Example::
+
+        args_split, kwargs_split = split_args_kwargs_into_chunks((x,), {"mask": m}, 2)
+    """
+    kwargs = dict(kwargs or {})
+    args = tuple(args)
+    dims = split_dims(args, kwargs, args_chunk_spec, kwargs_chunk_spec)
+    split = split_microbatches(args + tuple(kwargs.values()), chunks, dims)
+    return [mb[:len(args)] for mb in split], [dict(zip(kwargs, mb[len(args):])) for mb in split]
+
+
+def merge_chunks(chunks: Sequence[object], chunk_spec: Any = None) -> object:
     """The whole batch's output from its micro-batches' (PyTorch's merge): Tensors concatenated
-    along dim 0 or their ``spec``'s dim (a :class:`TensorChunkSpec`, or a tuple of them, one per
-    element of a tuple output), each element of a tuple output likewise; 0-d tensors, other values
-    and ``None`` entries of a tuple spec as a list over the micro-batches. A spec that does not fit
-    the outputs raises ``ValueError``."""
+    along dim 0 or their ``chunk_spec``'s dim, each element of a tuple output likewise; 0-d
+    tensors, other values and ``None`` entries of a tuple spec as a list over the micro-batches. A
+    spec that does not fit the outputs raises ``ValueError``.
+
+    Args:
+        chunks: each micro-batch's output (a Tensor, or a tuple / list of values).
+        chunk_spec: a :class:`TensorChunkSpec`, or a tuple of them (one per element of a tuple
+            output); default: dim 0.
+
+    Example::
+
+        whole = merge_chunks([out_0, out_1], TensorChunkSpec(1))       # concatenated along dim 1
+    """
     def merge(items: Sequence[object], item_spec: Any) -> object:
         if item_spec is None or not all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
             return list(items)
@@ -235,16 +271,17 @@ def merge_chunks(outs: Sequence[object], spec: Any = None) -> object:
             raise ValueError(f"output_merge_spec {item_spec!r} does not fit an output of shape {tuple(items[0].shape)}")
         return ops.cat(items, axis=item_spec.split_dim % items[0].ndim)
     default = TensorChunkSpec(0)
-    if isinstance(outs[0], (tuple, list)):
-        size = len(outs[0])
-        specs = list(spec) if isinstance(spec, (tuple, list)) else [default if spec is None else spec] * size
+    if isinstance(chunks[0], (tuple, list)):
+        size = len(chunks[0])
+        whole = default if chunk_spec is None else chunk_spec
+        specs = list(chunk_spec) if isinstance(chunk_spec, (tuple, list)) else [whole] * size
         if len(specs) != size:
             raise ValueError(f"output_merge_spec has {len(specs)} entries for outputs of {size} elements")
-        items = [merge([o[i] for o in outs], specs[i]) for i in range(size)]
-        return type(outs[0])(*items) if hasattr(outs[0], "_fields") else type(outs[0])(items)
-    if isinstance(spec, (tuple, list)):
-        raise ValueError(f"output_merge_spec {spec!r} is a tuple, but the outputs are one value")
-    return merge(outs, default if spec is None else spec)
+        items = [merge([o[i] for o in chunks], specs[i]) for i in range(size)]
+        return type(chunks[0])(*items) if hasattr(chunks[0], "_fields") else type(chunks[0])(items)
+    if isinstance(chunk_spec, (tuple, list)):
+        raise ValueError(f"output_merge_spec {chunk_spec!r} is a tuple, but the outputs are one value")
+    return merge(chunks, default if chunk_spec is None else chunk_spec)
 
 
 def signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:

@@ -18,19 +18,21 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, ops
+from mindspore import Tensor
 
 from ..comm._agreement import extremes
 from ._action import PipelineError, ScheduleError
-from ._microbatch import TensorChunkSpec, chunk_sizes, merge_chunks, split_dims, split_microbatches, tree_leaves
+from ._batch import (BAD_SPEC, TARGET_WITHOUT_LOSS, batch_message, batch_problem, check_chunk_specs,
+                     microbatch_weights)
+from ._microbatch import merge_chunks, split_dims, split_microbatches
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec, check_names_unshared
 from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
-__all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"]
+__all__ = ["PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
+           "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "get_schedule_class"]
 
-_MISSING, _ZERO_DIM, _NO_TENSOR, _TOO_SMALL, _TARGET_WITHOUT_LOSS, _BAD_SPEC = 1, 2, 3, 4, 5, 6
 
 # the arguments every schedule takes after its own, written once: each schedule's docstring
 # holds a ``{shared_args}`` line that :func:`_shared_args` replaces with them
@@ -60,88 +62,6 @@ def _shared_args(cls: type) -> type:
     return cls
 
 
-def _batch_problem(values: Optional[Sequence[object]], n: int, dims: Optional[Sequence[Optional[int]]] = None
-                   ) -> Tuple[int, int, int, int, int, int]:
-    """(code, index, rows, fewest rows, most rows, uneven) of ``values`` (a stage's inputs, or the target
-    alone) split into ``n`` micro-batches; code 0: fine, then the fewest and most rows of its Tensors
-    and whether one does not split evenly. Nested tuples, lists and dicts are flattened (the index
-    counts their leaves); ``dims``: each leaf's split dim (default 0 for Tensors; ``None``: given
-    whole); values that are not Tensors go to every micro-batch (PyTorch's); a Tensor needs a split
-    dim of at least ``n`` rows."""
-    if not values:
-        return _MISSING, 0, 0, 0, 0, 0
-    leaves = tree_leaves(tuple(values))
-    dims = [0] * len(leaves) if dims is None else dims
-    rows = []
-    for i, (t, d) in enumerate(zip(leaves, dims)):
-        if not isinstance(t, Tensor) or d is None:
-            continue
-        if t.ndim == 0:
-            return _ZERO_DIM, i, 0, 0, 0, 0
-        if t.shape[d] < n:
-            return _TOO_SMALL, i, t.shape[d], 0, 0, 0
-        rows.append(t.shape[d])
-    if not rows:
-        return _NO_TENSOR, 0, 0, 0, 0, 0
-    return 0, 0, 0, min(rows), max(rows), int(any(r % n for r in rows))
-
-
-def _check_chunk_specs(args_spec: Any, kwargs_spec: Any, merge_spec: Any, name: str) -> None:
-    """PyTorch's chunk specs: a tuple per positional input, a dict per keyword, a spec (or a tuple
-    of them) for the outputs; each entry a :class:`TensorChunkSpec`, ``None`` or a structure of them."""
-    def entries_ok(value: Any) -> bool:
-        return all(v is None or isinstance(v, TensorChunkSpec) for v in tree_leaves(value))
-    if args_spec is not None and not (isinstance(args_spec, (tuple, list)) and entries_ok(args_spec)):
-        raise TypeError(f"{name}: args_chunk_spec must be a tuple with a TensorChunkSpec (or None, or a structure of "
-                        f"them) per positional input, got {args_spec!r}")
-    if kwargs_spec is not None and not (isinstance(kwargs_spec, dict) and entries_ok(kwargs_spec)):
-        raise TypeError(f"{name}: kwargs_chunk_spec must be a dict of TensorChunkSpec (or None) per keyword input, "
-                        f"got {kwargs_spec!r}")
-    if merge_spec is not None and not (isinstance(merge_spec, (TensorChunkSpec, tuple, list)) and entries_ok(merge_spec)):
-        raise TypeError(f"{name}: output_merge_spec must be a TensorChunkSpec or a tuple of them (None: a list over "
-                        f"the micro-batches) per output, got {merge_spec!r}")
-
-
-def _batch_message(what: str, code: int, index: int, size: int, n: int) -> str:
-    if code == _TARGET_WITHOUT_LOSS:
-        return ("the last stage got a target, but the schedule has no loss_fn there and runs forward only; pass "
-                "loss_fn=... (loss_fn(output, target)) when building the schedule to train")
-    if code == _BAD_SPEC:
-        return ("the first stage's inputs do not fit args_chunk_spec / kwargs_chunk_spec or do not split (the rank "
-                "holding it raises the details)")
-    if code == _MISSING:
-        return (f"the rank holding the {what} stage got no {what == 'first' and 'batch' or 'target'}: pass "
-                f"{what == 'first' and 'the inputs to step(*args, **kwargs)' or 'step(..., target=...)'} there")
-    name = (f"input {index} (positional arguments, then keyword arguments, nested tuples, lists and dicts "
-            f"flattened)" if what == "first" else "target" if index == 0 else f"target's Tensor {index}")
-    if code == _ZERO_DIM:
-        return f"{what} stage's {name} is a 0-d Tensor, which has no batch dim to split"
-    if code == _NO_TENSOR:
-        return (f"{what} stage's {'inputs hold' if what == 'first' else 'target is'} no Tensor with a batch dim to "
-                f"split into micro-batches")
-    return (f"{what} stage's {name} has batch size {size}, fewer rows than {n} micro-batches; use a batch of at "
-            f"least {n} rows or fewer micro-batches")
-
-
-def _microbatch_weights(first: Sequence[float], last: Sequence[float], n: int, scale_grads: bool,
-                        name: str) -> List[float]:
-    """Each micro-batch's weight in the gradients, from the agreed (fewest rows, most rows, uneven) of
-    the first stage's inputs and of the last stage's target (zeros where absent): ``1 / n`` for an
-    even split (Tensors may then differ in rows, e.g. a target of one row per token), ``rows_m /
-    rows`` for an uneven one, which needs one row count in every Tensor (chunks of different rows
-    would not pair up)."""
-    sizes = {int(v) for v in (first[0], first[1], last[0], last[1]) if v}
-    if first[2] or last[2]:
-        if len(sizes) > 1:
-            raise ValueError(f"{name}.step: a batch that does not split evenly into {n} micro-batches needs the same "
-                             f"rows in every Tensor of the first stage's inputs and the last stage's target, got "
-                             f"{sorted(sizes)}; use a batch size that is a multiple of {n} or give every Tensor the "
-                             f"batch's rows")
-        rows = sizes.pop()
-        return [r / rows if scale_grads else 1.0 for r in chunk_sizes(rows, n)]
-    return [1.0 / n if scale_grads else 1.0] * n
-
-
 @_shared_args
 class PipelineSchedule:
     """Base of the schedules: this rank's stages, the checked plan, and the runtime.
@@ -167,7 +87,7 @@ class PipelineSchedule:
                  kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
                  scale_grads: bool = True, micro_batch_num: Optional[int] = None,
                  shared_parameters: Optional[SharedSpec] = None) -> None:
-        _check_chunk_specs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec, type(self).__name__)
+        check_chunk_specs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec, type(self).__name__)
         if (n_microbatches is None) == (micro_batch_num is None):
             raise TypeError(f"{type(self).__name__} needs n_microbatches (or HyperParallel's micro_batch_num), "
                             f"exactly one of them; got {n_microbatches!r} and {micro_batch_num!r}")
@@ -294,26 +214,26 @@ class PipelineSchedule:
         if first:        # split before the ranks agree: a failure is then agreed, not a hang
             try:
                 dims = split_dims(args, kwargs, self.args_chunk_spec, self.kwargs_chunk_spec)
-                fcode = _batch_problem(inputs, n, dims)
+                fcode = batch_problem(inputs, n, dims)
                 if not fcode[0]:
                     batches = [(mb[:len(args)], dict(zip(kwargs, mb[len(args):])))
                                for mb in split_microbatches(inputs, n, dims)]
             except (ValueError, TypeError) as exc:
-                spec_error, fcode = exc, (_BAD_SPEC,) + none[1:]
+                spec_error, fcode = exc, (BAD_SPEC,) + none[1:]
         if self.forward_only:
-            lcode = (_TARGET_WITHOUT_LOSS,) + none[1:] if last and target is not None else none
+            lcode = (TARGET_WITHOUT_LOSS,) + none[1:] if last and target is not None else none
         elif forward_only:               # eval: a target is optional
-            lcode = _batch_problem((target,), n) if last and target is not None else none
+            lcode = batch_problem((target,), n) if last and target is not None else none
         else:
-            lcode = _batch_problem(None if target is None else (target,), n) if last else none
+            lcode = batch_problem(None if target is None else (target,), n) if last else none
         high, _ = extremes(np.array(fcode + lcode, np.float32), self.mesh)
         if spec_error is not None:
             raise ValueError(f"{type(self).__name__}.step: {spec_error}") from spec_error
         for what, (code, index, size) in (("first", high[0:3]), ("last", high[6:9])):
             if code:
-                raise ValueError(f"{type(self).__name__}.step: " + _batch_message(
+                raise ValueError(f"{type(self).__name__}.step: " + batch_message(
                     what, int(code), int(index), int(size), n))
-        scales = _microbatch_weights(high[3:6], high[9:12], n, self.scale_grads, type(self).__name__)
+        scales = microbatch_weights(high[3:6], high[9:12], n, self.scale_grads, type(self).__name__)
         targets = None
         if last and not self.forward_only and target is not None:
             targets = [t[0] for t in split_microbatches((target,), n)]
@@ -399,7 +319,22 @@ class PipelineSchedule:
         return f"{type(self).__name__}({self.plan.num_stages} stages, {self.n_microbatches} micro-batches)"
 
 
-class _SingleStage(PipelineSchedule):
+@_shared_args
+class PipelineScheduleSingle(PipelineSchedule):
+    """PyTorch's base of the schedules running one stage per rank (:class:`ScheduleGPipe`,
+    :class:`Schedule1F1B`): they take the stage itself.
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        n_microbatches: micro-batches per step.
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train).
+        {shared_args}
+
+    Example::
+
+        isinstance(ScheduleGPipe(stage, 4, loss_fn), PipelineScheduleSingle)     # True
+    """
+
     def __init__(self, stage: PipelineStage, n_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
                  args_chunk_spec: Optional[Sequence[Any]] = None, kwargs_chunk_spec: Optional[Dict[str, Any]] = None,
                  output_merge_spec: Any = None, *, scale_grads: bool = True, micro_batch_num: Optional[int] = None,
@@ -412,7 +347,7 @@ class _SingleStage(PipelineSchedule):
 
 
 @_shared_args
-class ScheduleGPipe(_SingleStage):
+class ScheduleGPipe(PipelineScheduleSingle):
     """GPipe: every forward, then every backward; one stage per rank (stage s on rank s).
 
     Args:
@@ -431,7 +366,7 @@ class ScheduleGPipe(_SingleStage):
 
 
 @_shared_args
-class Schedule1F1B(_SingleStage):
+class Schedule1F1B(PipelineScheduleSingle):
     """1F1B: warm-up forwards, then one forward and one backward in turn; at most ``num_stages``
     micro-batches' activations per stage. Needs ``n_microbatches >= num_stages``.
 
@@ -450,7 +385,34 @@ class Schedule1F1B(_SingleStage):
 
 
 @_shared_args
-class ScheduleInterleaved1F1B(PipelineSchedule):
+class PipelineScheduleMulti(PipelineSchedule):
+    """PyTorch's base of the schedules running several stages per rank
+    (:class:`ScheduleInterleaved1F1B`, :class:`ScheduleZBVZeroBubble`): they take this rank's
+    stages (a single stage is taken as a list of one).
+
+    Args:
+        stages: this rank's stages.
+        n_microbatches: micro-batches per step.
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train).
+        {shared_args}
+
+    Example::
+
+        isinstance(ScheduleZBVZeroBubble([stage_r, stage_mirror], 4, loss_fn), PipelineScheduleMulti)   # True
+    """
+
+    def __init__(self, stages: Union[Sequence[PipelineStage], PipelineStage], n_microbatches: Optional[int] = None,
+                 loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
+                 kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
+                 scale_grads: bool = True, micro_batch_num: Optional[int] = None,
+                 shared_parameters: Optional[SharedSpec] = None) -> None:
+        stages = [stages] if isinstance(stages, PipelineStage) else stages
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters)
+
+
+@_shared_args
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """Interleaved 1F1B: several stages per rank, looped (stage s on rank s % pp).
 
     Args:
@@ -465,15 +427,6 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     """
 
     schedule_name = "Interleaved1F1B"
-
-    def __init__(self, stages: Union[Sequence[PipelineStage], PipelineStage], n_microbatches: Optional[int] = None,
-                 loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
-                 kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
-                 scale_grads: bool = True, micro_batch_num: Optional[int] = None,
-                 shared_parameters: Optional[SharedSpec] = None) -> None:
-        stages = [stages] if isinstance(stages, PipelineStage) else stages
-        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters)
 
 
 @_shared_args
@@ -493,3 +446,23 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
     """
 
     schedule_name = "ZBVZeroBubble"
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """PyTorch's lookup of a schedule class by name, case-insensitive (``"GPipe"``, ``"1F1B"``,
+    ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``); another name raises ``ValueError`` listing these.
+
+    Args:
+        schedule_name: the schedule's name.
+
+    Example::
+
+        get_schedule_class("1f1b")           # Schedule1F1B
+    """
+    classes = {cls.schedule_name.lower(): cls for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+                                                          ScheduleZBVZeroBubble)}
+    found = classes.get(str(schedule_name).lower())
+    if found is None:
+        raise ValueError(f"unknown pipeline schedule {schedule_name!r}; the schedules are "
+                         f"{[c.schedule_name for c in classes.values()]}")
+    return found

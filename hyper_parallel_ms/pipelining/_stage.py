@@ -149,6 +149,11 @@ class PipelineStage:
         """Whether this is the last stage (it applies the loss)."""
         return self.stage_index == self.num_stages - 1
 
+    @property
+    def submod(self) -> nn.Cell:
+        """PyTorch's name of :attr:`submodule` (this stage's Cell)."""
+        return self.submodule
+
     def parameters(self) -> List[ms.Parameter]:
         """The stage's trainable parameters (full-model names)."""
         return list(self.submodule.trainable_params())
