@@ -17,6 +17,7 @@ from ._default_planner import DefaultLoadPlanner, LoadPlan
 from ._dist import Coordinator
 from ._metadata import CheckpointError
 from ._reader import CheckpointReader, open_checkpoint
+from ._stateful import resolve_stateful, restore_stateful
 from ._storage import StorageReader
 
 __all__ = ["load"]
@@ -44,7 +45,9 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     that a failure leaves every rank unchanged.
 
     Args:
-        state_dict: a (nested) dict of values to fill, laid out as this run needs them.
+        state_dict: a (nested) dict of values to fill, laid out as this run needs them; a
+            top-level value with ``state_dict()`` / ``load_state_dict()`` (PyTorch's ``Stateful``)
+            is filled through them.
         checkpoint_id: the checkpoint directory, or a full ``.safetensors`` / ``.ckpt`` file
             (``None``: the storage reader's own location).
         storage_reader: where the data comes from (default :class:`FileSystemReader`).
@@ -63,6 +66,7 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         load(state, checkpoint_id="ckpt/step_10")      # parameters filled in place, state["step"] == 10
     """
     planner = planner if planner is not None else DefaultLoadPlanner()
+    given, state_dict = state_dict, resolve_stateful(state_dict)
     coord = Coordinator(distributed=use_collectives and not no_dist)
     staged, error, save_id = None, None, None
     try:
@@ -84,6 +88,7 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     for key, value in new_values.items():
         ref = planner.values[key]
         ref.container[ref.index] = value
+    restore_stateful(given, state_dict)
 
 
 def _read_all(reader: CheckpointReader, planner: DefaultLoadPlanner,

@@ -20,6 +20,7 @@ from ._dist import Coordinator
 from ._filesystem import FileSystemWriter
 from ._metadata import CheckpointError, Chunk, Metadata, TensorEntry
 from ._planner import Piece, chunk_key
+from ._stateful import resolve_stateful
 from ._storage import StorageWriter, StoredChunk
 
 __all__ = ["save", "async_save", "AsyncSave"]
@@ -45,7 +46,9 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
 
     Args:
         state_dict: a (nested) dict of tensors (DTensors, sharded Parameters,
-            :class:`ShardedTensor`, plain tensors) and JSON-serialisable values.
+            :class:`ShardedTensor`, plain tensors) and JSON-serialisable values; a top-level value
+            with ``state_dict()`` / ``load_state_dict()`` (PyTorch's ``Stateful``) is saved as its
+            ``state_dict()``.
         checkpoint_id: the checkpoint directory (its meaning is the storage writer's).
         storage_writer: where the data goes (default :class:`FileSystemWriter`); see
             :class:`StorageWriter`.
@@ -78,7 +81,9 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
 
 def _set_up(state_dict: Dict[str, Any], checkpoint_id: Optional[str], writer: Optional[StorageWriter],
             planner: Optional[DefaultSavePlanner], coord: Coordinator) -> Tuple[StorageWriter, DefaultSavePlanner]:
-    """The writer reset to ``checkpoint_id`` and the planner set up (defaults where ``None``)."""
+    """The writer reset to ``checkpoint_id`` and the planner set up (defaults where ``None``);
+    Stateful values are saved as their ``state_dict()`` (:mod:`._stateful`)."""
+    state_dict = resolve_stateful(state_dict)
     writer = writer if writer is not None else FileSystemWriter()
     writer.reset(None if checkpoint_id is None else os.fspath(checkpoint_id))
     planner = planner if planner is not None else DefaultSavePlanner()
