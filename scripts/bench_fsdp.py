@@ -10,6 +10,13 @@ Three sections, each printed with the command's settings (rank 0's figures, the 
   (the gradient step under ``ms.jit``). Ratios are to the faster plain data parallelism of the mode.
 - ``counts``: the collectives of one step of each variant (CommDebugMode; compiled: recorded while
   the graph is compiled, once per read in the graph).
+- ``floor``: PyNative, the step's collectives alone, back to back with no computation (fully_shard:
+  each collective CommDebugMode recorded in one step, run again on zeros of its shape; plain data
+  parallelism: its reducer on zero gradients), in interleaved rounds with the whole steps; and the
+  ratio a variant would reach if everything but its collectives cost what plain data parallelism's
+  does and nothing overlapped: ``(dp step - dp collectives + its collectives) / dp step``. On CPU
+  this bounds what removing overhead can give; the rest needs overlap or cheaper collectives.
+  ``--ranks 1`` measures every variant without any collective: the engine's own cost.
 - ``memory``: per variant, in a fresh pool (no memory freed by earlier work hides the rise), a
   model of ``--memory-units`` bias-free ``--memory-dim`` Dense units and 4 rows (parameters dominate)
   built under ``no_init_parameters()`` (no rank ever holds the whole model): the bytes held
@@ -20,7 +27,7 @@ Three sections, each printed with the command's settings (rank 0's figures, the 
 The model: ``--units`` blocks, each a ``--dim`` x ``--dim`` Dense (fp32, with bias) and a tanh,
 ``--rows`` rows per rank; parameters dominate memory, collectives dominate time on CPU.
 
-Usage: .venv/bin/python scripts/bench_fsdp.py [--ranks 2,4] [--sections time,counts,memory]
+Usage: .venv/bin/python scripts/bench_fsdp.py [--ranks 2,4] [--sections time,floor,counts,memory]
        [--units 6] [--dim 256] [--rows 64] [--rounds 3] [--steps 5] [--memory-dim 1024]
 """
 from __future__ import annotations
@@ -59,8 +66,9 @@ def _shard(model, mesh, how: str) -> None:
             hsdp(block, threshold=0, optimizer_level=value, comm_fusion=True)
 
 
-def _variant(how: str, mesh, units: int, dim: int, mode: str) -> Tuple[Callable, object]:
-    """A step function of one variant (``dp:<reducer>`` or a :func:`_shard` spec) and its model."""
+def _variant(how: str, mesh, units: int, dim: int, mode: str) -> Tuple[Callable, object, Callable]:
+    """A step function of one variant (``dp:<reducer>`` or a :func:`_shard` spec), its model and
+    its gradient reducer (``None`` for fully_shard: its collectives run inside the step)."""
     from mindspore import nn
     from hyper_parallel_ms.nn import GradientReducer
     ms.set_seed(0)
@@ -89,7 +97,7 @@ def _variant(how: str, mesh, units: int, dim: int, mode: str) -> Tuple[Callable,
         loss, grads = step(x)
         opt(grads)
         return loss
-    return run, model
+    return run, model, reduce
 
 
 def _variants(n: int) -> List[str]:
@@ -149,7 +157,7 @@ def measure_counts(units: int, dim: int, rows: int) -> Dict[str, Dict[str, Dict[
     x = _batch(rows, dim)
     out: Dict[str, Dict[str, Dict[str, int]]] = {"pynative": {}, "jit": {}}
     for how in _variants(mesh.size()):
-        run, _ = _variant(how, mesh, units, dim, "pynative")
+        run = _variant(how, mesh, units, dim, "pynative")[0]
         with CommDebugMode() as debug:
             run(x).asnumpy()
         counts: Dict[str, int] = {}
@@ -158,6 +166,61 @@ def measure_counts(units: int, dim: int, rows: int) -> Dict[str, Dict[str, Dict[
         out["pynative"][how] = counts
         out["jit"][how] = _compiled_collectives(_variant(how, mesh, units, dim, "jit")[0], x)
     return out
+
+
+def _collectives_alone(how: str, mesh, units: int, dim: int, rows: int) -> Tuple[Callable, Callable]:
+    """(the whole PyNative step, the step's collectives alone) of one variant."""
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.comm import CommDebugMode
+    from mindspore import ops
+    run, model, reduce = _variant(how, mesh, units, dim, "pynative")
+    x = _batch(rows, dim)
+    if reduce is not None:
+        zeros = tuple(ops.zeros(p.shape, p.dtype) for p in model.trainable_params())
+        return (lambda: run(x)), (lambda: reduce(zeros)[0])
+    with CommDebugMode() as debug:
+        run(x).asnumpy()
+    calls = []
+    for r in debug.records:
+        t = ops.zeros(r.shape, ms.float32)
+        if r.kind == "all_gather":
+            calls.append(lambda t=t, d=r.mesh_dim: comm.all_gather(t, mesh, d, dim=0))
+        elif r.kind == "reduce_scatter":
+            calls.append(lambda t=t, d=r.mesh_dim: comm.reduce_scatter(t, mesh, d, dim=0, op="avg"))
+        elif r.kind == "all_reduce":
+            calls.append(lambda t=t, d=r.mesh_dim: comm.all_reduce(t, mesh, d, op="avg"))
+        else:
+            raise NotImplementedError(f"the floor section replays all_gather / reduce_scatter / all_reduce, "
+                                      f"the step issued {r.kind}")
+
+    def alone():
+        out = None
+        for call in calls:
+            out = call()
+        return out
+    return (lambda: run(x)), alone
+
+
+def measure_floor(units: int, dim: int, rows: int, steps: int, rounds: int) -> Dict[str, Tuple[float, float]]:
+    """Per variant, PyNative: (median step time, median time of its collectives alone)."""
+    from mindspore import communication
+    from hyper_parallel_ms.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
+    pairs = {how: _collectives_alone(how, mesh, units, dim, rows) for how in _variants(mesh.size())}
+    times: Dict[Tuple[str, int], list] = {(how, i): [] for how in pairs for i in range(2)}
+    for how, pair in pairs.items():
+        for f in pair:
+            f()                                               # warm-up
+    ms.runtime.synchronize()
+    for _ in range(rounds):
+        for how, pair in pairs.items():
+            for i, f in enumerate(pair):
+                for _ in range(steps):
+                    began = time.perf_counter()
+                    f()
+                    ms.runtime.synchronize()
+                    times[(how, i)].append(time.perf_counter() - began)
+    return {how: (statistics.median(times[(how, 0)]), statistics.median(times[(how, 1)])) for how in pairs}
 
 
 def measure_memory(how: str, units: int, dim: int, rows: int) -> Dict[str, float]:
@@ -208,10 +271,21 @@ def _print_counts(n: int, result: Dict[str, Dict[str, Dict[str, int]]]) -> None:
             print(f"    {how:<14} {text}")
 
 
+def _print_floor(n: int, result: Dict[str, Tuple[float, float]], rounds: int, steps: int) -> None:
+    plain = min(("dp:mindspore", "dp:package"), key=lambda k: result[k][0])
+    dp_step, dp_comm = result[plain]
+    print(f"N={n} pynative: the step's collectives alone (median over {rounds} interleaved rounds of {steps}); "
+          f"floor: (dp step - dp collectives + its collectives) / dp step, against {plain}")
+    for how, (step, alone) in result.items():
+        print(f"    {how:<14} step {step * 1e3:7.1f} ms  collectives {alone * 1e3:6.1f} ms  "
+              f"rest {(step - alone) * 1e3:6.1f} ms  step {step / dp_step:5.2f}x  "
+              f"floor {(dp_step - dp_comm + alone) / dp_step:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--sections", default="time,counts,memory")
+    parser.add_argument("--sections", default="time,floor,counts,memory")
     parser.add_argument("--units", type=int, default=6)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--rows", type=int, default=64)
@@ -226,6 +300,9 @@ def main() -> None:
             if "time" in sections:
                 _print_time(n, run_on_ranks(measure_time, n, args.units, args.dim, args.rows, args.steps,
                                             args.rounds, timeout=3600)[0], args.rounds, args.steps)
+            if "floor" in sections:
+                _print_floor(n, run_on_ranks(measure_floor, n, args.units, args.dim, args.rows, args.steps,
+                                             args.rounds, timeout=3600)[0], args.rounds, args.steps)
             if "counts" in sections:
                 _print_counts(n, run_on_ranks(measure_counts, n, args.units, args.dim, args.rows, timeout=1800)[0])
             if "memory" in sections:
