@@ -474,3 +474,52 @@ def test_stateful_values_save_their_state_dict_and_load_through_load_state_dict(
     assert app.step == 7 and state["epoch"] == 2 and state["app"] is app
     for k, v in model.parameters_and_names():
         np.testing.assert_array_equal(v.asnumpy(), want[k], err_msg=k)
+
+
+def test_a_load_casts_floating_tensors_and_refuses_other_kinds(tmp_path):
+    """PyTorch's load copies into the target (``copy_`` casts): an fp32 checkpoint loads into fp16
+    and bf16 models, rounded as MindSpore's cast rounds; a float tensor into an int target (or back)
+    is refused naming both dtypes, before anything changes. set_model_state_dict casts alike."""
+    model, opt = _trained(0)
+    dcp.save({"model": dcp.get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "c"))
+    want = {k: v.asnumpy() for k, v in dcp.get_model_state_dict(model).items()}
+    for dtype in (ms.float16, ms.bfloat16):
+        other = MLP()
+        for p in other.get_parameters():
+            p.set_dtype(dtype)
+        dcp.load({"model": dcp.get_model_state_dict(other)}, checkpoint_id=str(tmp_path / "c"))
+        for key, value in dcp.get_model_state_dict(other).items():
+            assert value.dtype == dtype, key
+            expected = ms.Tensor(want[key]).astype(dtype).astype(ms.float32).asnumpy()
+            np.testing.assert_array_equal(value.astype(ms.float32).asnumpy(), expected, err_msg=key)
+    fp16 = MLP()
+    for p in fp16.get_parameters():
+        p.set_dtype(ms.float16)
+    dcp.set_model_state_dict(fp16, {k: ms.Tensor(v) for k, v in want.items()})
+    np.testing.assert_array_equal(fp16.up.weight.asnumpy(), want["up.weight"].astype(np.float16))
+    ints = {"model": {"up.weight": ms.Parameter(ms.Tensor(np.zeros((12, 6), np.int32)), name="iw")}}
+    with pytest.raises(dcp.CheckpointError, match=r"'model\.up\.weight'.*float32.*int32"):
+        dcp.load(ints, checkpoint_id=str(tmp_path / "c"), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert not ints["model"]["up.weight"].asnumpy().any()
+    with pytest.raises(dcp.CheckpointError, match="'up.weight'.*holds int32, the target is float16"):
+        dcp.set_model_state_dict(fp16, {**{k: ms.Tensor(v * 2) for k, v in want.items()},
+                                        "up.weight": ms.Tensor(np.ones((12, 6), np.int32))})
+    np.testing.assert_array_equal(fp16.down.weight.asnumpy(), want["down.weight"].astype(np.float16))
+
+
+def test_allow_partial_load_keeps_the_entries_a_checkpoint_lacks(tmp_path):
+    """PyTorch's DefaultLoadPlanner(allow_partial_load=True): the entries the checkpoint holds are
+    loaded, the others (a new head, a counter saved later) keep their values; by default the load
+    is refused naming the entries and the option."""
+    model, _ = _trained(0)
+    dcp.save({"model": dcp.get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "c"))
+    other, _ = _trained(1, steps=1)
+    head = ms.Parameter(ms.Tensor(np.full((3,), 7.0, np.float32)), name="head")
+    state = {"model": dcp.get_model_state_dict(other), "head": head, "step": 5}
+    with pytest.raises(dcp.CheckpointError, match=r"2 entries.*'head'.*allow_partial_load=True"):
+        dcp.load(state, checkpoint_id=str(tmp_path / "c"))
+    assert not np.array_equal(other.up.weight.asnumpy(), model.up.weight.asnumpy())
+    dcp.load(state, checkpoint_id=str(tmp_path / "c"), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    np.testing.assert_array_equal(other.up.weight.asnumpy(), model.up.weight.asnumpy())
+    np.testing.assert_array_equal(other.down.bias.asnumpy(), model.down.bias.asnumpy())
+    assert head.asnumpy().tolist() == [7.0, 7.0, 7.0] and state["step"] == 5

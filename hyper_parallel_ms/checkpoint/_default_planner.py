@@ -124,6 +124,9 @@ class DefaultLoadPlanner:
     MindSpore's name, for a full MindSpore checkpoint).
 
     Args:
+        allow_partial_load: entries of the state dict that the checkpoint does not hold keep
+            their values (PyTorch's ``allow_partial_load``: e.g. a new head on a pretrained body);
+            by default (``False``) a missing entry is refused with a :class:`CheckpointError`.
         allow_unused: a full MindSpore checkpoint may hold tensors that no entry takes (e.g.
             the model alone from a file that also holds the optimizer); by default
             (``False``) they are refused with a :class:`CheckpointError`.
@@ -132,12 +135,15 @@ class DefaultLoadPlanner:
 
         load({"model": get_model_state_dict(model)}, checkpoint_id="full.safetensors",
              planner=DefaultLoadPlanner(allow_unused=True))          # the optimizer's tensors skipped
+        load({"model": get_model_state_dict(model)}, checkpoint_id="ckpt/body",
+             planner=DefaultLoadPlanner(allow_partial_load=True))    # entries not saved there kept
     """
 
     tensors: Dict[str, TensorRef]
     values: Dict[str, ValueRef]
 
-    def __init__(self, *, allow_unused: bool = False) -> None:
+    def __init__(self, *, allow_partial_load: bool = False, allow_unused: bool = False) -> None:
+        self.allow_partial_load = allow_partial_load
         self.allow_unused = allow_unused
 
     def set_up_planner(self, state_dict: Dict[str, Any], metadata: Metadata, *, full_file: bool = False) -> None:
@@ -146,11 +152,20 @@ class DefaultLoadPlanner:
         self.metadata, self.full_file = metadata, full_file
 
     def create_local_plan(self) -> LoadPlan:
-        """The checkpoint key of every entry. A full MindSpore checkpoint holds tensors under
-        MindSpore's names and no values (param lists are structure, not read), and must hold
-        nothing else: a tensor of the file that no entry takes is refused."""
+        """The checkpoint key of every entry (with ``allow_partial_load``, of every entry the
+        checkpoint holds). A full MindSpore checkpoint holds tensors under MindSpore's names and
+        no values (param lists are structure, not read), and must hold nothing else: a tensor of
+        the file that no entry takes is refused."""
         if not self.full_file:
-            return LoadPlan({k: _saved_key(k, self.metadata) for k in self.tensors}, {k: k for k in self.values})
+            plan = LoadPlan({k: _saved_key(k, self.metadata) for k in self.tensors}, {k: k for k in self.values})
+        else:
+            plan = self._full_file_plan()
+        if not self.allow_partial_load:
+            return plan
+        return LoadPlan({k: n for k, n in plan.tensors.items() if n in self.metadata.tensors},
+                        {k: n for k, n in plan.values.items() if n in self.metadata.values})
+
+    def _full_file_plan(self) -> LoadPlan:
         names = mindspore_names({k: ref.piece.shape for k, ref in self.tensors.items()},
                                 {k: ref.value for k, ref in self.values.items()})
         unused = sorted(set(self.metadata.tensors) - set(names.values()))

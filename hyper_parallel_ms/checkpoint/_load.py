@@ -16,6 +16,7 @@ import numpy as np
 from ._default_planner import DefaultLoadPlanner, LoadPlan
 from ._dist import Coordinator
 from ._metadata import CheckpointError
+from ._pieces import cast_for_load, loads_into
 from ._reader import CheckpointReader, open_checkpoint
 from ._stateful import resolve_stateful, restore_stateful
 from ._storage import StorageReader
@@ -39,7 +40,8 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     tensor of the file that matches no entry is refused.
 
     Every entry the planner asks for (by default: every key of ``state_dict``) must be in the
-    checkpoint, with the same global shape and dtype; the data is checked (sizes, CRC-32)
+    checkpoint, with the same global shape and the same dtype or, for floating tensors, another
+    floating dtype (cast on load, as PyTorch's ``copy_``: an fp32 checkpoint into a bf16 model); the data is checked (sizes, CRC-32)
     before any value changes. With ``use_collectives`` (and not ``no_dist``) the ranks also
     agree that all of them succeeded, and read the same save, before any of them assigns, so
     that a failure leaves every rank unchanged.
@@ -99,16 +101,19 @@ def _read_all(reader: CheckpointReader, planner: DefaultLoadPlanner,
     if missing:
         shown = ", ".join(_shown(k, names) for k in missing[:_LISTED]) + (" ..." if len(missing) > _LISTED else "")
         raise CheckpointError(f"{len(missing)} entries of the state dict are not in checkpoint {reader.source}: "
-                              f"{shown} (a checkpoint of another model, or other state dict keys?)")
+                              f"{shown} (a checkpoint of another model, or other state dict keys? To keep the values of entries "
+                              "the checkpoint lacks, pass planner=DefaultLoadPlanner(allow_partial_load=True))")
     for key, name in names.items():
         piece, entry = planner.tensors[key].piece, meta.tensors[name]
-        if tuple(entry.shape) != piece.shape or entry.dtype != piece.dtype:
+        if tuple(entry.shape) != piece.shape or not loads_into(entry.dtype, piece.dtype):
             raise CheckpointError(f"tensor {_shown(key, names)}: checkpoint {reader.source} holds shape "
                                   f"{tuple(entry.shape)} {entry.dtype}, the state dict expects {piece.shape} "
                                   f"{piece.dtype}")
     with reader.overlapped_checks():
         data = {key: reader.read_box(name, planner.tensors[key].piece.offsets, planner.tensors[key].piece.sizes)
                 for key, name in names.items()}
+    # floating tensors saved in another dtype: cast to the target's (checked above)
+    data = {key: cast_for_load(key, array, planner.tensors[key].piece.dtype) for key, array in data.items()}
     return data, {k: meta.values[n] for k, n in plan.values.items()}
 
 

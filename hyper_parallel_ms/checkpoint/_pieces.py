@@ -31,7 +31,8 @@ from .._mindspore import fill_deferred, pending_init
 from ._metadata import CheckpointError
 from ._planner import Piece
 
-__all__ = ["ShardedTensor", "TensorRef", "ValueRef", "flatten", "is_tensor_like", "to_numpy"]
+__all__ = ["ShardedTensor", "TensorRef", "ValueRef", "flatten", "is_tensor_like", "to_numpy", "cast_for_load",
+           "loads_into"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,6 +152,37 @@ def _dtype_name(key: str, value: Any) -> str:
 _NUMPY_NAMES = {ms.float64: "float64", ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16",
                 ms.int64: "int64", ms.int32: "int32", ms.int16: "int16", ms.int8: "int8", ms.uint8: "uint8",
                 ms.bool_: "bool"}
+
+
+_FLOAT_NAMES = ("float64", "float32", "float16", "bfloat16")
+
+
+def loads_into(source: str, target: str) -> bool:
+    """Whether a tensor of dtype ``source`` loads into a target of dtype ``target`` (numpy names):
+    the same dtype, or both floating (cast on load).
+
+    >>> loads_into("float32", "bfloat16"), loads_into("float32", "int32")
+    (True, False)
+    """
+    return source == target or (source in _FLOAT_NAMES and target in _FLOAT_NAMES)
+
+
+def cast_for_load(key: str, data: np.ndarray, dtype: str, where: str = "the checkpoint") -> np.ndarray:
+    """``data`` (a loaded tensor) in the target's dtype ``dtype`` (a numpy dtype name): floating
+    tensors are cast (rounded to nearest even, as PyTorch's ``copy_`` in a load), other dtypes must
+    match. ``where`` names the source in the error.
+
+    Example:
+        >>> cast_for_load("w", np.ones((2,), np.float32), "float16").dtype
+        dtype('float16')
+    """
+    if data.dtype.name == dtype:
+        return data
+    if loads_into(data.dtype.name, dtype):
+        target = {name: t for t, name in _NUMPY_NAMES.items()}[dtype]
+        return Tensor(np.asarray(data, order="C")).astype(target).asnumpy()
+    raise CheckpointError(f"tensor {key!r}: {where} holds {data.dtype.name}, the target is {dtype}; a load casts "
+                          f"between floating dtypes only: give the tensor dtype {dtype}, or the target {data.dtype.name}")
 
 
 def flatten(state_dict: Dict[str, Any], *, for_save: bool) -> Tuple[Dict[str, TensorRef], Dict[str, ValueRef]]:

@@ -31,7 +31,7 @@ from ..dtensor._dtensor import _local_view
 from ..nn import as_dtensor, parameter_sharding
 from ..nn._adapter import own_parameters
 from ._metadata import CheckpointError
-from ._pieces import ShardedTensor, TensorRef, flatten, is_tensor_like, to_numpy
+from ._pieces import ShardedTensor, TensorRef, cast_for_load, flatten, is_tensor_like, to_numpy
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict", "IncompatibleKeys"]
@@ -255,9 +255,7 @@ def _stage(key: str, target: Union[Parameter, ShardedTensor], value: Any) -> Opt
     if tuple(data.shape) != piece.sizes:
         raise CheckpointError(f"state dict entry {key!r} has shape {tuple(data.shape)}; expected this rank's piece "
                               f"{piece.sizes} or the whole tensor {piece.shape}")
-    if data.dtype.name != piece.dtype:
-        raise CheckpointError(f"state dict entry {key!r} has dtype {data.dtype.name}; the parameter is {piece.dtype}")
-    return ref, np.asarray(data, order="C")
+    return ref, np.asarray(cast_for_load(key, data, piece.dtype, "the state dict entry"), order="C")
 
 
 def _boxes(spec: Any) -> Dict[int, Tuple[Tuple[int, ...], Tuple[int, ...]]]:
