@@ -11,6 +11,7 @@ import tempfile
 
 import mindspore as ms
 import numpy as np
+import pytest
 from mindspore.mint import distributed as dist
 
 from hyper_parallel_ms import checkpoint as dcp
@@ -172,8 +173,8 @@ def _joined(writer: MemoryWriter) -> dict:
 
 
 def _full(model, opt):
-    """Every tensor of the model and optimizer state, whole (collective)."""
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    """Every tensor of the model and optimizer state, whole, on every rank (collective)."""
+    options = dcp.StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = dcp.get_state_dict(model, opt, options=options)
     refs, _ = flatten({"model": model_sd, "optim": optim_sd}, for_save=False)
     return {k: ref.local_numpy().copy() for k, ref in refs.items()}
@@ -244,7 +245,6 @@ class _Normed(ms.nn.Cell):
 
 @multi_rank(WORLD)
 def test_module_state_differing_between_ranks_saves_the_lowest_ranks_copy():
-    import pytest
     rank = ms.communication.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     ms.set_seed(0)
@@ -319,3 +319,41 @@ def test_loads_initialise_deferred_parameters_and_reach_unsharded_units():
     dist.barrier()
     if ms.communication.get_rank() == 0:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@multi_rank(WORLD)
+def test_full_state_dicts_on_rank0_load_everywhere_with_broadcast_from_rank0():
+    """PyTorch's StateDictOptions: full_state_dict with cpu_offload gives the whole state to rank 0
+    only (the others an empty dict); set_state_dict with broadcast_from_rank0 takes rank 0's and every
+    rank keeps its pieces, here of another layout (fully_shard -> tensor parallel). A sharded value
+    given to rank 0 is refused on both ranks."""
+    rank = ms.communication.get_rank()
+    saved, how = _parallel("fully_shard")
+    opt = make_optimizer("adamw", saved.trainable_params())
+    _train(saved, opt, range(2), **how)
+    expected = _full(saved, opt)
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = dcp.get_state_dict(saved, opt, options=options)
+    if rank == 0:
+        assert model_sd.keys() == {k[len("model."):] for k in expected if k.startswith("model.")}
+        assert all(isinstance(v, np.ndarray) for v in model_sd.values())
+    else:
+        assert model_sd == {} and optim_sd == {}
+    target, _ = _parallel("tp")
+    target_opt = make_optimizer("adamw", target.trainable_params())
+    keys = dcp.set_state_dict(target, target_opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                              options=dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    assert keys.missing_keys == () and keys.unexpected_keys == ()
+    got = _full(target, target_opt)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=f"{key}, rank {rank}")
+    with pytest.raises(ValueError, match="needs full_state_dict=True"):
+        dcp.StateDictOptions(broadcast_from_rank0=True)
+    pieces = dcp.get_model_state_dict(saved) if rank == 0 else {}
+    with pytest.raises(dcp.CheckpointError, match="rank 0.*sharded tensor"):
+        dcp.set_model_state_dict(target, pieces, options=dcp.StateDictOptions(full_state_dict=True,
+                                                                              broadcast_from_rank0=True))
+    for key, value in expected.items():
+        if key.startswith("model."):
+            np.testing.assert_array_equal(_full(target, target_opt)[key], value, err_msg=key)

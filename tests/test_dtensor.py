@@ -220,6 +220,9 @@ def test_pytorch_keywords_of_from_local_and_redistribute_run_check_dtypes_and_pi
                                          "holds a Float32 local tensor"):
         DTensor.from_local(piece.astype(ms.float64 if rank == 0 else ms.float32), mesh, [Shard(0)], shape=(5, 4),
                            run_check=True)
+    # a piece that does not fit the given shape on one rank: with run_check every rank raises (it hung the other)
+    with pytest.raises(ValueError, match=r"coordinate \(1,\) holds a local tensor of shape \(3, 4\).*gives it \(2, 4\)"):
+        DTensor.from_local(ms.Tensor(np.ones((3, 4), np.float32)), mesh, [Shard(0)], shape=(5, 4), run_check=True)
     half = dt.redistribute(mesh, [Replicate()], async_op=True, forward_dtype=ms.float16)
     assert half.dtype == ms.float16 and half.placements == (Replicate(),)
     np.testing.assert_array_equal(half.to_local().asnumpy(), dt.full_tensor().asnumpy().astype(np.float16))

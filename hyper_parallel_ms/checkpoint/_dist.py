@@ -50,6 +50,10 @@ class Coordinator:
         dist.all_gather_object(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         return [pickle.loads(data) for data in out]
 
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (the others' are not sent)."""
+        return self.all_gather(obj if self.rank == src else None)[src]
+
     def agree(self, error: str | None) -> None:
         """Barrier that fails on every rank when any rank reports an ``error`` (the failed
         ranks' messages are gathered only then)."""

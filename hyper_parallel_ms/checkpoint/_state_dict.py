@@ -20,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -30,6 +31,7 @@ from ..dtensor import DTensor
 from ..dtensor._dtensor import _local_view
 from ..nn import as_dtensor, parameter_sharding
 from ..nn._adapter import own_parameters
+from ._dist import Coordinator
 from ._metadata import CheckpointError
 from ._pieces import ShardedTensor, TensorRef, cast_for_load, flatten, is_tensor_like, to_numpy
 
@@ -43,9 +45,14 @@ class StateDictOptions:
 
     Args:
         full_state_dict: whole tensors instead of pieces (gathered: call on every rank).
-        cpu_offload: host (numpy) copies instead of the live tensors.
+        cpu_offload: host (numpy) copies instead of the live tensors; with ``full_state_dict``
+            only rank 0 gets them, the other ranks an empty dict (PyTorch's: no rank but one
+            holds the whole model on the host).
         ignore_frozen_params: leave out parameters with ``requires_grad=False``.
         strict: ``set_*`` raise on missing or unexpected keys.
+        broadcast_from_rank0: ``set_*`` take the whole state dict rank 0 was given (the other
+            ranks' are ignored: pass ``{}``) and each rank keeps its pieces; needs
+            ``full_state_dict``.
 
     >>> StateDictOptions(full_state_dict=True).strict
     True
@@ -55,6 +62,17 @@ class StateDictOptions:
     cpu_offload: bool = False
     ignore_frozen_params: bool = False
     strict: bool = True
+    broadcast_from_rank0: bool = False
+
+    def __post_init__(self) -> None:
+        if self.broadcast_from_rank0 and not self.full_state_dict:
+            raise ValueError("StateDictOptions(broadcast_from_rank0=True) needs full_state_dict=True: rank 0 holds "
+                             "whole tensors and every rank cuts its pieces from them")
+
+    @property
+    def rank0_only(self) -> bool:
+        """Whether ``get_*`` return the state on rank 0 only (``full_state_dict`` and ``cpu_offload``)."""
+        return self.full_state_dict and self.cpu_offload
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,8 @@ def get_model_state_dict(model: nn.Cell, *, options: Optional[StateDictOptions] 
         model_sd = get_model_state_dict(model)          # {"fc.weight": <this rank's piece>, ...}
     """
     options = options or StateDictOptions()
-    return {name: _export(p, options) for name, p in _model_params(model, options).items()}
+    state = {name: _export(p, options) for name, p in _model_params(model, options).items()}
+    return {} if options.rank0_only and Coordinator(distributed=True).rank != 0 else state
 
 
 def _slots(model: nn.Cell, optimizer: nn.Optimizer) -> Tuple[Dict[str, Dict[str, Parameter]], Dict[str, Parameter],
@@ -207,6 +226,8 @@ def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
         group: Dict[str, Any] = {k: _export(v, options) for k, v in scalars.items()}
         group["params"] = fqns
         groups.append(group)
+    if options.rank0_only and Coordinator(distributed=True).rank != 0:
+        return {}
     return {"state": state, "param_groups": groups}
 
 
@@ -323,6 +344,38 @@ def _optimizer_staged(model: nn.Cell, optimizers, state_dict: Dict[str, Any], op
     return keys, staged
 
 
+def _host_tree(value: Any, key: str = "") -> Any:
+    """``value`` (rank 0's whole state dict) with every tensor as a host array, to send."""
+    if isinstance(value, dict):
+        return {k: _host_tree(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_tree(v, f"{key}.{i}") for i, v in enumerate(value))
+    if isinstance(value, (DTensor, ShardedTensor)) or (isinstance(value, Tensor) and
+                                                        parameter_sharding(value) is not None):
+        raise CheckpointError(f"state dict entry {key!r} given to rank 0 is a sharded tensor; with "
+                              "broadcast_from_rank0 rank 0 gives whole tensors (get_model_state_dict / "
+                              "get_optimizer_state_dict with StateDictOptions(full_state_dict=True, cpu_offload=True))")
+    return to_numpy(value).copy() if isinstance(value, Tensor) else value
+
+
+def _from_rank0(state_dict: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]:
+    """``state_dict`` itself, or with ``broadcast_from_rank0`` rank 0's, received by every rank
+    (a failure on rank 0 raises on every rank)."""
+    if not options.broadcast_from_rank0:
+        return state_dict
+    coord = Coordinator(distributed=True)
+    payload, error = None, None
+    if coord.rank == 0:
+        try:
+            if not isinstance(state_dict, dict):
+                raise CheckpointError(f"state dict must be a dict, got {type(state_dict).__name__}")
+            payload = pickle.dumps(_host_tree(state_dict), protocol=pickle.HIGHEST_PROTOCOL)
+        except (CheckpointError, pickle.PicklingError, TypeError) as exc:
+            error = f"rank 0's state dict cannot be sent: {exc}"
+    coord.agree(error)
+    return pickle.loads(coord.broadcast(payload))
+
+
 def _assign(staged) -> None:
     for item in staged:
         if item is not None:
@@ -343,7 +396,8 @@ def set_model_state_dict(model: nn.Cell, model_state_dict: Dict[str, Any], *,
 
         keys = set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))
     """
-    keys, staged = _model_staged(model, model_state_dict, options or StateDictOptions())
+    options = options or StateDictOptions()
+    keys, staged = _model_staged(model, _from_rank0(model_state_dict, options), options)
     _assign(staged)
     return keys
 
@@ -364,7 +418,8 @@ def set_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
 
         set_optimizer_state_dict(model, optimizer, optim_sd)
     """
-    keys, staged = _optimizer_staged(model, optimizers, optim_state_dict, options or StateDictOptions())
+    options = options or StateDictOptions()
+    keys, staged = _optimizer_staged(model, optimizers, _from_rank0(optim_state_dict, options), options)
     _assign(staged)
     return keys
 
@@ -385,8 +440,8 @@ def set_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Sequence[nn.O
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     """
     options = options or StateDictOptions()
-    model_keys, model_staged = _model_staged(model, model_state_dict, options)
-    optim_keys, optim_staged = _optimizer_staged(model, optimizers, optim_state_dict, options)
+    model_keys, model_staged = _model_staged(model, _from_rank0(model_state_dict, options), options)
+    optim_keys, optim_staged = _optimizer_staged(model, optimizers, _from_rank0(optim_state_dict, options), options)
     _assign(model_staged + optim_staged)
     return IncompatibleKeys(model_keys.missing_keys + optim_keys.missing_keys,
                             model_keys.unexpected_keys + optim_keys.unexpected_keys)
