@@ -231,17 +231,19 @@ def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
     return {"state": state, "param_groups": groups}
 
 
-def _optimizer_list(optimizers: Any) -> List[nn.Optimizer]:
-    """``optimizers`` (one or a sequence) as a list of ``mindspore.nn.Optimizer``; anything else
-    (``mint.optim`` / ``experimental.optim`` optimizers, whose state this module does not read) is
-    refused naming the supported kind."""
+def _optimizer_list(optimizers: Any) -> List[nn.Cell]:
+    """``optimizers`` (one or a sequence) as a list of MindSpore optimizers: ``nn.Optimizer`` or
+    ``mint.optim`` / ``experimental.optim`` ones (their moments are ParameterTuples aligned with
+    the parameters too: ``exp_avg``, ``exp_avg_sq``, ``momentum_buf``, ...); anything else is refused
+    naming the supported kinds."""
+    from mindspore.experimental.optim import Optimizer as MintOptimizer
     found = [optimizers] if isinstance(optimizers, nn.Cell) else list(optimizers) if isinstance(
         optimizers, (list, tuple)) else [optimizers]
-    wrong = [type(o).__module__ + "." + type(o).__name__ for o in found if not isinstance(o, nn.Optimizer)]
+    wrong = [type(o).__module__ + "." + type(o).__name__ for o in found
+             if not isinstance(o, (nn.Optimizer, MintOptimizer))]
     if wrong:
-        raise TypeError(f"optimizer state dicts read mindspore.nn optimizers (nn.Optimizer: nn.AdamWeightDecay, "
-                        f"nn.Adam, nn.SGD, ...); got {wrong}: mint.optim / experimental.optim optimizers keep their "
-                        f"state another way and are not supported yet")
+        raise TypeError(f"optimizer state dicts read MindSpore optimizers (nn.Optimizer: nn.AdamWeightDecay, nn.Adam, "
+                        f"nn.SGD, ...; mint.optim / experimental.optim: Adam, SGD, ...); got {wrong}")
     return found
 
 
