@@ -8,66 +8,11 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Parameter, nn, ops
+from mindspore import nn
 
 from hyper_parallel_ms.testing import multi_rank
-
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
-BATCHES = (24, 48, 24)        # the second step changes every inter-stage shape, the third changes it back
-WIDTH, IN, OUT = 8, 6, 4
-RTOL, ATOL = 1e-5, 1e-6
-# this MLP (tanh, mean-square loss) has no element with a mathematically zero gradient, so AdamW
-# is compared at the plain tolerance everywhere (tests/_parity.py's zero-gradient rule does not arise)
-
-
-class Block(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.dense = nn.Dense(WIDTH, WIDTH)
-        # how many times this forward ran, as Python or as a compiled graph
-        self.runs = Parameter(ms.Tensor(np.zeros(1, np.float32)), requires_grad=False)
-        self.eager: list = []        # ... as Python (never under ms.jit, where the list is left alone)
-
-    def construct(self, x):
-        self.eager.append(1)
-        ops.assign_add(self.runs, ops.ones((1,), ms.float32))
-        return ops.tanh(self.dense(x)) + x
-
-
-class Model(nn.Cell):
-    def __init__(self, n_blocks: int):
-        super().__init__()
-        self.embed = nn.Dense(IN, WIDTH)
-        self.layers = nn.CellList([Block() for _ in range(n_blocks)])
-        self.head = nn.Dense(WIDTH, OUT)
-
-    def construct(self, x):
-        x = x if self.embed is None else self.embed(x)
-        for block in self.layers:
-            x = block(x)
-        return x if self.head is None else self.head(x)
-
-    def forwards(self) -> int:
-        """Block forwards run so far (all blocks together)."""
-        return int(sum(float(block.runs.asnumpy()[0]) for block in self.layers))
-
-    def eager_forwards(self) -> int:
-        """Block forwards run as Python (PyNative)."""
-        return sum(len(block.eager) for block in self.layers)
-
-
-def loss_fn(out, target):
-    return ((out - target) ** 2).mean()
-
-
-def _batch(step: int, size: int):
-    rs = np.random.RandomState(100 + step)
-    return ms.Tensor(rs.randn(size, IN).astype(np.float32)), ms.Tensor(rs.randn(size, OUT).astype(np.float32))
-
-
-def _optimizer(params):
-    return nn.AdamWeightDecay(params, learning_rate=0.01, beta1=0.9, beta2=0.999, weight_decay=0.01)
+from tests._pipeline_models import (ATOL, BATCHES, IN, OUT, RTOL, SCHEDULES, STAGES_PER_RANK, WIDTH, Block, Model,
+                                    batch, loss_fn, make_schedule, optimizer)
 
 
 def _reference(num_stages: int, n: int):
@@ -75,11 +20,11 @@ def _reference(num_stages: int, n: int):
     ms.set_seed(0)
     model = Model(num_stages)
     params = model.trainable_params()
-    opt = _optimizer(params)
+    opt = optimizer(params)
     step_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, params)
     history = []
     for step, size in enumerate(BATCHES):
-        x, y = _batch(step, size)
+        x, y = batch(step, size)
         k = size // n
         mb_losses = [float(loss_fn(model(x[m * k:(m + 1) * k]), y[m * k:(m + 1) * k]).asnumpy()) for m in range(n)]
         _, grads = step_fn(x, y)
@@ -87,41 +32,20 @@ def _reference(num_stages: int, n: int):
         opt(grads)
     return history, {p.name: p.asnumpy() for p in params}
 
-
-def _schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, stage_of=None, jit=False, prepare=None):
-    from hyper_parallel_ms import pipelining as pl
-
-    pp, me = mesh.size(), mesh.get_local_rank()
-    v = STAGES_PER_RANK[name]
-    num_stages = pp * v if num_stages is None else num_stages
-    held = pl.build_plan(name, pp, pp * v, stages_per_rank=v).stages_of(me) if stage_of is None else stage_of
-    stages, models = [], []
-    for s in held:
-        ms.set_seed(0)
-        model = pl.split_blocks(Model(num_stages), s, num_stages, first=("embed",), last=("head",))
-        if prepare is not None:
-            prepare(model)
-        models.append(model)
-        stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
-    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
-           "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
-    return cls(stages[0] if v == 1 else stages, n, loss), models
-
-
 def _check_parity(name: str, n: int, jit: bool = False) -> None:
     from hyper_parallel_ms.mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ms.communication.get_group_size(),), mesh_dim_names=("pp",))
-    schedule, models = _schedule(name, mesh, n, jit=jit)
+    schedule, models = make_schedule(name, mesh, n, jit=jit)
     num_stages = schedule.plan.num_stages
     history, final = _reference(num_stages, n)
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
     params = schedule.parameters()
     names = [p.name for p in params]
     assert len(set(names)) == len(names) and set(names) <= set(final), names      # full-model names
-    opt = _optimizer(params)
+    opt = optimizer(params)
     for step, size in enumerate(BATCHES):
-        x, y = _batch(step, size)
+        x, y = batch(step, size)
         losses: list = []
         runs_before = [m.forwards() for m in models]
         eager_before = [m.eager_forwards() for m in models]
@@ -186,7 +110,7 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
     ms.set_seed(0)
     reference = MaskedModel(num_stages)
     params = reference.trainable_params()
-    ref_opt = _optimizer(params)
+    ref_opt = optimizer(params)
     stages = []
     for s in pl.build_plan(name, 2, num_stages, stages_per_rank=v).stages_of(mesh.get_local_rank()):
         ms.set_seed(0)
@@ -196,9 +120,9 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
     schedule = cls(stages[0] if v == 1 else stages, n, loss_fn, (pl.TensorChunkSpec(1),),
                    {"masks": {"scale": pl.TensorChunkSpec(0), "bias": [pl.TensorChunkSpec(1)]}})
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
-    opt = _optimizer(schedule.parameters())
+    opt = optimizer(schedule.parameters())
     for step, size in enumerate((7, 10)):
-        x, y = _batch(step, size)
+        x, y = batch(step, size)
         x = x.T                                                       # (IN, rows): split along dim 1
         mask, bias = (ms.Tensor(np.random.RandomState(7 + step + k).rand(size, IN).astype(np.float32)) for k in (0, 9))
         bias = bias.T
@@ -282,8 +206,8 @@ def test_errors_raise_on_every_rank():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     me = mesh.get_local_rank()
     # a batch that does not split: only stage 0's rank sees it, every rank raises
-    schedule, _ = _schedule("1F1B", mesh, 2)
-    x, y = _batch(0, 5)
+    schedule, _ = make_schedule("1F1B", mesh, 2)
+    x, y = batch(0, 5)
     with pytest.raises(ValueError, match=r"first stage's input 0 \(positional arguments, then keyword arguments, nested "
                                          r"tuples, lists and dicts flattened\) "
                                          "has batch size 1, fewer rows than 2 micro-batches"):
@@ -303,7 +227,7 @@ def test_errors_raise_on_every_rank():
                                          if me == 0 else "do not fit args_chunk_spec / kwargs_chunk_spec"):
         schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
     schedule.args_chunk_spec = None
-    x, y = _batch(0, 4)
+    x, y = batch(0, 4)
     with pytest.raises(ValueError, match="last stage's target has batch size 1, fewer rows than 2"):
         schedule.step(*((x,) if me == 0 else ()), target=y[:1] if me == 1 else None)
     with pytest.raises(ValueError, match="rank holding the last stage got no target"):
@@ -313,23 +237,23 @@ def test_errors_raise_on_every_rank():
     assert len(losses) == (2 if me == 1 else 0)
     # fewer micro-batches than 1F1B allows: refused at construction
     with pytest.raises(ScheduleError, match="1F1B needs at least as many micro-batches as stages: got 1"):
-        _schedule("1F1B", mesh, 1)
+        make_schedule("1F1B", mesh, 1)
     # a stage count that does not fit the mesh
     with pytest.raises(ScheduleError, match="3 stages do not fit the pp mesh of 2 ranks with 1 stage"):
-        _schedule("GPipe", mesh, 2, num_stages=3, stage_of=(me,))
+        make_schedule("GPipe", mesh, 2, num_stages=3, stage_of=(me,))
     # a stage on the wrong rank (rank 0 holds stage 1 too): named on every rank
     with pytest.raises(ScheduleError, match=r"rank 0 must hold stages \(0,\)"):
-        _schedule("GPipe", mesh, 2, stage_of=(1,))
+        make_schedule("GPipe", mesh, 2, stage_of=(1,))
     # no loss_fn on the last stage's rank: forward only on every rank (PyTorch's); a target or a request
     # for gradients is refused, naming loss_fn
-    forward_only, _ = _schedule("GPipe", mesh, 2, loss=loss_fn if me == 0 else None)
+    forward_only, _ = make_schedule("GPipe", mesh, 2, loss=loss_fn if me == 0 else None)
     assert forward_only.forward_only
     with pytest.raises(ValueError, match="the last stage got a target, but the schedule has no loss_fn"):
         forward_only.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
     with pytest.raises(ScheduleError, match="runs forward only: no gradients"):
         forward_only.gradients()
     with pytest.raises(TypeError, match="needs n_microbatches \\(or HyperParallel's micro_batch_num\\)"):
-        _schedule("GPipe", mesh, None)
+        make_schedule("GPipe", mesh, None)
 
     # stages built separately with one parameter name each (an untied copy, or a weight tied across the
     # stages but not listed in shared_parameters): every rank raises, naming the fix
@@ -337,10 +261,10 @@ def test_errors_raise_on_every_rank():
         model.layers = nn.CellList([Block()])                    # "layers.0.dense.weight" on both ranks
     with pytest.raises(ScheduleError, match=r"held by several stages: this rank \(pp rank \d\) holds "
                                             r"\['layers.0.dense.bias', 'layers.0.dense.weight'.*shared_parameters"):
-        _schedule("GPipe", mesh, 2, prepare=separate)
+        make_schedule("GPipe", mesh, 2, prepare=separate)
     # clipping by one stage's parameters (not the schedule): refused, naming the schedule
     from hyper_parallel_ms.training import clip_grad_norm
-    schedule, _ = _schedule("GPipe", mesh, 2)
+    schedule, _ = make_schedule("GPipe", mesh, 2)
     schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
     with pytest.raises(ValueError, match=r"parameters of one pipeline stage.*pass the schedule itself"):
         clip_grad_norm(schedule.gradients(), 1.0, parameters=schedule.parameters())
@@ -351,7 +275,7 @@ def test_errors_raise_on_every_rank():
     good = (ms.Tensor(np.zeros((2, IN), np.float32)),) if me == 0 else (ms.Tensor(np.zeros((2, WIDTH), np.float32)),)
     stage = pl.PipelineStage(model, me, 2, "cpu", input_args=good, group=mesh)
     pl.ScheduleGPipe(stage, 2, loss_fn).step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
-    x5, y5 = _batch(1, 5)      # micro-batches of 3 and 2 rows: input_args' rows (dim 0) are not compared
+    x5, y5 = batch(1, 5)      # micro-batches of 3 and 2 rows: input_args' rows (dim 0) are not compared
     pl.ScheduleGPipe(stage, 2, loss_fn).step(*((x5,) if me == 0 else ()), target=y5 if me == 1 else None)
     bad = pl.PipelineStage(model, me, 2, "cpu", input_args=ms.Tensor(np.zeros((3, 1), np.float32)), group=mesh)
     # the stage's rank raises the check's ValueError, the other rank a PipelineError naming it
@@ -391,7 +315,7 @@ def _stage_raises_mid_step(at: str) -> None:
     from hyper_parallel_ms.pipelining import Action, F
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    schedule, _ = _schedule("1F1B", mesh, 4)
+    schedule, _ = make_schedule("1F1B", mesh, 4)
     target = Action.parse(at)
     runtime = schedule._runtime                      # pylint: disable=protected-access  (fault injection)
     name = "_forward" if target.kind is F else "_backward"
@@ -405,7 +329,7 @@ def _stage_raises_mid_step(at: str) -> None:
     setattr(runtime, name, faulty)
     first = mesh.get_local_rank() == 0
     for step in range(2):
-        x, y = _batch(step, 8)
+        x, y = batch(step, 8)
         faulty.armed = step == 1
         schedule.step(*((x,) if first else ()), target=None if first else y)
 
@@ -428,169 +352,3 @@ def test_a_stage_raising_mid_step_makes_every_rank_raise(at):
     assert f"RuntimeError: fault injected at {at}" in own, own
     assert (f"PipelineError: pipeline step failed: pp rank {failed} at {at}: RuntimeError: fault injected at {at}"
             in told), told
-
-
-class _TwoOutputs(nn.Cell):
-    """A last stage returning a tuple: the head's output and a per-row score."""
-
-    def __init__(self, cell):
-        super().__init__()
-        self.cell = cell
-
-    def construct(self, x):
-        out = self.cell(x)
-        return out, out.sum(axis=1)
-
-
-@pytest.mark.parametrize("name", SCHEDULES)
-@multi_rank(2)
-def test_a_schedule_without_loss_runs_forward_only_and_merges_tuple_outputs(name):
-    from hyper_parallel_ms.mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    me = mesh.get_local_rank()
-    v = STAGES_PER_RANK[name]
-    ms.set_seed(0)
-    whole = Model(2 * v)
-    x, _ = _batch(0, 8)
-    want = whole(x).asnumpy()
-    schedule, models = _schedule(name, mesh, 4, loss=None)
-    holds_last = any(st.is_last for st in schedule.stages)
-    calls = schedule.forward_calls
-    out = schedule.step(*((x,) if any(st.is_first for st in schedule.stages) else ()))
-    assert schedule.forward_calls - calls == 4 * v                      # one forward per stage and micro-batch
-    if holds_last:
-        np.testing.assert_allclose(out.asnumpy(), want, rtol=RTOL, atol=ATOL)
-    else:
-        assert out is None
-    # a last stage returning a tuple: each element merged over the micro-batches, as PyTorch's step
-    last = next(m for st, m in zip(schedule.stages, models) if st.is_last) if holds_last else None
-    stages = []
-    for st, m in zip(schedule.stages, models):
-        cell = _TwoOutputs(m) if st.is_last else m
-        stages.append(type(st)(cell, st.stage_index, st.num_stages, mesh=mesh))
-    from hyper_parallel_ms import pipelining as pl
-    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
-           "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
-    merged = cls(stages[0] if v == 1 else stages, 4, None).step(
-        *((x,) if any(st.is_first for st in stages) else ()))
-    if last is not None:
-        assert isinstance(merged, tuple) and len(merged) == 2
-        np.testing.assert_allclose(merged[0].asnumpy(), want, rtol=RTOL, atol=ATOL)
-        np.testing.assert_allclose(merged[1].asnumpy(), want.sum(axis=1), rtol=RTOL, atol=1e-5)
-
-
-def test_split_microbatches_splits_tensors_inside_nested_tuples_lists_and_dicts():
-    """Each Tensor of nested containers is split along dim 0 (torch.tensor_split's chunks), other
-    values go to every micro-batch, and the containers' types are kept (PyTorch's tree split)."""
-    from collections import namedtuple
-
-    from hyper_parallel_ms.pipelining._microbatch import split_microbatches
-
-    Pair = namedtuple("Pair", "a b")
-    x = ms.Tensor(np.arange(10, dtype=np.float32).reshape(5, 2))
-    m = ms.Tensor(np.arange(5, dtype=np.int32))
-    mbs = split_microbatches((x, (m, [x]), {"mask": m, "pair": Pair(x, 3)}, "tag"), 2)
-    assert len(mbs) == 2
-    for mb, (a, b) in zip(mbs, ((0, 3), (3, 5))):
-        xs, (ms_, (xs2,)), d, tag = mb
-        assert isinstance(mb[1][1], list) and isinstance(d["pair"], Pair) and tag == "tag" and d["pair"].b == 3
-        for got, want in ((xs, x), (ms_, m), (xs2, x), (d["mask"], m), (d["pair"].a, x)):
-            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy()[a:b])
-
-
-def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
-    """PyTorch's TensorChunkSpec: split dims per input (a structure like a nested input's, None: whole),
-    keyword inputs the spec does not name along dim 0; outputs merged along the merge spec's dims."""
-    from hyper_parallel_ms.pipelining import TensorChunkSpec
-    from hyper_parallel_ms.pipelining._microbatch import merge_chunks, split_dims, split_microbatches
-    from hyper_parallel_ms.pipelining._batch import check_chunk_specs
-
-    x = ms.Tensor(np.arange(30, dtype=np.float32).reshape(3, 5, 2))
-    kw = {"pair": (x, x), "m": x}
-    dims = split_dims((x, x), kw, (TensorChunkSpec(-2), None), {"pair": (TensorChunkSpec(2), TensorChunkSpec(0))})
-    assert dims == [1, None, 2, 0, 0]
-    mbs = split_microbatches((x, x) + tuple(kw.values()), 2, dims)
-    np.testing.assert_array_equal(mbs[1][0].asnumpy(), x.asnumpy()[:, 3:])          # 5 along dim 1: 3, 2
-    assert mbs[1][1] is x
-    np.testing.assert_array_equal(mbs[0][2][0].asnumpy(), x.asnumpy()[:, :, :1])
-    np.testing.assert_array_equal(mbs[1][3].asnumpy(), x.asnumpy()[2:])
-    merged = merge_chunks([(m[0], m[2][0]) for m in mbs], (TensorChunkSpec(1), None))
-    np.testing.assert_array_equal(merged[0].asnumpy(), x.asnumpy())
-    assert isinstance(merged[1], list) and len(merged[1]) == 2
-    np.testing.assert_array_equal(merge_chunks([m[3] for m in mbs]).asnumpy(), x.asnumpy())
-    with pytest.raises(ValueError, match=r"TensorChunkSpec\(3\) does not fit an output of shape \(3, 5, 2\)"):
-        merge_chunks([x, x], TensorChunkSpec(3))
-    with pytest.raises(ValueError, match="is a tuple, but the outputs are one value"):
-        merge_chunks([x, x], (TensorChunkSpec(0),))
-    assert TensorChunkSpec.from_tuple((0, 1)) == (TensorChunkSpec(0), TensorChunkSpec(1))
-    assert TensorChunkSpec.from_dict({"m": 2}) == {"m": TensorChunkSpec(2)}
-    with pytest.raises(ValueError, match=r"input 0: TensorChunkSpec\(3\) does not fit a Tensor of shape \(3, 5, 2\)"):
-        split_dims((x,), {}, (TensorChunkSpec(3),), None)
-    with pytest.raises(ValueError, match="args_chunk_spec has 1 entries for 2 positional inputs"):
-        split_dims((x, x), {}, (TensorChunkSpec(0),), None)
-    with pytest.raises(ValueError, match=r"kwargs_chunk_spec names \['n'\]"):
-        split_dims((), kw, None, {"n": TensorChunkSpec(0)})
-    with pytest.raises(ValueError, match="one of those per Tensor \\(2 leaves\\)"):
-        split_dims((), kw, None, {"pair": (TensorChunkSpec(0),)})
-    with pytest.raises(TypeError, match="TensorChunkSpec takes an int"):
-        TensorChunkSpec("1")
-    for bad in (dict(args_spec=TensorChunkSpec(0)), dict(kwargs_spec=(TensorChunkSpec(0),)),
-                dict(merge_spec={"a": 1})):
-        with pytest.raises(TypeError, match="chunk_spec|merge_spec"):
-            check_chunk_specs(bad.get("args_spec"), bad.get("kwargs_spec"), bad.get("merge_spec"), "ScheduleGPipe")
-
-
-@multi_rank(2)
-def test_a_stage_without_trainable_parameters_trains_the_others():
-    """Stage 0 wholly frozen (fine-tuning the top layers): its backward has nothing to compute, and
-    MindSpore refused a backward without inputs, so the step failed on every rank; now the last
-    stage's gradients equal one device (PyNative GPipe, compiled 1F1B)."""
-    from hyper_parallel_ms.mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    me = mesh.get_local_rank()
-
-    def freeze(model):
-        if me == 0:
-            for p in model.get_parameters():
-                p.requires_grad = False
-    x, y = _batch(0, 4)
-    ms.set_seed(0)
-    reference = Model(2)
-    for p in list(reference.embed.get_parameters()) + list(reference.layers[0].get_parameters()):
-        p.requires_grad = False
-    params = reference.trainable_params()
-    want = dict(zip([p.name for p in params],
-                    ms.value_and_grad(lambda a, b: loss_fn(reference(a), b), None, params)(x, y)[1]))
-    for name, jit in (("GPipe", False), ("1F1B", True)):
-        schedule, _ = _schedule(name, mesh, 2, jit=jit, prepare=freeze)
-        schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
-        assert len(schedule.parameters()) == (0 if me == 0 else 4), name
-        for p, g in zip(schedule.parameters(), schedule.gradients()):
-            np.testing.assert_allclose(g.asnumpy(), want[p.name].asnumpy(), rtol=RTOL, atol=ATOL, err_msg=p.name)
-
-
-def test_pytorch_names_of_the_pipelining_api():
-    """PyTorch's get_schedule_class, PipelineScheduleSingle / PipelineScheduleMulti bases,
-    split_args_kwargs_into_chunks / merge_chunks (the split of a batch and its inverse) and
-    PipelineStage.submod."""
-    from hyper_parallel_ms import pipelining as pl
-
-    assert pl.get_schedule_class("1f1b") is pl.Schedule1F1B and pl.get_schedule_class("ZBVZeroBubble") is \
-        pl.ScheduleZBVZeroBubble
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'LoopedBFS'.*'GPipe'"):
-        pl.get_schedule_class("LoopedBFS")
-    assert issubclass(pl.ScheduleGPipe, pl.PipelineScheduleSingle) and issubclass(pl.Schedule1F1B,
-                                                                                   pl.PipelineScheduleSingle)
-    assert issubclass(pl.ScheduleInterleaved1F1B, pl.PipelineScheduleMulti) and issubclass(
-        pl.ScheduleZBVZeroBubble, pl.PipelineScheduleMulti)
-    x = ms.Tensor(np.arange(14, dtype=np.float32).reshape(7, 2))
-    args_split, kwargs_split = pl.split_args_kwargs_into_chunks((x, 3), {"m": x.T}, 3, None,
-                                                                {"m": pl.TensorChunkSpec(1)})
-    assert [a[0].shape for a in args_split] == [(3, 2), (2, 2), (2, 2)] and all(a[1] == 3 for a in args_split)
-    assert [k["m"].shape for k in kwargs_split] == [(2, 3), (2, 2), (2, 2)]
-    np.testing.assert_array_equal(pl.merge_chunks([a[0] for a in args_split]).asnumpy(), x.asnumpy())
-    np.testing.assert_array_equal(pl.merge_chunks([k["m"] for k in kwargs_split], pl.TensorChunkSpec(1)).asnumpy(),
-                                  x.T.asnumpy())
-    cell = nn.Dense(2, 2)
-    assert pl.PipelineStage(cell, 0, 1).submod is cell

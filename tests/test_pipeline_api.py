@@ -1,0 +1,178 @@
+"""The pipelining API around the schedules, on CPU ranks and in one process: forward-only steps and
+tuple outputs merged over micro-batches, the split of nested inputs into micro-batches and PyTorch's
+TensorChunkSpec split / merge dims, a stage without trainable parameters, and PyTorch's names."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn
+
+from hyper_parallel_ms.testing import multi_rank
+from tests._pipeline_models import (ATOL, RTOL, SCHEDULES, STAGES_PER_RANK, Model, batch, loss_fn,
+                                    make_schedule)
+
+
+class _TwoOutputs(nn.Cell):
+    """A last stage returning a tuple: the head's output and a per-row score."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell
+
+    def construct(self, x):
+        out = self.cell(x)
+        return out, out.sum(axis=1)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@multi_rank(2)
+def test_a_schedule_without_loss_runs_forward_only_and_merges_tuple_outputs(name):
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    v = STAGES_PER_RANK[name]
+    ms.set_seed(0)
+    whole = Model(2 * v)
+    x, _ = batch(0, 8)
+    want = whole(x).asnumpy()
+    schedule, models = make_schedule(name, mesh, 4, loss=None)
+    holds_last = any(st.is_last for st in schedule.stages)
+    calls = schedule.forward_calls
+    out = schedule.step(*((x,) if any(st.is_first for st in schedule.stages) else ()))
+    assert schedule.forward_calls - calls == 4 * v                      # one forward per stage and micro-batch
+    if holds_last:
+        np.testing.assert_allclose(out.asnumpy(), want, rtol=RTOL, atol=ATOL)
+    else:
+        assert out is None
+    # a last stage returning a tuple: each element merged over the micro-batches, as PyTorch's step
+    last = next(m for st, m in zip(schedule.stages, models) if st.is_last) if holds_last else None
+    stages = []
+    for st, m in zip(schedule.stages, models):
+        cell = _TwoOutputs(m) if st.is_last else m
+        stages.append(type(st)(cell, st.stage_index, st.num_stages, mesh=mesh))
+    from hyper_parallel_ms import pipelining as pl
+    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
+           "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
+    merged = cls(stages[0] if v == 1 else stages, 4, None).step(
+        *((x,) if any(st.is_first for st in stages) else ()))
+    if last is not None:
+        assert isinstance(merged, tuple) and len(merged) == 2
+        np.testing.assert_allclose(merged[0].asnumpy(), want, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(merged[1].asnumpy(), want.sum(axis=1), rtol=RTOL, atol=1e-5)
+
+
+def test_split_microbatches_splits_tensors_inside_nested_tuples_lists_and_dicts():
+    """Each Tensor of nested containers is split along dim 0 (torch.tensor_split's chunks), other
+    values go to every micro-batch, and the containers' types are kept (PyTorch's tree split)."""
+    from collections import namedtuple
+
+    from hyper_parallel_ms.pipelining._microbatch import split_microbatches
+
+    Pair = namedtuple("Pair", "a b")
+    x = ms.Tensor(np.arange(10, dtype=np.float32).reshape(5, 2))
+    m = ms.Tensor(np.arange(5, dtype=np.int32))
+    mbs = split_microbatches((x, (m, [x]), {"mask": m, "pair": Pair(x, 3)}, "tag"), 2)
+    assert len(mbs) == 2
+    for mb, (a, b) in zip(mbs, ((0, 3), (3, 5))):
+        xs, (ms_, (xs2,)), d, tag = mb
+        assert isinstance(mb[1][1], list) and isinstance(d["pair"], Pair) and tag == "tag" and d["pair"].b == 3
+        for got, want in ((xs, x), (ms_, m), (xs2, x), (d["mask"], m), (d["pair"].a, x)):
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy()[a:b])
+
+
+def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
+    """PyTorch's TensorChunkSpec: split dims per input (a structure like a nested input's, None: whole),
+    keyword inputs the spec does not name along dim 0; outputs merged along the merge spec's dims."""
+    from hyper_parallel_ms.pipelining import TensorChunkSpec
+    from hyper_parallel_ms.pipelining._microbatch import merge_chunks, split_dims, split_microbatches
+    from hyper_parallel_ms.pipelining._batch import check_chunk_specs
+
+    x = ms.Tensor(np.arange(30, dtype=np.float32).reshape(3, 5, 2))
+    kw = {"pair": (x, x), "m": x}
+    dims = split_dims((x, x), kw, (TensorChunkSpec(-2), None), {"pair": (TensorChunkSpec(2), TensorChunkSpec(0))})
+    assert dims == [1, None, 2, 0, 0]
+    mbs = split_microbatches((x, x) + tuple(kw.values()), 2, dims)
+    np.testing.assert_array_equal(mbs[1][0].asnumpy(), x.asnumpy()[:, 3:])          # 5 along dim 1: 3, 2
+    assert mbs[1][1] is x
+    np.testing.assert_array_equal(mbs[0][2][0].asnumpy(), x.asnumpy()[:, :, :1])
+    np.testing.assert_array_equal(mbs[1][3].asnumpy(), x.asnumpy()[2:])
+    merged = merge_chunks([(m[0], m[2][0]) for m in mbs], (TensorChunkSpec(1), None))
+    np.testing.assert_array_equal(merged[0].asnumpy(), x.asnumpy())
+    assert isinstance(merged[1], list) and len(merged[1]) == 2
+    np.testing.assert_array_equal(merge_chunks([m[3] for m in mbs]).asnumpy(), x.asnumpy())
+    with pytest.raises(ValueError, match=r"TensorChunkSpec\(3\) does not fit an output of shape \(3, 5, 2\)"):
+        merge_chunks([x, x], TensorChunkSpec(3))
+    with pytest.raises(ValueError, match="is a tuple, but the outputs are one value"):
+        merge_chunks([x, x], (TensorChunkSpec(0),))
+    assert TensorChunkSpec.from_tuple((0, 1)) == (TensorChunkSpec(0), TensorChunkSpec(1))
+    assert TensorChunkSpec.from_dict({"m": 2}) == {"m": TensorChunkSpec(2)}
+    with pytest.raises(ValueError, match=r"input 0: TensorChunkSpec\(3\) does not fit a Tensor of shape \(3, 5, 2\)"):
+        split_dims((x,), {}, (TensorChunkSpec(3),), None)
+    with pytest.raises(ValueError, match="args_chunk_spec has 1 entries for 2 positional inputs"):
+        split_dims((x, x), {}, (TensorChunkSpec(0),), None)
+    with pytest.raises(ValueError, match=r"kwargs_chunk_spec names \['n'\]"):
+        split_dims((), kw, None, {"n": TensorChunkSpec(0)})
+    with pytest.raises(ValueError, match="one of those per Tensor \\(2 leaves\\)"):
+        split_dims((), kw, None, {"pair": (TensorChunkSpec(0),)})
+    with pytest.raises(TypeError, match="TensorChunkSpec takes an int"):
+        TensorChunkSpec("1")
+    for bad in (dict(args_spec=TensorChunkSpec(0)), dict(kwargs_spec=(TensorChunkSpec(0),)),
+                dict(merge_spec={"a": 1})):
+        with pytest.raises(TypeError, match="chunk_spec|merge_spec"):
+            check_chunk_specs(bad.get("args_spec"), bad.get("kwargs_spec"), bad.get("merge_spec"), "ScheduleGPipe")
+
+
+@multi_rank(2)
+def test_a_stage_without_trainable_parameters_trains_the_others():
+    """Stage 0 wholly frozen (fine-tuning the top layers): its backward has nothing to compute, and
+    MindSpore refused a backward without inputs, so the step failed on every rank; now the last
+    stage's gradients equal one device (PyNative GPipe, compiled 1F1B)."""
+    from hyper_parallel_ms.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_local_rank()
+
+    def freeze(model):
+        if me == 0:
+            for p in model.get_parameters():
+                p.requires_grad = False
+    x, y = batch(0, 4)
+    ms.set_seed(0)
+    reference = Model(2)
+    for p in list(reference.embed.get_parameters()) + list(reference.layers[0].get_parameters()):
+        p.requires_grad = False
+    params = reference.trainable_params()
+    want = dict(zip([p.name for p in params],
+                    ms.value_and_grad(lambda a, b: loss_fn(reference(a), b), None, params)(x, y)[1]))
+    for name, jit in (("GPipe", False), ("1F1B", True)):
+        schedule, _ = make_schedule(name, mesh, 2, jit=jit, prepare=freeze)
+        schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+        assert len(schedule.parameters()) == (0 if me == 0 else 4), name
+        for p, g in zip(schedule.parameters(), schedule.gradients()):
+            np.testing.assert_allclose(g.asnumpy(), want[p.name].asnumpy(), rtol=RTOL, atol=ATOL, err_msg=p.name)
+
+
+def test_pytorch_names_of_the_pipelining_api():
+    """PyTorch's get_schedule_class, PipelineScheduleSingle / PipelineScheduleMulti bases,
+    split_args_kwargs_into_chunks / merge_chunks (the split of a batch and its inverse) and
+    PipelineStage.submod."""
+    from hyper_parallel_ms import pipelining as pl
+
+    assert pl.get_schedule_class("1f1b") is pl.Schedule1F1B and pl.get_schedule_class("ZBVZeroBubble") is \
+        pl.ScheduleZBVZeroBubble
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'LoopedBFS'.*'GPipe'"):
+        pl.get_schedule_class("LoopedBFS")
+    assert issubclass(pl.ScheduleGPipe, pl.PipelineScheduleSingle) and issubclass(pl.Schedule1F1B,
+                                                                                   pl.PipelineScheduleSingle)
+    assert issubclass(pl.ScheduleInterleaved1F1B, pl.PipelineScheduleMulti) and issubclass(
+        pl.ScheduleZBVZeroBubble, pl.PipelineScheduleMulti)
+    x = ms.Tensor(np.arange(14, dtype=np.float32).reshape(7, 2))
+    args_split, kwargs_split = pl.split_args_kwargs_into_chunks((x, 3), {"m": x.T}, 3, None,
+                                                                {"m": pl.TensorChunkSpec(1)})
+    assert [a[0].shape for a in args_split] == [(3, 2), (2, 2), (2, 2)] and all(a[1] == 3 for a in args_split)
+    assert [k["m"].shape for k in kwargs_split] == [(2, 3), (2, 2), (2, 2)]
+    np.testing.assert_array_equal(pl.merge_chunks([a[0] for a in args_split]).asnumpy(), x.asnumpy())
+    np.testing.assert_array_equal(pl.merge_chunks([k["m"] for k in kwargs_split], pl.TensorChunkSpec(1)).asnumpy(),
+                                  x.T.asnumpy())
+    cell = nn.Dense(2, 2)
+    assert pl.PipelineStage(cell, 0, 1).submod is cell
