@@ -394,3 +394,19 @@ def test_post_optimizer_event_is_waited_once_before_the_next_gathers():
     assert order == ["wait"] and mode.get_comm_counts()["all_gather"] == 6
     with pytest.raises(TypeError, match="an event with wait"):
         model.set_post_optimizer_event(3)
+
+
+def test_input_cast_keeps_the_containers_types():
+    """cast_forward_inputs casts floating Tensors inside nested inputs and keeps each container's
+    type (an OrderedDict or defaultdict came back a plain dict), leaving the caller's untouched."""
+    from collections import OrderedDict, defaultdict
+
+    from hyper_parallel_ms.fsdp._state import _cast_floats
+    x = ms.Tensor(np.ones((2,), np.float32))
+    ordered, counts = OrderedDict(a=x, n=3), defaultdict(list, {"b": [x]})
+    out = _cast_floats((ordered, counts, (x, ms.Tensor(np.ones(1, np.int32)))), ms.float16)
+    assert type(out[0]) is OrderedDict and list(out[0]) == ["a", "n"] and out[0]["n"] == 3
+    assert type(out[1]) is defaultdict and out[1].default_factory is list
+    assert out[0]["a"].dtype == ms.float16 and out[1]["b"][0].dtype == ms.float16
+    assert out[2][0].dtype == ms.float16 and out[2][1].dtype == ms.int32
+    assert ordered["a"].dtype == ms.float32 and counts["b"][0].dtype == ms.float32

@@ -19,6 +19,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -66,7 +67,10 @@ def _cast_floats(values, dtype):
         if isinstance(v, (tuple, list)) and not hasattr(v, "_fields"):
             return type(v)(cast(item) for item in v)
         if isinstance(v, dict):
-            return {k: cast(item) for k, item in v.items()}
+            out = copy.copy(v)          # the mapping's own type (OrderedDict, defaultdict, ...)
+            for k, item in v.items():
+                out[k] = cast(item)
+            return out
         return v
     return tuple(cast(v) for v in values)
 
@@ -358,7 +362,7 @@ def cast_keyword_inputs(state: FSDPState) -> Optional[Callable]:
         if not running_eagerly() or not kwargs:
             return None
         names = list(kwargs)
-        return args, dict(zip(names, _cast_floats([kwargs[k] for k in names], state.policy.param_dtype)))
+        return args, dict(zip(names, _cast_floats([kwargs[k] for k in names], policy.param_dtype)))
     return pre
 
 
