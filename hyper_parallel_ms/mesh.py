@@ -105,6 +105,9 @@ class DeviceMesh:
         where = np.argwhere(ranks == self._world.rank)
         self._coordinate = tuple(int(c) for c in where[0]) if len(where) else None
         self._flattened: Dict[str, "DeviceMesh"] = {}
+        self._flat_dims: Dict[str, Tuple[int, ...]] = {}    # flattened name -> the dims of this mesh it spans
+        self._root: Optional["DeviceMesh"] = None           # the mesh this one was sliced from (PyTorch's root)
+        self._root_dims: Tuple[int, ...] = tuple(range(ranks.ndim))   # ... and its dims there
         self._init_backend = bool(_init_backend)
         self._groups: Tuple[Optional[CommGroup], ...] = tuple(
             _cluster.comm_group(self._slice_ranks(d), self._world) if self._coordinate is not None
@@ -228,7 +231,10 @@ class DeviceMesh:
 
     # ------------------------------------------------------------ sub-meshes
     def __getitem__(self, names: Union[str, Sequence[str]]) -> "DeviceMesh":
-        """Sub-mesh over the named dims (in mesh order) that contains this rank.
+        """Sub-mesh over the named dims (in mesh order) that contains this rank. A name made by
+        ``_flatten`` on this mesh or on a sub-mesh of it stands for the dims it joined (PyTorch's
+        ``mesh["dp_cp"]`` after ``mesh["dp", "cp"]._flatten("dp_cp")``), also beside other names when
+        its dims are adjacent: ``mesh["pp", "dp_cp"]``.
 
         Example:
             >>> m = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp", "tp"))
@@ -242,22 +248,38 @@ class DeviceMesh:
             raise KeyError("cannot slice a mesh without mesh_dim_names")
         if not wanted:
             raise KeyError("give at least one mesh dim name")
+        groups = []
         for n in wanted:
-            if n not in self._names:
-                raise KeyError(f"mesh dim name {n!r} not found; the mesh has dims {self._names}")
-        dims = [self._names.index(n) for n in wanted]
+            if n in self._flat_dims:
+                groups.append(self._flat_dims[n])
+            elif n in self._names:
+                groups.append((self._names.index(n),))
+            else:
+                raise KeyError(f"mesh dim name {n!r} not found; the mesh has dims {self._names}"
+                               + (f" and the flattened dims {tuple(self._flat_dims)}" if self._flat_dims else ""))
+        dims = [d for g in groups for d in g]
         if len(set(dims)) != len(dims):
-            raise KeyError(f"mesh dim names repeat in {wanted}")
+            raise KeyError(f"mesh dim names repeat in {wanted} (a flattened name covers {self._flat_dims})")
         if dims != sorted(dims):
             raise KeyError(f"mesh dim names {wanted} must follow the mesh's order {self._names}")
+        joined = [g for g in groups if len(g) > 1]
+        if any(g != tuple(range(g[0], g[0] + len(g))) for g in joined) and len(wanted) > 1:
+            raise KeyError(f"a flattened dim in {wanted} joins dims that are not adjacent in {self._names}: "
+                           "it can only be taken alone")
         coord = self._member_coordinate()
         index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
-        return DeviceMesh(self.device_type, self._ranks[index], mesh_dim_names=wanted,
-                          _init_backend=self._init_backend, _world=self._world)
+        ranks = self._ranks[index].reshape(tuple(int(np.prod([self.shape[d] for d in g])) for g in groups))
+        sub = DeviceMesh(self.device_type, ranks, mesh_dim_names=wanted, _init_backend=self._init_backend,
+                         _world=self._world)
+        root = self._root if self._root is not None else self
+        if all(len(g) == 1 for g in groups):
+            sub._root, sub._root_dims = root, tuple(self._root_dims[d] for d in dims)
+        return sub
 
     def _flatten(self, mesh_dim_name: Optional[str] = None) -> "DeviceMesh":
         """This mesh's ranks as a 1-D mesh named ``mesh_dim_name`` (default: the dim names
-        joined by ``_``), also reachable afterwards as ``self[mesh_dim_name]`` (PyTorch).
+        joined by ``_``), also reachable afterwards as ``self[mesh_dim_name]`` and, for a sub-mesh,
+        as ``root[mesh_dim_name]`` on the mesh it was sliced from (PyTorch).
 
         Example:
             >>> m = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp", "tp"))
@@ -269,11 +291,19 @@ class DeviceMesh:
             mesh_dim_name = "_".join(self._names) if self._names else "flat"
         if self._names and mesh_dim_name in self._names:
             raise ValueError(f"{mesh_dim_name!r} already names a dim of {self!r}; pick another name")
+        root = self._root if self._root is not None else self
+        spans = self._root_dims
+        if root._flat_dims.get(mesh_dim_name, spans) != spans or (root._names and mesh_dim_name in root._names):
+            raise ValueError(f"{mesh_dim_name!r} already names other dims of the mesh {root!r}; pick another name")
         flat = self._flattened.get(mesh_dim_name)
+        if flat is None:
+            flat = root._flattened.get(mesh_dim_name) if root._flat_dims.get(mesh_dim_name) == spans else None
         if flat is None:
             flat = DeviceMesh(self.device_type, self._ranks.ravel(), mesh_dim_names=(mesh_dim_name,),
                               _init_backend=self._init_backend, _world=self._world)
-            self._flattened[mesh_dim_name] = flat
+        self._flattened[mesh_dim_name] = flat
+        if root is not self or len(spans) > 1:
+            root._flattened[mesh_dim_name], root._flat_dims[mesh_dim_name] = flat, spans
         return flat
 
     @staticmethod

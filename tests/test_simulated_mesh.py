@@ -196,3 +196,33 @@ def _real_and_simulated():
 def test_a_simulated_rank_plans_and_records_what_the_real_rank_does():
     same_pieces, same_outputs, same_records, count = _real_and_simulated()
     assert same_pieces and same_outputs and same_records and count == 7
+
+
+def test_flattened_dims_are_reachable_from_the_root_mesh():
+    """PyTorch's ``mesh["dp", "cp"]._flatten("dp_cp")`` then ``mesh["dp_cp"]`` (and beside other dims:
+    ``mesh["pp", "dp_cp"]``), on every rank of an 8-rank (pp, dp, tp) mesh; a name that would mean
+    other dims, and flattened dims out of order or repeated, are refused."""
+    _cpu()
+    from hyper_parallel_ms.mesh import init_device_mesh
+    for r in range(8):
+        mesh = init_device_mesh("npu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"), simulate=(8, r))
+        pp = r // 4
+        flat = mesh["dp", "tp"]._flatten("dp_tp")
+        assert mesh["dp_tp"] is flat and flat.rank_list == tuple(range(4 * pp, 4 * pp + 4))
+        assert flat.get_coordinate() == (r % 4,)
+        both = mesh["pp", "dp_tp"]
+        assert both.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and both.mesh_dim_names == ("pp", "dp_tp")
+        assert both.get_coordinate() == (pp, r % 4) and both["dp_tp"].rank_list == flat.rank_list
+        outer = mesh["pp", "tp"]._flatten("pp_tp")
+        assert mesh["pp_tp"] is outer and outer.rank_list == tuple(x + (r % 4 // 2) * 2 for x in (0, 1, 4, 5))
+        with pytest.raises(KeyError, match="must follow the mesh's order"):
+            mesh["pp_tp", "dp"]
+        with pytest.raises(KeyError, match="repeat"):
+            mesh["dp_tp", "tp"]
+        with pytest.raises(ValueError, match="already names other dims"):
+            mesh["pp", "dp"]._flatten("dp_tp")
+        assert mesh["dp", "tp"]._flatten("dp_tp") is flat
+    four = init_device_mesh("npu", (2, 2, 2, 2), mesh_dim_names=("a", "b", "c", "d"), simulate=(16, 0))
+    four["a", "c"]._flatten("a_c")
+    with pytest.raises(KeyError, match="not adjacent"):
+        four["a_c", "d"]
