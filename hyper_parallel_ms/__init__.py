@@ -44,7 +44,7 @@ _EXPORTS: Dict[str, str] = {
     "checkpoint_wrapper": "training", "apply_activation_checkpointing": "training",
     "pipelining": "", "PipelineStage": "pipelining", "split_blocks": "pipelining",
     "ScheduleGPipe": "pipelining", "Schedule1F1B": "pipelining", "ScheduleInterleaved1F1B": "pipelining",
-    "ScheduleZBVZeroBubble": "pipelining",
+    "ScheduleLoopedBFS": "pipelining", "ScheduleZBVZeroBubble": "pipelining",
     "plan": "", "simulate": "plan",
 }
 __all__ = list(_EXPORTS)

@@ -12,8 +12,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
+STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2, "ZBVZeroBubble": 2}
 BATCHES = (24, 48, 24)        # the second step changes every inter-stage shape, the third changes it back
 WIDTH, IN, OUT = 8, 6, 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -86,6 +86,5 @@ def make_schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, sta
             prepare(model)
         models.append(model)
         stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
-    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
-           "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
+    cls = pl.get_schedule_class(name)
     return cls(stages[0] if v == 1 else stages, n, loss), models

@@ -52,8 +52,7 @@ def test_a_schedule_without_loss_runs_forward_only_and_merges_tuple_outputs(name
         cell = _TwoOutputs(m) if st.is_last else m
         stages.append(type(st)(cell, st.stage_index, st.num_stages, mesh=mesh))
     from hyper_parallel_ms import pipelining as pl
-    cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "Interleaved1F1B": pl.ScheduleInterleaved1F1B,
-           "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
+    cls = pl.get_schedule_class(name)
     merged = cls(stages[0] if v == 1 else stages, 4, None).step(
         *((x,) if any(st.is_first for st in stages) else ()))
     if last is not None:
@@ -160,10 +159,12 @@ def test_pytorch_names_of_the_pipelining_api():
 
     assert pl.get_schedule_class("1f1b") is pl.Schedule1F1B and pl.get_schedule_class("ZBVZeroBubble") is \
         pl.ScheduleZBVZeroBubble
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'LoopedBFS'.*'GPipe'"):
-        pl.get_schedule_class("LoopedBFS")
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'DualPipeV'.*'GPipe'"):
+        pl.get_schedule_class("DualPipeV")
     assert issubclass(pl.ScheduleGPipe, pl.PipelineScheduleSingle) and issubclass(pl.Schedule1F1B,
                                                                                    pl.PipelineScheduleSingle)
+    assert issubclass(pl.ScheduleLoopedBFS, pl.PipelineScheduleMulti) and pl.get_schedule_class("loopedbfs") is \
+        pl.ScheduleLoopedBFS
     assert issubclass(pl.ScheduleInterleaved1F1B, pl.PipelineScheduleMulti) and issubclass(
         pl.ScheduleZBVZeroBubble, pl.PipelineScheduleMulti)
     x = ms.Tensor(np.arange(14, dtype=np.float32).reshape(7, 2))

@@ -180,7 +180,7 @@ def test_every_schedule_equals_one_device_on_two_ranks(name):
         _check_parity(name, n)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", [s for s in SCHEDULES if s != "LoopedBFS"])   # LoopedBFS: 2 ranks suffice
 @multi_rank(4)
 def test_every_schedule_equals_one_device_on_four_ranks(name):
     for n in _microbatch_counts(name, 4):

@@ -6,6 +6,9 @@
 * :func:`interleaved_1f1b`: several stages per rank in the looped placement; micro-batches go
   in rounds of about ``pp``, each round through the rank's stages in turn (backwards in reverse
   stage order); ``(v - 1) * round + 2 * (pp - 1 - rank)`` warm-up forwards, then 1F1B.
+* :func:`looped_bfs`: several stages per rank in the looped placement, breadth first: every
+  micro-batch through the rank's first stage, then its next; the backwards in reverse (last
+  stage first, micro-batches from the last), as PyTorch's ``ScheduleLoopedBFS``.
 * :func:`zbv`: the V placement with the backward split into input gradient (I) and weight
   gradient (W), ordered by a greedy list scheduler on unit-time actions: a rank runs a ready I
   first, else a ready F (the later stage first, at most ``2 pp`` forwards whose W is still
@@ -27,7 +30,7 @@ from ._action import B, F, I, W, Action, ScheduleError
 from ._data import makes, needs
 from ._placement import stage_to_rank, stages_of_rank
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "round_sizes", "zbv"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs", "round_sizes", "zbv"]
 
 Order = Dict[int, List[Action]]
 
@@ -76,6 +79,22 @@ def interleaved_1f1b(pp: int, n_microbatches: int, stages_per_rank: int) -> Orde
         bwd = [Action(s, B, m) for first, size in zip(firsts, sizes) for s in reversed(local)
                for m in range(first, first + size)]
         order[r] = _one_f_one_b(fwd, bwd, (stages_per_rank - 1) * sizes[0] + 2 * (pp - 1 - r))
+    return order
+
+
+def looped_bfs(pp: int, n_microbatches: int, stages_per_rank: int) -> Order:
+    """Breadth first over ``stages_per_rank`` looped stages per rank: all forwards of a stage, then of
+    the next; the backwards from the last stage and the last micro-batch.
+
+    >>> looped_bfs(pp=2, n_microbatches=2, stages_per_rank=2)[1]
+    [1F0, 1F1, 3F0, 3F1, 3B1, 3B0, 1B1, 1B0]
+    """
+    mbs = range(n_microbatches)
+    order: Order = {}
+    for r in range(pp):
+        local = [r + j * pp for j in range(stages_per_rank)]
+        order[r] = ([Action(s, F, m) for s in local for m in mbs] +
+                    [Action(s, B, m) for s in reversed(local) for m in reversed(mbs)])
     return order
 
 

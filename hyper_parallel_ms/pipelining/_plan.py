@@ -7,6 +7,7 @@ schedule               placement    stages / rank   micro-batches
 ``1F1B``               loop         1               at least ``pp`` (PyTorch refuses fewer too)
 ``Interleaved1F1B``    loop         2 or more       any (rounds of ``max(1, n // pp)``, as even
                                                     as can be; PyTorch wants them equal)
+``LoopedBFS``          loop         2 or more       any
 ``ZBVZeroBubble``      V            2               any
 =====================  ===========  ==============  =============================================
 
@@ -35,7 +36,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._action import B, F, W, Action, ActionKind, ScheduleError
 from ._comms import add_comms
-from ._orders import gpipe, interleaved_1f1b, one_f_one_b, zbv
+from ._orders import gpipe, interleaved_1f1b, looped_bfs, one_f_one_b, zbv
 from ._placement import stage_to_rank, stages_of_rank
 from ._validate import Timeline, validate
 
@@ -54,6 +55,7 @@ SCHEDULES: Mapping[str, _Spec] = {
     "GPipe": _Spec("loop", 1, False, lambda pp, n, v: gpipe(pp, n)),
     "1F1B": _Spec("loop", 1, True, lambda pp, n, v: one_f_one_b(pp, n)),
     "Interleaved1F1B": _Spec("loop", None, False, interleaved_1f1b),
+    "LoopedBFS": _Spec("loop", None, False, looped_bfs),
     "ZBVZeroBubble": _Spec("v", 2, False, lambda pp, n, v: zbv(pp, n)),
 }
 
@@ -166,11 +168,11 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
     """Lower ``schedule`` (a name of :data:`SCHEDULES`) for ``pp`` ranks; raises ``ScheduleError`` when it cannot run.
 
     Args:
-        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` or ``"ZBVZeroBubble"``.
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"ZBVZeroBubble"``.
         pp: the number of pipeline ranks.
         n_microbatches: micro-batches per step.
         stages_per_rank: stages each rank holds (the schedule's own by default; 2 or more for
-            ``Interleaved1F1B``).
+            ``Interleaved1F1B`` and ``LoopedBFS``).
 
     Example:
         >>> build_plan("Interleaved1F1B", pp=2, n_microbatches=4, stages_per_rank=2).placement

@@ -31,7 +31,7 @@ from ._shared import SharedParameters, SharedSpec, check_names_unshared
 from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
 __all__ = ["PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "get_schedule_class"]
+           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "get_schedule_class"]
 
 
 # the arguments every schedule takes after its own, written once: each schedule's docstring
@@ -387,7 +387,7 @@ class Schedule1F1B(PipelineScheduleSingle):
 @_shared_args
 class PipelineScheduleMulti(PipelineSchedule):
     """PyTorch's base of the schedules running several stages per rank
-    (:class:`ScheduleInterleaved1F1B`, :class:`ScheduleZBVZeroBubble`): they take this rank's
+    (:class:`ScheduleInterleaved1F1B`, :class:`ScheduleLoopedBFS`, :class:`ScheduleZBVZeroBubble`): they take this rank's
     stages (a single stage is taken as a list of one).
 
     Args:
@@ -430,6 +430,26 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
 
 
 @_shared_args
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Looped breadth first (PyTorch's ``ScheduleLoopedBFS``): several stages per rank, looped
+    (stage s on rank s % pp); every micro-batch through a rank's stage before its next stage, the
+    backwards in reverse.
+
+    Args:
+        stages: this rank's stages (e.g. stages r and r + pp).
+        n_microbatches: micro-batches per step (any number).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
+        {shared_args}
+
+    Example::
+
+        schedule = ScheduleLoopedBFS([stage_r, stage_r_plus_pp], 4, loss_fn)
+    """
+
+    schedule_name = "LoopedBFS"
+
+
+@_shared_args
 class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
     """Zero-bubble V: rank r holds stages r and 2 pp - 1 - r; each backward is split into an
     input gradient (sent at once) and a weight gradient run later, in what would be bubbles.
@@ -450,7 +470,7 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
 
 def get_schedule_class(schedule_name: str) -> type:
     """PyTorch's lookup of a schedule class by name, case-insensitive (``"GPipe"``, ``"1F1B"``,
-    ``"Interleaved1F1B"``, ``"ZBVZeroBubble"``); another name raises ``ValueError`` listing these.
+    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBVZeroBubble"``); another name raises ``ValueError`` listing these.
 
     Args:
         schedule_name: the schedule's name.
@@ -460,7 +480,7 @@ def get_schedule_class(schedule_name: str) -> type:
         get_schedule_class("1f1b")           # Schedule1F1B
     """
     classes = {cls.schedule_name.lower(): cls for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
-                                                          ScheduleZBVZeroBubble)}
+                                                          ScheduleLoopedBFS, ScheduleZBVZeroBubble)}
     found = classes.get(str(schedule_name).lower())
     if found is None:
         raise ValueError(f"unknown pipeline schedule {schedule_name!r}; the schedules are "

@@ -346,7 +346,7 @@ class AbstractAutodiff:
         if keep_graph:
             raise NotImplementedError("a shape-only run replays a forward's backward once: split backwards "
                                       "(zero-bubble schedules' input and weight passes) are not simulated; use "
-                                      "ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B")
+                                      "ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS")
         tapes = {id(self._pending[_key(o)]): self._pending[_key(o)] for o in outputs if _key(o) in self._pending}
         if len(tapes) != 1:
             raise RuntimeError("tape_backward: the outputs do not belong to one forward kept by taped_call")
