@@ -150,6 +150,12 @@ def test_equivalent_ranks_run_once_and_stand_for_the_others_exactly():
         assert stood.represented_by == r % 4 and alone.represented_by == r
         for field in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "comm"):
             assert getattr(stood, field) == getattr(alone, field), field
+    # every dim of more than one rank distinguishes ranks: the middle coordinates are classes too (they
+    # were listed but never run: KeyError)
+    middle = simulate(_mlp_build(50), mesh_shape=(1, 4), mesh_dim_names=("dp", "tp"))
+    assert sorted(middle.classes()) == [0, 1, 2, 3] and sorted(middle.computed) == [0, 1, 2, 3]
+    alone = simulate(_mlp_build(50), mesh_shape=(1, 4), mesh_dim_names=("dp", "tp"), ranks=[2])[2]
+    assert middle[2].param_bytes == alone.param_bytes and middle[2].comm == alone.comm
 
 
 def test_a_plan_that_differs_on_one_rank_of_64_is_reported_naming_the_rank_and_the_cell():

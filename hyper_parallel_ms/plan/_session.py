@@ -243,6 +243,7 @@ class _Simulation:
         while changed:
             changed = False
             for rep in self._representatives():
+                self.outcome(rep)       # a middle coordinate of a distinguishing dim is a class of its own
                 for d in dims:
                     if d not in self.split and self._uneven(rep, d) and self._probe(rep, d):
                         changed = True
