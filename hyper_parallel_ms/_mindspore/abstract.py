@@ -65,7 +65,8 @@ def abstract_run(run: Any) -> Iterator[None]:
       view made there is announced to ``run.viewed(t, view)``;
     - ``mindspore.value_and_grad`` / ``grad`` (and ``mindspore.ops``'s) are ``run.value_and_grad`` /
       ``run.grad``; :func:`taped_call`, :func:`tape_backward`, :func:`saved_tensors_hooks`,
-      :func:`no_grad` and :func:`recompute_eagerly` call ``run``'s methods of the same names;
+      :func:`no_grad`, :func:`recompute_eagerly` and :func:`tensor_address` call ``run``'s methods of the
+      same names;
     - every ``Cell`` call is ``run.cell_call(cell, call, args, kwargs)`` (``call`` runs it), and
       MindSpore's first-call initialisation of a Cell's parameters (``Cell._init_check``) only
       marks the Cell checked;

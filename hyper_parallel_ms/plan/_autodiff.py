@@ -46,14 +46,14 @@ from .._mindspore import has_custom_bprop
 from ._abstract import (AbstractTensor, abstract_like, abstract_view, flags_of, infer, is_abstract, reads_abstract,
                         storage_key, tensor_bytes, viewed)
 
-__all__ = ["AbstractAutodiff", "saved_activations", "matmul_flops"]
+__all__ = ["AbstractAutodiff", "saved_activations", "saved_tensors", "matmul_flops"]
 
 _VIEWS = ("Reshape", "View", "Transpose", "TransposeView", "DeprecatedTranspose", "TransposeExtView", "TransposeExt",
           "ExpandDims", "ExpandDimsView", "Unsqueeze", "Squeeze", "Flatten", "FlattenExt", "GetItem", "StridedSlice",
           "Slice", "Narrow", "NarrowView", "Split", "SplitWithSize", "SplitWithSizeView", "SplitTensor",
           "SplitTensorView", "Concat", "Cat", "StackExt", "Stack", "BroadcastTo", "BroadcastToView", "Expand",
           "ExpandAs", "Tile", "Repeat", "Unstack", "UnstackExtView", "UnstackExt", "TExt", "Clone")
-_LINEAR = ("AddExt", "Add", "SubExt", "Sub", "AddScalar", "SubScalar", "Neg", "Muls", "Divs", "Cast", "ToDtype",
+_LINEAR = ("AddExt", "Add", "BiasAdd", "SubExt", "Sub", "AddScalar", "SubScalar", "Neg", "Muls", "Divs", "Cast", "ToDtype",
            "SumExt", "DeprecatedSum", "ReduceSum", "MeanExt", "DeprecatedMean", "ReduceMean", "ZerosLike",
            "OnesLike", "ZerosLikeExt", "OnesLikeExt", "FullLike", "EmptyLike", "NewZeros", "NewOnes")
 _SAVES_NOTHING = frozenset(_VIEWS + _LINEAR)
@@ -78,10 +78,27 @@ def saved_activations(op: str, inputs: Sequence[Tensor], outputs: Sequence[Tenso
     >>> saved_activations("AddExt", [a, a], [a])
     []
     """
+    return [t for t in saved_tensors(op, inputs, outputs) if _is_activation(t)]
+
+
+def saved_tensors(op: str, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> List[Tensor]:
+    """Every tensor ``op`` keeps for its backward, activations and weights alike (what MindSpore's
+    saved-tensor hooks see: a matmul keeps both operands, fully_shard's gathered weight included).
+
+    Args:
+        op: the primitive's name.
+        inputs: its tensor arguments.
+        outputs: its results.
+
+    >>> import mindspore as ms
+    >>> a = AbstractTensor((2, 3), ms.float32)
+    >>> len(saved_tensors("MatMulExt", [a, a], [a])), saved_tensors("Reshape", [a], [a])
+    (2, [])
+    """
     if op in _SAVES_NOTHING:
         return []
     chosen = outputs if op in _SAVES_OUTPUT else inputs
-    return [t for t in chosen if _is_activation(t)]
+    return [t for t in chosen if isinstance(t, Tensor)]
 
 
 _MATMULS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Mm", "Dense", "BMM", "Bmm"})
@@ -252,7 +269,8 @@ class AbstractAutodiff:
         if not differentiated:
             return
         node = _Node(None, tuple(inputs), tuple(outputs))
-        self._keep(tape, node, (), saved_activations(name, inputs, outputs))
+        kept = saved_tensors(name, inputs, outputs)
+        self._keep(tape, node, kept, [t for t in kept if _is_activation(t)])
         tape.nodes.append(node)
 
     def cell_call(self, cell: nn.Cell, call: Callable, args: tuple, kwargs: dict) -> Any:
@@ -284,6 +302,11 @@ class AbstractAutodiff:
             yield
         finally:
             self.unhooked -= 1
+
+    @staticmethod
+    def tensor_address(t: Tensor) -> int:
+        """``tensor_address`` of a shape-only run: what identifies the data (views share it, a copy has its own)."""
+        return _key(t)
 
     def parameter_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op with a Parameter argument: shapes only (parameters have no values here)."""
