@@ -5,9 +5,11 @@ this class stands in for it. The forward records, in order, the ops that need a 
 the Cells with a custom ``bprop`` (the project's collectives: redistributions, fully_shard's
 gathers), whose insides are not recorded, as MindSpore's custom bprop replaces them. The
 backward walks the tape in reverse from the outputs, visits the nodes they depend on, hands
-the tensors a custom-``bprop`` Cell keeps (its inputs and output) to the saved-tensor hooks'
-``unpack`` (fully_shard re-gathers a unit's parameters there, where its gathering Cell's
-backward reads its output, as measured on real ranks), and calls each Cell's
+the tensors each node keeps (an op's by :func:`saved_tensors`, a custom-``bprop`` Cell's inputs
+and output; packed by the saved-tensor hooks in the forward) to the hooks' ``unpack`` (fully_shard
+re-gathers a unit's parameters there, where a matmul reads a gathered weight, as measured on real
+ranks; :meth:`AbstractAutodiff.tensor_address` tells the hooks which data a shape-only tensor
+is), and calls each Cell's
 ``bprop(*inputs, out, dout)`` with shape-only gradients: every collective a
 backward issues in Python is issued, and recorded, exactly as on the cluster. Collectives
 MindSpore differentiates by itself (a primitive's own backward) are not recorded, on the
