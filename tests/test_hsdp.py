@@ -91,6 +91,10 @@ def test_hsdp_argument_errors():
         with pytest.raises(ValueError, match=word):
             hsdp(cell, **kwargs)
     assert not isinstance(cell, HSDPCell) and type(cell.weight).__name__ == "Parameter"
+    # HyperParallel's argument order: use_eager_hook sixth, then grad_scale (it was read as grad_scale)
+    with pytest.raises(ValueError, match="grad_scale must be float but got 2"):
+        hsdp(cell, -1, 0, "level1", False, True, 2)
+    assert isinstance(hsdp(cell, -1, 0, "level1", False, True, 0.5), HSDPCell)
 
 
 @multi_rank(2)

@@ -177,3 +177,36 @@ def test_pytorch_names_of_the_pipelining_api():
                                   x.T.asnumpy())
     cell = nn.Dense(2, 2)
     assert pl.PipelineStage(cell, 0, 1).submod is cell
+
+
+@multi_rank(2)
+def test_run_returns_hyperparallel_lists_per_microbatch():
+    """HyperParallel's ``schedule.run(x)``: a list with one entry per micro-batch on the last stage's
+    rank (``run(x)[0]`` is micro-batch 0's loss, not the first row of the merged outputs), ``[]``
+    elsewhere: the losses with a loss_fn (the step trains, as step's gradients), else the outputs."""
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    last = mesh.get_local_rank() == 1
+    ms.set_seed(0)
+    whole = Model(2)
+    x, y = batch(0, 8)
+    want_out = [whole(x[2 * m:2 * m + 2]).asnumpy() for m in range(4)]
+    want_loss = [float(loss_fn(whole(x[2 * m:2 * m + 2]), y[2 * m:2 * m + 2]).asnumpy()) for m in range(4)]
+    schedule, _ = make_schedule("GPipe", mesh, 4)
+    got = schedule.run(*(() if last else (x,)), target=y if last else None)
+    stepped: list = []
+    schedule.step(*(() if last else (x,)), target=y if last else None, losses=stepped)
+    if last:
+        np.testing.assert_allclose([float(v.asnumpy()) for v in got], want_loss, rtol=RTOL, atol=ATOL)
+        assert [float(v.asnumpy()) for v in got] == [float(v.asnumpy()) for v in stepped]
+    else:
+        assert got == []
+    forward, _ = make_schedule("GPipe", mesh, 4, loss=None)
+    outs = forward.run(*(() if last else (x,)))
+    if last:
+        assert len(outs) == 4
+        for o, w in zip(outs, want_out):
+            np.testing.assert_allclose(o.asnumpy(), w, rtol=RTOL, atol=ATOL)
+    else:
+        assert outs == []

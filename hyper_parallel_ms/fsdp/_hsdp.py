@@ -148,11 +148,11 @@ def _warn_replicated(cell: nn.Cell, name: str, threshold: int) -> None:
 
 
 def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1",
-         enable_grad_accumulation: bool = False, grad_scale: float = 1.0, reduce_dtype: Any = None,
-         comm_async: bool = False, comm_fusion: bool = False, bucket_size: int = -1, *,
-         use_eager_hook: Optional[bool] = None, mesh: Optional[DeviceMesh] = None) -> nn.Cell:
-    """Shard ``cell``'s own parameters over data parallelism (HyperParallel's signature, plus
-    ``mesh``); returns ``cell``, now an :class:`HSDPCell`. ``threshold`` and ``bucket_size`` are in
+         enable_grad_accumulation: bool = False, use_eager_hook: Optional[bool] = True, grad_scale: float = 1.0,
+         reduce_dtype: Any = None, comm_async: bool = False, comm_fusion: bool = False, bucket_size: int = -1, *,
+         mesh: Optional[DeviceMesh] = None) -> nn.Cell:
+    """Shard ``cell``'s own parameters over data parallelism (HyperParallel's signature and argument
+    order, plus the keyword ``mesh``); returns ``cell``, now an :class:`HSDPCell`. ``threshold`` and ``bucket_size`` are in
     KB. ``comm_async`` is accepted; the collectives run synchronously.
 
     Args:
@@ -163,14 +163,14 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
         optimizer_level: ``"level1"`` (all-reduce the gradient, keep this rank's slot), ``"level2"`` or
             ``"level3"`` (reduce-scatter); every level holds pieces between steps.
         enable_grad_accumulation: allow ``set_requires_grad_sync(False)`` (local accumulation).
+        use_eager_hook: HyperParallel's choice of PyNative hooks or graph hooks; accepted (a bool or
+            ``None``): this engine uses its PyNative hooks in PyNative and gathers in the graph when
+            compiled, whatever it says.
         grad_scale: a float multiplying every reduced gradient.
         reduce_dtype: the floating dtype gradients are reduced in (default: the parameter's).
         comm_async: accepted and recorded; the collectives run synchronously.
         comm_fusion: one collective per Cell (or per bucket) instead of one per parameter.
         bucket_size: with ``comm_fusion``, the bucket size in KB (-1: one bucket per Cell).
-        use_eager_hook: HyperParallel's choice of PyNative hooks or graph hooks; accepted (a bool or
-            ``None``): this engine uses its PyNative hooks in PyNative and gathers in the graph when
-            compiled, whatever it says.
         mesh: the 1-D data-parallel :class:`DeviceMesh` to shard over (not in HyperParallel), e.g.
             ``mesh["dp"]`` of a ("pp", "dp", "tp") mesh for a pipeline stage; default: every rank
             (or, after parallel styles, the ranks outside this rank's tp group).

@@ -199,10 +199,11 @@ class PipelineSchedule:
         return self._step(args, kwargs, target, losses, True, True)
 
     def _step(self, args: tuple, kwargs: dict, target: Optional[Tensor], losses: Optional[list],
-              forward_only: bool, return_outputs: bool) -> Any:
+              forward_only: bool, return_outputs: Any) -> Any:
         """One step (``forward_only``: forwards only); the last stage's merged outputs on its rank
         with ``return_outputs`` (merged inside the step: a spec that does not fit fails it on every
-        rank), else ``None``."""
+        rank), its outputs per micro-batch (``[]`` elsewhere) with ``return_outputs="microbatches"``,
+        else ``None``."""
         first, last = self.stages[0].is_first, self.stages[-1].is_last
         n = self.n_microbatches
         if self._runtime.failed:           # on every rank: a failed step raised on every rank
@@ -239,29 +240,41 @@ class PipelineSchedule:
             targets = [t[0] for t in split_microbatches((target,), n)]
         if not forward_only:
             self._grads = None
-        merge = (lambda outs: merge_chunks(outs, self.output_merge_spec)) if last and return_outputs else None
+        per_microbatch = return_outputs == "microbatches"
+        merge = (lambda outs: merge_chunks(outs, self.output_merge_spec)) if (
+            last and return_outputs and not per_microbatch) else None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
                                  forward_only=forward_only, scales=scales, merge=merge)
         if not forward_only:
             self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
+        if per_microbatch:
+            return list(outs) if last else []
         return outs if merge is not None else None
 
 
     def run(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
-            **kwargs: object):
-        """HyperParallel's name for :meth:`step` (same arguments and result).
+            **kwargs: object) -> list:
+        """HyperParallel's step: as :meth:`step`, returning HyperParallel's list, one entry per
+        micro-batch on the rank of the last stage (``[]`` elsewhere): each micro-batch's loss with a
+        ``loss_fn`` (the step trains), else the last stage's output of each micro-batch (the step
+        runs forward only, see README: HyperParallel trains there with the output as the loss).
 
         Args:
             args: as :meth:`step`.
             target: as :meth:`step`.
-            losses: as :meth:`step`.
+            losses: a list to fill instead of a new one.
             kwargs: as :meth:`step`.
 
         Example::
 
-            schedule.run(x, target=y)
+            losses = schedule.run(x, target=y)        # [loss of micro-batch 0, ...] on the last stage's rank
         """
-        return self.step(*args, target=target, losses=losses, **kwargs)
+        got = [] if losses is None else losses
+        if self.forward_only:
+            got.extend(self._step(args, kwargs, target, None, True, "microbatches"))
+        else:
+            self._step(args, kwargs, target, got, False, False)
+        return got
 
     def parameters(self) -> List[ms.Parameter]:
         """This rank's stages' trainable parameters (stage order), for an optimizer.
