@@ -410,3 +410,21 @@ def test_input_cast_keeps_the_containers_types():
     assert out[0]["a"].dtype == ms.float16 and out[1]["b"][0].dtype == ms.float16
     assert out[2][0].dtype == ms.float16 and out[2][1].dtype == ms.int32
     assert ordered["a"].dtype == ms.float32 and counts["b"][0].dtype == ms.float32
+
+
+def test_parameters_with_fewer_rows_than_ranks_stay_whole_with_a_warning():
+    """A parameter some rank's piece of which would have no rows stays whole on every rank (MindSpore's
+    optimizers refuse empty pieces): the call says so, naming them, so that a plan at 64 data-parallel
+    ranks does not hold full copies silently. Parameters every rank gets rows of raise no warning."""
+    import warnings
+    from mindspore import nn
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",), simulate=(8, 3))
+    narrow_out, wide_out = nn.Dense(16, 4), nn.Dense(4, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fully_shard(wide_out, mesh=mesh)
+        fully_shard(narrow_out, mesh=mesh)
+    assert len(caught) == 1 and caught[0].filename == __file__, [str(w.message) for w in caught]
+    assert ("fsdp(Dense): 2 parameters have fewer rows (dim 0) than the 8 ranks" in str(caught[0].message)
+            and "weight (4, 16), bias (4,)" in str(caught[0].message))
+    assert narrow_out.weight.shape == (4, 16) and wide_out.weight.shape == (2, 4)

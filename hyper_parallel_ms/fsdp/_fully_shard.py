@@ -11,6 +11,7 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
 from math import prod
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -266,7 +267,23 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     state = agreed(prepare, _described, mesh, call)
     set_reshard(state, reshard_after_forward)
     apply_edits(_edits(cells, state, mixin, prefix), engine)
+    _warn_kept_whole(state, call)
     return cell
+
+
+def _warn_kept_whole(state: FSDPState, call: str) -> None:
+    """Warn once, naming the parameters left whole because some rank's piece would have no rows."""
+    whole = [(p.name, tuple(p.local.shape), g.mesh) for g in state.groups if not g.sharded for p in g.params
+             if p.local.shape and chunks_of(tuple(p.local.shape), g.mesh).any_empty()]
+    if not whole:
+        return
+    ranks = whole[0][2].size(dp_mesh_dims(whole[0][2])[0])
+    shown = ", ".join(f"{name} {shape}" for name, shape, _ in whole[:5]) + (
+        f", ... ({len(whole) - 5} more)" if len(whole) > 5 else "")
+    warnings.warn(f"{call}: {len(whole)} parameters have fewer rows (dim 0) than the {ranks} ranks they would be cut "
+                  f"over and stay whole on every rank (their gradients all-reduced), costing their full size on each: "
+                  f"{shown}; FSDP2 would give some ranks empty pieces (MindSpore's optimizers refuse them)",
+                  UserWarning, stacklevel=4)
 
 
 def _ignored_ids(ignored_params: Optional[Any], call: str) -> frozenset:
