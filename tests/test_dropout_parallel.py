@@ -50,15 +50,16 @@ def _loss(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-def _local_plan(mesh):
-    """Every activation a local piece (the plan that compiles): the dropout Cells on pieces are styled."""
+def _local_plan(mesh, feature_dim: int = -1):
+    """Every activation a local piece (the plan that compiles): the dropout Cells on pieces are styled
+    (the features between the Colwise and the Rowwise layer as ``sequence_dim=feature_dim``: -1 or 2)."""
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
     from hyper_parallel_ms.placement import Replicate, Shard
 
     def apply(model):
         parallelize_module(model, mesh, {
             "up": ColwiseParallel(),
-            "act_drop": SequenceParallel(sequence_dim=-1, use_local_output=True),
+            "act_drop": SequenceParallel(sequence_dim=feature_dim, use_local_output=True),
             "down": RowwiseParallel(output_layouts=Shard(1)),
             "out_drop": SequenceParallel(use_local_output=True),
             "norm": SequenceParallel(use_local_output=True),
@@ -93,8 +94,8 @@ def test_dropout_model_matches_one_device_on_2_ranks(jit):
 @multi_rank(4, timeout=600)
 def test_dropout_model_matches_one_device_on_4_ranks():
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    for jit in (False, True):
-        check_parity(_model, _local_plan(mesh), _batch, _loss, optimizer="adamw", jit=jit)
+    for jit in (False, True):        # the last dim named from the front (it was refused as "no feature dim after it")
+        check_parity(_model, _local_plan(mesh, feature_dim=2), _batch, _loss, optimizer="adamw", jit=jit)
 
 
 def _pieces(dt):

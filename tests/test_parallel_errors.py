@@ -84,6 +84,8 @@ def _cases(mesh, mesh2d):
         ("Partial input layout", lambda m: ColwiseParallel(input_layouts=Partial()), TypeError, "Shard or Replicate"),
         ("use_local_output not a bool", lambda m: RowwiseParallel(use_local_output="yes"), TypeError, "True or False"),
         ("sequence_dim not an int", lambda m: SequenceParallel(sequence_dim="1"), TypeError, "sequence_dim"),
+        ("sequence parallel over the features of a Cell that is not dropout", lambda m: parallelize_module(
+            m, mesh, {"relu": SequenceParallel(sequence_dim=-1)}), ValueError, "sequence_dim=-1 is the feature dim"),
         ("input layouts of different lengths", lambda m: PrepareModuleInput(
             input_layouts=(seq, None), desired_input_layouts=(rep,)), ValueError, "same length"),
         ("keyword layouts naming different inputs", lambda m: PrepareModuleInput(

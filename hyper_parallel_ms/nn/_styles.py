@@ -250,8 +250,16 @@ class SequenceParallel(ParallelStyle):
         _check_mesh(self, path, mesh)
         edit = ModuleEdit(path, cell)
         layout, replicated = (Shard(self.sequence_dim),), (Replicate(),)
-        min_ndim = self.sequence_dim + 2 if self.sequence_dim >= 0 else -self.sequence_dim + 1
         where = _where(path)
+        d = self.sequence_dim
+        if is_dropout(cell):         # element-wise: any dim of the input
+            min_ndim = d + 1 if d >= 0 else -d
+        elif d == -1:
+            raise ValueError(f"SequenceParallel on {where}: sequence_dim=-1 is the feature dim, which a norm (or any "
+                             "Cell but dropout) reads whole; give the sequence dim's index (1 for (batch, seq, "
+                             "features), -2 from the end)")
+        else:                        # a feature dim after the sequence dim
+            min_ndim = d + 2 if d >= 0 else -d
         for name in own_parameters(cell):   # replicated, used on sequence pieces: gradients summed when read
             edit.parameters[name] = ParameterPlacement(mesh, replicated, src_data_rank=src_data_rank)
             edit.summed_reads[name] = mesh
