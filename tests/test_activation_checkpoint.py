@@ -16,8 +16,8 @@ from mindspore import Parameter, nn, ops
 from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import multi_rank
-from hyper_parallel_ms.training import (CheckpointWrapper, apply_activation_checkpointing, checkpoint_stats,
-                                        checkpoint_wrapper, create_selective_checkpoint_contexts)
+from hyper_parallel_ms.training import (CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing,
+                                        checkpoint_stats, checkpoint_wrapper, create_selective_checkpoint_contexts)
 
 from tests._parity import check_parity
 
@@ -185,6 +185,35 @@ def test_nesting_and_bad_policies_are_refused_and_leave_the_cell_as_it_was():
         create_selective_checkpoint_contexts(None)
     with pytest.raises(ValueError, match="is not checkpointed"):
         checkpoint_stats(block)
+    with pytest.raises(NotImplementedError, match="custom checkpoint function"):
+        checkpoint_wrapper(block, checkpoint_fn=lambda f, *a: f(*a))
+    with pytest.raises(TypeError, match="checkpoint_impl must be a CheckpointImpl"):
+        checkpoint_wrapper(block, "reentrant")
+    with pytest.raises(TypeError, match="auto_wrap_policy must be"):
+        apply_activation_checkpointing(Net(), auto_wrap_policy=3)
+    assert type(block) is Block
+
+
+def test_pytorch_keywords_of_the_wrappers():
+    """PyTorch's checkpoint_wrapper(module, checkpoint_impl, use_reentrant=, preserve_rng_state=) and
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn, check_fn, auto_wrap_policy) (a set
+    of classes, as ModuleWrapPolicy takes): the same exact gradients, the chosen Cells wrapped."""
+    ms.set_seed(0)
+    plain = Net()
+    ms.set_seed(0)
+    model = Net()
+    checkpoint_wrapper(model.layers[0], CheckpointImpl.REENTRANT, use_reentrant=True, preserve_rng_state=False)
+    apply_activation_checkpointing(model, checkpoint_wrapper, auto_wrap_policy={Block},
+                                   check_fn=lambda c: c is not model.layers[0])
+    assert all(isinstance(b, CheckpointWrapper) for b in model.layers) and not isinstance(model.head, CheckpointWrapper)
+    x = _batch(0, 1, 0)[0]
+    _, grads = _grads(plain, x)
+    _, c_grads = _grads(model, x)
+    for p, g, cg in zip(plain.trainable_params(), grads, c_grads):
+        np.testing.assert_allclose(cg.asnumpy(), g.asnumpy(), rtol=1e-6, atol=1e-7, err_msg=p.name)
+    other = Net()
+    apply_activation_checkpointing(other, auto_wrap_policy=lambda c: isinstance(c, nn.Dense) and c is other.head)
+    assert isinstance(other.head, CheckpointWrapper) and not isinstance(other.layers[0], CheckpointWrapper)
 
 
 def test_selective_contexts_with_mindspore_recompute():

@@ -32,6 +32,7 @@ Example::
 """
 from __future__ import annotations
 
+import enum
 import threading
 from collections import Counter
 from contextlib import nullcontext
@@ -47,8 +48,20 @@ from ..fsdp._module import fsdp_state
 from ..fsdp._param import is_piece
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 
-__all__ = ["CheckpointWrapper", "checkpoint_wrapper", "apply_activation_checkpointing", "checkpoint_stats",
-           "create_selective_checkpoint_contexts", "SAVE_MATMUL_AND_COLLECTIVES"]
+__all__ = ["CheckpointWrapper", "CheckpointImpl", "checkpoint_wrapper", "apply_activation_checkpointing",
+           "checkpoint_stats", "create_selective_checkpoint_contexts", "SAVE_MATMUL_AND_COLLECTIVES"]
+
+
+class CheckpointImpl(enum.Enum):
+    """PyTorch's choice of checkpoint implementation, accepted by :func:`checkpoint_wrapper`: both run
+    MindSpore's recompute here (the backward runs the forward again, random state replayed).
+
+    >>> CheckpointImpl.NO_REENTRANT.name
+    'NO_REENTRANT'
+    """
+
+    REENTRANT = enum.auto()
+    NO_REENTRANT = enum.auto()
 
 # MindSpore primitive names whose outputs a selective policy keeps by default: the matmuls (CPU and
 # Ascend kernels) and the collectives (on CPU every sub-group collective is composed over AllReduce)
@@ -347,7 +360,9 @@ def _check_not_nested(cell: nn.Cell) -> None:
                          "checkpoints would run the inner forward three times. Wrap either the Cell or its parts")
 
 
-def checkpoint_wrapper(cell: nn.Cell, *, policy: Policy = None) -> nn.Cell:
+def checkpoint_wrapper(cell: nn.Cell, checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
+                       checkpoint_fn: Optional[Callable] = None, *, policy: Policy = None,
+                       use_reentrant: Optional[bool] = None, preserve_rng_state: bool = True) -> nn.Cell:
     """Checkpoint ``cell``'s activations: its forward keeps nothing for the backward (or only the
     outputs ``policy`` names), and the backward runs it again. Wraps in place and returns ``cell``:
     parameter names and paths do not change, so a plan, a checkpoint or an optimizer made before or
@@ -356,10 +371,15 @@ def checkpoint_wrapper(cell: nn.Cell, *, policy: Policy = None) -> nn.Cell:
 
     Args:
         cell: the Cell to checkpoint (an ``nn.Cell`` with no checkpointed Cell under it).
+        checkpoint_impl: PyTorch's :class:`CheckpointImpl`; both run MindSpore's recompute.
+        checkpoint_fn: PyTorch's custom checkpoint function: not supported (``None`` only).
         policy: ``None`` or ``"full"``: recompute everything; ``"selective"``: keep the outputs of
             :data:`SAVE_MATMUL_AND_COLLECTIVES` and recompute the rest; or a collection of MindSpore
             primitive names / a callable ``op_name -> bool`` naming the ops to keep. Selective
             policies run in PyNative only (ms.jit / GRAPH_MODE refuse them while compiling).
+        use_reentrant: PyTorch's keyword, either value: the recompute is the same.
+        preserve_rng_state: PyTorch's keyword; the random state is always replayed (the recomputed
+            dropout masks are the forward's, so the gradients are the forward's), whatever it says.
 
     Example::
 
@@ -369,6 +389,15 @@ def checkpoint_wrapper(cell: nn.Cell, *, policy: Policy = None) -> nn.Cell:
     """
     if not isinstance(cell, nn.Cell):
         raise TypeError(f"checkpoint_wrapper needs an nn.Cell, got {type(cell).__name__}")
+    if not isinstance(checkpoint_impl, CheckpointImpl):
+        raise TypeError(f"checkpoint_impl must be a CheckpointImpl, got {checkpoint_impl!r}")
+    if checkpoint_fn is not None:
+        raise NotImplementedError("checkpoint_wrapper(checkpoint_fn=...): a custom checkpoint function is not "
+                                  "supported; the wrapper recomputes through MindSpore (leave checkpoint_fn=None, "
+                                  "choose what to keep with policy=)")
+    for name, value in (("use_reentrant", use_reentrant), ("preserve_rng_state", preserve_rng_state)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
     keep = _keep_fn(policy)
     _check_not_nested(cell)
     graph_error = "" if keep is None else (
@@ -397,16 +426,18 @@ def checkpoint_stats(cell: nn.Cell) -> CheckpointStats:
     return state.stats
 
 
-def apply_activation_checkpointing(model: nn.Cell, *, check_fn: Callable[[nn.Cell], bool] = lambda _: True,
-                                   checkpoint_wrapper_fn: Callable[..., nn.Cell] = checkpoint_wrapper,
-                                   **wrapper_kwargs: Any) -> nn.Cell:
+def apply_activation_checkpointing(model: nn.Cell, checkpoint_wrapper_fn: Callable[..., nn.Cell] = checkpoint_wrapper,
+                                   check_fn: Callable[[nn.Cell], bool] = lambda _: True,
+                                   auto_wrap_policy: Any = None, **wrapper_kwargs: Any) -> nn.Cell:
     """Wrap every Cell under ``model`` (``model`` itself excluded) for which ``check_fn`` is true,
     outermost first (a Cell under a wrapped one is not wrapped again); returns ``model``.
 
     Args:
         model: the root Cell (changed in place).
-        check_fn: ``cell -> bool``: which Cells to wrap (PyTorch's name), e.g. ``lambda c: isinstance(c, Block)``.
         checkpoint_wrapper_fn: the wrapper, ``fn(cell, **wrapper_kwargs)`` (default :func:`checkpoint_wrapper`).
+        check_fn: ``cell -> bool``: which Cells to wrap (PyTorch's name), e.g. ``lambda c: isinstance(c, Block)``.
+        auto_wrap_policy: PyTorch's other way to choose: a set of Cell classes (``ModuleWrapPolicy``'s
+            argument) or a callable ``cell -> bool``; the Cells it and ``check_fn`` both accept are wrapped.
         wrapper_kwargs: passed to ``checkpoint_wrapper_fn`` (``policy="selective"``).
 
     Example::
@@ -415,9 +446,10 @@ def apply_activation_checkpointing(model: nn.Cell, *, check_fn: Callable[[nn.Cel
     """
     if not isinstance(model, nn.Cell):
         raise TypeError(f"apply_activation_checkpointing needs an nn.Cell, got {type(model).__name__}")
+    policy_fn = _wrap_policy(auto_wrap_policy)
     chosen: List[Tuple[str, nn.Cell]] = []
     for path, cell in named_cells(model).items():
-        if path and check_fn(cell) and not any(path.startswith(p + ".") for p, _ in chosen):
+        if path and check_fn(cell) and policy_fn(cell) and not any(path.startswith(p + ".") for p, _ in chosen):
             chosen.append((path, cell))
     wrapped = [p for p, c in named_cells(model).items() if isinstance(c, CheckpointWrapper)]
     for path, cell in chosen:
@@ -429,3 +461,17 @@ def apply_activation_checkpointing(model: nn.Cell, *, check_fn: Callable[[nn.Cel
     for _, cell in chosen:
         checkpoint_wrapper_fn(cell, **wrapper_kwargs)
     return model
+
+
+def _wrap_policy(policy: Any) -> Callable[[nn.Cell], bool]:
+    """``auto_wrap_policy`` as ``cell -> bool``: ``None`` every Cell, a set of Cell classes those
+    classes, a callable itself."""
+    if policy is None:
+        return lambda _: True
+    if isinstance(policy, (set, frozenset, tuple, list)) and all(isinstance(c, type) for c in policy):
+        classes = tuple(policy)
+        return lambda cell: isinstance(cell, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(f"auto_wrap_policy must be a set of Cell classes or a callable cell -> bool, got {policy!r}")
+
