@@ -9,7 +9,7 @@ import pytest
 from mindspore import nn
 
 from hyper_parallel_ms.testing import multi_rank
-from tests._pipeline_models import (ATOL, RTOL, SCHEDULES, STAGES_PER_RANK, Model, batch, loss_fn,
+from tests._pipeline_models import (ATOL, RTOL, RUNTIME_SCHEDULES, STAGES_PER_RANK, Model, batch, loss_fn,
                                     make_schedule)
 
 
@@ -25,7 +25,7 @@ class _TwoOutputs(nn.Cell):
         return out, out.sum(axis=1)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
 @multi_rank(2)
 def test_a_schedule_without_loss_runs_forward_only_and_merges_tuple_outputs(name):
     from hyper_parallel_ms.mesh import init_device_mesh

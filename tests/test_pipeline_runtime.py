@@ -11,8 +11,8 @@ import pytest
 from mindspore import nn
 
 from hyper_parallel_ms.testing import multi_rank
-from tests._pipeline_models import (ATOL, BATCHES, IN, OUT, RTOL, SCHEDULES, STAGES_PER_RANK, WIDTH, Block, Model,
-                                    batch, loss_fn, make_schedule, optimizer)
+from tests._pipeline_models import (ATOL, BATCHES, IN, OUT, RTOL, RUNTIME_SCHEDULES, SCHEDULES, STAGES_PER_RANK, WIDTH,
+                                    Block, Model, batch, loss_fn, make_schedule, optimizer)
 
 
 def _reference(num_stages: int, n: int):
@@ -180,14 +180,14 @@ def test_every_schedule_equals_one_device_on_two_ranks(name):
         _check_parity(name, n)
 
 
-@pytest.mark.parametrize("name", [s for s in SCHEDULES if s != "LoopedBFS"])   # LoopedBFS: 2 ranks suffice
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
 @multi_rank(4)
 def test_every_schedule_equals_one_device_on_four_ranks(name):
     for n in _microbatch_counts(name, 4):
         _check_parity(name, n)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
 @multi_rank(2)
 def test_compiled_stages_equal_one_device_on_two_ranks(name):
     """jit=True: each micro-batch's stage forward (and loss) one ms.jit graph, its backward that
