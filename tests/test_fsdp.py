@@ -428,3 +428,28 @@ def test_parameters_with_fewer_rows_than_ranks_stay_whole_with_a_warning():
     assert ("fsdp(Dense): 2 parameters have fewer rows (dim 0) than the 8 ranks" in str(caught[0].message)
             and "weight (4, 16), bias (4,)" in str(caught[0].message))
     assert narrow_out.weight.shape == (4, 16) and wide_out.weight.shape == (2, 4)
+
+
+def test_an_optimizer_over_units_and_parameters_outside_them_warns_once():
+    """Blocks under fully_shard but not the root (FSDP2 requires it): nothing reduces the root's own
+    parameters over the data-parallel ranks, and the replicas drift apart. The optimizer's compile
+    check warns once, naming them; with the root sharded too it says nothing."""
+    import warnings
+    from mindspore import nn
+    from hyper_parallel_ms.nn._parameter import check_optimizer_step
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), simulate=(2, 0))
+    for shard_root in (False, True):
+        model = nn.SequentialCell([nn.Dense(4, 4), nn.Dense(4, 2)])
+        fully_shard(model[0], mesh=mesh)
+        if shard_root:
+            fully_shard(model, mesh=mesh)
+        opt = nn.SGD(model.trainable_params(), 0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                check_optimizer_step(type(opt).construct, (opt, ()))
+        texts = [str(w.message) for w in caught if "no unit holds" in str(w.message)]
+        if shard_root:
+            assert texts == []
+        else:
+            assert len(texts) == 1 and "['1.weight', '1.bias']" in texts[0] and "root Cell" in texts[0], texts
