@@ -91,3 +91,21 @@ def make_schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, sta
         stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
     cls = pl.get_schedule_class(name)
     return cls(stages[0] if v == 1 else stages, n, loss), models
+
+
+def one_device_run(num_stages: int, n: int):
+    """Per step: the micro-batch losses and full-batch gradients (by name); then the parameters."""
+    ms.set_seed(0)
+    model = Model(num_stages)
+    params = model.trainable_params()
+    opt = optimizer(params)
+    step_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, params)
+    history = []
+    for step, size in enumerate(BATCHES):
+        x, y = batch(step, size)
+        k = size // n
+        mb_losses = [float(loss_fn(model(x[m * k:(m + 1) * k]), y[m * k:(m + 1) * k]).asnumpy()) for m in range(n)]
+        _, grads = step_fn(x, y)
+        history.append((mb_losses, {p.name: g.asnumpy() for p, g in zip(params, grads)}))
+        opt(grads)
+    return history, {p.name: p.asnumpy() for p in params}

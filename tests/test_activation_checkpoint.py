@@ -420,14 +420,14 @@ def test_pipeline_stages_with_checkpointed_blocks_on_2_ranks(name):
     """The blocks of every stage checkpointed: each micro-batch's gradients equal one device's; a block
     runs its forward once per micro-batch and once more per backward pass that needs it (ZBV's split
     backward, input gradients then weight gradients, recomputes twice on the stage that splits it)."""
-    from tests import test_pipeline_runtime as pipe
+    from tests import _pipeline_models as pipe
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     n = 2
-    schedule, models = pipe._schedule(name, mesh, n)
+    schedule, models = pipe.make_schedule(name, mesh, n)
     for model in models:
         apply_activation_checkpointing(model, check_fn=lambda c: isinstance(c, pipe.Block))
-    history, _ = pipe._reference(schedule.plan.num_stages, n)
-    x, y = pipe._batch(0, pipe.BATCHES[0])
+    history, _ = pipe.one_device_run(schedule.plan.num_stages, n)
+    x, y = pipe.batch(0, pipe.BATCHES[0])
     schedule.step(*((x,) if schedule.stages[0].is_first else ()), target=y if schedule.stages[-1].is_last else None)
     for p, g in zip(schedule.parameters(), schedule.gradients()):
         np.testing.assert_allclose(g.asnumpy(), history[0][1][p.name], rtol=pipe.RTOL, atol=pipe.ATOL, err_msg=p.name)

@@ -12,25 +12,8 @@ from mindspore import nn
 
 from hyper_parallel_ms.testing import multi_rank
 from tests._pipeline_models import (ATOL, BATCHES, IN, OUT, RTOL, RUNTIME_SCHEDULES, SCHEDULES, STAGES_PER_RANK, WIDTH,
-                                    Block, Model, batch, loss_fn, make_schedule, optimizer)
+                                    Block, Model, batch, loss_fn, make_schedule, one_device_run, optimizer)
 
-
-def _reference(num_stages: int, n: int):
-    """Per step: the micro-batch losses and full-batch gradients (by name); then the parameters."""
-    ms.set_seed(0)
-    model = Model(num_stages)
-    params = model.trainable_params()
-    opt = optimizer(params)
-    step_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, params)
-    history = []
-    for step, size in enumerate(BATCHES):
-        x, y = batch(step, size)
-        k = size // n
-        mb_losses = [float(loss_fn(model(x[m * k:(m + 1) * k]), y[m * k:(m + 1) * k]).asnumpy()) for m in range(n)]
-        _, grads = step_fn(x, y)
-        history.append((mb_losses, {p.name: g.asnumpy() for p, g in zip(params, grads)}))
-        opt(grads)
-    return history, {p.name: p.asnumpy() for p in params}
 
 def _check_parity(name: str, n: int, jit: bool = False) -> None:
     from hyper_parallel_ms.mesh import init_device_mesh
@@ -38,7 +21,7 @@ def _check_parity(name: str, n: int, jit: bool = False) -> None:
     mesh = init_device_mesh("cpu", (ms.communication.get_group_size(),), mesh_dim_names=("pp",))
     schedule, models = make_schedule(name, mesh, n, jit=jit)
     num_stages = schedule.plan.num_stages
-    history, final = _reference(num_stages, n)
+    history, final = one_device_run(num_stages, n)
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
     params = schedule.parameters()
     names = [p.name for p in params]
