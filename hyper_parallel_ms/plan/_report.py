@@ -182,8 +182,9 @@ class SimulationReport:
     def table(self) -> str:
         """One line per group of ranks with equal numbers, totals, then the problems."""
         dims = sorted({d for r in self for _, d in r.comm})
+        width = {d: max(14, len(d) + 7) for d in dims}          # a long dim name keeps a space before it
         head = (f"{'ranks':<22}{'params':>12}{'grads':>12}{'optimizer':>12}{'activations':>13}{'total':>12}"
-                f"{'comm/step':>12}" + "".join(f"{'comm ' + d:>14}" for d in dims))
+                f"{'comm/step':>12}" + "".join(f"{'comm ' + d:>{width[d]}}" for d in dims))
         lines = [f"simulated mesh {self.mesh_shape} {self.mesh_dim_names or ''}: {len(self)} ranks, "
                  f"{len(self.computed)} run, {self.seconds:.1f} s", head]
         for ranks, r in self._grouped():
@@ -191,7 +192,7 @@ class SimulationReport:
             lines.append(f"{_ranges(ranks):<22}{format_bytes(r.param_bytes):>12}{format_bytes(r.grad_bytes):>12}"
                          f"{format_bytes(r.optimizer_bytes):>12}{format_bytes(r.activation_bytes):>13}"
                          f"{format_bytes(r.total_bytes):>12}{format_bytes(r.comm_bytes):>12}"
-                         + "".join(f"{format_bytes(per_dim[d]):>14}" for d in dims))
+                         + "".join(f"{format_bytes(per_dim[d]):>{width[d]}}" for d in dims))
         total_comm = sum(r.comm_bytes or 0 for r in self)
         lines.append(f"{'all ranks':<22}{format_bytes(sum(r.param_bytes for r in self)):>12}"
                      f"{format_bytes(sum(r.grad_bytes for r in self)):>12}"
