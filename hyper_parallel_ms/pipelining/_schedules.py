@@ -449,9 +449,9 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
     backwards in reverse.
 
     Args:
-        stages: this rank's stages (e.g. stages r and r + pp).
-        n_microbatches: micro-batches per step (any number).
-        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
+        stages: this rank's looped stages, in stage order.
+        n_microbatches: micro-batches per step; any number works.
+        loss_fn: the last stage's ``loss_fn(output, target_microbatch)``; without one the step runs forward only.
         {shared_args}
 
     Example::

@@ -66,12 +66,12 @@ _SAVES_OUTPUT = frozenset({"Softmax", "LogSoftmax", "LogSoftmaxExt", "Exp", "Sig
 def saved_activations(op: str, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> List[Tensor]:
     """The activations (batch-dependent tensors) ``op`` keeps for its backward: none for views,
     additions, casts and sums; its output for softmax-like ops whose gradient reads it; else its
-    activation inputs.
+    activation inputs (the batch-dependent ones of :func:`saved_tensors`).
 
     Args:
-        op: the primitive's name.
-        inputs: its tensor arguments.
-        outputs: its results.
+        op: the primitive's name, as :func:`saved_tensors` takes it.
+        inputs: the op's tensor arguments.
+        outputs: the op's results.
 
     >>> import mindspore as ms
     >>> a = AbstractTensor((2, 3), ms.float32)
