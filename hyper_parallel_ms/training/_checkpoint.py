@@ -56,6 +56,9 @@ class CheckpointImpl(enum.Enum):
     """PyTorch's choice of checkpoint implementation, accepted by :func:`checkpoint_wrapper`: both run
     MindSpore's recompute here (the backward runs the forward again, random state replayed).
 
+    Args:
+        value: a member's value, as any ``Enum`` takes it (use the members by name).
+
     >>> CheckpointImpl.NO_REENTRANT.name
     'NO_REENTRANT'
     """
