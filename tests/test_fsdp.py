@@ -436,7 +436,7 @@ def test_an_optimizer_over_units_and_parameters_outside_them_warns_once():
     check warns once, naming them; with the root sharded too it says nothing."""
     import warnings
     from mindspore import nn
-    from hyper_parallel_ms.nn._parameter import check_optimizer_step
+    from hyper_parallel_ms.fsdp._coverage import warn_parameters_outside_units
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), simulate=(2, 0))
     for shard_root in (False, True):
         model = nn.SequentialCell([nn.Dense(4, 4), nn.Dense(4, 2)])
@@ -447,7 +447,7 @@ def test_an_optimizer_over_units_and_parameters_outside_them_warns_once():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
-                check_optimizer_step(type(opt).construct, (opt, ()))
+                warn_parameters_outside_units(type(opt).construct, (opt, ()))
         texts = [str(w.message) for w in caught if "no unit holds" in str(w.message)]
         if shard_root:
             assert texts == []

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from mindspore import Parameter, nn
 
 from .._cluster import device_target
-from .._mindspore import cell_subclass
+from .._mindspore import cell_subclass, check_compiled_calls
 from ..placement import Shard
 from ..nn._adapter import named_cells, own_parameters
 from ..nn._parameter import REPLACED_BY
@@ -26,6 +26,7 @@ from ..nn._consistency import agreed
 from ..nn._edit import ModuleEdit, apply_edits
 from ._chunks import Chunks
 from ._compiled import READER_PREFIX, gathering_class
+from ._coverage import warn_parameters_outside_units
 from ._dparams import local_parameter
 from ._group import FSDPParamGroup
 from ._mesh import default_mesh, dp_mesh_dims
@@ -267,6 +268,7 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     state = agreed(prepare, _described, mesh, call)
     set_reshard(state, reshard_after_forward)
     apply_edits(_edits(cells, state, mixin, prefix), engine)
+    check_compiled_calls(warn_parameters_outside_units)     # an optimizer over units and other parameters
     _warn_kept_whole(state, call)
     return cell
 

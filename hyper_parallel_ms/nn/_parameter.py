@@ -21,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import itertools
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -177,31 +176,7 @@ def check_optimizer_step(fn: Callable, args: tuple) -> None:
                         f"fully_shard or hsdp), e.g. {cut[:3]}: it would update each piece as if it were the whole "
                         f"parameter. Use an element-wise optimizer (SGD, Momentum, Adam, AdamWeightDecay, Adagrad, "
                         f"RMSProp, ...) or leave grad_centralization off for those parameters")
-    _warn_outside_units(optimizer, params)
 
-
-_WARNED_OUTSIDE = "_hpms_warned_outside_units"
-
-
-def _warn_outside_units(optimizer: Any, params: Sequence[Parameter]) -> None:
-    """Warn once per optimizer whose parameters mix fully_shard / hsdp units over several ranks with
-    plain ones no unit holds (no root ``fully_shard``): nothing averages the latter's gradients over
-    the data-parallel ranks, so the replicas drift apart unless the script reduces them itself."""
-    from ..fsdp._param import fsdp_param          # fsdp builds on nn: looked up when an optimizer compiles
-    if getattr(optimizer, _WARNED_OUTSIDE, False):
-        return
-    units = [fsdp_param(p) for p in params if fsdp_param(p) is not None]
-    if not units or max(u.mesh.size() for u in units) < 2:
-        return
-    outside = [p.name for p in params if p.requires_grad and fsdp_param(p) is None and not isinstance(p, DTensor)
-               and parameter_sharding(p) is None]
-    if outside:
-        object.__setattr__(optimizer, _WARNED_OUTSIDE, True)
-        warnings.warn(f"{type(optimizer).__name__} steps {len(units)} parameters of fully_shard / hsdp units and "
-                      f"{len(outside)} that no unit holds, e.g. {outside[:3]}: nothing averages the gradients of those "
-                      f"over the data-parallel ranks, so the replicas drift apart. Apply fully_shard / hsdp to the "
-                      f"root Cell too (FSDP2 requires it), or reduce their gradients yourself (GradientReducer)",
-                      UserWarning, stacklevel=2)
 
 
 @dataclass(frozen=True)
