@@ -57,6 +57,41 @@ def _all_reduce_sum_prim(group_name: str):
     return ops.AllReduce(ops.ReduceOp.SUM, group_name)
 
 
+class _GraphSum(nn.Cell):
+    """``ops.AllReduce`` sum with its own backward (the all-reduce of the gradient). In a GRAPH_MODE
+    Cell, MindSpore 2.10 differentiates the bare primitive wrongly when its output is read twice:
+    ``y = AllReduce(x); (y * y).sum()`` gives twice the gradient (``ms.jit`` and PyNative are right;
+    measured: ``tests/test_comm.py``)."""
+
+    def __init__(self, group_name: str) -> None:
+        super().__init__()
+        self.reduce = ops.AllReduce(ops.ReduceOp.SUM, group_name)
+
+    def construct(self, x):
+        return self.reduce(x)
+
+    def bprop(self, x, out, dout):
+        return (self.reduce(dout),)
+
+
+@cell_per_call_site
+def _graph_sum(group_name: str) -> _GraphSum:
+    return _GraphSum(group_name)
+
+
+@run_in_python
+def _in_graph_mode() -> bool:
+    """Whether a GRAPH_MODE Cell is being compiled (not an ``ms.jit`` function in PyNative)."""
+    return is_compiling() and ms.get_context("mode") == ms.GRAPH_MODE
+
+
+def _wire_sum(x, group_name: str):
+    """All-reduce sum of a tensor of a dtype MCCL carries, differentiable in every mode."""
+    if _in_graph_mode():
+        return _graph_sum(group_name)(x)
+    return _all_reduce_sum_prim(group_name)(x)
+
+
 def limb_width(group_size: int) -> int:
     """Bits per limb so that ``group_size`` limb sums stay below 2**24 (exact in float32).
 
@@ -209,7 +244,7 @@ def place_over(x, group):
     """All-reduce sum of a buffer where each element is nonzero on at most one rank
     (a gather's slots): bit-exact for every supported dtype."""
     if x.dtype in WIRE_DTYPES:
-        return _all_reduce_sum_prim(group.name)(x)
+        return _wire_sum(x, group.name)
     if x.dtype == ms.float64:
         return _place_float64_cell(group)(x)
     return sum_over(x, group)
@@ -220,12 +255,12 @@ def sum_over(x, group):
     added locally in rank order, bfloat16 through float32."""
     dtype = x.dtype
     if dtype in WIRE_DTYPES:
-        return _all_reduce_sum_prim(group.name)(x)
+        return _wire_sum(x, group.name)
     if dtype in INTEGER_DTYPES:
         return _integer_sum(x, group)
     if dtype == ms.bool_:
         return _all_reduce_sum_prim(group.name)(x.astype(ms.float32)) > 0
     if dtype == ms.bfloat16:
-        return _all_reduce_sum_prim(group.name)(x.astype(ms.float32)).astype(ms.bfloat16)
+        return _wire_sum(x.astype(ms.float32), group.name).astype(ms.bfloat16)
     check_dtype(dtype)
     return _float64_sum(x, group)
