@@ -71,6 +71,14 @@ def test_dispatcher_errors_reach_the_caller_with_their_type():
         for run in (lambda: dt + plain, lambda: plain * dt, lambda: dt.add(plain), lambda: ops.cat([dt, plain])):
             with pytest.raises(TypeError, match="plain Tensor"):
                 run()
+    # a DTensor keyword argument reached the op as this rank's piece (x.clamp(max=m) with m Shard(0)
+    # gave every rank its own row, silently): refused, naming the positional form
+    x = distribute_tensor(Tensor(np.ones((3, 2), np.float32)), mesh, [Replicate()])
+    m = distribute_tensor(Tensor(np.array([0.1, -0.2], np.float32)), mesh, [Shard(0)])
+    for run in (lambda: x.clamp(max=m), lambda: mint.clamp(x, max=m)):
+        with pytest.raises(TypeError, match=r"keyword argument\(s\) \['max'\].*positionally"):
+            run()
+    np.testing.assert_allclose(mint.clamp(x, None, m).full_tensor().asnumpy(), [[0.1, -0.2]] * 3, rtol=1e-6)
 
 
 @multi_rank(2)

@@ -210,6 +210,18 @@ def test_partial_avg_max_min():
                                            atol=1e-6)
         back = distribute_tensor(ms.Tensor(x_np), mesh, [Replicate(), Partial(op)])
         np.testing.assert_allclose(back.full_tensor().asnumpy(), x_np, rtol=1e-6)
+    # the gradient through a Partial(avg) made from another placement is the one-device gradient
+    # (it came back divided by the ranks of every mesh dim that became avg: 1/2, 1/4 here)
+    w = np.random.default_rng(9).standard_normal((4, 6)).astype(np.float32)
+    for src, local, want in [((Replicate(), Replicate()), x_np, w),
+                             ((Shard(0), Replicate()), x_np[2 * coord[0]:2 * coord[0] + 2], w[2 * coord[0]:][:2]),
+                             ((Partial(), Replicate()), x_np, w)]:
+        for dst in [(Partial("avg"), Replicate()), (Partial("avg"), Partial("avg")), (Replicate(), Partial("avg"))]:
+            def loss(v, src=src, dst=dst):
+                moved = DTensor.from_local(v, mesh, list(src), shape=(4, 6)).redistribute(mesh, list(dst))
+                return (moved.full_tensor() * ms.Tensor(w)).sum()
+            grad = ms.grad(loss)(ms.Tensor(local)).asnumpy()
+            np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-6, err_msg=f"{src} -> {dst}")
 
 
 def test_gradient_copied_only_after_a_narrowing_step():

@@ -161,6 +161,12 @@ def dispatch(func, args: tuple, kwargs: dict):
     if name in _TYPE_QUERIES:      # what kind of object it is, not its values: the piece answers for it
         with no_hook():
             return func(*args, **kwargs)
+    keyword_dtensors = [k for k, v in (kwargs or {}).items() if spec_of(v) is not None or (
+        isinstance(v, (list, tuple)) and any(spec_of(t) is not None for t in v))]
+    if keyword_dtensors:
+        raise TypeError(f"{name}: the DTensor keyword argument(s) {keyword_dtensors} would reach the op as this "
+                        "rank's piece, not laid out with the other inputs; pass them positionally (e.g. "
+                        "mint.clamp(x, None, m) for clamp(x, max=m))")
     ignored = propagator.ignored_args(name)
     inputs, rebuild, attrs = _call_form(args if type(args) is tuple else tuple(args), ignored)
     mesh, signature, template = None, [], None

@@ -10,8 +10,9 @@ from ._executor import Redistribution, execute, lower, redistribution
 from ._gradient import gradient_layout, gradient_placements, replicate_partials, shared_dims
 from ._local import LocalRedistribute, plan_global_shape, plan_layouts
 from ._planner import Step, plan_redistribute
-from ._steps import AllGather, AllReduce, AllToAll, Chunk, LocalStep, Partition, ReduceScatter
+from ._steps import AllGather, AllReduce, AllToAll, Chunk, LocalStep, Multiply, Partition, ReduceScatter
 
 __all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "Step", "plan_redistribute", "lower", "execute",
            "Redistribution", "redistribution", "replicate_partials", "gradient_layout", "gradient_placements",
-           "shared_dims", "LocalStep", "AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition"]
+           "shared_dims", "LocalStep", "AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition",
+           "Multiply"]

@@ -25,7 +25,8 @@ from ..comm._tensor import narrow
 from ..layout import Layout
 from ._gradient import gradient_layout
 from ._planner import plan_redistribute
-from ._steps import AllGather, AllReduce, AllToAll, Chunk, LocalStep, Partition, ReduceScatter, ends_in_narrow, lower
+from ._steps import (AllGather, AllReduce, AllToAll, Chunk, LocalStep, Multiply, Partition, ReduceScatter, ends_in_narrow,
+                     lower)
 
 __all__ = ["lower", "lowered_steps", "execute", "step_cells", "Redistribution", "redistribution",
            "average_scaling"]
@@ -72,8 +73,13 @@ class _Partition(_StepCell):
         return x / self.divisor
 
 
+class _Multiply(_StepCell):
+    def construct(self, x):
+        return x * self.factor
+
+
 _CELLS = {AllGather: _AllGather, AllToAll: _AllToAll, Chunk: _Chunk, AllReduce: _AllReduce,
-          ReduceScatter: _ReduceScatter, Partition: _Partition}
+          ReduceScatter: _ReduceScatter, Partition: _Partition, Multiply: _Multiply}
 
 
 @cell_per_call_site
@@ -188,7 +194,12 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
 
 
 def average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:
-    """Backward steps for the mesh dims where the forward averaged a Partial(avg): each rank's
-    value counts 1/n in the average, so its gradient is divided by n."""
-    return tuple(Partition(a, n) for a, (p, q, n) in enumerate(zip(src.placements, dst.placements, src.mesh_shape))
-                 if p.is_partial("avg") and not q.is_partial("avg") and n > 1)
+    """Backward steps for the mesh dims where a Partial(avg) ends or begins: where the forward
+    averaged one, each rank's value counts 1/n in the average, so its gradient is divided by n;
+    where it made one from another placement, the gradient of the average arrives divided by n
+    (each piece counts 1/n), and is multiplied back."""
+    steps = []
+    for a, (p, q, n) in enumerate(zip(src.placements, dst.placements, src.mesh_shape)):
+        if n > 1 and p.is_partial("avg") != q.is_partial("avg"):
+            steps.append(Partition(a, n) if p.is_partial("avg") else Multiply(a, n))
+    return tuple(steps)

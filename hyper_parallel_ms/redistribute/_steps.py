@@ -22,7 +22,8 @@ from typing import Tuple, Union
 from ..layout import chunk_offsets, chunk_sizes
 from ._planner import Step
 
-__all__ = ["AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition", "LocalStep", "lower",
+__all__ = ["AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition", "Multiply", "LocalStep",
+           "lower",
            "ends_in_narrow"]
 
 
@@ -136,7 +137,24 @@ class Partition:
     divisor: int
 
 
-LocalStep = Union[AllGather, AllToAll, Chunk, AllReduce, ReduceScatter, Partition]
+@dataclass(frozen=True)
+class Multiply:
+    """Scale a value by ``factor`` (the number of ranks along a mesh dim): the backward of a
+    Partial(avg) made from a value that is not one, whose gradient arrives divided by them.
+
+    Args:
+        mesh_dim: the index of the mesh dim.
+        factor: the number of ranks along it.
+
+    >>> Multiply(mesh_dim=0, factor=4).factor
+    4
+    """
+
+    mesh_dim: int
+    factor: int
+
+
+LocalStep = Union[AllGather, AllToAll, Chunk, AllReduce, ReduceScatter, Partition, Multiply]
 
 
 def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
