@@ -68,9 +68,15 @@ def _matrix(mesh_shape, names, ndim, which):
     return len(lists) ** 2
 
 
-@pytest.mark.parametrize("ndim", [1, 2, 3])
-@pytest.mark.parametrize("which", [0, 1], ids=["even", "uneven"])
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["mesh4", "mesh2x2"])
+# every (mesh, even / uneven shape, ndim) but the even 3-D tensor on the 2 x 2 mesh, whose transitions
+# the uneven 3-D one runs too (an even split is the chunk logic's special case; 36 s of CI)
+TRANSITION_CASES = [pytest.param(mesh, which, ndim, id=f"{mesh_id}-{which_id}-{ndim}")
+                    for mesh, mesh_id in (((4,), "mesh4"), ((2, 2), "mesh2x2"))
+                    for which, which_id in ((0, "even"), (1, "uneven")) for ndim in (1, 2, 3)
+                    if (mesh_id, which_id, ndim) != ("mesh2x2", "even", 3)]
+
+
+@pytest.mark.parametrize("mesh_shape,which,ndim", TRANSITION_CASES)
 @multi_rank(4)
 def test_every_transition(mesh_shape, which, ndim):
     names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
