@@ -21,7 +21,7 @@ from ._param import fsdp_param
 
 __all__ = ["warn_parameters_outside_units"]
 
-_WARNED = "_hpms_warned_outside_units"
+_CHECKED = "_hpms_checked_outside_units"       # an optimizer's parameters are fixed: one look suffices
 
 
 def warn_parameters_outside_units(fn: Callable, args: tuple) -> None:
@@ -39,17 +39,17 @@ def warn_parameters_outside_units(fn: Callable, args: tuple) -> None:
         check_compiled_calls(warn_parameters_outside_units)
     """
     from mindspore import nn
-    if not args or not isinstance(args[0], nn.Optimizer) or getattr(args[0], _WARNED, False):
+    if not args or not isinstance(args[0], nn.Optimizer) or getattr(args[0], _CHECKED, False):
         return
     optimizer = args[0]
-    params = tuple(optimizer.parameters)
-    units = [fsdp_param(p) for p in params if fsdp_param(p) is not None]
+    object.__setattr__(optimizer, _CHECKED, True)
+    records = [(p, fsdp_param(p)) for p in optimizer.parameters]
+    units = [r for _, r in records if r is not None]
     if not units or max(u.mesh.size() for u in units) < 2:
         return
-    outside = [p.name for p in params if p.requires_grad and fsdp_param(p) is None and not isinstance(p, DTensor)
+    outside = [p.name for p, r in records if r is None and p.requires_grad and not isinstance(p, DTensor)
                and parameter_sharding(p) is None]
     if outside:
-        object.__setattr__(optimizer, _WARNED, True)
         warnings.warn(f"{type(optimizer).__name__} steps {len(units)} parameters of fully_shard / hsdp units and "
                       f"{len(outside)} that no unit holds, e.g. {outside[:3]}: nothing averages the gradients of those "
                       f"over the data-parallel ranks, so the replicas drift apart. Apply fully_shard / hsdp to the "

@@ -55,8 +55,8 @@ _VIEWS = ("Reshape", "View", "Transpose", "TransposeView", "DeprecatedTranspose"
           "Slice", "Narrow", "NarrowView", "Split", "SplitWithSize", "SplitWithSizeView", "SplitTensor",
           "SplitTensorView", "Concat", "Cat", "StackExt", "Stack", "BroadcastTo", "BroadcastToView", "Expand",
           "ExpandAs", "Tile", "Repeat", "Unstack", "UnstackExtView", "UnstackExt", "TExt", "Clone")
-_LINEAR = ("AddExt", "Add", "BiasAdd", "SubExt", "Sub", "AddScalar", "SubScalar", "Neg", "Muls", "Divs", "Cast", "ToDtype",
-           "SumExt", "DeprecatedSum", "ReduceSum", "MeanExt", "DeprecatedMean", "ReduceMean", "ZerosLike",
+_LINEAR = ("AddExt", "Add", "BiasAdd", "SubExt", "Sub", "AddScalar", "SubScalar", "Neg", "Muls", "Divs", "Cast",
+           "ToDtype", "SumExt", "DeprecatedSum", "ReduceSum", "MeanExt", "DeprecatedMean", "ReduceMean", "ZerosLike",
            "OnesLike", "ZerosLikeExt", "OnesLikeExt", "FullLike", "EmptyLike", "NewZeros", "NewOnes")
 _SAVES_NOTHING = frozenset(_VIEWS + _LINEAR)
 _SAVES_OUTPUT = frozenset({"Softmax", "LogSoftmax", "LogSoftmaxExt", "Exp", "Sigmoid", "Tanh", "Rsqrt", "Sqrt",
