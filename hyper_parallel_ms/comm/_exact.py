@@ -45,7 +45,8 @@ from mindspore import nn, ops
 from .._mindspore import cached_in_python, cell_per_call_site, is_compiling, run_in_python
 from ._tensor import pad_dim
 
-__all__ = ["INTEGER_DTYPES", "WIRE_DTYPES", "check_dtype", "place_over", "sum_over", "wire_itemsize", "limb_width"]
+__all__ = ["INTEGER_DTYPES", "WIRE_DTYPES", "check_dtype", "place_over", "sum_over", "wire_sum", "wire_itemsize",
+           "limb_width"]
 
 WIRE_DTYPES = (ms.float32, ms.float16)
 INTEGER_DTYPES = (ms.int8, ms.int16, ms.int32, ms.int64, ms.uint8)
@@ -85,8 +86,14 @@ def _in_graph_mode() -> bool:
     return is_compiling() and ms.get_context("mode") == ms.GRAPH_MODE
 
 
-def _wire_sum(x, group_name: str):
-    """All-reduce sum of a tensor of a dtype MCCL carries, differentiable in every mode."""
+def wire_sum(x, group_name: str):
+    """All-reduce sum of a tensor of a dtype the wire carries (float32 / float16), with the right
+    gradient in every mode (GRAPH_MODE Cells through :class:`_GraphSum`).
+
+    Example::
+
+        total = wire_sum(x, group.name)       # x: float32
+    """
     if _in_graph_mode():
         return _graph_sum(group_name)(x)
     return _all_reduce_sum_prim(group_name)(x)
@@ -244,7 +251,7 @@ def place_over(x, group):
     """All-reduce sum of a buffer where each element is nonzero on at most one rank
     (a gather's slots): bit-exact for every supported dtype."""
     if x.dtype in WIRE_DTYPES:
-        return _wire_sum(x, group.name)
+        return wire_sum(x, group.name)
     if x.dtype == ms.float64:
         return _place_float64_cell(group)(x)
     return sum_over(x, group)
@@ -255,12 +262,12 @@ def sum_over(x, group):
     added locally in rank order, bfloat16 through float32."""
     dtype = x.dtype
     if dtype in WIRE_DTYPES:
-        return _wire_sum(x, group.name)
+        return wire_sum(x, group.name)
     if dtype in INTEGER_DTYPES:
         return _integer_sum(x, group)
     if dtype == ms.bool_:
         return _all_reduce_sum_prim(group.name)(x.astype(ms.float32)) > 0
     if dtype == ms.bfloat16:
-        return _wire_sum(x.astype(ms.float32), group.name).astype(ms.bfloat16)
+        return wire_sum(x.astype(ms.float32), group.name).astype(ms.bfloat16)
     check_dtype(dtype)
     return _float64_sum(x, group)

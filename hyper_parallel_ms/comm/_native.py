@@ -27,7 +27,7 @@ from mindspore import ops
 
 from .._mindspore import cached_in_python
 from ..layout import chunk_offsets, chunk_sizes
-from ._exact import _wire_sum
+from ._exact import wire_sum
 from ._tensor import move_to_front, move_from_front, narrow, pad_dim, select_pieces
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
@@ -81,8 +81,8 @@ def all_reduce(x, op: str, group):
         for r in range(1, group.size):
             total = total + slots[r]
         return total / group.size if op == "avg" else total
-    if op in ("sum", "avg"):       # GRAPH_MODE: with its own backward (see ._exact._wire_sum)
-        total = _wire_sum(x, group.name)
+    if op in ("sum", "avg"):       # GRAPH_MODE: with its own backward (see ._exact.wire_sum)
+        total = wire_sum(x, group.name)
         return total / group.size if op == "avg" else total
     return _all_reduce_prim(op, group.name)(x)
 

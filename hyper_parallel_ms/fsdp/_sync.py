@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from mindspore import ops
 
 from .. import comm
 from ..comm._tensor import narrow, owned_copy

@@ -17,7 +17,7 @@ from mindspore import Tensor, ops
 
 from .._mindspore import is_compiling, run_in_python, running_eagerly
 from ..dtensor import DTensor
-from ..pipelining._schedules import PipelineSchedule
+from ..pipelining._schedule_base import PipelineSchedule
 from ._norm import TotalGradNorm
 
 __all__ = ["clip_grad_norm"]

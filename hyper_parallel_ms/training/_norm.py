@@ -33,7 +33,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from .. import comm
 from ..dtensor import DTensor
 from ..nn._parameter import parameter_sharding
-from ..pipelining._schedules import PipelineSchedule
+from ..pipelining._schedule_base import PipelineSchedule
 from ..pipelining._stage import STAGE_MESH
 
 __all__ = ["TotalGradNorm", "split_groups"]
