@@ -89,15 +89,17 @@ class FSDPParamGroup:
     def gathered(self, reuse: Any = None, owned: bool = True) -> Tuple[Any, list]:
         """The group's gathered flat buffer and every parameter's full value cut from it;
         ``reuse``: a buffer gathered earlier from the same pieces, used instead of a collective
-        (the backward still reduces); ``owned=False``: the values as views of the buffer."""
+        (the backward still reduces); ``owned``: each value a tensor owning its memory (needed
+        where the unit's saved-tensor hooks free the values after the forward), else views."""
         self.gather.reused = reuse
         try:
             flat = self.gather(pack(self.layout, self.pieces()))
         finally:
             self.gather.reused = None
-        # each value a tensor of its own, not a view of the buffer: MindSpore's autodiff keeps a
-        # contiguous copy of a view an op reads (one per read, which the unit's saved-tensor hooks
-        # cannot recognise and free), and the value itself when it owns its memory (measured)
+        # owned: each value a tensor of its own, not a view: MindSpore's autodiff keeps a contiguous
+        # copy of a view an op reads (one per read, which the unit's saved-tensor hooks cannot
+        # recognise and free), and the value itself when it owns its memory (measured). Without
+        # freeing, views cost fewer PyNative autodiff nodes (the copies autodiff makes are not nodes).
         values = unpack(self.layout, flat)
         return flat, [owned_copy(v) for v in values] if owned else values
 
