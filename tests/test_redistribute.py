@@ -228,6 +228,18 @@ def test_partial_avg_max_min():
                 return (moved.full_tensor() * ms.Tensor(w)).sum()
             grad = ms.grad(loss)(ms.Tensor(local)).asnumpy()
             np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-6, err_msg=f"{src} -> {dst}")
+    # Partial(max / min) into a new Partial(sum): the gradient reaches the rank holding the extremum
+    # (it reached none: the mask compared the piece with value / n instead of the value)
+    for op in ("max", "min"):
+        holder = (rank == 0)                  # rank 0 holds x_np; the others hold values below / above it
+        mine = x_np if holder else x_np + (-1.0 if op == "max" else 1.0) * (1.0 + rank)
+        for dst in [(Partial(), Partial()), (Partial(), Replicate()), (Replicate(), Partial())]:
+            def loss(v, op=op, dst=dst):
+                moved = DTensor.from_local(v, mesh, [Partial(op), Partial(op)]).redistribute(mesh, list(dst))
+                return (moved.full_tensor() * ms.Tensor(w)).sum()
+            grad = ms.grad(loss)(ms.Tensor(mine)).asnumpy()
+            np.testing.assert_allclose(grad, w if holder else np.zeros_like(w), rtol=1e-6, atol=1e-6,
+                                       err_msg=f"P({op}) -> {dst}")
 
 
 def test_gradient_copied_only_after_a_narrowing_step():

@@ -190,7 +190,10 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
     forward, backward, scaling = lowered_steps(src, dst, shape, mesh.get_coordinate(), grad_src)
     extremum = any(p.is_partial() and p.reduce_op in ("max", "min") and q != p
                    for p, q in zip(src.placements, dst.placements))
-    return Redistribution(mesh, forward, backward + scaling, backward if extremum else None)
+    # a Partial(sum) the forward made holds value / n on each rank: the value is n times it
+    summed = tuple(Multiply(a, n) for a, (p, q, n) in enumerate(zip(src.placements, dst.placements, src.mesh_shape))
+                   if n > 1 and q.is_partial("sum") and not p.is_partial("sum"))
+    return Redistribution(mesh, forward, backward + scaling, summed + backward if extremum else None)
 
 
 def average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:
