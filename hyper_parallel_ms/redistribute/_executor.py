@@ -123,6 +123,8 @@ class Redistribution(nn.Cell):
         backward_steps: this rank's steps on the gradient.
         value_steps: for a Partial(max / min) reduced in forward, the steps that bring the result
             back to the source layout (``None`` otherwise).
+        from_input: ``value_steps`` reduce the input piece over the max / min mesh dims instead
+            (beside Partial(sum / avg) dims, where the output is no extremum to compare with).
 
     Example::
 
