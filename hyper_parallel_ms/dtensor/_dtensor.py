@@ -328,8 +328,12 @@ class DTensor(Tensor):
                 raise ValueError(f"cannot redistribute from {spec.mesh!r} to {device_mesh!r}: a DTensor moves "
                                  "only onto a mesh over the same ranks")
             # another layout of the same ranks: every rank takes the whole tensor, then its new piece
+            # through a redistribution, whose backward gathers the gradient (a plain cut of the
+            # whole tensor handed each rank the gradient of its new piece only)
             new = DTensorSpec.build(device_mesh, placements, spec.shape)
-            return DTensor(new.piece_of(self.full_tensor()), new)
+            whole = to_layout(device_mesh, [Replicate()] * device_mesh.ndim, self.ndim)
+            out = redistribution(device_mesh, whole, new.layout, spec.shape)(self.full_tensor())
+            return DTensor(out.copy(), new)     # own storage: a view would alias the whole tensor
         layout = to_layout(spec.mesh, placements, self.ndim)
         if layout == spec.layout:
             return self
