@@ -279,6 +279,27 @@ class Layout:
         """
         return {c: self.local_shape(global_shape, c) for c in self.coordinates()}
 
+    def empty_piece(self, global_shape: Sequence[int]) -> Optional[Shape]:
+        """The shape of an empty piece some rank holds while ``global_shape`` is not empty, else
+        ``None`` (every coordinate of the mesh dims that shard: nested ``torch.chunk`` pieces do
+        not shrink in one direction).
+
+        Example:
+            >>> Layout((4,), (Shard(0),)).empty_piece((5, 3)), Layout((4,), (Shard(0),)).empty_piece((8, 3))
+            ((0, 3), None)
+        """
+        if 0 in tuple(global_shape):
+            return None
+        cutting = [d for d, p in enumerate(self.placements) if p.is_shard()]
+        for coords in itertools.product(*(range(self.mesh_shape[d]) for d in cutting)):
+            coordinate = [0] * len(self.mesh_shape)
+            for d, c in zip(cutting, coords):
+                coordinate[d] = c
+            shape = self.local_shape(global_shape, tuple(coordinate))
+            if 0 in shape:
+                return shape
+        return None
+
     def coordinates(self) -> Iterator[Tuple[int, ...]]:
         """All mesh coordinates in row-major (rank) order."""
         return itertools.product(*(range(n) for n in self.mesh_shape))

@@ -231,3 +231,22 @@ def test_pytorch_keywords_of_from_local_and_redistribute_run_check_dtypes_and_pi
     again = pickle.loads(pickle.dumps(dt))
     assert again.placements == dt.placements and again.shape == dt.shape
     np.testing.assert_array_equal(again.full_tensor().asnumpy(), dt.full_tensor().asnumpy())
+
+
+def test_a_parameter_of_a_dtensor_with_an_empty_piece_is_refused_on_every_rank():
+    """5 rows on 4 ranks (2, 2, 1, 0): MindSpore's optimizers cannot hold the empty piece, so an
+    optimizer over ``Parameter(dtensor)`` failed on the last rank alone ("For 'initializer' ...
+    shape must be positive") while the others went on to their next collective. Every rank
+    (simulated here, one process) now refuses the Parameter itself; even pieces still work."""
+    ms.set_device("CPU")
+    for rank, rows in enumerate((2, 2, 1, 0)):
+        mesh = init_device_mesh("cpu", (4,), simulate=(4, rank))
+        dt = DTensor.from_local(ms.Tensor(np.ones((rows, 3), np.float32)), mesh, [Shard(0)], shape=(5, 3),
+                                run_check=False)
+        with pytest.raises(ValueError, match=r"leaves a rank the empty piece \(0, 3\)"):
+            ms.Parameter(dt, name="w")
+        even = DTensor.from_local(ms.Tensor(np.ones((2, 3), np.float32)), mesh, [Shard(0)], shape=(8, 3),
+                                  run_check=False)
+        assert ms.Parameter(even, name="w").to_local().shape == (2, 3)
+    assert Layout((2, 2), (Shard(0), Shard(0))).empty_piece((3, 4)) == (0, 4)    # nested pieces 1, 1, 1, 0
+    assert Layout((2, 2), (Shard(0), Shard(0))).empty_piece((5, 4)) is None     # 2, 1, 1, 1

@@ -169,5 +169,13 @@ def test_mesh_surfaces_of_both_anchors():
     np.testing.assert_array_equal(moved.to_local().asnumpy(), full[4 * t:4 * t + 4, 3 * d:3 * d + 3])
     np.testing.assert_array_equal(moved.redistribute(flat, [Shard(1)]).to_local().asnumpy(),
                                   full[:, 2 * me:2 * me + 2])      # torch.chunk pieces: 2, 2, 2, 0
+    # its gradient is the one-device gradient (the new piece was cut from the whole tensor, so
+    # each rank's gradient held only its new piece's part: wrong, silently)
+    w = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
+
+    def moved_loss(piece):
+        there = DTensor.from_local(piece, flat, [Shard(0)], shape=(8, 6)).redistribute(mesh, [Shard(1), Shard(0)])
+        return (there.full_tensor() * ms.Tensor(w)).sum()
+    np.testing.assert_allclose(ms.grad(moved_loss)(dt.to_local()).asnumpy(), w[2 * me:2 * me + 2], rtol=1e-6)
     with pytest.raises(ValueError, match="only onto a mesh over the same ranks"):
         dt.redistribute(tp, [Replicate()])

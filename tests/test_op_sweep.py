@@ -127,10 +127,22 @@ def _argmax_rows(a):
     return ops.argmax(a, 1).astype(ms.float32)
 
 
+def _mean_of_all(a):
+    return a.mean()
+
+
+def _whole_on_every_rank(dt, want):
+    """``dt``'s global value equals ``want`` (dtype included) on every rank."""
+    got = dt.full_tensor().asnumpy()
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    np.testing.assert_array_equal(got, want)
+
+
 @multi_rank(4)
 def test_empty_pieces_skip_the_kernel():
-    """5 rows on 4 ranks: 2, 2, 1, 0. LayerNorm / Tile / Argmax kernels raise on the empty
-    piece and ReduceMax returns uninitialised memory there; every rank must get on."""
+    """Rows nested over mesh (2, 2) (5 rows: 2, 1, 1, 1; 3 rows: 1, 1, 1, 0). LayerNorm / Tile /
+    Argmax kernels raise on an empty piece and ReduceMax / ReduceSum return uninitialised memory
+    there; every rank must get on, with the one-device values."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     check_op(mesh, _layer_norm_cell(), [_rand(2, 5, 6)], [[S1, S1]], [S1, S1])
     check_op(mesh, _tile_rows, [_rand(5, 3)], [[S0, S0]], [S0, S0])
@@ -143,6 +155,16 @@ def test_empty_pieces_skip_the_kernel():
     ids = ms.Tensor(np.array([[4, 0, 3]], np.int32))
     np.testing.assert_allclose(ops.gather(table_dt, ids, 0).full_tensor().asnumpy(), table[[[4, 0, 3]]],
                                rtol=1e-6)
+    # 3 rows on [S0, S0]: pieces 1, 1, 1, 0. A mean over all dims summed the empty piece with
+    # MindSpore's CPU sum, which returns uninitialised memory there (-1e11 for 0.19); an integer
+    # sum filled the empty piece's Partial with a float 0, so that rank's all-reduce moved float32
+    # while the others moved integer limbs (a collective failure); new_ones was 0 on that rank.
+    check_op(mesh, _mean_of_all, [_rand(3, 4)], [[S0, S0]], [Partial(), Partial()])
+    ints = np.arange(12, dtype=np.int32).reshape(3, 4) - 20
+    ints_dt = distribute_tensor(ms.Tensor(ints), mesh, [S0, S0])
+    _whole_on_every_rank(ints_dt.sum(0), ints.sum(0))
+    _whole_on_every_rank(ops.amax(ints_dt, 0), ints.max(0))        # negative: the identity is int32's minimum
+    _whole_on_every_rank(ints_dt.new_ones((2,)), np.ones(2, np.int32))
 
 
 def _raised_everywhere(fn) -> str:

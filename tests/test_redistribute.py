@@ -228,6 +228,31 @@ def test_partial_avg_max_min():
                 return (moved.full_tensor() * ms.Tensor(w)).sum()
             grad = ms.grad(loss)(ms.Tensor(local)).asnumpy()
             np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-6, err_msg=f"{src} -> {dst}")
+    # Partial(max / min) into a new Partial(sum): the gradient reaches the rank holding the extremum
+    # (it reached none: the mask compared the piece with value / n instead of the value)
+    for op in ("max", "min"):
+        holder = (rank == 0)                  # rank 0 holds x_np; the others hold values below / above it
+        mine = x_np if holder else x_np + (-1.0 if op == "max" else 1.0) * (1.0 + rank)
+        for dst in [(Partial(), Partial()), (Partial(), Replicate()), (Replicate(), Partial())]:
+            def loss(v, op=op, dst=dst):
+                moved = DTensor.from_local(v, mesh, [Partial(op), Partial(op)]).redistribute(mesh, list(dst))
+                return (moved.full_tensor() * ms.Tensor(w)).sum()
+            grad = ms.grad(loss)(ms.Tensor(mine)).asnumpy()
+            np.testing.assert_allclose(grad, w if holder else np.zeros_like(w), rtol=1e-6, atol=1e-6,
+                                       err_msg=f"P({op}) -> {dst}")
+    # Partial(max) beside Partial(sum / avg) on the other mesh dim: the holders are found from the
+    # pieces reduced over the max dim alone (compared with the whole value, no piece matched:
+    # an identity redistribution through (P(max), P(sum)) had gradient 0, silently)
+    def through(v, src, mid):
+        moved = DTensor.from_local(v, mesh, list(src), shape=(4, 6)).redistribute(mesh, list(mid))
+        return (moved.full_tensor() * ms.Tensor(w)).sum()
+    cols = Layout(mesh.shape, (Replicate(), Shard(1))).local_slices((4, 6), coord)
+    grad = ms.grad(lambda v: through(v, (Replicate(), Shard(1)), (Partial("max"), Partial())))(ms.Tensor(x_np[cols]))
+    np.testing.assert_allclose(grad.asnumpy(), w[cols], rtol=1e-6, atol=1e-6)
+    holder = coord[1] == 0                    # max over mesh dim 1, then the average over mesh dim 0
+    mine = x_np + (coord[0] - 0.5) if holder else x_np - 5.0
+    grad = ms.grad(lambda v: through(v, (Partial("avg"), Partial("max")), (Replicate(), Replicate())))(ms.Tensor(mine))
+    np.testing.assert_allclose(grad.asnumpy(), w / 2 if holder else np.zeros_like(w), rtol=1e-6, atol=1e-6)
 
 
 def test_gradient_copied_only_after_a_narrowing_step():

@@ -73,6 +73,20 @@ def _reflected(name: str):
 
 
 @_ms_seam.keeps_hook_errors
+def _refuse_empty_piece(spec: DTensorSpec) -> None:
+    """``Parameter(dtensor)`` where some rank's piece is empty raises on every rank (decided from
+    the layout and global shape): MindSpore's optimizers cannot hold an empty Parameter, so that
+    rank alone failed when an optimizer was built ("For 'initializer' ... shape must be positive")
+    while the others went on to their next collective."""
+    empty = spec.layout.empty_piece(spec.shape)
+    if empty is not None:
+        raise ValueError(
+            f"Parameter(DTensor) of global shape {tuple(spec.shape)} placed {tuple(spec.layout.placements)} on the "
+            f"mesh {tuple(spec.layout.mesh_shape)} leaves a rank the empty piece {empty} (torch.chunk pieces), which "
+            "MindSpore's optimizers cannot hold (that rank alone would fail). Use a size that gives every rank at "
+            "least one slice (a multiple of the mesh size), a smaller mesh, or another placement")
+
+
 class DTensor(Tensor):
     """A distributed tensor: the local piece of a global tensor, with its mesh and placements.
 
@@ -92,6 +106,7 @@ class DTensor(Tensor):
     def __new__(cls, local: Tensor, spec: Optional[DTensorSpec] = None):
         if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
             spec = local._dt_spec  # which needs storage of its own (a view would not be updated)
+            _refuse_empty_piece(spec)
             local = _local_view(local).copy()
         _ms_seam.guard_mindspore_for(DTensor, elementwise_step_on_pieces)
         obj = _ms_seam.as_subclass(cls, local)
@@ -313,8 +328,12 @@ class DTensor(Tensor):
                 raise ValueError(f"cannot redistribute from {spec.mesh!r} to {device_mesh!r}: a DTensor moves "
                                  "only onto a mesh over the same ranks")
             # another layout of the same ranks: every rank takes the whole tensor, then its new piece
+            # through a redistribution, whose backward gathers the gradient (a plain cut of the
+            # whole tensor handed each rank the gradient of its new piece only)
             new = DTensorSpec.build(device_mesh, placements, spec.shape)
-            return DTensor(new.piece_of(self.full_tensor()), new)
+            whole = to_layout(device_mesh, [Replicate()] * device_mesh.ndim, self.ndim)
+            out = redistribution(device_mesh, whole, new.layout, spec.shape)(self.full_tensor())
+            return DTensor(out.copy(), new)     # own storage: a view would alias the whole tensor
         layout = to_layout(spec.mesh, placements, self.ndim)
         if layout == spec.layout:
             return self

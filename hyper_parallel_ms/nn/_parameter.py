@@ -20,7 +20,6 @@ Example::
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -204,20 +203,8 @@ class ParameterPlacement:
 
     def empty_piece(self, global_shape: Sequence[int]) -> Optional[Tuple[int, ...]]:
         """The shape of an empty piece some rank would hold while ``global_shape`` is not empty, else
-        ``None`` (every coordinate of the mesh dims that cut it: nested ``torch.chunk`` pieces do not
-        shrink in one direction)."""
-        if 0 in tuple(global_shape):
-            return None
-        layout = to_layout(self.mesh, self.placements, len(global_shape))
-        cutting = [d for d, p in enumerate(layout.placements) if p.is_shard()]
-        for coords in itertools.product(*(range(self.mesh.shape[d]) for d in cutting)):
-            coordinate = [0] * len(self.mesh.shape)
-            for d, c in zip(cutting, coords):
-                coordinate[d] = c
-            shape = tuple(layout.local_shape(global_shape, tuple(coordinate)))
-            if 0 in shape:
-                return shape
-        return None
+        ``None`` (:meth:`Layout.empty_piece`)."""
+        return to_layout(self.mesh, self.placements, len(global_shape)).empty_piece(global_shape)
 
     def make(self, param: Parameter) -> Parameter:
         """The new Parameter, with ``param``'s name, cut from ``param``'s values."""

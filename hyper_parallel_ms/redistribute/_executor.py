@@ -123,6 +123,8 @@ class Redistribution(nn.Cell):
         backward_steps: this rank's steps on the gradient.
         value_steps: for a Partial(max / min) reduced in forward, the steps that bring the result
             back to the source layout (``None`` otherwise).
+        from_input: ``value_steps`` reduce the input piece over the max / min mesh dims instead
+            (beside Partial(sum / avg) dims, where the output is no extremum to compare with).
 
     Example::
 
@@ -131,12 +133,13 @@ class Redistribution(nn.Cell):
     """
 
     def __init__(self, mesh, forward_steps: Tuple[LocalStep, ...], backward_steps: Tuple[LocalStep, ...],
-                 value_steps: Tuple[LocalStep, ...] = None) -> None:
+                 value_steps: Tuple[LocalStep, ...] = None, from_input: bool = False) -> None:
         super().__init__()
         self.forward_cells = step_cells(mesh, forward_steps)
         self.backward_cells = step_cells(mesh, backward_steps)
         self.masked = value_steps is not None
         self.value_cells = step_cells(mesh, value_steps or ())
+        self.from_input = from_input     # value_steps reduce the input itself (mixed Partial kinds)
         # a gradient cut from a gathered one is a view at an offset into it; MindSpore's backward
         # of view ops (SplitTensorView, ...) reads such a gradient from the start of its storage,
         # so a gradient whose last step narrows is handed back as a fresh tensor (the CPU backend
@@ -152,9 +155,10 @@ class Redistribution(nn.Cell):
         for cell in self.backward_cells:
             dout = cell(dout)
         if self.masked:
+            value = x if self.from_input else out
             for cell in self.value_cells:
-                out = cell(out)
-            dout = dout * ops.equal(x, out).astype(dout.dtype)
+                value = cell(value)
+            dout = dout * ops.equal(x, value).astype(dout.dtype)
         return (dout * 1 if self.copies_gradient else dout,)
 
 
@@ -188,9 +192,15 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
         y = redistribution(mesh, Layout((2,), (Shard(0),)), Layout((2,), (Replicate(),)), (4, 3))(x)
     """
     forward, backward, scaling = lowered_steps(src, dst, shape, mesh.get_coordinate(), grad_src)
-    extremum = any(p.is_partial() and p.reduce_op in ("max", "min") and q != p
-                   for p, q in zip(src.placements, dst.placements))
-    return Redistribution(mesh, forward, backward + scaling, backward if extremum else None)
+    reduced = tuple(AllReduce(a, p.reduce_op) for a, (p, q) in enumerate(zip(src.placements, dst.placements))
+                    if p.is_partial() and p.reduce_op in ("max", "min") and q != p)
+    if not reduced:
+        return Redistribution(mesh, forward, backward + scaling)
+    if any(p.is_partial("sum") or p.is_partial("avg") for p in src.placements + dst.placements):
+        # beside Partial(sum / avg) pieces, the output is no extremum to compare with: the
+        # holders are the ranks whose piece equals its reduction over the extremum dims alone
+        return Redistribution(mesh, forward, backward + scaling, reduced, from_input=True)
+    return Redistribution(mesh, forward, backward + scaling, backward)
 
 
 def average_scaling(src: Layout, dst: Layout) -> Tuple[LocalStep, ...]:

@@ -28,6 +28,7 @@ from typing import List, Tuple
 from mindspore import mint
 
 from ...placement import Partial, Placement, Replicate, Shard
+from .._empty import zero_padded
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like
@@ -90,8 +91,9 @@ def reduction_rule(schema: OpSchema) -> OutputSharding:
 
     def local_fn(coord):
         def piece_sum_over_count(piece, *_args, **_kwargs):
-            # a sum, not this rank's mean: an empty piece contributes 0 (its mean would be NaN)
-            piece = piece if dtype is None else piece.astype(dtype)
+            # a sum, not this rank's mean: an empty piece contributes 0 (its mean would be NaN;
+            # MindSpore's CPU sum of an empty tensor is uninitialised memory, so it sums zeros)
+            piece = zero_padded(piece if dtype is None else piece.astype(dtype), dims)
             return mint.sum(piece, dim=list(dims), keepdim=keepdim) / count
         return piece_sum_over_count
     return OutputSharding(decided.inputs, decided.outputs, local_fn=local_fn)
