@@ -416,6 +416,15 @@ def test_input_cast_keeps_the_containers_types():
     assert type(out) is pair and out.a.dtype == ms.float16 and out.b[0].dtype == ms.float16
 
 
+def test_mixed_precision_policy_refuses_dtypes_that_are_not_floating():
+    """An integer param / reduce / output dtype failed later, inside the forward or the reduction,
+    with MindSpore's MatMul type error naming neither the policy nor the field."""
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        with pytest.raises(TypeError, match=f"MixedPrecisionPolicy: {field} must be None or a floating dtype"):
+            MixedPrecisionPolicy(**{field: ms.int32})
+    assert MixedPrecisionPolicy(param_dtype="float16", reduce_dtype=ms.float32).param_dtype == "float16"
+
+
 def test_parameters_with_fewer_rows_than_ranks_stay_whole_with_a_warning():
     """A parameter some rank's piece of which would have no rows stays whole on every rank (MindSpore's
     optimizers refuse empty pieces): the call says so, naming them, so that a plan at 64 data-parallel

@@ -23,7 +23,6 @@ import copy
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import mindspore as ms
 from mindspore import Tensor, nn
 
 from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, recording_gradients, run_first_call_checks, running_eagerly
@@ -31,13 +30,12 @@ from ..nn._adapter import put_parameter
 from ._dparams import as_placed
 from ._group import FSDPParamGroup
 from ._param import FSDPParam
-from ._policy import MixedPrecisionPolicy
+from ._policy import FLOATS, MixedPrecisionPolicy
 from ._reshard import RegatherOnBackward
 from ._sync import SyncState
 
 __all__ = ["FSDPState", "eager_hooks", "cast_keyword_inputs"]
 
-_FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 class _Forwards(threading.local):
@@ -63,7 +61,7 @@ def _cast_floats(values, dtype):
 
     def cast(v):
         if isinstance(v, Tensor):
-            return v.astype(dtype) if v.dtype in _FLOATS and v.dtype != dtype else v
+            return v.astype(dtype) if v.dtype in FLOATS and v.dtype != dtype else v
         if isinstance(v, tuple) and hasattr(v, "_fields"):
             return type(v)(*(cast(item) for item in v))
         if isinstance(v, (tuple, list)):
