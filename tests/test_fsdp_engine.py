@@ -190,7 +190,8 @@ class _EncodesInForward(nn.Cell):
 def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperparallel():
     """FSDP2's ignored_params (left whole, gradients not reduced), shard_placement_fn (dim 0 only),
     offload_policy (CPUOffloadPolicy on CPU ranks: host memory already), register_fsdp_forward_method
-    (a method other than construct computes on the pieces without it); HyperParallel's
+    (without it, a method other than construct calling a sub-Cell is refused: it computed on the pieces;
+    a forward calling a registered method); HyperParallel's
     hsdp(use_eager_hook=...) and its wait functions."""
     from hyper_parallel_ms.fsdp import (CPUOffloadPolicy, OffloadPolicy, hsdp, hsdp_sync_stream,
                                         hsdp_wait_grad_handle, register_fsdp_forward_method)
@@ -205,7 +206,14 @@ def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperpar
                 offload_policy=CPUOffloadPolicy())
     assert not is_piece(model.head.weight) and model.head.weight.shape == (3, 8) and is_piece(model.inp.weight)
     np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
-    assert model.encode(x).shape == (4, 4)                     # unregistered: the pieces' 4 of 8 rows
+    # unregistered, the method's Dense would compute on its piece (4 of 8 rows): refused, naming the fix
+    with pytest.raises(RuntimeError, match="Dense was called outside the forward of fully_shard.*"
+                                           "register_fsdp_forward_method"):
+        model.encode(x)
+    reach = Net()
+    fully_shard(reach.layers[0], mesh=mesh)
+    with pytest.raises(RuntimeError, match=r"outside the forward of fully_shard\(Block\).*piece \(\d, 8\) of the whole \(7, 8\)"):
+        reach.layers[0].up(x)            # from a parent's forward too: it gave 4 / 3 of the 7 outputs, silently
     register_fsdp_forward_method(model, "encode")
     np.testing.assert_allclose(model.encode(x).asnumpy(), whole.encode(x).asnumpy(), rtol=1e-6)
     assert model.inp.weight.shape == (4, 8)                    # the pieces are back

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from mindspore import Tensor, nn
 
 from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, recording_gradients, run_first_call_checks, running_eagerly
-from ..nn._adapter import put_parameter
+from ..nn._adapter import held_parameter, put_parameter
 from ._dparams import as_placed
 from ._group import FSDPParamGroup
 from ._param import FSDPParam
@@ -34,7 +34,7 @@ from ._policy import FLOATS, MixedPrecisionPolicy
 from ._reshard import RegatherOnBackward
 from ._sync import SyncState
 
-__all__ = ["FSDPState", "eager_hooks", "cast_keyword_inputs"]
+__all__ = ["FSDPState", "eager_hooks", "cast_keyword_inputs", "pieces_check"]
 
 
 
@@ -402,3 +402,26 @@ def eager_hooks(state: FSDPState):
             return state.post_forward(cell, args, output)
         return None
     return pre, post
+
+
+def pieces_check(unit: str, slots: Sequence[Tuple[str, FSDPParam]]) -> Callable:
+    """A forward pre-hook for a Cell inside a unit holding pieces of the unit's sharded parameters
+    (``slots``: attribute, record): called while it holds a piece (outside every forward of the unit)
+    it would compute on this rank's rows only, so it raises, naming the fix. FSDP2 raises there too
+    (its sharded parameters are DTensors). Nothing while MindSpore compiles (a graph gathers each read).
+    """
+    def check(cell) -> None:
+        for attr, record in slots:
+            if held_parameter(cell, attr) is record.piece:
+                raise RuntimeError(
+                    f"{type(cell).__name__} was called outside the forward of fully_shard({unit}), which holds its "
+                    f"parameter {attr!r}: it holds this rank's piece {tuple(record.piece.shape)} of the whole "
+                    f"{tuple(record.shape)} and would compute on it. Call it from {unit}'s forward, register the "
+                    f"{unit} method that calls it with register_fsdp_forward_method, or make it a unit of its own "
+                    f"(fully_shard it before {unit})")
+
+    def pre(cell, args):
+        if running_eagerly():
+            check(cell)
+        return None
+    return pre
