@@ -398,8 +398,9 @@ def test_post_optimizer_event_is_waited_once_before_the_next_gathers():
 
 def test_input_cast_keeps_the_containers_types():
     """cast_forward_inputs casts floating Tensors inside nested inputs and keeps each container's
-    type (an OrderedDict or defaultdict came back a plain dict), leaving the caller's untouched."""
-    from collections import OrderedDict, defaultdict
+    type (an OrderedDict or defaultdict came back a plain dict), leaving the caller's untouched;
+    a named tuple's Tensors are cast too (they kept param_dtype under output_dtype)."""
+    from collections import OrderedDict, defaultdict, namedtuple
 
     from hyper_parallel_ms.fsdp._state import _cast_floats
     x = ms.Tensor(np.ones((2,), np.float32))
@@ -410,6 +411,18 @@ def test_input_cast_keeps_the_containers_types():
     assert out[0]["a"].dtype == ms.float16 and out[1]["b"][0].dtype == ms.float16
     assert out[2][0].dtype == ms.float16 and out[2][1].dtype == ms.int32
     assert ordered["a"].dtype == ms.float32 and counts["b"][0].dtype == ms.float32
+    pair = namedtuple("Pair", ["a", "b"])
+    out = _cast_floats(({"out": pair(x, [x, None])},), ms.float16)[0]["out"]
+    assert type(out) is pair and out.a.dtype == ms.float16 and out.b[0].dtype == ms.float16
+
+
+def test_mixed_precision_policy_refuses_dtypes_that_are_not_floating():
+    """An integer param / reduce / output dtype failed later, inside the forward or the reduction,
+    with MindSpore's MatMul type error naming neither the policy nor the field."""
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        with pytest.raises(TypeError, match=f"MixedPrecisionPolicy: {field} must be None or a floating dtype"):
+            MixedPrecisionPolicy(**{field: ms.int32})
+    assert MixedPrecisionPolicy(param_dtype="float16", reduce_dtype=ms.float32).param_dtype == "float16"
 
 
 def test_parameters_with_fewer_rows_than_ranks_stay_whole_with_a_warning():

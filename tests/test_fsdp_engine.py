@@ -9,7 +9,7 @@ from collections import Counter
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn
+from mindspore import nn, ops
 
 from hyper_parallel_ms.comm import CommDebugMode
 from hyper_parallel_ms.fsdp import fully_shard
@@ -18,6 +18,7 @@ from hyper_parallel_ms.fsdp._param import is_piece
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import multi_rank
 from tests._fsdp_models import Net, compare, per_block
+from tests._parity import gathered
 
 
 def _recorded(log):
@@ -169,11 +170,28 @@ class _WithEncode(Net):
         return self.inp(x) * 2.0
 
 
+class _EncodesInForward(nn.Cell):
+    """A forward calling a method registered with register_fsdp_forward_method (3 head rows: pieces
+    of 2 and 1 rows, whose outputs still broadcast in the loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Dense(8, 8)
+        self.head = nn.Dense(8, 3)
+
+    def encode(self, x):
+        return ops.tanh(self.inp(x))
+
+    def construct(self, x):
+        return self.head(self.encode(x))
+
+
 @multi_rank(2)
 def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperparallel():
     """FSDP2's ignored_params (left whole, gradients not reduced), shard_placement_fn (dim 0 only),
     offload_policy (CPUOffloadPolicy on CPU ranks: host memory already), register_fsdp_forward_method
-    (a method other than construct computes on the pieces without it); HyperParallel's
+    (without it, a method other than construct calling a sub-Cell is refused: it computed on the pieces;
+    a forward calling a registered method); HyperParallel's
     hsdp(use_eager_hook=...) and its wait functions."""
     from hyper_parallel_ms.fsdp import (CPUOffloadPolicy, OffloadPolicy, hsdp, hsdp_sync_stream,
                                         hsdp_wait_grad_handle, register_fsdp_forward_method)
@@ -188,10 +206,30 @@ def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperpar
                 offload_policy=CPUOffloadPolicy())
     assert not is_piece(model.head.weight) and model.head.weight.shape == (3, 8) and is_piece(model.inp.weight)
     np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
-    assert model.encode(x).shape == (4, 4)                     # unregistered: the pieces' 4 of 8 rows
+    # unregistered, the method's Dense would compute on its piece (4 of 8 rows): refused, naming the fix
+    with pytest.raises(RuntimeError, match="Dense was called outside the forward of fully_shard.*"
+                                           "register_fsdp_forward_method"):
+        model.encode(x)
+    reach = Net()
+    fully_shard(reach.layers[0], mesh=mesh)
+    with pytest.raises(RuntimeError, match=r"outside the forward of fully_shard\(Block\).*piece \(\d, 8\) of the whole \(7, 8\)"):
+        reach.layers[0].up(x)            # from a parent's forward too: it gave 4 / 3 of the 7 outputs, silently
     register_fsdp_forward_method(model, "encode")
     np.testing.assert_allclose(model.encode(x).asnumpy(), whole.encode(x).asnumpy(), rtol=1e-6)
     assert model.inp.weight.shape == (4, 8)                    # the pieces are back
+    # the forward calling the registered method: the nested call uses the gathered values in place (it
+    # put the pieces back, and the head then computed on its piece: a loss off, no error)
+    ms.set_seed(0)
+    whole_enc = _EncodesInForward()
+    ms.set_seed(0)
+    enc = _EncodesInForward()
+    fully_shard(enc, mesh=mesh)
+    register_fsdp_forward_method(enc, "encode")
+    (loss, grads), (whole_loss, whole_grads) = [
+        ms.value_and_grad(lambda t, n=net: (n(t) ** 2).mean(), None, net.trainable_params())(x) for net in (enc, whole_enc)]
+    np.testing.assert_allclose(loss.asnumpy(), whole_loss.asnumpy(), rtol=1e-5, atol=1e-6)
+    for p, g, wg in zip(enc.trainable_params(), grads, whole_grads):
+        np.testing.assert_allclose(gathered(p, g), wg.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=p.name)
     with pytest.raises(TypeError, match="a list of Cells.*wrap a single Cell in a list"):
         model.set_modules_to_forward_prefetch(model)
     ms.set_seed(0)

@@ -34,7 +34,7 @@ from ._module import STATE, FSDPModule, check_reshard, fsdp_state, set_reshard
 from ._param import FSDPParam, is_piece
 from ._pieces import TAKEN_BY, chunks_of
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._state import FSDPState, cast_keyword_inputs, eager_hooks
+from ._state import FSDPState, cast_keyword_inputs, eager_hooks, pieces_check
 from ._sync import SyncState
 
 __all__ = ["fully_shard", "shard_cell"]
@@ -196,6 +196,14 @@ def _edits(cells: List[nn.Cell], state: FSDPState, mixin: type, prefix: str) -> 
             taken.append((record.original, REPLACED_BY, f"fully_shard({name})"))
     for edit in edits.values():
         edit.swap_class = gathering_class(type(edit.cell), list(edit.parameters))
+    inner: Dict[int, List[Tuple[str, FSDPParam]]] = {}      # Cells below the unit holding pieces
+    for group in state.groups:
+        for record in group.params if group.sharded else ():
+            for holder, attr in record.holders:
+                if all(holder is not c for c in cells):
+                    inner.setdefault(id(holder), []).append((attr, record))
+    for key, slots in inner.items():
+        edits[key].forward_pre_hooks.append(pieces_check(name, slots))
     pre, post = eager_hooks(state)
     for cell in cells:
         unit = edit_of(cell)

@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import mindspore as ms
+
 __all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+
+FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,15 @@ class MixedPrecisionPolicy:
     reduce_dtype: Optional[Any] = None
     output_dtype: Optional[Any] = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, field)
+            named = getattr(ms, dtype, None) if isinstance(dtype, str) else dtype
+            if dtype is not None and named not in FLOATS:
+                raise TypeError(f"MixedPrecisionPolicy: {field} must be None or a floating dtype (ms.float16, "
+                                f"ms.bfloat16, ms.float32, ms.float64), got {dtype!r}: the gathered parameters, "
+                                "reduced gradients and outputs are floating")
 
 
 @dataclass(frozen=True)

@@ -23,21 +23,19 @@ import copy
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import mindspore as ms
 from mindspore import Tensor, nn
 
 from .._mindspore import SAVED_TENSOR_HOOKS, recomputing, recording_gradients, run_first_call_checks, running_eagerly
-from ..nn._adapter import put_parameter
+from ..nn._adapter import held_parameter, put_parameter
 from ._dparams import as_placed
 from ._group import FSDPParamGroup
 from ._param import FSDPParam
-from ._policy import MixedPrecisionPolicy
+from ._policy import FLOATS, MixedPrecisionPolicy
 from ._reshard import RegatherOnBackward
 from ._sync import SyncState
 
-__all__ = ["FSDPState", "eager_hooks", "cast_keyword_inputs"]
+__all__ = ["FSDPState", "eager_hooks", "cast_keyword_inputs", "pieces_check"]
 
-_FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 class _Forwards(threading.local):
@@ -56,15 +54,17 @@ _BACKWARDS = _Backwards()
 
 
 def _cast_floats(values, dtype):
-    """``values`` (a tuple) with each floating Tensor cast to ``dtype``, inside nested tuples, lists
-    and dicts too (FSDP2's input cast)."""
+    """``values`` (a tuple) with each floating Tensor cast to ``dtype``, inside nested tuples,
+    named tuples, lists and dicts too, each keeping its type (FSDP2's input cast)."""
     if dtype is None:
         return values
 
     def cast(v):
         if isinstance(v, Tensor):
-            return v.astype(dtype) if v.dtype in _FLOATS and v.dtype != dtype else v
-        if isinstance(v, (tuple, list)) and not hasattr(v, "_fields"):
+            return v.astype(dtype) if v.dtype in FLOATS and v.dtype != dtype else v
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            return type(v)(*(cast(item) for item in v))
+        if isinstance(v, (tuple, list)):
             return type(v)(cast(item) for item in v)
         if isinstance(v, dict):
             out = copy.copy(v)          # the mapping's own type (OrderedDict, defaultdict, ...)
@@ -95,6 +95,7 @@ class FSDPState:
         self.cell, self.mesh, self.sync, self.policy = cell, mesh, sync, policy
         self.cells: List[nn.Cell] = [cell]      # every Cell of the unit (``fully_shard([m1, m2])``)
         self.running: Set[int] = set()          # Cells of the unit whose forward this round has not ended
+        self.depth: Dict[int, int] = {}          # per Cell: its forwards (and forward methods) now running
         self._round: Optional[list] = None      # the full values gathered for this round
         self._round_mark: Tuple[int, bool] = (0, False)    # backward count and gradient recording then
         self._enclosing: Optional["FSDPState"] = None      # the unit whose forward encloses the round's start
@@ -240,7 +241,25 @@ class FSDPState:
     def pre_forward(self, cell, args):
         """The forward pre-hook of each Cell of the unit: the first Cell of a round gathers, the
         others of the same round (``fully_shard([m1, m2])``) take the values gathered then; each
-        Cell holds the full values only during its own forward."""
+        Cell holds the full values only during its own forward. A call made inside one of the Cell's
+        own forwards (the forward calling a registered ``encode``, a ``generate`` calling the forward)
+        uses the values in place: gathering and freeing there would leave the outer call the pieces."""
+        nested = self.depth.get(id(cell), 0) if any(u is self for u in _FORWARDS.running) else 0
+        self.depth[id(cell)] = nested + 1
+        if nested:
+            return self._cast_inputs(args)
+        try:
+            return self._enter(cell, args)
+        except BaseException:
+            self.depth.pop(id(cell), None)
+            raise
+
+    def _cast_inputs(self, args):
+        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
+            return _cast_floats(args, self.policy.param_dtype)
+        return None
+
+    def _enter(self, cell, args):
         if self.running and not self._round_continues(cell):
             self._end_round()
         if self.running:
@@ -249,9 +268,7 @@ class FSDPState:
         else:
             self._begin_round()
         self._install(self._round, cell)
-        if self.policy.cast_forward_inputs and self.policy.param_dtype is not None:
-            return _cast_floats(args, self.policy.param_dtype)
-        return None
+        return self._cast_inputs(args)
 
     def _round_continues(self, cell) -> bool:
         """Whether ``cell``'s forward belongs to the open round: it has not run in it, the forward
@@ -297,7 +314,12 @@ class FSDPState:
 
     def post_forward(self, cell, args, output):
         """The forward hook of each Cell of the unit (run when the forward raises too): the Cell gets
-        its pieces back; the last Cell of a round ends it."""
+        its pieces back; the last Cell of a round ends it. The end of a nested call (see
+        :meth:`pre_forward`) leaves the values in place."""
+        nested = self.depth.pop(id(cell), 1) - 1
+        if nested:
+            self.depth[id(cell)] = nested
+            return self._cast_output(output)
         self._restore(cell)
         self.running.discard(id(cell))
         if self.running and self._enclosing is not None:
@@ -305,11 +327,12 @@ class FSDPState:
                 self.saving.pause()    # other Cells' forwards run until the unit's next Cell
         else:
             self._end_round()          # every Cell ran, or no enclosing forward could continue the round
+        return self._cast_output(output)
+
+    def _cast_output(self, output):
         dtype = self.policy.output_dtype
         if dtype is None:
             return None
-        if isinstance(output, tuple):
-            return _cast_floats(output, dtype)
         return _cast_floats((output,), dtype)[0]
 
     def note_backward(self) -> None:
@@ -379,3 +402,26 @@ def eager_hooks(state: FSDPState):
             return state.post_forward(cell, args, output)
         return None
     return pre, post
+
+
+def pieces_check(unit: str, slots: Sequence[Tuple[str, FSDPParam]]) -> Callable:
+    """A forward pre-hook for a Cell inside a unit holding pieces of the unit's sharded parameters
+    (``slots``: attribute, record): called while it holds a piece (outside every forward of the unit)
+    it would compute on this rank's rows only, so it raises, naming the fix. FSDP2 raises there too
+    (its sharded parameters are DTensors). Nothing while MindSpore compiles (a graph gathers each read).
+    """
+    def check(cell) -> None:
+        for attr, record in slots:
+            if held_parameter(cell, attr) is record.piece:
+                raise RuntimeError(
+                    f"{type(cell).__name__} was called outside the forward of fully_shard({unit}), which holds its "
+                    f"parameter {attr!r}: it holds this rank's piece {tuple(record.piece.shape)} of the whole "
+                    f"{tuple(record.shape)} and would compute on it. Call it from {unit}'s forward, register the "
+                    f"{unit} method that calls it with register_fsdp_forward_method, or make it a unit of its own "
+                    f"(fully_shard it before {unit})")
+
+    def pre(cell, args):
+        if running_eagerly():
+            check(cell)
+        return None
+    return pre

@@ -42,6 +42,11 @@ def own_parameters(cell: nn.Cell) -> Dict[str, Parameter]:
     return {name: p for name, p in cell._params.items() if p is not None}
 
 
+def held_parameter(cell: nn.Cell, name: str) -> Any:
+    """What ``cell`` reads now as its own parameter ``name`` (see :func:`put_parameter`)."""
+    return cell._params.get(name)
+
+
 def put_parameter(cell: nn.Cell, name: str, value: Any) -> None:
     """Make ``value`` (a Parameter, or a tensor standing in for one during a forward) what
     ``cell`` reads as its own parameter ``name``, recording nothing (see :class:`CellChanges`)."""
