@@ -22,14 +22,35 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ._release import F, _graph_api
 from .swaps import Swap, swap_entry_points
 
-__all__ = ["cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site",
+__all__ = ["graph_of_its_own", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site",
            "is_compiling", "running_eagerly", "compiling_graph_code", "compile_argument_checks",
            "reject_in_compiled_args"]
+
+
+def graph_of_its_own(fn: Callable) -> Callable:
+    """A copy of the Python function ``fn`` (same code, globals, defaults, closure) that MindSpore
+    parses into a graph of its own. MindSpore 2.10 failed to compile ("The func graph is empty ...
+    all_gather") a graph in which one function is called by a custom-bprop Cell's ``construct`` and
+    by another custom-bprop Cell's ``bprop`` (measured with ``comm.all_gather`` on a (2, 2) mesh);
+    calling a copy in one of the two places compiles.
+
+    Args:
+        fn: a plain Python function.
+
+    Example::
+
+        gather = graph_of_its_own(comm.all_gather)
+    """
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    copy.__module__ = fn.__module__
+    return copy
 
 
 def _defined_by_mindspore(prop: property) -> bool:

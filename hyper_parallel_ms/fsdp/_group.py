@@ -33,12 +33,17 @@ from typing import Any, List, Sequence, Tuple
 from mindspore import mint, nn, ops
 
 from .. import comm
-from .._mindspore import run_in_python
+from .._mindspore import graph_of_its_own, run_in_python
 from ..comm._tensor import owned_copy, pad_dim
 from ._flat import FlatLayout, pack, unpack
 from ._mesh import dp_mesh_dims
 from ._param import FSDPParam
 from ._sync import SyncState, cast_to, reduce_gradient, reduce_over_replicas, reduce_over_shard
+
+# the compiled gather of a parameter calls a function object of its own: MindSpore 2.10 fails to
+# compile a graph that calls one function both here (a custom-bprop Cell's forward) and in a
+# redistribution's backward (sequence-parallel conversions; seam: graph_of_its_own)
+_compiled_all_gather = graph_of_its_own(comm.all_gather)
 
 __all__ = ["FSDPParamGroup", "GroupGather", "ParamGather"]
 
@@ -228,7 +233,7 @@ class ParamGather(_Reducing):
         value = piece if self.param_dtype is None else piece.astype(self.param_dtype)
         if self.gather_dim is None:
             return value
-        full = comm.all_gather(_padded_rows(value, self.padding), self.mesh, self.gather_dim, dim=0)
+        full = _compiled_all_gather(_padded_rows(value, self.padding), self.mesh, self.gather_dim, dim=0)
         return full if self.padded == self.length else mint.narrow(full, 0, 0, self.length)
 
     def bprop(self, piece, out, dout):
