@@ -105,3 +105,33 @@ def test_fully_shard_hsdp_and_tp_compiled_4_ranks():
     compare(fsdp_tp, mesh.get_local_rank("dp"), 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6),
             mode="graph", steps=3)
 
+
+
+@multi_rank(2, timeout=600)
+def test_a_conversion_whose_backward_gathers_compiles_with_fully_shard_2_ranks():
+    """fully_shard's compiled gathers and a Replicate -> Shard(0) conversion (sequence parallelism;
+    its backward all-gathers) in one ms.jit graph: MindSpore 2.10 failed to compile this ("The func
+    graph is empty ... all_gather") while both called one function object. Loss and gradients equal
+    the one-device values of the summed loss."""
+    from mindspore import nn
+    from hyper_parallel_ms.layout import Layout
+    from hyper_parallel_ms.placement import Replicate, Shard
+    from hyper_parallel_ms.redistribute._executor import redistribution
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    w = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3)
+    dense = nn.Dense(3, 4, has_bias=False)
+    dense.weight.set_data(ms.Tensor(w))
+    fully_shard(dense, mesh=mesh)
+    split = redistribution(mesh, Layout((2,), (Replicate(),)), Layout((2,), (Shard(0),)), (8, 4))
+
+    def loss_of(v):
+        return (split(dense(v)) ** 2).sum()
+    step = ms.jit(ms.value_and_grad(loss_of, None, dense.trainable_params()))
+    loss, (grad,) = step(ms.Tensor(x))
+    y = x @ w.T
+    np.testing.assert_allclose(loss.asnumpy(), (y[rank * 4:(rank + 1) * 4] ** 2).sum(), rtol=1e-5)
+    # the conversion's backward gathers both ranks' row gradients: d(sum of both losses)/dW on each
+    # rank, averaged over dp by fully_shard; this rank's 2 rows of it
+    np.testing.assert_allclose(grad.asnumpy(), (2 * y.T @ x)[rank * 2:(rank + 1) * 2], rtol=1e-5)
