@@ -238,7 +238,6 @@ def test_a_parameter_of_a_dtensor_with_an_empty_piece_is_refused_on_every_rank()
     optimizer over ``Parameter(dtensor)`` failed on the last rank alone ("For 'initializer' ...
     shape must be positive") while the others went on to their next collective. Every rank
     (simulated here, one process) now refuses the Parameter itself; even pieces still work."""
-    ms.set_device("CPU")
     for rank, rows in enumerate((2, 2, 1, 0)):
         mesh = init_device_mesh("cpu", (4,), simulate=(4, rank))
         dt = DTensor.from_local(ms.Tensor(np.ones((rows, 3), np.float32)), mesh, [Shard(0)], shape=(5, 3),
