@@ -19,7 +19,7 @@ from mindspore import mint, ops
 
 from ._chunks import Chunks
 
-__all__ = ["FlatLayout", "pack", "unpack"]
+__all__ = ["FlatLayout", "pack", "unpack_one", "unpack"]
 
 
 class FlatLayout:
@@ -58,20 +58,17 @@ def pack(layout: FlatLayout, pieces: Sequence) -> object:
     return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
 
 
-def unpack(layout: FlatLayout, gathered) -> List[object]:
-    """Every parameter's full value from the gathered ``(n * length,)`` buffer: one split of the
-    ``(n, length)`` table into the parameters' columns (one autodiff node for the group), then
-    each block shaped and trimmed: views, or tensors that are views of a copy MindSpore made of a
-    strided block."""
+def unpack_one(layout: FlatLayout, gathered, index: int):
+    """Parameter ``index``'s full value (a view) from the gathered ``(n * length,)`` buffer."""
+    chunks, offset, numel = layout.chunks[index], layout.offsets[index], layout.numels[index]
     table = gathered.reshape((layout.n, layout.length))
-    # Tensor.split, not mint.split: MindSpore's view backward of the latter (SplitWithSizeView)
-    # reads wrong offsets when the pieces are DTensors (see ops/_rules/view.py)
-    blocks = [table] if len(layout.chunks) == 1 else table.split(list(layout.numels), 1)
-    values = []
-    for block, chunks in zip(blocks, layout.chunks):
-        if not chunks.shape:
-            values.append(block.reshape(()))
-            continue
-        block = block.reshape((chunks.padded,) + chunks.shape[1:])
-        values.append(block if chunks.padded == chunks.shape[0] else mint.narrow(block, 0, 0, chunks.shape[0]))
-    return values
+    block = table if numel == layout.length else mint.narrow(table, 1, offset, numel)
+    if not chunks.shape:
+        return block.reshape(())
+    block = block.reshape((chunks.padded,) + chunks.shape[1:])
+    return block if chunks.padded == chunks.shape[0] else mint.narrow(block, 0, 0, chunks.shape[0])
+
+
+def unpack(layout: FlatLayout, gathered) -> List[object]:
+    """Every parameter's full value from the gathered buffer."""
+    return [unpack_one(layout, gathered, i) for i in range(len(layout.chunks))]
