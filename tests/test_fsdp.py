@@ -217,12 +217,12 @@ def test_fully_shard_hsdp_and_tp_on_4_ranks():
 @multi_rank(4, timeout=600)
 def test_train_example_fsdp_x_tp_on_4_ranks():
     from examples.train_tp import TrainConfig, train
-    # PyNative with sequence parallelism; GRAPH_MODE without (MindSpore's compiler fails on it, said by name)
-    for mode, sequence_parallel in (("pynative", True), ("graph", False)):
-        cfg = TrainConfig(dp=2, tp=2, mode=mode, fsdp=True, steps=2, seq=8, dim=32, hidden=64, vocab=64,
-                          sequence_parallel=sequence_parallel)
-        result = train(cfg, log=lambda line: None)
-        assert result["max_relative_difference"] <= 1e-4, (mode, result["losses"], result["reference_losses"])
+    # PyNative with sequence parallelism (FSDP x TP compiled: tests/test_fsdp_compiled.py); compiled with
+    # sequence parallelism is refused (MindSpore's compiler fails on it), said by name
+    cfg = TrainConfig(dp=2, tp=2, mode="pynative", fsdp=True, steps=2, seq=8, dim=32, hidden=64, vocab=64,
+                      sequence_parallel=True)
+    result = train(cfg, log=lambda line: None)
+    assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
     with pytest.raises(ValueError, match="no-sequence-parallel"):
         train(TrainConfig(dp=2, tp=2, mode="jit", fsdp=True, steps=1), log=lambda line: None)
 

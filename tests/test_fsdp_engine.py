@@ -291,7 +291,7 @@ def test_gradient_divide_factor_scales_pynative_and_compiled_gradients_2_ranks()
     _, mean = grads(None, "pynative")
     # FSDP2: the gradients summed over the 2 ranks, then divided by the factor (1.0: the sum; 4.0: half the mean)
     for divide, factor in ((1.0, 2.0), (4.0, 0.5)):
-        for mode in ("pynative", "jit"):
+        for mode in ("pynative", "jit") if divide == 4.0 else ("pynative",):    # one compile: test time
             model, got = grads(divide, mode)
             for g, m in zip(got, mean):
                 np.testing.assert_allclose(g, factor * m, rtol=1e-6, atol=1e-7, err_msg=f"{divide} {mode}")

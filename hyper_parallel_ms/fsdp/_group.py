@@ -91,7 +91,7 @@ class FSDPParamGroup:
     def pieces(self) -> Tuple:
         return tuple(p.piece for p in self.params)
 
-    def gathered(self, reuse: Any = None, owned: bool = True) -> Tuple[Any, list]:
+    def gathered(self, reuse: Any = None, owned: bool = False) -> Tuple[Any, list]:
         """The group's gathered flat buffer and every parameter's full value cut from it;
         ``reuse``: a buffer gathered earlier from the same pieces, used instead of a collective
         (the backward still reduces); ``owned``: each value a tensor owning its memory (needed

@@ -71,7 +71,8 @@ class RegatherOnBackward:
         self._where: Dict[Tuple[int, Tuple[int, ...]], Tuple[int, int]] = {}
         self._shapes: Set[Tuple[int, ...]] = set()
         self._early: Optional[List[_Kept]] = None         # kept while gathering, before addresses are known
-        self._live: Dict[Tuple[int, int], List[Any]] = {}   # (call, group) -> [values or None, records unused, rows]
+        # (call, group) -> [values or None, records unused, rows, zeros standing in for the flat buffer, flat records unused]
+        self._live: Dict[Tuple[int, int], List[Any]] = {}
         self._hooks = None
         self.name = "the unit"            # for messages: the unit's Cell class
         self.unshard_in_backward = True   # FSDP2's flag: False promises the backward reads no gathered value
@@ -152,7 +153,7 @@ class RegatherOnBackward:
     def _regather(self, g: int, rows: Any) -> Tuple[Any, list]:
         group = self.groups[g]
         if rows is None:
-            return group.gathered(owned=False)      # handed to the backward, never to a Cell: views do
+            return group.gathered()      # handed to the backward, never to a Cell: views do
         flat = comm.all_gather(rows, group.post_forward_mesh, 1, dim=0).reshape((-1,))
         return flat, unpack(group.layout, flat)
 
@@ -165,7 +166,9 @@ class RegatherOnBackward:
             return
         kept.like = (shape, kept.tensor.dtype)
         kept.tensor, kept.call, (kept.group, kept.index) = None, self.call, where
-        self._live.setdefault((self.call, kept.group), [None, 0, self._chunks.get(kept.group)])[1] += 1
+        entry = self._live.setdefault((self.call, kept.group), [None, 0, self._chunks.get(kept.group), None, 0])
+        entry[1] += 1
+        entry[4] += kept.index < 0
 
     def _pack(self, tensor) -> _Kept:
         kept = _Kept(tensor)
@@ -179,15 +182,23 @@ class RegatherOnBackward:
         if kept.tensor is not None:
             return kept.tensor
         key = (kept.call, kept.group)
-        entry = self._live.setdefault(key, [None, 1, None])
+        entry = self._live.setdefault(key, [None, 1, None, None, 0])
         if kept.index < 0:
             # the flat buffer is kept only by its gathering Cell (whose backward reads no value) and by
-            # the views cutting it (which read its shape): zeros of its shape, no gather. A unit whose
-            # backward reads none of its values (an embedding table) is not gathered again at all.
+            # the views cutting it (which read its shape): zeros of its shape, no gather, one buffer for
+            # all its records (dropped with the last). A unit whose backward reads none of its values (an
+            # embedding table) is not gathered again at all.
+            zeros = entry[3]
+            if zeros is None:
+                zeros = mint.zeros(kept.like[0], dtype=kept.like[1])
+            elif tuple(zeros.shape) != kept.like[0]:
+                zeros = zeros.reshape(kept.like[0])
             entry[1] -= 1
+            entry[4] -= 1
+            entry[3] = zeros if entry[4] > 0 else None
             if entry[1] <= 0:
                 del self._live[key]
-            return mint.zeros(kept.like[0], dtype=kept.like[1])
+            return zeros
         if entry[0] is None:
             if not self.unshard_in_backward and not self._warned:
                 warnings.warn(f"set_unshard_in_backward(False), but the backward reads the gathered values of "

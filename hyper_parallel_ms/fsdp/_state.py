@@ -186,13 +186,13 @@ class FSDPState:
         earlier = self.kept if self.kept is not None else self.reused
         freeing = earlier is None and not keep and self._frees_after_forward()
         if earlier is not None:
-            gathered = [g.gathered(reuse=flat, owned=False) for g, (flat, _) in zip(self.groups, earlier)]
+            gathered = [g.gathered(reuse=flat) for g, (flat, _) in zip(self.groups, earlier)]
         elif not freeing:
-            gathered = [g.gathered(owned=False) for g in self.groups]
+            gathered = [g.gathered() for g in self.groups]
         else:
             self.saving.begin()
             try:
-                gathered = [g.gathered() for g in self.groups]
+                gathered = [g.gathered(owned=True) for g in self.groups]
             except BaseException:
                 self.saving.end()
                 raise
@@ -346,7 +346,7 @@ class FSDPState:
         """Gather every group now; the next forwards use these buffers (no collective) until the
         unit reshards as FSDP2's: after a forward with ``reshard_after_forward`` (True or an int),
         after a backward with ``reshard_after_backward``, or at :meth:`reshard`."""
-        self.kept = [g.gathered(owned=False) for g in self.groups]
+        self.kept = [g.gathered() for g in self.groups]
 
     def reshard(self) -> None:
         if self.running:
