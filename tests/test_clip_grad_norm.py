@@ -133,8 +133,8 @@ def _grads(model, x):
 def test_clip_parity_on_2_ranks(jit):
     """TP with SequenceParallel (the shares summed by GradientReducer, then clipped), fully_shard
     (uneven pieces) and hsdp levels 1-3. Under ms.jit fully_shard only (test time): the clip is the
-    same code for every source of gradients; TP with SequenceParallel compiled is the GRAPH_MODE
-    test's, and hsdp's levels hand the clip whole (level 1) or reduce-scattered pieces like
+    same code for every source of gradients; TP with SequenceParallel is clipped compiled in the
+    example's test, and hsdp's levels hand the clip whole (level 1) or reduce-scattered pieces like
     fully_shard's."""
     dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     rank = dp.get_local_rank(0)
@@ -151,12 +151,9 @@ def test_clip_parity_on_2_ranks(jit):
 
 @multi_rank(2, timeout=600)
 def test_clip_parity_in_graph_mode_on_2_ranks():
-    """The parallel train step as a GRAPH_MODE Cell (the clip's TotalGradNorm built outside): TP with
-    SequenceParallel, and fully_shard."""
-    from hyper_parallel_ms.nn import parallelize_module
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    _clip_parity(Transformer, lambda m: parallelize_module(m, mesh, transformer_plan(mesh)), _tokens, _nll, jit=True,
-                 graph=True)
+    """The parallel train step as a GRAPH_MODE Cell (the clip's TotalGradNorm built outside), fully_shard.
+    TP with SequenceParallel clipped in a GRAPH_MODE train step: the example's test
+    (tests/test_train_example.py::test_example_clips_and_checkpoints_on_2_ranks)."""
     dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     _clip_parity(Net, _fsdp(dp), _fsdp_batch, loss_of, jit=True, graph=True, dp_mesh=dp, dp_dim="dp",
                  dp_index=dp.get_local_rank(0), dp_size=2)
