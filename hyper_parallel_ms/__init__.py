@@ -95,4 +95,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    # the public names only (not the typing names this module imports)
+    return sorted(set(_EXPORTS) | {"__version__", "SUPPORTED_MINDSPORE"})
