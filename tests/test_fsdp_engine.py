@@ -429,3 +429,30 @@ def test_fully_shard_of_a_list_of_cells_is_one_unit_2_ranks():
         with pytest.raises(error, match=match):
             fully_shard(bad, mesh=mesh)
     assert [id(p) for p in fresh.get_parameters()] == before and not isinstance(fresh.inp, FSDPModule)
+
+
+@pytest.mark.parametrize("n,rank", [(1, 0), (3, 0), (3, 2), (4, 3)])
+def test_flat_buffer_fold_and_split_are_the_way_back_of_unpack_and_pack(n, rank):
+    """The gradient's way through a group's flat buffer: ``split`` inverts ``pack`` (this rank's pieces
+    back, padding dropped) and ``fold`` is the adjoint of ``unpack`` (<unpack(x), v> = <x, fold(v)>
+    for every x, v: padding rows get zero gradient), for uneven, 0-d and one-row parameters."""
+    from hyper_parallel_ms.fsdp._chunks import Chunks
+    from hyper_parallel_ms.fsdp._flat import FlatLayout, fold, pack, split, unpack
+    shapes = [(5, 2), (7,), (1, 3)] + ([()] if n == 1 else [])
+    layout = FlatLayout([Chunks(s, n, rank) for s in shapes])
+    rng = np.random.default_rng(n * 10 + rank)
+    pieces = [rng.standard_normal(c.piece_shape).astype(np.float32) for c in layout.chunks]
+    back = split(layout, pack(layout, [ms.Tensor(p) for p in pieces]))
+    for got, want in zip(back, pieces):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got.asnumpy(), want)
+    x = rng.standard_normal((n * layout.length,)).astype(np.float64)
+    v = [rng.standard_normal(s).astype(np.float64) for s in shapes]
+    values = unpack(layout, ms.Tensor(x))
+    folded = fold(layout, [ms.Tensor(a) for a in v]).asnumpy()
+    assert folded.shape == x.shape
+    lhs = sum(float(np.sum(val.asnumpy() * a)) for val, a in zip(values, v))
+    np.testing.assert_allclose(lhs, float(np.dot(x, folded)), rtol=1e-12)
+    # the padding rows' slots of the folded gradient are zero; every value's slots hold its gradient
+    mask = fold(layout, [ms.Tensor(np.ones(s)) for s in shapes]).asnumpy()
+    assert set(np.unique(mask)) <= {0.0, 1.0} and mask.sum() == sum(int(np.prod(s)) for s in shapes)

@@ -4,7 +4,8 @@ Each parameter's dim 0 is cut into ``torch.chunk`` pieces over ``n`` ranks (:cla
 ``rows = ceil(d0 / n)``, the last pieces shorter); every piece is zero-padded to ``rows``
 rows, flattened and concatenated, so every rank holds a buffer of one length ``L`` and the
 gathered buffer, seen as ``(n, L)``, holds rank ``i``'s pieces in row ``i``. Parameters kept
-whole are the case ``n == 1``. Every step is linear slicing and concatenation.
+whole are the case ``n == 1``. Every step is linear slicing and concatenation; :func:`fold`
+and :func:`split` go the way back (the gradients' way).
 
 Example:
     >>> flat = FlatLayout([Chunks((5, 2), 2, 1), Chunks((3,), 2, 1)])
@@ -19,7 +20,7 @@ from mindspore import mint, ops
 
 from ._chunks import Chunks
 
-__all__ = ["FlatLayout", "pack", "unpack_one", "unpack"]
+__all__ = ["FlatLayout", "pack", "unpack_one", "unpack", "fold", "split"]
 
 
 class FlatLayout:
@@ -72,3 +73,25 @@ def unpack_one(layout: FlatLayout, gathered, index: int):
 def unpack(layout: FlatLayout, gathered) -> List[object]:
     """Every parameter's full value from the gathered buffer."""
     return [unpack_one(layout, gathered, i) for i in range(len(layout.chunks))]
+
+
+def fold(layout: FlatLayout, values: Sequence) -> object:
+    """The inverse of :func:`unpack`: full-shape tensors (the values' gradients) laid out as the
+    gathered ``(n * length,)`` buffer (padding rows zero)."""
+    n, blocks = layout.n, []
+    for chunks, numel, value in zip(layout.chunks, layout.numels, values):
+        if chunks.shape and chunks.padded != chunks.shape[0]:
+            value = mint.cat((value, ops.zeros((chunks.padded - chunks.shape[0],) + chunks.shape[1:], value.dtype)), 0)
+        blocks.append(value.reshape((n, numel)))
+    table = blocks[0] if len(blocks) == 1 else mint.cat(blocks, 1)
+    return table.reshape((n * layout.length,))
+
+
+def split(layout: FlatLayout, flat) -> List[object]:
+    """The inverse of :func:`pack`: this rank's pieces (views) from its ``(length,)`` buffer."""
+    pieces = []
+    for chunks, offset in zip(layout.chunks, layout.offsets):
+        local = chunks.local * chunks.row_numel
+        part = flat if local == layout.length else mint.narrow(flat, 0, offset, local)
+        pieces.append(part.reshape(chunks.piece_shape))
+    return pieces

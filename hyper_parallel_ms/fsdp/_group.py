@@ -7,9 +7,11 @@ or all kept whole. The forward all-gathers pieces over the shard mesh dim in ``p
 steps, :func:`._sync.reduce_over_shard` and :func:`._sync.reduce_over_replicas`, apart while the
 HSDP all-reduce is deferred).
 
-- PyNative: the unit's hooks call :meth:`FSDPParamGroup.gathered`: the group's pieces packed
-  into one flat buffer (:mod:`._flat`) and moved by one :class:`GroupGather` call: one
-  all-gather forward, one reduce-scatter backward; with gradient sync off the backward adds the
+- PyNative: the unit's hooks call :meth:`FSDPParamGroup.gathered`: one :class:`GroupGather`
+  call packs the group's pieces into one flat buffer (:mod:`._flat`), all-gathers it and cuts
+  the values from it, one autodiff node for the whole group (a chain of views per parameter
+  cost about ten nodes per unit in MindSpore's backward, measured); its backward folds the
+  values' gradients into one buffer: one reduce-scatter; with gradient sync off it adds the
   unreduced gradient to a local accumulator instead.
 - Compiled (``ms.jit`` / GRAPH_MODE): each read of a parameter calls its :class:`ParamGather`
   on its piece: one all-gather forward and one reduce-scatter backward per parameter. A graph
@@ -35,7 +37,7 @@ from mindspore import mint, nn, ops
 from .. import comm
 from .._mindspore import graph_of_its_own, run_in_python
 from ..comm._tensor import owned_copy, pad_dim
-from ._flat import FlatLayout, pack, unpack
+from ._flat import FlatLayout, fold, pack, split, unpack
 from ._mesh import dp_mesh_dims
 from ._param import FSDPParam
 from ._sync import SyncState, cast_to, reduce_gradient, reduce_over_replicas, reduce_over_shard
@@ -96,17 +98,14 @@ class FSDPParamGroup:
         ``reuse``: a buffer gathered earlier from the same pieces, used instead of a collective
         (the backward still reduces); ``owned``: each value a tensor owning its memory (needed
         where the unit's saved-tensor hooks free the values after the forward), else views."""
-        self.gather.reused = reuse
+        gather = self.gather
+        gather.reused, gather.owned = reuse, owned
         try:
-            flat = self.gather(pack(self.layout, self.pieces()))
+            values = gather(*self.pieces())
+            flat = gather.flat
         finally:
-            self.gather.reused = None
-        # owned: each value a tensor of its own, not a view: MindSpore's autodiff keeps a contiguous
-        # copy of a view an op reads (one per read, which the unit's saved-tensor hooks cannot
-        # recognise and free), and the value itself when it owns its memory (measured). Without
-        # freeing, views cost fewer PyNative autodiff nodes (the copies autodiff makes are not nodes).
-        values = unpack(self.layout, flat)
-        return flat, [owned_copy(v) for v in values] if owned else values
+            gather.reused, gather.owned, gather.flat = None, False, None
+        return flat, list(values)
 
     def reader(self, index: int) -> "ParamGather":
         """The Cell a compiled read of parameter ``index`` calls on its piece."""
@@ -158,53 +157,69 @@ class _Reducing(nn.Cell):
 
 
 class GroupGather(_Reducing):
-    """PyNative: a group's packed pieces all-gathered over the shard dim (kept whole: cast only);
-    backward: the gradient of the whole buffer reduced at once, then given to the unit's all-reduce
-    hook if one is set (or, with gradient sync off, accumulated locally; with the HSDP all-reduce
-    off, reduced over the shard dim and this part accumulated locally).
+    """PyNative: a group's pieces packed into one flat buffer, all-gathered over the shard dim (kept
+    whole: cast only) and cut into every parameter's full value, as one autodiff node; backward:
+    the values' gradients folded into one buffer and reduced at once, then given to the unit's
+    all-reduce hook if one is set (or, with gradient sync off, accumulated locally; with the HSDP
+    all-reduce off, reduced over the shard dim and this part accumulated locally), and cut into
+    the pieces' gradients.
 
     Args:
         group: the :class:`FSDPParamGroup`.
 
     Example::
 
-        flat = group.gather(pack(group.layout, group.pieces()))       # every rank's pieces
+        values = group.gather(*group.pieces())       # every parameter's full value
     """
 
     def __init__(self, group: FSDPParamGroup) -> None:
         super().__init__(group, group.layout.length)
         self.pending = None         # the unreduced gradient summed over backward passes without sync
         self.partial = None         # this rank's part summed over backward passes without the all-reduce
-        self.reused = None          # a buffer gathered earlier, returned instead of gathering
+        self.reused = None          # a buffer gathered earlier, used instead of gathering
+        self.owned = False          # the values as tensors owning their memory (see FSDPParamGroup.gathered)
+        self.flat = None            # the last call's gathered buffer, taken by FSDPParamGroup.gathered
 
-    def construct(self, packed):
-        if self.reused is not None:
-            return self.reused
-        flat = cast_to(packed, self.param_dtype)
-        if self.gather_dim is not None:
-            flat = comm.all_gather(flat, self.mesh, self.gather_dim, dim=0)
-        return flat
+    def construct(self, *pieces):
+        layout = self._hpms_group.layout
+        flat = self.reused
+        if flat is None:
+            flat = cast_to(pack(layout, pieces), self.param_dtype)
+            if self.gather_dim is not None:
+                flat = comm.all_gather(flat, self.mesh, self.gather_dim, dim=0)
+        self.flat = flat
+        # owned: MindSpore's autodiff keeps a contiguous copy of a view an op reads (one per read, which
+        # the unit's saved-tensor hooks cannot recognise and free), and the value itself when it owns its
+        # memory (measured); views otherwise
+        values = unpack(layout, flat)
+        return tuple(owned_copy(v) for v in values) if self.owned else tuple(values)
 
-    def bprop(self, packed, out, dout):
-        self._hpms_group.unit.note_backward()
-        sync = self._hpms_group.sync
-        g = cast_to(dout, self.reduce_dtype)
+    def bprop(self, *args):
+        pieces, dout = args[:-2], args[-1]
+        if not isinstance(dout, (tuple, list)):        # MindSpore hands a one-value output's gradient bare
+            dout = (dout,)
+        group = self._hpms_group
+        group.unit.note_backward()
+        sync = group.sync
+        g = cast_to(fold(group.layout, dout), self.reduce_dtype)
         if self.pending is not None:
             g = self.pending + g
         if not sync.sync:
             self.pending = g
-            return (ops.zeros_like(packed),)
+            return tuple(ops.zeros_like(p) for p in pieces)
         self.pending = None
+        like = pieces[0]
         if self.replicate_dim is None or (sync.all_reduce and self.partial is None):
-            return (sync.hooked(self._reduced(g, packed)),)
+            return tuple(split(group.layout, sync.hooked(self._reduced(g, like))))
         part = reduce_over_shard(g, self.mesh, self.shard_dim, self.reduce, self.rows, self.start)
         if self.partial is not None:
             part = self.partial + part
         if not sync.all_reduce:
             self.partial = part
-            return (ops.zeros_like(packed),)
+            return tuple(ops.zeros_like(p) for p in pieces)
         self.partial = None
-        return (sync.hooked(reduce_over_replicas(part, packed, self.mesh, self.replicate_dim, self.grad_scale)),)
+        return tuple(split(group.layout, sync.hooked(reduce_over_replicas(part, like, self.mesh, self.replicate_dim,
+                                                                          self.grad_scale))))
 
 
 class ParamGather(_Reducing):

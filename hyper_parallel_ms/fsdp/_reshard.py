@@ -7,14 +7,16 @@ consecutive ranks of the shard dim (the group's ``post_forward_mesh``, dim 1): l
 ``False``, a cheaper (e.g. intra-node) backward gather than ``True``.
 
 MindSpore's autodiff keeps the tensors an op needs for its backward (a Dense keeps its
-weight; the gathering Cell keeps its output). From just before a unit's gather to the end
-of its forward, MindSpore's saved-tensor hooks (``mindspore.saved_tensors_hooks``) see each
-tensor kept: a gathered value of the unit (or the flat gathered buffer) is kept as a small
-record instead, so the gathered values are freed when the forward ends; the first backward
-use of a record gathers that group again, without autodiff (the pieces' gradient comes from
-the forward's gathering Cell), and the values are dropped once the group's last record is used.
-The flat buffer itself is never gathered again: the backward reads only its shape (a unit whose
-backward reads none of its values, an embedding table, gathers nothing in the backward).
+weight; the gathering Cell keeps its inputs and outputs). From just before a unit's gather to
+the end of its forward, MindSpore's saved-tensor hooks (``mindspore.saved_tensors_hooks``) see
+each tensor kept: a gathered value of the unit is kept as a small record instead, so the
+gathered values are freed when the forward ends; the first backward use of a record gathers
+that group again, without autodiff (the pieces' gradient comes from the forward's gathering
+Cell), and the values are dropped once the group's last record is used. The gathering Cell's
+own records of its outputs hold only a shape (its backward reads none of them) and are used
+last, by that Cell's backward, which ends the unit's backward; a backward that stops short of
+it (a zero-bubble input pass) leaves the values for the one that follows (the weight pass). A
+unit whose backward reads none of its values (an embedding table) gathers nothing in the backward.
 
 Example::
 
@@ -40,12 +42,23 @@ __all__ = ["RegatherOnBackward"]
 
 class _Kept:
     """A tensor kept for the backward: the tensor itself, or (once freed) the forward call,
-    group and index (-1: the flat buffer) to gather it again from."""
+    group and index to gather it again from (index -1: only its shape and dtype, ``like``, are read)."""
 
     __slots__ = ("tensor", "call", "group", "index", "like")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor, self.call, self.group, self.index, self.like = tensor, 0, 0, 0, None
+
+
+class _Live:
+    """The records of one forward call's gathered group not yet used by the backward: how many,
+    the values gathered again for them (``None`` until the first is used) and, with an int
+    ``reshard_after_forward``, this rank's rows of the buffer to gather them from."""
+
+    __slots__ = ("values", "records", "rows")
+
+    def __init__(self, rows: Any) -> None:
+        self.values, self.records, self.rows = None, 0, rows
 
 
 class RegatherOnBackward:
@@ -71,8 +84,8 @@ class RegatherOnBackward:
         self._where: Dict[Tuple[int, Tuple[int, ...]], Tuple[int, int]] = {}
         self._shapes: Set[Tuple[int, ...]] = set()
         self._early: Optional[List[_Kept]] = None         # kept while gathering, before addresses are known
-        # (call, group) -> [values or None, records unused, rows, zeros standing in for the flat buffer, flat records unused]
-        self._live: Dict[Tuple[int, int], List[Any]] = {}
+        self._live: Dict[Tuple[int, int], _Live] = {}        # (call, group) -> its values' records
+
         self._hooks = None
         self.name = "the unit"            # for messages: the unit's Cell class
         self.unshard_in_backward = True   # FSDP2's flag: False promises the backward reads no gathered value
@@ -82,7 +95,7 @@ class RegatherOnBackward:
         """Start hooking the tensors the unit's forward keeps (call before its gather)."""
         self.end()
         self.call += 1
-        self._live = {k: v for k, v in self._live.items() if v[0] is None and k[0] > self.call - 64}
+        self._live = {k: v for k, v in self._live.items() if v.values is None and k[0] > self.call - 64}
         self._early = []
         self._hooks = saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -92,21 +105,15 @@ class RegatherOnBackward:
         for g, item in enumerate(gathered):
             if item is not None:
                 flat, values = item
-                layout = self.groups[g].layout
-                # the flat buffer, also as the (ranks, length) table the values are cut from, then the values
-                for address, shape, index in ([(tensor_address(flat), tuple(flat.shape), -1),
-                                               (tensor_address(flat), (layout.n, layout.length), -1)] +
-                                              [(tensor_address(v), tuple(v.shape), i) for i, v in enumerate(values)]):
-                    self._where[(address, shape)] = (g, index)
+                for i, v in enumerate(values):
+                    shape = tuple(v.shape)
+                    self._where[(tensor_address(v), shape)] = (g, i)
                     self._shapes.add(shape)
                 if self.reshard_after_forward is not True and self.groups[g].post_forward_mesh is not None:
                     self._chunks[g] = self._kept_rows(g, flat)
         early, self._early = self._early or [], None
-        for kept in early:
-            self._free(kept)
-        # the flat buffer is kept only while gathering (its Cell and the views cutting it): its memory is
-        # free now, and a later tensor placed there with its shape is an activation, not a record
-        self._where = {key: where for key, where in self._where.items() if where[1] >= 0}
+        for kept in early:                  # kept by the gathering Cells, whose backward reads only shapes
+            self._free(kept, shape_only=True)
 
     def pause(self) -> None:
         """Stop hooking until :meth:`resume`, keeping what to free (a gather made ahead of the
@@ -129,17 +136,17 @@ class RegatherOnBackward:
     def gather_ahead(self) -> None:
         """Gather now every group whose records the backward has not used yet (backward prefetch)."""
         with no_grad():
-            for (_, g), entry in self._live.items():
-                if entry[0] is None:
-                    entry[0], entry[2] = self._regather(g, entry[2]), None
+            for (_, g), live in self._live.items():
+                if live.values is None:
+                    live.values, live.rows = self._regather(g, live.rows), None
 
     def records_held(self) -> int:
         """The records of freed values the backward has not used yet."""
-        return sum(entry[1] for entry in self._live.values())
+        return sum(live.records for live in self._live.values())
 
     def bytes_held(self) -> int:
         """Bytes kept for the backward's gathers (``1/k`` of each group's buffer with an int ``k``)."""
-        return sum(entry[2].nbytes for entry in self._live.values() if entry[2] is not None)
+        return sum(live.rows.nbytes for live in self._live.values() if live.rows is not None)
 
     def _kept_rows(self, g: int, flat) -> Any:
         """This rank's ``1/k`` of group ``g``'s gathered buffer (a copy), for a group resharded to ``k`` ranks."""
@@ -157,7 +164,7 @@ class RegatherOnBackward:
         flat = comm.all_gather(rows, group.post_forward_mesh, 1, dim=0).reshape((-1,))
         return flat, unpack(group.layout, flat)
 
-    def _free(self, kept: _Kept) -> None:
+    def _free(self, kept: _Kept, shape_only: bool = False) -> None:
         shape = tuple(kept.tensor.shape)
         if shape not in self._shapes:        # most kept tensors (activations): no address read (it waits)
             return
@@ -166,9 +173,12 @@ class RegatherOnBackward:
             return
         kept.like = (shape, kept.tensor.dtype)
         kept.tensor, kept.call, (kept.group, kept.index) = None, self.call, where
-        entry = self._live.setdefault((self.call, kept.group), [None, 0, self._chunks.get(kept.group), None, 0])
-        entry[1] += 1
-        entry[4] += kept.index < 0
+        if shape_only:
+            kept.index = -1
+        live = self._live.get((self.call, kept.group))
+        if live is None:
+            live = self._live[(self.call, kept.group)] = _Live(self._chunks.get(kept.group))
+        live.records += 1
 
     def _pack(self, tensor) -> _Kept:
         kept = _Kept(tensor)
@@ -182,36 +192,30 @@ class RegatherOnBackward:
         if kept.tensor is not None:
             return kept.tensor
         key = (kept.call, kept.group)
-        entry = self._live.setdefault(key, [None, 1, None, None, 0])
+        live = self._live.get(key)
+        if live is None:           # a backward run again (keep_graph): its records were all used once
+            live = self._live[key] = _Live(None)
+            live.records = 1
         if kept.index < 0:
-            # the flat buffer is kept only by its gathering Cell (whose backward reads no value) and by
-            # the views cutting it (which read its shape): zeros of its shape, no gather, one buffer for
-            # all its records (dropped with the last). A unit whose backward reads none of its values (an
-            # embedding table) is not gathered again at all.
-            zeros = entry[3]
-            if zeros is None:
-                zeros = mint.zeros(kept.like[0], dtype=kept.like[1])
-            elif tuple(zeros.shape) != kept.like[0]:
-                zeros = zeros.reshape(kept.like[0])
-            entry[1] -= 1
-            entry[4] -= 1
-            entry[3] = zeros if entry[4] > 0 else None
-            if entry[1] <= 0:
-                del self._live[key]
-            return zeros
-        if entry[0] is None:
+            value = mint.zeros(kept.like[0], dtype=kept.like[1])
+        else:
+            value = self._value(live, kept)
+        live.records -= 1
+        if live.records <= 0:
+            del self._live[key]
+        return value
+
+    def _value(self, live: _Live, kept: _Kept):
+        """The value a record stands for, gathered again with its group's other values on first use."""
+        if live.values is None:
             if not self.unshard_in_backward and not self._warned:
                 warnings.warn(f"set_unshard_in_backward(False), but the backward reads the gathered values of "
                               f"{self.name}: they are gathered again (the gradients stay exact); leave it True for "
                               f"this unit", UserWarning, stacklevel=2)
                 self._warned = True
             with no_grad():
-                entry[0] = self._regather(kept.group, entry[2])
-            entry[2] = None
+                live.values = self._regather(kept.group, live.rows)
+            live.rows = None
             for other in self.ahead:            # backward prefetch: their gathers issued now
                 other.gather_ahead()
-        values = entry[0][1]
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del self._live[key]
-        return values[kept.index]
+        return live.values[1][kept.index]
