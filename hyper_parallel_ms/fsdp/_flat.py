@@ -20,7 +20,7 @@ from mindspore import mint, ops
 
 from ._chunks import Chunks
 
-__all__ = ["FlatLayout", "pack", "unpack_one", "unpack", "fold", "split"]
+__all__ = ["FlatLayout", "pack", "unpack", "fold", "split"]
 
 
 class FlatLayout:
@@ -59,10 +59,9 @@ def pack(layout: FlatLayout, pieces: Sequence) -> object:
     return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
 
 
-def unpack_one(layout: FlatLayout, gathered, index: int):
-    """Parameter ``index``'s full value (a view) from the gathered ``(n * length,)`` buffer."""
+def _cut(layout: FlatLayout, table, index: int):
+    """Parameter ``index``'s full value (a view) from the gathered buffer seen as ``(n, length)``."""
     chunks, offset, numel = layout.chunks[index], layout.offsets[index], layout.numels[index]
-    table = gathered.reshape((layout.n, layout.length))
     block = table if numel == layout.length else mint.narrow(table, 1, offset, numel)
     if not chunks.shape:
         return block.reshape(())
@@ -71,8 +70,9 @@ def unpack_one(layout: FlatLayout, gathered, index: int):
 
 
 def unpack(layout: FlatLayout, gathered) -> List[object]:
-    """Every parameter's full value from the gathered buffer."""
-    return [unpack_one(layout, gathered, i) for i in range(len(layout.chunks))]
+    """Every parameter's full value (views) from the gathered ``(n * length,)`` buffer."""
+    table = gathered.reshape((layout.n, layout.length))
+    return [_cut(layout, table, i) for i in range(len(layout.chunks))]
 
 
 def fold(layout: FlatLayout, values: Sequence) -> object:
