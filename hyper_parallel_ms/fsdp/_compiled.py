@@ -4,7 +4,9 @@ The PyNative driver swaps gathered values into a Cell's parameter table in forwa
 a compiled graph cannot have its Parameters replaced by computed values that way. Here
 each Cell holding a fully_shard parameter gets a subclass (:func:`gathering_class`) in
 which the parameter's attribute is a property: run by Python it returns what the table
-holds (the piece, or the full value the hooks installed); compiled as graph code it
+holds (the full value the hooks installed, or the piece; the piece read inside another unit's
+forward, a tied head reading an embedding unit's table, is gathered there as its own unit's
+forward gathers it: :meth:`._state.FSDPState.read_outside_forward`); compiled as graph code it
 returns the parameter's full value from its :class:`._group.ParamGather` (the piece all-gathered
 in the graph, the gradient reduced to the piece in its backward). The table keeps the piece,
 so the optimizer, ``parameters_and_names`` and checkpoints see the same Parameters in every mode.
@@ -43,6 +45,8 @@ def _gathered(attr: str, summed: bool) -> property:
         value = self._params[attr]
         if compiling_graph_code():
             value = getattr(self, reader)(value)
+        else:
+            value = getattr(self, reader).read_eagerly(value)
         return getattr(self, summer)(value) if summed else value
     read.__name__ = attr
     return property(read, doc=f"``{attr}``: the full parameter (gathered from the pieces when compiled)")

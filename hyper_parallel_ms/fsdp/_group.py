@@ -238,10 +238,17 @@ class ParamGather(_Reducing):
 
     def __init__(self, group: FSDPParamGroup, index: int) -> None:
         super().__init__(group, group.layout.chunks[index].rows)
+        self.index = index
         chunks = group.layout.chunks[index]
         # plain int attributes: constants of the graphs
         self.length, self.padded, self.padding, self.local = (chunks.shape[0] if chunks.shape else 1, chunks.padded,
                                                               chunks.padding, chunks.local)
+
+    def read_eagerly(self, held):
+        """PyNative: what a read of the parameter returns, given what its Cell holds (see
+        :meth:`._state.FSDPState.read_outside_forward`)."""
+        group = self._hpms_group
+        return group.unit.read_outside_forward(group, self.index, held)
 
     def construct(self, piece):
         _check_compiled(self._hpms_group.unit)

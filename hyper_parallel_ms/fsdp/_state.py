@@ -200,6 +200,23 @@ class FSDPState:
         self.reused = gathered if keep else None
         return [v for _, values in gathered for v in values], freeing
 
+    def read_outside_forward(self, group: FSDPParamGroup, index: int, held: Any) -> Any:
+        """PyNative: a read of parameter ``index`` of ``group`` that finds its piece while another
+        unit's forward runs (a tied head reading an embedding unit's table, a Cell of
+        ``fully_shard([m1, m2])`` reading the other's weight) gets the full value, gathered now as
+        this unit's forward gathers it (its backward reduces that gradient to the piece as well);
+        outside every forward (inspection, initialisation) the piece itself, what the Cell holds.
+
+        Example::
+
+            logits = ops.matmul(h, self.wte.embedding_table.T)    # the root's forward; wte its own unit
+        """
+        record = group.params[index]
+        if held is not record.piece or not _FORWARDS.running:
+            return held
+        value = group.gathered()[1][index]
+        return as_placed(value, record.placed)
+
     def check_compilable(self) -> None:
         """Called while ms.jit / GRAPH_MODE compiles a read of this Cell's parameters: refuse what
         a compiled graph cannot do (see :mod:`._compiled`), naming the fix."""
