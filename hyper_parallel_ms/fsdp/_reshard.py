@@ -85,7 +85,6 @@ class RegatherOnBackward:
         self._shapes: Set[Tuple[int, ...]] = set()
         self._early: Optional[List[_Kept]] = None         # kept while gathering, before addresses are known
         self._live: Dict[Tuple[int, int], _Live] = {}        # (call, group) -> its values' records
-
         self._hooks = None
         self.name = "the unit"            # for messages: the unit's Cell class
         self.unshard_in_backward = True   # FSDP2's flag: False promises the backward reads no gathered value
