@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Tuple
 import mindspore as ms
 import numpy as np
 
-from hyper_parallel_ms.testing import run_on_ranks, shutdown_pools
+from hyper_parallel_ms.testing import compiled_collectives, run_on_ranks, shutdown_pools
 from hyper_parallel_ms.testing._probes import reset_peak_rss, status_kb
 
 MiB = 1024 * 1024
@@ -130,25 +130,6 @@ def measure_time(units: int, dim: int, rows: int, steps: int, rounds: int) -> Di
     return out
 
 
-_PRIMITIVES = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll")
-
-
-def _compiled_collectives(run: Callable, x) -> Dict[str, int]:
-    """The collective primitives in the graph ``run``'s first call compiles (MindSpore's graph dump:
-    recording at trace time counts a graph MindSpore reuses for several reads once)."""
-    import glob
-    import re
-    import tempfile
-    with tempfile.TemporaryDirectory() as path:
-        ms.set_context(save_graphs=1, save_graphs_path=path)
-        try:
-            run(x).asnumpy()
-        finally:
-            ms.set_context(save_graphs=0)
-        text = "".join(open(g).read() for g in glob.glob(f"{path}/**/graph_build_*.ir", recursive=True))
-    return {p: n for p in _PRIMITIVES if (n := len(re.findall(rf"= {p}\(", text)))}
-
-
 def measure_counts(units: int, dim: int, rows: int) -> Dict[str, Dict[str, Dict[str, int]]]:
     from mindspore import communication
     from hyper_parallel_ms.comm import CommDebugMode
@@ -164,7 +145,7 @@ def measure_counts(units: int, dim: int, rows: int) -> Dict[str, Dict[str, Dict[
         for r in debug.records:
             counts[f"{r.kind} over {r.group_size}"] = counts.get(f"{r.kind} over {r.group_size}", 0) + 1
         out["pynative"][how] = counts
-        out["jit"][how] = _compiled_collectives(_variant(how, mesh, units, dim, "jit")[0], x)
+        out["jit"][how] = compiled_collectives(_variant(how, mesh, units, dim, "jit")[0], x)
     return out
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from hyper_parallel_ms.fsdp import MixedPrecisionPolicy, fully_shard, hsdp
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.testing import multi_rank
+from hyper_parallel_ms.testing import compiled_collectives, multi_rank
 
 from tests._fsdp_models import GradStep, Net, compare, compiled
 
@@ -63,7 +63,10 @@ def test_fully_shard_and_hsdp_in_jit_2_ranks():
     with pytest.raises(NotImplementedError, match="add up the returned gradients"):
         compiled("jit", GradStep(model, model.trainable_params()))(x)
     model.set_requires_gradient_sync(True)
-    compiled("jit", GradStep(model, model.trainable_params()))(x)
+    # one gather (MCCL's AllGather over all ranks, uneven pieces padded on every rank alike) and one
+    # reduction per parameter read; the 12 parameters are all sharded
+    counts = compiled_collectives(compiled("jit", GradStep(model, model.trainable_params())), x)
+    assert counts == {"AllGather": 12, "AllReduce": 12}, counts
     with pytest.raises(NotImplementedError, match="compiled by ms.jit / GRAPH_MODE"):
         model.set_requires_gradient_sync(False)
     cast = _fsdp_per_block(Net(), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=ms.float16))

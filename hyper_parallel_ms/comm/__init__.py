@@ -42,7 +42,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import mindspore as ms
 
 from .._mindspore import cached_in_python, is_compiling, run_in_python
-from ..layout import chunk_sizes
+from ..layout import chunk_offsets, chunk_sizes
 from ..placement import REDUCE_OPS
 from . import _composed, _exact, _native, _simulated, _traffic
 from ._broadcast import broadcast as _broadcast
@@ -65,6 +65,7 @@ class _Call:
     record: Optional[CommRecord]
     empty_output: bool     # some rank's output piece is empty (reduce_scatter / all_to_all chunks)
     on_cpu: bool = False   # native on MindSpore's CPU backend (MCCL: world group, composed backward)
+    kept: Tuple[int, int] = (0, 0)   # reduce_scatter / all_to_all: this rank's chunk (offset, length), plain ints
 
     @property
     def runs(self) -> bool:
@@ -119,8 +120,10 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
           sizes: Optional[Tuple[int, ...]] = None, op: str = "sum", split_dim: int = 0, src: int = 0,
           compiled: bool = False, eager: bool = True) -> _Call:
     group = mesh.comm_group(mesh_dim)
-    # MCCL's AllGather: no empty piece; PyNative only (compiled, its Cell breaks MindSpore's constant folding)
-    world = group.is_world and eager and 0 not in (sizes if sizes is not None else shape)
+    # MCCL's AllGather: no empty piece; compiled, only equal pieces gathered on dim 0 (the primitive
+    # alone: padding or cutting inside its Cell failed to compile, see _composed.world_all_gather)
+    world = group.is_world and 0 not in (sizes if sizes is not None else shape) and (
+        eager or (kind == "all_gather" and dim % max(len(shape), 1) == 0 and (sizes is None or len(set(sizes)) == 1)))
     path = select_path(mesh.device_target, kind, world_group=world, dtype=dtype)
     n = group.size
     if path == "composed" and n > 1:
@@ -154,9 +157,12 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
     index = mesh.dim_index(mesh_dim)
     rec = CommRecord(kind, names[index] if names else str(index), n, path, traffic[0], traffic[1], shape,
                      str(dtype), group=group.ranks) if n > 1 else None
-    empty_output = kind in ("reduce_scatter", "all_to_all") and \
-        0 in chunk_sizes(shape[dim if kind == "reduce_scatter" else split_dim], n)
-    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, mesh.device_target == "CPU")
+    kept, empty_output = (0, 0), False
+    if kind in ("reduce_scatter", "all_to_all"):
+        size = shape[dim if kind == "reduce_scatter" else split_dim]
+        kept = (chunk_offsets(size, n)[group.rank], chunk_sizes(size, n)[group.rank])
+        empty_output = 0 in chunk_sizes(size, n)
+    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, mesh.device_target == "CPU", kept)
 
 
 @run_in_python
@@ -252,10 +258,10 @@ def reduce_scatter(x, mesh, mesh_dim=0, *, dim: int = 0, op: str = "sum"):
     """
     call = _resolve("reduce_scatter", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim, op=op)
     if not call.runs:
-        return _placeholder(x, call, {call.dim: chunk_sizes(x.shape[call.dim], call.group.size)[call.group.rank]})
+        return _placeholder(x, call, {call.dim: call.kept[1]})
     if call.native:
         return _native.reduce_scatter(x, call.dim, op, call.group)
-    return _composed.reduce_scatter(x, call.dim, op, call.group)
+    return _composed.reduce_scatter(x, call.dim, op, call.group, call.kept)
 
 
 def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
@@ -281,11 +287,10 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
                  sizes=None if concat_sizes is None else tuple(concat_sizes), split_dim=split_dim)
     split = split_dim % x.ndim
     if not call.runs:
-        return _placeholder(x, call, {split: chunk_sizes(x.shape[split], call.group.size)[call.group.rank],
-                                      call.dim: sum(call.sizes)})
+        return _placeholder(x, call, {split: call.kept[1], call.dim: sum(call.sizes)})
     if call.native:
         return _native.all_to_all(x, split, call.dim, call.sizes, call.group)
-    return _composed.all_to_all(x, split, call.dim, call.sizes, call.group)
+    return _composed.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
 
 
 def broadcast(x, mesh, mesh_dim=0, *, src: int = 0):

@@ -20,7 +20,6 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from .._mindspore import cell_per_call_site
-from ..layout import chunk_offsets, chunk_sizes
 from . import _native
 from ._exact import check_dtype, place_over, sum_over
 from ._tensor import narrow, pad_dim
@@ -67,8 +66,23 @@ class _WorldGather(_AllGather):
         return _native.all_gather(x, self.dim, self.sizes, self.group)
 
 
+class _WorldGatherRows(_AllGather):
+    """:class:`_WorldGather` for equal pieces gathered on dim 0: the primitive alone. Compiled, this
+    is the only form: MindSpore 2.10 failed to compile ("The func graph is empty") a graph where a
+    helper (``pad_dim``, ``min``) runs inside this Cell's ``construct`` and elsewhere in the graph."""
+
+    def __init__(self, sizes: Tuple[int, ...], group) -> None:
+        super().__init__(0, sizes, group)
+        self.gather = _native.all_gather_prim(group.name)
+
+    def construct(self, x):
+        return self.gather(x)
+
+
 @cell_per_call_site
-def _world_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _WorldGather:
+def _world_gather_cell(dim: int, sizes: Tuple[int, ...], group) -> _AllGather:
+    if dim == 0 and len(set(sizes)) == 1:
+        return _WorldGatherRows(sizes, group)
     return _WorldGather(dim, sizes, group)
 
 
@@ -100,17 +114,13 @@ def all_reduce(x, op: str, group):
     return ops.amin(slots, 0)
 
 
-def reduce_scatter(x, dim: int, op: str, group):
-    """Reduce over the group, keep this rank's ``torch.chunk`` piece along ``dim``."""
-    full = all_reduce(x, op, group)
-    size = x.shape[dim]
-    return narrow(full, dim, chunk_offsets(size, group.size)[group.rank],
-                  chunk_sizes(size, group.size)[group.rank])
+def reduce_scatter(x, dim: int, op: str, group, kept: Tuple[int, int]):
+    """Reduce over the group, keep this rank's ``torch.chunk`` piece along ``dim`` (``kept``: its
+    offset and length, computed in Python: compiled, no chunk arithmetic is left to the graph)."""
+    return narrow(all_reduce(x, op, group), dim, kept[0], kept[1])
 
 
-def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], group):
-    """Send chunk ``j`` of ``split_dim`` to rank ``j``; concatenate what arrives on ``concat_dim``."""
-    gathered = all_gather(x, concat_dim, concat_sizes, group)
-    size = x.shape[split_dim]
-    return narrow(gathered, split_dim, chunk_offsets(size, group.size)[group.rank],
-                  chunk_sizes(size, group.size)[group.rank])
+def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], group, kept: Tuple[int, int]):
+    """Send chunk ``j`` of ``split_dim`` to rank ``j``; concatenate what arrives on ``concat_dim``
+    (``kept``: this rank's chunk of ``split_dim``, offset and length)."""
+    return narrow(all_gather(x, concat_dim, concat_sizes, group), split_dim, kept[0], kept[1])

@@ -41,7 +41,7 @@ def _all_reduce_prim(op: str, group_name: str):
 
 
 @cached_in_python
-def _all_gather_prim(group_name: str):
+def all_gather_prim(group_name: str):
     return ops.AllGather(group_name)
 
 
@@ -61,7 +61,7 @@ def all_gather(x, dim: int, sizes: Sequence[int], group):
         return all_gather(x.astype(ms.uint8), dim, sizes, group).astype(ms.bool_)
     block = max(sizes)
     padded = pad_dim(x, dim, 0, block - x.shape[dim])
-    gathered = move_from_front(_all_gather_prim(group.name)(move_to_front(padded, dim)), dim)
+    gathered = move_from_front(all_gather_prim(group.name)(move_to_front(padded, dim)), dim)
     if min(sizes) == block:
         return gathered
     return select_pieces(gathered, dim, block, sizes)

@@ -44,9 +44,9 @@ _ROWS = [
     Capability("Ascend", "all_to_all", NATIVE, "ops.AlltoAll (padded when uneven)"),
     Capability("Ascend", "broadcast", NATIVE, "ops.Broadcast; backward: ops.AllReduce kept on the source"),
     Capability("CPU", "all_gather", COMPOSED,
-               "each rank writes its piece into a zero buffer, ops.AllReduce sum; in PyNative on the world "
-               "group (float32, float16) MCCL's AllGather (native: half the all-reduce's bytes) with this "
-               "composed backward (MCCL has no ReduceScatter)"),
+               "each rank writes its piece into a zero buffer, ops.AllReduce sum; on the world group (float32, "
+               "float16; compiled: equal pieces on dim 0 only) MCCL's AllGather (native: half the all-reduce's "
+               "bytes) with this composed backward (MCCL has no ReduceScatter)"),
     Capability("CPU", "all_reduce", COMPOSED,
                "sum: ops.AllReduce sum itself; avg = sum / n; max/min: pieces stacked in slots, "
                "AllReduce sum, max/min over the slot axis (MCCL AllReduce: sum only)"),

@@ -126,14 +126,17 @@ class FSDPParamGroup:
         self.gather.partial = None
 
 
-def _padded_rows(x, rows: int):
-    """``x`` with ``rows`` zero rows appended (``x`` has rows). ``ParamGather`` uses this and not
+def _padded_rows(x, rows: int, uneven: bool):
+    """``x`` with ``rows`` zero rows appended (``x`` has rows), by one ``pad`` whenever the parameter
+    is cut unevenly (``uneven``), ``rows`` 0 included: every rank's graph then has the same ops in
+    the same order (a rank whose graph skipped the pad ordered its collectives differently from
+    the others, and MCCL failed or mixed them). ``ParamGather`` uses this and not
     ``pad_dim`` / ``cast_to``: with their branches folded away inside a custom-bprop Cell's forward,
     MindSpore failed to differentiate the compiled graph from PyNative ("The pointer
     [func_graph->get_return()] is null")."""
-    if rows == 0:
+    if not uneven:
         return x
-    return mint.cat((x, ops.zeros((rows,) + x.shape[1:], x.dtype)), 0)
+    return mint.nn.functional.pad(x, (0, 0) * (x.ndim - 1) + (0, rows))
 
 
 class _Reducing(nn.Cell):
@@ -243,6 +246,7 @@ class ParamGather(_Reducing):
         # plain int attributes: constants of the graphs
         self.length, self.padded, self.padding, self.local = (chunks.shape[0] if chunks.shape else 1, chunks.padded,
                                                               chunks.padding, chunks.local)
+        self.uneven = self.padded != self.length         # some rank pads: every rank runs the same ops
 
     def read_eagerly(self, held):
         """PyNative: what a read of the parameter returns, given what its Cell holds (see
@@ -255,7 +259,8 @@ class ParamGather(_Reducing):
         value = piece if self.param_dtype is None else piece.astype(self.param_dtype)
         if self.gather_dim is None:
             return value
-        full = _compiled_all_gather(_padded_rows(value, self.padding), self.mesh, self.gather_dim, dim=0)
+        full = _compiled_all_gather(_padded_rows(value, self.padding, self.uneven), self.mesh, self.gather_dim,
+                                    dim=0)
         return full if self.padded == self.length else mint.narrow(full, 0, 0, self.length)
 
     def bprop(self, piece, out, dout):
@@ -263,4 +268,4 @@ class ParamGather(_Reducing):
             return (self._reduced(dout, piece),)
         g = dout if self.padded == self.length else pad_dim(dout, 0, 0, self.padded - self.length)
         g = self._reduced(g, piece)
-        return (g if not self.padding else mint.narrow(g, 0, 0, self.local),)
+        return (mint.narrow(g, 0, 0, self.local) if self.uneven else g,)

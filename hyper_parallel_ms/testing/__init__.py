@@ -22,8 +22,10 @@ import functools
 from typing import Any, Callable, Dict, List, Optional
 
 from ._pool import RankFailure, RankPool
+from .graph_counts import compiled_collectives
 
-__all__ = ["RankPool", "RankFailure", "get_pool", "run_on_ranks", "multi_rank", "shutdown_pools"]
+__all__ = ["RankPool", "RankFailure", "get_pool", "run_on_ranks", "multi_rank", "shutdown_pools",
+           "compiled_collectives"]
 
 _POOLS: Dict[int, RankPool] = {}
 
