@@ -86,6 +86,7 @@ class RegatherOnBackward:
         self._early: Optional[List[_Kept]] = None         # kept while gathering, before addresses are known
         self._live: Dict[Tuple[int, int], _Live] = {}        # (call, group) -> its values' records
         self._hooks = None
+        self._zeros: Dict[Any, Any] = {}                  # dtype -> a zero scalar (see _stand_in)
         self.name = "the unit"            # for messages: the unit's Cell class
         self.unshard_in_backward = True   # FSDP2's flag: False promises the backward reads no gathered value
         self._warned = False              # that promise broken: warned once (the user's flag is kept)
@@ -196,13 +197,21 @@ class RegatherOnBackward:
             live = self._live[key] = _Live(None)
             live.records = 1
         if kept.index < 0:
-            value = mint.zeros(kept.like[0], dtype=kept.like[1])
+            value = self._stand_in(*kept.like)
         else:
             value = self._value(live, kept)
         live.records -= 1
         if live.records <= 0:
             del self._live[key]
         return value
+
+    def _stand_in(self, shape: Tuple[int, ...], dtype: Any):
+        """A tensor of ``shape`` and ``dtype`` for a record only its shape is read from: a broadcast
+        view of one zero (no memory of its own; allocating zeros cost more per step than the view)."""
+        zero = self._zeros.get(dtype)
+        if zero is None:
+            zero = self._zeros[dtype] = mint.zeros((), dtype=dtype)
+        return zero.broadcast_to(shape)
 
     def _value(self, live: _Live, kept: _Kept):
         """The value a record stands for, gathered again with its group's other values on first use."""
