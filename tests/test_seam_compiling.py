@@ -56,6 +56,43 @@ def test_contract_is_compiling_fires_for_graph_mode_cells():
     assert _COMPILE_TIME == [True]
 
 
+def _no_check(fn, args) -> None:
+    """A compile check refusing nothing (installs the swapped compile entry points)."""
+
+
+def _jit_reading(n: int):
+    @ms.jit
+    def scaled(x):
+        return x * _python_at_compile_time(n)
+    return scaled
+
+
+def test_contract_is_compiling_counts_compiles_through_the_swapped_entry_points():
+    """With this package's compile entry points in place, a count they keep answers is_compiling
+    (no frame walk); wrapped again by someone else, the frames are looked up: the same answers."""
+    import functools
+    from hyper_parallel_ms._mindspore import compiling
+    from hyper_parallel_ms._mindspore._release import _graph_api
+    seam.check_compiled_calls(_no_check)
+    assert compiling._entry_points_ours() and not seam.is_compiling()
+    _COMPILE_TIME.clear()
+    np.testing.assert_allclose(_jit_reading(7)(Tensor([1.0])).asnumpy(), [14.0])
+    assert _COMPILE_TIME == [True] and compiling._COMPILES.depth == 0
+
+    def wrapped(original):
+        @functools.wraps(original)
+        def compile(self, *args, **kwargs):
+            return original(self, *args, **kwargs)
+        return compile
+    undo = seam.swap_entry_points([(_graph_api._JitExecutor, "compile", wrapped)])
+    try:
+        assert not compiling._entry_points_ours() and not seam.is_compiling()
+        np.testing.assert_allclose(_jit_reading(9)(Tensor([1.0])).asnumpy(), [18.0])
+    finally:
+        undo()
+    assert _COMPILE_TIME == [True, True] and compiling._entry_points_ours()
+
+
 def _takes(first, second):
     return first + second
 
