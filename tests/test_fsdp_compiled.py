@@ -5,6 +5,7 @@ accumulation by adding up the micro-steps' reduced gradients, and what compiled 
 from __future__ import annotations
 
 import mindspore as ms
+from mindspore import nn
 import numpy as np
 import pytest
 
@@ -114,7 +115,6 @@ def test_a_conversion_whose_backward_gathers_compiles_with_fully_shard_2_ranks()
     its backward all-gathers) in one ms.jit graph: MindSpore 2.10 failed to compile this ("The func
     graph is empty ... all_gather") while both called one function object. Loss and gradients equal
     the one-device values of the summed loss."""
-    from mindspore import nn
     from hyper_parallel_ms.layout import Layout
     from hyper_parallel_ms.placement import Replicate, Shard
     from hyper_parallel_ms.redistribute._executor import redistribution
@@ -136,3 +136,37 @@ def test_a_conversion_whose_backward_gathers_compiles_with_fully_shard_2_ranks()
     # the conversion's backward gathers both ranks' row gradients: d(sum of both losses)/dW on each
     # rank, averaged over dp by fully_shard; this rank's 2 rows of it
     np.testing.assert_allclose(grad.asnumpy(), (2 * y.T @ x)[rank * 2:(rank + 1) * 2], rtol=1e-5)
+
+
+class _Rows7(nn.Cell):
+    """One (7, 3) weight: pieces of 4 and 3 rows on 2 ranks (rank 1 pads a row, rank 0 none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = ms.Parameter(ms.Tensor(np.arange(21, dtype=np.float32).reshape(7, 3) / 10), name="w")
+
+    def construct(self, x):
+        return ms.ops.matmul(x, self.w.astype(ms.float32).T)
+
+
+@multi_rank(2, timeout=300)
+def test_compiled_gather_of_uneven_bfloat16_pieces_2_ranks():
+    """Compiled, every rank pads an uneven piece alike; in bfloat16 too (MindSpore's pad has no
+    bfloat16 CPU kernel when compiled). Loss and this rank's gradient rows against numpy on the
+    bfloat16-rounded weight (bfloat16 keeps 8 bits: 1e-2)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = mesh.get_local_rank(0)
+    net = _Rows7()
+    w = net.w.asnumpy()
+    fully_shard(net, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=ms.bfloat16, cast_forward_inputs=False))
+
+    def loss_of(v):
+        return (net(v) ** 2).sum()
+    step = ms.jit(ms.value_and_grad(loss_of, None, net.trainable_params()))
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    loss, (grad,) = step(ms.Tensor(x))
+    rounded = ms.Tensor(w).astype(ms.bfloat16).astype(ms.float32).asnumpy()
+    y = x @ rounded.T
+    np.testing.assert_allclose(loss.asnumpy(), (y ** 2).sum(), rtol=1e-2)
+    rows = slice(0, 4) if rank == 0 else slice(4, 7)
+    np.testing.assert_allclose(grad.asnumpy(), (2 * y.T @ x)[rows], rtol=2e-2, atol=2e-2)

@@ -127,16 +127,17 @@ class FSDPParamGroup:
 
 
 def _padded_rows(x, rows: int, uneven: bool):
-    """``x`` with ``rows`` zero rows appended (``x`` has rows), by one ``pad`` whenever the parameter
+    """``x`` with ``rows`` zero rows appended (``x`` has rows), concatenated whenever the parameter
     is cut unevenly (``uneven``), ``rows`` 0 included: every rank's graph then has the same ops in
     the same order (a rank whose graph skipped the pad ordered its collectives differently from
-    the others, and MCCL failed or mixed them). ``ParamGather`` uses this and not
+    the others, and MCCL failed or mixed them; MindSpore's ``pad`` has no bfloat16 CPU kernel
+    when compiled, ``cat`` has). ``ParamGather`` uses this and not
     ``pad_dim`` / ``cast_to``: with their branches folded away inside a custom-bprop Cell's forward,
     MindSpore failed to differentiate the compiled graph from PyNative ("The pointer
     [func_graph->get_return()] is null")."""
     if not uneven:
         return x
-    return mint.nn.functional.pad(x, (0, 0) * (x.ndim - 1) + (0, rows))
+    return mint.cat((x, ops.zeros((rows,) + x.shape[1:], x.dtype)), 0)
 
 
 class _Reducing(nn.Cell):
