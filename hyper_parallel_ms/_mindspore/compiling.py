@@ -238,7 +238,6 @@ def _check_compiled_call(kind: str, fn: Callable, args: tuple, kwargs: dict, rej
 _GUARDED: list = []
 _ALLOWED: list = []
 _CHECKS: list = []
-_SWAPPED: list = []          # one entry once the compile entry points are swapped
 
 
 def compile_argument_checks(rejected: Sequence[type],
@@ -285,9 +284,8 @@ def _counted(original: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 def _swap_compile_entry_points() -> None:
-    if not _SWAPPED:
+    if not _OURS:
         swap_entry_points(compile_argument_checks(_GUARDED, _ALLOWED, _CHECKS))
-        _SWAPPED.append(True)
         _OURS[:] = [_graph_api._JitExecutor.compile, _graph_api._CellGraphExecutor.compile]
 
 

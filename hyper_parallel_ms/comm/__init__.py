@@ -160,8 +160,8 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
     kept, empty_output = (0, 0), False
     if kind in ("reduce_scatter", "all_to_all"):
         size = shape[dim if kind == "reduce_scatter" else split_dim]
-        kept = (chunk_offsets(size, n)[group.rank], chunk_sizes(size, n)[group.rank])
-        empty_output = 0 in chunk_sizes(size, n)
+        lengths = chunk_sizes(size, n)
+        kept, empty_output = (chunk_offsets(size, n)[group.rank], lengths[group.rank]), 0 in lengths
     return _Call(group, path == "native", dim, sizes or (), rec, empty_output, mesh.device_target == "CPU", kept)
 
 
@@ -260,7 +260,7 @@ def reduce_scatter(x, mesh, mesh_dim=0, *, dim: int = 0, op: str = "sum"):
     if not call.runs:
         return _placeholder(x, call, {call.dim: call.kept[1]})
     if call.native:
-        return _native.reduce_scatter(x, call.dim, op, call.group)
+        return _native.reduce_scatter(x, call.dim, op, call.group, call.kept)
     return _composed.reduce_scatter(x, call.dim, op, call.group, call.kept)
 
 
@@ -289,7 +289,7 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
     if not call.runs:
         return _placeholder(x, call, {split: call.kept[1], call.dim: sum(call.sizes)})
     if call.native:
-        return _native.all_to_all(x, split, call.dim, call.sizes, call.group)
+        return _native.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
     return _composed.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
 
 

@@ -20,13 +20,12 @@ Example (Ascend, group ``g`` of 2 ranks, each holding a (1, 3) piece)::
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import mindspore as ms
 from mindspore import ops
 
 from .._mindspore import cached_in_python
-from ..layout import chunk_offsets, chunk_sizes
 from ._exact import wire_sum
 from ._tensor import move_to_front, move_from_front, narrow, pad_dim, select_pieces
 
@@ -87,10 +86,11 @@ def all_reduce(x, op: str, group):
     return _all_reduce_prim(op, group.name)(x)
 
 
-def reduce_scatter(x, dim: int, op: str, group):
-    """Reduce over the group, keep this rank's ``torch.chunk`` piece along ``dim``."""
+def reduce_scatter(x, dim: int, op: str, group, kept: Tuple[int, int]):
+    """Reduce over the group, keep this rank's ``torch.chunk`` piece along ``dim`` (``kept``: its
+    offset and length, from the planned call)."""
     size, n = x.shape[dim], group.size
-    start, length = chunk_offsets(size, n)[group.rank], chunk_sizes(size, n)[group.rank]
+    start, length = kept
     if op in ("max", "min") or x.dtype in (ms.bool_, ms.uint8, ms.float64):
         return narrow(all_reduce(x, op, group), dim, start, length)
     step = -(-size // n)
@@ -101,15 +101,16 @@ def reduce_scatter(x, dim: int, op: str, group):
     return narrow(out, dim, 0, length)
 
 
-def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], group):
-    """Send chunk ``j`` of ``split_dim`` to rank ``j``; concatenate what arrives on ``concat_dim``."""
+def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], group, kept: Tuple[int, int]):
+    """Send chunk ``j`` of ``split_dim`` to rank ``j``; concatenate what arrives on ``concat_dim``
+    (``kept``: this rank's chunk of ``split_dim``, offset and length, from the planned call)."""
     if x.dtype == ms.bool_:
-        return all_to_all(x.astype(ms.uint8), split_dim, concat_dim, concat_sizes, group).astype(ms.bool_)
+        return all_to_all(x.astype(ms.uint8), split_dim, concat_dim, concat_sizes, group, kept).astype(ms.bool_)
     size, n = x.shape[split_dim], group.size
     step, block = -(-size // n), max(concat_sizes)
     padded = pad_dim(pad_dim(x, split_dim, 0, step * n - size), concat_dim, 0, block - x.shape[concat_dim])
     out = _all_to_all_prim(n, split_dim, concat_dim, group.name)(padded)
-    out = narrow(out, split_dim, 0, chunk_sizes(size, n)[group.rank])
+    out = narrow(out, split_dim, 0, kept[1])
     if min(concat_sizes) == block:
         return out
     return select_pieces(out, concat_dim, block, concat_sizes)

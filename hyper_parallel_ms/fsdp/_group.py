@@ -262,11 +262,11 @@ class ParamGather(_Reducing):
             return value
         full = _compiled_all_gather(_padded_rows(value, self.padding, self.uneven), self.mesh, self.gather_dim,
                                     dim=0)
-        return full if self.padded == self.length else mint.narrow(full, 0, 0, self.length)
+        return mint.narrow(full, 0, 0, self.length) if self.uneven else full
 
     def bprop(self, piece, out, dout):
         if self.gather_dim is None:
             return (self._reduced(dout, piece),)
-        g = dout if self.padded == self.length else pad_dim(dout, 0, 0, self.padded - self.length)
+        g = pad_dim(dout, 0, 0, self.padded - self.length) if self.uneven else dout
         g = self._reduced(g, piece)
         return (mint.narrow(g, 0, 0, self.local) if self.uneven else g,)
