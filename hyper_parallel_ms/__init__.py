@@ -45,6 +45,7 @@ _EXPORTS: Dict[str, str] = {
     "pipelining": "", "PipelineStage": "pipelining", "split_blocks": "pipelining",
     "ScheduleGPipe": "pipelining", "Schedule1F1B": "pipelining", "ScheduleInterleaved1F1B": "pipelining",
     "ScheduleLoopedBFS": "pipelining", "ScheduleZBVZeroBubble": "pipelining",
+    "ScheduleInterleavedZeroBubble": "pipelining", "ScheduleDualPipeV": "pipelining",
     "plan": "", "simulate": "plan",
 }
 __all__ = list(_EXPORTS)

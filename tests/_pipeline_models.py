@@ -12,11 +12,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
-# the schedules whose runtime paths differ; LoopedBFS is another order of Interleaved1F1B's actions
-# (its own parity runs once, on 2 ranks)
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV")
+# the schedules whose runtime paths differ; LoopedBFS is another order of Interleaved1F1B's actions,
+# InterleavedZeroBubble and DualPipeV other orders of ZBVZeroBubble's and 1F1B's (their own parity
+# runs once, on 2 ranks)
 RUNTIME_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2, "ZBVZeroBubble": 2}
+STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2, "ZBVZeroBubble": 2,
+                   "InterleavedZeroBubble": 2, "DualPipeV": 2}
 BATCHES = (24, 48, 24)        # the second step changes every inter-stage shape, the third changes it back
 WIDTH, IN, OUT = 8, 6, 4
 RTOL, ATOL = 1e-5, 1e-6

@@ -159,8 +159,13 @@ def test_pytorch_names_of_the_pipelining_api():
 
     assert pl.get_schedule_class("1f1b") is pl.Schedule1F1B and pl.get_schedule_class("ZBVZeroBubble") is \
         pl.ScheduleZBVZeroBubble
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'DualPipeV'.*'GPipe'"):
-        pl.get_schedule_class("DualPipeV")
+    assert pl.get_schedule_class("dualpipev") is pl.ScheduleDualPipeV and pl.get_schedule_class(
+        "InterleavedZeroBubble") is pl.ScheduleInterleavedZeroBubble
+    assert pl.get_schedule_class("PipelineScheduleMulti") is pl.PipelineScheduleMulti
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'PipeDream'.*'GPipe'.*'DualPipeV'"):
+        pl.get_schedule_class("PipeDream")
+    assert issubclass(pl.ScheduleInterleavedZeroBubble, pl.PipelineScheduleMulti) and issubclass(
+        pl.ScheduleDualPipeV, pl.PipelineScheduleMulti)
     assert issubclass(pl.ScheduleGPipe, pl.PipelineScheduleSingle) and issubclass(pl.Schedule1F1B,
                                                                                    pl.PipelineScheduleSingle)
     assert issubclass(pl.ScheduleLoopedBFS, pl.PipelineScheduleMulti) and pl.get_schedule_class("loopedbfs") is \

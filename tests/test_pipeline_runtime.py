@@ -151,9 +151,9 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
 
 
 def _microbatch_counts(name: str, pp: int):
-    """num_stages, more, and fewer where the schedule allows it (1F1B refuses fewer)."""
+    """num_stages, more, and fewer where the schedule allows it (1F1B and DualPipeV refuse fewer)."""
     stages = pp * STAGES_PER_RANK[name]
-    return (stages, 2 * stages if 2 * stages <= 12 else 12) + (() if name == "1F1B" else (stages // 2,))
+    return (stages, 2 * stages if 2 * stages <= 12 else 12) + (() if name in ("1F1B", "DualPipeV") else (stages // 2,))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

@@ -51,22 +51,31 @@ def test_placements():
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_every_schedule_passes_the_validator(schedule):
-    """2..8 ranks x 1..16 micro-batches: each plan is valid (checked when made) and complete."""
-    split = schedule == "ZBVZeroBubble"
+    """2..8 ranks x 1..16 micro-batches: each plan is valid (checked when made) and complete: every
+    (stage, micro-batch) of a rank has one F and either one B or one I and one W (zero-bubble
+    schedules split every backward, DualPipeV some)."""
+    split = {"ZBVZeroBubble": True, "InterleavedZeroBubble": True, "DualPipeV": None}.get(schedule, False)
     for pp in RANKS:
         for n in MICROBATCHES:
-            if schedule == "1F1B" and n < pp:
-                with pytest.raises(ScheduleError, match=f"1F1B needs at least as many micro-batches as "
-                                                        f"stages: got {n} micro-batches for {pp} stages"):
+            fewest = {"1F1B": pp, "DualPipeV": 2 * pp}.get(schedule, 1)
+            if n < fewest:
+                with pytest.raises(ScheduleError, match=f"{schedule} needs at least as many micro-batches as "
+                                                        f"stages: got {n} micro-batches for {fewest} stages"):
                     build_plan(schedule, pp, n)
                 continue
             plan = _plan(schedule, pp, n)
             assert plan.pp == pp and plan.num_stages == pp * (1 if schedule in ("GPipe", "1F1B") else 2)
             for rank, acts in enumerate(plan.actions):
-                compute = sorted((a for a in acts if a.kind.is_compute), key=lambda a: (a.stage, a.kind.value, a.microbatch))
-                kinds = (F, I, W) if split else (F, B)
-                assert compute == sorted((Action(s, k, m) for s in plan.stages_of(rank) for k in kinds
-                                          for m in range(n)), key=lambda a: (a.stage, a.kind.value, a.microbatch))
+                compute = [a for a in acts if a.kind.is_compute]
+                assert len(set(compute)) == len(compute), compute
+                for s in plan.stages_of(rank):
+                    for m in range(n):
+                        kinds = {a.kind for a in compute if (a.stage, a.microbatch) == (s, m)}
+                        assert kinds in ({F, B}, {F, I, W}), (rank, s, m, kinds)
+                        if split is not None:
+                            assert kinds == ({F, I, W} if split else {F, B}), (schedule, s, m, kinds)
+                assert len(compute) == sum(3 if {a.kind for a in compute if a.stage == s and a.microbatch == m} ==
+                                           {F, I, W} else 2 for s in plan.stages_of(rank) for m in range(n))
                 for a in acts:       # no transfer between two stages of one rank
                     assert a.kind.is_compute or plan.placement[a.peer_stage()] != rank
 
@@ -86,6 +95,13 @@ def test_construction_refusals():
         build_plan("ZBVZeroBubble", 2, 4, stages_per_rank=3)
     with pytest.raises(ScheduleError, match="Interleaved1F1B runs 2 or more"):
         build_plan("Interleaved1F1B", 2, 4, stages_per_rank=1)
+    with pytest.raises(ScheduleError, match="InterleavedZeroBubble runs 2 or more"):
+        build_plan("InterleavedZeroBubble", 2, 4, stages_per_rank=1)
+    with pytest.raises(ScheduleError, match="DualPipeV runs 2 stage"):
+        build_plan("DualPipeV", 2, 4, stages_per_rank=3)
+    with pytest.raises(ScheduleError, match="DualPipeV needs at least as many micro-batches as stages: got 7 "
+                                            "micro-batches for 8 stages"):
+        build_plan("DualPipeV", 4, 7)
     with pytest.raises(ScheduleError, match="n_microbatches must be a positive int, got 0"):
         build_plan("GPipe", 2, 0)
 
@@ -187,7 +203,8 @@ def test_transfers_placed_with_any_durations_never_deadlock():
     rng = random.Random(0)
     for schedule in sorted(SCHEDULES):
         for pp, n in ((2, 3), (3, 5), (4, 8), (5, 16)):
-            plan = _plan(schedule, pp, n)
+            plan = _plan(schedule, pp, max(n, 2 * pp) if schedule == "DualPipeV" else n)
+            n = plan.n_microbatches
             order = {r: [a for a in acts if a.kind.is_compute] for r, acts in enumerate(plan.actions)}
             for _ in range(3):
                 durations = {k: rng.uniform(0.1, 3.0) for k in (F, B, I, W)}
@@ -214,6 +231,12 @@ def test_bubble_fractions_match_the_formulas():
             if n % pp == 0:
                 inter = _plan("Interleaved1F1B", pp, n).bubble_fraction()
                 assert inter == pytest.approx(_formula(pp, n, v=2), abs=1e-12)
+            # split backwards fill bubbles: below the looped / V schedules they refine
+            izb = _plan("InterleavedZeroBubble", pp, n).bubble_fraction()
+            assert izb < _plan("Interleaved1F1B", pp, n).bubble_fraction(), (pp, n, izb)
+            if n >= 2 * pp:
+                dual = _plan("DualPipeV", pp, n).bubble_fraction()
+                assert dual <= zbv and dual < _formula(pp, n, v=2), (pp, n, dual, zbv)
 
 
 def test_peak_activations():
@@ -223,6 +246,9 @@ def test_peak_activations():
         for n in MICROBATCHES:
             assert _plan("GPipe", pp, n).peak_activations() == (n,) * pp
             assert max(_plan("ZBVZeroBubble", pp, n).peak_activations()) <= 2 * pp
+            assert max(_plan("InterleavedZeroBubble", pp, n).peak_activations()) <= 2 * pp
+            if n >= 2 * pp:      # DualPipeV: one more (its steady phase's forward runs before the paired backward)
+                assert max(_plan("DualPipeV", pp, n).peak_activations()) <= 2 * pp + 1
             if n >= pp:
                 assert _plan("1F1B", pp, n).peak_activations() == tuple(min(n, pp - r) for r in range(pp))
 

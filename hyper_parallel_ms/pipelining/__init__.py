@@ -1,11 +1,12 @@
 """Pipeline parallelism: schedules as data (per-rank action lists), checked before they run.
 
-A schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ZBVZeroBubble) lowers to one list of actions per
+A schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, InterleavedZeroBubble, DualPipeV) lowers to one list of actions per
 pipeline rank: forward / backward / input-gradient / weight-gradient of a stage on a
 micro-batch, and the SEND / RECV between ranks, in an order that cannot deadlock with
 blocking point-to-point calls. :func:`validate` checks any such lists without processes.
 The runtime (:class:`PipelineStage`, :func:`split_blocks` and the schedules ``ScheduleGPipe``,
-``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleZBVZeroBubble``) executes those
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleZBVZeroBubble``,
+``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) executes those
 lists with ``comm.send`` / ``recv`` (``PipelineStage(..., jit=True)`` compiles a stage's forward
 and backward); an action failing on one rank ends the step on every rank with the cause
 (:class:`PipelineError`). Its names load MindSpore on first use, so importing this package and
@@ -31,12 +32,14 @@ __all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "TransferFa
            "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
            "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
            "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "TensorChunkSpec",
+           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",
+           "ScheduleDualPipeV", "TensorChunkSpec",
            "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class", "split_args_kwargs_into_chunks", "merge_chunks"]
 
 _RUNTIME = ("PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
-            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "PipelineScheduleSingle",
+            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",
+            "ScheduleDualPipeV", "PipelineScheduleSingle",
             "PipelineScheduleMulti",
             "get_schedule_class")
 _MICROBATCH = ("TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks")

@@ -10,9 +10,17 @@
   micro-batch through the rank's first stage, then its next; the backwards in reverse (last
   stage first, micro-batches from the last), as PyTorch's ``ScheduleLoopedBFS``.
 * :func:`zbv`: the V placement with the backward split into input gradient (I) and weight
-  gradient (W), ordered by a greedy list scheduler on unit-time actions: a rank runs a ready I
-  first, else a ready F (the later stage first, at most ``2 pp`` forwards whose W is still
-  pending), else a pending W, which fills what would be bubbles.
+  gradient (W), ordered by a greedy list scheduler on unit-time actions (:func:`zero_bubble`):
+  a rank runs a ready I first, else a ready F (the earlier micro-batch, then the later stage,
+  first; at most ``v pp`` forwards whose W is still pending), else a pending W, which fills
+  what would be bubbles.
+* :func:`interleaved_zero_bubble`: the same scheduler on the looped placement with
+  ``stages_per_rank`` stages per rank (PyTorch's ``ScheduleInterleavedZeroBubble``).
+* :func:`dualpipev`: DeepSeek's DualPipeV on the V placement, in its eight phases (PyTorch's
+  ``ScheduleDualPipeV``): warm-up forwards of the first stage, forwards of both, I / W / F of the
+  second, then pairs "forward of one stage, full backward of the other" (overlapped on hardware
+  that runs a forward and a backward at once; here one after the other), the backwards, and the
+  weight gradients left. Needs at least ``2 pp`` micro-batches.
 
 Pure Python. SEND / RECV are added by :mod:`._comms`.
 
@@ -30,7 +38,8 @@ from ._action import B, F, I, W, Action, ScheduleError
 from ._data import makes, needs
 from ._placement import stage_to_rank, stages_of_rank
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs", "round_sizes", "zbv"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs", "round_sizes", "zero_bubble", "zbv",
+           "interleaved_zero_bubble", "dualpipev"]
 
 Order = Dict[int, List[Action]]
 
@@ -105,10 +114,14 @@ def _ready(stages, kind, next_mb: Dict, n_microbatches: int, made: set, num_stag
     return sorted(acts, key=lambda a: (a.microbatch, -a.stage))
 
 
-def zbv(pp: int, n_microbatches: int) -> Order:
-    """Zero-bubble V order (see the module docstring), built by simulating unit-time steps."""
-    num_stages = 2 * pp
-    placement = stage_to_rank("v", pp, num_stages)
+def zero_bubble(placement: Tuple[int, ...], pp: int, n_microbatches: int, in_flight_limit: int) -> Order:
+    """The zero-bubble list scheduler (see the module docstring) over ``placement``, built by
+    simulating unit-time steps: at most ``in_flight_limit`` forwards per rank whose W is pending.
+
+    >>> zero_bubble(stage_to_rank("v", 2, 4), 2, 1, 4)[1]
+    [1F0, 2F0, 2I0, 1I0, 2W0, 1W0]
+    """
+    num_stages = len(placement)
     local = {r: stages_of_rank(placement, r) for r in range(pp)}
     next_mb = {(s, k): 0 for s in range(num_stages) for k in (F, I)}
     pending_w: Dict[int, List[Action]] = {r: [] for r in range(pp)}
@@ -120,14 +133,14 @@ def zbv(pp: int, n_microbatches: int) -> Order:
         chosen = []
         for r in range(pp):
             options = _ready(local[r], I, next_mb, n_microbatches, made, num_stages)
-            if in_flight[r] < 2 * pp:
+            if in_flight[r] < in_flight_limit:
                 options += _ready(local[r], F, next_mb, n_microbatches, made, num_stages)
             options += pending_w[r][:1]
             if options:
                 chosen.append((r, options[0]))
         if not chosen:
-            raise ScheduleError(f"the zero-bubble V order for {pp} ranks and {n_microbatches} micro-batches "
-                                f"got stuck (no rank can run an action)")
+            raise ScheduleError(f"the zero-bubble order for {pp} ranks, placement {placement} and {n_microbatches} "
+                                f"micro-batches got stuck (no rank can run an action)")
         for r, action in chosen:
             order[r].append(action)
             made.update(makes(action))
@@ -139,4 +152,92 @@ def zbv(pp: int, n_microbatches: int) -> Order:
             if action.kind is I:
                 pending_w[r].append(Action(action.stage, W, action.microbatch))
         left -= len(chosen)
+    return order
+
+
+def zbv(pp: int, n_microbatches: int) -> Order:
+    """Zero-bubble V order: :func:`zero_bubble` on the V placement, at most ``2 pp`` forwards in flight."""
+    return zero_bubble(stage_to_rank("v", pp, 2 * pp), pp, n_microbatches, 2 * pp)
+
+
+def interleaved_zero_bubble(pp: int, n_microbatches: int, stages_per_rank: int) -> Order:
+    """Interleaved zero-bubble order: :func:`zero_bubble` on the looped placement of
+    ``stages_per_rank`` stages per rank, at most ``stages_per_rank * pp`` forwards in flight.
+
+    >>> interleaved_zero_bubble(pp=2, n_microbatches=1, stages_per_rank=2)[0]
+    [0F0, 2F0, 2I0, 2W0, 0I0, 0W0]
+    """
+    return zero_bubble(stage_to_rank("loop", pp, stages_per_rank * pp), pp, n_microbatches, stages_per_rank * pp)
+
+
+class _DualPipeRank:
+    """One rank's DualPipeV list as it is written: the next micro-batch of each (stage, kind) and
+    the weight gradients whose input gradient ran (oldest first)."""
+
+    def __init__(self, first: int, second: int) -> None:
+        self.first, self.second = first, second
+        self.actions: List[Action] = []
+        self.next: Dict[Tuple[int, str], int] = {}
+        self.pending_w: List[Action] = []
+
+    def add(self, stage: int, kind) -> None:
+        """The next ``kind`` action of ``stage``: F, B (a full backward) or I (its W queued)."""
+        key = (stage, "F" if kind is F else "B")          # B and I share the backward's count
+        m = self.next.get(key, 0)
+        self.next[key] = m + 1
+        self.actions.append(Action(stage, kind, m))
+        if kind is I:
+            self.pending_w.append(Action(stage, W, m))
+
+    def weight(self) -> None:
+        """The oldest pending weight gradient, if any."""
+        if self.pending_w:
+            self.actions.append(self.pending_w.pop(0))
+
+
+def dualpipev(pp: int, n_microbatches: int) -> Order:
+    """DualPipeV (see the module docstring): rank ``r`` holds stage ``r`` (``first``) and
+    ``2 pp - 1 - r`` (``second``); ``n_microbatches >= 2 pp``.
+
+    >>> dualpipev(pp=2, n_microbatches=4)[1]
+    [1F0, 2F0, 1F1, 2F1, 1F2, 2B0, 2F2, 1B0, 1F3, 2B1, 2F3, 1B1, 2B2, 1B2, 2I3, 1I3, 2W3, 1W3]
+    """
+    if n_microbatches < 2 * pp:
+        raise ScheduleError(f"DualPipeV needs at least as many micro-batches as stages: got {n_microbatches} "
+                            f"for {2 * pp} stages")
+    placement = stage_to_rank("v", pp, 2 * pp)
+    order: Order = {}
+    for r in range(pp):
+        first, second = stages_of_rank(placement, r)
+        rank = _DualPipeRank(first, second)
+        for _ in range(2 * (pp - r - 1)):                 # 1: forwards of the first stage
+            rank.add(first, F)
+        for _ in range(r + 1):                            # 2: forwards of both
+            rank.add(first, F)
+            rank.add(second, F)
+        for _ in range(pp - r - 1):                       # 3: I / W / F of the second stage
+            rank.add(second, I)
+            rank.weight()
+            rank.add(second, F)
+        for _ in range(n_microbatches - 2 * pp + r + 1):  # 4: forward of one stage with backward of the other
+            rank.add(first, F)
+            rank.add(second, B)
+            rank.add(second, F)
+            rank.add(first, B)
+        for _ in range(pp - r - 1):                       # 5: backward of the second, forward with backward
+            rank.add(second, B)
+            rank.add(second, F)
+            rank.add(first, B)
+        split = False                                     # 6: backwards of both, zero bubble from the middle on
+        for i in range(r + 1):
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            rank.add(second, I if split else B)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            rank.add(first, I if split else B)
+        for _ in range(pp - r - 1):                       # 7: weight gradients with the first stage's backwards
+            rank.weight()
+            rank.add(first, I if split else B)
+        for _ in range(r + 1):                            # 8: the weight gradients left
+            rank.weight()
+        order[r] = rank.actions
     return order

@@ -9,6 +9,9 @@ schedule               placement    stages / rank   micro-batches
                                                     as can be; PyTorch wants them equal)
 ``LoopedBFS``          loop         2 or more       any
 ``ZBVZeroBubble``      V            2               any
+``InterleavedZero      loop         2 or more       any
+Bubble``
+``DualPipeV``          V            2               at least ``2 pp`` (as PyTorch)
 =====================  ===========  ==============  =============================================
 
 A plan is validated when it is made (:func:`._validate.validate`), so a runtime can execute
@@ -36,7 +39,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._action import B, F, W, Action, ActionKind, ScheduleError
 from ._comms import add_comms
-from ._orders import gpipe, interleaved_1f1b, looped_bfs, one_f_one_b, zbv
+from ._orders import dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, zbv
 from ._placement import stage_to_rank, stages_of_rank
 from ._validate import Timeline, validate
 
@@ -57,6 +60,8 @@ SCHEDULES: Mapping[str, _Spec] = {
     "Interleaved1F1B": _Spec("loop", None, False, interleaved_1f1b),
     "LoopedBFS": _Spec("loop", None, False, looped_bfs),
     "ZBVZeroBubble": _Spec("v", 2, False, lambda pp, n, v: zbv(pp, n)),
+    "InterleavedZeroBubble": _Spec("loop", None, False, interleaved_zero_bubble),
+    "DualPipeV": _Spec("v", 2, True, lambda pp, n, v: dualpipev(pp, n)),
 }
 
 
@@ -168,11 +173,12 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
     """Lower ``schedule`` (a name of :data:`SCHEDULES`) for ``pp`` ranks; raises ``ScheduleError`` when it cannot run.
 
     Args:
-        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` or ``"ZBVZeroBubble"``.
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBVZeroBubble"``,
+            ``"InterleavedZeroBubble"`` or ``"DualPipeV"``.
         pp: the number of pipeline ranks.
         n_microbatches: micro-batches per step.
         stages_per_rank: stages each rank holds (the schedule's own by default; 2 or more for
-            ``Interleaved1F1B`` and ``LoopedBFS``).
+            ``Interleaved1F1B``, ``LoopedBFS`` and ``InterleavedZeroBubble``).
 
     Example:
         >>> build_plan("Interleaved1F1B", pp=2, n_microbatches=4, stages_per_rank=2).placement

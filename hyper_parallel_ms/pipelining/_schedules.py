@@ -1,4 +1,5 @@
-"""Pipeline schedules with PyTorch's names (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble V)
+"""Pipeline schedules with PyTorch's names (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble V,
+interleaved zero bubble, DualPipeV)
 on the common base :class:`._schedule_base.PipelineSchedule`, and PyTorch's lookup by name.
 
 Example::
@@ -15,7 +16,8 @@ from ._shared import SharedSpec
 from ._stage import PipelineStage
 
 __all__ = ["PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "get_schedule_class"]
+           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",
+           "ScheduleDualPipeV", "get_schedule_class"]
 
 
 @shared_args
@@ -167,9 +169,53 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
     schedule_name = "ZBVZeroBubble"
 
 
+@shared_args
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    """Interleaved zero bubble (PyTorch's ``ScheduleInterleavedZeroBubble``): several stages per
+    rank, looped (stage s on rank s % pp); each backward is split into an input gradient (sent at
+    once) and a weight gradient run later, in what would be bubbles.
+
+    Args:
+        stages: this rank's looped stages, in stage order (e.g. stages r and r + pp).
+        n_microbatches: micro-batches per step (any number).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
+        {shared_args}
+
+    Example::
+
+        schedule = ScheduleInterleavedZeroBubble([stage_r, stage_r_plus_pp], 4, loss_fn)
+    """
+
+    schedule_name = "InterleavedZeroBubble"
+
+
+@shared_args
+class ScheduleDualPipeV(PipelineScheduleMulti):
+    """DualPipeV (PyTorch's ``ScheduleDualPipeV``, after DeepSeek's DualPipe): the V placement of
+    :class:`ScheduleZBVZeroBubble`; in its steady phase a forward of one of the rank's stages and a
+    full backward of the other follow each other (PyTorch runs such a pair as one overlapped action;
+    here they run one after the other, same results), and the last backwards are split into input
+    and weight gradients. Needs at least as many micro-batches as stages (``2 pp``), as PyTorch.
+
+    Args:
+        stages: this rank's two stages (r and 2 pp - 1 - r).
+        n_microbatches: micro-batches per step (at least ``2 pp``).
+        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on rank 0, which holds the last stage, to train; without it: forward only).
+        {shared_args}
+
+    Example::
+
+        schedule = ScheduleDualPipeV([stage_r, stage_mirror], 4, loss_fn)
+    """
+
+    schedule_name = "DualPipeV"
+
+
 def get_schedule_class(schedule_name: str) -> type:
     """PyTorch's lookup of a schedule class by name, case-insensitive (``"GPipe"``, ``"1F1B"``,
-    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBVZeroBubble"``); another name raises ``ValueError`` listing these.
+    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBVZeroBubble"``, ``"InterleavedZeroBubble"``, ``"DualPipeV"``, and
+    the bases ``"PipelineScheduleSingle"`` / ``"PipelineScheduleMulti"``, as PyTorch); another name raises
+    ``ValueError`` listing these.
 
     Args:
         schedule_name: the schedule's name.
@@ -178,10 +224,11 @@ def get_schedule_class(schedule_name: str) -> type:
 
         get_schedule_class("1f1b")           # Schedule1F1B
     """
-    classes = {cls.schedule_name.lower(): cls for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
-                                                          ScheduleLoopedBFS, ScheduleZBVZeroBubble)}
-    found = classes.get(str(schedule_name).lower())
+    named = {cls.schedule_name: cls for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+                                                ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+                                                ScheduleInterleavedZeroBubble, ScheduleDualPipeV)}
+    named.update({cls.__name__: cls for cls in (PipelineScheduleSingle, PipelineScheduleMulti)})
+    found = {name.lower(): cls for name, cls in named.items()}.get(str(schedule_name).lower())
     if found is None:
-        raise ValueError(f"unknown pipeline schedule {schedule_name!r}; the schedules are "
-                         f"{[c.schedule_name for c in classes.values()]}")
+        raise ValueError(f"unknown pipeline schedule {schedule_name!r}; the schedules are {list(named)}")
     return found

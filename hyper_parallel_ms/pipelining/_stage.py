@@ -121,7 +121,8 @@ class PipelineStage:
                              f"got {stage_index}")
         if dw_builder is not None:
             raise NotImplementedError("PipelineStage(dw_builder=...): a custom weight-gradient builder is not built; "
-                                      "ScheduleZBVZeroBubble splits the backward itself")
+                                      "the zero-bubble schedules (ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, "
+                                      "ScheduleDualPipeV) split the backward themselves")
         if group is not None:
             if mesh is not None and group is not mesh and group != mesh:
                 raise ValueError("PipelineStage got both group= and mesh=, and they differ; give the pp mesh once")
