@@ -438,8 +438,8 @@ def test_parameters_with_fewer_rows_than_ranks_stay_whole_with_a_warning():
         fully_shard(wide_out, mesh=mesh)
         fully_shard(narrow_out, mesh=mesh)
     assert len(caught) == 1 and caught[0].filename == __file__, [str(w.message) for w in caught]
-    assert ("fsdp(Dense): 2 parameters have fewer rows (dim 0) than the 8 ranks" in str(caught[0].message)
-            and "weight (4, 16), bias (4,)" in str(caught[0].message))
+    assert ("fsdp(Dense): 2 parameters have fewer slices on their cut dim than the 8 ranks" in str(caught[0].message)
+            and "weight (4, 16) (dim 0), bias (4,) (dim 0)" in str(caught[0].message))
     assert narrow_out.weight.shape == (4, 16) and wide_out.weight.shape == (2, 4)
 
 

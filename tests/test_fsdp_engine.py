@@ -188,7 +188,8 @@ class _EncodesInForward(nn.Cell):
 
 @multi_rank(2)
 def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperparallel():
-    """FSDP2's ignored_params (left whole, gradients not reduced), shard_placement_fn (dim 0 only),
+    """FSDP2's ignored_params (left whole, gradients not reduced), shard_placement_fn (a dim the
+    parameter lacks refused; other dims: tests/test_fsdp_placement.py),
     offload_policy (CPUOffloadPolicy on CPU ranks: host memory already), register_fsdp_forward_method
     (without it, a method other than construct calling a sub-Cell is refused: it computed on the pieces;
     a forward calling a registered method); HyperParallel's
@@ -234,7 +235,8 @@ def test_fully_shard_keyword_arguments_and_forward_methods_of_fsdp2_and_hyperpar
         model.set_modules_to_forward_prefetch(model)
     ms.set_seed(0)
     other = Net()
-    with pytest.raises(NotImplementedError, match="shard_placement_fn gives Shard\\(dim=1\\).*dim 0 only"):
+    with pytest.raises(ValueError, match="shard_placement_fn gives Shard\\(dim=1\\) for 'inp.bias' of shape "
+                                         "\\(8,\\); it must return None or Shard\\(dim\\)"):
         fully_shard(other, mesh=mesh, shard_placement_fn=lambda p: Shard(1), offload_policy=OffloadPolicy())
     assert not any(is_piece(p) for p in other.trainable_params())
     hsdp(other, threshold=0, use_eager_hook=True)

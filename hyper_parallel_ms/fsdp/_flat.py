@@ -1,7 +1,8 @@
 """One flat buffer per rank for the pieces of a group of parameters, and the way back.
 
-Each parameter's dim 0 is cut into ``torch.chunk`` pieces over ``n`` ranks (:class:`Chunks`:
-``rows = ceil(d0 / n)``, the last pieces shorter); every piece is zero-padded to ``rows``
+Each parameter's cut dim (``Chunks.dim``, 0 unless ``shard_placement_fn`` picked another) is
+cut into ``torch.chunk`` pieces over ``n`` ranks (:class:`Chunks`: ``rows = ceil(d / n)``, the
+last pieces shorter); every piece, seen with that dim in front, is zero-padded to ``rows``
 rows, flattened and concatenated, so every rank holds a buffer of one length ``L`` and the
 gathered buffer, seen as ``(n, L)``, holds rank ``i``'s pieces in row ``i``. Parameters kept
 whole are the case ``n == 1``. Every step is linear slicing and concatenation; :func:`fold`
@@ -18,6 +19,7 @@ from typing import List, Sequence
 
 from mindspore import mint, ops
 
+from ..comm._tensor import move_from_front, move_to_front
 from ._chunks import Chunks
 
 __all__ = ["FlatLayout", "pack", "unpack", "fold", "split"]
@@ -47,7 +49,7 @@ def _flat_piece(piece, chunks: Chunks, numel: int):
     """``piece`` flattened and zero-padded to ``numel`` elements (sizes from ``chunks``: reading a
     tensor's shape in PyNative waits for queued kernels)."""
     local = chunks.local * chunks.row_numel
-    flat = piece.reshape((local,))
+    flat = move_to_front(piece, chunks.dim).reshape((local,))
     if local == numel:
         return flat
     return mint.cat((flat, ops.zeros((numel - local,), flat.dtype)), 0)
@@ -65,8 +67,9 @@ def _cut(layout: FlatLayout, table, index: int):
     block = table if numel == layout.length else mint.narrow(table, 1, offset, numel)
     if not chunks.shape:
         return block.reshape(())
-    block = block.reshape((chunks.padded,) + chunks.shape[1:])
-    return block if chunks.padded == chunks.shape[0] else mint.narrow(block, 0, 0, chunks.shape[0])
+    length = chunks.front_shape[0]
+    block = block.reshape((chunks.padded,) + chunks.front_shape[1:])
+    return move_from_front(block if chunks.padded == length else mint.narrow(block, 0, 0, length), chunks.dim)
 
 
 def unpack(layout: FlatLayout, gathered) -> List[object]:
@@ -80,8 +83,10 @@ def fold(layout: FlatLayout, values: Sequence) -> object:
     gathered ``(n * length,)`` buffer (padding rows zero)."""
     n, blocks = layout.n, []
     for chunks, numel, value in zip(layout.chunks, layout.numels, values):
-        if chunks.shape and chunks.padded != chunks.shape[0]:
-            value = mint.cat((value, ops.zeros((chunks.padded - chunks.shape[0],) + chunks.shape[1:], value.dtype)), 0)
+        value = move_to_front(value, chunks.dim)
+        if chunks.shape and chunks.padded != chunks.front_shape[0]:
+            value = mint.cat((value, ops.zeros((chunks.padded - chunks.front_shape[0],) + chunks.front_shape[1:],
+                                               value.dtype)), 0)
         blocks.append(value.reshape((n, numel)))
     table = blocks[0] if len(blocks) == 1 else mint.cat(blocks, 1)
     return table.reshape((n * layout.length,))
@@ -93,5 +98,5 @@ def split(layout: FlatLayout, flat) -> List[object]:
     for chunks, offset in zip(layout.chunks, layout.offsets):
         local = chunks.local * chunks.row_numel
         part = flat if local == layout.length else mint.narrow(flat, 0, offset, local)
-        pieces.append(part.reshape(chunks.piece_shape))
+        pieces.append(move_from_front(part.reshape(chunks.front_piece_shape), chunks.dim))
     return pieces

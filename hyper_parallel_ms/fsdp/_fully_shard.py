@@ -90,9 +90,9 @@ def _refuse_below_a_unit(cell: nn.Cell) -> None:
             "the root")
 
 
-def _shardable(p: Parameter, mesh, threshold_bytes: int) -> bool:
+def _shardable(p: Parameter, mesh, threshold_bytes: int, dim: int) -> bool:
     shape = tuple(p.shape)
-    if not shape or chunks_of(shape, mesh).any_empty():
+    if not shape or chunks_of(shape, mesh, dim).any_empty():
         return False        # MindSpore's optimizers reject empty pieces: keep such a parameter whole
     return prod(shape) * p.itemsize >= threshold_bytes
 
@@ -129,11 +129,11 @@ def _plan(cells: List[nn.Cell], mesh, state: FSDPState, *, threshold_bytes: int,
     """``state`` with its records and groups: the pieces made, no Cell changed, nothing sent."""
     kinds: Dict[Tuple[bool, Any, Any], List[FSDPParam]] = {}
     for p, holders in _unit_slots(cells, ignored):
-        _check_placement(shard_placement_fn, p, call)
         local, placed = local_parameter(p, call)
+        dim = _placement_dim(shard_placement_fn, p, local, call)
         unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
-        sharded = _shardable(local, unit_mesh, threshold_bytes)
-        chunks = chunks_of(local.shape, unit_mesh) if sharded else Chunks(tuple(local.shape), 1, 0)
+        sharded = _shardable(local, unit_mesh, threshold_bytes, dim)
+        chunks = chunks_of(local.shape, unit_mesh, dim) if sharded else Chunks(tuple(local.shape), 1, 0, dim)
         record = FSDPParam(p, local, holders, unit_mesh, sharded, chunks, placed)
         record.make(p)
         kinds.setdefault((not sharded, unit_mesh, local.dtype), []).append(record)
@@ -144,16 +144,18 @@ def _plan(cells: List[nn.Cell], mesh, state: FSDPState, *, threshold_bytes: int,
     return state
 
 
-def _check_placement(shard_placement_fn: Optional[Callable], p: Parameter, call: str) -> None:
-    """FSDP2's ``shard_placement_fn(param) -> Shard | None``: this engine cuts dim 0 (``None`` or
-    ``Shard(0)``); another dim is refused, naming the parameter."""
-    if shard_placement_fn is None:
-        return
-    placement = shard_placement_fn(p)
-    if placement is None or (isinstance(placement, Shard) and placement.dim == 0):
-        return
-    raise NotImplementedError(f"{call}: shard_placement_fn gives {placement!r} for {p.name!r}, but fully_shard cuts "
-                              "dim 0 only (Shard(0), or None for the default); transpose the parameter or return None")
+def _placement_dim(shard_placement_fn: Optional[Callable], p: Parameter, local: Parameter, call: str) -> int:
+    """The dim FSDP2's ``shard_placement_fn(param) -> Shard | None`` cuts ``p`` on (``None``: 0;
+    a negative dim counts from the end of ``local``, the values this rank holds); anything but a
+    ``Shard`` of an existing dim is refused, naming the parameter."""
+    placement = None if shard_placement_fn is None else shard_placement_fn(p)
+    if placement is None:
+        return 0
+    ndim = len(local.shape)
+    if not isinstance(placement, Shard) or not -max(ndim, 1) <= placement.dim < max(ndim, 1):
+        raise ValueError(f"{call}: shard_placement_fn gives {placement!r} for {p.name!r} of shape "
+                         f"{tuple(local.shape)}; it must return None or Shard(dim) with a dim of the parameter")
+    return placement.dim % max(ndim, 1)
 
 
 def _described(state: FSDPState) -> List[Tuple[str, str]]:
@@ -161,7 +163,7 @@ def _described(state: FSDPState) -> List[Tuple[str, str]]:
     entries = [("options", f"reshard_after_forward={state.reshard_after_forward} {state.policy}")]
     for g, group in enumerate(state.groups):
         for p in group.params:
-            entries.append((p.name, f"{p.shape} {p.local.dtype} {'shard' if p.sharded else 'whole'} "
+            entries.append((p.name, f"{p.shape} {p.local.dtype} {'shard' if p.sharded else 'whole'} dim {p.chunks.dim} "
                                     f"mesh {group.mesh.shape} group {g}"))
     return entries
 
@@ -283,14 +285,15 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
 
 def _warn_kept_whole(state: FSDPState, call: str) -> None:
     """Warn once, naming the parameters left whole because some rank's piece would have no rows."""
-    whole = [(p.name, tuple(p.local.shape), g.mesh) for g in state.groups if not g.sharded for p in g.params
-             if p.local.shape and chunks_of(tuple(p.local.shape), g.mesh).any_empty()]
+    whole = [(p.name, tuple(p.local.shape), g.mesh, p.chunks.dim) for g in state.groups if not g.sharded
+             for p in g.params if p.local.shape and chunks_of(tuple(p.local.shape), g.mesh, p.chunks.dim).any_empty()]
     if not whole:
         return
     ranks = whole[0][2].size(dp_mesh_dims(whole[0][2])[0])
-    shown = ", ".join(f"{name} {shape}" for name, shape, _ in whole[:5]) + (
+    shown = ", ".join(f"{name} {shape} (dim {dim})" for name, shape, _, dim in whole[:5]) + (
         f", ... ({len(whole) - 5} more)" if len(whole) > 5 else "")
-    warnings.warn(f"{call}: {len(whole)} parameters have fewer rows (dim 0) than the {ranks} ranks they would be cut "
+    warnings.warn(f"{call}: {len(whole)} parameters have fewer slices on their cut dim than the {ranks} ranks they "
+                  "would be cut "
                   f"over and stay whole on every rank (their gradients all-reduced), costing their full size on each: "
                   f"{shown}; FSDP2 would give some ranks empty pieces (MindSpore's optimizers refuse them)",
                   UserWarning, stacklevel=4)
@@ -321,7 +324,7 @@ def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_aft
                 mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[Any] = None) -> Union[nn.Cell, List[nn.Cell]]:
     """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0
-    over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
+    (or the dim ``shard_placement_fn`` gives) over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
     :class:`FSDPModule`. A list of Cells (none inside another) is one unit, as in FSDP2: their
     parameters are gathered together when the first of them runs its forward and put back when
     every one of them has run its own (a Cell running again before that starts a new round). Apply bottom-up: each block, then the root. A parameter shared by
@@ -340,8 +343,9 @@ def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_aft
             until the backward, one all-gather per step; ``None`` (FSDP2's newer default): ``True``, and
             ``False`` for the root unit (found at the first forward). Compiled graphs keep them
             (:mod:`._compiled`).
-        shard_placement_fn: FSDP2's ``param -> Shard | None``: ``None`` or ``Shard(0)`` (dim 0 is the only
-            dim this engine cuts; another is refused).
+        shard_placement_fn: FSDP2's ``param -> Shard(dim) | None``: the dim each parameter is cut on
+            (``None``: dim 0; a negative dim counts from the end); its pieces are ``torch.chunk`` pieces
+            of that dim, padded to equal size for the gathers, and its state-dict entry is ``Shard(dim)``.
         mp_policy: a :class:`MixedPrecisionPolicy`: the dtype parameters are gathered in, gradients
             reduced in, outputs cast to (default: none, the pieces' dtype).
         offload_policy: :class:`OffloadPolicy` (default) or :class:`CPUOffloadPolicy` (CPU ranks: the

@@ -245,9 +245,13 @@ class ParamGather(_Reducing):
         self.index = index
         chunks = group.layout.chunks[index]
         # plain int attributes: constants of the graphs
-        self.length, self.padded, self.padding, self.local = (chunks.shape[0] if chunks.shape else 1, chunks.padded,
-                                                              chunks.padding, chunks.local)
+        self.length, self.padded, self.padding, self.local = (chunks.front_shape[0] if chunks.shape else 1,
+                                                              chunks.padded, chunks.padding, chunks.local)
         self.uneven = self.padded != self.length         # some rank pads: every rank runs the same ops
+        # a parameter cut on another dim is gathered with that dim in front (permutations: constants)
+        ndim = len(chunks.shape)
+        self.to_front = (chunks.dim,) + tuple(d for d in range(ndim) if d != chunks.dim) if chunks.dim else None
+        self.from_front = tuple(self.to_front.index(d) for d in range(ndim)) if chunks.dim else None
 
     def read_eagerly(self, held):
         """PyNative: what a read of the parameter returns, given what its Cell holds (see
@@ -260,13 +264,18 @@ class ParamGather(_Reducing):
         value = piece if self.param_dtype is None else piece.astype(self.param_dtype)
         if self.gather_dim is None:
             return value
+        if self.to_front is not None:
+            value = ops.transpose(value, self.to_front)
         full = _compiled_all_gather(_padded_rows(value, self.padding, self.uneven), self.mesh, self.gather_dim,
                                     dim=0)
-        return mint.narrow(full, 0, 0, self.length) if self.uneven else full
+        full = mint.narrow(full, 0, 0, self.length) if self.uneven else full
+        return full if self.from_front is None else ops.transpose(full, self.from_front)
 
     def bprop(self, piece, out, dout):
         if self.gather_dim is None:
             return (self._reduced(dout, piece),)
-        g = pad_dim(dout, 0, 0, self.padded - self.length) if self.uneven else dout
+        g = dout if self.to_front is None else ops.transpose(dout, self.to_front)
+        g = pad_dim(g, 0, 0, self.padded - self.length) if self.uneven else g
         g = self._reduced(g, piece)
-        return (mint.narrow(g, 0, 0, self.local) if self.uneven else g,)
+        g = mint.narrow(g, 0, 0, self.local) if self.uneven else g
+        return (g if self.from_front is None else ops.transpose(g, self.from_front),)

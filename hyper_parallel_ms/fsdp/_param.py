@@ -78,7 +78,7 @@ class FSDPParam:
         local: the plain Parameter whose values are cut (``original``, or a DTensor's local piece).
         holders: every ``(cell, attribute)`` holding ``original`` inside the unit.
         mesh: the data-parallel mesh (1-D, or 2-D replicate x shard).
-        sharded: cut on dim 0 over the shard dim (else kept whole, its gradient all-reduced).
+        sharded: cut over the shard dim, on ``chunks.dim`` (else kept whole, its gradient all-reduced).
         chunks: where the pieces lie (one piece when kept whole).
         placed: the DTensor spec the gathered value is read with (``None``: a plain parameter).
     """
@@ -110,7 +110,7 @@ class FSDPParam:
     def make(self, param: Parameter) -> Parameter:
         """The piece Parameter replacing ``param`` (made once; the edit engine's placement protocol)."""
         if self.piece is None:
-            self.piece = new_piece(self.local, self.mesh, self.sharded)
+            self.piece = new_piece(self.local, self.mesh, self.sharded, self.chunks.dim)
             object.__setattr__(self.piece, FSDP_PARAM, self)
             if self.local.has_init:
                 self.deferred = self.local

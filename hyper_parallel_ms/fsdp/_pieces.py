@@ -1,10 +1,11 @@
 """The piece Parameters of fully_shard and their sharding record.
 
 A parameter sharded by fully_shard becomes a plain ``Parameter`` (same name) holding this
-rank's ``torch.chunk`` piece of dim 0 over the shard mesh dim; its ``ParameterSharding``
-record names the whole layout. For a parameter already placed by a parallel style, the
-record is on the root mesh (dp dims then tp dims) and, when dp and tp split the same dim
-0, the Layout's ``shard_order`` says "tp first, then dp within the tp piece". A parameter
+rank's ``torch.chunk`` piece of its cut dim (0, or what ``shard_placement_fn`` gave) over the
+shard mesh dim; its ``ParameterSharding`` record names the whole layout. For a parameter
+already placed by a parallel style, the record is on the root mesh (dp dims then tp dims) and,
+when dp and tp split the same dim, the Layout's ``shard_order`` says "tp first, then dp within
+the tp piece". A parameter
 kept whole (too small, or a piece would be empty) is recorded as replicated over dp.
 
 ``GRAD_REDUCED`` marks, on every piece, the mesh dims (of the record's mesh) over which
@@ -39,28 +40,30 @@ GRAD_REDUCED = "_hpms_grad_reduced_dims"
 TAKEN_BY = "_hpms_fsdp_taken_by"      # on a parameter a unit replaced by its piece: (unit class, use)
 
 
-def chunks_of(shape, mesh) -> Chunks:
-    """The :class:`Chunks` of a parameter of ``shape`` sharded over the shard dim of the dp ``mesh``.
+def chunks_of(shape, mesh, dim: int = 0) -> Chunks:
+    """The :class:`Chunks` of a parameter of ``shape`` cut on ``dim`` over the shard dim of the dp ``mesh``.
 
     Args:
         shape: the parameter's (local, for a DTensor) full shape.
         mesh: the data-parallel mesh (1-D, or 2-D ``(replicate, shard)``).
+        dim: the parameter's dim that is cut.
 
     Example::
 
         chunks_of((7, 8), mesh).piece_shape      # (4, 8) on rank 0 of 2
     """
     shard_dim, _ = dp_mesh_dims(mesh)
-    return Chunks(tuple(shape), mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
+    return Chunks(tuple(shape), mesh.size(shard_dim), mesh.get_local_rank(shard_dim), dim)
 
 
-def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterSharding, Tuple[int, ...]]:
-    """The sharding record of ``param``'s piece, and the dp dims its gradient is averaged over."""
+def piece_record(param: Parameter, mesh, sharded: bool, dim: int = 0) -> Tuple[ParameterSharding, Tuple[int, ...]]:
+    """The sharding record of ``param``'s piece (cut on ``dim``, normalised), and the dp dims its
+    gradient is averaged over."""
     shard_dim, rep_dim = dp_mesh_dims(mesh)
     dp_dims = (shard_dim,) if rep_dim is None else (rep_dim, shard_dim)
     dp_places = [Replicate()] * mesh.ndim
     if sharded:
-        dp_places[shard_dim] = Shard(0)
+        dp_places[shard_dim] = Shard(dim)
     ndim = len(param.shape)
     previous = parameter_sharding(param)
     if previous is None:
@@ -72,12 +75,12 @@ def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterShardi
     k = mesh.ndim
     order = {}
     for d, axes in enumerate(tp.layout.sharding_axes(ndim)):
-        if len(axes) > 1 or (axes and d == 0 and sharded):
-            order[d] = tuple(a + k for a in axes) + ((shard_dim,) if d == 0 and sharded else ())
+        if len(axes) > 1 or (axes and d == dim and sharded):
+            order[d] = tuple(a + k for a in axes) + ((shard_dim,) if d == dim and sharded else ())
     layout = Layout(root.shape, tuple(dp_places) + tuple(tp.layout.placements),
                     mesh_dim_names=root.mesh_dim_names, shard_order=order).normalized(ndim)
     spec = DTensorSpec(root, layout, tuple(tp.shape))
-    expected = chunks_of(param.shape, mesh).piece_shape if sharded else tuple(param.shape)
+    expected = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
     if spec.local_shape() != expected:
         raise ValueError(f"parameter {param.name!r}: the joint dp x tp layout {layout} gives this rank a piece of "
                          f"{spec.local_shape()}, but fully_shard holds {expected}")
@@ -85,28 +88,28 @@ def piece_record(param: Parameter, mesh, sharded: bool) -> Tuple[ParameterShardi
     return record, dp_dims
 
 
-def cut_piece(full: np.ndarray, mesh, sharded: bool) -> np.ndarray:
-    """This rank's ``torch.chunk`` piece of dim 0 over the shard dim of ``mesh`` (or all of it)."""
+def cut_piece(full: np.ndarray, mesh, sharded: bool, dim: int = 0) -> np.ndarray:
+    """This rank's ``torch.chunk`` piece of ``dim`` over the shard dim of ``mesh`` (or all of it)."""
     if sharded:
-        chunks = chunks_of(full.shape, mesh)
-        full = full[chunks.start: chunks.start + chunks.local]
+        chunks = chunks_of(full.shape, mesh, dim)
+        full = full[(slice(None),) * chunks.dim + (slice(chunks.start, chunks.start + chunks.local),)]
     return np.array(full, order="C")        # (np.ascontiguousarray makes a 0-d array 1-d)
 
 
-def new_piece(param: Parameter, mesh, sharded: bool) -> Parameter:
-    """A Parameter with ``param``'s name holding this rank's piece (zeros for a parameter built
-    under ``no_init_parameters()``, which :func:`init_parameters` fills later; on a simulated
-    mesh a piece without data, never filled), with its records."""
-    record, dp_dims = piece_record(param, mesh, sharded)
+def new_piece(param: Parameter, mesh, sharded: bool, dim: int = 0) -> Parameter:
+    """A Parameter with ``param``'s name holding this rank's piece of ``dim`` (normalised; zeros for
+    a parameter built under ``no_init_parameters()``, which :func:`init_parameters` fills later; on
+    a simulated mesh a piece without data, never filled), with its records."""
+    record, dp_dims = piece_record(param, mesh, sharded, dim)
     if param.has_init:
-        shape = chunks_of(param.shape, mesh).piece_shape if sharded else tuple(param.shape)
+        shape = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
         if mesh.is_simulated:
             piece = deferred_parameter(shape, param.dtype, param.name, param.requires_grad)
         else:
             piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,
                               requires_grad=param.requires_grad)
     else:
-        piece = Parameter(Tensor(cut_piece(param.asnumpy(), mesh, sharded), dtype=param.dtype), name=param.name,
+        piece = Parameter(Tensor(cut_piece(param.asnumpy(), mesh, sharded, dim), dtype=param.dtype), name=param.name,
                           requires_grad=param.requires_grad)
     record_sharding(piece, record)
     object.__setattr__(piece, GRAD_REDUCED, dp_dims)
