@@ -22,7 +22,7 @@ from mindspore import nn, ops
 from .._mindspore import cell_per_call_site
 from . import _native
 from ._exact import check_dtype, place_over, sum_over
-from ._tensor import narrow, pad_dim
+from ._tensor import narrow, pad_slot
 
 __all__ = ["all_gather", "world_all_gather", "all_reduce", "reduce_scatter", "all_to_all", "sum_over", "place_over",
            "check_dtype"]
@@ -43,7 +43,7 @@ class _AllGather(nn.Cell):
         self.length = sizes[group.rank]
 
     def construct(self, x):
-        return place_over(pad_dim(x, self.dim, self.before, self.after), self.group)
+        return place_over(pad_slot(x, self.dim, self.before, self.after), self.group)
 
     def bprop(self, x, out, dout):
         return (narrow(sum_over(dout, self.group), self.dim, self.before, self.length),)
@@ -92,11 +92,12 @@ def world_all_gather(x, dim: int, sizes: Sequence[int], group):
 
 
 def all_gather(x, dim: int, sizes: Sequence[int], group):
-    """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``)."""
+    """Concatenate every rank's piece along ``dim`` (piece ``i`` has ``sizes[i]``); every rank pads its
+    piece into its slot with the same ops (:func:`._tensor.pad_slot`)."""
     if 0 in sizes:
         return _all_gather_cell(dim, tuple(sizes), group)(x)
     before, after = _slot(sizes, group.rank)
-    return place_over(pad_dim(x, dim, before, after), group)
+    return place_over(pad_slot(x, dim, before, after), group)
 
 
 def all_reduce(x, op: str, group):
@@ -106,7 +107,7 @@ def all_reduce(x, op: str, group):
         return sum_over(x, group)
     if op == "avg":
         return sum_over(x, group) / group.size
-    slots = place_over(pad_dim(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank), group)
+    slots = place_over(pad_slot(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank), group)
     if x.dtype == ms.bool_:
         return slots.any(0) if op == "max" else slots.all(0)
     if op == "max":

@@ -43,7 +43,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from .._mindspore import cached_in_python, cell_per_call_site, is_compiling, run_in_python
-from ._tensor import pad_dim
+from ._tensor import pad_slot
 
 __all__ = ["INTEGER_DTYPES", "WIRE_DTYPES", "check_dtype", "place_over", "sum_over", "wire_sum", "wire_itemsize",
            "limb_width"]
@@ -229,7 +229,7 @@ def _place_float64(x, group):
 
 
 def _float64_sum(x, group):
-    slots = pad_dim(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank)
+    slots = pad_slot(x.expand_dims(0), 0, group.rank, group.size - 1 - group.rank)
     gathered = _place_float64(slots, group)
     total = gathered[0]
     for r in range(1, group.size):

@@ -18,7 +18,7 @@ from typing import Sequence
 from mindspore import mint, ops
 from mindspore.common import dtype as mstype
 
-__all__ = ["narrow", "pad_dim", "shape_with", "move_to_front", "move_from_front", "select_pieces", "owned_copy"]
+__all__ = ["narrow", "pad_dim", "pad_slot", "shape_with", "move_to_front", "move_from_front", "select_pieces", "owned_copy"]
 
 
 def shape_with(shape: Sequence[int], dim: int, size: int) -> tuple:
@@ -52,6 +52,23 @@ def pad_dim(x, dim: int, before: int, after: int):
         return x
     out = parts[0] if len(parts) == 1 else mint.cat(parts, dim)
     return out if x.shape[dim] > 0 else ops.depend(out, x)
+
+
+def pad_slot(x, dim: int, before: int, after: int):
+    """``x`` in its slot of a collective's buffer: ``before`` zero slices, ``x``, ``after`` zero slices
+    along ``dim``, always one concatenation of these three parts, zero-size ones (``x`` too) included.
+    Where the sizes differ between the ranks of a collective, every rank then runs the same ops: a
+    compiled graph whose ops differ between ranks may order its independent collectives differently
+    on each, and the ranks would pair different collectives (:func:`pad_dim` leaves zero-size parts
+    out).
+
+    Example:
+        >>> import numpy as np, mindspore as ms
+        >>> pad_slot(ms.Tensor(np.ones((2, 3), np.float32)), 0, 0, 1).shape
+        (3, 3)
+    """
+    return mint.cat((ops.zeros(shape_with(x.shape, dim, before), x.dtype), x,
+                     ops.zeros(shape_with(x.shape, dim, after), x.dtype)), dim)
 
 
 def _front_perm(ndim: int, dim: int) -> tuple:
