@@ -56,7 +56,9 @@ def pad_dim(x, dim: int, before: int, after: int):
 
 def pad_slot(x, dim: int, before: int, after: int):
     """``x`` in its slot of a collective's buffer: ``before`` zero slices, ``x``, ``after`` zero slices
-    along ``dim``, always one concatenation of these three parts, zero-size ones (``x`` too) included.
+    along ``dim``, made by the same ops whatever the sizes: one more zero slice on each side,
+    concatenated, then narrowed away (no part is ever empty but ``x``; MindSpore's compiled CPU
+    backward of a concatenation fails on an empty part off dim 0: "For 'Slice', memcpy failed").
     Where the sizes differ between the ranks of a collective, every rank then runs the same ops: a
     compiled graph whose ops differ between ranks may order its independent collectives differently
     on each, and the ranks would pair different collectives (:func:`pad_dim` leaves zero-size parts
@@ -64,11 +66,12 @@ def pad_slot(x, dim: int, before: int, after: int):
 
     Example:
         >>> import numpy as np, mindspore as ms
-        >>> pad_slot(ms.Tensor(np.ones((2, 3), np.float32)), 0, 0, 1).shape
-        (3, 3)
+        >>> pad_slot(ms.Tensor(np.ones((2, 3), np.float32)), 1, 0, 2).shape
+        (2, 5)
     """
-    return mint.cat((ops.zeros(shape_with(x.shape, dim, before), x.dtype), x,
-                     ops.zeros(shape_with(x.shape, dim, after), x.dtype)), dim)
+    wide = mint.cat((ops.zeros(shape_with(x.shape, dim, before + 1), x.dtype), x,
+                     ops.zeros(shape_with(x.shape, dim, after + 1), x.dtype)), dim)
+    return narrow(wide, dim, 1, before + x.shape[dim] + after)
 
 
 def _front_perm(ndim: int, dim: int) -> tuple:
