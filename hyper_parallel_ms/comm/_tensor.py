@@ -71,7 +71,9 @@ def pad_slot(x, dim: int, before: int, after: int):
     """
     wide = mint.cat((ops.zeros(shape_with(x.shape, dim, before + 1), x.dtype), x,
                      ops.zeros(shape_with(x.shape, dim, after + 1), x.dtype)), dim)
-    return narrow(wide, dim, 1, before + x.shape[dim] + after)
+    # a slice, not :func:`narrow`: MindSpore 2.10 fails to compile ("The func graph is empty") a
+    # helper of this package called both in a custom-bprop Cell's construct and in its bprop
+    return wide[(slice(None),) * dim + (slice(1, 1 + before + x.shape[dim] + after),)]
 
 
 def _front_perm(ndim: int, dim: int) -> tuple:
