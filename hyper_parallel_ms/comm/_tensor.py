@@ -57,7 +57,7 @@ def pad_dim(x, dim: int, before: int, after: int):
 def pad_slot(x, dim: int, before: int, after: int):
     """``x`` in its slot of a collective's buffer: ``before`` zero slices, ``x``, ``after`` zero slices
     along ``dim``, made by the same ops whatever the sizes: one more zero slice on each side,
-    concatenated, then narrowed away (no part is ever empty but ``x``; MindSpore's compiled CPU
+    concatenated, then split off (no part is ever empty but ``x``; MindSpore's compiled CPU
     backward of a concatenation fails on an empty part off dim 0: "For 'Slice', memcpy failed").
     Where the sizes differ between the ranks of a collective, every rank then runs the same ops: a
     compiled graph whose ops differ between ranks may order its independent collectives differently
@@ -71,9 +71,10 @@ def pad_slot(x, dim: int, before: int, after: int):
     """
     wide = mint.cat((ops.zeros(shape_with(x.shape, dim, before + 1), x.dtype), x,
                      ops.zeros(shape_with(x.shape, dim, after + 1), x.dtype)), dim)
-    # a slice, not :func:`narrow`: MindSpore 2.10 fails to compile ("The func graph is empty") a
-    # helper of this package called both in a custom-bprop Cell's construct and in its bprop
-    return wide[(slice(None),) * dim + (slice(1, 1 + before + x.shape[dim] + after),)]
+    # a split, not :func:`narrow`: MindSpore 2.10 fails to compile ("The func graph is empty") a helper
+    # of this package called both in a custom-bprop Cell's construct and in its bprop, and its
+    # compiled NarrowView rejects float64
+    return mint.split(wide, (1, before + x.shape[dim] + after, 1), dim)[1]
 
 
 def _front_perm(ndim: int, dim: int) -> tuple:
