@@ -95,6 +95,41 @@ def test_empty_pieces():
 
 
 @multi_rank(4)
+def test_compiled_collectives_run_the_same_ops_on_every_rank():
+    """Uneven pieces (11 rows on 4 ranks: 3, 3, 3, 2, on dims 0 and 1) and a max all-reduce: each rank
+    pads its piece into its slot, the first and the last with nothing on one side. Compiled, with
+    their backward, every rank's graph holds the same primitives, and the values are right: a rank
+    whose graph had other ops could order its independent collectives differently from the others,
+    and the ranks would pair different collectives (MCCL: "Launch kernel failed"). (Pieces of one
+    row are left out: MindSpore itself compiles other ops for them, e.g. a transpose of a (1, 3)
+    tensor as a reshape.)"""
+    from mindspore.mint import distributed as dist
+    from hyper_parallel_ms.testing import compiled_primitives
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    me = mesh.get_local_rank()
+    sizes = (3, 3, 3, 2)
+    x = ms.Tensor(np.full((sizes[me], 3), me + 1.0, np.float32))
+
+    def loss(t):
+        rows = comm.all_gather(t, mesh, "tp", dim=0, sizes=sizes)
+        cols = comm.all_gather(t.T, mesh, "tp", dim=1, sizes=sizes)
+        top = comm.all_reduce(t.sum(0), mesh, "tp", op="max")
+        return (rows * rows).sum() + (cols * 2).sum() + top.sum()
+
+    step = ms.jit(ms.value_and_grad(loss))
+    counts = compiled_primitives(step, x)
+    every = [None] * 4
+    dist.all_gather_object(every, counts)
+    assert all(c == every[0] for c in every) and every[0].get("AllReduce", 0) >= 3, every
+    value, grad = step(x)
+    whole = np.concatenate([np.full((s, 3), r + 1.0, np.float32) for r, s in enumerate(sizes)])
+    # column sums per rank: 3, 6, 9, 8; their max is rank 2's
+    np.testing.assert_allclose(value.asnumpy(), (whole ** 2).sum() + 2 * whole.sum() + 3 * 9.0, rtol=1e-6)
+    # a gather's backward sums the four ranks' gradients (2 t and 2 per element); the max's reaches rank 2 only
+    np.testing.assert_allclose(grad.asnumpy(), 4 * (2 * x.asnumpy() + 2) + (4.0 if me == 2 else 0.0), rtol=1e-6)
+
+
+@multi_rank(4)
 def test_comm_debug_mode_counts_and_bytes():
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
