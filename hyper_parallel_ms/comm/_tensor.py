@@ -13,12 +13,13 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 from mindspore import mint, ops
 from mindspore.common import dtype as mstype
 
-__all__ = ["narrow", "pad_dim", "pad_slot", "shape_with", "move_to_front", "move_from_front", "select_pieces", "owned_copy"]
+__all__ = ["narrow", "pad_dim", "pad_slot", "shape_with", "front_perms", "move_to_front", "move_from_front",
+           "select_pieces", "owned_copy"]
 
 
 def shape_with(shape: Sequence[int], dim: int, size: int) -> tuple:
@@ -77,23 +78,31 @@ def pad_slot(x, dim: int, before: int, after: int):
     return mint.split(wide, (1, before + x.shape[dim] + after, 1), dim)[1]
 
 
-def _front_perm(ndim: int, dim: int) -> tuple:
-    return (dim,) + tuple(d for d in range(ndim) if d != dim)
+def front_perms(ndim: int, dim: int) -> Tuple[tuple, tuple]:
+    """The axis permutations moving axis ``dim`` of an ``ndim``-d tensor to position 0 (the others
+    keep their order) and back.
+
+    >>> front_perms(3, 1)
+    ((1, 0, 2), (1, 0, 2))
+    >>> front_perms(3, 2)
+    ((2, 0, 1), (1, 2, 0))
+    """
+    to = (dim,) + tuple(d for d in range(ndim) if d != dim)
+    return to, tuple(to.index(d) for d in range(ndim))
 
 
 def move_to_front(x, dim: int):
     """``x`` with axis ``dim`` moved to position 0 (the others keep their order)."""
     if dim == 0:
         return x
-    return ops.transpose(x, _front_perm(x.ndim, dim))
+    return ops.transpose(x, front_perms(x.ndim, dim)[0])
 
 
 def move_from_front(x, dim: int):
     """Inverse of :func:`move_to_front`: axis 0 goes back to position ``dim``."""
     if dim == 0:
         return x
-    perm = _front_perm(x.ndim, dim)
-    return ops.transpose(x, tuple(perm.index(d) for d in range(x.ndim)))
+    return ops.transpose(x, front_perms(x.ndim, dim)[1])
 
 
 def select_pieces(x, dim: int, block: int, sizes: Sequence[int]):

@@ -323,13 +323,13 @@ def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_aft
                 shard_placement_fn: Optional[Callable[[Parameter], Optional[Shard]]] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[Any] = None) -> Union[nn.Cell, List[nn.Cell]]:
-    """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0
-    (or the dim ``shard_placement_fn`` gives) over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``, now an
-    :class:`FSDPModule`. A list of Cells (none inside another) is one unit, as in FSDP2: their
-    parameters are gathered together when the first of them runs its forward and put back when
-    every one of them has run its own (a Cell running again before that starts a new round). Apply bottom-up: each block, then the root. A parameter shared by
-    several Cells (tied) belongs to the lowest Cell holding every use: one piece, gathered once;
-    a call finding it already taken by another unit raises.
+    """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0 (or the dim
+    ``shard_placement_fn`` gives) over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``,
+    now an :class:`FSDPModule`. A list of Cells (none inside another) is one unit, as in FSDP2: their
+    parameters are gathered together when the first of them runs its forward and put back when every one of
+    them has run its own (a Cell running again before that starts a new round). Apply bottom-up: each block,
+    then the root. A parameter shared by several Cells (tied) belongs to the lowest Cell holding every use:
+    one piece, gathered once; a call finding it already taken by another unit raises.
 
     Args:
         module: the Cell whose parameters are sharded (returned, changed in place), or a list of Cells

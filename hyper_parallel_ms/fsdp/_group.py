@@ -36,7 +36,7 @@ from mindspore import mint, nn, ops
 
 from .. import comm
 from .._mindspore import graph_of_its_own, run_in_python
-from ..comm._tensor import owned_copy, pad_dim
+from ..comm._tensor import front_perms, owned_copy, pad_dim
 from ._flat import FlatLayout, fold, pack, split, unpack
 from ._mesh import dp_mesh_dims
 from ._param import FSDPParam
@@ -249,9 +249,7 @@ class ParamGather(_Reducing):
                                                               chunks.padded, chunks.padding, chunks.local)
         self.uneven = self.padded != self.length         # some rank pads: every rank runs the same ops
         # a parameter cut on another dim is gathered with that dim in front (permutations: constants)
-        ndim = len(chunks.shape)
-        self.to_front = (chunks.dim,) + tuple(d for d in range(ndim) if d != chunks.dim) if chunks.dim else None
-        self.from_front = tuple(self.to_front.index(d) for d in range(ndim)) if chunks.dim else None
+        self.to_front, self.from_front = front_perms(len(chunks.shape), chunks.dim) if chunks.dim else (None, None)
 
     def read_eagerly(self, held):
         """PyNative: what a read of the parameter returns, given what its Cell holds (see

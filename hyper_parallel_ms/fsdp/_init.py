@@ -72,7 +72,8 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
             if record is not None:
                 source, record.deferred = record.deferred, None
                 full = initial_value(source)
-                param.set_data(Tensor(cut_piece(full, record.mesh, record.sharded, record.chunks.dim), dtype=param.dtype))
+                piece = cut_piece(full, record.mesh, record.sharded, record.chunks.dim)
+                param.set_data(Tensor(piece, dtype=param.dtype))
                 del full, source
             else:
                 initialise(param)

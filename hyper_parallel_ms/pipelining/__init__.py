@@ -1,14 +1,14 @@
 """Pipeline parallelism: schedules as data (per-rank action lists), checked before they run.
 
-A schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, InterleavedZeroBubble, DualPipeV) lowers to one list of actions per
-pipeline rank: forward / backward / input-gradient / weight-gradient of a stage on a
-micro-batch, and the SEND / RECV between ranks, in an order that cannot deadlock with
-blocking point-to-point calls. :func:`validate` checks any such lists without processes.
-The runtime (:class:`PipelineStage`, :func:`split_blocks` and the schedules ``ScheduleGPipe``,
-``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleZBVZeroBubble``,
-``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) executes those
-lists with ``comm.send`` / ``recv`` (``PipelineStage(..., jit=True)`` compiles a stage's forward
-and backward); an action failing on one rank ends the step on every rank with the cause
+A schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, InterleavedZeroBubble,
+DualPipeV) lowers to one list of actions per pipeline rank: forward / backward / input-gradient /
+weight-gradient of a stage on a micro-batch, and the SEND / RECV between ranks, in an order that
+cannot deadlock with blocking point-to-point calls. :func:`validate` checks any such lists without
+processes. The runtime (:class:`PipelineStage`, :func:`split_blocks` and the schedules
+``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) executes those
+lists with ``comm.send`` / ``recv`` (``PipelineStage(..., jit=True)`` compiles a stage's forward and
+backward); an action failing on one rank ends the step on every rank with the cause
 (:class:`PipelineError`). Its names load MindSpore on first use, so importing this package and
 building plans loads no MindSpore.
 
