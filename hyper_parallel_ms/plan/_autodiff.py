@@ -177,6 +177,16 @@ class _Tape:
         self.nodes: List[Any] = []
         self.saved: Set[int] = set()
         self.saved_bytes = 0
+        self.split = False          # its backward runs in passes (a zero-bubble input pass kept it)
+
+    def derived(self, sources: Sequence[Tensor]) -> Set[int]:
+        """The keys of the tensors computed from ``sources`` (in forward order); a recomputed block
+        counts as computed from them (the parameters it reads are not its recorded inputs)."""
+        derived = {_key(t) for t in sources}
+        for node in self.nodes:
+            if isinstance(node, _Recompute) or any(_key(t) in derived for t in node.inputs):
+                derived.update(_key(t) for t in node.outputs)
+        return derived
 
 
 class AbstractAutodiff:
@@ -367,17 +377,20 @@ class AbstractAutodiff:
 
     def tape_backward(self, outputs: Sequence[Tensor], sens: Sequence[Tensor], inputs: Sequence[Tensor],
                       keep_graph: bool = False) -> Tuple[Optional[Tensor], ...]:
-        """Gradients of ``inputs`` (``None`` where unreached) of a forward kept by :meth:`taped_call`."""
-        if keep_graph:
-            raise NotImplementedError("a shape-only run replays a forward's backward once: split backwards "
-                                      "(zero-bubble schedules' input and weight passes) are not simulated; use "
-                                      "ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+        """Gradients of ``inputs`` (``None`` where unreached) of a forward kept by :meth:`taped_call`;
+        ``keep_graph=True`` keeps it for another pass. A backward split into passes (zero-bubble
+        schedules: the input gradients, then the weight gradients) replays in each pass only the
+        nodes computed from that pass's ``inputs``, as MindSpore does (measured: a tensor-parallel
+        input gradient's all-reduce runs in the input pass only, fully_shard's reduce-scatter in
+        the weight pass only); a recomputed block reached by both passes runs in both."""
         tapes = {id(self._pending[_key(o)]): self._pending[_key(o)] for o in outputs if _key(o) in self._pending}
         if len(tapes) != 1:
             raise RuntimeError("tape_backward: the outputs do not belong to one forward kept by taped_call")
         tape = next(iter(tapes.values()))
-        self._pending = {k: v for k, v in self._pending.items() if v is not tape}
-        reached = self._backward(tape, tuple(outputs))
+        if not keep_graph:
+            self._pending = {k: v for k, v in self._pending.items() if v is not tape}
+        tape.split = tape.split or keep_graph
+        reached = self._backward(tape, tuple(outputs), toward=inputs if tape.split else None, release=not keep_graph)
         return tuple(abstract_like(x, needs_grad=False, from_data=not isinstance(x, Parameter))
                      if _key(x) in reached else None for x in inputs)
 
@@ -414,12 +427,18 @@ class AbstractAutodiff:
         self.live_bytes += tape.saved_bytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    def _backward(self, tape: _Tape, outputs: Sequence[Tensor]) -> Set[int]:
-        """Replay ``tape`` backward from ``outputs``; the keys (:func:`_key`) of the tensors reached."""
+    def _backward(self, tape: _Tape, outputs: Sequence[Tensor], toward: Optional[Sequence[Tensor]] = None,
+                  release: bool = True) -> Set[int]:
+        """Replay ``tape`` backward from ``outputs`` (only the nodes computed from ``toward``, when
+        given); the keys (:func:`_key`) of the tensors reached. ``release``: the tape's kept
+        activations are freed."""
         reached = {_key(o) for o in outputs}
+        relevant = None if toward is None else tape.derived(toward)
         with self._recorded_into(None):
             for node in reversed(tape.nodes):
                 if not any(_key(o) in reached for o in node.outputs):
+                    continue
+                if relevant is not None and not any(_key(o) in relevant for o in node.outputs):
                     continue
                 reached.update(_key(t) for t in node.inputs)
                 self._replaying.append(node.where)
@@ -433,7 +452,8 @@ class AbstractAutodiff:
                         node.cell.bprop(*node.args, node.out, _like(node.out))
                 finally:
                     self._replaying.pop()
-        self.live_bytes -= tape.saved_bytes
+        if release:
+            self.live_bytes -= tape.saved_bytes
         return reached
 
     def _recomputed(self, node: _Recompute) -> None:

@@ -64,6 +64,10 @@ class SimulatedExchange(Exchange):
     def placeholder(self, x: Any, shape: Tuple[int, ...]) -> Any:
         return abstract_like(x, shape)
 
+    def sent_by_others(self, rank: int) -> int:
+        """How many messages ranks other than ``rank`` have sent (a measure of progress)."""
+        return sum(len(box) for (sender, _), box in self._mail.items() if sender != rank)
+
     def forget(self, rank: int) -> None:
         """Drop what ``rank`` sent and received (it runs again)."""
         self._mail = {k: v for k, v in self._mail.items() if k[0] != rank}

@@ -26,7 +26,8 @@ that its code derives the same way at every stage. Pass ``ranks`` to run exactly
 rank applies the same plan).
 
 Cross-rank checks (:mod:`._checks`) run over the ranks that ran. A rank receiving host values
-(a pipeline's shape header) from a rank that has not run yet has that rank run first.
+(a pipeline's shape header) from a rank that has not run yet has that rank run first; ranks
+that need each other's headers (two stages per rank) run in turns (:meth:`_Simulation.outcome`).
 
 Example::
 
@@ -137,6 +138,7 @@ class _Simulation:
         self.split: Set[int] = set()                 # mesh dims that distinguish ranks
         self.exchange = SimulatedExchange(self._stand_in)
         self._running: List[int] = []
+        self._stopped: Set[int] = set()               # ranks stopped by a missing message (their mail kept)
 
     # ---------------------------------------------------------------- geometry
     def coord(self, rank: int) -> Tuple[int, ...]:
@@ -151,7 +153,7 @@ class _Simulation:
         return self.rank_at([c[d] if d in self.split else 0 for d in range(len(self.shape))])
 
     def _stand_in(self, rank: int) -> Tuple[int, Callable[[int], int]]:
-        if rank in self.outcomes or rank in self._running:
+        if rank in self.outcomes or rank in self._running or rank in self._stopped:
             return rank, lambda peer: peer
         rep = self.representative(rank)
         return rep, self.translation(rep, rank)
@@ -175,18 +177,39 @@ class _Simulation:
 
     # ---------------------------------------------------------------- running
     def outcome(self, rank: int) -> _Outcome:
-        """Run ``rank`` (once); a rank it needs messages from runs first."""
-        while rank not in self.outcomes:
+        """Run ``rank`` (once); a rank it needs messages from runs first. Ranks that need each other's
+        messages (a pipeline's forwards going both ways between two ranks, as with two stages per
+        rank) run in turns: a rank stopped by a missing message keeps what it sent, the sender runs
+        as far as that lets it, then the first runs again from the start, further each time; a rank
+        stopped twice with nothing new sent to it in between would wait forever on the cluster too."""
+        waiting = [rank]                  # ranks to finish, the next to run last
+        stopped_at: Dict[int, int] = {}   # rank -> messages the others had sent when it last stopped
+        while waiting:
+            current = waiting[-1]
+            if current in self.outcomes:
+                waiting.pop()
+                continue
+            heard = self.exchange.sent_by_others(current)
+            if stopped_at.get(current) == heard:
+                raise RuntimeError(f"simulated rank {current} waits for host values no rank sends (the ranks "
+                                   f"{sorted(set(waiting))} wait for each other): on the cluster they would wait "
+                                   "forever")
+            self.exchange.forget(current)
+            self._stopped.discard(current)
             try:
-                self.outcomes[rank] = self._run(rank)
+                self.outcomes[current] = self._run(current)
             except MissingMessage as missing:
-                self.exchange.forget(rank)
+                stopped_at[current] = heard
+                self._stopped.add(current)
                 sender = missing.sender
-                if sender in self.outcomes or sender in self._running:
-                    raise RuntimeError(f"simulated rank {rank} waits for host values from rank {sender}, which sent "
-                                       "none: on the cluster it would wait forever") from None
+                if sender in self.outcomes:
+                    raise RuntimeError(f"simulated rank {current} waits for host values from rank {sender}, which "
+                                       "sent none: on the cluster it would wait forever") from None
                 rep = self.representative(sender)
-                self.outcome(rep if rep not in self.outcomes and rep not in self._running else sender)
+                target = rep if rep not in self.outcomes and rep != current else sender
+                if target in waiting:
+                    waiting.remove(target)
+                waiting.append(target)
         return self.outcomes[rank]
 
     def _run(self, rank: int) -> _Outcome:
