@@ -169,17 +169,11 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
     schedule_name = "ZBVZeroBubble"
 
 
-@shared_args
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
-    """Interleaved zero bubble (PyTorch's ``ScheduleInterleavedZeroBubble``): several stages per
-    rank, looped (stage s on rank s % pp); each backward is split into an input gradient (sent at
-    once) and a weight gradient run later, in what would be bubbles.
-
-    Args:
-        stages: this rank's looped stages, in stage order (e.g. stages r and r + pp).
-        n_microbatches: micro-batches per step (any number).
-        loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
-        {shared_args}
+    """Interleaved zero bubble (PyTorch's ``ScheduleInterleavedZeroBubble``): the stages and
+    arguments of :class:`ScheduleInterleaved1F1B` (looped, any number of micro-batches), each
+    backward split into an input gradient (sent at once) and a weight gradient run later, in what
+    would be bubbles.
 
     Example::
 
