@@ -169,11 +169,17 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
     schedule_name = "ZBVZeroBubble"
 
 
+@shared_args
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
-    """Interleaved zero bubble (PyTorch's ``ScheduleInterleavedZeroBubble``): the stages and
-    arguments of :class:`ScheduleInterleaved1F1B` (looped, any number of micro-batches), each
-    backward split into an input gradient (sent at once) and a weight gradient run later, in what
-    would be bubbles.
+    """Interleaved zero bubble (PyTorch's ``ScheduleInterleavedZeroBubble``): the looped stages of
+    :class:`ScheduleInterleaved1F1B`, each backward split into an input gradient (sent at once)
+    and a weight gradient run later, in what would be bubbles.
+
+    Args:
+        stages: this rank's looped stages, in stage order (e.g. stages r and r + pp).
+        n_microbatches: micro-batches per step (any number).
+        loss_fn: the last stage's ``loss_fn(output, target_microbatch)`` (without it: forward only).
+        {shared_args}
 
     Example::
 
