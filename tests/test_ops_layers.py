@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
+import pytest
 from mindspore import nn, ops
 
 from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
@@ -52,6 +53,56 @@ def test_layer_norm_and_embedding():
     out = ops.gather(distribute_tensor(ms.Tensor(table), mesh, [R, S1]), sharded_ids, 0)
     assert out.placements == (S0, S2)
     np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
+
+
+def _embedding_cpu(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+    """One device's ``mint.nn.functional.embedding`` (its kernel is Ascend-only): the rows of ``ids``;
+    the ``padding_idx`` row passes no gradient."""
+    found = ops.gather(weight, ids, 0)
+    if padding_idx is None:
+        return found
+    is_pad = ops.expand_dims(ids == padding_idx % weight.shape[0], -1).astype(found.dtype)
+    return ops.stop_gradient(found) * is_pad + found * (1 - is_pad)
+
+
+_embedding = _on_dtensors("Embedding", _embedding_cpu)
+
+
+@multi_rank(4)
+def test_mint_embedding_rule_cpu_twin():
+    """``mint.nn.functional.embedding`` on a DTensor table: values, placements and the table's gradient
+    (the padding row's zero) against one device; row-sharded tables run the rule's own masked lookup."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    table, ids = _rand(10, 8), np.array([[1, 7, 3], [9, 0, 7]], np.int32)
+    w = np.random.default_rng(3).standard_normal((2, 3, 8)).astype(np.float32)
+    for padding_idx in (None, 7, -3):
+        want = np.zeros_like(table)
+        np.add.at(want, ids, w)
+        if padding_idx is not None:
+            want[padding_idx] = 0
+        for placements, expect in [([R, S1], (R, S2)), ([R, R], (R, R)), ([S0, R], (P, R)), ([S0, S1], (P, S2)),
+                                   ([R, S0], (R, P))]:
+            table_dt = distribute_tensor(ms.Tensor(table), mesh, placements)
+            out = _embedding(ms.Tensor(ids), table_dt, padding_idx, None, 2.0, False)
+            assert out.placements == expect
+            np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
+
+            def loss(local, table_dt=table_dt, padding_idx=padding_idx):
+                t = DTensor.from_local(local, mesh, table_dt.layout, shape=(10, 8))
+                return (_embedding(ms.Tensor(ids), t, padding_idx, None, 2.0, False).full_tensor() * ms.Tensor(w)).sum()
+            grad = ms.grad(loss)(table_dt.to_local())
+            np.testing.assert_allclose(grad.asnumpy(), want[table_dt.layout.local_slices((10, 8), mesh.get_coordinate())],
+                                       rtol=1e-5, atol=1e-5, err_msg=f"{placements} padding_idx={padding_idx}")
+    sharded_ids = distribute_tensor(ms.Tensor(ids), mesh, [S0, R], src_data_rank=None)
+    out = _embedding(sharded_ids, distribute_tensor(ms.Tensor(table), mesh, [R, S1]), None, None, 2.0, False)
+    assert out.placements == (S0, S2)
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
+    with pytest.raises(NotImplementedError, match="max_norm"):
+        _embedding(ms.Tensor(ids), distribute_tensor(ms.Tensor(table), mesh, [R, S1]), None, 1.0, 2.0, False)
+    with pytest.raises(NotImplementedError, match="scale_grad_by_freq"):
+        _embedding(ms.Tensor(ids), distribute_tensor(ms.Tensor(table), mesh, [S0, R]), None, None, 2.0, True)
+    with pytest.raises(NotImplementedError, match="scale_grad_by_freq"):
+        _embedding(sharded_ids, distribute_tensor(ms.Tensor(table), mesh, [R, R]), None, None, 2.0, True)
 
 
 @multi_rank(2)

@@ -27,7 +27,7 @@ from mindspore import ops
 
 from .._mindspore import cached_in_python
 from ._exact import wire_sum
-from ._tensor import move_to_front, move_from_front, narrow, pad_dim, pad_slot, select_pieces
+from ._tensor import move_to_front, move_from_front, narrow, pad_dim, pad_to_block, select_pieces
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all"]
 
@@ -59,16 +59,9 @@ def all_gather(x, dim: int, sizes: Sequence[int], group):
     if x.dtype == ms.bool_:
         return all_gather(x.astype(ms.uint8), dim, sizes, group).astype(ms.bool_)
     block = max(sizes)
-    # uneven pieces: every rank pads, with the same ops (a compiled graph then orders collectives alike);
-    # an empty piece keeps pad_dim's form (an empty concatenation part has no compiled backward on CPU)
-    if min(sizes) == block:
-        padded = x
-    else:
-        padded = (pad_dim if 0 in sizes else pad_slot)(x, dim, 0, block - x.shape[dim])
+    padded = pad_to_block(x, dim, sizes)    # uneven pieces: the same ops on every rank
     gathered = move_from_front(all_gather_prim(group.name)(move_to_front(padded, dim)), dim)
-    if min(sizes) == block:
-        return gathered
-    return select_pieces(gathered, dim, block, sizes)
+    return gathered if min(sizes) == block else select_pieces(gathered, dim, block, sizes)
 
 
 def all_reduce(x, op: str, group):
@@ -114,8 +107,7 @@ def all_to_all(x, split_dim: int, concat_dim: int, concat_sizes: Sequence[int], 
     size, n = x.shape[split_dim], group.size
     step, block = -(-size // n), max(concat_sizes)
     padded = pad_dim(x, split_dim, 0, step * n - size)
-    if min(concat_sizes) != block:          # uneven pieces: every rank pads, with the same ops (as all_gather)
-        padded = (pad_dim if 0 in concat_sizes else pad_slot)(padded, concat_dim, 0, block - x.shape[concat_dim])
+    padded = pad_to_block(padded, concat_dim, concat_sizes)     # uneven pieces: as all_gather
     out = _all_to_all_prim(n, split_dim, concat_dim, group.name)(padded)
     out = narrow(out, split_dim, 0, kept[1])
     if min(concat_sizes) == block:

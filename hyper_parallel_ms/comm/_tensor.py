@@ -78,6 +78,23 @@ def pad_slot(x, dim: int, before: int, after: int):
     return mint.split(wide, (1, before + x.shape[dim] + after, 1), dim)[1]
 
 
+def pad_to_block(x, dim: int, sizes: Sequence[int]):
+    """``x``, one rank's piece of a collective whose pieces have ``sizes`` along ``dim``, zero-padded
+    after to the largest (unchanged where all are equal): :func:`pad_slot` on every rank, so that the
+    ranks run the same ops, or :func:`pad_dim` where a piece is empty (an empty concatenation part has
+    no compiled backward on CPU).
+
+    Example:
+        >>> import numpy as np, mindspore as ms
+        >>> pad_to_block(ms.Tensor(np.ones((2, 3), np.float32)), 1, (3, 2)).shape
+        (2, 3)
+    """
+    block = max(sizes)
+    if min(sizes) == block:
+        return x
+    return (pad_dim if 0 in sizes else pad_slot)(x, dim, 0, block - x.shape[dim])
+
+
 def front_perms(ndim: int, dim: int) -> Tuple[tuple, tuple]:
     """The axis permutations moving axis ``dim`` of an ``ndim``-d tensor to position 0 (the others
     keep their order) and back.

@@ -22,7 +22,21 @@ from typing import Tuple
 
 from ..layout import chunk_offsets, chunk_sizes
 
-__all__ = ["Chunks"]
+__all__ = ["Chunks", "cut_dim"]
+
+
+def cut_dim(shape: Tuple[int, ...], dim: int) -> int:
+    """``dim`` of a parameter of ``shape``, counted from the front (0 for a 0-d one, cut as a single
+    row); a dim the shape does not have is refused.
+
+    Example:
+        >>> cut_dim((4, 3), -1), cut_dim((), 0)
+        (1, 0)
+    """
+    ndim = max(len(shape), 1)
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim} is out of range for a parameter of shape {tuple(shape)}")
+    return dim % ndim
 
 
 class Chunks:
@@ -45,9 +59,7 @@ class Chunks:
         self.shape, self.n, self.rank = tuple(int(s) for s in shape), n, rank
         if not self.shape and n != 1:
             raise ValueError(f"a 0-d parameter cannot be cut into {n} pieces")
-        if self.shape and not -len(self.shape) <= dim < len(self.shape):
-            raise ValueError(f"dim {dim} is out of range for a parameter of shape {self.shape}")
-        self.dim = dim % len(self.shape) if self.shape else 0
+        self.dim = cut_dim(self.shape, dim)
         lead = self.shape[self.dim] if self.shape else 1
         rest = self.shape[:self.dim] + self.shape[self.dim + 1:]
         self.sizes = chunk_sizes(lead, n)

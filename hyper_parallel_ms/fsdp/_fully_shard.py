@@ -24,7 +24,7 @@ from ..nn._adapter import named_cells, own_parameters
 from ..nn._parameter import REPLACED_BY
 from ..nn._consistency import agreed
 from ..nn._edit import ModuleEdit, apply_edits
-from ._chunks import Chunks
+from ._chunks import Chunks, cut_dim
 from ._compiled import READER_PREFIX, gathering_class
 from ._coverage import warn_parameters_outside_units
 from ._dparams import local_parameter
@@ -151,11 +151,14 @@ def _placement_dim(shard_placement_fn: Optional[Callable], p: Parameter, local: 
     placement = None if shard_placement_fn is None else shard_placement_fn(p)
     if placement is None:
         return 0
-    ndim = len(local.shape)
-    if not isinstance(placement, Shard) or not -max(ndim, 1) <= placement.dim < max(ndim, 1):
-        raise ValueError(f"{call}: shard_placement_fn gives {placement!r} for {p.name!r} of shape "
+    refusal = ValueError(f"{call}: shard_placement_fn gives {placement!r} for {p.name!r} of shape "
                          f"{tuple(local.shape)}; it must return None or Shard(dim) with a dim of the parameter")
-    return placement.dim % max(ndim, 1)
+    if not isinstance(placement, Shard):
+        raise refusal
+    try:
+        return cut_dim(tuple(local.shape), placement.dim)
+    except ValueError as out_of_range:
+        raise refusal from out_of_range
 
 
 def _described(state: FSDPState) -> List[Tuple[str, str]]:
@@ -163,8 +166,8 @@ def _described(state: FSDPState) -> List[Tuple[str, str]]:
     entries = [("options", f"reshard_after_forward={state.reshard_after_forward} {state.policy}")]
     for g, group in enumerate(state.groups):
         for p in group.params:
-            entries.append((p.name, f"{p.shape} {p.local.dtype} {'shard' if p.sharded else 'whole'} dim {p.chunks.dim} "
-                                    f"mesh {group.mesh.shape} group {g}"))
+            how = f"{'shard' if p.sharded else 'whole'} dim {p.chunks.dim}"
+            entries.append((p.name, f"{p.shape} {p.local.dtype} {how} mesh {group.mesh.shape} group {g}"))
     return entries
 
 

@@ -174,8 +174,7 @@ class _DualPipeRank:
     """One rank's DualPipeV list as it is written: the next micro-batch of each (stage, kind) and
     the weight gradients whose input gradient ran (oldest first)."""
 
-    def __init__(self, first: int, second: int) -> None:
-        self.first, self.second = first, second
+    def __init__(self) -> None:
         self.actions: List[Action] = []
         self.next: Dict[Tuple[int, str], int] = {}
         self.pending_w: List[Action] = []
@@ -209,7 +208,7 @@ def dualpipev(pp: int, n_microbatches: int) -> Order:
     order: Order = {}
     for r in range(pp):
         first, second = stages_of_rank(placement, r)
-        rank = _DualPipeRank(first, second)
+        rank = _DualPipeRank()
         for _ in range(2 * (pp - r - 1)):                 # 1: forwards of the first stage
             rank.add(first, F)
         for _ in range(r + 1):                            # 2: forwards of both

@@ -1,6 +1,6 @@
 """Layers' primitives: ``LayerNorm`` (``nn.LayerNorm``), ``LayerNormExt``
 (``mint.nn.functional.layer_norm``), ``RmsNorm`` (``ops.rms_norm``), ``Gather``
-(``nn.Embedding`` and ``ops.gather``), and in-place updates (``add_``, ``mul_``, ``copy_``,
+(``nn.Embedding`` and ``ops.gather``), ``Embedding`` (``mint.nn.Embedding``), and in-place updates (``add_``, ``mul_``, ``copy_``,
 ``+=``, ``ops.assign``).
 
 A norm needs the normalised dims whole and the values reduced: those are gathered /
@@ -29,7 +29,8 @@ from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all, whole_and_reduced
 
-__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "index_select_rule",
+__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "embedding_rule",
+           "index_select_rule",
            "gather_elements_rule", "inplace_rule", "conv2d_rule", "batch_norm_rule"]
 
 
@@ -95,6 +96,56 @@ def gather_rule(schema: OpSchema) -> OutputSharding:
     inputs = (layout_like(table.layout, need_table, ndim=2), layout_like(table.layout, need_ids, ndim=ids.ndim)) \
         + (None,) * (len(schema.args) - 2)
     return OutputSharding(inputs, ((layout_like(table.layout, out, ndim=len(out_shape)), out_shape),))
+
+
+@register_sharding("Embedding")
+def embedding_rule(schema: OpSchema) -> OutputSharding:
+    """``mint.nn.functional.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq)``
+    (``mint.nn.Embedding``): the lookup of :func:`gather_rule` (``Gather(weight, ids, 0)``), the ids
+    first. A row-sharded table looks up by the masked local lookup, and there the ``padding_idx``
+    row gets no gradient, as one device gives it. ``max_norm`` (renormalises whole rows in
+    place) needs a replicated table, ``scale_grad_by_freq`` (counts ids over the whole batch)
+    unsharded ids and a table whose rows are whole: anything else is refused.
+
+    >>> from hyper_parallel_ms.layout import Layout
+    >>> from hyper_parallel_ms.placement import Shard, Replicate
+    >>> ids = TensorArg(Layout((2,), (Replicate(),)), (3,))
+    >>> table = TensorArg(Layout((2,), (Shard(1),)), (10, 4))
+    >>> out = embedding_rule(OpSchema("Embedding", (ids, table, None, None, 2.0, False)))
+    >>> str(out.outputs[0][0]), out.outputs[0][1]
+    ('(S(1))', (3, 4))
+    """
+    ids, table = schema.args[0], schema.args[1]
+    extra = tuple(schema.args[2:])
+    padding_idx, max_norm, _, by_freq = (extra + (None, None, 2.0, False)[len(extra):])[:4]
+    if max_norm is not None and any(not p.is_replicate() for p in table.layout.placements):
+        raise NotImplementedError(f"embedding with max_norm={max_norm} renormalises whole rows of the table in "
+                                  f"place; the table is placed {table.layout.placements}: replicate it first "
+                                  f"(.redistribute(placements=[Replicate(), ...])) or drop max_norm")
+    lookup = gather_rule(OpSchema("Gather", (table, ids, 0)))
+    need_table, need_ids = lookup.inputs[0], lookup.inputs[1]
+    if by_freq and (lookup.local_fn is not None or any(p.is_shard() for p in need_ids.placements)):
+        raise NotImplementedError("embedding with scale_grad_by_freq=True counts every id of the whole batch; "
+                                  f"ids placed {ids.layout.placements} and a table placed {table.layout.placements} "
+                                  "leave each rank a part of them: replicate the ids and keep the table's rows "
+                                  "whole (Replicate or Shard(1)), or drop scale_grad_by_freq")
+    inputs = (need_ids, need_table) + (None,) * len(extra)
+    if lookup.local_fn is None:
+        return OutputSharding(inputs, lookup.outputs)
+    pad = None if padding_idx is None else int(padding_idx) % table.shape[0]
+
+    def local_fn(coord):
+        masked = lookup.local_fn(coord)
+
+        def run(local_ids, local_table, *rest):
+            found = masked(local_table, local_ids)
+            if pad is None:
+                return found
+            # the padding row's lookups keep their value and pass no gradient to the table
+            is_pad = ops.expand_dims(local_ids == pad, -1).astype(found.dtype)
+            return ops.stop_gradient(found) * is_pad + found * (1 - is_pad)
+        return run
+    return OutputSharding(inputs, lookup.outputs, local_fn=local_fn)
 
 
 def _select_along(schema: OpSchema, x: TensorArg, ids: TensorArg, axis: int) -> OutputSharding:
