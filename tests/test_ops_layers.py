@@ -89,16 +89,20 @@ def test_mint_embedding_rule_cpu_twin():
 
             def loss(local, table_dt=table_dt, padding_idx=padding_idx):
                 t = DTensor.from_local(local, mesh, table_dt.layout, shape=(10, 8))
-                return (_embedding(ms.Tensor(ids), t, padding_idx, None, 2.0, False).full_tensor() * ms.Tensor(w)).sum()
+                out = _embedding(ms.Tensor(ids), t, padding_idx, None, 2.0, False)
+                return (out.full_tensor() * ms.Tensor(w)).sum()
             grad = ms.grad(loss)(table_dt.to_local())
-            np.testing.assert_allclose(grad.asnumpy(), want[table_dt.layout.local_slices((10, 8), mesh.get_coordinate())],
-                                       rtol=1e-5, atol=1e-5, err_msg=f"{placements} padding_idx={padding_idx}")
+            mine = table_dt.layout.local_slices((10, 8), mesh.get_coordinate())
+            np.testing.assert_allclose(grad.asnumpy(), want[mine], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{placements} padding_idx={padding_idx}")
     sharded_ids = distribute_tensor(ms.Tensor(ids), mesh, [S0, R], src_data_rank=None)
     out = _embedding(sharded_ids, distribute_tensor(ms.Tensor(table), mesh, [R, S1]), None, None, 2.0, False)
     assert out.placements == (S0, S2)
     np.testing.assert_allclose(out.full_tensor().asnumpy(), table[ids])
     with pytest.raises(NotImplementedError, match="max_norm"):
         _embedding(ms.Tensor(ids), distribute_tensor(ms.Tensor(table), mesh, [R, S1]), None, 1.0, 2.0, False)
+    with pytest.raises(NotImplementedError, match="max_norm"):     # replicas would renormalise different rows
+        _embedding(sharded_ids, distribute_tensor(ms.Tensor(table), mesh, [R, R]), None, 1.0, 2.0, False)
     with pytest.raises(NotImplementedError, match="scale_grad_by_freq"):
         _embedding(ms.Tensor(ids), distribute_tensor(ms.Tensor(table), mesh, [S0, R]), None, None, 2.0, True)
     with pytest.raises(NotImplementedError, match="scale_grad_by_freq"):

@@ -1,7 +1,7 @@
 """Layers' primitives: ``LayerNorm`` (``nn.LayerNorm``), ``LayerNormExt``
 (``mint.nn.functional.layer_norm``), ``RmsNorm`` (``ops.rms_norm``), ``Gather``
-(``nn.Embedding`` and ``ops.gather``), ``Embedding`` (``mint.nn.Embedding``), and in-place updates (``add_``, ``mul_``, ``copy_``,
-``+=``, ``ops.assign``).
+(``nn.Embedding`` and ``ops.gather``), ``Embedding`` (``mint.nn.Embedding``), and in-place
+updates (``add_``, ``mul_``, ``copy_``, ``+=``, ``ops.assign``).
 
 A norm needs the normalised dims whole and the values reduced: those are gathered /
 reduced first, the leading dims keep their sharding (its statistics outputs too); the
@@ -103,9 +103,10 @@ def embedding_rule(schema: OpSchema) -> OutputSharding:
     """``mint.nn.functional.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq)``
     (``mint.nn.Embedding``): the lookup of :func:`gather_rule` (``Gather(weight, ids, 0)``), the ids
     first. A row-sharded table looks up by the masked local lookup, and there the ``padding_idx``
-    row gets no gradient, as one device gives it. ``max_norm`` (renormalises whole rows in
-    place) needs a replicated table, ``scale_grad_by_freq`` (counts ids over the whole batch)
-    unsharded ids and a table whose rows are whole: anything else is refused.
+    row gets no gradient, as one device gives it. ``max_norm`` (renormalises, in place, the
+    whole rows the ids name) needs a replicated table and unsharded ids; ``scale_grad_by_freq``
+    (counts ids over the whole batch) unsharded ids and a table whose rows are whole: anything
+    else is refused.
 
     >>> from hyper_parallel_ms.layout import Layout
     >>> from hyper_parallel_ms.placement import Shard, Replicate
@@ -118,12 +119,15 @@ def embedding_rule(schema: OpSchema) -> OutputSharding:
     ids, table = schema.args[0], schema.args[1]
     extra = tuple(schema.args[2:])
     padding_idx, max_norm, _, by_freq = (extra + (None, None, 2.0, False)[len(extra):])[:4]
-    if max_norm is not None and any(not p.is_replicate() for p in table.layout.placements):
-        raise NotImplementedError(f"embedding with max_norm={max_norm} renormalises whole rows of the table in "
-                                  f"place; the table is placed {table.layout.placements}: replicate it first "
-                                  f"(.redistribute(placements=[Replicate(), ...])) or drop max_norm")
     lookup = gather_rule(OpSchema("Gather", (table, ids, 0)))
     need_table, need_ids = lookup.inputs[0], lookup.inputs[1]
+    if max_norm is not None and (any(not p.is_replicate() for p in table.layout.placements)
+                                 or any(p.is_shard() for p in need_ids.placements)):
+        raise NotImplementedError(f"embedding with max_norm={max_norm} renormalises, in place, whole rows of the "
+                                  f"table that the ids name; the table is placed {table.layout.placements} and "
+                                  f"the ids {ids.layout.placements}, so a rank would renormalise a piece, or "
+                                  f"replicas different rows: replicate both first (.redistribute(placements="
+                                  f"[Replicate(), ...])) or drop max_norm")
     if by_freq and (lookup.local_fn is not None or any(p.is_shard() for p in need_ids.placements)):
         raise NotImplementedError("embedding with scale_grad_by_freq=True counts every id of the whole batch; "
                                   f"ids placed {ids.layout.placements} and a table placed {table.layout.placements} "
