@@ -136,6 +136,30 @@ def test_a_rank_that_would_materialise_parameters_is_reported():
     assert "would be given values" in report.problems[0].message
 
 
+def test_an_error_of_a_class_is_reported_for_every_rank_it_stands_for():
+    """A sequence of 7 over 4 ranks raises on every real rank (the conversion cannot tell the global
+    length from a piece): the dry run names that error, for all 4 ranks, not only those it ran."""
+    _cpu()
+    import mindspore as ms
+    from mindspore import nn
+    from hyper_parallel_ms import Replicate, Shard, simulate
+    from hyper_parallel_ms.nn import PrepareModuleInput, parallelize_module
+
+    def build(mesh):
+        model = nn.SequentialCell([nn.Dense(4, 4)])
+        parallelize_module(model, mesh, {"0": PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                 desired_input_layouts=(Shard(1),),
+                                                                 use_local_output=True)})
+        optimizer = nn.SGD(model.trainable_params(), 0.1)
+        grad = ms.value_and_grad(lambda x: model(x).sum(), None, model.trainable_params())
+        x = ms.Tensor(np.ones((2, 7, 4), np.float32))
+        return model, optimizer, lambda: optimizer(grad(x)[1])
+    report = simulate(build, mesh_shape=(4,), mesh_dim_names=("tp",))
+    assert len(report.computed) < 4
+    assert [(p.kind, p.ranks) for p in report.problems] == [("error", (0, 1, 2, 3))]
+    assert "shards dim 1 of length 7 over 4 ranks unevenly" in report.problems[0].message
+
+
 def test_equivalent_ranks_run_once_and_stand_for_the_others_exactly():
     _cpu()
     from hyper_parallel_ms import simulate

@@ -48,6 +48,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from math import prod
@@ -67,7 +68,7 @@ from ._autodiff import AbstractAutodiff
 from ._checks import RankRun, cross_rank_problems, grouped
 from ._exchange import MissingMessage, SimulatedExchange
 from ._memory import Held, cells_of, memory_of
-from ._report import CommStats, RankReport, SimulationReport
+from ._report import CommStats, Problem, RankReport, SimulationReport
 
 __all__ = ["simulate"]
 
@@ -310,8 +311,18 @@ class _Simulation:
             reports[rank] = _rank_report(rank, self.coord(rank), rep, self.outcomes[rep],
                                          lambda group, rep=rep, rank=rank: self.group_of(rep, rank, group))
         runs = {r: o.run for r, o in self.outcomes.items()}
-        return SimulationReport(reports, self.shape, self.names, grouped(cross_rank_problems(runs)),
-                                tuple(self.outcomes), seconds)
+        problems = cross_rank_problems(runs)
+        if by_class:
+            problems = [self._for_class(p, ranks) for p in problems]
+        return SimulationReport(reports, self.shape, self.names, grouped(problems), tuple(self.outcomes), seconds)
+
+    def _for_class(self, problem: Problem, ranks: Sequence[int]) -> Problem:
+        """An error of the ranks that ran, given to every rank of ``ranks`` they stand for (those that
+        did not run themselves): their code raises alike."""
+        if problem.kind != "error":
+            return problem
+        stood = {q for q in ranks if q not in self.outcomes and self.representative(q) in problem.ranks}
+        return dataclasses.replace(problem, ranks=tuple(sorted(stood | set(problem.ranks))))
 
 
 def _rank_report(rank: int, coord: Tuple[int, ...], rep: int, outcome: _Outcome,
