@@ -42,7 +42,7 @@ from mindspore.nn.utils import no_init_parameters as _mindspore_no_init_paramete
 from ._mindspore import (deferred_creation_hooked, draw_numpy_seed, fill_deferred, initial_array, initializer_draws,
                          pending_init)
 
-__all__ = ["no_init_parameters", "initial_value", "initialise", "check_initial_values", "unrecorded_notice"]
+__all__ = ["no_init_parameters", "init_empty_weights", "initial_value", "initialise", "check_initial_values", "unrecorded_notice"]
 
 _RECORD = "_hpms_init_record"
 # names of parameters whose unrecorded initialisers ran inside the current unrecorded_notice()
@@ -91,6 +91,26 @@ def no_init_parameters() -> Iterator[None]:
             model = Llama(config)
     """
     with _mindspore_no_init_parameters(), deferred_creation_hooked(_record):
+        yield
+
+
+@contextmanager
+def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
+    """HyperParallel's ``init_empty_weights``: Parameters made inside hold no values (as on
+    PyTorch's meta device) until ``init_parameters`` / ``init_parameters_data`` gives them their
+    eager values or a checkpoint is loaded; :func:`no_init_parameters` under another name.
+
+    Args:
+        include_buffers: accepted for HyperParallel's signature; it changes nothing: MindSpore keeps
+            module state (BatchNorm's moving averages) in Parameters, deferred like the others.
+
+    Example::
+
+        with init_empty_weights():
+            model = Llama(config)          # no memory for the weights yet
+    """
+    del include_buffers                    # MindSpore has no buffers apart from Parameters
+    with no_init_parameters():
         yield
 
 

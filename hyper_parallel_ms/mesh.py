@@ -36,7 +36,7 @@ import numpy as np
 from . import _cluster
 from ._cluster import CommGroup, World
 
-__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "mesh_world"]
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "mesh_world"]
 
 MeshDim = Union[int, str]
 
@@ -55,6 +55,22 @@ def current_mesh() -> Optional["DeviceMesh"]:
         True
     """
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def get_current_mesh() -> "DeviceMesh":
+    """The innermost mesh entered with ``with mesh:``; raises where none is (PyTorch's and
+    HyperParallel's ``get_current_mesh``; :func:`current_mesh` returns ``None`` instead).
+
+    Example:
+        >>> m = DeviceMesh("cpu", [0])
+        >>> with m:
+        ...     get_current_mesh() is m
+        True
+    """
+    mesh = current_mesh()
+    if mesh is None:
+        raise RuntimeError("No device mesh is currently active: enter one with `with mesh:` first")
+    return mesh
 
 
 class DeviceMesh:

@@ -21,7 +21,7 @@ from mindspore.common.initializer import (HeUniform, Initializer, Normal, Orthog
                                           XavierUniform, initializer)
 from mindspore.nn.utils import no_init_parameters as mindspore_no_init_parameters
 
-from hyper_parallel_ms import init_parameters, no_init_parameters
+from hyper_parallel_ms import init_empty_weights, init_parameters, no_init_parameters
 from hyper_parallel_ms._deferred import initial_value
 from hyper_parallel_ms.testing import multi_rank
 
@@ -110,6 +110,11 @@ def test_deferred_values_equal_eager_in_creation_order():
     _assert_equal_params(lazy, eager)
     assert not any(p.has_init for p in lazy.get_parameters())
     np.testing.assert_array_equal(np.random.get_state()[1], eager_state)
+    # HyperParallel's name for it
+    empty, empty_state = _built(Orders, init_empty_weights)
+    assert empty.p.has_init and empty.a.weight.has_init
+    np.testing.assert_array_equal(empty_state, eager_state)
+    _assert_equal_params(init_parameters(empty), eager)
 
 
 def _no_share() -> Orders:

@@ -117,7 +117,7 @@ def test_mesh_surfaces_of_both_anchors():
     import mindspore as ms
     from mindspore import nn
 
-    from hyper_parallel_ms import DTensor, Replicate, Shard, current_mesh, distribute_tensor
+    from hyper_parallel_ms import DTensor, Replicate, Shard, current_mesh, distribute_tensor, get_current_mesh
     from hyper_parallel_ms.mesh import DeviceMesh, init_device_mesh
     from hyper_parallel_ms.nn import ColwiseParallel, parallelize_module
 
@@ -135,9 +135,11 @@ def test_mesh_surfaces_of_both_anchors():
     ms.set_seed(3)
     dense = nn.Dense(4, 4)
     with tp:
-        assert current_mesh() is tp
+        assert current_mesh() is tp and get_current_mesh() is tp
         model = parallelize_module(dense, parallelize_plan=ColwiseParallel(output_layouts=Replicate()))
     assert current_mesh() is None
+    with pytest.raises(RuntimeError, match="No device mesh is currently active"):
+        get_current_mesh()
     assert model.weight.shape == (2, 4)
 
     # from_group: one group (1-D) or one group per dim with the rank array

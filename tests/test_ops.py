@@ -250,6 +250,40 @@ def test_local_map():
 
 
 @multi_rank(2)
+def test_custom_shard_is_local_map_in_hyper_parallels_spelling():
+    from hyper_parallel_ms import custom_shard
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x, y = _rand(4, 6), _rand(4, 6, seed=1)
+
+    def add_rows(a, b):
+        return a + b.sum(0, keepdims=True)
+    fn = custom_shard(add_rows, mesh, out_placements=((S0,),), in_placements=((S0,), (R,)))
+    # y arrives row-sharded and is moved to Replicate first (redistribute_inputs defaults to True)
+    out = fn(distribute_tensor(ms.Tensor(x), mesh, [S0]), distribute_tensor(ms.Tensor(y), mesh, [S0]))
+    assert isinstance(out, DTensor) and out.placements == (S0,)       # one result: not a tuple
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), x + y.sum(0, keepdims=True), rtol=1e-5)
+    both = custom_shard(lambda a: (a * 2, a.shape[0]), mesh, out_placements=((S0,), None), in_placements=((S0,),))
+    doubled, rows = both(distribute_tensor(ms.Tensor(x), mesh, [S0]))
+    assert rows == 2 and doubled.placements == (S0,)
+    np.testing.assert_allclose(doubled.full_tensor().asnumpy(), 2 * x, rtol=1e-6)
+    # no DTensor argument: run as it is, the result unwrapped
+    plain = custom_shard(add_rows, mesh, out_placements=((S0,),))(ms.Tensor(x[:2]), ms.Tensor(y))
+    assert not isinstance(plain, DTensor)
+    np.testing.assert_allclose(plain.asnumpy(), x[:2] + y.sum(0, keepdims=True), rtol=1e-5)
+    with pytest.raises(RuntimeError, match="in_placements is None"):
+        custom_shard(add_rows, mesh, out_placements=((S0,),))(distribute_tensor(ms.Tensor(x), mesh, [S0]), y)
+    with pytest.raises(TypeError, match="argument 1 is not a DTensor"):
+        custom_shard(add_rows, mesh, ((S0,),), ((S0,), (R,)))(distribute_tensor(ms.Tensor(x), mesh, [S0]),
+                                                              ms.Tensor(y))
+    with pytest.raises(TypeError, match="argument 1 is a DTensor"):
+        custom_shard(add_rows, mesh, ((S0,),), ((S0,), None))(distribute_tensor(ms.Tensor(x), mesh, [S0]),
+                                                              distribute_tensor(ms.Tensor(y), mesh, [R]))
+    with pytest.raises(ValueError, match="redistribute_inputs=True"):
+        custom_shard(add_rows, mesh, ((S0,),), ((S0,), (R,)), redistribute_inputs=False)(
+            distribute_tensor(ms.Tensor(x), mesh, [S0]), distribute_tensor(ms.Tensor(y), mesh, [S0]))
+
+
+@multi_rank(2)
 def test_uneven_shapes_on_1d_mesh():
     """Odd sizes split 3 + 2 (or 4 + 3) over two ranks, through every rule family."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

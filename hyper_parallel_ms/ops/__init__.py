@@ -15,10 +15,10 @@ Example::
 from . import _rules  # noqa: F401  (registers the rules)
 from ._rules.indexing import GetItem, index_key
 from ._dispatch import clear_cache, dispatch, strict_plain_tensors
-from ._local_map import local_map
+from ._local_map import custom_shard, local_map
 from ._registry import ShardingPropagator, propagator, register_sharding, registered_ops
 from ._schema import OpSchema, OutputSharding, TensorArg
 
 __all__ = ["register_sharding", "registered_ops", "OpSchema", "OutputSharding", "TensorArg", "dispatch",
-           "strict_plain_tensors", "clear_cache", "local_map", "ShardingPropagator", "propagator"]
+           "strict_plain_tensors", "clear_cache", "local_map", "custom_shard", "ShardingPropagator", "propagator"]
 

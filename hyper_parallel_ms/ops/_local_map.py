@@ -22,7 +22,7 @@ from mindspore import Tensor
 from ..dtensor import DTensor
 from ..dtensor._spec import to_layout
 
-__all__ = ["local_map"]
+__all__ = ["local_map", "custom_shard"]
 
 
 def local_map(func: Callable, out_placements: Sequence, in_placements: Optional[Sequence] = None, *,
@@ -65,11 +65,60 @@ def local_map(func: Callable, out_placements: Sequence, in_placements: Optional[
                     a = a.redistribute(mesh, layout)
             local_args.append(a.to_local() if isinstance(a, DTensor) else a)
         result = func(*local_args, **kwargs)
-        results = [result] if single_out else list(result)
+        # one result whose placements came as a one-entry tuple (as PyTorch, the result decides)
+        one = single_out or (len(out_list) == 1 and not isinstance(result, (tuple, list)))
+        results = [result] if one else list(result)
         if len(results) != len(out_list):
             raise ValueError(f"local_map({func.__name__}): {len(results)} results for {len(out_list)} "
                              "out_placements")
         wrapped_results = [DTensor.from_local(r, mesh, p) if p is not None and isinstance(r, Tensor) else r
                            for r, p in zip(results, out_list)]
-        return wrapped_results[0] if single_out else tuple(wrapped_results)
+        return wrapped_results[0] if one else tuple(wrapped_results)
+    return wrapped
+
+
+def custom_shard(func: Callable, device_mesh, out_placements: Sequence, in_placements: Optional[Sequence] = None,
+                 redistribute_inputs: bool = True) -> Callable:
+    """HyperParallel's spelling of :func:`local_map`: ``device_mesh`` second, one placements entry
+    per result in ``out_placements``, inputs moved to ``in_placements`` by default. Stricter than
+    local_map, as HyperParallel: a DTensor argument needs its ``in_placements`` entry and a
+    non-DTensor argument must have ``None`` there; with no DTensor argument, ``func`` runs on the
+    arguments as they are and its results are returned unwrapped.
+
+    Args:
+        func: the function on local tensors.
+        device_mesh: the mesh of the arguments and results.
+        out_placements: one placements sequence per result (``None`` for a non-tensor result).
+        in_placements: one placements sequence per positional argument (``None`` for a non-tensor).
+        redistribute_inputs: move DTensor arguments to ``in_placements`` (default True; False raises
+            where they differ).
+
+    Example::
+
+        add = custom_shard(lambda x, y: x + y, mesh, out_placements=((Shard(0), Replicate()),),
+                           in_placements=((Shard(0), Replicate()), (Shard(0), Replicate())))
+        z = add(x_dt, y_dt)
+    """
+    mapped = local_map(func, list(out_placements), in_placements, device_mesh=device_mesh,
+                       redistribute_inputs=redistribute_inputs)
+
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        if in_placements is not None and len(in_placements) != len(args):
+            raise ValueError(f"custom_shard({func.__name__}): in_placements has {len(in_placements)} entries for "
+                             f"{len(args)} arguments")
+        for i, a in enumerate(args):
+            if isinstance(a, DTensor) and in_placements is None:
+                raise RuntimeError(f"custom_shard({func.__name__}): argument {i} is a DTensor and in_placements is "
+                                   "None; give every argument's placements")
+            wanted = None if in_placements is None else in_placements[i]
+            if isinstance(a, DTensor) and wanted is None:
+                raise TypeError(f"custom_shard({func.__name__}): argument {i} is a DTensor; give its placements in "
+                                "in_placements")
+            if not isinstance(a, DTensor) and wanted is not None:
+                raise TypeError(f"custom_shard({func.__name__}): argument {i} is not a DTensor, its in_placements "
+                                f"entry must be None, got {wanted}")
+        if not any(isinstance(a, DTensor) for a in args):
+            return func(*args, **kwargs)
+        return mapped(*args, **kwargs)
     return wrapped
