@@ -8,8 +8,8 @@ import pytest
 from mindspore import nn
 
 from hyper_parallel_ms.comm import CommDebugMode
-from hyper_parallel_ms.dtensor import (DTensor, distribute_tensor, empty, full, ones, rand, randn, sharding_table,
-                                       visualize_sharding, zeros)
+from hyper_parallel_ms.dtensor import (DTensor, distribute_tensor, empty, full, manual_seed, ones, rand, randn,
+                                       sharding_table, visualize_sharding, zeros)
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
@@ -90,11 +90,15 @@ def test_factories():
         assert distribute_tensor(ms.Tensor(np.ones((4, 2), np.float32))).placements == (Replicate(), Replicate())
         assert DTensor.from_local(ms.Tensor(np.ones((4, 2), np.float32))).shape == (4, 2)
     for factory, single in ((rand, ms.ops.rand), (randn, ms.ops.randn)):
-        ms.set_seed(11)
+        manual_seed(11, mesh)                       # checked equal on every rank, then ms.set_seed
         dt = factory((6, 4), device_mesh=mesh, placements=[Shard(1), Shard(0)])
         ms.set_seed(11)
         np.testing.assert_array_equal(dt.to_local().asnumpy(),
                                       _piece(single((6, 4)).asnumpy(), [Shard(1), Shard(0)], mesh))
+    with pytest.raises(RuntimeError, match="pass different seeds"):
+        manual_seed(11 + 2 ** 30 * (mesh.get_rank() % 2), mesh)    # differ above float32's exact integers
+    with pytest.raises(ValueError, match="non-negative int"):
+        manual_seed(-1, mesh)
     with pytest.raises(ValueError, match="non-negative ints"):
         zeros((2, -1), device_mesh=mesh, placements=[Shard(0), Replicate()])
 

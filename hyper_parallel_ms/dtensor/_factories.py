@@ -18,14 +18,16 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple, Union
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from .. import comm
+from ..comm._agreement import digest, extremes
 from .._deferred import initial_value
 from ._dtensor import DTensor, mesh_and_placements
 from ._spec import DTensorSpec
 
-__all__ = ["distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn"]
+__all__ = ["distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn", "manual_seed"]
 
 Size = Union[int, Sequence[int]]
 
@@ -187,3 +189,29 @@ def randn(*size, dtype=None, layout=None, requires_grad: bool = False, device_me
         dt = randn((8, 4), device_mesh=mesh, placements=[Replicate()])
     """
     return _random(ops.randn, size, "randn", dtype, requires_grad, device_mesh, placements)
+
+
+def manual_seed(seed: int, device_mesh) -> None:
+    """PyTorch's ``torch.distributed.tensor.random.manual_seed``: seed MindSpore's generator
+    (``ms.set_seed``) that :func:`rand` / :func:`randn` and the sharded dropouts draw the whole
+    tensor from, after checking that every rank of ``device_mesh`` passes the same ``seed`` (one
+    small all-reduce per mesh dim): with different seeds the pieces would come from different
+    tensors, so every rank raises instead.
+
+    Args:
+        seed: a non-negative int, the same on every rank of the mesh.
+        device_mesh: the :class:`~hyper_parallel_ms.mesh.DeviceMesh` whose ranks draw together.
+
+    Example::
+
+        manual_seed(1234, mesh)
+        noise = randn((8, 4), device_mesh=mesh, placements=[Shard(0)])   # == ops.randn((8, 4)) after set_seed(1234)
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"manual_seed: seed must be a non-negative int, got {seed!r}")
+    high, low = extremes(np.array(digest(str(seed)), np.float32), device_mesh)
+    if (high != low).any():
+        raise RuntimeError(f"manual_seed: the ranks of mesh {device_mesh.shape} pass different seeds (this rank "
+                           f"{seed}); random DTensors draw the whole tensor from the seed on every rank, so their "
+                           f"pieces would not form one tensor: pass the same seed on every rank")
+    ms.set_seed(seed)
