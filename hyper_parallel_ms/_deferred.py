@@ -42,7 +42,8 @@ from mindspore.nn.utils import no_init_parameters as _mindspore_no_init_paramete
 from ._mindspore import (deferred_creation_hooked, draw_numpy_seed, fill_deferred, initial_array, initializer_draws,
                          pending_init)
 
-__all__ = ["no_init_parameters", "init_empty_weights", "initial_value", "initialise", "check_initial_values", "unrecorded_notice"]
+__all__ = ["no_init_parameters", "init_empty_weights", "initial_value", "initialise", "check_initial_values",
+           "unrecorded_notice"]
 
 _RECORD = "_hpms_init_record"
 # names of parameters whose unrecorded initialisers ran inside the current unrecorded_notice()

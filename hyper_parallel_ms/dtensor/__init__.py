@@ -13,4 +13,5 @@ from ._spec import DTensorSpec
 from ._visualize import sharding_table, visualize_sharding
 
 __all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
-           "manual_seed", "visualize_sharding", "sharding_table", "grad", "value_and_grad", "parallelize_value_and_grad"]
+           "manual_seed", "visualize_sharding", "sharding_table", "grad", "value_and_grad",
+           "parallelize_value_and_grad"]

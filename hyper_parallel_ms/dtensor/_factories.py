@@ -205,7 +205,7 @@ def manual_seed(seed: int, device_mesh) -> None:
     Example::
 
         manual_seed(1234, mesh)
-        noise = randn((8, 4), device_mesh=mesh, placements=[Shard(0)])   # == ops.randn((8, 4)) after set_seed(1234)
+        noise = randn((8, 4), device_mesh=mesh, placements=[Shard(0)])   # ops.randn((8, 4)) after set_seed(1234)
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"manual_seed: seed must be a non-negative int, got {seed!r}")

@@ -20,5 +20,6 @@ from ._registry import ShardingPropagator, propagator, register_sharding, regist
 from ._schema import OpSchema, OutputSharding, TensorArg
 
 __all__ = ["register_sharding", "registered_ops", "OpSchema", "OutputSharding", "TensorArg", "dispatch",
-           "strict_plain_tensors", "clear_cache", "local_map", "custom_shard", "ShardingPropagator", "propagator"]
+           "strict_plain_tensors", "clear_cache", "local_map", "custom_shard", "ShardingPropagator",
+           "propagator"]
 
