@@ -9,6 +9,7 @@ from mindspore import nn, ops
 
 from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.mesh import init_device_mesh
+from hyper_parallel_ms.placement import Shard
 from hyper_parallel_ms.testing import multi_rank
 from tests._ops_check import S0, S1, S2, P, R, _on_dtensors, _rand, check_op
 
@@ -107,6 +108,49 @@ def test_mint_embedding_rule_cpu_twin():
         _embedding(ms.Tensor(ids), distribute_tensor(ms.Tensor(table), mesh, [S0, R]), None, None, 2.0, True)
     with pytest.raises(NotImplementedError, match="scale_grad_by_freq"):
         _embedding(sharded_ids, distribute_tensor(ms.Tensor(table), mesh, [R, R]), None, None, 2.0, True)
+
+
+def _swiglu_cpu(x, dim):
+    """One device's ``ops.swiglu`` (its kernel is Ascend-only): silu of the first half of ``dim``
+    times the second."""
+    a, b = ops.split(x, x.shape[dim] // 2, dim)
+    return a * ops.sigmoid(a) * b
+
+
+def _rope_cpu(x, cos, sin, mode):
+    """One device's ``ops.rotary_position_embedding`` (Ascend-only): ``x * cos + rotated(x) * sin``,
+    rotating halves (mode 0) or neighbouring pairs (mode 1) of the last dim."""
+    if mode == 0:
+        first, second = ops.split(x, x.shape[-1] // 2, -1)
+        rotated = ops.cat((-second, first), -1)
+    else:
+        pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+        rotated = ops.stack((-pairs[..., 1], pairs[..., 0]), -1).reshape(x.shape)
+    return x * cos + rotated * sin
+
+
+_swiglu = _on_dtensors("Swiglu", _swiglu_cpu)
+_rope = _on_dtensors("RotaryPositionEmbedding", _rope_cpu)
+
+
+@multi_rank(4)
+def test_swiglu_and_rotary_position_embedding_rules_cpu_twins():
+    """``Swiglu`` keeps every dim's sharding but the split one; ``RotaryPositionEmbedding`` is
+    element-wise with broadcasting but for the rotated last dim: values, placements and gradients of
+    every input against one device."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = _rand(4, 6, 8)
+    check_op(mesh, lambda t: _swiglu(t, -1), [x], [[S0, S2]], [S0, R])     # the split dim gathered
+    check_op(mesh, lambda t: _swiglu(t, 1), [x], [[P, S2]], [R, S2])       # Partial reduced first
+    q = _rand(2, 4, 6, 8, seed=1)                                            # (batch, heads, seq, head_dim)
+    cos, sin = _rand(1, 1, 6, 8, seed=2), _rand(1, 1, 6, 8, seed=3)
+    for mode in (0, 1):
+        def rope(t, c, s, mode=mode):
+            return _rope(t, c, s, mode)
+        # heads and sequence sharded: cos / sin brought to the sequence's pieces, no gather of q
+        check_op(mesh, rope, [q, cos, sin], [[S1, S2], [R, R], [R, R]], [S1, S2])
+        # the rotated dim is gathered, batch sharding kept
+        check_op(mesh, rope, [q, cos, sin], [[S0, Shard(3)], [R, R], [R, Shard(3)]], [S0, R])
 
 
 @multi_rank(2)

@@ -1,6 +1,7 @@
 """Layers' primitives: ``LayerNorm`` (``nn.LayerNorm``), ``LayerNormExt``
 (``mint.nn.functional.layer_norm``), ``RmsNorm`` (``ops.rms_norm``), ``Gather``
-(``nn.Embedding`` and ``ops.gather``), ``Embedding`` (``mint.nn.Embedding``), and in-place
+(``nn.Embedding`` and ``ops.gather``), ``Embedding`` (``mint.nn.Embedding``), ``Swiglu``
+(``ops.swiglu``), ``RotaryPositionEmbedding`` (``ops.rotary_position_embedding``), and in-place
 updates (``add_``, ``mul_``, ``copy_``, ``+=``, ``ops.assign``).
 
 A norm needs the normalised dims whole and the values reduced: those are gathered /
@@ -28,8 +29,10 @@ from ...placement import Partial, Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all, whole_and_reduced
+from .pointwise import pointwise_rule
 
-__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "gather_rule", "embedding_rule",
+__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "swiglu_rule", "rotary_position_embedding_rule",
+           "gather_rule", "embedding_rule",
            "index_select_rule",
            "gather_elements_rule", "inplace_rule", "conv2d_rule", "batch_norm_rule"]
 
@@ -65,6 +68,47 @@ def rms_norm_rule(schema: OpSchema) -> OutputSharding:
     """``ops.rms_norm(x, gamma, eps)`` normalises the last ``gamma.ndim`` dims: output, rstd."""
     x, gamma = schema.args[0], schema.args[1]
     return _norm(schema, x.ndim - gamma.ndim, statistics=1)
+
+
+@register_sharding("Swiglu")
+def swiglu_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.swiglu(x, dim=-1)``: ``silu(a) * b`` of the two halves of ``dim``: that dim whole (its
+    halves pair up) and Partial values reduced (not linear); the other dims keep their sharding,
+    and the output has half of ``dim``.
+
+    >>> from hyper_parallel_ms.layout import Layout
+    >>> from hyper_parallel_ms.placement import Shard
+    >>> x = TensorArg(Layout((2, 2), (Shard(0), Shard(1))), (4, 6))
+    >>> out = swiglu_rule(OpSchema("Swiglu", (x, -1)))
+    >>> str(out.inputs[0]), out.outputs[0][1]
+    ('(S(0), R)', (4, 3))
+    """
+    x = schema.args[0]
+    dim = (schema.args[1] if len(schema.args) > 1 and schema.args[1] is not None else -1) % x.ndim
+    layout = whole_and_reduced(x.layout, {dim}, x.ndim)
+    out_shape = x.shape[:dim] + (x.shape[dim] // 2,) + x.shape[dim + 1:]
+    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, out_shape),))
+
+
+@register_sharding("RotaryPositionEmbedding")
+def rotary_position_embedding_rule(schema: OpSchema) -> OutputSharding:
+    """``ops.rotary_position_embedding(x, cos, sin, mode)``: ``x * cos + rotated(x) * sin``, element-wise
+    with broadcasting except along the last dim, which each rotation mixes (its halves in mode 0,
+    neighbouring pairs in mode 1): that dim whole on every input and Partial values reduced; the
+    other dims are placed as an element-wise op places them (a sequence-sharded ``x`` meets ``cos``
+    / ``sin`` cut alike).
+
+    >>> from hyper_parallel_ms.layout import Layout
+    >>> from hyper_parallel_ms.placement import Replicate, Shard
+    >>> x = TensorArg(Layout((2,), (Shard(2),)), (1, 2, 8, 4))
+    >>> cos = TensorArg(Layout((2,), (Replicate(),)), (1, 1, 8, 4))
+    >>> out = rotary_position_embedding_rule(OpSchema("RotaryPositionEmbedding", (x, cos, cos, 0)))
+    >>> [str(layout) for layout in out.inputs[:3]], str(out.outputs[0][0])
+    (['(S(2))', '(S(2))', '(S(2))'], '(S(2))')
+    """
+    whole = tuple(TensorArg(whole_and_reduced(a.layout, {a.ndim - 1}, a.ndim), a.shape, a.is_dtensor)
+                  if isinstance(a, TensorArg) else a for a in schema.args)
+    return pointwise_rule(OpSchema("Mul", whole))
 
 
 @register_sharding("Gather")
