@@ -33,44 +33,13 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _cluster
+from . import _cluster, _mesh_context
 from ._cluster import CommGroup, World
+from ._mesh_context import current_mesh, get_current_mesh
 
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "mesh_world"]
 
 MeshDim = Union[int, str]
-
-_ACTIVE: List["DeviceMesh"] = []      # meshes entered with ``with mesh:``, innermost last
-
-
-def current_mesh() -> Optional["DeviceMesh"]:
-    """The innermost mesh entered with ``with mesh:``, or ``None``.
-
-    Example:
-        >>> m = DeviceMesh("cpu", [0])
-        >>> with m:
-        ...     current_mesh() is m
-        True
-        >>> current_mesh() is None
-        True
-    """
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-def get_current_mesh() -> "DeviceMesh":
-    """The innermost mesh entered with ``with mesh:``; raises where none is (PyTorch's and
-    HyperParallel's ``get_current_mesh``; :func:`current_mesh` returns ``None`` instead).
-
-    Example:
-        >>> m = DeviceMesh("cpu", [0])
-        >>> with m:
-        ...     get_current_mesh() is m
-        True
-    """
-    mesh = current_mesh()
-    if mesh is None:
-        raise RuntimeError("No device mesh is currently active: enter one with `with mesh:` first")
-    return mesh
 
 
 class DeviceMesh:
@@ -362,11 +331,11 @@ class DeviceMesh:
     # ---------------------------------------------------------- current mesh
     def __enter__(self) -> "DeviceMesh":
         """``with mesh:`` makes this the current mesh (see :func:`current_mesh`)."""
-        _ACTIVE.append(self)
+        _mesh_context.enter(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _ACTIVE.pop()
+        _mesh_context.leave()
 
     # ------------------------------------------------------------ value-ish
     def _key(self):

@@ -25,6 +25,13 @@ from ..dtensor._spec import to_layout
 __all__ = ["local_map", "custom_shard"]
 
 
+def _check_count(caller: str, func: Callable, in_placements: Optional[Sequence], args: Sequence) -> None:
+    """``in_placements`` (when given) has one entry per positional argument."""
+    if in_placements is not None and len(in_placements) != len(args):
+        raise ValueError(f"{caller}({func.__name__}): in_placements has {len(in_placements)} entries for "
+                         f"{len(args)} arguments")
+
+
 def local_map(func: Callable, out_placements: Sequence, in_placements: Optional[Sequence] = None, *,
               device_mesh=None, redistribute_inputs: bool = False) -> Callable:
     """Wrap ``func`` to take DTensors and return DTensors (see the module docstring).
@@ -50,9 +57,7 @@ def local_map(func: Callable, out_placements: Sequence, in_placements: Optional[
         mesh = device_mesh or next((a.device_mesh for a in args if isinstance(a, DTensor)), None)
         if mesh is None:
             raise ValueError(f"local_map({func.__name__}): no DTensor argument and no device_mesh given")
-        if in_placements is not None and len(in_placements) != len(args):
-            raise ValueError(f"local_map({func.__name__}): in_placements has {len(in_placements)} entries for "
-                             f"{len(args)} arguments")
+        _check_count("local_map", func, in_placements, args)
         local_args = []
         for i, a in enumerate(args):
             wanted = None if in_placements is None else in_placements[i]
@@ -104,9 +109,7 @@ def custom_shard(func: Callable, device_mesh, out_placements: Sequence, in_place
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
-        if in_placements is not None and len(in_placements) != len(args):
-            raise ValueError(f"custom_shard({func.__name__}): in_placements has {len(in_placements)} entries for "
-                             f"{len(args)} arguments")
+        _check_count("custom_shard", func, in_placements, args)
         for i, a in enumerate(args):
             if isinstance(a, DTensor) and in_placements is None:
                 raise RuntimeError(f"custom_shard({func.__name__}): argument {i} is a DTensor and in_placements is "
