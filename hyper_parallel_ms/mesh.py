@@ -25,7 +25,7 @@ Example:
     >>> from hyper_parallel_ms.mesh import init_device_mesh
     >>> mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
     >>> mesh.shape, mesh.get_coordinate(), mesh["tp"].size()
-    ((1,), (0,), 1)
+    ((1,), [0], 1)
 """
 from __future__ import annotations
 
@@ -155,8 +155,21 @@ class DeviceMesh:
         implementation follows it; a simulated ``"npu"`` mesh plans Ascend's on any machine)."""
         return _cluster.DEVICE_TYPES[self.device_type]
 
-    def get_coordinate(self) -> Optional[Tuple[int, ...]]:
-        """This rank's index along every mesh dim, ``None`` if it is not in the mesh."""
+    def get_coordinate(self) -> Optional[List[int]]:
+        """This rank's index along every mesh dim, a new list (PyTorch's), ``None`` if it is not in
+        the mesh; :attr:`coordinate` is the same as a tuple."""
+        return None if self._coordinate is None else list(self._coordinate)
+
+    @property
+    def coordinate(self) -> Optional[Tuple[int, ...]]:
+        """This rank's index along every mesh dim as a tuple (hashable: a key, an argument of cached
+        planning), ``None`` if it is not in the mesh.
+
+        Example:
+            >>> from hyper_parallel_ms.mesh import init_device_mesh
+            >>> init_device_mesh("cpu", (1,)).coordinate
+            (0,)
+        """
         return self._coordinate
 
     def get_local_rank(self, mesh_dim: Optional[MeshDim] = None) -> int:
@@ -387,7 +400,7 @@ def init_device_mesh(device_type: Optional[str] = None, mesh_shape: Optional[Seq
         (0,)
         >>> mesh = init_device_mesh("npu", (2, 4), mesh_dim_names=("dp", "tp"), simulate=(8, 6))
         >>> mesh.get_coordinate(), mesh["tp"].rank_list
-        ((1, 2), (4, 5, 6, 7))
+        ([1, 2], (4, 5, 6, 7))
         >>> init_device_mesh(mesh_shape=(1,), alias_name=("dp",))      # HyperParallel's earlier form
         DeviceMesh('cpu', [0], mesh_dim_names=('dp',))
     """

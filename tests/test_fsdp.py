@@ -379,7 +379,7 @@ def test_all_reduce_hook_reduces_over_a_dim_fully_shard_does_not_4_ranks():
 
 
 @multi_rank(2)
-def test_post_optimizer_event_is_waited_once_before_the_next_gathers():
+def test_post_optim_event_is_waited_once_before_the_next_gathers():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model = _fsdp_per_block(Net(), mesh)
     order = []
@@ -388,12 +388,12 @@ def test_post_optimizer_event_is_waited_once_before_the_next_gathers():
         def wait(self):
             order.append("wait")
     with CommDebugMode() as mode:
-        model.set_post_optimizer_event(Event())
+        model.set_post_optim_event(Event())
         model(ms.Tensor(np.ones((2, 8), np.float32)))
         model(ms.Tensor(np.ones((2, 8), np.float32)))
     assert order == ["wait"] and mode.get_comm_counts()["all_gather"] == 6
     with pytest.raises(TypeError, match="an event with wait"):
-        model.set_post_optimizer_event(3)
+        model.set_post_optim_event(3)
 
 
 def test_input_cast_keeps_the_containers_types():

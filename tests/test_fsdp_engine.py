@@ -297,8 +297,37 @@ def test_gradient_divide_factor_scales_pynative_and_compiled_gradients_2_ranks()
             model, got = grads(divide, mode)
             for g, m in zip(got, mean):
                 np.testing.assert_allclose(g, factor * m, rtol=1e-6, atol=1e-7, err_msg=f"{divide} {mode}")
+    # force_sum_reduction_for_comms: sum collectives only (seen by a spy on comm), the same gradients
+    from hyper_parallel_ms import comm
+    ops_sent, plain = [], comm.reduce_scatter
+
+    def spy(*args, **kwargs):
+        ops_sent.append(kwargs["op"])
+        return plain(*args, **kwargs)
+    comm.reduce_scatter = spy
+    try:
+        for force, divide, factor in ((True, None, 1.0), (True, 4.0, 0.5), (False, None, 1.0)):
+            ms.set_seed(0)
+            forced = Net()
+            per_block(mesh)(forced)
+            for unit in _units(forced):
+                unit.set_force_sum_reduction_for_comms(force)
+                if divide is not None:
+                    unit.set_gradient_divide_factor(divide)
+            params = forced.trainable_params()
+            ops_sent.clear()
+            got = ms.value_and_grad(lambda v: loss_of(forced, v), None, params)(x)[1]
+            assert ops_sent and set(ops_sent) == {"sum" if force else "avg"}, (force, ops_sent)
+            for g, m in zip(got, mean):
+                np.testing.assert_allclose(g.asnumpy(), factor * m, rtol=1e-6, atol=1e-7, err_msg=f"{force} {divide}")
+    finally:
+        comm.reduce_scatter = plain
+    with pytest.raises(TypeError, match="takes a bool"):
+        forced.set_force_sum_reduction_for_comms(1)
     with pytest.raises(NotImplementedError, match="before the first compiled step"):
         model.set_gradient_divide_factor(2.0)                 # compiled with 4.0 built in
+    with pytest.raises(NotImplementedError, match="before the first compiled step"):
+        model.set_force_sum_reduction_for_comms(True)
     with pytest.raises(ValueError, match="positive number"):
         model.layers[0].set_gradient_divide_factor(0)
     with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):

@@ -16,7 +16,7 @@ def test_world_of_one_needs_no_communication():
     if ms.get_context("device_target") != "CPU":   # set_device fails once this process ran a kernel
         ms.set_device("CPU")
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    assert mesh.get_coordinate() == (0, 0) and mesh.size() == 1
+    assert mesh.get_coordinate() == [0, 0] and mesh.size() == 1
     assert mesh.get_group("tp") is None and mesh["tp"].shape == (1,)
     x = ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
     with CommDebugMode() as mode:
@@ -46,12 +46,12 @@ def test_mesh_4_ranks():
 
     r = _rank()
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    assert flat.get_coordinate() == (r,) and flat.get_local_rank() == r and flat.ndim == 1
+    assert flat.get_coordinate() == [r] and flat.get_local_rank() == r and flat.ndim == 1
     assert flat.comm_group(0).ranks == (0, 1, 2, 3) and flat.get_group("tp") == "mccl_world_group"
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = divmod(r, 2)
-    assert mesh.get_coordinate() == (dp, tp) and mesh.shape == (2, 2) and mesh.size() == 4
+    assert mesh.get_coordinate() == [dp, tp] and mesh.shape == (2, 2) and mesh.size() == 4
     assert mesh.get_local_rank("dp") == dp and mesh.get_local_rank("tp") == tp and mesh.size("tp") == 2
     assert mesh.comm_group("tp").ranks == (2 * dp, 2 * dp + 1)
     assert mesh.comm_group("dp").ranks == (tp, tp + 2)
@@ -59,7 +59,7 @@ def test_mesh_4_ranks():
     assert mesh.get_all_groups() == [f"hpms_{tp}_{tp + 2}", f"hpms_{2 * dp}_{2 * dp + 1}"]
     sub = mesh["tp"]
     assert sub.mesh.tolist() == [2 * dp, 2 * dp + 1] and sub.mesh_dim_names == ("tp",)
-    assert sub.get_coordinate() == (tp,) and sub.get_group() == mesh.get_group("tp")
+    assert sub.get_coordinate() == [tp] and sub.get_group() == mesh.get_group("tp")
     assert mesh["dp"].mesh.tolist() == [tp, tp + 2]
     assert mesh["dp", "tp"] == mesh and hash(mesh["dp", "tp"]) == hash(mesh)
     # groups are created once: a second mesh over the same ranks reuses the names
@@ -99,7 +99,7 @@ def test_mesh_3d_on_8_ranks():
     r = _rank()
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     coord = (r // 4, (r // 2) % 2, r % 2)
-    assert mesh.get_coordinate() == coord
+    assert mesh.get_coordinate() == list(coord) and mesh.coordinate == coord
     assert mesh["dp", "tp"].mesh.tolist() == [[4 * coord[0] + 2 * i + j for j in range(2)] for i in range(2)]
     assert mesh["pp", "tp"].comm_group("pp").ranks == (r % 4, r % 4 + 4)
     x = ms.Tensor(np.full((1,), float(r), np.float32))

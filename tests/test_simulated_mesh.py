@@ -77,13 +77,13 @@ def test_simulated_mesh_is_a_rank_of_a_simulated_cluster():
     for r in range(8):
         mesh = init_device_mesh("npu", (2, 4), mesh_dim_names=("dp", "tp"), simulate=(8, r))
         dp, tp = divmod(r, 4)
-        assert mesh.is_simulated and mesh.get_rank() == r and mesh.get_coordinate() == (dp, tp)
+        assert mesh.is_simulated and mesh.get_rank() == r and mesh.get_coordinate() == [dp, tp]
         assert mesh.device_target == "Ascend" and mesh.get_local_rank("tp") == tp
         assert mesh["tp"].rank_list == tuple(range(4 * dp, 4 * dp + 4)) and mesh["tp"].is_simulated
         assert mesh["dp"].rank_list == (tp, tp + 4) and mesh["dp"].get_rank() == r
         assert mesh.comm_group("tp").ranks == mesh["tp"].rank_list and mesh.comm_group("tp").rank == tp
         assert mesh.comm_group("dp").simulated and mesh.get_group("tp") is not None
-        assert mesh._flatten("all").get_coordinate() == (r,)
+        assert mesh._flatten("all").get_coordinate() == [r]
         assert f"simulated rank {r} of 8" in repr(mesh)
         seen.add(mesh)
     assert len(seen) == 8                   # the same ranks seen from different ranks are different meshes
@@ -173,7 +173,7 @@ def test_hsdp_and_default_meshes_take_the_simulated_world():
         assert spec.mesh.shape == (2, 4) and spec.mesh.get_rank() == r and spec.mesh.is_simulated
         assert tuple(a.weight.shape) == (6, 16)
         assert parameter_sharding(b.weight).spec.mesh.shape == (8,) and tuple(b.weight.shape) == (3, 16)
-        assert pp.is_simulated and pp.get_coordinate() == (r,) and pp.device_type == "npu"
+        assert pp.is_simulated and pp.get_coordinate() == [r] and pp.device_type == "npu"
 
 
 def _real_and_simulated():
@@ -209,10 +209,10 @@ def test_flattened_dims_are_reachable_from_the_root_mesh():
         pp = r // 4
         flat = mesh["dp", "tp"]._flatten("dp_tp")
         assert mesh["dp_tp"] is flat and flat.rank_list == tuple(range(4 * pp, 4 * pp + 4))
-        assert flat.get_coordinate() == (r % 4,)
+        assert flat.get_coordinate() == [r % 4]
         both = mesh["pp", "dp_tp"]
         assert both.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and both.mesh_dim_names == ("pp", "dp_tp")
-        assert both.get_coordinate() == (pp, r % 4) and both["dp_tp"].rank_list == flat.rank_list
+        assert both.get_coordinate() == [pp, r % 4] and both["dp_tp"].rank_list == flat.rank_list
         outer = mesh["pp", "tp"]._flatten("pp_tp")
         assert mesh["pp_tp"] is outer and outer.rank_list == tuple(x + (r % 4 // 2) * 2 for x in (0, 1, 4, 5))
         with pytest.raises(KeyError, match="must follow the mesh's order"):

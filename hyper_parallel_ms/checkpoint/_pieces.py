@@ -126,7 +126,7 @@ def _describe(key: str, value: Any, *, for_save: bool) -> TensorRef:
     if spec.layout.partial_dims():
         raise CheckpointError(f"tensor {key!r} has Partial placements {spec.layout}: reduce it (reduce_partial) "
                               "before saving")
-    coord = spec.mesh.get_coordinate()
+    coord = spec.mesh.coordinate
     if coord is None:
         raise CheckpointError(f"tensor {key!r}: this rank is not in its mesh {spec.mesh!r}")
     offsets = spec.layout.global_offset(spec.shape, coord)

@@ -127,7 +127,7 @@ def failed_coordinates(mesh, failed: bool) -> List[Tuple[int, ...]]:
     """
     flags = np.zeros(mesh.shape, np.float32)
     if failed:
-        flags[tuple(mesh.get_coordinate())] = 1.0
+        flags[tuple(mesh.coordinate)] = 1.0
     high, _ = extremes(flags.reshape(-1), mesh)
     high = high.reshape(mesh.shape)
     return [c for c in itertools.product(*(range(n) for n in mesh.shape)) if high[c] > 0]
@@ -155,7 +155,7 @@ def failure_messages(mesh, message: Optional[str], limit: int = 400) -> Dict[int
     codes = np.zeros((int(np.prod(mesh.shape)), limit), np.float32)
     if message is not None:
         data = np.frombuffer(message.encode("utf-8")[:limit], np.uint8)
-        codes[int(np.ravel_multi_index(tuple(mesh.get_coordinate()), mesh.shape)), :len(data)] = data
+        codes[int(np.ravel_multi_index(tuple(mesh.coordinate), mesh.shape)), :len(data)] = data
     high, _ = extremes(codes.reshape(-1), mesh)
     high = high.reshape(codes.shape).astype(np.uint8)
     return {r: bytes(high[r]).rstrip(b"\0").decode("utf-8", errors="replace") for r in failed}

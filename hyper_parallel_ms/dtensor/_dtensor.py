@@ -185,7 +185,7 @@ class DTensor(Tensor):
                 raise ValueError(f"from_local: stride {tuple(stride)} is not the contiguous stride "
                                  f"{tuple(_contiguous_strides(tuple(shape)))} of shape {tuple(shape)}; DTensors here "
                                  "are contiguous")
-        coord = device_mesh.get_coordinate()
+        coord = device_mesh.coordinate
         layout = to_layout(device_mesh, placements, local.ndim)
         local_shape = tuple(local.shape)
         if shape is None:
@@ -418,7 +418,7 @@ def mesh_and_placements(device_mesh, placements: Optional[Sequence], what: str):
     if mesh is None:
         raise ValueError(f"{what} got no device_mesh and no mesh is current: pass device_mesh=, or call it inside "
                          "`with mesh:`")
-    if mesh.get_coordinate() is None:
+    if mesh.coordinate is None:
         raise ValueError(f"{what}: rank {mesh.get_rank()} is not in {mesh!r}; call it on the mesh's ranks only "
                          "(a DTensor has no piece on other ranks here)")
     return mesh, (placements if placements is not None else [Replicate()] * mesh.ndim)

@@ -104,7 +104,7 @@ def full(size: Size, fill_value, *, dtype=None, layout=None, requires_grad: bool
     shape = _size(size)
     device_mesh, placements = mesh_and_placements(device_mesh, placements, "full")
     spec = DTensorSpec.build(device_mesh, placements, shape)
-    local = ops.full(spec.layout.local_shape(spec.shape, device_mesh.get_coordinate()), fill_value,
+    local = ops.full(spec.layout.local_shape(spec.shape, device_mesh.coordinate), fill_value,
                      dtype=ms.float32 if dtype is None else dtype)
     return DTensor(local, spec).requires_grad_(requires_grad)
 

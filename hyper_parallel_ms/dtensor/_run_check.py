@@ -45,11 +45,11 @@ def check_local_shapes(spec: DTensorSpec, local_shape: Tuple[int, ...], dtype) -
         if code != _dtype_code(dtype):
             other = _DTYPE_NAMES[code] if code < len(_DTYPE_NAMES) else "another dtype"
             raise ValueError(f"run_check: the rank at mesh coordinate {coord} holds a {other} local tensor, the "
-                             f"rank at {mesh.get_coordinate()} a {dtype} one: every piece needs one dtype")
+                             f"rank at {mesh.coordinate} a {dtype} one: every piece needs one dtype")
         got_local, got_global = tuple(table[coord][:ndim]), tuple(table[coord][ndim:2 * ndim])
         if got_global != spec.shape:
             raise ValueError(f"run_check: the rank at mesh coordinate {coord} sees global shape {got_global}, "
-                             f"the rank at {mesh.get_coordinate()} sees {spec.shape}")
+                             f"the rank at {mesh.coordinate} sees {spec.shape}")
         want = spec.layout.local_shape(spec.shape, coord)
         if got_local != want:
             raise ValueError(f"run_check: the rank at mesh coordinate {coord} holds a local tensor of shape "

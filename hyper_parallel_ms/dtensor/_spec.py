@@ -91,7 +91,7 @@ class DTensorSpec:
 
     def local_shape(self, coordinate: Optional[Tuple[int, ...]] = None) -> Tuple[int, ...]:
         """Shape of the piece held at ``coordinate`` (this rank's by default)."""
-        return self.layout.local_shape(self.shape, coordinate or self.mesh.get_coordinate())
+        return self.layout.local_shape(self.shape, coordinate or self.mesh.coordinate)
 
     def with_layout(self, layout: Layout) -> "DTensorSpec":
         return DTensorSpec(self.mesh, layout, self.shape)
@@ -100,7 +100,7 @@ class DTensorSpec:
         """This rank's piece (own storage) of ``full``, the whole tensor replicated on every rank
         (Partial dims: PyTorch's partition)."""
         replicated = Layout.replicated(self.mesh.shape, self.mesh.mesh_dim_names)
-        steps = lower(plan_redistribute(replicated, self.layout, self.shape), self.mesh.get_coordinate(), self.shape)
+        steps = lower(plan_redistribute(replicated, self.layout, self.shape), self.mesh.coordinate, self.shape)
         return execute(full, self.mesh, steps).copy()  # own storage: a view would alias ``full``
 
 

@@ -40,7 +40,7 @@ def _check_placements(param: DTensor, engine: str) -> None:
 
 def _sub_mesh(mesh: DeviceMesh, dims) -> np.ndarray:
     """The ranks of ``mesh`` along ``dims`` through this rank."""
-    coord = mesh.get_coordinate()
+    coord = mesh.coordinate
     return mesh.mesh[tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))]
 
 

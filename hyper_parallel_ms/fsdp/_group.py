@@ -114,11 +114,11 @@ class FSDPParamGroup:
         return reader
 
     def rescale(self) -> None:
-        """Give every backward of the group the scale of its :class:`SyncState` (after a change of
-        the divide factor; a compiled graph keeps the scale it was compiled with)."""
-        scale = self.sync.scale_for(self.mesh)
+        """Give every backward of the group the scale and reduce op of its :class:`SyncState` (after a
+        change of the divide factor or of force_sum; a compiled graph keeps those it was compiled with)."""
+        scale, op = self.sync.scale_for(self.mesh), self.sync.reduce_op
         for step in [self.gather] + self.readers:
-            step.grad_scale = scale
+            step.grad_scale, step.reduce_op = scale, op
 
     def clear(self) -> None:
         """Drop the gradients accumulated without sync or without the all-reduce over replicas."""
@@ -153,11 +153,12 @@ class _Reducing(nn.Cell):
         self.gather_dim = group.shard_dim if group.sharded else None
         self.param_dtype, self.reduce_dtype, self.grad_scale = (group.param_dtype, group.sync.reduce_dtype,
                                                                 group.sync.scale_for(group.mesh))
+        self.reduce_op = group.sync.reduce_op
         self.rows, self.start = rows, group.mesh.get_local_rank(group.shard_dim) * rows
 
     def _reduced(self, g, like):
         return reduce_gradient(cast_to(g, self.reduce_dtype), like, self.mesh, self.shard_dim, self.replicate_dim,
-                               self.grad_scale, self.reduce, self.rows, self.start)
+                               self.grad_scale, self.reduce, self.rows, self.start, self.reduce_op)
 
 
 class GroupGather(_Reducing):
@@ -215,7 +216,7 @@ class GroupGather(_Reducing):
         like = pieces[0]
         if self.replicate_dim is None or (sync.all_reduce and self.partial is None):
             return tuple(split(group.layout, sync.hooked(self._reduced(g, like))))
-        part = reduce_over_shard(g, self.mesh, self.shard_dim, self.reduce, self.rows, self.start)
+        part = reduce_over_shard(g, self.mesh, self.shard_dim, self.reduce, self.rows, self.start, self.reduce_op)
         if self.partial is not None:
             part = self.partial + part
         if not sync.all_reduce:
@@ -223,7 +224,7 @@ class GroupGather(_Reducing):
             return tuple(ops.zeros_like(p) for p in pieces)
         self.partial = None
         return tuple(split(group.layout, sync.hooked(reduce_over_replicas(part, like, self.mesh, self.replicate_dim,
-                                                                          self.grad_scale))))
+                                                                          self.grad_scale, self.reduce_op))))
 
 
 class ParamGather(_Reducing):

@@ -62,7 +62,7 @@ def join_meshes(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
                          f"not form one regular mesh (each rank in one data-parallel group and one tensor-parallel "
                          f"group); {FSDP_X_TP} (hsdp(cell) finds mesh['dp'] itself)")
     root = DeviceMesh(dp.device_type, ranks, mesh_dim_names=names, _world=world)
-    coord = root.get_coordinate()
+    coord = root.coordinate
     if not (np.array_equal(root.mesh[coord[:dp.ndim]], tp_ranks)
             and np.array_equal(root.mesh[(slice(None),) * dp.ndim + coord[dp.ndim:]], dp_ranks)):
         raise ValueError(f"meshes {dp!r} and {tp!r} do not slice one regular mesh; {FSDP_X_TP} (hsdp(cell) finds mesh['dp'] itself)")
@@ -119,7 +119,7 @@ def post_forward_mesh(mesh: DeviceMesh, k: int) -> DeviceMesh:
     n = mesh.size(shard_dim)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1 or n % k:
         raise ValueError(f"reshard_after_forward={k!r} must divide the {n} ranks of the shard dim of {mesh!r}")
-    coord = mesh.get_coordinate()
+    coord = mesh.coordinate
     line = mesh.mesh[tuple(slice(None) if d == shard_dim else coord[d] for d in range(mesh.ndim))]
     return DeviceMesh(mesh.device_type, line.reshape(n // k, k), mesh_dim_names=("dp_post_outer", "dp_post"),
                       _world=mesh_world(mesh))

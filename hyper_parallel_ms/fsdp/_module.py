@@ -108,6 +108,26 @@ class FSDPModule:
         for group in state.groups:
             group.rescale()
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2's: reduce this unit's gradients with sum collectives only, the division by the
+        divide factor (default: the number of data-parallel ranks) applied after them; ``False``
+        (the default) sends ``"avg"`` reductions. Set it before a graph gathering the unit is compiled.
+
+        Example::
+
+            model.set_force_sum_reduction_for_comms(True)
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+        state = self.__dict__[STATE]
+        if state.compiled:
+            raise NotImplementedError(
+                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE with its reduce op built in: set "
+                "force_sum_reduction_for_comms before the first compiled step")
+        state.sync.force_sum = enable
+        for group in state.groups:
+            group.rescale()
+
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's earlier name of :meth:`set_gradient_divide_factor` (deprecated there too)."""
         warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
@@ -145,7 +165,7 @@ class FSDPModule:
                 "hook; apply it to the gradients the compiled step returns")
         state.sync.all_reduce_hook = hook
 
-    def set_post_optimizer_event(self, event: Any) -> None:
+    def set_post_optim_event(self, event: Any) -> None:
         """FSDP2's: an event recorded after the optimizer step (``mindspore.runtime.Event`` on Ascend),
         waited on once before this unit's next forward gathers (then dropped), so the gathers read
         the updated pieces. Without one, the gathers run after the optimizer's kernels in the order
@@ -157,12 +177,12 @@ class FSDPModule:
         Example::
 
             event = ms.runtime.Event(); event.record()
-            model.set_post_optimizer_event(event)
+            model.set_post_optim_event(event)
         """
         if not callable(getattr(event, "wait", None)):
-            raise TypeError(f"set_post_optimizer_event takes an event with wait() (mindspore.runtime.Event), got "
+            raise TypeError(f"set_post_optim_event takes an event with wait() (mindspore.runtime.Event), got "
                             f"{type(event).__name__}")
-        self.__dict__[STATE].post_optimizer_event = event
+        self.__dict__[STATE].post_optim_event = event
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """FSDP2's hint that this unit's backward needs none of its gathered parameters (e.g. an

@@ -113,7 +113,7 @@ class FSDPState:
         self.saving: Optional[RegatherOnBackward] = None   # frees gathered values after the forward (if resharding)
         self.prefetched: Optional[list] = None   # gathered ahead by another unit's forward (forward prefetch)
         self.forward_prefetch: List["FSDPState"] = []     # units this one gathers ahead of their forward
-        self.post_optimizer_event: Any = None    # FSDP2's: waited on once before the next forward's gathers
+        self.post_optim_event: Any = None    # FSDP2's: waited on once before the next forward's gathers
         self.unshard_in_backward = True          # FSDP2's hint (set_unshard_in_backward): checked, see _reshard
         # called once, at the first forward, with whether no other unit's forward encloses it (the root)
         self.on_first_forward: Optional[Callable[["FSDPState", bool], None]] = None
@@ -305,8 +305,8 @@ class FSDPState:
             for cell in self.cells:
                 run_first_call_checks(cell)      # while the pieces are in place
             self.checked = True
-        if self.post_optimizer_event is not None:
-            event, self.post_optimizer_event = self.post_optimizer_event, None
+        if self.post_optim_event is not None:
+            event, self.post_optim_event = self.post_optim_event, None
             event.wait()
         self._round, self._round_mark = self._gather_for_forward(), _round_mark()
         for other in self.forward_prefetch:

@@ -36,10 +36,11 @@ def cast_to(x, dtype: Any):
     return x if dtype is None or x.dtype == dtype else x.astype(dtype)
 
 
-def reduce_over_shard(g, mesh, shard_dim: Optional[int], reduce: str, rows: int = 0, start: int = 0):
-    """A full (or flat) gradient reduced over the shard mesh dim to this rank's part, averaged:
-    ``"reduce_scatter"`` (dim 0), ``"all_reduce"`` (then this rank's ``rows`` rows from ``start``,
-    ZeRO-1) or ``"replicated"`` (all-reduce, the whole gradient); ``shard_dim`` ``None``: unchanged.
+def reduce_over_shard(g, mesh, shard_dim: Optional[int], reduce: str, rows: int = 0, start: int = 0,
+                      op: str = "avg"):
+    """A full (or flat) gradient reduced (``op``: ``"avg"`` or ``"sum"``) over the shard mesh dim to this
+    rank's part: ``"reduce_scatter"`` (dim 0), ``"all_reduce"`` (then this rank's ``rows`` rows from
+    ``start``, ZeRO-1) or ``"replicated"`` (all-reduce, the whole gradient); ``shard_dim`` ``None``: unchanged.
 
     Example::
 
@@ -48,29 +49,29 @@ def reduce_over_shard(g, mesh, shard_dim: Optional[int], reduce: str, rows: int 
     if shard_dim is None:
         return g
     if reduce == "reduce_scatter":
-        return comm.reduce_scatter(g, mesh, shard_dim, dim=0, op="avg")
+        return comm.reduce_scatter(g, mesh, shard_dim, dim=0, op=op)
     if reduce == "all_reduce":
-        return narrow(comm.all_reduce(g, mesh, shard_dim, op="avg"), 0, start, rows)
-    return comm.all_reduce(g, mesh, shard_dim, op="avg")
+        return narrow(comm.all_reduce(g, mesh, shard_dim, op=op), 0, start, rows)
+    return comm.all_reduce(g, mesh, shard_dim, op=op)
 
 
-def reduce_over_replicas(g, like, mesh, replicate_dim: Optional[int], grad_scale: float):
-    """This rank's part of a gradient (:func:`reduce_over_shard`) averaged over the HSDP replicate dim
-    (``None``: none), scaled by ``grad_scale`` and cast to ``like``'s dtype.
+def reduce_over_replicas(g, like, mesh, replicate_dim: Optional[int], grad_scale: float, op: str = "avg"):
+    """This rank's part of a gradient (:func:`reduce_over_shard`) reduced (``op``) over the HSDP replicate
+    dim (``None``: none), scaled by ``grad_scale`` and cast to ``like``'s dtype.
 
     Example::
 
         g = reduce_over_replicas(part, piece, mesh, 0, 1.0)
     """
     if replicate_dim is not None:
-        g = comm.all_reduce(g, mesh, replicate_dim, op="avg")
+        g = comm.all_reduce(g, mesh, replicate_dim, op=op)
     if grad_scale != 1.0:
         g = g * grad_scale
     return g if g.dtype == like.dtype else g.astype(like.dtype)     # (``is None`` on a dtype fails in graphs)
 
 
 def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Optional[int], grad_scale: float,
-                    reduce: str, rows: int = 0, start: int = 0):
+                    reduce: str, rows: int = 0, start: int = 0, op: str = "avg"):
     """A full (or flat) gradient reduced to this rank's part, as every backward of fully_shard does it,
     PyNative and compiled: :func:`reduce_over_shard`, then :func:`reduce_over_replicas`.
 
@@ -85,13 +86,14 @@ def reduce_gradient(g, like, mesh, shard_dim: Optional[int], replicate_dim: Opti
         rows: with ``"all_reduce"``, the rows of this rank's slot.
         start: with ``"all_reduce"``, its first row (a plain int: compiled code cannot compute it from
             the mesh).
+        op: ``"avg"`` (default) or ``"sum"`` (:attr:`SyncState.reduce_op`).
 
     Example::
 
         g = reduce_gradient(dout, piece, mesh, 0, None, 1.0, "reduce_scatter")
     """
-    g = reduce_over_shard(g, mesh, shard_dim, reduce, rows, start)
-    return reduce_over_replicas(g, like, mesh, replicate_dim, grad_scale)
+    g = reduce_over_shard(g, mesh, shard_dim, reduce, rows, start, op)
+    return reduce_over_replicas(g, like, mesh, replicate_dim, grad_scale, op)
 
 
 class SyncState:
@@ -112,6 +114,7 @@ class SyncState:
         self.reduce_dtype = reduce_dtype
         self.grad_scale = grad_scale
         self.divide_factor: Optional[float] = None      # FSDP2's gradient divide factor (None: the mesh size)
+        self.force_sum = False                          # FSDP2's force_sum_reduction_for_comms
         self.all_reduce_hook: Optional[Callable] = None  # FSDP2's: called on each reduced gradient (PyNative)
 
     def hooked(self, g):
@@ -125,9 +128,18 @@ class SyncState:
         out = self.all_reduce_hook(g)
         return g if out is None else out
 
+    @property
+    def reduce_op(self) -> str:
+        """The op every reduction of the unit sends: ``"avg"``, or ``"sum"`` with :attr:`force_sum`
+        (the division then comes from :meth:`scale_for`)."""
+        return "sum" if self.force_sum else "avg"
+
     def scale_for(self, mesh) -> float:
-        """The factor applied to gradients averaged over ``mesh``: ``grad_scale``, times
-        ``mesh.size() / divide_factor`` when a divide factor is set (sum over the ranks, divided by it)."""
+        """The factor applied to gradients reduced over ``mesh`` with :attr:`reduce_op`: ``grad_scale``,
+        divided by ``divide_factor`` (or the mesh size) after a sum, times ``mesh.size() / divide_factor``
+        after an average."""
+        if self.force_sum:
+            return self.grad_scale / (mesh.size() if self.divide_factor is None else self.divide_factor)
         if self.divide_factor is None:
             return self.grad_scale
         return self.grad_scale * mesh.size() / self.divide_factor

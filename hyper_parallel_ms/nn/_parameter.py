@@ -198,7 +198,7 @@ class ParameterPlacement:
 
     def piece(self, global_shape: Sequence[int]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """(offset, shape) of this rank's piece of a parameter of ``global_shape``."""
-        layout, coordinate = to_layout(self.mesh, self.placements, len(global_shape)), self.mesh.get_coordinate()
+        layout, coordinate = to_layout(self.mesh, self.placements, len(global_shape)), self.mesh.coordinate
         return tuple(layout.global_offset(global_shape, coordinate)), tuple(layout.local_shape(global_shape, coordinate))
 
     def empty_piece(self, global_shape: Sequence[int]) -> Optional[Tuple[int, ...]]:

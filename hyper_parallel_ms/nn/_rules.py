@@ -46,7 +46,7 @@ def check_mesh(mesh, what: str, ndim: Optional[int] = None) -> DeviceMesh:
     if ndim is not None and mesh.ndim != ndim:
         raise ValueError(f"{what} needs a {ndim}-D mesh (e.g. mesh['tp']), got a {mesh.ndim}-D mesh of shape "
                          f"{mesh.shape}")
-    if mesh.get_coordinate() is None:
+    if mesh.coordinate is None:
         raise ValueError(f"this rank ({mesh.get_rank()}) is not in {mesh!r}")
     return mesh
 

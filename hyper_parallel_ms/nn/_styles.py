@@ -267,7 +267,7 @@ class SequenceParallel(ParallelStyle):
             check_dropout_seeded(cell, f"SequenceParallel on {where}")
             edit.swap_class = sharded_dropout_class(type(cell))
             edit.attributes.update(hpms_dropout_dim=self.sequence_dim, hpms_dropout_parts=mesh.size(0),
-                                   hpms_dropout_index=mesh.get_coordinate()[0])
+                                   hpms_dropout_index=mesh.coordinate[0])
         else:
             inner = dropouts_inside(cell)
             if inner:

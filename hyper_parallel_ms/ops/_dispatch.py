@@ -223,7 +223,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     if failed:
         decision.verified = False   # the failed ranks did not verify it: every rank checks it again next time
         raise RuntimeError(f"{name} failed on the ranks at mesh coordinates {failed} (their errors name the "
-                           f"cause); this rank ({mesh.get_coordinate()}) raises too, so that no rank waits in a "
+                           f"cause); this rank ({mesh.coordinate}) raises too, so that no rank waits in a "
                            "collective the failed ones never reach")
     return result
 
@@ -278,7 +278,7 @@ def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Deci
         need = d.layout if need is None or need == d.layout else need  # same object: cheap check per call
         needs.append(need)
         cells.append(_gradient_sum_cell(mesh, need, d.shape, split_axes))
-    coord = mesh.get_coordinate()
+    coord = mesh.coordinate
     specs = tuple(DTensorSpec(mesh, layout, shape) for layout, shape in sharding.outputs)
     overrides = None if sharding.local_args is None else tuple(sharding.local_args(coord))
     passthrough = not sharding.inplace and overrides is None and all(

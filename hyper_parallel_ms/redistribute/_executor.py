@@ -102,7 +102,7 @@ def execute(x, mesh, steps: Tuple[LocalStep, ...]):
 
     Example::
 
-        steps = lower(plan_redistribute(src, dst, shape), mesh.get_coordinate(), shape)
+        steps = lower(plan_redistribute(src, dst, shape), mesh.coordinate, shape)
         y = execute(x, mesh, steps)
     """
     for step in steps:
@@ -191,7 +191,7 @@ def redistribution(mesh, src: Layout, dst: Layout, shape: Tuple[int, ...],
 
         y = redistribution(mesh, Layout((2,), (Shard(0),)), Layout((2,), (Replicate(),)), (4, 3))(x)
     """
-    forward, backward, scaling = lowered_steps(src, dst, shape, mesh.get_coordinate(), grad_src)
+    forward, backward, scaling = lowered_steps(src, dst, shape, mesh.coordinate, grad_src)
     reduced = tuple(AllReduce(a, p.reduce_op) for a, (p, q) in enumerate(zip(src.placements, dst.placements))
                     if p.is_partial() and p.reduce_op in ("max", "min") and q != p)
     if not reduced:

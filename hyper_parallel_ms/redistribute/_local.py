@@ -91,7 +91,7 @@ def plan_global_shape(plan_id: int, local_shape: Tuple[int, ...], where: str = "
         known.add(dim % ndim)
     shape = tuple(shape)
     at = f" in {where}" if where else ""
-    expected = src.local_shape(shape, mesh.get_coordinate())
+    expected = src.local_shape(shape, mesh.coordinate)
     if expected != tuple(local_shape):
         raise ValueError(f"the conversion{at} from {src.placements} met a local piece of shape {tuple(local_shape)}; "
                          f"this rank's piece of the global shape {shape} is {expected}")
