@@ -99,12 +99,17 @@ class FSDPModule:
         the sum). Set it before a graph gathering the unit is compiled."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor takes a positive number, got {factor!r}")
+        self._set_reduction_scaling("divide_factor", float(factor), "its divide factor", "the factor")
+
+    def _set_reduction_scaling(self, field: str, value: Any, built_in: str, what: str) -> None:
+        """Set ``SyncState.<field>`` of this unit and give its backward steps the new scale and reduce op;
+        refused once a compiled graph holds the unit (``built_in``, ``what``: the error's words)."""
         state = self.__dict__[STATE]
         if state.compiled:
             raise NotImplementedError(
-                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE with its divide factor built in: set "
-                "the factor before the first compiled step")
-        state.sync.divide_factor = float(factor)
+                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE with {built_in} built in: set "
+                f"{what} before the first compiled step")
+        setattr(state.sync, field, value)
         for group in state.groups:
             group.rescale()
 
@@ -119,14 +124,7 @@ class FSDPModule:
         """
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
-        state = self.__dict__[STATE]
-        if state.compiled:
-            raise NotImplementedError(
-                f"{type(self).__name__} was compiled by ms.jit / GRAPH_MODE with its reduce op built in: set "
-                "force_sum_reduction_for_comms before the first compiled step")
-        state.sync.force_sum = enable
-        for group in state.groups:
-            group.rescale()
+        self._set_reduction_scaling("force_sum", enable, "its reduce op", "force_sum_reduction_for_comms")
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's earlier name of :meth:`set_gradient_divide_factor` (deprecated there too)."""
