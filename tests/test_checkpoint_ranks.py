@@ -139,13 +139,16 @@ def test_save_on_each_layout_load_on_every_other_bit_exact():
             if layout == "fsdp":                                        # files written in the background
                 meta = dcp.async_save(state, checkpoint_id=os.path.join(base, layout)).result()
             else:
-                meta = dcp.save(state, checkpoint_id=os.path.join(base, layout))
+                meta = dcp.save(state, checkpoint_id=os.path.join(base, layout),
+                                save_to_minimum_rank=layout == "single")
             chunks = len(meta.tensors["model.up.weight"].chunks)
             assert chunks == {"single": 1, "tp2": 2, "tp4": 4, "dp2xtp2_fsdp": 4, "fsdp": 4,
                               "dtensor": 4, "fully_shard_x_tp": 4}[layout], (layout, chunks)
             files = sorted(os.listdir(os.path.join(base, layout)))
             if layout == "single":                                       # replicas written once, by rank 0
                 assert files == ["metadata.json", "rank_0.safetensors"], files
+            if layout == "tp2":                      # the default spreads the replicas' writes over their holders
+                assert files == ["metadata.json"] + [f"rank_{r}.safetensors" for r in range(WORLD)], files
         for i, saved in enumerate(LAYOUTS):
             for target in LAYOUTS:
                 model, _ = build(target, seed=100)

@@ -114,7 +114,9 @@ def test_deferred_values_equal_eager_in_creation_order():
     empty, empty_state = _built(Orders, init_empty_weights)
     assert empty.p.has_init and empty.a.weight.has_init
     np.testing.assert_array_equal(empty_state, eager_state)
-    _assert_equal_params(init_parameters(empty), eager)
+    _assert_equal_params(init_parameters(empty, stage_index=1), eager)     # HyperParallel's stage index: checked
+    with pytest.raises(ValueError, match="stage_index must be a non-negative int"):
+        init_parameters(empty, stage_index=-1)
 
 
 def _no_share() -> Orders:

@@ -1,6 +1,6 @@
 """hsdp (HyperParallel's signature) against the single-device model: optimizer levels 1/2/3
 on 2 and 4 ranks, shard_size 2 on 4 ranks, threshold (and its warning), gradient accumulation
-with set_requires_grad_sync, one collective per bucket with comm_fusion, and hsdp after
+with set_requires_grad_sync, set_reduce_op_type, one collective per bucket with comm_fusion, and hsdp after
 parallelize_module (FSDP x TP: the data-parallel ranks found from the tp mesh)."""
 from __future__ import annotations
 
@@ -59,6 +59,25 @@ def test_hsdp_levels_fusion_and_threshold_2_ranks():
     compare(lambda m: _hsdp_per_block(m, threshold=0, optimizer_level="level3", comm_fusion=True, bucket_size=2),
             rank, 2, loss_mesh=mesh, counts=counts, steps=2, make_model=lambda: Net(dim=16, hidden=24), dim=16)
     assert counts == [{"all_gather": 10, "reduce_scatter": 5}] * 2, counts
+    # HyperParallel's set_requires_grad_sync(False) without enable_grad_accumulation: accumulated locally,
+    # reduced once on the last micro-step
+    counts = []
+    compare(lambda m: _hsdp_per_block(m, threshold=0, optimizer_level="level2", comm_fusion=True), rank, 2,
+            loss_mesh=mesh, counts=counts, train=accumulate_4("set_requires_grad_sync"), steps=2, rows=16)
+    assert counts == [{"all_gather": 12, "reduce_scatter": 3}] * 2, counts
+
+    # set_reduce_op_type("sum"): the gradients summed over the 2 ranks (twice the mean)
+    def summed(model):
+        _hsdp_per_block(model, threshold=0, optimizer_level="level2", comm_fusion=True)
+        for cell in list(model.layers) + [model]:
+            cell.set_reduce_op_type("sum")
+
+    def halved(model, step, x):
+        loss, grads = step(x)
+        return loss, tuple(g / 2 for g in grads)
+    compare(summed, rank, 2, loss_mesh=mesh, train=halved, steps=2)
+    with pytest.raises(ValueError, match="Unsupported reduce op type 'max'"):
+        hsdp(Net(), threshold=0).set_reduce_op_type("max")
 
 
 @multi_rank(4)

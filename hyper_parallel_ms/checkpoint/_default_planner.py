@@ -91,7 +91,7 @@ class DefaultSavePlanner:
                 for ref in self.tensors.values()]
 
     def create_global_plan(self, plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = True,
-                           save_to_minimum_rank: bool = True) -> List[List[Piece]]:
+                           save_to_minimum_rank: bool = False) -> List[List[Piece]]:
         """For each rank, the pieces it writes (see :func:`~._planner.plan_writes`)."""
         return plan_writes(plans, remove_redundancy=remove_redundancy, save_to_minimum_rank=save_to_minimum_rank)
 

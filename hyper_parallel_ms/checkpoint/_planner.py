@@ -71,7 +71,7 @@ def chunk_key(key: str, offsets: Sequence[int]) -> str:
 
 
 def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = True,
-                save_to_minimum_rank: bool = True) -> List[List[Piece]]:
+                save_to_minimum_rank: bool = False) -> List[List[Piece]]:
     """For each rank, the pieces it writes. With ``remove_redundancy`` each distinct box is
     written once: by the lowest rank holding it (``save_to_minimum_rank``) or by the holder
     with the fewest elements to write so far (spreads the writes). Empty boxes are skipped.

@@ -29,7 +29,7 @@ __all__ = ["save", "async_save", "AsyncSave"]
 def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
          storage_writer: Optional[StorageWriter] = None, planner: Optional[DefaultSavePlanner] = None,
          no_dist: bool = False, use_collectives: bool = True, remove_redundancy: bool = True,
-         save_to_minimum_rank: bool = True) -> Metadata:
+         save_to_minimum_rank: bool = False) -> Metadata:
     """Save a state dict of pieces (PyTorch DCP's ``save``, HyperParallel's arguments).
 
     Every rank writes only pieces it holds; a piece held by several ranks (replicas) is
@@ -60,8 +60,8 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
             ``False`` each rank writes its pieces and a rank-local ``metadata_rank_K.json``
             (each rank's part is atomic; replicas are written by every holder).
         remove_redundancy: write each replicated piece once.
-        save_to_minimum_rank: the lowest holder writes a replicated piece (else the least
-            loaded holder).
+        save_to_minimum_rank: the lowest holder writes a replicated piece; ``False`` (the
+            default, HyperParallel's and PyTorch's) the holder with the fewest elements to write.
 
     Returns:
         The :class:`Metadata` of this checkpoint (on ranks not coordinating: this rank's part).
@@ -185,7 +185,7 @@ class AsyncSave:
 
 def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
                storage_writer: Optional[StorageWriter] = None, planner: Optional[DefaultSavePlanner] = None,
-               no_dist: bool = False, remove_redundancy: bool = True, save_to_minimum_rank: bool = True) -> AsyncSave:
+               no_dist: bool = False, remove_redundancy: bool = True, save_to_minimum_rank: bool = False) -> AsyncSave:
     """:func:`save` whose file writing overlaps the caller's next steps. The pieces are
     copied to host memory before it returns (the state may change afterwards); call
     ``.result()`` on every rank to commit (the checkpoint is not visible before).

@@ -160,10 +160,10 @@ class DTensor(Tensor):
 
     # ------------------------------------------------------------- creation
     @staticmethod
-    def from_local(local: Tensor, device_mesh=None, placements: Optional[Sequence] = None, *,
+    def from_local(local_tensor: Tensor, device_mesh=None, placements: Optional[Sequence] = None, *,
                    run_check: bool = False, shape: Optional[Sequence[int]] = None,
                    stride: Optional[Sequence[int]] = None) -> "DTensor":
-        """Wrap this rank's ``local`` piece. Without ``shape``, every sharded dim is assumed
+        """Wrap this rank's piece ``local_tensor``. Without ``shape``, every sharded dim is assumed
         even (global = local x shards, as in PyTorch); give ``shape`` for uneven pieces
         (``stride``, PyTorch's companion of ``shape``, must be the contiguous strides of ``shape``).
         ``run_check`` all-gathers the local shapes and dtypes and checks them against the layout,
@@ -175,8 +175,8 @@ class DTensor(Tensor):
 
             dt = DTensor.from_local(piece, mesh, [Shard(0)], shape=(5, 3))   # 5 rows on 4 ranks
         """
-        if not isinstance(local, Tensor) or isinstance(local, DTensor):
-            raise TypeError(f"from_local needs a plain mindspore Tensor, got {type(local).__name__}")
+        if not isinstance(local_tensor, Tensor) or isinstance(local_tensor, DTensor):
+            raise TypeError(f"from_local needs a plain mindspore Tensor, got {type(local_tensor).__name__}")
         device_mesh, placements = mesh_and_placements(device_mesh, placements, "from_local")
         if stride is not None:
             if shape is None:
@@ -186,23 +186,23 @@ class DTensor(Tensor):
                                  f"{tuple(_contiguous_strides(tuple(shape)))} of shape {tuple(shape)}; DTensors here "
                                  "are contiguous")
         coord = device_mesh.coordinate
-        layout = to_layout(device_mesh, placements, local.ndim)
-        local_shape = tuple(local.shape)
+        layout = to_layout(device_mesh, placements, local_tensor.ndim)
+        local_shape = tuple(local_tensor.shape)
         if shape is None:
             shape = layout.even_global_shape(local_shape)
         else:
             shape = tuple(shape)
-            if len(shape) != local.ndim:
-                raise ValueError(f"shape {shape} has {len(shape)} dims but the local tensor has {local.ndim}")
+            if len(shape) != local_tensor.ndim:
+                raise ValueError(f"shape {shape} has {len(shape)} dims but the local tensor has {local_tensor.ndim}")
             expected = layout.local_shape(shape, coord)
             if expected != local_shape and not run_check:      # run_check: every rank raises below
                 raise ValueError(f"local tensor of shape {local_shape} does not fit global shape {shape} with "
                                  f"placements {layout}: rank at mesh coordinate {coord} should hold {expected}")
         spec = DTensorSpec(device_mesh, layout, shape)
         if run_check:
-            check_local_shapes(spec, local_shape, local.dtype)
-            check_replicas_equal(spec, local)
-        return DTensor(local, spec)
+            check_local_shapes(spec, local_shape, local_tensor.dtype)
+            check_replicas_equal(spec, local_tensor)
+        return DTensor(local_tensor, spec)
 
     # ----------------------------------------------------------- properties
     @property

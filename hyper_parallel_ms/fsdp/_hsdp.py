@@ -56,12 +56,26 @@ class HSDPCell(FSDPModule):
     """
 
     def set_requires_grad_sync(self, requires_grad_sync: bool) -> None:
-        """``False``: backward passes accumulate locally, without communication, until ``True``."""
+        """``False``: backward passes accumulate locally, without communication, until ``True``
+        (whatever ``enable_grad_accumulation``, as HyperParallel's current releases accept it)."""
         if not isinstance(requires_grad_sync, bool):
             raise ValueError(f"requires_grad_sync must be bool but got {requires_grad_sync!r}")
-        if not requires_grad_sync and not self.__dict__["_hpms_hsdp_accumulation"]:
-            raise ValueError("set_requires_grad_sync(False) needs hsdp(..., enable_grad_accumulation=True)")
         self.set_requires_gradient_sync(requires_grad_sync)
+
+    def set_reduce_op_type(self, reduce_op_type: str) -> None:
+        """HyperParallel's: ``"avg"`` (the default) averages the reduced gradients over the data-parallel
+        ranks, ``"sum"`` sums them (:meth:`FSDPModule.set_gradient_divide_factor` with ``1.0``). Set it
+        before a graph gathering the Cell is compiled.
+
+        Example::
+
+            model.set_reduce_op_type("sum")
+        """
+        ops = {"avg": None, "sum": 1.0}
+        if not isinstance(reduce_op_type, str) or reduce_op_type.lower().strip() not in ops:
+            raise ValueError(f"Unsupported reduce op type {reduce_op_type!r}, supported types are {sorted(ops)}")
+        self._set_reduction_scaling("divide_factor", ops[reduce_op_type.lower().strip()], "its reduce op",
+                                    "the reduce op type")
 
     def zero_grads(self) -> None:
         """Drop gradients accumulated without sync."""
@@ -162,7 +176,8 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
             ``UserWarning`` names them (0: shard everything).
         optimizer_level: ``"level1"`` (all-reduce the gradient, keep this rank's slot), ``"level2"`` or
             ``"level3"`` (reduce-scatter); every level holds pieces between steps.
-        enable_grad_accumulation: allow ``set_requires_grad_sync(False)`` (local accumulation).
+        enable_grad_accumulation: HyperParallel's switch for ``set_requires_grad_sync(False)``; accepted (a
+            bool): that call accumulates locally either way.
         use_eager_hook: HyperParallel's choice of PyNative hooks or graph hooks; accepted (a bool or
             ``None``): this engine uses its PyNative hooks in PyNative and gathers in the graph when
             compiled, whatever it says.
@@ -209,7 +224,6 @@ def hsdp(cell: nn.Cell, shard_size: int = -1, threshold: int = 64, optimizer_lev
                reduce=_LEVELS[optimizer_level], grad_scale=grad_scale, reduce_dtype=reduce_dtype,
                mixin=HSDPCell, prefix="HSDP", engine="hsdp",
                dtensor_mesh=lambda param: replicated_dp_mesh(param, shard_size, f"hsdp({name})"))
-    object.__setattr__(cell, "_hpms_hsdp_accumulation", enable_grad_accumulation)
     _warn_replicated(cell, name, threshold)
     return cell
 

@@ -42,7 +42,7 @@ def _distinct(module: nn.Cell) -> List[Parameter]:
     return params
 
 
-def init_parameters(module: nn.Cell) -> nn.Cell:
+def init_parameters(module: nn.Cell, stage_index: int = 0) -> nn.Cell:
     """Give every deferred parameter of ``module`` its eager value (built under
     ``hyper_parallel_ms.no_init_parameters()``), or, built under MindSpore's own context, the
     value ``module.init_parameters_data()`` gives it on one device (attribute order, one
@@ -51,6 +51,9 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
 
     Args:
         module: the Cell built under ``mindspore.nn.utils.no_init_parameters`` and sharded.
+        stage_index: HyperParallel's pipeline stage of ``module`` (a non-negative int). A recorded
+            parameter replays its own place in the random stream, so a stage's parameters get the
+            values of the whole model built eagerly whatever the stage; the index is checked only.
 
     Example::
 
@@ -58,6 +61,8 @@ def init_parameters(module: nn.Cell) -> nn.Cell:
     """
     if not isinstance(module, nn.Cell):
         raise TypeError(f"init_parameters needs an nn.Cell, got {type(module).__name__}")
+    if isinstance(stage_index, bool) or not isinstance(stage_index, int) or stage_index < 0:
+        raise ValueError(f"init_parameters: stage_index must be a non-negative int, got {stage_index!r}")
     params = _distinct(module)
     records = [fsdp_param(p) for p in params]
     records = [r if r is not None and r.deferred is not None else None for r in records]
