@@ -243,7 +243,8 @@ class DeviceMesh:
             return self._flattened[names]
         wanted = (names,) if isinstance(names, str) else tuple(names)
         if not self._names:
-            raise KeyError("cannot slice a mesh without mesh_dim_names")
+            raise RuntimeError("Cannot slice a DeviceMesh without mesh_dim_names: build it with "
+                               "init_device_mesh(..., mesh_dim_names=(...)) to slice it by name")
         if not wanted:
             raise KeyError("give at least one mesh dim name")
         groups = []

@@ -81,6 +81,7 @@ def test_mesh_4_ranks():
         (lambda: init_device_mesh("cpu", (2, -2)), ValueError, "positive ints"),
         (lambda: mesh["pp"], KeyError, "'pp' not found"),
         (lambda: mesh["tp", "dp"], KeyError, "must follow the mesh's order"),
+        (lambda: init_device_mesh("cpu", (4,))["dp"], RuntimeError, "without mesh_dim_names"),     # PyTorch's
         (lambda: mesh.get_local_rank(), ValueError, "needs mesh_dim"),
         (lambda: mesh.comm_group(2), IndexError, "out of range"),
         (lambda: DeviceMesh("cpu", [0, 1, 1, 2]), ValueError, "more than once"),
