@@ -108,6 +108,33 @@ def test_plain_inputs_are_local_pieces_and_local_outputs_are_not_cut_again(root_
     np.testing.assert_allclose(out.asnumpy(), want, rtol=1e-5, atol=1e-5)
 
 
+class KeywordNet(nn.Cell):
+    """HyperParallel's input-plan example: positional and keyword arguments."""
+
+    def construct(self, x, y, z, scale=None):
+        out = (x + y) * z
+        return out if scale is None else out * scale
+
+
+@multi_rank(4)
+def test_input_plan_by_argument_name_reaches_keyword_arguments():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rng = np.random.default_rng(6)
+    x, y, z, scale = (rng.standard_normal((4, 4)).astype(np.float32) for _ in range(4))
+    net = shard_module(KeywordNet(), mesh, ShardingPlan(
+        input_plan={"input": {"x": (S0, S1), "z": (S0, S1), "scale": (S0, S1)}}))   # y: as given
+
+    def whole(a):
+        return distribute_tensor(ms.Tensor(a), mesh, (R, R))
+    out = net(whole(x), whole(y), z=whole(z), scale=whole(scale))
+    assert isinstance(out, DTensor) and out.placements == (S0, S1), out.placements
+    np.testing.assert_allclose(out.full_tensor().asnumpy(), (x + y) * z * scale, rtol=1e-6)
+    out = net(whole(x), whole(y), whole(z))                   # z given positionally: converted by its name
+    assert out.placements == (S0, S1) and np.allclose(out.full_tensor().asnumpy(), (x + y) * z)
+    with pytest.raises(ValueError, match=r"'w' is not an argument of KeywordNet.construct"):
+        shard_module(KeywordNet(), mesh, ShardingPlan(input_plan={"input": {"w": (R, R)}}))
+
+
 @multi_rank(2)
 def test_seed_example_on_1d_mesh_with_alias_layouts_and_training():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

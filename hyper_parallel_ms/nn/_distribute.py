@@ -145,9 +145,10 @@ class ShardingPlan:
         plan: parameter names (dotted, ``fnmatch`` wildcards per segment as in
             ``parallelize_module``: ``"layers.*.weight"``) -> placements or alias layouts.
         input_plan: ``"input"`` (the Cell itself) or ``"<path>.input"`` -> the placements of the
-            first tensor input (or a tuple of them, one per position, ``None`` to skip): a
-            DTensor is redistributed to them, a plain Tensor is read as this rank's local piece
-            in them (``DTensor.from_local``, as in PyTorch: e.g. each rank feeds its own batch rows).
+            first tensor input (or a tuple of them, one per position, ``None`` to skip; or a dict
+            naming ``construct``'s arguments, HyperParallel's form, which reaches keyword arguments
+            too): a DTensor is redistributed to them, a plain Tensor is read as this rank's local
+            piece in them (``DTensor.from_local``, as in PyTorch: e.g. each rank feeds its own batch rows).
         output_plan: ``"output"`` or ``"<path>.output"`` -> placements, as ``input_plan``.
         return_local_tensor: Cell paths (``""``: the Cell itself) whose outputs become local
             tensors after their output plan.
@@ -175,6 +176,30 @@ def _positions(value, key: str, mesh) -> Tuple[Optional[tuple], ...]:
         if e is not None and all(isinstance(p, Placement) for p in e) and len(e) != mesh.ndim:
             raise ValueError(f"plan entry '{key}': {len(e)} placements for the {mesh.ndim}-D mesh {mesh.shape}")
     return entries
+
+
+def _named_positions(value: dict, key: str, mesh, cell: nn.Cell) -> Tuple[Dict[str, Optional[tuple]], Tuple[str, ...]]:
+    """A dict input plan (``construct``'s argument names -> placements or ``None``) checked against
+    ``cell``: (the plan, the names of ``construct``'s positional arguments in order)."""
+    parameters = inspect.signature(cell.construct).parameters
+    names = [n for n, q in parameters.items() if q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    takes_any = any(q.kind == q.VAR_KEYWORD for q in parameters.values())
+    named = {}
+    for name, placements in value.items():
+        if not isinstance(name, str) or (name not in names and not takes_any):
+            raise ValueError(f"input_plan '{key}': {name!r} is not an argument of {type(cell).__name__}.construct; "
+                             f"its arguments are {names}")
+        named[name] = None if placements is None else _positions(placements, f"{key}[{name!r}]", mesh)[0]
+    positional = tuple(n for n, q in parameters.items() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD))
+    return named, positional
+
+
+def _input_entries(value, key: str, mesh, cell: nn.Cell) -> tuple:
+    """(per-position entries or ``None``, per-name entries or ``None``, positional argument names)."""
+    if isinstance(value, dict):
+        named, positional = _named_positions(value, key, mesh, cell)
+        return None, named, positional
+    return _positions(value, key, mesh), None, ()
 
 
 def _convert(x, mesh, placements):
@@ -238,7 +263,10 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
                 raise ValueError(f"plan['{key}']: a parameter cannot be Partial, got {placements}")
             new_params[n] = placements
     _tie_planned(params, new_params, device_mesh)
-    inputs = {_cell_for(k, "input", cells): _positions(v, k, device_mesh) for k, v in sharding_plan.input_plan.items()}
+    inputs = {}
+    for k, v in sharding_plan.input_plan.items():
+        path = _cell_for(k, "input", cells)
+        inputs[path] = _input_entries(v, k, device_mesh, cells[path])
     outputs = {_cell_for(k, "output", cells): _positions(v, k, device_mesh)
                for k, v in sharding_plan.output_plan.items()}
     local = []
@@ -315,8 +343,9 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
         edits[n.rpartition(".")[0]].parameters[name] = ParameterPlacement(device_mesh, placements, as_dtensor=True)
     edits[""].replicate_rest = device_mesh
     for path in set(inputs) | set(outputs) | set(local):
-        _add_plan_step(edits[path], _PlanStep(path.count(".") + 1 if path else 0, device_mesh, inputs.get(path),
-                                              outputs.get(path), path in local))
+        by_position, by_name, names = inputs.get(path, (None, None, ()))
+        _add_plan_step(edits[path], _PlanStep(path.count(".") + 1 if path else 0, device_mesh, by_position,
+                                              outputs.get(path), path in local, by_name, names))
     apply_edits(list(edits.values()) + _marked_edits(model), "shard_module", model)
     return model
 
@@ -334,6 +363,8 @@ class _PlanStep:
     inputs: Optional[tuple]
     outputs: Optional[tuple]
     local: bool
+    named_inputs: Optional[Dict[str, Optional[tuple]]] = None    # a dict input plan: argument name -> placements
+    input_names: Tuple[str, ...] = ()                             # construct's positional argument names
 
 
 def _add_plan_step(edit: ModuleEdit, step: _PlanStep) -> None:
@@ -349,6 +380,8 @@ def _add_plan_step(edit: ModuleEdit, step: _PlanStep) -> None:
     if not steps:
         edit.forward_pre_hooks.append(_run_input_steps)
         edit.forward_hooks.append(_run_output_steps)
+    if step.named_inputs is not None and all(s.named_inputs is None for s in steps):
+        edit.kwargs_pre_hooks.append(_run_named_input_steps)     # PyNative only, as keyword hooks are
 
 
 def _run_input_steps(cell, args):
@@ -356,6 +389,17 @@ def _run_input_steps(cell, args):
         if step.inputs is not None:
             args = _convert_all(tuple(args), step.mesh, step.inputs)
     return args
+
+
+def _run_named_input_steps(cell, args, kwargs):
+    """The dict input plans (HyperParallel's): positional and keyword arguments converted by name."""
+    for step in sorted(cell.__dict__[_PLAN_STEPS], key=lambda s: -s.depth):
+        if step.named_inputs is not None:
+            plan, names = step.named_inputs, step.input_names
+            args = tuple(_convert(a, step.mesh, plan.get(names[i])) if i < len(names) else a
+                         for i, a in enumerate(args))
+            kwargs = {k: _convert(v, step.mesh, plan.get(k)) for k, v in kwargs.items()}
+    return tuple(args), kwargs
 
 
 def _run_output_steps(cell, args, output):
