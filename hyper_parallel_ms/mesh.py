@@ -195,7 +195,10 @@ class DeviceMesh:
 
     # --------------------------------------------------------------- groups
     def comm_group(self, mesh_dim: MeshDim = 0) -> CommGroup:
-        """The group of ranks that differ from this rank only along ``mesh_dim``."""
+        """The group of ranks that differ from this rank only along ``mesh_dim`` (a name made by
+        ``_flatten`` on this mesh or a sub-mesh of it: the flattened dims' group, as HyperParallel's)."""
+        if isinstance(mesh_dim, str) and mesh_dim in self._flattened and mesh_dim not in (self._names or ()):
+            return self._flattened[mesh_dim].comm_group(0)
         group = self._groups[self.dim_index(mesh_dim)]
         if group is None:
             if not self._init_backend and self._coordinate is not None:
