@@ -89,6 +89,8 @@ def test_factories():
         assert dt.requires_grad and dt.placements == (Replicate(), Replicate()) and dt.device_mesh is mesh
         assert distribute_tensor(ms.Tensor(np.ones((4, 2), np.float32))).placements == (Replicate(), Replicate())
         assert DTensor.from_local(ms.Tensor(np.ones((4, 2), np.float32))).shape == (4, 2)
+        assert DTensor.from_local(local_tensor=ms.Tensor(np.ones((4, 2), np.float32)), device_mesh=mesh,
+                                  placements=[Shard(0), Replicate()]).shape == (8, 2)     # PyTorch's keywords
     for factory, single in ((rand, ms.ops.rand), (randn, ms.ops.randn)):
         manual_seed(11, mesh)                       # checked equal on every rank, then ms.set_seed
         dt = factory((6, 4), device_mesh=mesh, placements=[Shard(1), Shard(0)])
