@@ -140,6 +140,22 @@ class DeviceMesh:
         return self._world.rank
 
     @property
+    def rank(self) -> int:
+        """HyperParallel's name for :meth:`get_rank`."""
+        return self._world.rank
+
+    @property
+    def root_mesh(self) -> Optional["DeviceMesh"]:
+        """The mesh this one was sliced from (HyperParallel's; ``None`` for a root mesh).
+
+        Example:
+            >>> m = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp", "tp"))
+            >>> m["tp"].root_mesh is m, m.root_mesh is None
+            (True, True)
+        """
+        return self._root
+
+    @property
     def is_simulated(self) -> bool:
         """Whether the mesh is rank :meth:`get_rank` of a simulated cluster (no communication).
 

@@ -61,6 +61,7 @@ def test_mesh_4_ranks():
     assert sub.mesh.tolist() == [2 * dp, 2 * dp + 1] and sub.mesh_dim_names == ("tp",)
     assert sub.get_coordinate() == [tp] and sub.get_group() == mesh.get_group("tp")
     assert mesh["dp"].mesh.tolist() == [tp, tp + 2]
+    assert mesh["dp"].root_mesh is mesh and mesh.root_mesh is None and mesh.rank == r     # HyperParallel's names
     flat_dims = mesh._flatten("dp_tp_all")          # a flattened name reaches its group from the mesh (HyperParallel's)
     assert mesh.get_group("dp_tp_all") == flat_dims.get_group() == "mccl_world_group"
     assert mesh["dp", "tp"] == mesh and hash(mesh["dp", "tp"]) == hash(mesh)
