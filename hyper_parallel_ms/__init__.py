@@ -29,7 +29,7 @@ _EXPORTS: Dict[str, str] = {
     "DeviceMesh": "mesh", "init_device_mesh": "mesh", "current_mesh": "mesh", "get_current_mesh": "mesh",
     "DTensor": "dtensor", "distribute_tensor": "dtensor", "zeros": "dtensor", "ones": "dtensor",
     "empty": "dtensor", "full": "dtensor", "rand": "dtensor", "randn": "dtensor", "manual_seed": "dtensor",
-    "visualize_sharding": "dtensor", "sharding_table": "dtensor",
+    "visualize_sharding": "dtensor", "sharding_table": "dtensor", "SkipDTensorDispatch": "dtensor",
     "grad": "dtensor", "value_and_grad": "dtensor", "parallelize_value_and_grad": "dtensor",
     "ColwiseParallel": "nn", "RowwiseParallel": "nn", "SequenceParallel": "nn", "PrepareModuleInput": "nn",
     "PrepareModuleOutput": "nn", "PrepareModuleInputOutput": "nn", "parallelize_module": "nn",

@@ -255,3 +255,21 @@ def test_a_parameter_of_a_dtensor_with_an_empty_piece_is_refused_on_every_rank()
         assert ms.Parameter(even, name="w").to_local().shape == (2, 3)
     assert Layout((2, 2), (Shard(0), Shard(0))).empty_piece((3, 4)) == (0, 4)    # nested pieces 1, 1, 1, 0
     assert Layout((2, 2), (Shard(0), Shard(0))).empty_piece((5, 4)) is None     # 2, 1, 1, 1
+
+
+@multi_rank(2)
+def test_skip_dtensor_dispatch_computes_on_pieces():
+    from mindspore import ops
+    from hyper_parallel_ms import SkipDTensorDispatch
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    dt = distribute_tensor(ms.Tensor(a), mesh, [Shard(0)])
+    r = mesh.get_local_rank()
+    with SkipDTensorDispatch():
+        y = ops.mul(dt, 2)
+        assert tuple(dt.shape) == (2, 3)                   # the piece's, as ops sizing results read it
+    assert not isinstance(y, DTensor) and np.array_equal(y.asnumpy(), 2 * a[2 * r:2 * r + 2])
+    z = ops.mul(dt, 2)                                     # dispatched again after the block
+    assert isinstance(z, DTensor) and tuple(dt.shape) == (4, 3) and np.array_equal(z.full_tensor().asnumpy(), 2 * a)
+    with pytest.raises(NotImplementedError, match="no_skip"):
+        SkipDTensorDispatch(no_skip={"Mul"})

@@ -9,9 +9,10 @@ Example::
 from ._dtensor import DTensor
 from ._factories import distribute_tensor, empty, full, manual_seed, ones, rand, randn, zeros
 from ._grad import grad, parallelize_value_and_grad, value_and_grad
+from ._skip import SkipDTensorDispatch
 from ._spec import DTensorSpec
 from ._visualize import sharding_table, visualize_sharding
 
 __all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
            "manual_seed", "visualize_sharding", "sharding_table", "grad", "value_and_grad",
-           "parallelize_value_and_grad"]
+           "parallelize_value_and_grad", "SkipDTensorDispatch"]
