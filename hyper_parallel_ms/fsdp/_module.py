@@ -215,11 +215,13 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: Any, *, recurse: bool = True) -> None:
         """``True``: PyNative frees the gathered parameters after the forward and gathers them again
         in the backward; an int ``k``: keeps ``1/k`` and gathers over ``k`` ranks in the backward;
-        ``False``: kept until the backward (takes effect at the next forward)."""
+        ``False``: kept until the backward (takes effect at the next forward; replaces the root's
+        automatic ``False`` of ``reshard_after_forward=None``, as FSDP2)."""
         states = self._fsdp_states(recurse)
         for state in states:
             check_reshard(reshard_after_forward, state.groups, type(state.cell).__name__)
         for state in states:
+            state.on_first_forward = None
             set_reshard(state, reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
