@@ -254,7 +254,7 @@ def test_reshard_after_forward_none_keeps_the_root_gathered_and_reshards_the_blo
     ms.set_seed(0)
     model = Net()
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)                               # None: the default
+        fully_shard(layer, mesh=mesh, reshard_after_forward=None)
     fully_shard(model, mesh=mesh, reshard_after_forward=None)
     x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32))
     np.testing.assert_allclose(model(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
@@ -268,8 +268,8 @@ def test_reshard_after_forward_none_keeps_the_root_gathered_and_reshards_the_blo
     ms.set_seed(0)
     explicit = Net()
     for layer in explicit.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(explicit, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=None)
+    fully_shard(explicit, mesh=mesh, reshard_after_forward=None)
     explicit.set_reshard_after_forward(True, recurse=False)
     np.testing.assert_allclose(explicit(x).asnumpy(), whole(x).asnumpy(), rtol=1e-6)
     assert fsdp_state(explicit).reshard_after_forward is True
