@@ -28,7 +28,8 @@ from mindspore import communication as comm_api
 from mindspore.communication import GlobalComm
 
 __all__ = ["CommGroup", "World", "is_initialized", "world_size", "world_rank", "device_target",
-           "comm_group", "process_world", "current_world", "simulating", "DEVICE_TYPES"]
+           "comm_group", "group_ranks", "device_key", "check_device_type", "process_world", "current_world",
+           "simulating", "DEVICE_TYPES"]
 
 # user-facing device type -> MindSpore device target
 DEVICE_TYPES = {"cpu": "CPU", "npu": "Ascend", "ascend": "Ascend"}
@@ -226,3 +227,45 @@ def comm_group(ranks: Sequence[int], world: Optional[World] = None) -> CommGroup
     if _REGISTRY is None:
         _REGISTRY = _GroupRegistry()
     return CommGroup(_REGISTRY.name_for(ranks), ranks, ranks.index(me))
+
+
+def group_ranks(group) -> Tuple[int, ...]:
+    """Global ranks of a MindSpore group name (or a :class:`CommGroup`), in group order."""
+    if isinstance(group, CommGroup):
+        return group.ranks
+    if not isinstance(group, str):
+        raise TypeError(f"a group is a MindSpore group name (str), got {group!r}")
+    if not is_initialized():
+        raise RuntimeError(f"cannot read the ranks of group {group!r}: communication is not initialized")
+    return tuple(int(r) for r in comm_api.get_process_group_ranks(group))
+
+
+def device_key(device_type: str) -> str:
+    """``"cpu"`` or ``"npu"`` for a user's device type (``"Ascend"`` too), else ``ValueError``.
+
+    Example:
+        >>> device_key("Ascend"), device_key("cpu")
+        ('npu', 'cpu')
+    """
+    key = device_type.lower() if isinstance(device_type, str) else device_type
+    if key not in DEVICE_TYPES:
+        raise ValueError(f"device_type must be one of {sorted(DEVICE_TYPES)}, got {device_type!r}")
+    return "npu" if key == "ascend" else key
+
+
+def check_device_type(device_type: str, world: World) -> str:
+    """The device key of ``device_type`` (see :func:`device_key`), checked against ``world``: a
+    simulated world's device, else MindSpore's device target."""
+    device = device_key(device_type)
+    if world.simulated:       # a simulated cluster's device, not this machine's
+        if device != world.device_type:
+            raise ValueError(f"device_type {device_type!r} differs from the simulated world's {world.device_type!r}: "
+                             "every mesh of one simulated cluster has the same device")
+        return device
+    target = device_target()
+    if DEVICE_TYPES[device] != target:
+        raise ValueError(f"device_type {device_type!r} needs MindSpore device target "
+                         f"{DEVICE_TYPES[device]!r}, but it is {target!r}: call "
+                         f"mindspore.set_device({DEVICE_TYPES[device]!r}) first or pick the "
+                         f"matching device_type")
+    return device

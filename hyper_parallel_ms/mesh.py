@@ -64,7 +64,7 @@ class DeviceMesh:
                  mesh_dim_names: Optional[Sequence[str]] = None, _init_backend: bool = True,
                  _world: Optional[World] = None) -> None:
         self._world = _cluster.current_world() if _world is None else _world
-        self.device_type = _check_device_type(device_type, self._world)
+        self.device_type = _cluster.check_device_type(device_type, self._world)
         ranks = np.array(mesh, dtype=np.int64)
         if ranks.ndim == 0 or ranks.size == 0:
             raise ValueError(f"mesh must be a non-empty n-D array of ranks, got {mesh!r}")
@@ -142,7 +142,7 @@ class DeviceMesh:
     @property
     def rank(self) -> int:
         """HyperParallel's name for :meth:`get_rank`."""
-        return self._world.rank
+        return self.get_rank()
 
     @property
     def root_mesh(self) -> Optional["DeviceMesh"]:
@@ -342,7 +342,7 @@ class DeviceMesh:
                                            mesh_dim_names=("dp", "tp"))
         """
         if not isinstance(group, (list, tuple)):
-            ranks = _group_ranks(group)
+            ranks = _cluster.group_ranks(group)
             if mesh is not None and np.array(mesh).ravel().tolist() != list(ranks):
                 raise ValueError(f"mesh {np.array(mesh).tolist()} must list the ranks of group {group!r}: "
                                  f"{list(ranks)}")
@@ -356,8 +356,8 @@ class DeviceMesh:
             raise ValueError(f"{len(group)} groups for a {out.ndim}-D mesh: give one group per mesh dim")
         for d, g in enumerate(group):
             want = out._slice_ranks(d)
-            if tuple(_group_ranks(g)) != want:
-                raise ValueError(f"group {g!r} has ranks {list(_group_ranks(g))}, but mesh dim {d} of "
+            if tuple(_cluster.group_ranks(g)) != want:
+                raise ValueError(f"group {g!r} has ranks {list(_cluster.group_ranks(g))}, but mesh dim {d} of "
                                  f"{out!r} groups this rank with {list(want)}")
         return out
 
@@ -455,7 +455,7 @@ def _simulated_world(simulate, device_type: str) -> World:
     if not isinstance(simulate, (tuple, list)) or len(simulate) != 2:
         raise ValueError(f"simulate must be (world_size, rank), got {simulate!r}")
     size, rank = simulate
-    return World(size, rank, simulated=True, device_type=_device_key(device_type))
+    return World(size, rank, simulated=True, device_type=_cluster.device_key(device_type))
 
 
 def mesh_world(mesh: DeviceMesh) -> World:
@@ -469,39 +469,3 @@ def mesh_world(mesh: DeviceMesh) -> World:
         2
     """
     return mesh._world
-
-
-def _group_ranks(group) -> Tuple[int, ...]:
-    """Global ranks of a MindSpore group name (or a :class:`CommGroup`), in group order."""
-    if isinstance(group, CommGroup):
-        return group.ranks
-    if not isinstance(group, str):
-        raise TypeError(f"a group is a MindSpore group name (str), got {group!r}")
-    if not _cluster.is_initialized():
-        raise RuntimeError(f"cannot read the ranks of group {group!r}: communication is not initialized")
-    from mindspore import communication
-    return tuple(int(r) for r in communication.get_process_group_ranks(group))
-
-
-def _device_key(device_type: str) -> str:
-    """``"cpu"`` or ``"npu"`` for a user's device type (``"Ascend"`` too), else ``ValueError``."""
-    key = device_type.lower() if isinstance(device_type, str) else device_type
-    if key not in _cluster.DEVICE_TYPES:
-        raise ValueError(f"device_type must be one of {sorted(_cluster.DEVICE_TYPES)}, got {device_type!r}")
-    return "npu" if key == "ascend" else key
-
-
-def _check_device_type(device_type: str, world: World) -> str:
-    device = _device_key(device_type)
-    if world.simulated:       # a simulated cluster's device, not this machine's
-        if device != world.device_type:
-            raise ValueError(f"device_type {device_type!r} differs from the simulated world's {world.device_type!r}: "
-                             "every mesh of one simulated cluster has the same device")
-        return device
-    target = _cluster.device_target()
-    if _cluster.DEVICE_TYPES[device] != target:
-        raise ValueError(f"device_type {device_type!r} needs MindSpore device target "
-                         f"{_cluster.DEVICE_TYPES[device]!r}, but it is {target!r}: call "
-                         f"mindspore.set_device({_cluster.DEVICE_TYPES[device]!r}) first or pick the "
-                         f"matching device_type")
-    return device
