@@ -72,10 +72,10 @@ class HSDPCell(FSDPModule):
             model.set_reduce_op_type("sum")
         """
         ops = {"avg": None, "sum": 1.0}
-        if not isinstance(reduce_op_type, str) or reduce_op_type.lower().strip() not in ops:
+        key = reduce_op_type.lower().strip() if isinstance(reduce_op_type, str) else None
+        if key not in ops:
             raise ValueError(f"Unsupported reduce op type {reduce_op_type!r}, supported types are {sorted(ops)}")
-        self._set_reduction_scaling("divide_factor", ops[reduce_op_type.lower().strip()], "its reduce op",
-                                    "the reduce op type")
+        self._set_reduction_scaling("divide_factor", ops[key], "its reduce op", "the reduce op type")
 
     def zero_grads(self) -> None:
         """Drop gradients accumulated without sync."""
