@@ -75,7 +75,9 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("`shard_module` / `distribute_module` (DTensor parameters)",
             ModeCell("yes", ("tests/test_sharding_plan.py::test_seed_example_on_2d_mesh",
                              "tests/test_sharding_plan.py::test_distribute_module_partition_hooks_and_refusals")),
-            ModeCell("no: raises", (_ENGINE + "test_misuses_that_would_compute_silently_raise",))),
+            ModeCell("no: raises", (_ENGINE + "test_misuses_that_would_compute_silently_raise",
+                                    "tests/test_sharding_plan.py::"
+                                    "test_plans_refuse_to_compile_naming_the_cause_and_none_means_no_entries"))),
     Feature("`use_local_output=False` (DTensor outputs), DTensor inputs to styled Cells",
             ModeCell("yes", (_STYLES + "test_prepare_module_input_output_kwargs_and_dtensor_outputs",)),
             ModeCell("outputs stay local")),

@@ -223,3 +223,53 @@ def test_distribute_module_partition_hooks_and_refusals():
         distribute_module(TwoLayer(), mesh, partition_fn="fc1")
     with pytest.raises(ValueError, match="cannot be Partial"):
         shard_module(TwoLayer(), mesh, ShardingPlan(plan={"fc1.weight": (Partial(),)}))
+
+
+class Doubling(nn.Cell):
+    """No parameters: only the plan's input / output conversions touch it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = nn.ReLU()
+
+    def construct(self, x, z=None):
+        y = self.relu(x) * 2
+        return y if z is None else y * z
+
+
+def _calling(net):
+    def run(t):
+        return net(t)
+    return run
+
+
+@multi_rank(2)
+def test_plans_refuse_to_compile_naming_the_cause_and_none_means_no_entries():
+    """A compiled graph cannot hold the DTensors an input / output plan makes: ms.jit and
+    GRAPH_MODE refuse it by name, for every kind of plan (MindSpore failed with errors naming
+    neither the plan nor the fix); ``None`` entries are PyTorch's spelling of no plan."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    x = _x()
+    plans = {"the root Cell": [ShardingPlan(input_plan={"input": {"x": (S0,)}}),
+                               ShardingPlan(input_plan={"input": (S0,)}),
+                               ShardingPlan(output_plan={"output": (R,)}, return_local_tensor=[""])],
+             "'relu'": [ShardingPlan(input_plan={"relu.input": (S0,)})]}
+    for where, kinds in plans.items():
+        for plan in kinds:
+            net = shard_module(Doubling(), mesh, plan)
+            eager = net(x)                                    # PyNative runs the plan
+            assert isinstance(eager, (DTensor, ms.Tensor))
+            with pytest.raises(RuntimeError, match=f"shard_module's input / output plan on {where} .* PyNative only"):
+                ms.jit(_calling(net))(x)
+            ms.set_context(mode=ms.GRAPH_MODE)
+            try:
+                with pytest.raises(RuntimeError, match=f"plan on {where} .*PrepareModuleInput"):
+                    net(x)
+            finally:
+                ms.set_context(mode=ms.PYNATIVE_MODE)
+    # None: no entries of that kind (PyTorch's ShardingPlan(plan, output_plan=None, return_local_tensor=None))
+    net = shard_module(SeedNet(), mesh, ShardingPlan(plan={"weight": (S1,)}, input_plan=None, output_plan=None,
+                                                     return_local_tensor=None))
+    np.testing.assert_allclose(net(distribute_tensor(x, mesh, (R,))).full_tensor().asnumpy(), _reference(), rtol=1e-5)
+    with pytest.raises(TypeError, match=r"ShardingPlan.output_plan must be a dict \(or None\), got list"):
+        shard_module(SeedNet(), mesh, ShardingPlan(output_plan=[("output", (R,))]))

@@ -27,7 +27,7 @@ from ..dtensor import DTensor
 from ..dtensor._spec import to_layout
 from ..mesh import DeviceMesh
 from ..placement import Placement
-from ._adapter import named_cells, own_parameters
+from ._adapter import _refuse_in_graph, named_cells, own_parameters
 from ._consistency import agreed
 from ._edit import ModuleEdit, apply_edits
 from ._parameter import ParameterPlacement
@@ -153,16 +153,18 @@ class ShardingPlan:
         return_local_tensor: Cell paths (``""``: the Cell itself) whose outputs become local
             tensors after their output plan.
 
+    ``None`` for any of them means none (PyTorch's ``ShardingPlan(plan, output_plan=None)``).
+
     Example::
 
         ShardingPlan(plan={"dense.weight": (Shard(0),)}, output_plan={"output": (Replicate(),)},
                      return_local_tensor=[""])
     """
 
-    plan: Dict[str, Placements] = field(default_factory=dict)
-    input_plan: Dict[str, Placements] = field(default_factory=dict)
-    output_plan: Dict[str, Placements] = field(default_factory=dict)
-    return_local_tensor: List[str] = field(default_factory=list)
+    plan: Optional[Dict[str, Placements]] = field(default_factory=dict)
+    input_plan: Optional[Dict[str, Placements]] = field(default_factory=dict)
+    output_plan: Optional[Dict[str, Placements]] = field(default_factory=dict)
+    return_local_tensor: Optional[List[str]] = field(default_factory=list)
 
 
 def _positions(value, key: str, mesh) -> Tuple[Optional[tuple], ...]:
@@ -238,6 +240,15 @@ def _cell_for(key: str, suffix: str, cells: Dict[str, nn.Cell]) -> str:
     return path
 
 
+def _entries(sharding_plan: ShardingPlan, name: str) -> dict:
+    value = getattr(sharding_plan, name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"ShardingPlan.{name} must be a dict (or None), got {type(value).__name__}")
+    return value
+
+
 def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
     """Every key and placement of ``sharding_plan`` checked against ``model`` (no change):
     (cells, params, new placements, input plans, output plans, local paths)."""
@@ -245,7 +256,7 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
     params = {f"{path}.{name}" if path else name: (cell, name, p)
               for path, cell in cells.items() for name, p in own_parameters(cell).items()}
     new_params = {}
-    for key, placements in sharding_plan.plan.items():
+    for key, placements in _entries(sharding_plan, 'plan').items():
         if not isinstance(key, str):
             raise TypeError(f"plan keys must be parameter names, got {key!r}")
         found = [n for n in params if match_path(key, n)]
@@ -264,13 +275,13 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
             new_params[n] = placements
     _tie_planned(params, new_params, device_mesh)
     inputs = {}
-    for k, v in sharding_plan.input_plan.items():
+    for k, v in _entries(sharding_plan, 'input_plan').items():
         path = _cell_for(k, "input", cells)
         inputs[path] = _input_entries(v, k, device_mesh, cells[path])
     outputs = {_cell_for(k, "output", cells): _positions(v, k, device_mesh)
-               for k, v in sharding_plan.output_plan.items()}
+               for k, v in _entries(sharding_plan, 'output_plan').items()}
     local = []
-    for path in sharding_plan.return_local_tensor:
+    for path in sharding_plan.return_local_tensor or ():
         if not isinstance(path, str) or path not in cells:
             near = difflib.get_close_matches(str(path), list(cells), n=5, cutoff=0.5)
             raise ValueError(f"return_local_tensor entry {path!r} is not a sub-Cell path ('' is the model); "
@@ -351,6 +362,16 @@ def shard_module(model: nn.Cell, device_mesh: DeviceMesh, sharding_plan: Shardin
 
 
 _PLAN_STEPS = "_hpms_plan_steps"     # on a Cell: the _PlanSteps of every shard_module call reaching it
+_PLAN_GRAPH_ERROR = "_hpms_plan_graph_error"     # on a Cell with plan steps: why ms.jit / GRAPH_MODE refuse it
+
+
+def _plan_graph_error(path: str) -> str:
+    where = f"'{path}'" if path else "the root Cell"
+    return (f"shard_module's input / output plan on {where} makes DTensors of the Cell's inputs or outputs (or "
+            "local tensors of its outputs), which runs in PyNative only: a compiled graph holds no DTensor, and "
+            "MindSpore's ms.jit / GRAPH_MODE do not run keyword forward hooks. Call the Cell in PyNative, or "
+            "compile the code inside it on local tensors, or use parallelize_module with PrepareModuleInput / "
+            "PrepareModuleOutput, whose conversions compile")
 
 
 @dataclass(frozen=True)
@@ -377,6 +398,7 @@ def _add_plan_step(edit: ModuleEdit, step: _PlanStep) -> None:
     receives, local or DTensor, is the one its own plan says."""
     steps = edit.cell.__dict__.get(_PLAN_STEPS, ())
     edit.attributes[_PLAN_STEPS] = steps + (step,)
+    edit.attributes[_PLAN_GRAPH_ERROR] = _plan_graph_error(edit.path)
     if not steps:
         edit.forward_pre_hooks.append(_run_input_steps)
         edit.forward_hooks.append(_run_output_steps)
@@ -385,13 +407,34 @@ def _add_plan_step(edit: ModuleEdit, step: _PlanStep) -> None:
 
 
 def _run_input_steps(cell, args):
+    # compiled, the refusal's constant result guards the steps: MindSpore evaluates it before it
+    # parses them (their Python would fail to compile, naming nothing)
+    if _refuse_in_graph(getattr(cell, _PLAN_GRAPH_ERROR)):
+        return _input_steps(cell, args)
+    return args
+
+
+def _run_named_input_steps(cell, args, kwargs=None):
+    # ``kwargs`` has a default: a compiled graph calls keyword hooks without it, and is refused first
+    if _refuse_in_graph(getattr(cell, _PLAN_GRAPH_ERROR)):
+        return _named_input_steps(cell, args, kwargs)
+    return args, kwargs
+
+
+def _run_output_steps(cell, args, output):
+    if _refuse_in_graph(getattr(cell, _PLAN_GRAPH_ERROR)):
+        return _output_steps(cell, output)
+    return output
+
+
+def _input_steps(cell, args):
     for step in sorted(cell.__dict__[_PLAN_STEPS], key=lambda s: -s.depth):
         if step.inputs is not None:
             args = _convert_all(tuple(args), step.mesh, step.inputs)
     return args
 
 
-def _run_named_input_steps(cell, args, kwargs):
+def _named_input_steps(cell, args, kwargs):
     """The dict input plans (HyperParallel's): positional and keyword arguments converted by name."""
     for step in sorted(cell.__dict__[_PLAN_STEPS], key=lambda s: -s.depth):
         if step.named_inputs is not None:
@@ -402,7 +445,7 @@ def _run_named_input_steps(cell, args, kwargs):
     return tuple(args), kwargs
 
 
-def _run_output_steps(cell, args, output):
+def _output_steps(cell, output):
     for step in sorted(cell.__dict__[_PLAN_STEPS], key=lambda s: s.depth):
         if step.outputs is not None:
             output = _convert_all(output, step.mesh, step.outputs)
