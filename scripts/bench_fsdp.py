@@ -17,6 +17,10 @@ Three sections, each printed with the command's settings (rank 0's figures, the 
   does and nothing overlapped: ``(dp step - dp collectives + its collectives) / dp step``. On CPU
   this bounds what removing overhead can give; the rest needs overlap or cheaper collectives.
   ``--ranks 1`` measures every variant without any collective: the engine's own cost.
+- ``compile``: the first call of the compiled step (``ms.jit``: compile and one step) of fully_shard
+  (``reshard_after_forward=True``) and of plain data parallelism (``GradientReducer``), for each
+  number of blocks in ``--compile-units``, each in a fresh process of ranks (nothing compiled
+  before), and the loss of that call (equal in both).
 - ``memory``: per variant, in a fresh pool (no memory freed by earlier work hides the rise), a
   model of ``--memory-units`` bias-free ``--memory-dim`` Dense units and 4 rows (parameters dominate)
   built under ``no_init_parameters()`` (no rank ever holds the whole model): the bytes held
@@ -27,8 +31,9 @@ Three sections, each printed with the command's settings (rank 0's figures, the 
 The model: ``--units`` blocks, each a ``--dim`` x ``--dim`` Dense (fp32, with bias) and a tanh,
 ``--rows`` rows per rank; parameters dominate memory, collectives dominate time on CPU.
 
-Usage: .venv/bin/python scripts/bench_fsdp.py [--ranks 2,4] [--sections time,floor,counts,memory]
+Usage: .venv/bin/python scripts/bench_fsdp.py [--ranks 2,4] [--sections time,floor,counts,memory,compile]
        [--units 6] [--dim 256] [--rows 64] [--rounds 3] [--steps 5] [--memory-dim 1024]
+       [--compile-units 2,4,8]
 """
 from __future__ import annotations
 
@@ -147,6 +152,18 @@ def measure_counts(units: int, dim: int, rows: int) -> Dict[str, Dict[str, Dict[
         out["pynative"][how] = counts
         out["jit"][how] = compiled_collectives(_variant(how, mesh, units, dim, "jit")[0], x)
     return out
+
+
+def measure_compile(how: str, units: int, dim: int, rows: int) -> Tuple[float, float]:
+    """(seconds of the first call of the compiled step of variant ``how``, its loss)."""
+    from mindspore import communication
+    from hyper_parallel_ms.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (communication.get_group_size(),), mesh_dim_names=("dp",))
+    run = _variant(how, mesh, units, dim, "jit")[0]
+    x = _batch(rows, dim)
+    began = time.perf_counter()
+    loss = float(run(x).asnumpy())
+    return time.perf_counter() - began, loss
 
 
 def _collectives_alone(how: str, mesh, units: int, dim: int, rows: int) -> Tuple[Callable, Callable]:
@@ -274,6 +291,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--memory-units", type=int, default=8)
     parser.add_argument("--memory-dim", type=int, default=1024)
+    parser.add_argument("--compile-units", default="2,4,8")
     args = parser.parse_args()
     sections = args.sections.split(",")
     try:
@@ -286,6 +304,14 @@ def main() -> None:
                                              args.rounds, timeout=3600)[0], args.rounds, args.steps)
             if "counts" in sections:
                 _print_counts(n, run_on_ranks(measure_counts, n, args.units, args.dim, args.rows, timeout=1800)[0])
+            if "compile" in sections:
+                print(f"N={n} jit: the compiled step's first call (compile + one step), fresh ranks each")
+                for units in (int(u) for u in args.compile_units.split(",")):
+                    for how in ("fsdp:True", "dp:package"):
+                        shutdown_pools()
+                        seconds, loss = max(run_on_ranks(measure_compile, n, how, units, args.dim, args.rows,
+                                                         timeout=1800))
+                        print(f"    {units} blocks {how:<12} {seconds:6.1f} s  loss {loss:.6f}")
             if "memory" in sections:
                 u, d = args.memory_units, args.memory_dim
                 unit = d * d * 4

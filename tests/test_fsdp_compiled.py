@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hyper_parallel_ms.fsdp import MixedPrecisionPolicy, fully_shard, hsdp
+from hyper_parallel_ms.fsdp._compiled import READER_PREFIX
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.testing import compiled_collectives, multi_rank
 
@@ -37,6 +38,10 @@ def _hsdp_per_block(model, **kwargs):
     return hsdp(model, **kwargs)
 
 
+def _spec(cell, attr):
+    return getattr(cell, READER_PREFIX + attr).spec_id
+
+
 def _sum_of_4(model, step, x):
     """Gradient accumulation in a compiled step: 4 micro-steps, each reduced, added up."""
     rows = x.shape[0] // 4
@@ -60,6 +65,13 @@ def test_fully_shard_and_hsdp_in_jit_2_ranks():
     # what a compiled graph cannot do is refused while compiling, naming the fix
     x = ms.Tensor(np.ones((2, 8), np.float32))
     model = _fsdp_per_block(Net(), mesh)
+    # the compiled reads of one shape and layout call one gathering Cell (MindSpore compiles each
+    # custom-bprop Cell apart); parameters kept whole each have their own (a shared identity Cell
+    # gave the second read the first one's value)
+    assert _spec(model.layers[0].up, "weight") == _spec(model.layers[1].up, "weight") != \
+        _spec(model.layers[0].down, "weight")
+    whole = _hsdp_per_block(Net(), optimizer_level="level3")
+    assert _spec(whole.layers[0].up, "weight") != _spec(whole.layers[1].up, "weight")
     model.set_requires_gradient_sync(False)
     with pytest.raises(NotImplementedError, match="add up the returned gradients"):
         compiled("jit", GradStep(model, model.trainable_params()))(x)

@@ -7,8 +7,9 @@ which the parameter's attribute is a property: run by Python it returns what the
 holds (the full value the hooks installed, or the piece; the piece read inside another unit's
 forward, a tied head reading an embedding unit's table, is gathered there as its own unit's
 forward gathers it: :meth:`._state.FSDPState.read_outside_forward`); compiled as graph code it
-returns the parameter's full value from its :class:`._group.ParamGather` (the piece all-gathered
-in the graph, the gradient reduced to the piece in its backward). The table keeps the piece,
+returns the parameter's full value from the :class:`._group.SharedGather` its
+:class:`._group.ParamGather` names (the piece all-gathered in the graph, the gradient reduced to
+the piece in its backward; one Cell for the reads of one shape and layout). The table keeps the piece,
 so the optimizer, ``parameters_and_names`` and checkpoints see the same Parameters in every mode.
 
 What the compiled graph communicates (counted in the compiled graph by the tests): one
@@ -30,6 +31,7 @@ from typing import Dict, Sequence, Tuple
 
 from .._mindspore import cell_subclass, compiling_graph_code
 from ..nn._hooks import SUMMED_PREFIX
+from ._group import shared_gather
 
 __all__ = ["gathering_class", "READER_PREFIX"]
 
@@ -44,7 +46,9 @@ def _gathered(attr: str, summed: bool) -> property:
     def read(self):
         value = self._params[attr]
         if compiling_graph_code():
-            value = getattr(self, reader)(value)
+            gather = getattr(self, reader)
+            gather.check()
+            value = shared_gather(gather.spec_id)(value)
         else:
             value = getattr(self, reader).read_eagerly(value)
         return getattr(self, summer)(value) if summed else value
