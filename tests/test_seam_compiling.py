@@ -423,6 +423,11 @@ class _PassThrough(nn.Cell):
         return (dout,)
 
 
+class _TimesOne(_PassThrough):
+    def construct(self, x):
+        return x * 1
+
+
 class _TwoParameters(nn.Cell):
     def __init__(self) -> None:
         super().__init__()
@@ -442,16 +447,18 @@ def _read_through(attr: str) -> property:
 
 
 def test_contract_property_reads_through_one_shared_custom_bprop_cell_compile_as_the_first():
-    """Why ``nn._hooks.GradientSum`` is one Cell per parameter: two Parameters read by properties
+    """Why ``nn._hooks.GradientSum`` shares a Cell that computes: two Parameters read by properties
     of a swapped class, each through a custom-bprop Cell, compile right with one Cell instance
     each, and as the first read for both when they share one instance (MindSpore 2.10, plain
-    ms.jit of the forward; PyNative is right either way)."""
+    ms.jit of the forward; PyNative is right either way). A shared Cell whose forward computes
+    (``x * 1``, ``nn._hooks._SummedGradient``) compiles right."""
     x = Tensor(np.zeros(2, np.float32))
     swapped = seam.cell_subclass("_TwoParameters", (_TwoParameters,), {"a": _read_through("a"),
                                                                        "b": _read_through("b")})
-    shared = _PassThrough()
+    shared, computing = _PassThrough(), _TimesOne()
     results = {}
-    for how, first, second in (("own", _PassThrough(), _PassThrough()), ("shared", shared, shared)):
+    for how, first, second in (("own", _PassThrough(), _PassThrough()), ("shared", shared, shared),
+                               ("shared, computing", computing, computing)):
         cell = _TwoParameters()
         object.__setattr__(cell, "_through_a", first)
         object.__setattr__(cell, "_through_b", second)
@@ -460,3 +467,4 @@ def test_contract_property_reads_through_one_shared_custom_bprop_cell_compile_as
         results[how] = [t.asnumpy().tolist() for t in ms.jit(cell.construct)(x)]
     assert results["own"] == [[1.0, 1.0], [0.0, 0.0]]
     assert results["shared"] == [[1.0, 1.0], [1.0, 1.0]]          # b read as a
+    assert results["shared, computing"] == [[1.0, 1.0], [0.0, 0.0]]

@@ -7,8 +7,8 @@ arguments (:func:`cached_in_python`, :func:`run_in_python`); graph compilation r
 ``mindspore.common.api`` on 2.8), which receive the call's arguments (:func:`is_compiling`,
 :func:`reject_in_compiled_args`); differentiating a compiled forward from PyNative reads the last
 call's output for every call of one custom-bprop Cell instance (:func:`cell_per_call_site`), and a
-plain ``ms.jit`` compiles two property reads of Parameters through one shared custom-bprop Cell
-as the first read (so each such read has a Cell of its own); a Cell property is compiled only when
+plain ``ms.jit`` compiles two property reads of Parameters through one shared identity
+custom-bprop Cell as the first read (so a shared one computes, or each read has its own); a Cell property is compiled only when
 declared in the Cell's own class (:func:`cell_subclass`).
 
 >>> @run_in_python
@@ -30,6 +30,7 @@ from ._release import F, _graph_api
 from .swaps import Swap, swap_entry_points
 
 __all__ = ["graph_of_its_own", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site",
+           "constant_id", "constant_of",
            "is_compiling", "running_eagerly", "compiling_graph_code", "compile_argument_checks",
            "reject_in_compiled_args"]
 
@@ -138,6 +139,40 @@ def cell_per_call_site(fn: F) -> F:
         return memo(*args, **kwargs)
     functools.update_wrapper(build, fn)
     return functools.lru_cache(maxsize=0)(build)
+
+
+class _Constants:
+    """Small ints naming hashable values, in the order first asked."""
+
+    def __init__(self) -> None:
+        self.ids: Dict[Any, int] = {}
+        self.values: List[Any] = []
+
+    def id_of(self, value: Any) -> int:
+        if value not in self.ids:
+            self.ids[value] = len(self.values)
+            self.values.append(value)
+        return self.ids[value]
+
+
+_CONSTANTS = _Constants()
+
+
+def constant_id(value: Any) -> int:
+    """A small int naming the hashable ``value`` (equal values, one number): what a Cell keeps as an
+    attribute for graph code to hand to a :func:`cell_per_call_site` / :func:`run_in_python`
+    function, where the value itself (a DeviceMesh, a tuple holding one) is no graph constant.
+    :func:`constant_of` gives the value back.
+
+    >>> constant_of(constant_id(("mesh", 2))) == ("mesh", 2)
+    True
+    """
+    return _CONSTANTS.id_of(value)
+
+
+def constant_of(number: int) -> Any:
+    """The value :func:`constant_id` named ``number``."""
+    return _CONSTANTS.values[number]
 
 
 # ------------------------------------------------------------ compile detection

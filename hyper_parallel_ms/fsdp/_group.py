@@ -37,7 +37,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 from mindspore import mint, nn, ops
 
 from .. import comm
-from .._mindspore import cell_per_call_site, graph_of_its_own, run_in_python
+from .._mindspore import cell_per_call_site, constant_id, constant_of, graph_of_its_own, run_in_python
 from ..comm._tensor import front_perms, owned_copy, pad_dim
 from ._flat import FlatLayout, fold, pack, split, unpack
 from ._mesh import dp_mesh_dims
@@ -312,27 +312,9 @@ class GatherSpec(NamedTuple):
     owner: int
 
 
-class _SpecRegistry:
-    """Small ints naming :class:`GatherSpec` values (a Cell attribute read by graph code must be a
-    plain constant; a spec holds a DeviceMesh)."""
-
-    def __init__(self) -> None:
-        self.ids: Dict[GatherSpec, int] = {}
-        self.specs: List[GatherSpec] = []
-
-    def id_of(self, spec: GatherSpec) -> int:
-        if spec not in self.ids:
-            self.ids[spec] = len(self.specs)
-            self.specs.append(spec)
-        return self.ids[spec]
-
-
-_REGISTRY = _SpecRegistry()
-
-
 def spec_id(spec: GatherSpec) -> int:
     """The number naming ``spec`` (the same for equal specs)."""
-    return _REGISTRY.id_of(spec)
+    return constant_id(spec)
 
 
 @cell_per_call_site
@@ -342,7 +324,7 @@ def shared_gather(spec: int) -> "SharedGather":
     instance apart: 8 fully_shard blocks compiled in 16.0 s with one Cell per parameter, 4.4 s
     shared, 2 CPU ranks, ``scripts/bench_fsdp.py --sections compile``), one per call site in a graph PyNative differentiates (see
     :func:`~hyper_parallel_ms._mindspore.cell_per_call_site`)."""
-    return SharedGather(_REGISTRY.specs[spec])
+    return SharedGather(constant_of(spec))
 
 
 class SharedGather(_Reducing):
