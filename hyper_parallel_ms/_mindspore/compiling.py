@@ -30,7 +30,7 @@ from ._release import F, _graph_api
 from .swaps import Swap, swap_entry_points
 
 __all__ = ["graph_of_its_own", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site",
-           "constant_id", "constant_of",
+           "constant_id", "constant_of", "refuse_while_compiling",
            "is_compiling", "running_eagerly", "compiling_graph_code", "compile_argument_checks",
            "reject_in_compiled_args"]
 
@@ -195,6 +195,20 @@ _OURS: List[Callable] = []       # the swapped entry points, once swapped (every
 def _entry_points_ours() -> bool:
     return bool(_OURS) and _graph_api._JitExecutor.compile is _OURS[0] and \
         _graph_api._CellGraphExecutor.compile is _OURS[1]
+
+
+@run_in_python
+def refuse_while_compiling(message: str) -> bool:
+    """Raise ``NotImplementedError(message)`` (when ``message`` is not empty) if ms.jit / GRAPH_MODE is
+    compiling the code that calls this; return True otherwise (graph code can branch on the constant,
+    so MindSpore never parses what a refused Cell would run).
+
+    >>> refuse_while_compiling("cannot compile this Cell")       # PyNative: nothing raised
+    True
+    """
+    if message and is_compiling():
+        raise NotImplementedError(message)
+    return True
 
 
 def is_compiling() -> bool:

@@ -49,7 +49,7 @@ from ._sync import SyncState, cast_to, reduce_gradient, reduce_over_replicas, re
 # redistribution's backward (sequence-parallel conversions; seam: graph_of_its_own)
 _compiled_all_gather = graph_of_its_own(comm.all_gather)
 
-__all__ = ["FSDPParamGroup", "GroupGather", "ParamGather", "GatherSpec", "SharedGather", "shared_gather", "spec_id"]
+__all__ = ["FSDPParamGroup", "GroupGather", "ParamGather", "GatherSpec", "SharedGather", "shared_gather"]
 
 
 @run_in_python
@@ -264,8 +264,8 @@ class ParamGather(nn.Cell):
         spec = GatherSpec(**_reduction_constants(group, chunks.rows),
                           length=chunks.front_shape[0] if chunks.shape else 1, padded=chunks.padded,
                           padding=chunks.padding, local=chunks.local, to_front=to_front, from_front=from_front,
-                          shape=chunks.shape, owner=0 if group.sharded else id(self))
-        return spec_id(spec)
+                          shape=chunks.shape)
+        return constant_id(spec)
 
     def rescale(self) -> None:
         """Take the group's current scale and reduce op (a compiled graph keeps those it was compiled with)."""
@@ -285,11 +285,8 @@ class ParamGather(nn.Cell):
 class GatherSpec(NamedTuple):
     """Everything a compiled read of a parameter computes with: the reduction's constants
     (:func:`_reduction_constants`), the gathered rows (``length`` of ``padded``, ``padding`` added
-    on this rank, ``local`` kept), the permutations bringing the cut dim to the front, the shape,
-    and ``owner``: 0 where reads of one spec share a Cell, else the reader's id. Parameters kept
-    whole each get their own: their read returns its input unchanged, and two calls of one such
-    custom-bprop Cell gave the second call the first one's value (MindSpore 2.10, measured: hsdp
-    under its size threshold, loss 0.553 against 0.183 on one device, ms.jit and GRAPH_MODE)."""
+    on this rank, ``local`` kept), the permutations bringing the cut dim to the front, and the
+    shape."""
 
     mesh: Any
     shard_dim: Any
@@ -309,12 +306,6 @@ class GatherSpec(NamedTuple):
     to_front: Any
     from_front: Any
     shape: Tuple[int, ...]
-    owner: int
-
-
-def spec_id(spec: GatherSpec) -> int:
-    """The number naming ``spec`` (the same for equal specs)."""
-    return constant_id(spec)
 
 
 @cell_per_call_site
@@ -345,9 +336,11 @@ class SharedGather(_Reducing):
         self.uneven = spec.padded != spec.length         # some rank pads: every rank runs the same ops
 
     def construct(self, piece):
-        value = piece if self.param_dtype is None else piece.astype(self.param_dtype)
         if self.gather_dim is None:
-            return value
+            # kept whole: a value computed from the piece (a shared Cell returning its input unchanged
+            # gave every read the first one's value, MindSpore 2.10: seam contract test)
+            return piece * 1 if self.param_dtype is None else piece.astype(self.param_dtype)
+        value = piece if self.param_dtype is None else piece.astype(self.param_dtype)
         if self.to_front is not None:
             value = ops.transpose(value, self.to_front)
         full = _compiled_all_gather(_padded_rows(value, self.padding, self.uneven), self.mesh, self.gather_dim,

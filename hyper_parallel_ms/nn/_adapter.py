@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from mindspore import Parameter, nn
 
-from .._mindspore import cached_in_python, cell_subclass, is_compiling, run_in_python
+from .._mindspore import cached_in_python, cell_subclass, refuse_while_compiling
 
 __all__ = ["named_cells", "own_parameters", "put_parameter", "CellChanges", "snapshot_parameters", "restore_parameters",
            "ConstructHooks", "converting_class"]
@@ -146,7 +146,7 @@ def converting_class(base: type) -> type:
 
     def construct(self, *args, **kwargs):
         hooks = getattr(self, _HOOKS)
-        _refuse_in_graph(hooks.graph_error)
+        refuse_while_compiling(hooks.graph_error)
         moved = keywords_to_move(self._hpms_base_name, self._hpms_positional, len(args), tuple(kwargs.keys()),
                                  hooks.inputs_read)
         for name in moved:
@@ -167,14 +167,6 @@ def converting_class(base: type) -> type:
 
 
 _CONVERTING: Dict[type, type] = {}
-
-
-@run_in_python
-def _refuse_in_graph(message: str) -> bool:
-    """Raise ``message`` (if any) when ms.jit / GRAPH_MODE compiles the Cell."""
-    if message and is_compiling():
-        raise RuntimeError(message)
-    return True
 
 
 class CellChanges:

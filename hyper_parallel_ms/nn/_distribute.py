@@ -23,11 +23,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import Tensor, nn
 
+from .._mindspore import refuse_while_compiling
 from ..dtensor import DTensor
 from ..dtensor._spec import to_layout
 from ..mesh import DeviceMesh
 from ..placement import Placement
-from ._adapter import _refuse_in_graph, named_cells, own_parameters
+from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
 from ._edit import ModuleEdit, apply_edits
 from ._parameter import ParameterPlacement
@@ -409,20 +410,20 @@ def _add_plan_step(edit: ModuleEdit, step: _PlanStep) -> None:
 def _run_input_steps(cell, args):
     # compiled, the refusal's constant result guards the steps: MindSpore evaluates it before it
     # parses them (their Python would fail to compile, naming nothing)
-    if _refuse_in_graph(getattr(cell, _PLAN_GRAPH_ERROR)):
+    if refuse_while_compiling(getattr(cell, _PLAN_GRAPH_ERROR)):
         return _input_steps(cell, args)
     return args
 
 
 def _run_named_input_steps(cell, args, kwargs=None):
     # ``kwargs`` has a default: a compiled graph calls keyword hooks without it, and is refused first
-    if _refuse_in_graph(getattr(cell, _PLAN_GRAPH_ERROR)):
+    if refuse_while_compiling(getattr(cell, _PLAN_GRAPH_ERROR)):
         return _named_input_steps(cell, args, kwargs)
     return args, kwargs
 
 
 def _run_output_steps(cell, args, output):
-    if _refuse_in_graph(getattr(cell, _PLAN_GRAPH_ERROR)):
+    if refuse_while_compiling(getattr(cell, _PLAN_GRAPH_ERROR)):
         return _output_steps(cell, output)
     return output
 

@@ -42,7 +42,8 @@ import mindspore as ms
 from mindspore import Parameter, nn
 
 from .._mindspore import (OP_INTERCEPTION, OpInterception, cell_subclass, discard_grad_recording, is_compiling,
-                          recompute_eagerly, recompute_in_graph, run_in_python, running_eagerly)
+                          recompute_eagerly, recompute_in_graph, refuse_while_compiling, run_in_python,
+                          running_eagerly)
 from ..dtensor import DTensor
 from ..fsdp._module import fsdp_state
 from ..fsdp._param import is_piece
@@ -207,14 +208,6 @@ def _selective_contexts(keep: Callable[[str], bool], stats: CheckpointStats) -> 
     return context_fn
 
 
-@run_in_python
-def _refuse_in_graph(message: str) -> bool:
-    """Raise ``message`` (if any) while ms.jit / GRAPH_MODE compiles the Cell."""
-    if message and is_compiling():
-        raise NotImplementedError(message)
-    return True
-
-
 def _refuse_dtensors(cell: nn.Cell, args: tuple) -> None:
     """Selective policies intercept ops with a global mode that sees DTensors as plain tensors."""
     found = [p.name for p in cell.get_parameters() if isinstance(p, DTensor)]
@@ -322,7 +315,7 @@ class CheckpointWrapper:
     def construct(self, *args):
         if running_eagerly():
             return self._hpms_checkpoint_construct(*args)
-        _refuse_in_graph(self._hpms_checkpoint_graph_error)
+        refuse_while_compiling(self._hpms_checkpoint_graph_error)
         _refuse_outer_unit_in_graph(self)
         return recompute_in_graph(self._hpms_checkpoint_construct, *args)
 

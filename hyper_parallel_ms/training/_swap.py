@@ -26,9 +26,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from .._mindspore import SAVED_TENSOR_HOOKS, discard_grad_recording, saved_tensors_hooks
+from .._mindspore import SAVED_TENSOR_HOOKS, discard_grad_recording, refuse_while_compiling, saved_tensors_hooks
 from ..nn._adapter import CellChanges, named_cells
-from ._checkpoint import _RUNNING, CheckpointWrapper, _refuse_in_graph, wrapped_class
+from ._checkpoint import _RUNNING, CheckpointWrapper, wrapped_class
 
 __all__ = ["SwapWrapper", "swap_wrapper", "swap_stats", "SwapStats"]
 
@@ -109,7 +109,7 @@ class SwapWrapper:
             raise
 
     def construct(self, *args):
-        _refuse_in_graph(self._hpms_swap_graph_error)      # raises only while MindSpore compiles it
+        refuse_while_compiling(self._hpms_swap_graph_error)      # raises only while MindSpore compiles it
         return self._hpms_swap_construct(*args)
 
 
