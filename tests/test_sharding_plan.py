@@ -273,3 +273,7 @@ def test_plans_refuse_to_compile_naming_the_cause_and_none_means_no_entries():
     np.testing.assert_allclose(net(distribute_tensor(x, mesh, (R,))).full_tensor().asnumpy(), _reference(), rtol=1e-5)
     with pytest.raises(TypeError, match=r"ShardingPlan.output_plan must be a dict \(or None\), got list"):
         shard_module(SeedNet(), mesh, ShardingPlan(output_plan=[("output", (R,))]))
+    before = SeedNet()
+    with pytest.raises(TypeError, match=r"return_local_tensor must be a list of Cell paths .* write \['relu'\]"):
+        shard_module(before, mesh, ShardingPlan(plan={"weight": (S1,)}, return_local_tensor="relu"))
+    assert not isinstance(before.weight, DTensor)          # refused before any change

@@ -282,7 +282,14 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
     outputs = {_cell_for(k, "output", cells): _positions(v, k, device_mesh)
                for k, v in _entries(sharding_plan, 'output_plan').items()}
     local = []
-    for path in sharding_plan.return_local_tensor or ():
+    local_paths = sharding_plan.return_local_tensor or ()
+    if not isinstance(local_paths, (list, tuple)):
+        raise TypeError(f"ShardingPlan.return_local_tensor must be a list of Cell paths ('' is the model), got "
+                        f"{type(local_paths).__name__} {local_paths!r}: write [{local_paths!r}]"
+                        if isinstance(local_paths, str) else
+                        f"ShardingPlan.return_local_tensor must be a list of Cell paths ('' is the model), got "
+                        f"{type(local_paths).__name__}")
+    for path in local_paths:
         if not isinstance(path, str) or path not in cells:
             near = difflib.get_close_matches(str(path), list(cells), n=5, cutoff=0.5)
             raise ValueError(f"return_local_tensor entry {path!r} is not a sub-Cell path ('' is the model); "
