@@ -319,10 +319,11 @@ def test_fully_shard_units_parity_and_gathers_on_2_ranks():
     plain, _ = _gathers(lambda m: _fsdp_only(mesh, m), rank)
     full, model = _gathers(_fsdp(mesh, None, True), rank)
     selective, model = _gathers(_fsdp(mesh, "selective", True), rank)
-    # one unit per block and the root, each gathering in its forward and again in its backward
-    # (reshard_after_forward=True): a checkpointed block's second gather is its recompute's, which
+    # one unit per block and the root: each block gathers in its forward and again in its backward
+    # (the default reshard_after_forward=None reshards every unit but the root, which keeps its
+    # parameters for the backward); a checkpointed block's second gather is its recompute's, which
     # replaces the re-gather, so the count is the same
-    assert plain == 2 * 3 and full == plain, (plain, full)
+    assert plain == 2 * 2 + 1 and full == plain, (plain, full)
     # the selective recompute calls the gather again (CommDebugMode records the call) but its
     # collective kernel is not run: the forward's result is handed back
     assert selective == plain, (plain, selective)

@@ -82,8 +82,8 @@ def test_a_backward_that_reads_no_gathered_value_gathers_nothing_2_ranks():
     for hint in (None, "emb", "dense"):
         ms.set_seed(0)
         model = _Embedded()
-        fully_shard(model.emb, mesh=mesh)
-        fully_shard(model.dense, mesh=mesh)
+        fully_shard(model.emb, mesh=mesh, reshard_after_forward=True)      # both units are roots: None keeps
+        fully_shard(model.dense, mesh=mesh, reshard_after_forward=True)    # theirs for the backward
         if hint:
             getattr(model, hint).set_unshard_in_backward(False)
         step = ms.value_and_grad(model, None, model.trainable_params())

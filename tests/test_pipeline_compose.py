@@ -202,7 +202,7 @@ def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine):
                 hsdp(cell, threshold=0, optimizer_level="level3", enable_grad_accumulation=True,
                      comm_fusion=True, mesh=dp)
             else:
-                fully_shard(cell, mesh=dp)
+                fully_shard(cell, mesh=dp, reshard_after_forward=True)     # also the stage's root
     stages = _stages(name, mesh["pp"], 4, shard, jit=jit)
     n = 4
     schedule = _schedule(name, stages, n)
@@ -218,7 +218,7 @@ def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine):
     reduces = [r for r in records if r.mesh_dim in dims and r.kind in ("reduce_scatter", "all_reduce")]
     gathers = [r for r in records if r.mesh_dim in dims and r.kind == "all_gather"]
     # one gradient reduction per sharded unit and step (not per micro-batch); with reshard_after_forward=True
-    # (the default) each micro-batch's forward gathers and its backward gathers again; ZBV's weight pass
+    # (hsdp's default) each micro-batch's forward gathers and its backward gathers again; ZBV's weight pass
     # replays the recorded backward, which reads a unit's freed values again where its input pass read
     # them (a third gather; a stage's input pass does not read every unit's)
     assert len(reduces) == units * STEPS, (len(reduces), units)

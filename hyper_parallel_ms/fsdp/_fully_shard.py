@@ -322,7 +322,7 @@ def _check_offload(offload_policy: Optional[OffloadPolicy]) -> None:
             "is not built; use OffloadPolicy() (keep them on the device)")
 
 
-def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_after_forward: Optional[Any] = True,
+def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_after_forward: Optional[Any] = None,
                 shard_placement_fn: Optional[Callable[[Parameter], Optional[Shard]]] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
                 ignored_params: Optional[Any] = None) -> Union[nn.Cell, List[nn.Cell]]:
@@ -340,12 +340,13 @@ def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_aft
         mesh: a 1-D :class:`DeviceMesh` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP); default: every
             rank on one dim. For a TP model, the dp mesh (``mesh["dp"]``): TP parameters get a joint
             (dp, tp) layout.
-        reshard_after_forward: ``True`` (default): in PyNative the gathered parameters are freed when the
-            forward ends and all-gathered again in the backward; an int ``k`` dividing the shard dim's
-            size: ``1/k`` of them is kept and the backward all-gathers over ``k`` ranks; ``False``: kept
-            until the backward, one all-gather per step; ``None`` (FSDP2's newer default): ``True``, and
-            ``False`` for the root unit (found at the first forward; :meth:`FSDPModule.set_reshard_after_forward`
-            before it overrides that). Compiled graphs keep them (:mod:`._compiled`).
+        reshard_after_forward: ``None`` (default, as FSDP2): ``True``, and ``False`` for the root unit
+            (found at the first forward; :meth:`FSDPModule.set_reshard_after_forward` before it overrides
+            that), whose parameters the backward needs first. ``True``: in PyNative the gathered parameters
+            are freed when the forward ends and all-gathered again in the backward; an int ``k`` dividing
+            the shard dim's size: ``1/k`` of them is kept and the backward all-gathers over ``k`` ranks;
+            ``False``: kept until the backward, one all-gather per step. Compiled graphs keep them
+            (:mod:`._compiled`).
         shard_placement_fn: FSDP2's ``param -> Shard(dim) | None``: the dim each parameter is cut on
             (``None``: dim 0; a negative dim counts from the end); its pieces are ``torch.chunk`` pieces
             of that dim, padded to equal size for the gathers, and its state-dict entry is ``Shard(dim)``.
