@@ -72,9 +72,17 @@ def _check_mesh_shape(mesh_shape: Sequence[int]) -> Shape:
 class Layout:
     """Placements of a tensor over a mesh, with the local-shape and offset arithmetic.
 
+    HyperParallel's (and MindSpore's) form is accepted too: ``Layout(mesh_shape, alias_name)``
+    names the mesh dims (every one Replicate), and calling a layout that has names with one
+    alias entry per tensor dim, or with placements, gives that tensor's layout
+    (``layout("dp", "None")``); such a layout serves wherever placements are taken.
+
     Args:
         mesh_shape: the device mesh shape, e.g. ``(2, 4)``.
-        placements: one ``Shard``/``Replicate``/``Partial`` per mesh dimension.
+        placements: one ``Shard``/``Replicate``/``Partial`` per mesh dimension, or (HyperParallel's
+            ``alias_name``) one name per mesh dimension.
+        rank_list: HyperParallel's: the ranks of the mesh in order; only ``range(prod(mesh_shape))``
+            (a layout holds no ranks: a sub-mesh is the :class:`DeviceMesh` a DTensor is given).
         mesh_dim_names: optional names of the mesh dimensions.
         shard_order: for a tensor dimension sharded by several mesh dimensions, the
             mesh dimensions from major to minor (default: ascending).
@@ -86,15 +94,33 @@ class Layout:
         [(2,), (2,), (1,), (0,)]
         >>> lay.global_offset((5,), (2,))
         (4,)
+        >>> Layout((2, 2), ("dp", "tp"))("tp", "None").placements
+        (Replicate(), Shard(dim=0))
     """
 
     __slots__ = ("mesh_shape", "mesh_dim_names", "placements", "shard_order", "_hash")
 
-    def __init__(self, mesh_shape: Sequence[int], placements: Sequence[Placement], *,
+    def __init__(self, mesh_shape: Sequence[int], placements: Sequence[Placement],
+                 rank_list: Optional[Sequence[int]] = None, *,
                  mesh_dim_names: Optional[Sequence[str]] = None,
                  shard_order: Optional[Mapping[int, Sequence[int]]] = None) -> None:
         shape = _check_mesh_shape(mesh_shape)
+        if rank_list is not None and tuple(rank_list) != tuple(range(prod(shape))):
+            raise NotImplementedError(
+                f"Layout rank_list {tuple(rank_list)}: a layout holds no ranks here; build the DeviceMesh of those "
+                f"ranks (DeviceMesh(device_type, mesh=np.array(rank_list).reshape({shape}), mesh_dim_names=...)) "
+                f"and give it with the placements")
         placements = tuple(placements)
+        if placements and all(isinstance(p, str) for p in placements):       # HyperParallel's alias_name
+            if mesh_dim_names is not None:
+                raise ValueError(f"Layout got mesh dim names twice: {placements} and mesh_dim_names={mesh_dim_names}")
+            if len(placements) != len(shape):
+                raise ValueError(f"Layout alias_name {placements} names {len(placements)} mesh dims of the "
+                                 f"{len(shape)}-D mesh {shape}")
+            if "None" in placements:
+                raise ValueError(f"Layout alias_name {placements}: 'None' means an unsharded tensor dim, it cannot "
+                                 f"name a mesh dim")
+            mesh_dim_names, placements = placements, (Replicate(),) * len(placements)
         if len(placements) != len(shape):
             raise ValueError(f"expected {len(shape)} placements for a {len(shape)}-D mesh {shape}, "
                              f"got {len(placements)}: {_fmt(placements)}")
@@ -162,6 +188,27 @@ class Layout:
             if len(axes) > 1 and axes != sorted(axes):
                 order[dim] = tuple(axes)
         return cls(shape, placements, mesh_dim_names=names, shard_order=order)
+
+    def __call__(self, *entries: Union[AliasEntry, Placement]) -> "Layout":
+        """HyperParallel's: this mesh's layout of a tensor, given one alias entry per tensor dim
+        (a mesh dim name, ``"None"``, or a tuple of names, major first), or one placement per mesh
+        dim (also as one tuple).
+
+        Example:
+            >>> Layout((2, 2), ("dp", "tp"))(("dp", "tp"), "None").placements
+            (Shard(dim=0), Shard(dim=0))
+        """
+        if len(entries) == 1 and isinstance(entries[0], (tuple, list)) and entries[0] and \
+                all(isinstance(p, Placement) for p in entries[0]):
+            entries = tuple(entries[0])
+        if entries and all(isinstance(p, Placement) for p in entries):
+            return Layout(self.mesh_shape, entries, mesh_dim_names=self.mesh_dim_names)
+        if any(isinstance(p, Placement) for p in entries):
+            raise TypeError(f"a layout call mixes Placement objects and alias names: {entries}; use one form")
+        if self.mesh_dim_names is None:
+            raise ValueError(f"alias entries {entries} need a layout with mesh dim names: "
+                             f"Layout({self.mesh_shape}, alias_name)")
+        return Layout.from_alias(self.mesh_shape, self.mesh_dim_names, entries)
 
     def to_alias(self, ndim: int) -> Tuple[AliasEntry, ...]:
         """Alias form (needs ``mesh_dim_names``); Partial placements are not representable.

@@ -156,11 +156,40 @@ def test_alias_layouts():
         Layout((2,), (Partial(),), mesh_dim_names=("tp",)).to_alias(1)
 
 
+def test_hyper_parallel_layout_form_called_per_tensor():
+    """HyperParallel's ``Layout(mesh_shape, alias_name, rank_list)``, called with one alias entry per
+    tensor dim or with placements, gives the same layouts as the placement form."""
+    layout = Layout((2, 2, 2), ("dp", "cp", "mp"), list(range(8)))
+    assert layout.mesh_dim_names == ("dp", "cp", "mp") and layout.placements == (Replicate(),) * 3
+    x = layout("dp", "None", "mp")
+    assert x == Layout((2, 2, 2), (Shard(0), Replicate(), Shard(2)), mesh_dim_names=("dp", "cp", "mp"))
+    assert x.local_shape((16, 6, 8), (1, 0, 1)) == (8, 6, 4) and x.to_alias(3) == ("dp", "None", "mp")
+    nested = layout(("mp", "dp"), "None")
+    assert nested == Layout.from_alias((2, 2, 2), ("dp", "cp", "mp"), (("mp", "dp"), "None"))
+    assert layout(Shard(1), Replicate(), Replicate()) == layout([Shard(1), Replicate(), Replicate()]) == \
+        layout("None", "dp")
+    assert layout("mp",).placements == (Replicate(), Replicate(), Shard(0))        # a 1-D tensor
+    with pytest.raises(ValueError, match="unknown mesh dim name 'tp'"):
+        layout("tp", "None")
+    with pytest.raises(TypeError, match="mixes Placement objects and alias names"):
+        layout(Shard(0), "None")
+    with pytest.raises(ValueError, match="need a layout with mesh dim names"):
+        Layout((2,), (Replicate(),))("dp")
+    with pytest.raises(ValueError, match="names 1 mesh dims of the 2-D mesh"):
+        Layout((2, 2), ("dp",))
+    with pytest.raises(ValueError, match="'None' means an unsharded tensor dim"):
+        Layout((2, 2), ("dp", "None"))
+    with pytest.raises(ValueError, match="mesh dim names twice"):
+        Layout((2,), ("dp",), mesh_dim_names=("dp",))
+    with pytest.raises(NotImplementedError, match="build the DeviceMesh of those ranks"):
+        Layout((2,), ("dp",), [4, 5])
+
+
 def test_layout_errors_and_value_semantics():
     with pytest.raises(ValueError, match="expected 2 placements"):
         Layout((2, 2), (Shard(0),))
     with pytest.raises(TypeError, match="Shard, Replicate or Partial"):
-        Layout((2,), ("S0",))
+        Layout((2, 2), (Shard(0), "S0"))
     with pytest.raises(ValueError, match="mesh shape"):
         Layout((0,), (Replicate(),))
     with pytest.raises(ValueError, match="Shard dim 2 is out of range for a 2-D tensor"):

@@ -7,6 +7,7 @@ import pytest
 from mindspore import Parameter, nn, ops
 
 from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
+from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.nn import ShardingPlan, distribute_module, shard_module
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
@@ -159,6 +160,14 @@ def test_seed_example_on_1d_mesh_with_alias_layouts_and_training():
         ref_opt(rg)
         opt(pg)
     np.testing.assert_allclose(net.weight.full_tensor().asnumpy(), ref.weight.asnumpy(), rtol=1e-5, atol=1e-5)
+    # the same plan in HyperParallel's Layout(mesh_shape, alias_name), called per tensor: the same values
+    layout = Layout((2,), ("tp",))
+    hp = shard_module(SeedNet(), mesh, ShardingPlan(
+        plan={"weight": layout("tp", "None")}, input_plan={"input": layout("None", "None"),
+                                                           "relu.input": (layout("None", "tp"),)},
+        output_plan={"output": (layout("None", "None"),)}, return_local_tensor=[""]))
+    assert hp.weight.placements == (S0,)
+    np.testing.assert_allclose(hp(x).asnumpy(), shard_module(SeedNet(), mesh, plan)(x).asnumpy(), rtol=1e-6)
 
 
 class TwoLayer(nn.Cell):

@@ -26,6 +26,7 @@ from mindspore import Tensor, nn
 from .._mindspore import refuse_while_compiling
 from ..dtensor import DTensor
 from ..dtensor._spec import to_layout
+from ..layout import Layout
 from ..mesh import DeviceMesh
 from ..placement import Placement
 from ._adapter import named_cells, own_parameters
@@ -169,14 +170,18 @@ class ShardingPlan:
 
 
 def _positions(value, key: str, mesh) -> Tuple[Optional[tuple], ...]:
-    """One placements entry per position (a single entry: the first tensor)."""
+    """One placements entry per position (a single entry: the first tensor); a :class:`Layout`
+    (HyperParallel's ``layout("dp", "None")``) is one entry."""
+    if isinstance(value, Layout):
+        return (value,)
     if not isinstance(value, (tuple, list)) or not value:
         raise TypeError(f"plan entry '{key}' must be a non-empty tuple of placements, got {value!r}")
     single = all(isinstance(v, (Placement, str)) or (isinstance(v, tuple) and v and all(isinstance(x, str) for x in v))
                  for v in value)
-    entries = (tuple(value),) if single else tuple(None if v is None else tuple(v) for v in value)
+    entries = (tuple(value),) if single else \
+        tuple(v if v is None or isinstance(v, Layout) else tuple(v) for v in value)
     for e in entries:
-        if e is not None and all(isinstance(p, Placement) for p in e) and len(e) != mesh.ndim:
+        if isinstance(e, tuple) and all(isinstance(p, Placement) for p in e) and len(e) != mesh.ndim:
             raise ValueError(f"plan entry '{key}': {len(e)} placements for the {mesh.ndim}-D mesh {mesh.shape}")
     return entries
 
@@ -270,8 +275,8 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
                 raise ValueError(f"plan key '{key}': the parameter '{n}' is a DTensor {p.placements} already (an "
                                  "earlier shard_module on a sub-Cell placed it); a sub-Cell's parameters are placed "
                                  "by its own plan: drop the key, or place it there")
-            to_layout(device_mesh, placements, p.ndim)            # raises for a bad count / dim / name
-            if any(isinstance(q, Placement) and q.is_partial() for q in placements):
+            layout = to_layout(device_mesh, placements, p.ndim)   # raises for a bad count / dim / name
+            if any(q.is_partial() for q in layout.placements):
                 raise ValueError(f"plan['{key}']: a parameter cannot be Partial, got {placements}")
             new_params[n] = placements
     _tie_planned(params, new_params, device_mesh)
