@@ -189,6 +189,26 @@ class Layout:
                 order[dim] = tuple(axes)
         return cls(shape, placements, mesh_dim_names=names, shard_order=order)
 
+    @classmethod
+    def from_device_mesh(cls, device_mesh) -> "Layout":
+        """HyperParallel's: the layout of ``device_mesh``'s shape and dim names (every dim Replicate),
+        to be called per tensor.
+
+        Example::
+
+            layout = Layout.from_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+            layout("dp", "None")
+        """
+        names = device_mesh.mesh_dim_names
+        if not names:
+            raise ValueError(f"Layout.from_device_mesh needs a mesh with mesh_dim_names, got {device_mesh!r}")
+        return cls(tuple(device_mesh.shape), tuple(names))
+
+    @property
+    def alias_name(self) -> Optional[Tuple[str, ...]]:
+        """HyperParallel's name for :attr:`mesh_dim_names`."""
+        return self.mesh_dim_names
+
     def __call__(self, *entries: Union[AliasEntry, Placement]) -> "Layout":
         """HyperParallel's: this mesh's layout of a tensor, given one alias entry per tensor dim
         (a mesh dim name, ``"None"``, or a tuple of names, major first), or one placement per mesh

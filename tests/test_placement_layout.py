@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import random
+import types
 
 import pytest
 
@@ -183,6 +184,10 @@ def test_hyper_parallel_layout_form_called_per_tensor():
         Layout((2,), ("dp",), mesh_dim_names=("dp",))
     with pytest.raises(NotImplementedError, match="build the DeviceMesh of those ranks"):
         Layout((2,), ("dp",), [4, 5])
+    mesh = types.SimpleNamespace(shape=(2, 2, 2), mesh_dim_names=("dp", "cp", "mp"))     # a DeviceMesh's surface
+    assert Layout.from_device_mesh(mesh) == layout and layout.alias_name == ("dp", "cp", "mp")
+    with pytest.raises(ValueError, match="needs a mesh with mesh_dim_names"):
+        Layout.from_device_mesh(types.SimpleNamespace(shape=(2,), mesh_dim_names=None))
 
 
 def test_layout_errors_and_value_semantics():
