@@ -48,6 +48,8 @@ _EXPORTS: Dict[str, str] = {
     "ScheduleLoopedBFS": "pipelining", "ScheduleZBVZeroBubble": "pipelining",
     "ScheduleInterleavedZeroBubble": "pipelining", "ScheduleDualPipeV": "pipelining",
     "plan": "", "simulate": "plan",
+    "init_process_group": "comm", "destroy_process_group": "comm", "get_process_group_ranks": "comm",
+    "get_backend": "comm", "split_group": "comm", "get_group_local_rank": "comm", "mark_created_groups": "comm",
 }
 __all__ = list(_EXPORTS)
 

@@ -29,7 +29,7 @@ from mindspore.communication import GlobalComm
 
 __all__ = ["CommGroup", "World", "is_initialized", "world_size", "world_rank", "device_target",
            "comm_group", "group_ranks", "device_key", "check_device_type", "process_world", "current_world",
-           "simulating", "DEVICE_TYPES"]
+           "simulating", "DEVICE_TYPES", "init_world", "release_world", "destroy_group", "adopt_group"]
 
 # user-facing device type -> MindSpore device target
 DEVICE_TYPES = {"cpu": "CPU", "npu": "Ascend", "ascend": "Ascend"}
@@ -201,8 +201,60 @@ class _GroupRegistry:
         self._names[ranks] = name
         return name
 
+    def adopt(self, ranks: Tuple[int, ...], name: str) -> None:
+        known = self._names.get(ranks)
+        if known is not None and known != name:
+            raise ValueError(f"ranks {ranks} have the group {known!r} already; {name!r} would be a second one")
+        self._names[ranks] = name
+
+    def forget(self, name: str) -> None:
+        for ranks in [r for r, n in self._names.items() if n == name]:
+            del self._names[ranks]
+
 
 _REGISTRY: Optional[_GroupRegistry] = None
+
+
+def _registry() -> _GroupRegistry:
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = _GroupRegistry()
+    return _REGISTRY
+
+
+def init_world(backend: Optional[str] = None) -> None:
+    """``mindspore.communication.init`` (``backend``: MindSpore's name, e.g. ``"hccl"``; ``None``: the
+    device's), unless it has run already."""
+    if is_initialized():
+        return
+    if backend is None:
+        comm_api.init()
+    else:
+        comm_api.init(backend)
+
+
+def release_world() -> None:
+    """``mindspore.communication.release``: every group of this process is gone (created again on use
+    after the next :func:`init_world`)."""
+    global _REGISTRY
+    comm_api.release()
+    _REGISTRY = None
+
+
+def destroy_group(name: str) -> None:
+    """Destroy the group ``name`` created by this process (not the world group)."""
+    if name == GlobalComm.WORLD_COMM_GROUP:
+        raise ValueError(f"{name!r} is the world group: release the whole world instead (destroy_process_group())")
+    comm_api.destroy_group(name)
+    _registry().forget(name)
+
+
+def adopt_group(name: str) -> Tuple[int, ...]:
+    """Record the existing MindSpore group ``name`` as its ranks' group (no second group is created
+    for them); returns its ranks."""
+    ranks = group_ranks(name)
+    _registry().adopt(ranks, name)
+    return ranks
 
 
 def comm_group(ranks: Sequence[int], world: Optional[World] = None) -> CommGroup:
@@ -212,7 +264,6 @@ def comm_group(ranks: Sequence[int], world: Optional[World] = None) -> CommGroup
     Every member must ask for its groups in the same order (SPMD); non-members must not
     ask at all.
     """
-    global _REGISTRY
     ranks = tuple(int(r) for r in ranks)
     me = world_rank() if world is None else world.rank
     if me not in ranks:
@@ -224,9 +275,7 @@ def comm_group(ranks: Sequence[int], world: Optional[World] = None) -> CommGroup
         name = None if len(ranks) == 1 else (GlobalComm.WORLD_COMM_GROUP if len(ranks) == world.size
                                              else _group_name(ranks))      # as a real world group is named
         return CommGroup(name, ranks, ranks.index(me), simulated=True)
-    if _REGISTRY is None:
-        _REGISTRY = _GroupRegistry()
-    return CommGroup(_REGISTRY.name_for(ranks), ranks, ranks.index(me))
+    return CommGroup(_registry().name_for(ranks), ranks, ranks.index(me))
 
 
 def group_ranks(group) -> Tuple[int, ...]:

@@ -225,3 +225,46 @@ def test_gradients_through_sum_collectives_in_graph_mode_cells():
     for kind in ("sum", "gather"):
         for eager, graph in zip(results[(ms.PYNATIVE_MODE, kind)], results[(ms.GRAPH_MODE, kind)]):
             np.testing.assert_allclose(graph, eager, rtol=1e-6, atol=1e-6, err_msg=kind)
+
+
+@multi_rank(4)
+def test_process_groups_by_pytorch_and_hyper_parallel_names():
+    """init_process_group / split_group / get_process_group_ranks / get_group_local_rank / get_backend /
+    mark_created_groups / destroy_process_group over MindSpore group names: a split group is the mesh's
+    group of the same ranks and reduces over its members only; what msrun decides is checked, not set."""
+    import datetime
+
+    from mindspore import ops
+
+    from hyper_parallel_ms import (destroy_process_group, get_backend, get_group_local_rank,
+                                   get_process_group_ranks, init_process_group, mark_created_groups, split_group)
+    me = ms.communication.get_rank()
+    init_process_group()                                   # up already: checked, nothing changes
+    init_process_group(world_size=4, rank=me)
+    with pytest.raises(ValueError, match=f"this process is rank {me} of 4"):
+        init_process_group(world_size=8)
+    with pytest.raises(ValueError, match="msrun's environment .* is the rendezvous"):
+        init_process_group(init_method="tcp://127.0.0.1:23456")
+    with pytest.warns(UserWarning, match="timeout not applied"):
+        init_process_group(timeout=datetime.timedelta(seconds=60))
+    assert get_process_group_ranks() == [0, 1, 2, 3] and get_group_local_rank() == me
+    assert get_backend() == "mccl"
+    pair = [[0, 1], [2, 3]][me // 2]
+    group = split_group(split_ranks=[[0, 1], [2, 3]])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert group == mesh.get_group("tp") and get_process_group_ranks(group) == pair
+    assert get_group_local_rank(group) == me % 2 == mesh.get_local_rank("tp")
+    total = ops.AllReduce(group=group)(ms.Tensor(np.array([me + 1.0], np.float32))).asnumpy()
+    assert total.tolist() == [float(sum(r + 1 for r in pair))]
+    # a lone rank's group has no communicator
+    assert split_group(split_ranks=[[0], [1], [2, 3]]) == (None if me < 2 else group)
+    mark_created_groups([group])                           # already this package's: nothing changes
+    assert split_group(split_ranks=[[0, 1], [2, 3]]) == group
+    with pytest.raises(ValueError, match="appear in two lists"):
+        split_group(split_ranks=[[0, 1], [1, 2, 3]])
+    with pytest.raises(ValueError, match="are not in the parent group"):
+        split_group(group, split_ranks=[[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="is the world group"):
+        destroy_process_group(ms.communication.GlobalComm.WORLD_COMM_GROUP)
+    with pytest.raises(TypeError, match="a group is a MindSpore group name"):
+        mark_created_groups([3])

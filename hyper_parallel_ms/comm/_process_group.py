@@ -1,0 +1,195 @@
+"""Process groups by PyTorch's and HyperParallel's names (``init_process_group``, ``split_group``, ...),
+over MindSpore's communication: a group is a MindSpore group name (``str``), the same object
+:meth:`DeviceMesh.get_group` returns, and ``None`` means the world group.
+
+Differences, by design of MindSpore's launch: msrun's environment is the rendezvous, so
+``init_method`` / ``store`` are refused and ``world_size`` / ``rank`` must match it;
+``init_process_group`` after the world is up checks and returns (PyTorch raises); a group is
+created on its member ranks only (``split_group`` returns ``None`` on the others, as PyTorch's
+``new_group`` gives non-members a non-member object).
+
+Example::
+
+    init_process_group()                       # under msrun
+    group = split_group(split_ranks=[[0, 1], [2, 3]])
+    get_process_group_ranks(group), get_group_local_rank(group), get_backend(group)
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, List, Optional, Sequence, Union
+
+from .. import _cluster
+
+__all__ = ["init_process_group", "destroy_process_group", "get_process_group_ranks", "get_backend", "split_group",
+           "get_group_local_rank", "mark_created_groups"]
+
+def _ranks(group: Optional[str]) -> tuple:
+    if not _cluster.is_initialized():
+        raise RuntimeError("communication is not initialized: call init_process_group() (under msrun) first")
+    if group is None:
+        return tuple(range(_cluster.world_size()))
+    return _cluster.group_ranks(group)
+
+
+def init_process_group(backend: Optional[str] = None, *, init_method: Optional[str] = None, timeout: Any = None,
+                       world_size: int = -1, rank: int = -1, store: Any = None, pg_options: Any = None,
+                       device_id: Any = None) -> None:
+    """Start this process's communication (``mindspore.communication.init``) and check it against the
+    arguments; a no-op check once it has started.
+
+    Args:
+        backend: ``None`` (the device's: HCCL on Ascend, MCCL on CPU) or MindSpore's backend name.
+        init_method: must be ``None``: msrun's environment is the rendezvous.
+        timeout: accepted; MindSpore reads it from its environment (``HCCL_EXEC_TIMEOUT``): a value
+            given warns that it is not applied (so do ``pg_options`` and ``device_id``).
+        world_size: ``-1``, or the number of ranks msrun's environment gives (else ``ValueError``).
+        rank: ``-1``, or this process's rank in msrun's environment (else ``ValueError``).
+        store: must be ``None``, as ``init_method``.
+        pg_options: accepted, not applied (warns).
+        device_id: accepted, not applied (warns; ``ms.set_device`` picks the device).
+
+    Example::
+
+        init_process_group()          # in a script started by msrun
+    """
+    if init_method is not None or store is not None:
+        raise ValueError("init_process_group: init_method / store are not used with MindSpore: msrun's "
+                         "environment (MS_SCHED_HOST, MS_WORKER_NUM, ...) is the rendezvous; drop them")
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"init_process_group {name} must be an int, got {value!r}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"init_process_group backend must be a str or None, got {backend!r}")
+    ignored = [n for n, v in (("timeout", timeout), ("pg_options", pg_options), ("device_id", device_id))
+               if v is not None]
+    if ignored:
+        warnings.warn(f"init_process_group: {', '.join(ignored)} not applied: MindSpore reads them from its "
+                      "environment (HCCL_EXEC_TIMEOUT, ms.set_device)", stacklevel=2)
+    _cluster.init_world(backend)
+    size, me = _cluster.world_size(), _cluster.world_rank()
+    if world_size not in (-1, size) or rank not in (-1, me):
+        raise ValueError(f"init_process_group(world_size={world_size}, rank={rank}): this process is rank {me} "
+                         f"of {size} (msrun's environment); launch with that many workers, or drop the arguments")
+
+
+def destroy_process_group(group: Optional[str] = None) -> None:
+    """End this process's communication, or destroy one group.
+
+    Args:
+        group: ``None``: end communication (``mindspore.communication.release``); a group name: destroy
+            that group (created by this process; not the world group).
+
+    Example::
+
+        destroy_process_group()       # at the end of a script
+    """
+    if group is None:
+        _cluster.release_world()
+        return
+    if not isinstance(group, str):
+        raise TypeError(f"a group is a MindSpore group name (str), got {group!r}")
+    _cluster.destroy_group(group)
+
+
+def get_process_group_ranks(group: Optional[str] = None) -> List[int]:
+    """The global ranks of a group, in group order.
+
+    Args:
+        group: a MindSpore group name; ``None``: the world.
+
+    Example::
+
+        get_process_group_ranks(mesh.get_group("tp"))      # [0, 1] on ranks 0 and 1 of a (2, 2) mesh
+    """
+    return list(_ranks(group))
+
+
+def get_group_local_rank(group: Optional[str] = None) -> int:
+    """This rank's index in a group.
+
+    Args:
+        group: a MindSpore group name holding this rank; ``None``: the world (the global rank).
+
+    Example::
+
+        get_group_local_rank(mesh.get_group("tp"))          # mesh.get_local_rank("tp")
+    """
+    ranks = _ranks(group)
+    me = _cluster.world_rank()
+    if me not in ranks:
+        raise ValueError(f"rank {me} is not in group {group!r} (ranks {list(ranks)})")
+    return ranks.index(me)
+
+
+def get_backend(group: Optional[str] = None) -> str:
+    """``"hccl"`` on Ascend, ``"mccl"`` on CPU ranks (MindSpore's own ``get_backend`` says ``"hccl"`` on
+    both).
+
+    Args:
+        group: a MindSpore group name (checked to be one this rank can see); ``None``: the world.
+
+    Example::
+
+        get_backend()                 # 'mccl' on CPU ranks
+    """
+    _ranks(group)
+    return "hccl" if _cluster.device_target() == "Ascend" else "mccl"
+
+
+def split_group(parent_pg: Optional[str] = None, split_ranks: Optional[Sequence[Sequence[int]]] = None,
+                timeout: Any = None, pg_options: Any = None, group_desc: Optional[str] = None) -> Optional[str]:
+    """Groups of ranks, each created on its members only; returns the group holding this rank.
+
+    Args:
+        parent_pg: the group the lists split (``None``: the world).
+        split_ranks: disjoint lists of global ranks within ``parent_pg``, the same on every rank.
+        timeout: accepted, not used (MindSpore's environment sets it).
+        pg_options: accepted, not used.
+        group_desc: accepted, not used (the group's name is derived from its ranks).
+
+    Returns:
+        The name of the group holding this rank; ``None`` where no list holds it, or where its list is
+        this rank alone (no communicator).
+
+    Example::
+
+        split_group(split_ranks=[[0, 1], [2, 3]])           # ranks 0, 1: their group's name
+    """
+    del timeout, pg_options, group_desc
+    if not split_ranks:
+        raise ValueError("split_group: split_ranks cannot be None or empty")
+    parent = set(_ranks(parent_pg))
+    seen: set = set()
+    lists = []
+    for ranks in split_ranks:
+        ranks = [int(r) for r in ranks]
+        if not ranks or sorted(set(ranks)) != sorted(ranks):
+            raise ValueError(f"split_group: each list must be non-empty without repeats, got {ranks}")
+        if not set(ranks) <= parent:
+            raise ValueError(f"split_group: ranks {sorted(set(ranks) - parent)} are not in the parent group "
+                             f"{sorted(parent)}")
+        if seen & set(ranks):
+            raise ValueError(f"split_group: rank(s) {sorted(seen & set(ranks))} appear in two lists")
+        seen |= set(ranks)
+        lists.append(sorted(ranks))
+    me = _cluster.world_rank()
+    mine = [ranks for ranks in lists if me in ranks]
+    return _cluster.comm_group(mine[0]).name if mine else None
+
+
+def mark_created_groups(process_group: Union[str, Sequence[str]]) -> None:
+    """Record groups created outside this package (``mindspore.communication.create_group``) as their
+    ranks' groups, so that meshes and :func:`split_group` over the same ranks use them.
+
+    Args:
+        process_group: a group name, or a list of them.
+
+    Example::
+
+        create_group("tp_0", [0, 1]); mark_created_groups("tp_0")
+    """
+    for name in ([process_group] if isinstance(process_group, str) else list(process_group)):
+        if not isinstance(name, str):
+            raise TypeError(f"a group is a MindSpore group name (str), got {name!r}")
+        _cluster.adopt_group(name)
