@@ -182,6 +182,15 @@ def test_pytorch_names_of_the_pipelining_api():
                                   x.T.asnumpy())
     cell = nn.Dense(2, 2)
     assert pl.PipelineStage(cell, 0, 1).submod is cell
+    # HyperParallel's keywords: stage_num (num_stages' other name), has_backward
+    assert pl.PipelineStage(cell, 0, stage_num=1).num_stages == 1 == pl.PipelineStage(cell, 0, 1, stage_num=1).num_stages
+    assert pl.PipelineStage(cell, 0, 1).has_backward and not pl.PipelineStage(cell, 0, 1, has_backward=False).has_backward
+    with pytest.raises(TypeError, match=r"num_stages \(PyTorch\) or stage_num \(HyperParallel\)"):
+        pl.PipelineStage(cell, 0)
+    with pytest.raises(ValueError, match="num_stages=1 and stage_num=2"):
+        pl.PipelineStage(cell, 0, 1, stage_num=2)
+    with pytest.raises(TypeError, match="has_backward must be True or False"):
+        pl.PipelineStage(cell, 0, 1, has_backward=1)
 
 
 @multi_rank(2)
@@ -215,3 +224,15 @@ def test_run_returns_hyperparallel_lists_per_microbatch():
             np.testing.assert_allclose(o.asnumpy(), w, rtol=RTOL, atol=ATOL)
     else:
         assert outs == []
+    # HyperParallel's has_backward=False on the first stage only: the pp ranks agree, and the schedule
+    # runs forwards (the losses) with no backward on either rank
+    from hyper_parallel_ms import pipelining as pl
+    stages = [pl.PipelineStage(st.submodule, st.stage_index, stage_num=st.num_stages, mesh=mesh,
+                               has_backward=bool(st.stage_index)) for st in schedule.stages]
+    frozen = pl.ScheduleGPipe(stages[0], 4, loss_fn)
+    assert frozen.has_backward is False and not frozen.forward_only
+    got = frozen.run(*(() if last else (x,)), target=y if last else None)
+    if last:
+        np.testing.assert_allclose([float(v.asnumpy()) for v in got], want_loss, rtol=RTOL, atol=ATOL)
+    with pytest.raises(pl.ScheduleError, match="has_backward=False"):
+        frozen.gradients()

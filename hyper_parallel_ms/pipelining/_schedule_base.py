@@ -129,17 +129,20 @@ class PipelineSchedule:
             raise ScheduleError(f"{name}: {num_stages} stages do not fit the pp mesh of {pp} ranks with {v} stage(s) "
                                 f"per rank; use num_stages = {pp * v} or a pp mesh of {num_stages // v or 1} ranks")
         plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v)
-        flags = np.zeros((pp, 2), np.float32)
+        flags = np.zeros((pp, 3), np.float32)
         flags[me] = (tuple(st.stage_index for st in stages) != plan.stages_of(me),
-                     plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None)
+                     plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None,
+                     not all(st.has_backward for st in stages))
         high, _ = extremes(flags.ravel(), mesh)
-        high = high.reshape(pp, 2)
+        high = high.reshape(pp, 3)
         wrong = [f"rank {r} must hold stages {plan.stages_of(r)} ({self.schedule_name} placement)"
                  for r in range(pp) if high[r, 0]]
         if wrong:
             raise ScheduleError(f"{name}: " + "; ".join(wrong))
         # the last stage without loss_fn: forward only (PyTorch's schedules without a loss), on every rank
         self.forward_only = bool(high[:, 1].any())
+        # a stage built with has_backward=False (HyperParallel's): every step runs as eval, on every rank
+        self.has_backward = not high[:, 2].any()
         return plan
 
     # --------------------------------------------------------------- one step
@@ -173,7 +176,7 @@ class PipelineSchedule:
             losses = []
             schedule.step(x, target=y, losses=losses)
         """
-        return self._step(args, kwargs, target, losses, self.forward_only, return_outputs)
+        return self._step(args, kwargs, target, losses, self.forward_only or not self.has_backward, return_outputs)
 
     def eval(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
              **kwargs: object):
@@ -272,7 +275,7 @@ class PipelineSchedule:
         if self.forward_only:
             got.extend(self._step(args, kwargs, target, None, True, "microbatches"))
         else:
-            self._step(args, kwargs, target, got, False, False)
+            self._step(args, kwargs, target, got, not self.has_backward, False)
         return got
 
     def parameters(self) -> List[ms.Parameter]:
@@ -305,6 +308,10 @@ class PipelineSchedule:
         if self.forward_only:
             raise ScheduleError(f"{type(self).__name__} has no loss_fn on its last stage and runs forward only: no "
                                 "gradients; pass loss_fn=... when building the schedule to train")
+        if not self.has_backward:
+            raise ScheduleError(f"{type(self).__name__} holds a stage built with has_backward=False (on some pp rank) "
+                                "and runs forwards only: no gradients; build every stage with has_backward=True to "
+                                "train")
         return self._runtime.gradients() if self._grads is None else self._grads
 
     @property

@@ -91,6 +91,9 @@ class PipelineStage:
         group: PyTorch's process group of the pipeline: here the 1-D pp :class:`DeviceMesh` (as ``mesh``).
         dw_builder: PyTorch's custom weight-gradient builder: not built (refused unless ``None``).
         mesh: the 1-D pipeline :class:`DeviceMesh` (default: every rank, one dim named "pp").
+        stage_num: HyperParallel's name of ``num_stages`` (give either).
+        has_backward: HyperParallel's: ``False`` makes every schedule holding this stage run forwards only
+            (the pp ranks agree on it when the schedule is built), as a schedule without ``loss_fn`` does.
         jit: compile the stage: each micro-batch's forward (with ``loss_fn`` on the last stage)
             runs as one ``ms.jit`` graph, and its backward as the compiled backward graph of that
             forward, reading the activations the forward kept (the forward is not run again);
@@ -106,11 +109,21 @@ class PipelineStage:
         schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
     """
 
-    def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: int, device: Any = None,
+    def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: Optional[int] = None, device: Any = None,
                  input_args: Any = None, output_args: Any = None, group: Any = None, dw_builder: Any = None, *,
-                 mesh=None, jit: bool = False) -> None:
+                 mesh=None, jit: bool = False, stage_num: Optional[int] = None, has_backward: bool = True) -> None:
         if not isinstance(submodule, nn.Cell):
             raise TypeError(f"PipelineStage needs an nn.Cell as submodule, got {type(submodule).__name__}")
+        if num_stages is None:
+            if stage_num is None:
+                raise TypeError("PipelineStage needs the number of stages: num_stages (PyTorch) or stage_num "
+                                "(HyperParallel)")
+            num_stages = stage_num
+        elif stage_num is not None and stage_num != num_stages:
+            raise ValueError(f"PipelineStage got num_stages={num_stages} and stage_num={stage_num}; they name the same "
+                             f"number: give one")
+        if not isinstance(has_backward, bool):
+            raise TypeError(f"PipelineStage has_backward must be True or False, got {has_backward!r}")
         for name, value in (("num_stages", num_stages), ("stage_index", stage_index)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"PipelineStage {name} must be an int, got {value!r}")
@@ -139,6 +152,7 @@ class PipelineStage:
         self.num_stages = num_stages
         self.mesh = mesh
         self.jit = jit
+        self.has_backward = has_backward
 
     @property
     def is_first(self) -> bool:
