@@ -191,6 +191,8 @@ def test_pytorch_names_of_the_pipelining_api():
         pl.PipelineStage(cell, 0, 1, stage_num=2)
     with pytest.raises(TypeError, match="has_backward must be True or False"):
         pl.PipelineStage(cell, 0, 1, has_backward=1)
+    with pytest.raises(TypeError, match="fifth positional argument is group: pass group= or mesh= by keyword"):
+        pl.PipelineStage(cell, 0, 1, None, "hccl_world_group")          # HyperParallel's positional group
 
 
 @multi_rank(2)

@@ -55,8 +55,10 @@ def _shapes_of(args: Any, what: str) -> Optional[Tuple[Tuple[int, ...], ...]]:
         return None
     items = tree_leaves(args)
     if not all(isinstance(t, Tensor) for t in items):
+        hint = " (HyperParallel's fifth positional argument is group: pass group= or mesh= by keyword)" if \
+            what == "input_args" and not isinstance(args, (tuple, list, dict)) else ""
         raise TypeError(f"PipelineStage {what} must be a Tensor or a tuple of Tensors (one micro-batch; nested "
-                        f"tuples, lists and dicts of Tensors too), got {args!r}")
+                        f"tuples, lists and dicts of Tensors too), got {args!r}{hint}")
     return tuple(tuple(t.shape) for t in items)
 
 
