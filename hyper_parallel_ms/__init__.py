@@ -39,7 +39,7 @@ _EXPORTS: Dict[str, str] = {
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
     "OffloadPolicy": "fsdp", "CPUOffloadPolicy": "fsdp", "register_fsdp_forward_method": "fsdp",
     "hsdp_sync_stream": "fsdp", "hsdp_wait_grad_handle": "fsdp", "UnshardHandle": "fsdp",
-    "HSDPCell": "fsdp", "init_parameters": "fsdp", "no_init_parameters": "nn", "init_empty_weights": "nn",
+    "HSDPCell": "fsdp", "init_parameters": "fsdp", "no_init_parameters": "nn", "init_empty_weights": "nn", "init_on_device": "nn",
     "local_map": "ops", "custom_shard": "ops",
     "clip_grad_norm": "training", "TotalGradNorm": "training", "all_finite": "training",
     "checkpoint_wrapper": "training", "apply_activation_checkpointing": "training",

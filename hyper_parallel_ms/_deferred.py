@@ -39,10 +39,11 @@ import numpy as np
 from mindspore import Parameter, Tensor
 from mindspore.nn.utils import no_init_parameters as _mindspore_no_init_parameters
 
+from . import _cluster
 from ._mindspore import (deferred_creation_hooked, draw_numpy_seed, fill_deferred, initial_array, initializer_draws,
                          pending_init)
 
-__all__ = ["no_init_parameters", "init_empty_weights", "initial_value", "initialise", "check_initial_values",
+__all__ = ["no_init_parameters", "init_empty_weights", "init_on_device", "initial_value", "initialise", "check_initial_values",
            "unrecorded_notice"]
 
 _RECORD = "_hpms_init_record"
@@ -113,6 +114,34 @@ def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
     del include_buffers                    # MindSpore has no buffers apart from Parameters
     with no_init_parameters():
         yield
+
+
+@contextmanager
+def init_on_device(device: object, include_buffers: bool = False) -> Iterator[None]:
+    """HyperParallel's ``init_on_device``: ``"meta"`` defers the Parameters made inside (as
+    :func:`init_empty_weights`); this rank's device (``"cpu"``, ``"npu"``, ``"npu:0"``, ``"Ascend"``)
+    changes nothing, MindSpore placing every tensor on the device ``ms.set_device`` chose; another
+    device is refused.
+
+    Args:
+        device: ``"meta"`` or this rank's device (a string, or an object whose ``str`` is one).
+        include_buffers: as :func:`init_empty_weights`.
+
+    Example::
+
+        with init_on_device("meta"):
+            model = Llama(config)          # no memory for the weights yet
+    """
+    name = str(device)
+    if name == "meta":
+        with init_empty_weights(include_buffers):
+            yield
+        return
+    kind = name.split(":")[0]
+    if _cluster.device_key(kind) != ("npu" if _cluster.device_target() == "Ascend" else "cpu"):
+        raise ValueError(f"init_on_device({device!r}): this rank computes on {_cluster.device_target()} "
+                         f"(ms.set_device); use 'meta' or this device")
+    yield
 
 
 def _warn(names: List[str], when: str) -> None:

@@ -21,7 +21,7 @@ from mindspore.common.initializer import (HeUniform, Initializer, Normal, Orthog
                                           XavierUniform, initializer)
 from mindspore.nn.utils import no_init_parameters as mindspore_no_init_parameters
 
-from hyper_parallel_ms import init_empty_weights, init_parameters, no_init_parameters
+from hyper_parallel_ms import init_empty_weights, init_on_device, init_parameters, no_init_parameters
 from hyper_parallel_ms._deferred import initial_value
 from hyper_parallel_ms.testing import multi_rank
 
@@ -117,6 +117,17 @@ def test_deferred_values_equal_eager_in_creation_order():
     _assert_equal_params(init_parameters(empty, stage_index=1), eager)     # HyperParallel's stage index: checked
     with pytest.raises(ValueError, match="stage_index must be a non-negative int"):
         init_parameters(empty, stage_index=-1)
+    # HyperParallel's init_on_device: "meta" defers as init_empty_weights; this rank's device changes nothing
+    meta, meta_state = _built(Orders, lambda: init_on_device("meta"))
+    assert meta.p.has_init and meta.a.weight.has_init
+    np.testing.assert_array_equal(meta_state, eager_state)
+    _assert_equal_params(init_parameters(meta), eager)
+    here, _ = _built(Orders, lambda: init_on_device("cpu:0"))
+    assert not here.p.has_init
+    _assert_equal_params(here, eager)
+    with pytest.raises(ValueError, match="this rank computes on CPU"):
+        with init_on_device("npu"):
+            pass
 
 
 def _no_share() -> Orders:

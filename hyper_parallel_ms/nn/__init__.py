@@ -6,7 +6,7 @@ Example::
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
     parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 """
-from .._deferred import init_empty_weights, no_init_parameters
+from .._deferred import init_empty_weights, init_on_device, no_init_parameters
 from ._distribute import ShardingPlan, distribute_module, shard_module
 from ._gradients import GradientReducer
 from ._loss_parallel import ParallelCrossEntropy, loss_parallel, parallel_cross_entropy
@@ -19,4 +19,4 @@ __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParal
            "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "GradientReducer",
            "ParameterSharding", "parameter_sharding", "as_dtensor", "distribute_module", "ShardingPlan",
            "shard_module", "loss_parallel", "ParallelCrossEntropy", "parallel_cross_entropy",
-           "no_init_parameters", "init_empty_weights"]
+           "no_init_parameters", "init_empty_weights", "init_on_device"]
