@@ -46,7 +46,7 @@ _EXPORTS: Dict[str, str] = {
     "pipelining": "", "PipelineStage": "pipelining", "split_blocks": "pipelining",
     "ScheduleGPipe": "pipelining", "Schedule1F1B": "pipelining", "ScheduleInterleaved1F1B": "pipelining",
     "ScheduleLoopedBFS": "pipelining", "ScheduleZBVZeroBubble": "pipelining",
-    "ScheduleInterleavedZeroBubble": "pipelining", "ScheduleDualPipeV": "pipelining",
+    "ScheduleInterleavedZeroBubble": "pipelining", "ScheduleDualPipeV": "pipelining", "BatchDimSpec": "pipelining",
     "plan": "", "simulate": "plan",
     "init_process_group": "comm", "destroy_process_group": "comm", "get_process_group_ranks": "comm",
     "get_backend": "comm", "split_group": "comm", "get_group_local_rank": "comm", "mark_created_groups": "comm",

@@ -116,6 +116,16 @@ def test_chunk_specs_split_and_merge_along_their_dims_and_bad_specs_are_named():
         split_dims((), kw, None, {"pair": (TensorChunkSpec(0),)})
     with pytest.raises(TypeError, match="TensorChunkSpec takes an int"):
         TensorChunkSpec("1")
+    # HyperParallel's BatchDimSpec is a TensorChunkSpec by another name
+    from hyper_parallel_ms.pipelining import BatchDimSpec
+    assert BatchDimSpec(1) == TensorChunkSpec(1) and BatchDimSpec(1).batch_dim == 1
+    assert BatchDimSpec.from_tuple((0, 1)) == (BatchDimSpec(0), BatchDimSpec(1))
+    assert BatchDimSpec.from_dict({"m": 2}) == {"m": TensorChunkSpec(2)}
+    assert split_dims((x, x), {}, (BatchDimSpec(-2), None), None) == [1, None]
+    with pytest.raises(TypeError, match="batch_dims must be tuple"):
+        BatchDimSpec.from_tuple([0])
+    with pytest.raises(TypeError, match="batch_dim must be int"):
+        BatchDimSpec("0")
     for bad in (dict(args_spec=TensorChunkSpec(0)), dict(kwargs_spec=(TensorChunkSpec(0),)),
                 dict(merge_spec={"a": 1})):
         with pytest.raises(TypeError, match="chunk_spec|merge_spec"):
@@ -189,6 +199,9 @@ def test_pytorch_names_of_the_pipelining_api():
         pl.PipelineStage(cell, 0)
     with pytest.raises(ValueError, match="num_stages=1 and stage_num=2"):
         pl.PipelineStage(cell, 0, 1, stage_num=2)
+    with pytest.raises(ValueError, match="args_chunk_spec and args_batch_dim"):
+        pl.ScheduleGPipe(pl.PipelineStage(cell, 0, 1), 2, args_chunk_spec=(pl.TensorChunkSpec(0),),
+                         args_batch_dim=[pl.BatchDimSpec(0)])
     with pytest.raises(TypeError, match="has_backward must be True or False"):
         pl.PipelineStage(cell, 0, 1, has_backward=1)
     with pytest.raises(TypeError, match="fifth positional argument is group: pass group= or mesh= by keyword"):

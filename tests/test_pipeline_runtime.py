@@ -100,8 +100,13 @@ def test_uneven_microbatches_and_keyword_inputs_equal_one_device(name, n, jit):
         model = pl.split_blocks(MaskedModel(num_stages), s, num_stages, first=("embed",), last=("head",))
         stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
     cls = {"GPipe": pl.ScheduleGPipe, "1F1B": pl.Schedule1F1B, "ZBVZeroBubble": pl.ScheduleZBVZeroBubble}[name]
-    schedule = cls(stages[0] if v == 1 else stages, n, loss_fn, (pl.TensorChunkSpec(1),),
-                   {"masks": {"scale": pl.TensorChunkSpec(0), "bias": [pl.TensorChunkSpec(1)]}})
+    if name == "1F1B":         # HyperParallel's names: micro_batch_num, args_batch_dim, kwargs_batch_dim
+        schedule = cls(stages[0], micro_batch_num=n, loss_fn=loss_fn, args_batch_dim=[pl.BatchDimSpec(1)],
+                       kwargs_batch_dim={"masks": {"scale": pl.BatchDimSpec(0), "bias": [pl.BatchDimSpec(1)]}},
+                       overlap_p2p=True)
+    else:
+        schedule = cls(stages[0] if v == 1 else stages, n, loss_fn, (pl.TensorChunkSpec(1),),
+                       {"masks": {"scale": pl.TensorChunkSpec(0), "bias": [pl.TensorChunkSpec(1)]}})
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
     opt = optimizer(schedule.parameters())
     for step, size in enumerate((7, 10)):

@@ -33,7 +33,7 @@ __all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "TransferFa
            "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
            "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",
-           "ScheduleDualPipeV", "TensorChunkSpec",
+           "ScheduleDualPipeV", "TensorChunkSpec", "BatchDimSpec",
            "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class", "split_args_kwargs_into_chunks", "merge_chunks"]
 
@@ -42,7 +42,7 @@ _RUNTIME = ("PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe"
             "ScheduleDualPipeV", "PipelineScheduleSingle",
             "PipelineScheduleMulti",
             "get_schedule_class")
-_MICROBATCH = ("TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks")
+_MICROBATCH = ("TensorChunkSpec", "BatchDimSpec", "split_args_kwargs_into_chunks", "merge_chunks")
 
 
 def __getattr__(name: str):

@@ -21,7 +21,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-__all__ = ["TensorChunkSpec", "chunk_sizes", "split_microbatches", "split_dims", "merge_chunks",
+__all__ = ["TensorChunkSpec", "BatchDimSpec", "chunk_sizes", "split_microbatches", "split_dims", "merge_chunks",
            "split_args_kwargs_into_chunks", "tree_leaves",
            "tree_unflatten", "signature", "fitting_signature", "like_tensors", "HEADER", "MAX_TENSORS",
            "MAX_NDIM", "as_tuple", "is_float", "stage_outputs"]
@@ -157,6 +157,63 @@ class TensorChunkSpec:
             kwargs_chunk_spec = TensorChunkSpec.from_dict({"mask": 1})
         """
         return {k: TensorChunkSpec(d) for k, d in chunk_dims.items()}
+
+
+class BatchDimSpec(TensorChunkSpec):
+    """HyperParallel's name of :class:`TensorChunkSpec`: the dim a Tensor of the batch splits along
+    (a schedule's ``args_batch_dim`` / ``kwargs_batch_dim``).
+
+    Args:
+        batch_dim: the batch dim; negative counts from the end.
+
+    Example::
+
+        ScheduleGPipe(stage, micro_batch_num=4, loss_fn=loss_fn, args_batch_dim=[BatchDimSpec(1)])
+        BatchDimSpec.from_tuple((1, 0))               # (BatchDimSpec(1), BatchDimSpec(0))
+    """
+
+    def __init__(self, batch_dim: int) -> None:
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
+            raise TypeError(f"batch_dim must be int, but got type {type(batch_dim)}.")
+        super().__init__(batch_dim)
+
+    @property
+    def batch_dim(self) -> int:
+        """The batch dim (:attr:`split_dim`)."""
+        return self.split_dim
+
+    def __repr__(self) -> str:
+        return f"BatchDimSpec({self.split_dim})"
+
+    @staticmethod
+    def from_tuple(batch_dims: Tuple[int, ...]) -> Tuple["BatchDimSpec", ...]:
+        """One spec per positional input.
+
+        Args:
+            batch_dims: a batch dim per input (a tuple).
+
+        Example::
+
+            args_batch_dim = BatchDimSpec.from_tuple((0, 1))
+        """
+        if not isinstance(batch_dims, tuple):
+            raise TypeError(f"batch_dims must be tuple, but got type {type(batch_dims)}.")
+        return tuple(BatchDimSpec(d) for d in batch_dims)
+
+    @staticmethod
+    def from_dict(batch_dims: Dict[str, int]) -> Dict[str, "BatchDimSpec"]:
+        """One spec per keyword input.
+
+        Args:
+            batch_dims: a batch dim per keyword (a dict).
+
+        Example::
+
+            kwargs_batch_dim = BatchDimSpec.from_dict({"mask": 1})
+        """
+        if not isinstance(batch_dims, dict):
+            raise TypeError(f"batch_dims must be dict, but got type {type(batch_dims)}.")
+        return {k: BatchDimSpec(d) for k, d in batch_dims.items()}
 
 
 def _dims_of(value: object, spec: Any, what: str) -> List[Optional[int]]:

@@ -24,7 +24,7 @@ from ..comm._agreement import extremes
 from ._action import PipelineError, ScheduleError
 from ._batch import (BAD_SPEC, TARGET_WITHOUT_LOSS, batch_message, batch_problem, check_chunk_specs,
                      microbatch_weights)
-from ._microbatch import merge_chunks, split_dims, split_microbatches
+from ._microbatch import TensorChunkSpec, merge_chunks, split_dims, split_microbatches
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec, check_names_unshared
@@ -51,7 +51,21 @@ _SHARED_ARGS = """\
         shared_parameters: names (or tuples of names) of parameters several stages hold, e.g. an
             embedding tied to the head on the last stage: their gradients are summed over the stages
             holding them (one all-reduce per parameter and step over exactly the ranks holding it).
+        args_batch_dim: HyperParallel's name for ``args_chunk_spec`` (a list of :class:`BatchDimSpec`).
+        kwargs_batch_dim: HyperParallel's name for ``kwargs_chunk_spec``.
+        output_concat_dim: HyperParallel's name for ``output_merge_spec`` (an int: that dim).
+        overlap_p2p: HyperParallel's: accepted; the transfers here are synchronous either way (the values
+            are the same).
 """
+
+
+def _either(pytorch: Any, hyper_parallel: Any, pytorch_name: str, hyper_parallel_name: str, name: str) -> Any:
+    """The chunk spec given under PyTorch's name or HyperParallel's (a list taken as a tuple); not both."""
+    if hyper_parallel is None:
+        return pytorch
+    if pytorch is not None:
+        raise ValueError(f"{name} got {pytorch_name} and {hyper_parallel_name} (HyperParallel's name for it); give one")
+    return tuple(hyper_parallel) if isinstance(hyper_parallel, list) else hyper_parallel
 
 
 def shared_args(cls: type) -> type:
@@ -85,7 +99,18 @@ class PipelineSchedule:
                  loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
                  kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
                  scale_grads: bool = True, micro_batch_num: Optional[int] = None,
-                 shared_parameters: Optional[SharedSpec] = None) -> None:
+                 shared_parameters: Optional[SharedSpec] = None, args_batch_dim: Optional[Sequence[Any]] = None,
+                 kwargs_batch_dim: Optional[Dict[str, Any]] = None, output_concat_dim: Any = None,
+                 overlap_p2p: bool = False) -> None:
+        name = type(self).__name__
+        args_chunk_spec = _either(args_chunk_spec, args_batch_dim, "args_chunk_spec", "args_batch_dim", name)
+        kwargs_chunk_spec = _either(kwargs_chunk_spec, kwargs_batch_dim, "kwargs_chunk_spec", "kwargs_batch_dim", name)
+        if isinstance(output_concat_dim, int) and not isinstance(output_concat_dim, bool):
+            output_concat_dim = TensorChunkSpec(output_concat_dim)
+        output_merge_spec = _either(output_merge_spec, output_concat_dim, "output_merge_spec", "output_concat_dim",
+                                    name)
+        if not isinstance(overlap_p2p, bool):
+            raise TypeError(f"{name} overlap_p2p must be True or False, got {overlap_p2p!r}")
         check_chunk_specs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec, type(self).__name__)
         if (n_microbatches is None) == (micro_batch_num is None):
             raise TypeError(f"{type(self).__name__} needs n_microbatches (or HyperParallel's micro_batch_num), "

@@ -39,12 +39,16 @@ class PipelineScheduleSingle(PipelineSchedule):
     def __init__(self, stage: PipelineStage, n_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
                  args_chunk_spec: Optional[Sequence[Any]] = None, kwargs_chunk_spec: Optional[Dict[str, Any]] = None,
                  output_merge_spec: Any = None, *, scale_grads: bool = True, micro_batch_num: Optional[int] = None,
-                 shared_parameters: Optional[SharedSpec] = None) -> None:
+                 shared_parameters: Optional[SharedSpec] = None, args_batch_dim: Optional[Sequence[Any]] = None,
+                 kwargs_batch_dim: Optional[Dict[str, Any]] = None, output_concat_dim: Any = None,
+                 overlap_p2p: bool = False) -> None:
         if not isinstance(stage, PipelineStage):
             raise TypeError(f"{type(self).__name__} runs one PipelineStage per rank, got {type(stage).__name__}; "
                             f"use ScheduleInterleaved1F1B for several")
         super().__init__([stage], n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters)
+                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters,
+                         args_batch_dim=args_batch_dim, kwargs_batch_dim=kwargs_batch_dim,
+                         output_concat_dim=output_concat_dim, overlap_p2p=overlap_p2p)
 
 
 @shared_args
@@ -106,10 +110,14 @@ class PipelineScheduleMulti(PipelineSchedule):
                  loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
                  kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
                  scale_grads: bool = True, micro_batch_num: Optional[int] = None,
-                 shared_parameters: Optional[SharedSpec] = None) -> None:
+                 shared_parameters: Optional[SharedSpec] = None, args_batch_dim: Optional[Sequence[Any]] = None,
+                 kwargs_batch_dim: Optional[Dict[str, Any]] = None, output_concat_dim: Any = None,
+                 overlap_p2p: bool = False) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else stages
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters)
+                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters,
+                         args_batch_dim=args_batch_dim, kwargs_batch_dim=kwargs_batch_dim,
+                         output_concat_dim=output_concat_dim, overlap_p2p=overlap_p2p)
 
 
 @shared_args
