@@ -48,8 +48,9 @@ _EXPORTS: Dict[str, str] = {
     "ScheduleLoopedBFS": "pipelining", "ScheduleZBVZeroBubble": "pipelining",
     "ScheduleInterleavedZeroBubble": "pipelining", "ScheduleDualPipeV": "pipelining", "BatchDimSpec": "pipelining",
     "plan": "", "simulate": "plan",
-    "init_process_group": "comm", "destroy_process_group": "comm", "get_process_group_ranks": "comm",
-    "get_backend": "comm", "split_group": "comm", "get_group_local_rank": "comm", "mark_created_groups": "comm",
+    "process_group": "", "init_process_group": "process_group", "destroy_process_group": "process_group",
+    "get_process_group_ranks": "process_group", "get_backend": "process_group", "split_group": "process_group",
+    "get_group_local_rank": "process_group", "mark_created_groups": "process_group",
 }
 __all__ = list(_EXPORTS)
 

@@ -260,6 +260,8 @@ def test_process_groups_by_pytorch_and_hyper_parallel_names():
     assert split_group(split_ranks=[[0], [1], [2, 3]]) == (None if me < 2 else group)
     mark_created_groups([group])                           # already this package's: nothing changes
     assert split_group(split_ranks=[[0, 1], [2, 3]]) == group
+    with pytest.raises(ValueError, match="were given different split_ranks"):     # raised on every rank
+        split_group(split_ranks=[[0, 1], [2, 3]] if me else [[0, 2], [1, 3]])
     with pytest.raises(ValueError, match="appear in two lists"):
         split_group(split_ranks=[[0, 1], [1, 2, 3]])
     with pytest.raises(ValueError, match="are not in the parent group"):

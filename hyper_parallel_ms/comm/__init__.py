@@ -47,15 +47,11 @@ from ..placement import REDUCE_OPS
 from . import _composed, _exact, _native, _simulated, _traffic
 from ._broadcast import broadcast as _broadcast
 from ._p2p import recv, send
-from ._process_group import (destroy_process_group, get_backend, get_group_local_rank, get_process_group_ranks,
-                             init_process_group, mark_created_groups, split_group)
 from .capability import CAPABILITIES, COLLECTIVES, POINT_TO_POINT, force_path, select_path, table
 from .debug import CommDebugMode, CommRecord, record
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "CommDebugMode",
-           "CommRecord", "CAPABILITIES", "COLLECTIVES", "POINT_TO_POINT", "force_path", "select_path", "table",
-           "init_process_group", "destroy_process_group", "get_process_group_ranks", "get_backend", "split_group",
-           "get_group_local_rank", "mark_created_groups"]
+           "CommRecord", "CAPABILITIES", "COLLECTIVES", "POINT_TO_POINT", "force_path", "select_path", "table"]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, List, Optional, Sequence, Union
 
-from .. import _cluster
+import numpy as np
+
+from . import _cluster
+from .comm._agreement import digest, extremes
+from .mesh import DeviceMesh
 
 __all__ = ["init_process_group", "destroy_process_group", "get_process_group_ranks", "get_backend", "split_group",
            "get_group_local_rank", "mark_created_groups"]
@@ -173,9 +177,20 @@ def split_group(parent_pg: Optional[str] = None, split_ranks: Optional[Sequence[
             raise ValueError(f"split_group: rank(s) {sorted(seen & set(ranks))} appear in two lists")
         seen |= set(ranks)
         lists.append(sorted(ranks))
+    _check_agreed(sorted(parent), lists)
     me = _cluster.world_rank()
     mine = [ranks for ranks in lists if me in ranks]
     return _cluster.comm_group(mine[0]).name if mine else None
+
+
+def _check_agreed(parent: Sequence[int], lists: Sequence[Sequence[int]]) -> None:
+    """Raise on every rank of ``parent`` if they were given different ``split_ranks`` (a rank creating a
+    group its peers do not would hang there)."""
+    mesh = DeviceMesh("npu" if _cluster.device_target() == "Ascend" else "cpu", list(parent))
+    high, low = extremes(np.array(digest(repr(sorted(lists))), np.float32), mesh)
+    if (high != low).any():
+        raise ValueError(f"split_group: the ranks {list(parent)} were given different split_ranks (this rank: "
+                         f"{sorted(lists)}); give the same lists on every rank")
 
 
 def mark_created_groups(process_group: Union[str, Sequence[str]]) -> None:
