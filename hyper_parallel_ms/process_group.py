@@ -28,6 +28,7 @@ from .mesh import DeviceMesh
 __all__ = ["init_process_group", "destroy_process_group", "get_process_group_ranks", "get_backend", "split_group",
            "get_group_local_rank", "mark_created_groups"]
 
+
 def _ranks(group: Optional[str]) -> tuple:
     if not _cluster.is_initialized():
         raise RuntimeError("communication is not initialized: call init_process_group() (under msrun) first")
