@@ -29,7 +29,7 @@ from mindspore.communication import GlobalComm
 
 __all__ = ["CommGroup", "World", "is_initialized", "world_size", "world_rank", "device_target",
            "comm_group", "group_ranks", "device_key", "check_device_type", "process_world", "current_world",
-           "simulating", "DEVICE_TYPES", "init_world", "release_world", "destroy_group", "adopt_group"]
+           "simulating", "DEVICE_TYPES", "device_type", "init_world", "release_world", "destroy_group", "adopt_group"]
 
 # user-facing device type -> MindSpore device target
 DEVICE_TYPES = {"cpu": "CPU", "npu": "Ascend", "ascend": "Ascend"}
@@ -129,7 +129,7 @@ class World:
 
 def process_world() -> World:
     """This process's place: :func:`world_size` ranks, this one :func:`world_rank`."""
-    return World(world_size(), world_rank(), False, "npu" if device_target() == "Ascend" else "cpu")
+    return World(world_size(), world_rank(), False, device_type())
 
 
 _SIMULATING: List[World] = []     # worlds entered with ``simulating``, innermost last
@@ -167,6 +167,12 @@ def simulating(world: World) -> Iterator[World]:
 def device_target() -> str:
     """MindSpore's device target: ``"CPU"`` or ``"Ascend"`` (``"GPU"`` is not supported)."""
     return ms.get_context("device_target")
+
+
+def device_type() -> str:
+    """This process's device type, ``"npu"`` or ``"cpu"`` (from :func:`device_target`; no
+    communication needed)."""
+    return "npu" if device_target() == "Ascend" else "cpu"
 
 
 def _group_name(ranks: Tuple[int, ...]) -> str:

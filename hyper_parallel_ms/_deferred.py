@@ -138,7 +138,7 @@ def init_on_device(device: object, include_buffers: bool = False) -> Iterator[No
             yield
         return
     kind = name.split(":")[0]
-    if _cluster.device_key(kind) != ("npu" if _cluster.device_target() == "Ascend" else "cpu"):
+    if _cluster.device_key(kind) != _cluster.device_type():
         raise ValueError(f"init_on_device({device!r}): this rank computes on {_cluster.device_target()} "
                          f"(ms.set_device); use 'meta' or this device")
     yield

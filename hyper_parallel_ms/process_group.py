@@ -139,7 +139,7 @@ def get_backend(group: Optional[str] = None) -> str:
         get_backend()                 # 'mccl' on CPU ranks
     """
     _ranks(group)
-    return "hccl" if _cluster.device_target() == "Ascend" else "mccl"
+    return "hccl" if _cluster.device_type() == "npu" else "mccl"
 
 
 def split_group(parent_pg: Optional[str] = None, split_ranks: Optional[Sequence[Sequence[int]]] = None,
@@ -187,7 +187,7 @@ def split_group(parent_pg: Optional[str] = None, split_ranks: Optional[Sequence[
 def _check_agreed(parent: Sequence[int], lists: Sequence[Sequence[int]]) -> None:
     """Raise on every rank of ``parent`` if they were given different ``split_ranks`` (a rank creating a
     group its peers do not would hang there)."""
-    mesh = DeviceMesh("npu" if _cluster.device_target() == "Ascend" else "cpu", list(parent))
+    mesh = DeviceMesh(_cluster.device_type(), list(parent))
     high, low = extremes(np.array(digest(repr(sorted(lists))), np.float32), mesh)
     if (high != low).any():
         raise ValueError(f"split_group: the ranks {list(parent)} were given different split_ranks (this rank: "

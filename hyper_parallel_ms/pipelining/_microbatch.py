@@ -132,8 +132,8 @@ class TensorChunkSpec:
     def __hash__(self) -> int:
         return hash(("TensorChunkSpec", self.split_dim))
 
-    @staticmethod
-    def from_tuple(chunk_dims: Tuple[int, ...]) -> Tuple["TensorChunkSpec", ...]:
+    @classmethod
+    def from_tuple(cls, chunk_dims: Tuple[int, ...]) -> Tuple["TensorChunkSpec", ...]:
         """One spec per positional input, from their split dims.
 
         Args:
@@ -143,10 +143,10 @@ class TensorChunkSpec:
 
             args_chunk_spec = TensorChunkSpec.from_tuple((0, 1))
         """
-        return tuple(TensorChunkSpec(d) for d in chunk_dims)
+        return tuple(cls(d) for d in chunk_dims)
 
-    @staticmethod
-    def from_dict(chunk_dims: Dict[str, int]) -> Dict[str, "TensorChunkSpec"]:
+    @classmethod
+    def from_dict(cls, chunk_dims: Dict[str, int]) -> Dict[str, "TensorChunkSpec"]:
         """One spec per keyword input, from their split dims.
 
         Args:
@@ -156,7 +156,7 @@ class TensorChunkSpec:
 
             kwargs_chunk_spec = TensorChunkSpec.from_dict({"mask": 1})
         """
-        return {k: TensorChunkSpec(d) for k, d in chunk_dims.items()}
+        return {k: cls(d) for k, d in chunk_dims.items()}
 
 
 class BatchDimSpec(TensorChunkSpec):
@@ -185,8 +185,8 @@ class BatchDimSpec(TensorChunkSpec):
     def __repr__(self) -> str:
         return f"BatchDimSpec({self.split_dim})"
 
-    @staticmethod
-    def from_tuple(batch_dims: Tuple[int, ...]) -> Tuple["BatchDimSpec", ...]:
+    @classmethod
+    def from_tuple(cls, batch_dims: Tuple[int, ...]) -> Tuple["BatchDimSpec", ...]:
         """One spec per positional input.
 
         Args:
@@ -198,10 +198,10 @@ class BatchDimSpec(TensorChunkSpec):
         """
         if not isinstance(batch_dims, tuple):
             raise TypeError(f"batch_dims must be tuple, but got type {type(batch_dims)}.")
-        return tuple(BatchDimSpec(d) for d in batch_dims)
+        return super().from_tuple(batch_dims)
 
-    @staticmethod
-    def from_dict(batch_dims: Dict[str, int]) -> Dict[str, "BatchDimSpec"]:
+    @classmethod
+    def from_dict(cls, batch_dims: Dict[str, int]) -> Dict[str, "BatchDimSpec"]:
         """One spec per keyword input.
 
         Args:
@@ -213,7 +213,7 @@ class BatchDimSpec(TensorChunkSpec):
         """
         if not isinstance(batch_dims, dict):
             raise TypeError(f"batch_dims must be dict, but got type {type(batch_dims)}.")
-        return {k: BatchDimSpec(d) for k, d in batch_dims.items()}
+        return super().from_dict(batch_dims)
 
 
 def _dims_of(value: object, spec: Any, what: str) -> List[Optional[int]]:
