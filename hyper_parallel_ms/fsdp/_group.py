@@ -337,9 +337,10 @@ class SharedGather(_Reducing):
 
     def construct(self, piece):
         if self.gather_dim is None:
-            # kept whole: a value computed from the piece (a shared Cell returning its input unchanged
-            # gave every read the first one's value, MindSpore 2.10: seam contract test)
-            return piece * 1 if self.param_dtype is None else piece.astype(self.param_dtype)
+            # kept whole: a value computed from the piece, also where the cast is to the piece's own
+            # dtype (a shared Cell returning its input unchanged gave every read the first one's value,
+            # MindSpore 2.10: seam contract test)
+            return (piece if self.param_dtype is None else piece.astype(self.param_dtype)) * 1
         value = piece if self.param_dtype is None else piece.astype(self.param_dtype)
         if self.to_front is not None:
             value = ops.transpose(value, self.to_front)
