@@ -180,6 +180,8 @@ def test_nesting_and_bad_policies_are_refused_and_leave_the_cell_as_it_was():
         checkpoint_wrapper(block, policy="some")
     with pytest.raises(TypeError, match="by name"):
         checkpoint_wrapper(block, policy=[1])
+    with pytest.raises(TypeError, match=r"policy must be None, 'full', 'selective', a collection.*got 42 \(int\)"):
+        checkpoint_wrapper(block, policy=42)
     assert type(block) is Block and not isinstance(block, CheckpointWrapper)
     with pytest.raises(ValueError, match="needs a selective policy"):
         create_selective_checkpoint_contexts(None)

@@ -235,7 +235,7 @@ def recomputing() -> bool:
     return _RECOMPUTING.depth > 0
 
 
-def recompute_in_graph(method: Callable, *args: Any) -> Any:
+def recompute_in_graph(method: Callable, *args: Any, **kwargs: Any) -> Any:
     """Inside ms.jit / GRAPH_MODE: ``method(*args)`` (a Cell's bound method) marked for MindSpore's
     graph recompute pass (its forward ops are computed again in the backward)."""
-    return mindspore.recompute(method, *args)
+    return mindspore.recompute(method, *args, **kwargs)

@@ -1,19 +1,22 @@
 """Training-loop helpers for sharded models: the global gradient norm and its clipping, one
-finite-gradient verdict for dynamic loss scaling, activation checkpointing and swapping.
+finite-gradient verdict for dynamic loss scaling, activation checkpointing and swapping (with
+PyTorch's composable ``checkpoint(module)`` and ``offload_wrapper`` names).
 
 Example::
 
     from hyper_parallel_ms.training import clip_grad_norm, all_finite
     grads, total = clip_grad_norm(reducer(grads), 1.0, parameters=optimizer.parameters)
 """
-from ._checkpoint import (SAVE_MATMUL_AND_COLLECTIVES, CheckpointImpl, CheckpointWrapper,
+from ._recompute import (SAVE_MATMUL_AND_COLLECTIVES, CheckpointImpl, CheckpointWrapper,
                           apply_activation_checkpointing, checkpoint_stats, checkpoint_wrapper,
                           create_selective_checkpoint_contexts)
 from ._clip import clip_grad_norm
+from ._composable import checkpoint, offload_wrapper
 from ._finite import all_finite
 from ._norm import TotalGradNorm
 from ._swap import SwapStats, SwapWrapper, swap_stats, swap_wrapper
 
 __all__ = ["clip_grad_norm", "TotalGradNorm", "all_finite", "checkpoint_wrapper", "apply_activation_checkpointing",
            "CheckpointWrapper", "CheckpointImpl", "checkpoint_stats", "create_selective_checkpoint_contexts",
-           "SAVE_MATMUL_AND_COLLECTIVES", "swap_wrapper", "SwapWrapper", "swap_stats", "SwapStats"]
+           "SAVE_MATMUL_AND_COLLECTIVES", "swap_wrapper", "SwapWrapper", "swap_stats", "SwapStats", "checkpoint",
+           "offload_wrapper"]

@@ -10,15 +10,18 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from typing import Dict, Optional, Sequence, Tuple, Union
 
+import mindspore as ms
+import numpy as np
 from mindspore import Tensor, ops
 
 from .._mindspore import is_compiling, run_in_python, running_eagerly
 from ..dtensor import DTensor
 from ..pipelining._schedule_base import PipelineSchedule
-from ._norm import TotalGradNorm
+from ._norm import TotalGradNorm, check_norm_type, parameter_list
 
 __all__ = ["clip_grad_norm"]
 
@@ -28,9 +31,9 @@ __all__ = ["clip_grad_norm"]
 _NORMS: Dict[Tuple, Tuple[Tuple[weakref.ref, ...], TotalGradNorm]] = {}
 
 
-def _cached_norm(owners: tuple, norm_type) -> TotalGradNorm:
+def _cached_norm(owners: tuple, norm_type: float) -> TotalGradNorm:
     """The :class:`TotalGradNorm` of ``owners`` (the Parameters, or a pipeline schedule), built once."""
-    key = (tuple(id(o) for o in owners), float(norm_type))
+    key = (tuple(id(o) for o in owners), norm_type)
     known = _NORMS.get(key)
     if known is not None and all(ref() is o for ref, o in zip(known[0], owners)):
         return known[1]
@@ -46,19 +49,58 @@ def _cached_norm(owners: tuple, norm_type) -> TotalGradNorm:
 
 @run_in_python
 def _norm_of(parameters, norm_type, error_if_nonfinite: bool) -> TotalGradNorm:
+    p = check_norm_type(norm_type)
     if isinstance(parameters, TotalGradNorm):
-        if float(norm_type) != parameters.norm_type:
+        if p != parameters.norm_type:
             raise ValueError(f"clip_grad_norm: norm_type={norm_type!r} but the TotalGradNorm passed as parameters "
                              f"was built with norm_type={parameters.norm_type}")
         norm = parameters
     else:
-        norm = _cached_norm((parameters,) if isinstance(parameters, PipelineSchedule) else tuple(parameters),
-                            norm_type)
+        parameters = parameter_list(parameters, "clip_grad_norm")
+        norm = _cached_norm((parameters,) if isinstance(parameters, PipelineSchedule) else tuple(parameters), p)
     if error_if_nonfinite and is_compiling():
         raise NotImplementedError("clip_grad_norm(error_if_nonfinite=True) cannot raise from inside ms.jit: "
                                   "return total_norm from the compiled step and check it outside, or call "
                                   "clip_grad_norm in PyNative")
     return norm
+
+
+_MAX_NORM = "max_norm must be a number >= 0 or a one-element Tensor"
+
+
+@run_in_python
+def _check_max_norm(max_norm) -> float:
+    """A Python ``max_norm`` as a float (a constant inside ``ms.jit``: checked while compiling)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        fix = f" (pass {float(max_norm)!r})" if isinstance(max_norm, str) and _is_number(max_norm) else ""
+        raise TypeError(f"clip_grad_norm: {_MAX_NORM}, got {max_norm!r} ({type(max_norm).__name__}){fix}")
+    if not max_norm >= 0:
+        raise ValueError(f"clip_grad_norm: {_MAX_NORM}, got {max_norm!r} (a negative one would flip the gradients)")
+    return float(max_norm)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@run_in_python
+def _scalar_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """``()`` for a Tensor ``max_norm`` of one element (its static shape: inside ``ms.jit`` checked while
+    compiling, and the reshape to it depends on the check)."""
+    if int(np.prod(shape)) != 1:
+        raise ValueError(f"clip_grad_norm: {_MAX_NORM}, got a Tensor of shape {tuple(shape)}")
+    return ()
+
+
+def _check_max_norm_value(max_norm: Tensor) -> None:
+    """PyNative: a Tensor ``max_norm``'s value (one device-to-host read)."""
+    value = float(max_norm.asnumpy().reshape(()))
+    if not value >= 0:
+        raise ValueError(f"clip_grad_norm: {_MAX_NORM}, got Tensor({value}) (a negative one would flip the gradients)")
 
 
 def _raise_if_nonfinite(total: Tensor, norm_type: float) -> None:
@@ -69,10 +111,14 @@ def _raise_if_nonfinite(total: Tensor, norm_type: float) -> None:
                            "Skip this step (all_finite), or pass error_if_nonfinite=False")
 
 
-def _clip(grads, max_norm, norm: TotalGradNorm):
+def _clip(grads, max_norm, norm: TotalGradNorm, nan_if_negative: bool = False):
     total = norm(grads)
     # PyTorch's coefficient: max_norm / (total + 1e-6), at most 1 (max_norm 0 zeroes the gradients)
     coef = ops.minimum(max_norm / (total + 1e-6), 1.0)
+    if nan_if_negative:
+        # compiled code cannot raise on a value: a negative (or NaN) max_norm makes every gradient NaN
+        # (the next loss and all_finite show it) instead of flipping their signs
+        coef = ops.where(max_norm >= 0, coef, float("nan"))
     out = ()
     for g in grads:
         out = out + ((g * coef).astype(g.dtype),)
@@ -114,13 +160,21 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: Union[float, Tensor], *,
 
     Args:
         grads: this rank's gradients, a tuple aligned with ``parameters`` (DTensors too, in PyNative:
-            Partial ones are reduced first).
-        max_norm: the largest total norm kept (a float or a scalar Tensor).
-        parameters: the Parameters (``optimizer.parameters``); a pipeline schedule (every stage's
-            gradients in the norm, ``grads`` aligned with ``schedule.parameters()``); or, inside
-            ``ms.jit``, a :class:`TotalGradNorm` built from them outside (a compiled graph sees no
-            sharding records). Its norm is built once per parameter tuple and kept while they live.
-        norm_type: ``2.0`` (default), any positive order, or ``float("inf")``.
+            Partial ones are reduced first). Each must have its parameter's local shape (refused
+            otherwise, naming the first that differs; inside ``ms.jit`` while compiling).
+        max_norm: the largest total norm kept: a number >= 0 or a one-element Tensor (a string, a
+            bool, a negative number and a Tensor of more elements are refused). A Tensor's value is
+            checked in PyNative (negative refused); inside ``ms.jit`` only its shape is (compiled code
+            cannot raise on a value): there a negative one makes every gradient NaN instead of
+            flipping their signs.
+        parameters: the Parameters (``optimizer.parameters``, or the weights given to
+            ``ms.value_and_grad``, e.g. ``model.trainable_params()``; one Parameter alone too); a
+            pipeline schedule (every stage's gradients in the norm, ``grads`` aligned with
+            ``schedule.parameters()``); or, inside ``ms.jit``, a :class:`TotalGradNorm` built from them
+            outside (a compiled graph sees no sharding records). Its norm is built once per parameter
+            tuple and kept while they live. A Cell or ``None`` is refused, naming what to pass.
+        norm_type: ``2.0`` (default), any positive order, or ``float("inf")`` (``"inf"`` too; the
+            Frobenius norm PyTorch users may write as ``"fro"`` is ``2.0``).
         error_if_nonfinite: raise ``RuntimeError`` on every rank when the total is nan or inf
             (PyNative only: inside ``ms.jit`` it raises at compile time, naming the fix).
         foreach: PyTorch's choice of kernels (``None`` / ``True`` / ``False``); accepted, the same
@@ -134,12 +188,15 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: Union[float, Tensor], *,
         grads, total = clip_grad_norm(reducer(grads), 1.0, parameters=optimizer.parameters)
         optimizer(grads)
     """
-    if isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and not max_norm >= 0:
-        raise ValueError(f"clip_grad_norm: max_norm must be a number >= 0, got {max_norm!r} (a negative one would "
-                         "flip the gradients)")
     if foreach is not None and not isinstance(foreach, bool):
         raise TypeError(f"clip_grad_norm: foreach must be None or a bool, got {foreach!r}")
+    if isinstance(max_norm, Tensor):
+        max_norm = max_norm.astype(ms.float32).reshape(_scalar_shape(max_norm.shape))
+    else:
+        max_norm = _check_max_norm(max_norm)
     norm = _norm_of(parameters, norm_type, error_if_nonfinite)
     if running_eagerly():
+        if isinstance(max_norm, Tensor):
+            _check_max_norm_value(max_norm)
         return _clip_eager(grads, max_norm, norm, norm_type, error_if_nonfinite)
-    return _clip(grads, max_norm, norm)
+    return _clip(grads, max_norm, norm, isinstance(max_norm, Tensor))

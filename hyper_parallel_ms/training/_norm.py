@@ -31,6 +31,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from .. import comm
+from .._mindspore import run_in_python, running_eagerly
 from ..dtensor import DTensor
 from ..nn._parameter import parameter_sharding
 from ..pipelining._schedule_base import PipelineSchedule
@@ -61,11 +62,70 @@ def split_groups(spec) -> Tuple[Tuple[Tuple[int, ...], object, int], ...]:
     return tuple(out)
 
 
-def _check_norm_type(norm_type) -> float:
-    p = float(norm_type)
+def check_norm_type(norm_type) -> float:
+    """``norm_type`` as a float: a positive number or ``inf`` (``"inf"`` too, as ``float()`` reads it).
+
+    >>> check_norm_type("inf"), check_norm_type(2)
+    (inf, 2.0)
+    """
+    frobenius = isinstance(norm_type, str) and norm_type.lower() in ("fro", "f")
+    fix = " (the Frobenius norm of the gradients is norm_type=2.0)" if frobenius else ""
+    if isinstance(norm_type, bool):
+        raise TypeError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise (ValueError if isinstance(norm_type, str) else TypeError)(
+            f"norm_type must be a positive number or inf (float('inf') or 'inf'), got {norm_type!r}{fix}") from None
     if not (p > 0):
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     return p
+
+
+def parameter_list(parameters, who: str) -> Union[List[Parameter], PipelineSchedule]:
+    """``parameters`` as a list of Parameters (a single Parameter as a list of one), or the pipeline
+    schedule it is; what to pass instead named in the error."""
+    if isinstance(parameters, PipelineSchedule):
+        return parameters
+    if isinstance(parameters, Parameter):
+        return [parameters]
+    what = ("the Parameters the gradients belong to, in their order: optimizer.parameters, or the weights given "
+            "to ms.value_and_grad (e.g. model.trainable_params()); or a pipeline schedule")
+    if parameters is None:
+        raise TypeError(f"{who}: parameters is required: pass {what}")
+    if isinstance(parameters, nn.Cell):
+        raise TypeError(f"{who}: parameters is the Cell {type(parameters).__name__}, not its Parameters: pass "
+                        f"{type(parameters).__name__}.trainable_params() (the weights given to ms.value_and_grad, "
+                        "in that order) or optimizer.parameters")
+    try:
+        found = list(parameters)
+    except TypeError:
+        raise TypeError(f"{who}: parameters must be {what}; got {type(parameters).__name__}") from None
+    for p in found:
+        if not isinstance(p, Parameter):
+            raise TypeError(f"{who} needs the Parameters the gradients belong to, got {type(p).__name__}; inside "
+                            "ms.jit pass a TotalGradNorm built outside")
+    return found
+
+
+def grad_shape(p) -> Tuple[int, ...]:
+    """The shape of this rank's gradient of ``p``: its local piece's (a ``Parameter(DTensor)``: the
+    local shape, not the global one)."""
+    return tuple(p.local_shape) if isinstance(p, DTensor) else tuple(p.shape)
+
+
+@run_in_python
+def check_grad_shapes(shapes: Tuple[Tuple[int, ...], ...], expected: Tuple[Tuple[int, ...], ...],
+                      names: Tuple[str, ...]) -> bool:
+    """Raise ``ValueError`` naming the first gradient whose shape differs from its parameter's piece
+    (a dim of -1, dynamic in a graph, matches any size). Inside ``ms.jit`` it runs while compiling."""
+    for i, (shape, want) in enumerate(zip(shapes, expected)):
+        if len(shape) != len(want) or any(s not in (w, -1) for s, w in zip(shape, want)):
+            raise ValueError(
+                f"gradient {i} has shape {tuple(shape)} but its parameter '{names[i]}' has {want} on this rank: the "
+                "gradients must be aligned with the parameters (the order of optimizer.parameters, or of the weights "
+                "given to ms.value_and_grad)")
+    return True
 
 
 def _role(ranks: Tuple[int, ...], mesh, dim: int) -> Tuple[str, Tuple[int, ...]]:
@@ -92,6 +152,7 @@ class _GroupReduce(nn.Cell):
 def _pipeline(parameters, pp_mesh) -> Tuple[list, object, frozenset]:
     """``(parameters, pp mesh or None, ids of parameters a lower pp rank counts)`` of what
     :class:`TotalGradNorm` was given: Parameters, or a pipeline schedule."""
+    parameters = parameter_list(parameters, "TotalGradNorm")
     if isinstance(parameters, PipelineSchedule):
         if pp_mesh is not None and pp_mesh is not parameters.mesh:
             raise ValueError("TotalGradNorm: pp_mesh differs from the schedule's pp mesh; leave it out")
@@ -99,7 +160,6 @@ def _pipeline(parameters, pp_mesh) -> Tuple[list, object, frozenset]:
                 frozenset(id(p) for p in parameters.replica_parameters))
     if pp_mesh is not None and pp_mesh.ndim != 1:
         raise ValueError(f"TotalGradNorm: pp_mesh must be a 1-D mesh (mesh['pp']), got {pp_mesh.ndim} dims")
-    parameters = list(parameters)
     if pp_mesh is None:
         staged = [p for p in parameters if _stage_mesh(p) is not None and _stage_mesh(p).size() > 1]
         if staged:
@@ -108,6 +168,10 @@ def _pipeline(parameters, pp_mesh) -> Tuple[list, object, frozenset]:
                 f"over {_stage_mesh(staged[0])!r}), whose norm alone is not the model's: pass the schedule itself "
                 "(clip_grad_norm(grads, schedule) / TotalGradNorm(schedule)), or pp_mesh=mesh['pp']")
     return parameters, pp_mesh, frozenset()
+
+
+def _local_shapes(grads) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(g.local_shape) if isinstance(g, DTensor) else tuple(g.shape) for g in grads)
 
 
 def _stage_mesh(p):
@@ -140,13 +204,11 @@ class TotalGradNorm(nn.Cell):
                  pp_mesh=None) -> None:
         super().__init__()
         parameters, pp_mesh, elsewhere = _pipeline(parameters, pp_mesh)
-        for p in parameters:
-            if not isinstance(p, Parameter):
-                raise TypeError(f"TotalGradNorm needs the Parameters the gradients belong to, got "
-                                f"{type(p).__name__}; inside ms.jit pass a TotalGradNorm built outside")
-        self.norm_type = _check_norm_type(norm_type)
+        self.norm_type = check_norm_type(norm_type)
         self.inf = math.isinf(self.norm_type)
         self.count = len(parameters)
+        self.shapes = tuple(grad_shape(p) for p in parameters)
+        self.names = tuple(str(p.name) for p in parameters)
         keys: Dict[Tuple, List[int]] = {}
         groups: Dict[Tuple[int, ...], Tuple[object, int]] = {}
         for i, p in enumerate(parameters):
@@ -179,6 +241,13 @@ class TotalGradNorm(nn.Cell):
     def construct(self, grads):
         if len(grads) != self.count:
             raise ValueError("TotalGradNorm: the number of gradients differs from the number of parameters")
+        if running_eagerly():
+            check_grad_shapes(_local_shapes(grads), self.shapes, self.names)
+        else:
+            shapes = ()
+            for g in grads:
+                shapes = shapes + (g.shape,)
+            check_grad_shapes(shapes, self.shapes, self.names)      # static shapes: refused while compiling
         parts = ()
         for members in self.members:
             s = self._part(grads[members[0]])

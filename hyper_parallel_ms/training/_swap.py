@@ -28,7 +28,7 @@ from mindspore import Parameter, Tensor, nn
 
 from .._mindspore import SAVED_TENSOR_HOOKS, discard_grad_recording, refuse_while_compiling, saved_tensors_hooks
 from ..nn._adapter import CellChanges, named_cells
-from ._checkpoint import _RUNNING, CheckpointWrapper, wrapped_class
+from ._recompute import _RUNNING, CheckpointWrapper, wrapped_class
 
 __all__ = ["SwapWrapper", "swap_wrapper", "swap_stats", "SwapStats"]
 
@@ -108,9 +108,9 @@ class SwapWrapper:
             discard_grad_recording()      # a failed forward under a gradient call leaves no record
             raise
 
-    def construct(self, *args):
+    def construct(self, *args, **kwargs):
         refuse_while_compiling(self._hpms_swap_graph_error)      # raises only while MindSpore compiles it
-        return self._hpms_swap_construct(*args)
+        return self._hpms_swap_construct(*args, **kwargs)
 
 
 def _check_placement(cell: nn.Cell) -> None:

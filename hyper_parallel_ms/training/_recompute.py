@@ -32,6 +32,7 @@ Example::
 """
 from __future__ import annotations
 
+import collections.abc
 import enum
 import threading
 from collections import Counter
@@ -131,6 +132,10 @@ def _keep_fn(policy: Policy) -> Optional[Callable[[str], bool]]:
                          f"op_name -> bool, got {policy!r}")
     if callable(policy):
         return policy
+    if not isinstance(policy, collections.abc.Collection):
+        raise TypeError(f"policy must be None, 'full', 'selective', a collection of MindSpore primitive names "
+                        f"({{'MatMul', 'AllReduce'}}) or a callable op_name -> bool, got {policy!r} "
+                        f"({type(policy).__name__})")
     names = frozenset(policy)
     bad = [n for n in names if not isinstance(n, str)]
     if bad:
@@ -194,7 +199,9 @@ def create_selective_checkpoint_contexts(policy: Policy) -> Callable[[], Tuple[A
     keep = _keep_fn(policy)
     if keep is None:
         raise ValueError("create_selective_checkpoint_contexts needs a selective policy, got None / 'full'")
-    return _selective_contexts(keep, CheckpointStats())
+    context_fn = _selective_contexts(keep, CheckpointStats())
+    context_fn._hpms_policy = policy          # the composable checkpoint(context_fn=) reads it back
+    return context_fn
 
 
 def _selective_contexts(keep: Callable[[str], bool], stats: CheckpointStats) -> Callable[[], Tuple[Any, Any]]:
@@ -283,7 +290,7 @@ class CheckpointWrapper:
         _refuse_outer_unit(self)
         context_fn = None
         if state.keep is not None:
-            _refuse_dtensors(self, args)
+            _refuse_dtensors(self, args + tuple(kwargs.values()))
             context_fn = _selective_contexts(lambda name: is_random_op(name) or state.keep(name), state.stats)
         elif OP_INTERCEPTION:
             context_fn = _selective_contexts(is_random_op, state.stats)
@@ -312,12 +319,12 @@ class CheckpointWrapper:
             return forward_ctx, _Counting(recompute_ctx, stats)
         return recompute_eagerly(forward, args, kwargs, counted_context_fn)
 
-    def construct(self, *args):
+    def construct(self, *args, **kwargs):
         if running_eagerly():
-            return self._hpms_checkpoint_construct(*args)
+            return self._hpms_checkpoint_construct(*args, **kwargs)
         refuse_while_compiling(self._hpms_checkpoint_graph_error)
         _refuse_outer_unit_in_graph(self)
-        return recompute_in_graph(self._hpms_checkpoint_construct, *args)
+        return recompute_in_graph(self._hpms_checkpoint_construct, *args, **kwargs)
 
 
 class _Counting:
