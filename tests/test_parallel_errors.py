@@ -2,6 +2,8 @@
 (parameters, their values, Cell classes, hooks, attributes)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import mindspore as ms
@@ -10,9 +12,11 @@ import pytest
 from mindspore import nn, ops
 
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import (ColwiseParallel, GradientReducer, PrepareModuleInput, PrepareModuleOutput,
-                                  RowwiseParallel, SequenceParallel, ShardingPlan, parallelize_module, shard_module)
+from hyper_parallel_ms.nn import (ColwiseParallel, GradientReducer, MultiheadAttentionParallel, PrepareModuleInput,
+                                  PrepareModuleOutput, RowwiseParallel, SequenceParallel, ShardingPlan,
+                                  parallelize_module, shard_module)
 from hyper_parallel_ms.nn._adapter import named_cells, own_parameters
+from hyper_parallel_ms.nn._rules import near_names
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
@@ -156,6 +160,95 @@ def test_invalid_plans_raise_and_leave_the_cell_unchanged():
         parallelize_module(model, mesh, {"up": ColwiseParallel()})
     assert _state(model) == after
     assert ops.isfinite(model(_ids())).all()
+    _attention_plans_and_foreign_reads(mesh)
+
+
+class ReadsChildWeight(nn.Cell):
+    """A parent whose forward uses its child's weight itself (as a tied head would)."""
+
+    def __init__(self, use_weight: bool) -> None:
+        super().__init__()
+        self.fc = nn.Dense(8, 8)
+        self.use_weight = use_weight
+
+    def construct(self, x):
+        y = self.fc(x).astype(self.fc.weight.dtype)        # metadata of the piece: fine
+        if self.use_weight:
+            y = y + ops.matmul(x, self.fc.weight.T)        # an op on the piece outside fc's forward
+        return y
+
+
+def _encoder_layer():
+    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+
+def _attention_plans_and_foreign_reads(mesh) -> None:
+    """MultiheadAttentionParallel's refusals; a style on a Cell whose parameters another Cell's
+    forward uses is refused (before any change for nn.MultiheadAttention's out_proj, else at the
+    first forward, PyNative), on every rank; a plan key naming no Cell suggests by its last token."""
+    x = ms.Tensor(np.ones((1, 3, 8), np.float32))
+    refused = [
+        (lambda: parallelize_module(nn.Dense(8, 8), mesh, MultiheadAttentionParallel()), TypeError,
+         "supports mindspore.nn.MultiheadAttention"),
+        (lambda: parallelize_module(nn.MultiheadAttention(6, 3), mesh, MultiheadAttentionParallel()), ValueError,
+         "its 3 heads do not divide over the 2 ranks"),
+        (lambda: MultiheadAttentionParallel(output_layouts="S1"), TypeError, "Shard or Replicate"),
+        (lambda: parallelize_module(_encoder_layer(), mesh, {"self_attn": MultiheadAttentionParallel(),
+                                                             "self_attn.out_proj": RowwiseParallel()}),
+         ValueError, "two styles of the plan shard the parameters of 'self_attn.out_proj'"),
+    ]
+    for call, kind, fragment in refused:
+        with pytest.raises(kind, match=re.escape(fragment)):
+            call()
+    layer = _encoder_layer()
+    before = _state(layer)
+    with pytest.raises(ValueError, match="MultiheadAttention 'self_attn' reads its out_proj's parameters") as info:
+        parallelize_module(layer, mesh, {"self_attn.out_proj": RowwiseParallel()})
+    assert "RowwiseParallel on 'self_attn.out_proj'" in str(info.value)
+    assert "MultiheadAttentionParallel() to 'self_attn'" in str(info.value)
+    assert _state(layer) == before
+    # the same out_proj styled alone (its parent unseen): refused at the attention's first forward
+    parallelize_module(layer.self_attn.out_proj, mesh, RowwiseParallel())
+    with pytest.raises(ValueError, match=r"RowwiseParallel on '<root>': its parameter 'weight' holds this rank's "
+                                         r"piece, but the forward of another Cell \(MultiheadAttention\)") as info:
+        layer(x)
+    assert "apply MultiheadAttentionParallel() to the attention Cell" in str(info.value)
+    for use_weight in (False, True):
+        model = ReadsChildWeight(use_weight)
+        parallelize_module(model, mesh, {"fc": ColwiseParallel(output_layouts=Replicate())})
+        assert isinstance(model.fc.weight, ms.Parameter) and float(ops.abs(model.fc.weight).sum()) > 0   # outside
+        if use_weight:
+            with pytest.raises(ValueError, match=r"ColwiseParallel on 'fc': its parameter 'weight' .* another Cell "
+                                                 r"\(ReadsChildWeight\) read it and used it in the op"):
+                model(x)
+        else:
+            assert model(x).shape == (1, 3, 8)
+    # attention dropout in training is refused at the forward; the same Cell in eval mode runs
+    attention = nn.MultiheadAttention(8, 2, dropout=0.1)
+    parallelize_module(attention, mesh, MultiheadAttentionParallel())
+    attention.set_train(True)
+    with pytest.raises(ValueError, match=r"attention dropout \(dropout=0.1\) in training"):
+        attention(x[0], x[0], x[0])
+    attention.set_train(False)
+    assert attention(x[0], x[0], x[0])[0].shape == (3, 8)
+    # PyTorch's names for MindSpore's layers: linear1 -> dense1; rank 0 prints the warning once
+    encoder = nn.TransformerEncoder(_encoder_layer(), 2)
+    for attempt in range(2):
+        with contextlib.redirect_stderr(io.StringIO()) as err, \
+                pytest.warns(UserWarning, match=re.escape("near names: ['layers.*.dense1'")):
+            parallelize_module(encoder, mesh, {"layers.*.linear1": ColwiseParallel()})
+        printed = err.getvalue().count("plan key 'layers.*.linear1' matches no sub-Cell")
+        assert printed == (1 if mesh.get_rank() == 0 and attempt == 0 else 0), (mesh.get_rank(), err.getvalue())
+
+
+def test_near_names_suggest_by_the_last_token():
+    names = ["layers.0", "layers.0.self_attn", "layers.0.self_attn.out_proj", "layers.0.dense1", "layers.0.dense2",
+             "layers.0.norm1", "layers.1.dense1", "head"]
+    assert near_names("layers.*.linear1", names)[:2] == ["layers.*.dense1", "layers.*.dense2"]
+    assert near_names("layers.*.fc2", names)[0] == "layers.*.dense2"
+    assert near_names("layers.*.self_attn.o_proj", names) == ["layers.*.self_attn.out_proj"]
+    assert near_names("heda", names) == ["head"]
+    assert near_names("layer.*.dense1", names)[0].endswith(".dense1")      # a wrong prefix: the whole path
 
 
 @multi_rank(2)

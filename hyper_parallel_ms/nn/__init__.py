@@ -7,6 +7,7 @@ Example::
     parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 """
 from .._deferred import init_empty_weights, init_on_device, no_init_parameters
+from ._attention import MultiheadAttentionParallel
 from ._distribute import ShardingPlan, distribute_module, shard_module
 from ._gradients import GradientReducer
 from ._loss_parallel import ParallelCrossEntropy, loss_parallel, parallel_cross_entropy
@@ -15,7 +16,8 @@ from ._parameter import ParameterSharding, as_dtensor, parameter_sharding
 from ._styles import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
                       PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 
-__all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+__all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "MultiheadAttentionParallel",
+           "PrepareModuleInput",
            "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "GradientReducer",
            "ParameterSharding", "parameter_sharding", "as_dtensor", "distribute_module", "ShardingPlan",
            "shard_module", "loss_parallel", "ParallelCrossEntropy", "parallel_cross_entropy",

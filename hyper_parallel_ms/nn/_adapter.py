@@ -25,16 +25,23 @@ from mindspore import Parameter, nn
 
 from .._mindspore import cached_in_python, cell_subclass, refuse_while_compiling
 
-__all__ = ["named_cells", "own_parameters", "put_parameter", "CellChanges", "snapshot_parameters", "restore_parameters",
+__all__ = ["named_cells", "stands_in", "STANDS_IN", "own_parameters", "put_parameter", "CellChanges", "snapshot_parameters", "restore_parameters",
            "ConstructHooks", "converting_class"]
 
 _MISSING = object()
 _HOOKS = "_hpms_construct_hooks"
+STANDS_IN = "_hpms_stands_in"     # True on a Cell holding the place of a layer another pipeline stage runs
 
 
 def named_cells(root: nn.Cell) -> Dict[str, nn.Cell]:
     """Every Cell under ``root`` by dotted path (``""`` is ``root``), in definition order."""
     return {name: cell for name, cell in root.cells_and_names()}
+
+
+def stands_in(cell: nn.Cell) -> bool:
+    """Whether ``cell`` holds the place of a layer another pipeline stage runs (``split_blocks``'
+    pass-through Cell): a plan naming that layer has nothing to do on this stage."""
+    return getattr(cell, STANDS_IN, False) is True
 
 
 def own_parameters(cell: nn.Cell) -> Dict[str, Parameter]:

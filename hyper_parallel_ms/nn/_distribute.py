@@ -14,7 +14,6 @@ Example::
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
 from ._edit import ModuleEdit, apply_edits
 from ._parameter import ParameterPlacement
-from ._rules import check_mesh, check_not_done, match_path
+from ._rules import check_mesh, check_not_done, match_path, near_names
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
 
@@ -241,7 +240,7 @@ def _cell_for(key: str, suffix: str, cells: Dict[str, nn.Cell]) -> str:
         raise ValueError(f"{suffix}_plan key '{key}' must be '{suffix}' or '<cell path>.{suffix}'")
     path = key[:-len(suffix) - 1]
     if path not in cells:
-        near = difflib.get_close_matches(path, list(cells), n=5, cutoff=0.5)
+        near = near_names(path, list(cells))
         raise ValueError(f"{suffix}_plan key '{key}': no sub-Cell '{path}'; near names: {near}")
     return path
 
@@ -267,7 +266,7 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
             raise TypeError(f"plan keys must be parameter names, got {key!r}")
         found = [n for n in params if match_path(key, n)]
         if not found:
-            near = difflib.get_close_matches(key, list(params), n=5, cutoff=0.5)
+            near = near_names(key, list(params))
             raise ValueError(f"plan key '{key}' matches no parameter; near names: {near}")
         for n in found:
             cell, name, p = params[n]
@@ -296,7 +295,7 @@ def _checked(model: nn.Cell, device_mesh, sharding_plan: ShardingPlan) -> tuple:
                         f"{type(local_paths).__name__}")
     for path in local_paths:
         if not isinstance(path, str) or path not in cells:
-            near = difflib.get_close_matches(str(path), list(cells), n=5, cutoff=0.5)
+            near = near_names(str(path), list(cells))
             raise ValueError(f"return_local_tensor entry {path!r} is not a sub-Cell path ('' is the model); "
                              f"near names: {near}")
         local.append(path)

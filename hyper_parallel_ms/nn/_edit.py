@@ -25,9 +25,10 @@ from mindspore import Parameter, nn
 
 from .._deferred import unrecorded_notice
 from ..dtensor import DTensor
-from ..placement import Placement, Replicate
+from ..placement import Placement, Replicate, Shard
 from ..redistribute._gradient import reduction_taken_over
 from ._adapter import CellChanges, named_cells, own_parameters, restore_parameters, snapshot_parameters
+from ._foreign import GUARD_ATTR, READERS_ATTR, guarded_class
 from ._hooks import SUMMED_PREFIX, Conversion, GradientSum, InputHook, KwargInputHook, OutputHook, summing_class
 from ._parameter import REPLACED_BY, ParameterPlacement
 from ._rules import DATA_PARALLEL, check_not_fully_sharded, mark_done
@@ -105,7 +106,10 @@ class ModuleEdit:
     ``engine`` sharded this Cell (:func:`~._rules.check_not_done`); ``object_attributes``:
     ``(object, name, value)`` marks on other objects (the parameters a unit replaced);
     ``summed_reads``: parameters (by attribute) read through a :class:`~._hooks.GradientSum` over
-    the given mesh (:func:`~._hooks.summing_class`)."""
+    the given mesh (:func:`~._hooks.summing_class`); ``guarded_by``: the style whose cut parameters
+    other Cells' forwards may not use (``"<Style> on '<path>'"``, see :mod:`._foreign`; ``""``: no
+    guard), ``read_by``: the other Cells whose own code reads them by design. An attribute given as a
+    :class:`ConversionSpec` is built when applied."""
 
     path: str
     cell: nn.Cell
@@ -124,6 +128,14 @@ class ModuleEdit:
     marks_done: bool = False
     object_attributes: List[Tuple[Any, str, Any]] = field(default_factory=list)
     summed_reads: Dict[str, Any] = field(default_factory=dict)
+    guarded_by: str = ""
+    read_by: Tuple[nn.Cell, ...] = ()
+
+    def cut_parameters(self) -> List[str]:
+        """The parameters (attribute names) this edit cuts into pieces (plain Parameters, the styles')."""
+        return [name for name, pl in self.parameters.items()
+                if isinstance(pl, ParameterPlacement) and not pl.as_dtensor and pl.mesh.size() > 1
+                and any(isinstance(p, Shard) for p in pl.placements)]
 
 
 def _encloses(outer: ModuleEdit, inner: ModuleEdit) -> bool:
@@ -189,12 +201,17 @@ def _apply_own(changes: CellChanges, edit: ModuleEdit, made: Made) -> None:
     for name, placement in edit.parameters.items():
         changes.set_parameter(edit.cell, name, _made(changes, made, own_parameters(edit.cell)[name], placement))
     for name, value in edit.attributes.items():
-        changes.set_attribute(edit.cell, name, value)
+        changes.set_attribute(edit.cell, name, value.build() if isinstance(value, ConversionSpec) else value)
     for name, mesh in edit.summed_reads.items():
         changes.set_attribute(edit.cell, SUMMED_PREFIX + name, GradientSum(mesh))
     cls = edit.swap_class
     if edit.summed_reads:
         cls = summing_class(cls or type(edit.cell), list(edit.summed_reads))
+    guarded = edit.cut_parameters() if edit.guarded_by else []
+    if guarded:
+        changes.set_attribute(edit.cell, GUARD_ATTR, edit.guarded_by)
+        changes.set_attribute(edit.cell, READERS_ATTR, frozenset(id(c) for c in edit.read_by))
+        cls = guarded_class(cls or type(edit.cell), guarded)
     if cls is not None:
         changes.swap_class(edit.cell, cls)
     changes.add_construct_hooks(edit.cell, pre=[edit.inputs.build()] if edit.inputs else [],

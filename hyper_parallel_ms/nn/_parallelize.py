@@ -15,18 +15,19 @@ Example::
 """
 from __future__ import annotations
 
-import difflib
+import sys
 import warnings
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 from mindspore import nn
 
 from ..mesh import DeviceMesh, current_mesh
-from ._adapter import named_cells, own_parameters
+from ._adapter import named_cells, own_parameters, stands_in
 from ._consistency import agreed
 from ._dropout import check_dropouts_seeded
 from ._edit import ModuleEdit, apply_edits, drop_enclosed_reductions
-from ._rules import check_mesh, check_not_done, check_not_fully_sharded, match_path
+from ._foreign import check_known_readers
+from ._rules import check_mesh, check_not_done, check_not_fully_sharded, match_path, near_names
 
 __all__ = ["ParallelStyle", "parallelize_module"]
 
@@ -48,8 +49,10 @@ class ParallelStyle:
 
     src_data_rank: Optional[int] = 0
 
-    def plan(self, path: str, cell: nn.Cell, mesh, src_data_rank: Optional[int] = 0) -> ModuleEdit:
-        """The :class:`ModuleEdit` of this style for ``cell`` (at ``path``), without changing it."""
+    def plan(self, path: str, cell: nn.Cell, mesh,
+             src_data_rank: Optional[int] = 0) -> Union[ModuleEdit, List[ModuleEdit]]:
+        """The :class:`ModuleEdit` of this style for ``cell`` (at ``path``), without changing it (or a
+        list, the first for ``cell``, when the style also places parameters of Cells inside it)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither plan() nor apply(module, device_mesh)")
 
     def apply(self, module: nn.Cell, device_mesh) -> nn.Cell:
@@ -73,19 +76,27 @@ def _matches(root: nn.Cell, key: str) -> Dict[str, nn.Cell]:
     return {path: cell for path, cell in named_cells(root).items() if match_path(key, path)}
 
 
-def _warn_no_match(root: nn.Cell, key: str, prefix: str) -> None:
-    """A plan key naming no sub-Cell is skipped with a warning, as PyTorch does (it changes nothing)."""
+def _warn_no_match(root: nn.Cell, key: str, prefix: str, mesh: DeviceMesh) -> None:
+    """A plan key naming no sub-Cell is skipped with a warning, as PyTorch does (it changes nothing);
+    rank 0 also writes it to its stderr once, whatever the warning filters (under ``msrun --join``,
+    the console it was launched from), where each rank's warning goes to its own log."""
     names = [p for p in named_cells(root) if p]
-    near = difflib.get_close_matches(key, names, n=5, cutoff=0.5) or names[:8]
+    near = near_names(key, names) or names[:8]
     where = f"under '{prefix}'" if prefix else "in the module"
-    warnings.warn(f"parallelize_plan key '{key}' matches no sub-Cell {where} and is skipped; near names: {near}",
-                  UserWarning, stacklevel=4)
+    message = f"parallelize_plan key '{key}' matches no sub-Cell {where} and is skipped; near names: {near}"
+    warnings.warn(message, UserWarning, stacklevel=4)
+    if mesh.get_rank() == 0 and message not in _PRINTED:
+        _PRINTED.add(message)
+        print(f"hyper_parallel_ms: parallelize_module: {message}", file=sys.stderr, flush=True)
+
+
+_PRINTED: Set[str] = set()      # the messages rank 0 has written to stderr (each once per process)
 
 
 Target = Tuple[str, nn.Cell, ParallelStyle]
 
 
-def _targets(root: nn.Cell, plan: Plan, prefix: str, out: List[Target]) -> None:
+def _targets(root: nn.Cell, plan: Plan, prefix: str, out: List[Target], mesh: DeviceMesh) -> None:
     """(path, Cell, style) for every Cell the plan names, in plan order (no change, no communication)."""
     if isinstance(plan, ParallelStyle):
         out.append((prefix, root, plan))
@@ -98,10 +109,12 @@ def _targets(root: nn.Cell, plan: Plan, prefix: str, out: List[Target]) -> None:
         if not isinstance(value, (ParallelStyle, dict)):
             raise TypeError(f"parallelize_plan['{key}'] must be a ParallelStyle or a dict, got {value!r}")
         found = _matches(root, key)
-        if not found:
-            _warn_no_match(root, key, prefix)
+        elsewhere = [path for path, cell in found.items() if stands_in(cell)]    # another pipeline stage's layers
+        found = {path: cell for path, cell in found.items() if path not in elsewhere}
+        if not found and not elsewhere:
+            _warn_no_match(root, key, prefix, mesh)
         for path, cell in found.items():
-            _targets(cell, value, ".".join(p for p in (prefix, path) if p), out)
+            _targets(cell, value, ".".join(p for p in (prefix, path) if p), out, mesh)
 
 
 def _described(targets: List[Target]) -> List[Tuple[str, str]]:
@@ -111,15 +124,18 @@ def _described(targets: List[Target]) -> List[Tuple[str, str]]:
             for path, cell, style in targets]
 
 
-def _edit(path: str, cell: nn.Cell, style: ParallelStyle, mesh, src_data_rank) -> ModuleEdit:
+def _edits(path: str, cell: nn.Cell, style: ParallelStyle, mesh, src_data_rank) -> List[ModuleEdit]:
     if type(style)._custom_apply():
         def custom():
             style.src_data_rank = src_data_rank
             return style.apply(cell, mesh)
-        return ModuleEdit(path, cell, custom_apply=custom)
-    edit = style.plan(path, cell, mesh, src_data_rank)
-    edit.marks_done = bool(edit.parameters)
-    return edit
+        return [ModuleEdit(path, cell, custom_apply=custom)]
+    planned = style.plan(path, cell, mesh, src_data_rank)
+    edits = list(planned) if isinstance(planned, (list, tuple)) else [planned]
+    for edit in edits:
+        edit.marks_done = bool(edit.parameters)
+        edit.guarded_by = edit.guarded_by or f"{type(style).__name__} on '{edit.path or '<root>'}'"
+    return edits
 
 
 def _check_conflicts(edits: List[ModuleEdit]) -> None:
@@ -137,8 +153,9 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
     """Apply ``parallelize_plan`` to ``module`` over the 1-D ``device_mesh`` (default: the
     current mesh, ``with mesh:``) and return it.
 
-    Every key must match a Cell; every key and style is checked before anything changes, and a
-    failure leaves ``module`` as it was. A Cell whose parameters were already sharded (by this
+    A key matching no Cell is skipped with a ``UserWarning`` naming near keys (as PyTorch does;
+    rank 0 also writes it to its stderr); every key and style is checked before anything changes,
+    and a failure leaves ``module`` as it was. A Cell whose parameters were already sharded (by this
     function, ``shard_module`` or ``distribute_module``) is refused, and so is a model with a Cell
     already sharded by ``fully_shard`` / ``hsdp`` (apply them after the parallel styles). A user's style implementing
     ``apply(module, device_mesh)`` is called after the built-in ones.
@@ -183,8 +200,10 @@ def parallelize_module(module: nn.Cell, device_mesh: Optional[DeviceMesh] = None
 
     def edits_of_plan() -> Tuple[List[Target], List[ModuleEdit]]:
         targets: List[Target] = []
-        _targets(module, parallelize_plan, "", targets)
-        edits = [_edit(path, cell, style, device_mesh, src_data_rank) for path, cell, style in targets]
+        _targets(module, parallelize_plan, "", targets, device_mesh)
+        edits = [e for path, cell, style in targets for e in _edits(path, cell, style, device_mesh, src_data_rank)]
+        check_known_readers(named_cells(module), [(e.path, e.guarded_by, e.read_by) for e in edits
+                                                  if e.cut_parameters()])
         drop_enclosed_reductions(edits)
         return targets, edits
     targets, edits = agreed(edits_of_plan, lambda prepared: _described(prepared[0]), device_mesh,

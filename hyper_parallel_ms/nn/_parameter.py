@@ -90,15 +90,17 @@ def as_dtensor(param: Parameter) -> DTensor:
 
 
 def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_rank: Optional[int] = 0,
-                      grad_partial_dims: Tuple[int, ...] = ()) -> Parameter:
+                      grad_partial_dims: Tuple[int, ...] = (), view: Optional[Tuple[int, ...]] = None) -> Parameter:
     """A new Parameter with ``param``'s name holding this rank's piece under ``placements``.
-    ``src_data_rank``: whose full value is cut (``None``: every rank cuts its own). On a
-    simulated mesh the piece has no data (a deferred Parameter)."""
+    ``src_data_rank``: whose full value is cut (``None``: every rank cuts its own); ``view``: the
+    shape the whole parameter is cut in (a reshape of its values, e.g. a fused q/k/v weight
+    ``(3E, E)`` seen as ``(3, E, E)``), which becomes its global shape. On a simulated mesh the
+    piece has no data (a deferred Parameter)."""
     if mesh.is_simulated:
-        spec = DTensorSpec.build(mesh, placements, tuple(param.shape))
+        spec = DTensorSpec.build(mesh, placements, tuple(view or param.shape))
         local = deferred_parameter(spec.local_shape(), param.dtype, param.name, param.requires_grad)
     else:
-        piece = _distributed(param, mesh, placements, src_data_rank)
+        piece = _distributed(param, mesh, placements, src_data_rank, view)
         spec = piece._dt_spec
         local = Parameter(Tensor(piece.to_local().asnumpy(), dtype=param.dtype), name=param.name,
                           requires_grad=param.requires_grad)
@@ -183,7 +185,8 @@ class ParameterPlacement:
     """How one parameter is to be cut, before it is: ``placements`` on ``mesh`` (or an alias
     layout); ``as_dtensor``: a ``Parameter(DTensor)`` (the DTensor path) rather than a plain
     Parameter holding the piece (the styles); ``grad_partial_dims`` as in :class:`ParameterSharding`;
-    ``src_data_rank``: whose values are cut (``None``: every rank its own).
+    ``src_data_rank``: whose values are cut (``None``: every rank its own); ``view``: for the styles'
+    pieces, the shape the parameter is cut in, a reshape that becomes its global shape (``None``: its own).
 
     Example::
 
@@ -195,15 +198,18 @@ class ParameterPlacement:
     as_dtensor: bool = False
     grad_partial_dims: Tuple[int, ...] = ()
     src_data_rank: Optional[int] = 0
+    view: Optional[Tuple[int, ...]] = None
 
     def piece(self, global_shape: Sequence[int]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-        """(offset, shape) of this rank's piece of a parameter of ``global_shape``."""
+        """(offset, shape) of this rank's piece of a parameter of ``global_shape`` (cut in ``view``)."""
+        global_shape = self.view or global_shape
         layout, coordinate = to_layout(self.mesh, self.placements, len(global_shape)), self.mesh.coordinate
         return tuple(layout.global_offset(global_shape, coordinate)), tuple(layout.local_shape(global_shape, coordinate))
 
     def empty_piece(self, global_shape: Sequence[int]) -> Optional[Tuple[int, ...]]:
         """The shape of an empty piece some rank would hold while ``global_shape`` is not empty, else
         ``None`` (:meth:`Layout.empty_piece`)."""
+        global_shape = self.view or global_shape
         return to_layout(self.mesh, self.placements, len(global_shape)).empty_piece(global_shape)
 
     def make(self, param: Parameter) -> Parameter:
@@ -217,9 +223,12 @@ class ParameterPlacement:
             return Parameter(_distributed(param, self.mesh, self.placements, self.src_data_rank), name=param.name,
                              requires_grad=param.requires_grad)
         return sharded_parameter(param, self.mesh, self.placements, src_data_rank=self.src_data_rank,
-                                 grad_partial_dims=self.grad_partial_dims)
+                                 grad_partial_dims=self.grad_partial_dims, view=self.view)
 
 
-def _distributed(param: Parameter, mesh, placements: Sequence, src_data_rank: Optional[int]) -> DTensor:
+def _distributed(param: Parameter, mesh, placements: Sequence, src_data_rank: Optional[int],
+                 view: Optional[Tuple[int, ...]] = None) -> DTensor:
     # a deferred parameter is cut from initial_value (eager, or first-use), itself left as it was
-    return distribute_tensor(Tensor(initial_value(param)), mesh, placements, src_data_rank=src_data_rank)
+    value = initial_value(param)
+    return distribute_tensor(Tensor(value.reshape(view) if view else value), mesh, placements,
+                             src_data_rank=src_data_rank)

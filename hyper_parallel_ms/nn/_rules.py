@@ -16,16 +16,18 @@ Example:
 """
 from __future__ import annotations
 
+import difflib
+import re
 from fnmatch import fnmatchcase
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mindspore import nn
 
 from ..mesh import DeviceMesh
 from ._adapter import CellChanges, named_cells
 
-__all__ = ["match_path", "check_mesh", "mark_done", "check_not_done", "check_not_fully_sharded", "changed_cells",
-           "DATA_PARALLEL"]
+__all__ = ["match_path", "near_names", "check_mesh", "mark_done", "check_not_done", "check_not_fully_sharded",
+           "changed_cells", "DATA_PARALLEL"]
 
 _DONE = "_hpms_sharded_by"
 DATA_PARALLEL = ("fully_shard", "hsdp")     # the engines sharding over data parallelism
@@ -37,6 +39,45 @@ def match_path(pattern: str, path: str) -> bool:
         return pattern == path
     parts, segs = pattern.split("."), path.split(".")
     return len(parts) == len(segs) and all(fnmatchcase(s, p) for s, p in zip(segs, parts))
+
+
+# last path tokens that name the same kind of layer in PyTorch and MindSpore models (``linear1`` / ``dense1``)
+_SAME_ROLE: Tuple[Tuple[str, ...], ...] = (
+    ("linear", "dense", "fc", "proj", "lin"), ("embedding", "embed", "embeddings", "wte", "tok_embeddings"),
+    ("norm", "ln", "layernorm", "layer_norm"), ("attn", "attention", "self_attn"), ("mlp", "ffn", "feed_forward"))
+
+
+def _stem(token: str) -> Tuple[str, str]:
+    """``("linear", "1")`` for ``"linear1"``: the name and its trailing number."""
+    name, number = re.fullmatch(r"(.*?)_?(\d*)", token).groups()
+    return name.lower(), number
+
+
+def near_names(key: str, names: Sequence[str], n: int = 5) -> List[str]:
+    """Suggestions for the dotted ``key`` (matched by :func:`match_path`) that names none of
+    ``names``: by its last token among the names under what its other segments match, written in
+    the key's own pattern (``layers.*.linear1`` gives ``layers.*.dense1``: the same kind of layer by
+    PyTorch's and MindSpore's names, ``linear`` / ``dense`` / ``fc`` / ``proj``, then close
+    spellings); else close spellings of the whole path.
+
+    >>> near_names("layers.*.linear1", ["layers.0.norm1", "layers.0.dense1", "layers.0.dense2"])
+    ['layers.*.dense1', 'layers.*.dense2', 'layers.*.norm1']
+    >>> near_names("upp", ["up", "down"])
+    ['up']
+    """
+    prefix, _, last = key.rpartition(".")
+    siblings: List[str] = []
+    for name in names:
+        parent, _, token = name.rpartition(".")
+        if match_path(prefix, parent) and token not in siblings:
+            siblings.append(token)
+    stem, number = _stem(last)
+    role = next((group for group in _SAME_ROLE if stem in group), ())
+    same = sorted((t for t in siblings if _stem(t)[0] in role), key=lambda t: _stem(t)[1] != number)
+    picks = list(dict.fromkeys(same + difflib.get_close_matches(last, siblings, n=n, cutoff=0.5)))
+    if picks:
+        return [".".join(p for p in (prefix, t) if p) for t in picks[:n]]
+    return difflib.get_close_matches(key, list(names), n=n, cutoff=0.5)
 
 
 def check_mesh(mesh, what: str, ndim: Optional[int] = None) -> DeviceMesh:
