@@ -110,7 +110,8 @@ class Llama(nn.Cell):
         self.output = nn.Dense(config.dim, config.vocab, has_bias=False)
 
     def construct(self, ids):
-        # a pipeline stage (hyper_parallel_ms.pipelining.split_blocks) holds None for layers of other stages
+        # a pipeline stage cut by hyper_parallel_ms.pipelining.split_blocks holds pass-through Cells for the
+        # layers of other stages; the None checks serve stages whose layers were set to None by hand
         h = ids if self.tok_embeddings is None else self.tok_embeddings(ids)
         for layer in self.layers:
             h = layer(h)

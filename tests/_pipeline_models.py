@@ -76,11 +76,14 @@ def optimizer(params):
     return nn.AdamWeightDecay(params, learning_rate=0.01, beta1=0.9, beta2=0.999, weight_decay=0.01)
 
 
-def make_schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, stage_of=None, jit=False, prepare=None):
+def make_schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, stage_of=None, jit=False, prepare=None,
+                  stages_per_rank=None):
+    """``name``'s schedule over this rank's stages of ``Model`` (``stages_per_rank``: the schedule's
+    usual count by default; 1 makes a looped schedule run its one-stage form)."""
     from hyper_parallel_ms import pipelining as pl
 
     pp, me = mesh.size(), mesh.get_local_rank()
-    v = STAGES_PER_RANK[name]
+    v = STAGES_PER_RANK[name] if stages_per_rank is None else stages_per_rank
     num_stages = pp * v if num_stages is None else num_stages
     held = pl.build_plan(name, pp, pp * v, stages_per_rank=v).stages_of(me) if stage_of is None else stage_of
     stages, models = [], []
@@ -92,7 +95,7 @@ def make_schedule(name: str, mesh, n: int, *, loss=loss_fn, num_stages=None, sta
         models.append(model)
         stages.append(pl.PipelineStage(model, s, num_stages, mesh=mesh, jit=jit))
     cls = pl.get_schedule_class(name)
-    return cls(stages[0] if v == 1 else stages, n, loss), models
+    return cls(stages[0] if v == 1 and issubclass(cls, pl.PipelineScheduleSingle) else stages, n, loss), models
 
 
 def one_device_run(num_stages: int, n: int):
@@ -111,3 +114,32 @@ def one_device_run(num_stages: int, n: int):
         history.append((mb_losses, {p.name: g.asnumpy() for p, g in zip(params, grads)}))
         opt(grads)
     return history, {p.name: p.asnumpy() for p in params}
+
+
+# ----------------------------------------------------------------------------- a model nobody here wrote
+VOCAB, D_MODEL, HEADS, FFN, SEQ = 32, 16, 2, 32, 4
+
+
+class EncoderModel(nn.Cell):
+    """MindSpore's own ``nn.TransformerEncoder`` (2 layers, batch_first, dropout 0, a final norm)
+    between an embedding and a head; its ``construct`` knows nothing about pipeline stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FFN, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm((D_MODEL,)))
+        self.head = nn.Dense(D_MODEL, VOCAB)
+
+    def construct(self, ids):
+        return self.head(self.encoder(self.embed(ids)))
+
+
+def token_loss(logits, target):
+    return ops.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def token_batch(step: int, size: int):
+    rs = np.random.RandomState(300 + step)
+    return (ms.Tensor(rs.randint(0, VOCAB, (size, SEQ)).astype(np.int32)),
+            ms.Tensor(rs.randint(0, VOCAB, (size, SEQ)).astype(np.int32)))

@@ -3,6 +3,8 @@ tuple outputs merged over micro-batches, the split of nested inputs into micro-b
 TensorChunkSpec split / merge dims, a stage without trainable parameters, and PyTorch's names."""
 from __future__ import annotations
 
+import inspect
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -190,6 +192,17 @@ def test_pytorch_names_of_the_pipelining_api():
     np.testing.assert_array_equal(pl.merge_chunks([a[0] for a in args_split]).asnumpy(), x.asnumpy())
     np.testing.assert_array_equal(pl.merge_chunks([k["m"] for k in kwargs_split], pl.TensorChunkSpec(1)).asnumpy(),
                                   x.T.asnumpy())
+    # keyword-argument chunks with a dict spec merge back into a dict (keys it does not name: dim 0), as PyTorch's
+    _, pairs = pl.split_args_kwargs_into_chunks((), {"m": x.T, "n": x}, 3, None, {"m": pl.TensorChunkSpec(1)})
+    for spec in ({"m": pl.TensorChunkSpec(1), "n": pl.TensorChunkSpec(0)}, {"m": pl.TensorChunkSpec(1)}):
+        merged = pl.merge_chunks(pairs, spec)
+        assert isinstance(merged, dict) and list(merged) == ["m", "n"], merged
+        np.testing.assert_array_equal(merged["m"].asnumpy(), x.T.asnumpy())
+        np.testing.assert_array_equal(merged["n"].asnumpy(), x.asnumpy())
+    with pytest.raises(ValueError, match=r"output_merge_spec names \['z'\], which are not keys of the outputs"):
+        pl.merge_chunks(pairs, {"z": pl.TensorChunkSpec(0)})
+    with pytest.raises(ValueError, match=r"output_merge_spec\['m'\] TensorChunkSpec\(2\) does not fit an output"):
+        pl.merge_chunks(pairs, {"m": pl.TensorChunkSpec(2)})
     cell = nn.Dense(2, 2)
     assert pl.PipelineStage(cell, 0, 1).submod is cell
     # HyperParallel's keywords: stage_num (num_stages' other name), has_backward
@@ -199,9 +212,26 @@ def test_pytorch_names_of_the_pipelining_api():
         pl.PipelineStage(cell, 0)
     with pytest.raises(ValueError, match="num_stages=1 and stage_num=2"):
         pl.PipelineStage(cell, 0, 1, stage_num=2)
-    with pytest.raises(ValueError, match="args_chunk_spec and args_batch_dim"):
+    # each HyperParallel spelling is translated in one place (pipelining/_compat.py): either name, both when
+    # they agree; a disagreement names both
+    with pytest.raises(ValueError, match=r"args_chunk_spec=\(TensorChunkSpec\(0\),\) and args_batch_dim="
+                                         r"\(BatchDimSpec\(1\),\); they name the same argument"):
         pl.ScheduleGPipe(pl.PipelineStage(cell, 0, 1), 2, args_chunk_spec=(pl.TensorChunkSpec(0),),
-                         args_batch_dim=[pl.BatchDimSpec(0)])
+                         args_batch_dim=[pl.BatchDimSpec(1)])
+    with pytest.raises(ValueError, match="n_microbatches=2 and micro_batch_num=3"):
+        pl.ScheduleGPipe(pl.PipelineStage(cell, 0, 1), 2, micro_batch_num=3)
+    agreed = pl.ScheduleGPipe(pl.PipelineStage(cell, 0, 1), 2, micro_batch_num=2, output_concat_dim=1,
+                              output_merge_spec=pl.TensorChunkSpec(1), args_chunk_spec=(pl.TensorChunkSpec(0),),
+                              args_batch_dim=[pl.BatchDimSpec(0)])
+    assert (agreed.n_microbatches, agreed.output_merge_spec, agreed.args_chunk_spec) == (
+        2, pl.TensorChunkSpec(1), (pl.TensorChunkSpec(0),))
+    # the schedules' arguments are written once (PipelineSchedule); the bases show them under PyTorch's first name
+    base = list(inspect.signature(pl.PipelineSchedule).parameters)
+    assert base[0] == "stages" and len(base) == 13
+    assert list(inspect.signature(pl.ScheduleGPipe).parameters) == ["stage"] + base[1:]
+    assert list(inspect.signature(pl.ScheduleDualPipeV).parameters) == base
+    with pytest.raises(TypeError, match="ScheduleGPipe runs one PipelineStage per rank"):
+        pl.ScheduleGPipe([pl.PipelineStage(cell, 0, 1)], 2)
     with pytest.raises(TypeError, match="has_backward must be True or False"):
         pl.PipelineStage(cell, 0, 1, has_backward=1)
     with pytest.raises(TypeError, match="fifth positional argument is group: pass group= or mesh= by keyword"):
@@ -251,3 +281,107 @@ def test_run_returns_hyperparallel_lists_per_microbatch():
         np.testing.assert_allclose([float(v.asnumpy()) for v in got], want_loss, rtol=RTOL, atol=ATOL)
     with pytest.raises(pl.ScheduleError, match="has_backward=False"):
         frozen.gradients()
+
+
+def _squared_errors(out, target):
+    """A loss_fn that forgets to reduce (a named function: a compiled stage cannot take a lambda)."""
+    return (out - target) ** 2
+
+
+def _one_rank(name: str = "GPipe", loss=loss_fn, n: int = 4, **stage_kwargs):
+    """``name``'s schedule over one stage holding all of ``Model(1)``, in this process (a pp mesh of one rank)."""
+    from hyper_parallel_ms import pipelining as pl
+
+    ms.set_seed(0)
+    return pl.get_schedule_class(name)(pl.PipelineStage(Model(1), 0, 1, **stage_kwargs), n, loss)
+
+
+def test_step_clears_the_losses_list_as_pytorch():
+    """``step(..., losses=losses)`` and ``eval`` clear the list first: two steps of 4 micro-batches
+    leave the second step's 4 losses (they were appended: 8), so ``sum(losses)`` is one step's."""
+    ms.set_seed(0)
+    whole = Model(1)
+    schedule = _one_rank()
+    losses: list = ["stale"]
+    for step in range(2):
+        x, y = batch(step, 8)
+        schedule.step(x, target=y, losses=losses)
+    want = [float(loss_fn(whole(x[2 * m:2 * m + 2]), y[2 * m:2 * m + 2]).asnumpy()) for m in range(4)]
+    assert len(losses) == 4
+    np.testing.assert_allclose([float(v.asnumpy()) for v in losses], want, rtol=RTOL, atol=ATOL)
+    schedule.eval(x, target=y, losses=losses)
+    assert len(losses) == 4
+    schedule.eval(x, losses=losses)                 # no target: no losses
+    assert losses == []
+    assert len(schedule.run(x, target=y, losses=["stale"])) == 4
+
+
+def test_loss_fn_must_be_callable_and_return_one_number():
+    """A loss_fn that is not callable is refused when the schedule is built; one returning None, a
+    float or a Tensor of several elements is refused at the step (PyNative and compiled stages),
+    naming loss_fn and what it returned. A one-element loss of shape (1,) is a loss (PyTorch's too)."""
+    with pytest.raises(TypeError, match="ScheduleGPipe: loss_fn must be callable, loss_fn\\(output, target\\) -> a "
+                                        "scalar loss Tensor .*got 'mse'"):
+        _one_rank(loss="mse")
+    with pytest.raises(TypeError, match="ScheduleInterleaved1F1B: loss_fn must be callable"):
+        _one_rank("Interleaved1F1B", loss=3)
+    x, y = batch(0, 8)
+    with pytest.raises(TypeError, match="loss_fn returned None on stage 0; loss_fn\\(output, target\\) must return "
+                                        "the micro-batch's loss as a scalar Tensor"):
+        _one_rank(loss=lambda out, target: None).step(x, target=y)
+    with pytest.raises(TypeError, match="loss_fn returned a float \\(2.0\\) on stage 0"):
+        _one_rank(loss=lambda out, target: 2.0).step(x, target=y)
+    for jit in (False, True):
+        with pytest.raises(ValueError, match=r"loss_fn returned a Tensor of shape \(2, 4\) on stage 0; it must "
+                                             r"return the micro-batch's loss as a scalar"):
+            _one_rank(loss=_squared_errors, jit=jit).step(x, target=y)
+    with pytest.raises(ValueError, match=r"loss_fn returned a Tensor of shape \(2, 4\)"):      # eval too
+        _one_rank(loss=_squared_errors).eval(x, target=y)
+    scalar, single = _one_rank(), _one_rank(loss=lambda out, target: loss_fn(out, target).reshape(1))
+    scalar.step(x, target=y)
+    single.step(x, target=y)
+    for a, b in zip(scalar.gradients(), single.gradients()):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_stage_arguments_and_mismatched_stages_are_named():
+    """PipelineStage(num_stages=0) names num_stages; a micro-batch that does not match input_args
+    names input_args; a stage whose Cell cannot take the previous stage's outputs raises naming the
+    stage, the shapes it received and from where, around MindSpore's error (two stages on one rank)."""
+    from hyper_parallel_ms import pipelining as pl
+
+    cell = nn.Dense(2, 2)
+    with pytest.raises(ValueError, match="PipelineStage num_stages must be a positive int, the number of stages of "
+                                         "the whole pipeline .*got 0"):
+        pl.PipelineStage(cell, 0, 0)
+    with pytest.raises(ValueError, match=r"stage_index must be in 0..1 \(num_stages=2\), got 2; pass this rank's "):
+        pl.PipelineStage(cell, 2, 2)
+    x, y = batch(0, 8)
+    schedule = _one_rank(input_args=ms.Tensor(np.zeros((2, 3), np.float32)))
+    with pytest.raises(ValueError, match=r"stage 0: a micro-batch's inputs have shapes \(\(2, 6\),\), but the stage "
+                                         r"was built with input_args of shapes \(\(2, 3\),\)"):
+        schedule.step(x, target=y)
+
+    class Named(nn.Cell):
+        """``cell`` under the attribute ``name`` (distinct parameter names per stage)."""
+
+        def __init__(self, name: str, cell: nn.Cell) -> None:
+            super().__init__()
+            self.key = name
+            setattr(self, name, cell)
+
+        def construct(self, h):
+            return getattr(self, self.key)(h)
+    stages = [pl.PipelineStage(Named("a", nn.Dense(6, 8)), 0, 2), pl.PipelineStage(Named("b", nn.Dense(5, 4)), 1, 2)]
+    with pytest.raises(RuntimeError, match=r"stage 1 failed to run its forward and loss_fn on micro-batch 0: "
+                                           r"ValueError: For 'MatMul' .*'x1_col': 8 and 'x2_row': 5\.; its inputs "
+                                           r"have shapes \[\(2, 8\)\], the outputs of stage 0 on this rank \(and a "
+                                           r"target of \[\(2, 4\)\]\); the outputs of stage 0 must be what stage 1's "
+                                           r"Cell takes") as info:
+        pl.ScheduleInterleaved1F1B(stages, 4, loss_fn).step(x, target=y)
+    assert isinstance(info.value.__cause__, ValueError)          # MindSpore's error, chained
+    stages = [pl.PipelineStage(Named("c", nn.Dense(5, 8)), 0, 1)]
+    with pytest.raises(RuntimeError, match=r"stage 0 failed to run its forward on micro-batch 0: .*its inputs have "
+                                           r"shapes \[\(2, 6\)\], micro-batch 0 of the batch given to step\(\); the "
+                                           r"batch's Tensors must be what stage 0's Cell takes"):
+        pl.ScheduleLoopedBFS(stages, 4, None).step(x)

@@ -5,8 +5,9 @@ steps, rtol 1e-5):
 * pp x tp (2 x 2): each stage parallelized with ``parallelize_module`` on ``mesh["tp"]``, the
   stages talking over ``mesh["pp"]`` (send / recv only between ranks of one tp coordinate);
 * pp x fully_shard (2 x 2): each stage's blocks and root ``fully_shard(..., mesh=mesh["dp"])``,
-  gradients reduced once per step (CommDebugMode counts one reduce per sharded unit and step,
-  whatever the number of micro-batches);
+  the plan lowered with UNSHARD / RESHARD / REDUCE_GRAD: CommDebugMode counts one reduce-scatter
+  per sharded unit and step, and with ``reshard_after_forward=False`` one all-gather, whatever
+  the number of micro-batches;
 * tied embedding / head across the first and the last stage (``shared_parameters``): the
   gradient summed over the two ranks holding it by one all-reduce per step.
 
@@ -178,17 +179,22 @@ def test_pp_x_tp_equals_one_device(name, jit):
 
 
 # ----------------------------------------------------------------------------- pp x fully_shard
-@pytest.mark.parametrize("name, jit, engine", [("GPipe", False, "fully_shard"), ("1F1B", False, "fully_shard"),
-                                               ("Interleaved1F1B", False, "fully_shard"),
-                                               ("ZBVZeroBubble", False, "fully_shard"), ("1F1B", True, "fully_shard"),
-                                               ("1F1B", False, "hsdp")])
+@pytest.mark.parametrize("name, jit, engine, reshard", [
+    ("GPipe", False, "fully_shard", True), ("1F1B", False, "fully_shard", False),
+    ("Interleaved1F1B", False, "fully_shard", False), ("ZBVZeroBubble", False, "fully_shard", True),
+    ("ZBVZeroBubble", False, "fully_shard", False), ("1F1B", True, "fully_shard", True),
+    ("1F1B", False, "hsdp", True)])
 @multi_rank(4, timeout=600)
-def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine):
-    """jit: compiled fully_shard stages, whose compiled backwards reduce every micro-batch's
+def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine, reshard):
+    """The schedules over fully_shard stages run the plan lowered with UNSHARD / RESHARD /
+    REDUCE_GRAD (PyTorch's): per step and sharded unit one all-gather when
+    ``reshard_after_forward=False`` (not one per micro-batch) and one reduce-scatter, after the last
+    micro-batch. jit: compiled fully_shard stages, whose compiled backwards reduce every micro-batch's
     gradient (sync cannot be turned off there); the reduced gradients are summed. hsdp: HyperParallel's
     engine given the stage's dp mesh (``mesh=``), level3 (resharded after forward), one collective per Cell."""
     from hyper_parallel_ms.fsdp import fully_shard, hsdp
     from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.pipelining import REDUCE_GRAD, UNSHARD
     from tests._parity import gathered
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -202,10 +208,13 @@ def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine):
                 hsdp(cell, threshold=0, optimizer_level="level3", enable_grad_accumulation=True,
                      comm_fusion=True, mesh=dp)
             else:
-                fully_shard(cell, mesh=dp, reshard_after_forward=True)     # also the stage's root
+                fully_shard(cell, mesh=dp, reshard_after_forward=reshard)     # also the stage's root
     stages = _stages(name, mesh["pp"], 4, shard, jit=jit)
     n = 4
     schedule = _schedule(name, stages, n)
+    # the lowered plan: each stage gathered once and reduced once per step, on every rank
+    kinds = [a.kind for a in schedule.plan.actions[mesh["pp"].get_local_rank()]]
+    assert kinds.count(UNSHARD) == kinds.count(REDUCE_GRAD) == len(schedule.stages)
     d = dp.get_local_rank()
     rows = slice(d * BATCH // 2, (d + 1) * BATCH // 2)
     history, final = _reference(4, rows, n)
@@ -217,15 +226,23 @@ def test_pp_x_fully_shard_reduces_once_per_step(name, jit, engine):
     dims = ("dp", "dp_shard")       # fully_shard's mesh dim, hsdp's (a mesh of its own over the same ranks)
     reduces = [r for r in records if r.mesh_dim in dims and r.kind in ("reduce_scatter", "all_reduce")]
     gathers = [r for r in records if r.mesh_dim in dims and r.kind == "all_gather"]
-    # one gradient reduction per sharded unit and step (not per micro-batch); with reshard_after_forward=True
-    # (hsdp's default) each micro-batch's forward gathers and its backward gathers again; ZBV's weight pass
-    # replays the recorded backward, which reads a unit's freed values again where its input pass read
-    # them (a third gather; a stage's input pass does not read every unit's)
+    # one gradient reduction per sharded unit and step (REDUCE_GRAD), not per micro-batch
     assert len(reduces) == units * STEPS, (len(reduces), units)
-    if name == "ZBVZeroBubble" and engine == "fully_shard":
-        assert 2 * units * n * STEPS <= len(gathers) <= 3 * units * n * STEPS, (len(gathers), units)
+    if not reshard:
+        # the textbook: one all-gather per unit and step (UNSHARD), whatever the micro-batches
+        assert len(gathers) == units * STEPS, (len(gathers), units)
+        from hyper_parallel_ms import comm
+        x, _ = _batch(0)
+        with comm.CommDebugMode() as mode:              # eval (forwards only): gathered once too, nothing reduced
+            schedule.eval(*((x[rows],) if schedule.stages[0].is_first else ()))
+        assert [r.kind for r in mode.records if r.mesh_dim in dims] == ["all_gather"] * units
+    elif name == "ZBVZeroBubble":
+        # resharded after forward: the first forward reads UNSHARD's values, each later one gathers and its
+        # backward gathers again; ZBV's weight pass replays the recorded backward, which reads a unit's freed
+        # values again where its input pass read them (a third gather; an input pass does not read every unit's)
+        assert (2 * n - 1) * units * STEPS <= len(gathers) <= (3 * n - 2) * units * STEPS, (len(gathers), units)
     else:
-        assert len(gathers) == 2 * units * n * STEPS, (len(gathers), units)
+        assert len(gathers) == (2 * n - 1) * units * STEPS, (len(gathers), units)
 
 
 # ----------------------------------------------------------------------------- tied embedding / head
@@ -263,11 +280,45 @@ def test_tied_embedding_and_head_on_four_ranks():
 
 
 # ----------------------------------------------------------------------------- checkpoints across stage splits
+def _third_party_split_equals_one_device(mesh) -> None:
+    """MindSpore's nn.TransformerEncoder inside an unchanged model, split by ``split_blocks`` at
+    ``encoder.layers`` (pass-through Cells for the other stage's embedding, final norm and head):
+    1F1B over 2 ranks gives each micro-batch's loss and the full-batch gradients of one device."""
+    from hyper_parallel_ms import pipelining as pl
+    from tests._pipeline_models import EncoderModel, token_batch, token_loss
+
+    me, n = mesh.get_local_rank(), 4
+    ms.set_seed(0)
+    model = pl.split_blocks(EncoderModel(), me, 2, blocks="encoder.layers", first=("embed",),
+                            last=("encoder.norm", "head"))
+    schedule = pl.Schedule1F1B(pl.PipelineStage(model, me, 2, mesh=mesh), n, token_loss)
+    ms.set_seed(0)
+    full = EncoderModel()
+    params = full.trainable_params()
+    x, y = token_batch(0, 8)
+    loss, grads = ms.value_and_grad(lambda x, y: token_loss(full(x), y), None, params)(x, y)
+    want = {p.name: g.asnumpy() for p, g in zip(params, grads)}
+    k = x.shape[0] // n
+    per_mb = [float(token_loss(full(x[m * k:(m + 1) * k]), y[m * k:(m + 1) * k]).asnumpy()) for m in range(n)]
+    losses: list = []
+    schedule.step(*((x,) if me == 0 else ()), target=y if me == 1 else None, losses=losses)
+    if me == 1:
+        got = [float(v.asnumpy()) for v in losses]
+        np.testing.assert_allclose(got, per_mb, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(np.mean(got), float(loss.asnumpy()), rtol=RTOL, atol=ATOL)
+    mine = schedule.parameters()
+    assert mine and all(p.name in want for p in mine)                    # the full model's names
+    for p, g in zip(mine, schedule.gradients()):
+        np.testing.assert_allclose(g.asnumpy(), want[p.name], rtol=RTOL, atol=ATOL, err_msg=p.name)
+
+
 @multi_rank(2, timeout=600)
 def test_checkpoint_saved_with_two_stages_loads_into_four_stages_and_one_device():
     """Stage Cells keep full-model names, so a checkpoint saved by pp=2 stages (model and AdamW
     state, after a step) loads into another split (ZBV: four stages on the same two ranks) and
-    into the whole model on one device, every value equal to what the stages hold."""
+    into the whole model on one device, every value equal to what the stages hold. Then (same
+    ranks) a third-party model split at a dotted path trains like one device
+    (:func:`_third_party_split_equals_one_device`)."""
     import os
     import shutil
     import tempfile
@@ -313,3 +364,4 @@ def test_checkpoint_saved_with_two_stages_loads_into_four_stages_and_one_device(
         dist.barrier()
         if mesh.get_local_rank() == 0:
             shutil.rmtree(holder[0], ignore_errors=True)
+    _third_party_split_equals_one_device(mesh)

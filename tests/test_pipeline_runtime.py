@@ -15,11 +15,11 @@ from tests._pipeline_models import (ATOL, BATCHES, IN, OUT, RTOL, RUNTIME_SCHEDU
                                     Block, Model, batch, loss_fn, make_schedule, one_device_run, optimizer)
 
 
-def _check_parity(name: str, n: int, jit: bool = False) -> None:
+def _check_parity(name: str, n: int, jit: bool = False, stages_per_rank=None) -> None:
     from hyper_parallel_ms.mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ms.communication.get_group_size(),), mesh_dim_names=("pp",))
-    schedule, models = make_schedule(name, mesh, n, jit=jit)
+    schedule, models = make_schedule(name, mesh, n, jit=jit, stages_per_rank=stages_per_rank)
     num_stages = schedule.plan.num_stages
     history, final = one_device_run(num_stages, n)
     first, last = schedule.stages[0].is_first, schedule.stages[-1].is_last
@@ -164,8 +164,11 @@ def _microbatch_counts(name: str, pp: int):
 @pytest.mark.parametrize("name", SCHEDULES)
 @multi_rank(2)
 def test_every_schedule_equals_one_device_on_two_ranks(name):
+    """The looped schedules also with one stage per rank (their one-stage forms, as PyTorch runs them)."""
     for n in _microbatch_counts(name, 2):
         _check_parity(name, n)
+    if name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):
+        _check_parity(name, 3, stages_per_rank=1)
 
 
 @pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
@@ -240,7 +243,7 @@ def test_errors_raise_on_every_rank():
         forward_only.step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
     with pytest.raises(ScheduleError, match="runs forward only: no gradients"):
         forward_only.gradients()
-    with pytest.raises(TypeError, match="needs n_microbatches \\(or HyperParallel's micro_batch_num\\)"):
+    with pytest.raises(TypeError, match=r"needs n_microbatches \(PyTorch\) or micro_batch_num \(HyperParallel\)"):
         make_schedule("GPipe", mesh, None)
 
     # stages built separately with one parameter name each (an untied copy, or a weight tied across the
@@ -269,6 +272,13 @@ def test_errors_raise_on_every_rank():
     # the stage's rank raises the check's ValueError, the other rank a PipelineError naming it
     with pytest.raises((ValueError, PipelineError), match=r"stage 0: a micro-batch's inputs have shapes \(\(2, 6\),\)"):
         pl.ScheduleGPipe(bad, 2, loss_fn).step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
+    # stages that do not fit together (stage 0 sends WIDTH features, stage 1 takes 5): rank 1 names the stage,
+    # the shapes it received and from where around MindSpore's MatMul error, rank 0 a PipelineError carrying it
+    narrow = pl.PipelineStage(model if me == 0 else nn.Dense(5, OUT), me, 2, mesh=mesh)
+    with pytest.raises(RuntimeError, match=r"stage 1 failed to run its forward and loss_fn on micro-batch 0: "
+                                           r"ValueError: For 'MatMul' .*'x1_col': 8 and 'x2_row': 5\.; its inputs "
+                                           r"have shapes \[\(2, 8\)\], received from stage 0 on pp rank 0"):
+        pl.ScheduleGPipe(narrow, 2, loss_fn).step(*((x,) if me == 0 else ()), target=y if me == 1 else None)
     with pytest.raises(ValueError, match="runs on 'cpu' devices"):
         pl.PipelineStage(model, me, 2, "npu:0", mesh=mesh)
     with pytest.raises(NotImplementedError, match="dw_builder"):
@@ -285,7 +295,9 @@ def test_split_blocks_keeps_full_model_names_and_even_shares():
         ms.set_seed(0)
         model = split_blocks(Model(5), s, 2, first=("embed",), last=("head",))
         shares.append([p.name for p in model.trainable_params()])
-        assert (model.embed is None) == (s == 1) and (model.head is None) == (s == 0)
+        # the other stage's layers: pass-through Cells (a construct needs no None checks)
+        assert [type(model.embed).__name__, type(model.head).__name__] == (
+            ["Dense", "PassThrough"] if s == 0 else ["PassThrough", "Dense"])
         # Cell paths (state-dict keys, checkpoints) are the full model's too; indexing stays positional
         assert [name for name, p in model.parameters_and_names() if p.requires_grad] == shares[-1]
         assert model.layers[0] is list(model.layers)[0] and len(model.layers) == (3 if s == 0 else 2)
@@ -294,6 +306,58 @@ def test_split_blocks_keeps_full_model_names_and_even_shares():
         split_blocks(Model(5), 0, 6)
     with pytest.raises(TypeError, match=r"Model.embed must be an nn.CellList or nn.SequentialCell"):
         split_blocks(Model(5), 0, 2, blocks="embed")
+
+
+def test_split_blocks_splits_a_third_party_model_at_dotted_paths():
+    """MindSpore's nn.TransformerEncoder inside a model whose construct knows nothing about stages:
+    ``blocks="encoder.layers"``, the embedding and the head replaced by pass-through Cells on the
+    stages that drop them, every kept name the full model's; a refused call leaves the model as it was."""
+    from hyper_parallel_ms.pipelining import split_blocks
+    from hyper_parallel_ms.pipelining._split import PassThrough
+    from tests._pipeline_models import D_MODEL, SEQ, EncoderModel
+
+    ms.set_seed(0)
+    full = EncoderModel()
+    names = [p.name for p in full.trainable_params()]
+    cells = [name for name, _ in full.cells_and_names()]
+    hidden = ms.Tensor(np.random.RandomState(0).randn(3, SEQ, D_MODEL).astype(np.float32))
+    kept = []
+    for s in range(2):
+        ms.set_seed(0)
+        model = split_blocks(EncoderModel(), s, 2, blocks="encoder.layers", first=("embed",),
+                             last=("encoder.norm", "head"))
+        kept.append([p.name for p in model.trainable_params()])
+        assert [name for name, p in model.parameters_and_names() if p.requires_grad] == kept[-1]
+        assert {name for name, _ in model.cells_and_names()} <= set(cells)          # Cell paths: the full model's
+        assert list(model.encoder.layers.name_cells()) == [str(s)]             # block s under its own key
+        dropped = {"embed": model.embed, "encoder.norm": model.encoder.norm, "head": model.head}
+        passing = {path for path, cell in dropped.items() if isinstance(cell, PassThrough)}
+        assert passing == ({"encoder.norm", "head"} if s == 0 else {"embed"})
+        assert all(dropped[path].replaces == path for path in passing)
+        assert model.embed(hidden, None, key=1) is hidden if s == 1 else model.head(hidden) is hidden
+    assert kept[0] + kept[1] == names                     # every parameter on one stage, in the full model's order
+    assert "encoder.layers.1.self_attn.in_proj_weight" in kept[1] and "embed.embedding_table" in kept[0]
+    # one tensor-parallel plan for every stage: a key naming a layer another stage runs is skipped here, no warning
+    import warnings
+
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallelize_module(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)),
+                           {"embed": RowwiseParallel(), "head": ColwiseParallel()})
+    assert isinstance(model.embed, PassThrough)
+    # a missing step of a dotted path is named; the model is left as it was
+    model = EncoderModel()
+    with pytest.raises(AttributeError, match=r"blocks='encoder.blocks': EncoderModel.encoder has no attribute "
+                                             r"'blocks'; its child Cells are \['layers', 'norm'\]"):
+        split_blocks(model, 0, 2, blocks="encoder.blocks")
+    with pytest.raises(AttributeError, match=r"last='decoder.norm': EncoderModel has no Cell 'decoder'"):
+        split_blocks(model, 0, 2, blocks="encoder.layers", last=("decoder.norm",))
+    with pytest.raises(TypeError, match=r"first must be a tuple of attribute paths, got the string 'embed'"):
+        split_blocks(model, 1, 2, blocks="encoder.layers", first="embed")
+    assert [p.name for p in model.trainable_params()] == names and len(model.encoder.layers) == 2
+    assert isinstance(model.embed, nn.Embedding)
 
 
 def _stage_raises_mid_step(at: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from hyper_parallel_ms.pipelining import (B, F, I, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
                                           PipelinePlan, ScheduleError, SCHEDULES, add_comms,
-                                          build_plan, stage_to_rank, validate)
+                                          build_plan, stage_to_rank, stages_of_rank, validate)
 
 RANKS = range(2, 9)
 MICROBATCHES = range(1, 17)
@@ -29,8 +29,13 @@ def _check(lists: dict, plan: PipelinePlan):
 
 def test_action_strings_round_trip():
     for kind in ActionKind:
-        action = Action(12, kind, 3)
-        assert Action.parse(str(action)) == action and str(action) == f"12{kind.value}3"
+        action = Action(12, kind, None if kind.is_fsdp else 3)       # parameter actions: no micro-batch
+        assert Action.parse(str(action)) == action and str(action) == f"12{kind.value}{'' if kind.is_fsdp else 3}"
+    assert [str(Action.parse(a)) for a in ("1UNSHARD", "0RESHARD", "3REDUCE_GRAD")] == [
+        "1UNSHARD", "0RESHARD", "3REDUCE_GRAD"]
+    for bad in ("1UNSHARD0", "0F"):
+        with pytest.raises(ValueError, match=f"invalid action string '{bad}'.*e.g. '1UNSHARD'"):
+            Action.parse(bad)
     assert [str(Action.parse(a)) for a in ("0F1", "1B0", "2W3", "2I3")] == ["0F1", "1B0", "2W3", "2I3"]
     assert Action.parse("3SEND_F1").matching() == Action(4, RECV_F, 1)
     assert Action.parse("3SEND_B1").matching() == Action.parse("2RECV_B1")
@@ -43,8 +48,19 @@ def test_action_strings_round_trip():
 def test_placements():
     assert stage_to_rank("loop", 3, 6) == (0, 1, 2, 0, 1, 2)
     assert stage_to_rank("v", 3, 6) == (0, 1, 2, 2, 1, 0)
-    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+    # the V repeated for any even number of stages per rank (PyTorch's): down the ranks, back, again
+    assert stage_to_rank("v", 2, 8) == (0, 1, 1, 0, 0, 1, 1, 0)
+    assert stage_to_rank("v", 3, 12) == (0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0)
+    for pp, per_rank in ((1, 2), (2, 6), (4, 4)):
+        placement = stage_to_rank("v", pp, pp * per_rank)
+        assert all(stages_of_rank(placement, r) == tuple(
+            s for k in range(0, per_rank, 2) for s in (k * pp + r, (k + 2) * pp - 1 - r)) for r in range(pp))
+    with pytest.raises(ValueError, match=r"the V placement holds an even number of stages per rank \(down the 3 "
+                                         r"ranks and back\), got 9 stages for 3 ranks \(3 per rank\); use 6 or 12 "
+                                         r"stages, or the loop placement"):
         stage_to_rank("v", 3, 9)
+    with pytest.raises(ValueError, match=r"got 2 stages for 2 ranks \(1 per rank\); use 4 stages"):
+        stage_to_rank("v", 2, 2)
     with pytest.raises(ValueError, match="do not divide evenly"):
         stage_to_rank("loop", 3, 4)
 
@@ -65,19 +81,51 @@ def test_every_schedule_passes_the_validator(schedule):
                 continue
             plan = _plan(schedule, pp, n)
             assert plan.pp == pp and plan.num_stages == pp * (1 if schedule in ("GPipe", "1F1B") else 2)
-            for rank, acts in enumerate(plan.actions):
+            _check_complete(plan, split)
+
+
+def _check_complete(plan: PipelinePlan, split) -> None:
+    """Every (stage, micro-batch) of a rank has one F and either one B or one I and one W (``split``:
+    True all split, False none, None either); no transfer between two stages of one rank."""
+    n = plan.n_microbatches
+    for rank, acts in enumerate(plan.actions):
+        compute = [a for a in acts if a.kind.is_compute]
+        assert len(set(compute)) == len(compute), compute
+        for s in plan.stages_of(rank):
+            for m in range(n):
+                kinds = {a.kind for a in compute if (a.stage, a.microbatch) == (s, m)}
+                assert kinds in ({F, B}, {F, I, W}), (rank, s, m, kinds)
+                if split is not None:
+                    assert kinds == ({F, I, W} if split else {F, B}), (plan.schedule, s, m, kinds)
+        assert len(compute) == sum(3 if {a.kind for a in compute if a.stage == s and a.microbatch == m} ==
+                                   {F, I, W} else 2 for s in plan.stages_of(rank) for m in range(n))
+        for a in acts:       # no transfer between two stages of one rank
+            assert a.kind.is_compute or plan.placement[a.peer_stage()] != rank
+
+
+def test_looped_schedules_run_one_stage_per_rank():
+    """Interleaved 1F1B, looped BFS and interleaved zero bubble with one stage per rank (PyTorch runs
+    them; they were refused): valid and complete for 1..8 ranks x 1..16 micro-batches, in their
+    one-stage forms: looped BFS is GPipe with the backwards from the last micro-batch, interleaved
+    1F1B is 1F1B with 2 (pp - 1 - rank) warm-up forwards (the last rank's order is 1F1B's), and
+    interleaved zero bubble splits every backward."""
+    for pp in range(1, 9):
+        for n in MICROBATCHES:
+            for schedule, split in (("Interleaved1F1B", False), ("LoopedBFS", False), ("InterleavedZeroBubble", True)):
+                plan = _plan(schedule, pp, n, stages_per_rank=1)
+                assert plan.placement == tuple(range(pp)), plan.placement
+                _check_complete(plan, split)
+            compute = [[a for a in acts if a.kind.is_compute] for acts in _plan("LoopedBFS", pp, n,
+                                                                                 stages_per_rank=1).actions]
+            assert compute == [[Action(r, F, m) for m in range(n)] + [Action(r, B, m) for m in reversed(range(n))]
+                               for r in range(pp)]
+            interleaved = _plan("Interleaved1F1B", pp, n, stages_per_rank=1).actions
+            for r, acts in enumerate(interleaved):
                 compute = [a for a in acts if a.kind.is_compute]
-                assert len(set(compute)) == len(compute), compute
-                for s in plan.stages_of(rank):
-                    for m in range(n):
-                        kinds = {a.kind for a in compute if (a.stage, a.microbatch) == (s, m)}
-                        assert kinds in ({F, B}, {F, I, W}), (rank, s, m, kinds)
-                        if split is not None:
-                            assert kinds == ({F, I, W} if split else {F, B}), (schedule, s, m, kinds)
-                assert len(compute) == sum(3 if {a.kind for a in compute if a.stage == s and a.microbatch == m} ==
-                                           {F, I, W} else 2 for s in plan.stages_of(rank) for m in range(n))
-                for a in acts:       # no transfer between two stages of one rank
-                    assert a.kind.is_compute or plan.placement[a.peer_stage()] != rank
+                warmup = next((i for i, a in enumerate(compute) if a.kind is B), len(compute))
+                assert warmup == min(n, 2 * (pp - 1 - r) + 1), (pp, n, r, compute)
+            if n >= pp:
+                assert compute == [a for a in _plan("1F1B", pp, n).actions[-1] if a.kind.is_compute]
 
 
 def test_interleaved_three_stages_per_rank_and_uneven_rounds():
@@ -93,10 +141,12 @@ def test_construction_refusals():
         build_plan("1F1B", 2, 4, stages_per_rank=2)
     with pytest.raises(ScheduleError, match="ZBVZeroBubble runs 2 stage"):
         build_plan("ZBVZeroBubble", 2, 4, stages_per_rank=3)
-    with pytest.raises(ScheduleError, match="Interleaved1F1B runs 2 or more"):
-        build_plan("Interleaved1F1B", 2, 4, stages_per_rank=1)
-    with pytest.raises(ScheduleError, match="InterleavedZeroBubble runs 2 or more"):
-        build_plan("InterleavedZeroBubble", 2, 4, stages_per_rank=1)
+    with pytest.raises(ScheduleError, match=r"Interleaved1F1B runs 1 or more stage\(s\) per rank, got stages_per"):
+        build_plan("Interleaved1F1B", 2, 4, stages_per_rank=0)
+    with pytest.raises(ScheduleError, match=r"LoopedBFS runs 1 or more stage\(s\) per rank, got stages_per_rank='2'"):
+        build_plan("LoopedBFS", 2, 4, stages_per_rank="2")
+    with pytest.raises(ScheduleError, match="ZBVZeroBubble runs 2 stage"):
+        build_plan("ZBVZeroBubble", 2, 4, stages_per_rank=1)
     with pytest.raises(ScheduleError, match="DualPipeV runs 2 stage"):
         build_plan("DualPipeV", 2, 4, stages_per_rank=3)
     with pytest.raises(ScheduleError, match="DualPipeV needs at least as many micro-batches as stages: got 7 "
@@ -268,3 +318,77 @@ def test_validate_checks_the_rank_set_and_types():
     with pytest.raises(ScheduleError, match=r"rank 0: 0F0 \(step 0\) is out of range: 2 stages, 0 micro-batches"):
         validate(_lists(plan), plan.placement, 0)
     assert SEND_F.is_send and SEND_B.is_send and RECV_F.is_recv and not F.is_send and W.is_compute
+
+
+# ----------------------------------------------------------------------------- lowering for fully_shard stages
+def test_fsdp_lowering_gathers_each_stage_once_and_reduces_after_its_last_backward():
+    """build_plan(fsdp=True) (what the schedules run over fully_shard stages): the compute actions
+    and transfers of the plain plan, in the same order, plus per stage one UNSHARD before its first
+    compute action, one RESHARD after its last and one REDUCE_GRAD right after its last B or W
+    (PyTorch's UNSHARD / RESHARD / REDUCE_GRAD lowering, up to 3 stages held per rank)."""
+    from hyper_parallel_ms.pipelining import REDUCE_GRAD, RESHARD, UNSHARD
+
+    for schedule in sorted(SCHEDULES):
+        for pp, n in ((2, 4), (3, 6), (4, 8)):
+            plain, lowered = _plan(schedule, pp, n), build_plan(schedule, pp, n, fsdp=True)
+            assert lowered.timeline().starts == plain.timeline().starts           # no compute action moves
+            for rank, acts in enumerate(lowered.actions):
+                assert [a for a in acts if not a.kind.is_fsdp] == list(plain.actions[rank])
+                for s in plain.stages_of(rank):
+                    steps = {k: [i for i, a in enumerate(acts) if a == Action(s, k)] for k in (UNSHARD, RESHARD,
+                                                                                             REDUCE_GRAD)}
+                    work = [i for i, a in enumerate(acts) if a.stage == s and a.kind.is_compute]
+                    weight = [i for i, a in enumerate(acts) if a.stage == s and a.kind in (B, W)]
+                    assert [len(v) for v in steps.values()] == [1, 1, 1], (schedule, rank, s, acts)
+                    assert steps[UNSHARD][0] < work[0] and steps[RESHARD][0] > work[-1]
+                    assert steps[REDUCE_GRAD][0] > weight[-1] and steps[REDUCE_GRAD][0] < steps[RESHARD][0]
+    # four stages per rank, three held at most: a stage is freed and gathered again, never computed while freed
+    plan = build_plan("Interleaved1F1B", 2, 8, stages_per_rank=4, fsdp=True)
+    for acts in plan.actions:
+        held, most = set(), 0
+        for a in acts:
+            held = held | {a.stage} if a.kind is UNSHARD else held - {a.stage} if a.kind is RESHARD else held
+            most = max(most, len(held))
+            assert not a.kind.is_compute or a.stage in held
+        assert most == 3 and sum(a.kind is UNSHARD for a in acts) > 4
+    assert len(build_plan("Interleaved1F1B", 2, 8, stages_per_rank=4, fsdp=True, max_active_stages=4)
+               .actions[0]) == len(_plan("Interleaved1F1B", 2, 8, stages_per_rank=4).actions[0]) + 3 * 4
+    # the parameter actions take no time unless given a duration (a gather's time: the step grows by it)
+    one = build_plan("1F1B", 2, 4, fsdp=True)
+    assert one.timeline().makespan == _plan("1F1B", 2, 4).timeline().makespan
+    assert one.timeline({UNSHARD: 2.0}).makespan == _plan("1F1B", 2, 4).timeline().makespan + 2.0
+    with pytest.raises(ValueError, match="max_active_stages must be a positive int, got 0"):
+        build_plan("1F1B", 2, 4, fsdp=True, max_active_stages=0)
+
+
+PARAMETER_CORRUPTIONS = [
+    # (rank, edit, expected message), on build_plan("1F1B", 2, 2, fsdp=True)
+    (0, lambda a: _move(a, "0UNSHARD", a.index("0F0") + 1),                     # compute before the gather
+     r"rank 0: 0F0 \(step 0\) runs while stage 0 is sharded: put 0UNSHARD before it"),
+    (1, lambda a: ["1UNSHARD"] + a,                                              # gathered twice
+     r"rank 1: 1UNSHARD \(step 1\) gathers stage 1 again: its UNSHARD at step 0 has no RESHARD before"),
+    (1, lambda a: [x for x in a if x != "1RESHARD"],                             # left gathered
+     r"rank 1 leaves stage\(s\) \[1\] gathered at the end of the step: add 1RESHARD"),
+    (0, lambda a: a + ["0RESHARD"],                                              # freed twice
+     r"rank 0: 0RESHARD \(step \d+\) frees stage 0, which no UNSHARD gathered"),
+    (0, lambda a: _move(a, "0REDUCE_GRAD", a.index("0B1")),                      # reduce before the last backward
+     r"rank 0: 0REDUCE_GRAD \(step \d+\) runs before the last weight gradient of stage 0 \(0B1 at step \d+\)"),
+    (1, lambda a: a + ["1REDUCE_GRAD"],                                          # reduced twice
+     r"rank 1: 1REDUCE_GRAD \(step \d+\) is listed twice"),
+    (0, lambda a: a + ["1UNSHARD"],                                              # another rank's stage
+     r"rank 0: 1UNSHARD \(step \d+\) acts for stage 1, which rank 1 holds"),
+]
+
+
+@pytest.mark.parametrize("case", PARAMETER_CORRUPTIONS, ids=lambda c: c[-1][:40])
+def test_corrupted_parameter_actions_are_refused_naming_the_action(case):
+    rank, edit, message = case
+    plan = build_plan("1F1B", 2, 2, fsdp=True)
+    lists = _lists(plan)
+    with pytest.raises(ScheduleError, match=message):
+        _check(_corrupt(lists, rank, edit), plan)
+    # a parameter action names no micro-batch, every other one does
+    for bad, why in ((Action(0, ActionKind.UNSHARD, 1), r"0UNSHARD1 \(step 0\) names a micro-batch"),
+                     (Action(0, F), r"0F \(step 0\) has no micro-batch")):
+        with pytest.raises(ScheduleError, match=why):
+            _check({0: [bad] + lists[0], 1: lists[1]}, plan)

@@ -220,6 +220,24 @@ class GroupGather(_Reducing):
             self.pending = g
             return tuple(ops.zeros_like(p) for p in pieces)
         self.pending = None
+        return self._reduce_sum(g, pieces)
+
+    def reduce_pending(self):
+        """The pieces' gradients of what backward passes without sync accumulated, reduced now as a
+        synchronised backward would reduce them (one collective; a pipeline's REDUCE_GRAD action);
+        ``None`` where nothing accumulated.
+
+        Example::
+
+            grads = group.gather.reduce_pending()      # after micro-batch backwards with sync off
+        """
+        g, self.pending = self.pending, None
+        return None if g is None else self._reduce_sum(g, self._hpms_group.pieces())
+
+    def _reduce_sum(self, g, pieces):
+        """The pieces' gradients of ``g`` (the unreduced flat gradient, in the reduce dtype): reduced and
+        hooked, or this rank's part kept while the HSDP all-reduce is off (zeros returned)."""
+        group, sync = self._hpms_group, self._hpms_group.sync
         like = pieces[0]
         if self.replicate_dim is None or (sync.all_reduce and self.partial is None):
             return tuple(split(group.layout, sync.hooked(self._reduced(g, like))))

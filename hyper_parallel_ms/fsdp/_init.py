@@ -3,7 +3,7 @@
 Each deferred parameter gets the value it has eagerly for the same seed: its initialiser is
 replayed from the point of numpy's random stream recorded when the Parameter was made
 (:mod:`hyper_parallel_ms._deferred`), so the order in which this runs does not matter.
-Inside a simulation (a simulated world, see :func:`hyper_parallel_ms.plan.simulate`) nothing is
+Inside a simulation (a simulated world, see :func:`hyper_parallel_ms.dryrun.simulate`) nothing is
 initialised: the parameters stay without data. Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
 once, keeps its piece and drops the rest before the next parameter: the peak is the pieces
 plus the largest single parameter, never the whole model. Random initialisers made under

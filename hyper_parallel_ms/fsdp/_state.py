@@ -106,6 +106,7 @@ class FSDPState:
         self.reshard_after_backward = True
         self.is_last_backward = True           # FSDP2's flag (set_is_last_backward); reductions never wait here
         self.kept: Optional[list] = None       # per group (flat, values) gathered by unshard(), until resharded
+        self.pinned = False                    # kept across backward passes too (a pipeline's UNSHARD)
         self.reused: Optional[list] = None     # per group (flat, values) kept after a backward without sync
         self.deferred = True                   # until every piece is seen initialised
         self.checked = False                   # MindSpore's first-call checks of the Cells done
@@ -356,14 +357,27 @@ class FSDPState:
         """A backward pass reached one of this unit's gathers (called by it): open rounds are stale,
         and values kept by :meth:`unshard` are dropped (FSDP2's post-backward reshard)."""
         _BACKWARDS.count += 1
-        if self.reshard_after_backward:
+        if self.reshard_after_backward and not self.pinned:
             self.kept = None
 
-    def unshard(self) -> None:
+    def unshard(self, through_backward: bool = False) -> None:
         """Gather every group now; the next forwards use these buffers (no collective) until the
         unit reshards as FSDP2's: after a forward with ``reshard_after_forward`` (True or an int),
-        after a backward with ``reshard_after_backward``, or at :meth:`reshard`."""
+        after a backward with ``reshard_after_backward`` (not with ``through_backward``: a
+        pipeline's UNSHARD, whose micro-batches all read them), or at :meth:`reshard`."""
         self.kept = [g.gathered() for g in self.groups]
+        self.pinned = through_backward
+
+    def reduce_pending(self) -> List[Tuple[Any, Any]]:
+        """The gradients that backward passes without sync accumulated, reduced now (one collective
+        per group, as the next synchronised backward would), each with its piece Parameter: a
+        pipeline's REDUCE_GRAD. Nothing for a group where nothing accumulated."""
+        out: List[Tuple[Any, Any]] = []
+        for group in self.groups:
+            grads = group.gather.reduce_pending()
+            if grads is not None:
+                out += list(zip(group.pieces(), grads))
+        return out
 
     def reshard(self) -> None:
         if self.running:
@@ -375,6 +389,7 @@ class FSDPState:
         """Forget values gathered ahead of a forward (:meth:`unshard`, kept between micro-steps,
         prefetched): the pieces changed (a load), the next forward gathers again."""
         self.kept, self.reused, self.prefetched = None, None, None
+        self.pinned = False
 
     def clear_pending(self) -> None:
         if self.running:

@@ -3,7 +3,9 @@
 A schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, InterleavedZeroBubble,
 DualPipeV) lowers to one list of actions per pipeline rank: forward / backward / input-gradient /
 weight-gradient of a stage on a micro-batch, and the SEND / RECV between ranks, in an order that
-cannot deadlock with blocking point-to-point calls. :func:`validate` checks any such lists without
+cannot deadlock with blocking point-to-point calls; over fully_shard stages the lists also gather
+each stage's parameters once per step and reduce its gradients once (UNSHARD / RESHARD /
+REDUCE_GRAD, ``build_plan(..., fsdp=True)``). :func:`validate` checks any such lists without
 processes. The runtime (:class:`PipelineStage`, :func:`split_blocks` and the schedules
 ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
 ``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) executes those
@@ -21,15 +23,17 @@ Example:
 """
 from __future__ import annotations
 
-from ._action import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
+from ._action import (B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action, ActionKind,
                       PipelineError, ScheduleError, TransferFailed)
 from ._comms import add_comms, time_compute
+from ._lowering import add_reduce_grad, add_unshard_reshard, lower_fsdp
 from ._placement import stage_to_rank, stages_of_rank
 from ._plan import SCHEDULES, PipelinePlan, build_plan, format_table
 from ._validate import Timeline, validate
 
 __all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "TransferFailed", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
-           "RECV_B", "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
+           "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD", "add_unshard_reshard", "add_reduce_grad", "lower_fsdp",
+           "PipelinePlan", "build_plan", "SCHEDULES", "validate", "Timeline", "add_comms",
            "time_compute", "stage_to_rank", "stages_of_rank", "format_table",
            "PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",

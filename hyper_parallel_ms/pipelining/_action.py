@@ -1,8 +1,10 @@
-"""One step of a pipeline schedule: compute (F / B / I / W) or point-to-point (SEND / RECV).
+"""One step of a pipeline schedule: compute (F / B / I / W), point-to-point (SEND / RECV) or
+an action on a fully_shard stage's parameters (UNSHARD / RESHARD / REDUCE_GRAD).
 
 An :class:`Action` names a stage, a kind and a micro-batch, and prints compactly as PyTorch's
 ``_Action`` does: ``"0F1"`` is the forward of stage 0 on micro-batch 1, ``"3SEND_B2"`` the
-send of stage 3's input gradient for micro-batch 2 (to stage 2).
+send of stage 3's input gradient for micro-batch 2 (to stage 2), ``"1UNSHARD"`` the gather of
+stage 1's parameters (the parameter actions have no micro-batch: see :mod:`._lowering`).
 
 Conventions for the point-to-point kinds (the stage is always the one on this side):
 
@@ -25,7 +27,7 @@ from enum import Enum
 from typing import NamedTuple, Optional
 
 __all__ = ["ActionKind", "Action", "ScheduleError", "PipelineError", "TransferFailed", "F", "B", "I", "W",
-           "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+           "SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD"]
 
 
 class ScheduleError(ValueError):
@@ -78,7 +80,7 @@ class ActionKind(Enum):
 
     Args:
         value: the code (``"F"``, ``"B"``, ``"I"``, ``"W"``, ``"SEND_F"``, ``"RECV_F"``,
-            ``"SEND_B"``, ``"RECV_B"``).
+            ``"SEND_B"``, ``"RECV_B"``, ``"UNSHARD"``, ``"RESHARD"``, ``"REDUCE_GRAD"``).
 
     Example:
         >>> ActionKind("W") is ActionKind.BACKWARD_WEIGHT, ActionKind("SEND_B").is_send
@@ -93,6 +95,9 @@ class ActionKind(Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    UNSHARD = "UNSHARD"            # gather a fully_shard stage's parameters, kept until its RESHARD
+    RESHARD = "RESHARD"            # free them (the pieces back in place)
+    REDUCE_GRAD = "REDUCE_GRAD"    # reduce the gradients its backwards accumulated, once per step
 
     __hash__ = object.__hash__     # members are singletons; Enum's name hash is slow in hot loops
 
@@ -114,6 +119,11 @@ class ActionKind(Enum):
         """RECV_F or RECV_B."""
         return self in (ActionKind.RECV_F, ActionKind.RECV_B)
 
+    @property
+    def is_fsdp(self) -> bool:
+        """UNSHARD, RESHARD or REDUCE_GRAD: acts on a stage's parameters, on no micro-batch."""
+        return self in _FSDP
+
 
 _COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                       ActionKind.BACKWARD_WEIGHT})
@@ -121,34 +131,42 @@ F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
 I = ActionKind.BACKWARD_INPUT  # noqa: E741 (PyTorch's letter for the input gradient)
 W = ActionKind.BACKWARD_WEIGHT
+_FSDP = frozenset({ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD})
 SEND_F = ActionKind.SEND_F
 RECV_F = ActionKind.RECV_F
 SEND_B = ActionKind.SEND_B
 RECV_B = ActionKind.RECV_B
+UNSHARD = ActionKind.UNSHARD
+RESHARD = ActionKind.RESHARD
+REDUCE_GRAD = ActionKind.REDUCE_GRAD
 
+_FSDP_ORDER = (UNSHARD, RESHARD, REDUCE_GRAD)
 _PAIRS = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
-_PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_PATTERN = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d*)$")
 
 
 class Action(NamedTuple):
-    """``kind`` of stage ``stage`` on micro-batch ``microbatch``; prints as ``"0F1"``.
+    """``kind`` of stage ``stage`` on micro-batch ``microbatch``; prints as ``"0F1"`` (a parameter
+    action, which has no micro-batch, as ``"0UNSHARD"``).
 
     Args:
         stage: the stage (on this side of a SEND / RECV).
         kind: the :class:`ActionKind`.
-        microbatch: the micro-batch.
+        microbatch: the micro-batch (``None`` for UNSHARD, RESHARD and REDUCE_GRAD).
 
     Example:
         >>> Action(2, ActionKind.BACKWARD_INPUT, 3), Action.parse("2I3") == Action(2, I, 3)
         (2I3, True)
+        >>> Action(1, ActionKind.REDUCE_GRAD), Action.parse("1UNSHARD").microbatch is None
+        (1REDUCE_GRAD, True)
     """
 
     stage: int
     kind: ActionKind
-    microbatch: int
+    microbatch: Optional[int] = None
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        return f"{self.stage}{self.kind.value}{'' if self.microbatch is None else self.microbatch}"
 
     __repr__ = __str__
 
@@ -160,11 +178,14 @@ class Action(NamedTuple):
         <ActionKind.RECV_F: 'RECV_F'>
         """
         match = _PATTERN.match(text.strip())
-        if match is None:
+        kind = None if match is None else ActionKind(match.group(2))
+        if match is None or (match.group(3) == "") != kind.is_fsdp:
             raise ValueError(f"invalid action string {text!r}: expected <stage><kind><microbatch> "
-                             f"with kind one of {[k.value for k in ActionKind]}, e.g. '2F0' or '1SEND_B3'")
-        stage, kind, mb = match.groups()
-        return Action(int(stage), ActionKind(kind), int(mb))
+                             f"with kind one of {[k.value for k in ActionKind if not k.is_fsdp]}, e.g. '2F0' or "
+                             f"'1SEND_B3', or <stage><kind> with kind one of {[k.value for k in _FSDP_ORDER]}, "
+                             f"e.g. '1UNSHARD'")
+        stage, _, mb = match.groups()
+        return Action(int(stage), kind, int(mb) if mb else None)
 
     def peer_stage(self) -> Optional[int]:
         """The stage at the other end of a SEND / RECV (None for compute actions).
@@ -186,5 +207,6 @@ class Action(NamedTuple):
         """
         pairs = _PAIRS
         if self.kind not in pairs:
-            raise ValueError(f"{self} is a compute action; only SEND / RECV actions have a matching action")
+            what = "parameter" if self.kind.is_fsdp else "compute"
+            raise ValueError(f"{self} is a {what} action; only SEND / RECV actions have a matching action")
         return Action(self.peer_stage(), pairs[self.kind], self.microbatch)

@@ -49,7 +49,7 @@ def batch_problem(values: Optional[Sequence[object]], n: int, dims: Optional[Seq
 
 def check_chunk_specs(args_spec: Any, kwargs_spec: Any, merge_spec: Any, name: str) -> None:
     """PyTorch's chunk specs: a tuple per positional input, a dict per keyword, a spec (or a tuple
-    of them) for the outputs; each entry a :class:`TensorChunkSpec`, ``None`` or a structure of them."""
+    / dict of them) for the outputs; each entry a :class:`TensorChunkSpec`, ``None`` or a structure of them."""
     def entries_ok(value: Any) -> bool:
         return all(v is None or isinstance(v, TensorChunkSpec) for v in tree_leaves(value))
     if args_spec is not None and not (isinstance(args_spec, (tuple, list)) and entries_ok(args_spec)):
@@ -58,9 +58,10 @@ def check_chunk_specs(args_spec: Any, kwargs_spec: Any, merge_spec: Any, name: s
     if kwargs_spec is not None and not (isinstance(kwargs_spec, dict) and entries_ok(kwargs_spec)):
         raise TypeError(f"{name}: kwargs_chunk_spec must be a dict of TensorChunkSpec (or None) per keyword input, "
                         f"got {kwargs_spec!r}")
-    if merge_spec is not None and not (isinstance(merge_spec, (TensorChunkSpec, tuple, list)) and entries_ok(merge_spec)):
-        raise TypeError(f"{name}: output_merge_spec must be a TensorChunkSpec or a tuple of them (None: a list over "
-                        f"the micro-batches) per output, got {merge_spec!r}")
+    if merge_spec is not None and not (isinstance(merge_spec, (TensorChunkSpec, tuple, list, dict)) and
+                                       entries_ok(merge_spec)):
+        raise TypeError(f"{name}: output_merge_spec must be a TensorChunkSpec, or a tuple / dict of them like the "
+                        f"outputs (None: a list over the micro-batches), got {merge_spec!r}")
 
 
 def batch_message(what: str, code: int, index: int, size: int, n: int) -> str:

@@ -6,7 +6,9 @@ checks that the header names the SEND its RECV pairs with, and allocates the ten
 so a stage's output shapes may change between any two micro-batches. A header whose status is
 not ``DATA`` is an abort: a rank that fails sends one, in place of its next message, to every
 peer that still expects a message from it, and a rank receiving one raises :class:`PipelineAbort`
-and passes the abort on in the same way, so no rank waits in ``recv`` for a failed one.
+and passes the abort on in the same way, so no rank waits in ``recv`` for a failed one. A rank
+that hangs or dies sends nothing: the communication watchdog (:mod:`hyper_parallel_ms.comm._watchdog`)
+ends the ranks waiting for it, naming it and the pipeline action they waited in.
 
 Example::
 
@@ -24,6 +26,7 @@ from mindspore import Tensor
 
 from .. import comm
 from ..comm import _simulated as simulated
+from ..comm._watchdog import note
 from ._action import Action, ActionKind, ScheduleError, TransferFailed
 from ._microbatch import HEADER, fitting_signature, like_tensors
 
@@ -89,14 +92,19 @@ class Channel:
         """Send ``tensors`` as the message of ``action`` (a SEND) to pp rank ``dst``; a tuple the
         header cannot describe is refused before anything is sent."""
         header = _header(DATA, self.rank, action, fitting_signature(tensors))
-        for t in (header,) + tuple(tensors):
-            self._send(t, dst)
+        with note(f"pipeline {action} of pp rank {self.rank}, to pp rank {dst}"):
+            for t in (header,) + tuple(tensors):
+                self._send(t, dst)
         self.sent[dst] += 1
 
     def recv(self, action: Action, src: int, expected: Sequence[Tensor] = ()) -> Tuple[Tensor, ...]:
         """The tensors of the message ``action`` (a RECV) reads from pp rank ``src``; raises
         :class:`PipelineAbort` if ``src`` sent an abort instead. ``expected``: tensors like the
         message's (a stage's outputs, for their gradients), used where messages carry no header."""
+        with note(f"pipeline {action} of pp rank {self.rank}, from pp rank {src}"):
+            return self._read(action, src, expected)
+
+    def _read(self, action: Action, src: int, expected: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         if action.kind is ActionKind.RECV_B and self._simulated():
             # a simulation runs its ranks one after another: a gradient's sender (a later stage) has
             # not run yet, so its header is received without values and the shapes are the expected ones
@@ -112,11 +120,12 @@ class Channel:
     def drain(self, src: int, count: int) -> None:
         """After a failure: read and drop up to ``count`` messages from ``src``, stopping at its
         abort, so that no message is left to be mistaken for a later collective's data."""
-        for _ in range(count):
-            try:
-                self._message(src)
-            except PipelineAbort:
-                return
+        with note(f"pp rank {self.rank} reading what pp rank {src} sent before a failed step ended"):
+            for _ in range(count):
+                try:
+                    self._message(src)
+                except PipelineAbort:
+                    return
 
     def abort(self, dst: int, status: int, origin: int, action: Action) -> None:
         """Send an abort (``status``: ``ABORT`` or ``ABORT_LOST``) naming ``origin`` and its failed

@@ -22,23 +22,25 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind, ScheduleError
-from ._data import Datum, describe, makes, needs
+from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action, ActionKind, ScheduleError
+from ._data import Datum, costs, describe, makes, needs
 
 __all__ = ["time_compute", "add_comms"]
 
 
 def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
                  durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[Action, float]:
-    """Start time of every compute action, transfers free and non-blocking.
+    """Start time of every compute action, transfers free and non-blocking (a parameter action listed
+    twice on a rank, an UNSHARD after a RESHARD: the start of the later one).
 
     Raises ``ScheduleError`` naming each rank's waiting action when the orders wait in a cycle
     (or for data no action makes).
 
     Args:
-        order: rank -> its compute actions (F, B, I, W), in order.
+        order: rank -> its compute actions (F, B, I, W; UNSHARD, RESHARD and REDUCE_GRAD too,
+            which take no time by default), in order.
         placement: the rank of each stage, indexed by stage.
-        durations: time units per compute kind (1 for each by default).
+        durations: time units per kind (:func:`._data.costs`: compute 1 by default).
 
     Example:
         >>> from hyper_parallel_ms.pipelining._action import Action
@@ -46,11 +48,18 @@ def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
         >>> time_compute(order, placement=(0, 1))
         {0F0: 0.0, 1F0: 1.0, 1B0: 2.0, 0B0: 3.0}
     """
+    times = _start_times(order, placement, durations)
+    timed = [(action, t) for rank in order for action, t in zip(order[rank], times[rank])]
+    return dict(sorted(timed, key=lambda item: item[1]))
+
+
+def _start_times(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
+                 durations: Optional[Mapping[ActionKind, float]]) -> Dict[int, List[float]]:
+    """:func:`time_compute`'s start times, per rank in the order's positions."""
     num_stages = len(placement)
-    cost = {k: 1.0 for k in (F, B, I, W)}
-    cost.update(durations or {})
+    cost = costs(durations)
     made: Dict[Datum, float] = {}
-    starts: Dict[Action, float] = {}
+    starts: Dict[int, List[float]] = {r: [] for r in order}
     pos = {r: 0 for r in order}
     clock = {r: 0.0 for r in order}
     moved = True
@@ -59,14 +68,15 @@ def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
         for rank in sorted(order):
             while pos[rank] < len(order[rank]):
                 action = order[rank][pos[rank]]
-                if not action.kind.is_compute:
+                if not (action.kind.is_compute or action.kind.is_fsdp):
                     raise ScheduleError(f"rank {rank}: {action} (step {pos[rank]}) is not a compute action; "
-                                        f"compute orders hold F, B, I and W only")
+                                        f"compute orders hold F, B, I and W (and UNSHARD, RESHARD, REDUCE_GRAD) "
+                                        f"only")
                 wanted = needs(action, num_stages)
                 if any(d not in made for d in wanted):
                     break
                 start = max([clock[rank]] + [made[d] for d in wanted])
-                starts[action] = start
+                starts[rank].append(start)
                 clock[rank] = start + cost[action.kind]
                 made.update((d, clock[rank]) for d in makes(action))
                 pos[rank] += 1
@@ -95,9 +105,9 @@ def add_comms(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
     """Per-rank lists: the compute ``order`` with SEND / RECV placed as the module docstring says.
 
     Args:
-        order: rank -> its compute actions (F, B, I, W), in order.
+        order: rank -> its compute actions (F, B, I, W, and the parameter actions), in order.
         placement: the rank of each stage, indexed by stage.
-        durations: time units per compute kind used to order the transfers (1 for each by default).
+        durations: time units per kind used to order the transfers (:func:`._data.costs`).
 
     Example:
         >>> from hyper_parallel_ms.pipelining._action import Action
@@ -105,14 +115,13 @@ def add_comms(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
         >>> add_comms(order, placement=(0, 1))[1]
         [1RECV_F0, 1F0, 1B0, 1SEND_B0]
     """
-    starts = time_compute(order, placement, durations)
-    cost = {k: 1.0 for k in (F, B, I, W)}
-    cost.update(durations or {})
+    starts = _start_times(order, placement, durations)
+    cost = costs(durations)
     keyed: Dict[int, List[tuple]] = {r: [] for r in order}
     for rank, actions in order.items():
         for step, action in enumerate(actions):
-            keyed[rank].append((starts[action], 1, step, action))
-            made = starts[action] + cost[action.kind]
+            keyed[rank].append((starts[rank][step], 1, step, action))
+            made = starts[rank][step] + cost[action.kind]
             for send, recv in _transfers(action, placement):
                 tie = (send.stage, send.kind.value, send.microbatch)
                 keyed[rank].append((made, 0, tie, send))

@@ -8,7 +8,9 @@ A datum is a small tuple ``(what, stage, microbatch)``:
 * ``("f", s, m)``: the saved forward state of ``(s, m)`` that its backward needs;
 * ``("i", s, m)``: the saved state of ``I(s, m)`` that its ``W`` needs.
 
-A compute action makes its data on its own rank; a RECV makes the datum its SEND carries.
+A compute action makes its data on its own rank; a RECV makes the datum its SEND carries. The
+parameter actions (UNSHARD, RESHARD, REDUCE_GRAD) need and make none. :func:`costs` gives each
+kind its time in the simulations (compute 1, transfers and parameter actions 0, by default).
 
 Example:
     >>> from hyper_parallel_ms.pipelining._action import Action
@@ -19,11 +21,11 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
-from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+from ._action import B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action, ActionKind
 
-__all__ = ["Datum", "needs", "makes", "describe"]
+__all__ = ["Datum", "needs", "makes", "describe", "costs"]
 
 Datum = Tuple[str, int, int]
 
@@ -67,3 +69,16 @@ def describe(datum: Datum) -> str:
             "g": f"the input gradient of stage {s}, micro-batch {m}",
             "f": f"the forward state of {s}F{m}",
             "i": f"the saved state of {s}I{m}"}[what]
+
+
+def costs(durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[ActionKind, float]:
+    """Time units of each kind a simulation advances a rank's clock by: F, B, I, W 1 and UNSHARD,
+    RESHARD, REDUCE_GRAD 0 unless ``durations`` says otherwise (SEND / RECV take none).
+
+    >>> costs({F: 2.0})[F], costs()[UNSHARD]
+    (2.0, 0.0)
+    """
+    cost = {k: 1.0 for k in (F, B, I, W)}
+    cost.update({k: 0.0 for k in (UNSHARD, RESHARD, REDUCE_GRAD)})
+    cost.update(durations or {})
+    return cost

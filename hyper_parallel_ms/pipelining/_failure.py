@@ -14,11 +14,15 @@
    while another failed learns it there. The failed rank raises its own exception, the others a
    :class:`~._action.PipelineError` naming it, its action and its error.
 
-A failed transfer (a peer gone: MindSpore's "Send failed" after its node timeout, about 30 s on
-CPU) aborts with ``ABORT_LOST``, reads nothing more and skips the agreement, which a dead rank
-would never join; ranks already waiting in the agreement then fail there after the same timeout.
-Sends are assumed to return before their receive is posted (MindSpore's CPU backend buffers
-them); a backend whose sends wait for the receiver could wait on a failed rank here.
+A rank that hangs or dies sends no abort: the communication watchdog
+(:mod:`hyper_parallel_ms.comm._watchdog`) ends every rank waiting for it (in a RECV, in the
+agreement, or in a collective inside a stage), naming it and the call, at once for a dead rank
+on the same host and after ``HPMS_COMM_TIMEOUT`` seconds (20) of silence for a hung one. A failed
+transfer (MindSpore's "Send failed" after its node timeout, about 30 s on CPU, where the
+watchdog is off or cannot see the peer) aborts with ``ABORT_LOST``, reads nothing more and skips
+the agreement, which a dead rank would never join. Sends are assumed to return before their
+receive is posted (MindSpore's CPU backend buffers them); a backend whose sends wait for the
+receiver could wait on a failed rank here.
 
 Example::
 
@@ -34,6 +38,7 @@ from collections import Counter
 from typing import Dict, Optional, Sequence, Set
 
 from ..comm._agreement import failure_messages
+from ..comm._watchdog import note
 from ._action import Action, PipelineError, TransferFailed
 from ._channel import ABORT, ABORT_LOST, Channel, PipelineAbort
 from ._plan import PipelinePlan
@@ -70,7 +75,8 @@ def _drain(channel: Channel, plan: PipelinePlan, actions: Sequence[Action]) -> N
 
 def _agree(channel: Channel, message: Optional[str]) -> Dict[int, str]:
     try:
-        return failure_messages(channel.mesh, message)
+        with note("the pipeline step's closing agreement, over the pp mesh"):
+            return failure_messages(channel.mesh, message)
     except Exception as exc:  # noqa: BLE001
         raise PipelineError(f"the pp ranks could not agree on the outcome of the step (a rank may be gone): "
                             f"{_first_line(exc)}; {_RESTART}") from exc

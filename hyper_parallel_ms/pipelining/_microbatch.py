@@ -306,39 +306,65 @@ def split_args_kwargs_into_chunks(args: Sequence[object], kwargs: Optional[Dict[
     return [mb[:len(args)] for mb in split], [dict(zip(kwargs, mb[len(args):])) for mb in split]
 
 
+_DEFAULT = TensorChunkSpec(0)
+
+
+def _merge(items: Sequence[object], spec: Any, where: str) -> object:
+    """``items`` (one value per micro-batch, alike) merged under ``spec`` (see :func:`merge_chunks`)."""
+    first = items[0]
+    if isinstance(first, dict):
+        if spec is not None and not isinstance(spec, (dict, TensorChunkSpec)):
+            raise ValueError(f"output_merge_spec{where} {spec!r} is a {type(spec).__name__}, but the outputs are a "
+                             f"dict; give a dict of TensorChunkSpec per key")
+        specs = spec if isinstance(spec, dict) else {}
+        unknown = sorted(set(specs) - set(first), key=str)
+        if unknown:
+            raise ValueError(f"output_merge_spec{where} names {unknown}, which are not keys of the outputs "
+                             f"({list(first)})")
+        whole = spec if isinstance(spec, TensorChunkSpec) else _DEFAULT
+        out = copy.copy(first)          # keeps the dict's type
+        for key in first:
+            out[key] = _merge([item[key] for item in items], specs.get(key, whole), f"{where}[{key!r}]")
+        return out
+    if isinstance(first, (tuple, list)):
+        if isinstance(spec, dict):
+            raise ValueError(f"output_merge_spec{where} {spec!r} is a dict, but the outputs are a "
+                             f"{type(first).__name__}")
+        size = len(first)
+        specs = list(spec) if isinstance(spec, (tuple, list)) else [spec] * size
+        if len(specs) != size:
+            raise ValueError(f"output_merge_spec{where} has {len(specs)} entries for outputs of {size} elements")
+        merged = [_merge([item[i] for item in items], specs[i], f"{where}[{i}]") for i in range(size)]
+        return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)
+    if isinstance(spec, (tuple, list, dict)):
+        raise ValueError(f"output_merge_spec{where} {spec!r} is a {type(spec).__name__}, but the outputs are one value")
+    if spec is None or not all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
+        return list(items)
+    if not -first.ndim <= spec.split_dim < first.ndim:
+        raise ValueError(f"output_merge_spec{where} {spec!r} does not fit an output of shape {tuple(first.shape)}")
+    return ops.cat(items, axis=spec.split_dim % first.ndim)
+
+
 def merge_chunks(chunks: Sequence[object], chunk_spec: Any = None) -> object:
     """The whole batch's output from its micro-batches' (PyTorch's merge): Tensors concatenated
-    along dim 0 or their ``chunk_spec``'s dim, each element of a tuple output likewise; 0-d
-    tensors, other values and ``None`` entries of a tuple spec as a list over the micro-batches. A
-    spec that does not fit the outputs raises ``ValueError``.
+    along dim 0 or their ``chunk_spec``'s dim, inside nested tuples, lists and dicts too (their
+    types kept); 0-d tensors, other values and ``None`` entries of a spec as a list over the
+    micro-batches. A spec that does not fit the outputs raises ``ValueError``.
 
     Args:
-        chunks: each micro-batch's output (a Tensor, or a tuple / list of values).
-        chunk_spec: a :class:`TensorChunkSpec`, or a tuple of them (one per element of a tuple
-            output); default: dim 0.
+        chunks: each micro-batch's output (a Tensor, or a tuple / list / dict of values).
+        chunk_spec: a :class:`TensorChunkSpec` (for every Tensor), or a structure like the
+            outputs' holding one (or ``None``) per element: a tuple for a tuple output, a dict for a
+            dict output (keys it does not name: dim 0); default: dim 0.
 
     Example::
 
         whole = merge_chunks([out_0, out_1], TensorChunkSpec(1))       # concatenated along dim 1
+        merge_chunks([{"m": a0}, {"m": a1}], {"m": TensorChunkSpec(1)})   # {"m": a0 and a1 along dim 1}
     """
-    def merge(items: Sequence[object], item_spec: Any) -> object:
-        if item_spec is None or not all(isinstance(t, Tensor) and t.ndim > 0 for t in items):
-            return list(items)
-        if not isinstance(item_spec, TensorChunkSpec) or not -items[0].ndim <= item_spec.split_dim < items[0].ndim:
-            raise ValueError(f"output_merge_spec {item_spec!r} does not fit an output of shape {tuple(items[0].shape)}")
-        return ops.cat(items, axis=item_spec.split_dim % items[0].ndim)
-    default = TensorChunkSpec(0)
-    if isinstance(chunks[0], (tuple, list)):
-        size = len(chunks[0])
-        whole = default if chunk_spec is None else chunk_spec
-        specs = list(chunk_spec) if isinstance(chunk_spec, (tuple, list)) else [whole] * size
-        if len(specs) != size:
-            raise ValueError(f"output_merge_spec has {len(specs)} entries for outputs of {size} elements")
-        items = [merge([o[i] for o in chunks], specs[i]) for i in range(size)]
-        return type(chunks[0])(*items) if hasattr(chunks[0], "_fields") else type(chunks[0])(items)
-    if isinstance(chunk_spec, (tuple, list)):
-        raise ValueError(f"output_merge_spec {chunk_spec!r} is a tuple, but the outputs are one value")
-    return merge(chunks, default if chunk_spec is None else chunk_spec)
+    if not chunks:
+        raise ValueError("merge_chunks needs the outputs of at least one micro-batch, got none")
+    return _merge(list(chunks), _DEFAULT if chunk_spec is None else chunk_spec, "")
 
 
 def signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:

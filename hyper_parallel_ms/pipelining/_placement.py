@@ -2,14 +2,18 @@
 
 * ``"loop"`` (GPipe, 1F1B, interleaved schedules): stage ``s`` on rank ``s % pp``, so rank
   ``r`` holds stages ``r, r + pp, r + 2 pp, ...``.
-* ``"v"`` (ZBV): two stages per rank in a V: rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``,
-  so the last rank holds the two middle stages and rank 0 the first and the last stage.
+* ``"v"`` (ZBV, DualPipeV): stages go down the ranks and back up, a V: rank ``r`` holds stages
+  ``r`` and ``2 pp - 1 - r``, so the last rank holds the two middle stages and rank 0 the first and
+  the last stage. More stages repeat the V (ranks ``0..pp-1``, then ``pp-1..0``, then again), so any
+  even number of stages per rank has a V placement.
 
 Pure Python.
 
 Example:
     >>> stage_to_rank("loop", pp=2, num_stages=4), stage_to_rank("v", pp=2, num_stages=4)
     ((0, 1, 0, 1), (0, 1, 1, 0))
+    >>> stage_to_rank("v", pp=2, num_stages=8)
+    (0, 1, 1, 0, 0, 1, 1, 0)
     >>> stages_of_rank((0, 1, 1, 0), 1)
     (1, 2)
 """
@@ -26,9 +30,14 @@ def stage_to_rank(style: str, pp: int, num_stages: int) -> Tuple[int, ...]:
     """The rank of each stage, indexed by stage, for placement ``style`` over ``pp`` ranks.
 
     Args:
-        style: ``"loop"`` (stage s on rank s % pp) or ``"v"`` (rank r holds r and 2 pp - 1 - r).
+        style: ``"loop"`` (stage s on rank s % pp) or ``"v"`` (down the ranks and back: rank r holds
+            r and 2 pp - 1 - r, and with more stages the same V again).
         pp: the number of pipeline ranks.
-        num_stages: the number of stages (a multiple of ``pp``; ``2 pp`` for ``"v"``).
+        num_stages: the number of stages (a multiple of ``pp``; an even multiple for ``"v"``).
+
+    Raises:
+        ValueError: ``pp`` or ``num_stages`` not a positive int, stages that do not divide over the
+            ranks, an odd number of stages per rank for ``"v"``, or another ``style``.
 
     Example:
         >>> stage_to_rank("v", pp=2, num_stages=4)
@@ -44,10 +53,14 @@ def stage_to_rank(style: str, pp: int, num_stages: int) -> Tuple[int, ...]:
     if style == "loop":
         return tuple(s % pp for s in range(num_stages))
     if style == "v":
-        if num_stages != 2 * pp:
-            raise ValueError(f"the V placement holds exactly 2 stages per rank: {2 * pp} stages for "
-                             f"{pp} ranks, got {num_stages}")
-        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(num_stages))
+        per_rank = num_stages // pp
+        if per_rank % 2:
+            fits = " or ".join(str(k * pp) for k in (per_rank - 1, per_rank + 1) if k)
+            raise ValueError(f"the V placement holds an even number of stages per rank (down the {pp} ranks and "
+                             f"back), got {num_stages} stages for {pp} ranks ({per_rank} per rank); use {fits} "
+                             f"stages, or the loop placement")
+        # stages go down the ranks in even legs of the V, back up in odd ones
+        return tuple(s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(num_stages))
     raise ValueError(f"unknown stage placement {style!r}; expected one of {PLACEMENTS}")
 
 

@@ -5,14 +5,19 @@ schedule               placement    stages / rank   micro-batches
 =====================  ===========  ==============  =============================================
 ``GPipe``              loop         1               any
 ``1F1B``               loop         1               at least ``pp`` (PyTorch refuses fewer too)
-``Interleaved1F1B``    loop         2 or more       any (rounds of ``max(1, n // pp)``, as even
+``Interleaved1F1B``    loop         1 or more       any (rounds of ``max(1, n // pp)``, as even
                                                     as can be; PyTorch wants them equal)
-``LoopedBFS``          loop         2 or more       any
+``LoopedBFS``          loop         1 or more       any
 ``ZBVZeroBubble``      V            2               any
-``InterleavedZero      loop         2 or more       any
+``InterleavedZero      loop         1 or more       any
 Bubble``
 ``DualPipeV``          V            2               at least ``2 pp`` (as PyTorch)
 =====================  ===========  ==============  =============================================
+
+The looped schedules hold 2 stages per rank unless told otherwise; with one stage per rank they
+run their one-stage forms, as PyTorch's: interleaved 1F1B is 1F1B with ``2 (pp - 1 - rank)``
+warm-up forwards, looped BFS is GPipe (the backwards from the last micro-batch), interleaved zero
+bubble the zero-bubble order of one stage per rank (each backward split into I and W).
 
 A plan is validated when it is made (:func:`._validate.validate`), so a runtime can execute
 ``plan.actions[rank]`` in order with blocking send / recv.
@@ -39,6 +44,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._action import B, F, W, Action, ActionKind, ScheduleError
 from ._comms import add_comms
+from ._lowering import lower_fsdp
 from ._orders import dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, zbv
 from ._placement import stage_to_rank, stages_of_rank
 from ._validate import Timeline, validate
@@ -49,7 +55,7 @@ __all__ = ["SCHEDULES", "PipelinePlan", "build_plan", "format_table"]
 @dataclass(frozen=True)
 class _Spec:
     placement: str
-    stages_per_rank: Optional[int]          # None: any number >= 2 (default 2)
+    stages_per_rank: Optional[int]          # None: any number >= 1 (default 2)
     needs_a_microbatch_per_stage: bool
     order: Callable[[int, int, int], Dict[int, List[Action]]]
 
@@ -169,7 +175,8 @@ class PipelinePlan:
                 f"micro-batches\n{self.table()}")
 
 
-def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: Optional[int] = None) -> PipelinePlan:
+def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: Optional[int] = None,
+               fsdp: bool = False, max_active_stages: int = 3) -> PipelinePlan:
     """Lower ``schedule`` (a name of :data:`SCHEDULES`) for ``pp`` ranks; raises ``ScheduleError`` when it cannot run.
 
     Args:
@@ -177,12 +184,18 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
             ``"InterleavedZeroBubble"`` or ``"DualPipeV"``.
         pp: the number of pipeline ranks.
         n_microbatches: micro-batches per step.
-        stages_per_rank: stages each rank holds (the schedule's own by default; 2 or more for
+        stages_per_rank: stages each rank holds (the schedule's own by default; any number, 2 by default, for
             ``Interleaved1F1B``, ``LoopedBFS`` and ``InterleavedZeroBubble``).
+        fsdp: lower for fully_shard stages: UNSHARD / RESHARD around each stage's compute actions
+            and REDUCE_GRAD after its last weight gradient (:mod:`._lowering`), as the schedules do
+            when a stage holds Cells sharded by ``fully_shard`` / ``hsdp``.
+        max_active_stages: with ``fsdp``, the most stages a rank holds gathered at once.
 
     Example:
         >>> build_plan("Interleaved1F1B", pp=2, n_microbatches=4, stages_per_rank=2).placement
         (0, 1, 0, 1)
+        >>> build_plan("GPipe", pp=2, n_microbatches=1, fsdp=True).actions[1]
+        (1UNSHARD, 1RECV_F0, 1F0, 1B0, 1SEND_B0, 1REDUCE_GRAD, 1RESHARD)
     """
     if schedule not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
@@ -191,14 +204,18 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
         raise ScheduleError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
     v = spec.stages_per_rank if stages_per_rank is None else stages_per_rank
     v = 2 if v is None else v
-    if spec.stages_per_rank is not None and v != spec.stages_per_rank or spec.stages_per_rank is None and v < 2:
-        want = spec.stages_per_rank or "2 or more"
-        raise ScheduleError(f"{schedule} runs {want} stage(s) per rank, got stages_per_rank={v}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1 or spec.stages_per_rank not in (None, v):
+        want = spec.stages_per_rank or "1 or more"
+        raise ScheduleError(f"{schedule} runs {want} stage(s) per rank, got stages_per_rank={v!r}")
     placement = stage_to_rank(spec.placement, pp, v * pp)
     if spec.needs_a_microbatch_per_stage and n_microbatches < len(placement):
         raise ScheduleError(f"{schedule} needs at least as many micro-batches as stages: got {n_microbatches} "
                             f"micro-batches for {len(placement)} stages; use n_microbatches >= {len(placement)} "
                             f"or GPipe")
+    if not isinstance(fsdp, bool):
+        raise ScheduleError(f"build_plan fsdp must be True or False, got {fsdp!r}")
     order = spec.order(pp, n_microbatches, v)
+    if fsdp:
+        order = lower_fsdp(order, n_microbatches, max_active_stages)
     lists = add_comms(order, placement)
     return PipelinePlan(schedule, n_microbatches, placement, tuple(tuple(lists[r]) for r in range(pp)))

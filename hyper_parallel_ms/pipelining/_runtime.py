@@ -9,7 +9,9 @@ first (keeping the tape), parameters later (a compiled stage's backward answers 
 its ``I`` computes both and ``W`` adds the weight gradients). No forward runs again.
 ``SEND`` / ``RECV`` move activations and gradients as messages of :mod:`._channel` (a header
 naming the action and the shapes, then the tensors); stages on one rank hand over directly.
-A failed action ends the step on every rank (:mod:`._failure`).
+``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` act on a fully_shard stage's units
+(:mod:`._fsdp_actions`): gathered once per step, the backwards' gradients accumulated unreduced
+and reduced once, at ``REDUCE_GRAD``. A failed action ends the step on every rank (:mod:`._failure`).
 
 Example::
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -29,12 +31,14 @@ from mindspore import Tensor, ops
 
 from .._mindspore import discard_grad_recording, no_grad, tape_backward, taped_call
 from ..comm._simulated import RunFirst
-from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError
+from . import _fsdp_actions
+from ._action import B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action, ScheduleError
 from ._channel import Channel
 from ._failure import end_step
 from ._microbatch import is_float, stage_outputs
 from ._plan import PipelinePlan
 from ._stage import PipelineStage, check_shapes, stage_forward
+from ._stage_errors import check_loss, forward_failure, input_origin
 
 __all__ = ["Runtime", "StepStats"]
 
@@ -136,16 +140,21 @@ class Runtime:
         self._batches, self._targets, self._losses, self._scales = microbatches, targets, losses, scales
         self._forward_only = forward_only
         if forward_only:
-            actions = [a for a in actions if a.kind in (F, SEND_F, RECV_F)]
+            actions = [a for a in actions if a.kind in (F, SEND_F, RECV_F, UNSHARD, RESHARD)]
         self._channel.new_step()
         handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
-                    SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b}
+                    SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b,
+                    UNSHARD: self._unshard, RESHARD: self._reshard, REDUCE_GRAD: self._reduce_grad}
         last_weight_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in (B, W)}
+        reducing = {a.stage for a in actions if a.kind is REDUCE_GRAD}     # stages reducing at REDUCE_GRAD
+        self._gathered: Set[int] = set()
         began, compute, live = time.perf_counter(), 0.0, 0
         at, error = None, None
         try:
+            for s in reducing:          # every backward accumulates unreduced gradients
+                self.stages[s].set_requires_gradient_sync(False)
             for at, action in enumerate(actions):
-                if action.kind in (B, W):
+                if action.kind in (B, W) and action.stage not in reducing:
                     # fully_shard units reduce the gradient summed over the micro-batches once per step
                     self.stages[action.stage].set_requires_gradient_sync(at == last_weight_grad[action.stage])
                 if not action.kind.is_compute:
@@ -165,6 +174,8 @@ class Runtime:
         except BaseException as exc:  # noqa: BLE001  (end_step raises it once every rank knows)
             error = exc
         finally:
+            for s in sorted(self._gathered):         # a step that ended early: the pieces back in place
+                self._reshard(s, None)
             for stage in self.stages.values():
                 stage.set_requires_gradient_sync(True)
             self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
@@ -187,11 +198,14 @@ class Runtime:
         if self._forward_only:
             with no_grad():
                 if stage.is_last and self._targets is not None:
-                    out, loss = forward(*args, self._targets[m])
+                    target = self._targets[m]
+                    out, loss = self._call(s, m, lambda: forward(*args, target), args, kwargs, target)
+                    check_loss(loss, s)
                     if self._losses is not None:
                         self._losses.append(loss)
                 else:
-                    out = (self._plain_forward(s, kwargs) if stage.is_last else forward)(*args)
+                    plain = self._plain_forward(s, kwargs) if stage.is_last else forward
+                    out = self._call(s, m, lambda: plain(*args), args, kwargs, None)
             check_shapes(stage, out, stage.output_shapes, "outputs")
             if stage.is_last:
                 self._results[m] = out
@@ -201,10 +215,12 @@ class Runtime:
                 self._outs[s, m] = stage_outputs(out, s)
             return
         if stage.is_last:
-            out, loss = taped_call(forward, *args, self._targets[m])
+            target = self._targets[m]
+            out, loss = self._call(s, m, lambda: taped_call(forward, *args, target), args, kwargs, target)
+            check_loss(loss, s)
             self._results[m] = out
         else:
-            out = taped_call(forward, *args)
+            out = self._call(s, m, lambda: taped_call(forward, *args), args, kwargs, None)
         check_shapes(stage, out, stage.output_shapes, "outputs")
         if stage.is_last:
             if self._losses is not None:
@@ -217,6 +233,17 @@ class Runtime:
             self._take_inputs(s + 1, m, tuple(ops.stop_gradient(o) for o in outs))
         else:
             self._outs[s, m] = outs
+
+    def _call(self, s: int, m: int, call: Callable[[], Any], args: tuple, kwargs: dict, target: Any) -> Any:
+        """``call()``, stage ``s``'s forward of micro-batch ``m``; its error re-raised as PyTorch's
+        stages do (a ``RuntimeError`` from it), naming the stage and its inputs' shapes and origin."""
+        try:
+            return call()
+        except RunFirst:
+            raise
+        except Exception as exc:  # noqa: BLE001  (any error of the user's Cell or loss_fn)
+            origin = input_origin(s, m, self.plan.placement)
+            raise RuntimeError(forward_failure(s, m, args, kwargs, origin, target, exc)) from exc
 
     def _plain_forward(self, s: int, kwargs: dict) -> Callable:
         """The last stage's forward without its loss (a forward-only step without targets)."""
@@ -281,6 +308,20 @@ class Runtime:
             self._out_grads[s - 1, m] = grads
         else:
             self._in_grads[s, m] = grads
+
+    # --------------------------------------------------------------- parameter actions (fully_shard stages)
+    def _unshard(self, s: int, _: None) -> None:
+        _fsdp_actions.unshard(self.stages[s])
+        self._gathered.add(s)
+
+    def _reshard(self, s: int, _: None) -> None:
+        self._gathered.discard(s)
+        _fsdp_actions.reshard(self.stages[s])
+
+    def _reduce_grad(self, s: int, _: None) -> None:
+        reduced = _fsdp_actions.reduce_gradients(self.stages[s])
+        self.stages[s].set_requires_gradient_sync(True)
+        self._accumulate(s, [reduced.get(id(p)) for p in self._params[s]])
 
     def _accumulate(self, s: int, grads: Sequence[Optional[Tensor]]) -> None:
         acc = self._grads[s]

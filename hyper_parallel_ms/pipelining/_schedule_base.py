@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
@@ -24,13 +25,14 @@ from ..comm._agreement import extremes
 from ._action import PipelineError, ScheduleError
 from ._batch import (BAD_SPEC, TARGET_WITHOUT_LOSS, batch_message, batch_problem, check_chunk_specs,
                      microbatch_weights)
-from ._microbatch import TensorChunkSpec, merge_chunks, split_dims, split_microbatches
+from ._compat import SCHEDULE_ARGS_DOC, schedule_arguments
+from ._microbatch import merge_chunks, split_dims, split_microbatches
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
 from ._shared import SharedParameters, SharedSpec, check_names_unshared
 from ._stage import STAGE_MESH, PipelineStage, stage_cells
 
-__all__ = ["PipelineSchedule", "shared_args"]
+__all__ = ["PipelineSchedule", "shared_args", "first_argument_renamed"]
 
 
 # the arguments every schedule takes after its own, written once: each schedule's docstring
@@ -47,25 +49,21 @@ _SHARED_ARGS = """\
             the full-batch step when ``loss_fn`` is a mean over the batch; micro-batch ``m`` of
             ``rows_m`` rows weighs ``rows_m / rows``, which is PyTorch's ``1 / n_microbatches`` when
             the batch splits evenly); ``False`` sums them.
-        micro_batch_num: HyperParallel's name for ``n_microbatches`` (give one of the two).
         shared_parameters: names (or tuples of names) of parameters several stages hold, e.g. an
             embedding tied to the head on the last stage: their gradients are summed over the stages
             holding them (one all-reduce per parameter and step over exactly the ranks holding it).
-        args_batch_dim: HyperParallel's name for ``args_chunk_spec`` (a list of :class:`BatchDimSpec`).
-        kwargs_batch_dim: HyperParallel's name for ``kwargs_chunk_spec``.
-        output_concat_dim: HyperParallel's name for ``output_merge_spec`` (an int: that dim).
-        overlap_p2p: HyperParallel's: accepted; the transfers here are synchronous either way (the values
-            are the same).
-"""
+""" + SCHEDULE_ARGS_DOC
 
 
-def _either(pytorch: Any, hyper_parallel: Any, pytorch_name: str, hyper_parallel_name: str, name: str) -> Any:
-    """The chunk spec given under PyTorch's name or HyperParallel's (a list taken as a tuple); not both."""
-    if hyper_parallel is None:
-        return pytorch
-    if pytorch is not None:
-        raise ValueError(f"{name} got {pytorch_name} and {hyper_parallel_name} (HyperParallel's name for it); give one")
-    return tuple(hyper_parallel) if isinstance(hyper_parallel, list) else hyper_parallel
+def first_argument_renamed(init: Callable, name: str, annotation: str) -> inspect.Signature:
+    """``init``'s signature with its first argument after ``self`` called ``name``: the schedules'
+    bases forward ``*args, **kwargs`` to :class:`PipelineSchedule`, whose signature is the one written
+    out, and show it (``help()``, ``inspect.signature``) under their own first argument (PyTorch's
+    ``stage`` or ``stages``)."""
+    signature = inspect.signature(init)
+    params = list(signature.parameters.values())
+    params[1] = params[1].replace(name=name, annotation=annotation)
+    return signature.replace(parameters=params)
 
 
 def shared_args(cls: type) -> type:
@@ -103,19 +101,11 @@ class PipelineSchedule:
                  kwargs_batch_dim: Optional[Dict[str, Any]] = None, output_concat_dim: Any = None,
                  overlap_p2p: bool = False) -> None:
         name = type(self).__name__
-        args_chunk_spec = _either(args_chunk_spec, args_batch_dim, "args_chunk_spec", "args_batch_dim", name)
-        kwargs_chunk_spec = _either(kwargs_chunk_spec, kwargs_batch_dim, "kwargs_chunk_spec", "kwargs_batch_dim", name)
-        if isinstance(output_concat_dim, int) and not isinstance(output_concat_dim, bool):
-            output_concat_dim = TensorChunkSpec(output_concat_dim)
-        output_merge_spec = _either(output_merge_spec, output_concat_dim, "output_merge_spec", "output_concat_dim",
-                                    name)
-        if not isinstance(overlap_p2p, bool):
-            raise TypeError(f"{name} overlap_p2p must be True or False, got {overlap_p2p!r}")
-        check_chunk_specs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec, type(self).__name__)
-        if (n_microbatches is None) == (micro_batch_num is None):
-            raise TypeError(f"{type(self).__name__} needs n_microbatches (or HyperParallel's micro_batch_num), "
-                            f"exactly one of them; got {n_microbatches!r} and {micro_batch_num!r}")
-        n = n_microbatches if micro_batch_num is None else micro_batch_num
+        n, args_chunk_spec, kwargs_chunk_spec, output_merge_spec = schedule_arguments(
+            name, n_microbatches, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+            micro_batch_num=micro_batch_num, args_batch_dim=args_batch_dim, kwargs_batch_dim=kwargs_batch_dim,
+            output_concat_dim=output_concat_dim, overlap_p2p=overlap_p2p)
+        check_chunk_specs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec, name)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ScheduleError(f"n_microbatches must be a positive int, got {n!r}")
         stages = list(stages)
@@ -154,12 +144,18 @@ class PipelineSchedule:
             raise ScheduleError(f"{name}: {num_stages} stages do not fit the pp mesh of {pp} ranks with {v} stage(s) "
                                 f"per rank; use num_stages = {pp * v} or a pp mesh of {num_stages // v or 1} ranks")
         plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v)
-        flags = np.zeros((pp, 3), np.float32)
+        flags = np.zeros((pp, 5), np.float32)
         flags[me] = (tuple(st.stage_index for st in stages) != plan.stages_of(me),
                      plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None,
-                     not all(st.has_backward for st in stages))
+                     not all(st.has_backward for st in stages),
+                     loss_fn is not None and not callable(loss_fn),
+                     any(st.sharded_units() for st in stages))
         high, _ = extremes(flags.ravel(), mesh)
-        high = high.reshape(pp, 3)
+        high = high.reshape(pp, 5)
+        if high[:, 3].any():               # on every rank, not only where it was given
+            got = f"got {loss_fn!r}" if high[me, 3] else f"pp rank(s) {[r for r in range(pp) if high[r, 3]]} got one"
+            raise TypeError(f"{name}: loss_fn must be callable, loss_fn(output, target) -> a scalar loss Tensor "
+                            f"(e.g. a function or an nn.Cell such as nn.MSELoss()), or None; {got}")
         wrong = [f"rank {r} must hold stages {plan.stages_of(r)} ({self.schedule_name} placement)"
                  for r in range(pp) if high[r, 0]]
         if wrong:
@@ -168,6 +164,8 @@ class PipelineSchedule:
         self.forward_only = bool(high[:, 1].any())
         # a stage built with has_backward=False (HyperParallel's): every step runs as eval, on every rank
         self.has_backward = not high[:, 2].any()
+        if high[:, 4].any():      # fully_shard stages: gathered once per step, gradients reduced once (PyTorch's)
+            plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, fsdp=True)
         return plan
 
     # --------------------------------------------------------------- one step
@@ -181,7 +179,9 @@ class PipelineSchedule:
                 2, 2 rows), inside nested tuples, lists and dicts too; other values go to every
                 micro-batch unchanged.
             target: the batch's target (read on the rank holding the last stage; split as ``args``).
-            losses: a list that receives each micro-batch's loss, in order (on the last stage's rank).
+            losses: a list that receives each micro-batch's loss, in order, on the last stage's rank:
+                cleared first (PyTorch's), so after the step it holds this step's ``n_microbatches``
+                losses, e.g. ``sum(losses)``; a step that fails leaves it as it was. Other ranks leave it alone.
             return_outputs: ``False``: return ``None`` (no merge of the last stage's outputs).
             kwargs: keyword inputs of stage 0's Cell, split as ``args``.
 
@@ -212,7 +212,7 @@ class PipelineSchedule:
         Args:
             args: as :meth:`step`.
             target: the batch's target (optional).
-            losses: as :meth:`step`.
+            losses: as :meth:`step` (cleared first; without a target it is left empty).
             kwargs: as :meth:`step`.
 
         Returns:
@@ -270,8 +270,11 @@ class PipelineSchedule:
         per_microbatch = return_outputs == "microbatches"
         merge = (lambda outs: merge_chunks(outs, self.output_merge_spec)) if (
             last and return_outputs and not per_microbatch) else None
-        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, losses,
+        got: Optional[list] = None if losses is None else []
+        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, got,
                                  forward_only=forward_only, scales=scales, merge=merge)
+        if last and losses is not None:        # PyTorch's: the list holds this step's losses only
+            losses[:] = got
         if not forward_only:
             self._grads = self._shared.reduce(self._runtime.parameters(), self._runtime.gradients())
         if per_microbatch:
@@ -289,7 +292,7 @@ class PipelineSchedule:
         Args:
             args: as :meth:`step`.
             target: as :meth:`step`.
-            losses: a list to fill instead of a new one.
+            losses: a list to fill instead of a new one (cleared first, as :meth:`step`).
             kwargs: as :meth:`step`.
 
         Example::
@@ -297,6 +300,7 @@ class PipelineSchedule:
             losses = schedule.run(x, target=y)        # [loss of micro-batch 0, ...] on the last stage's rank
         """
         got = [] if losses is None else losses
+        got.clear()
         if self.forward_only:
             got.extend(self._step(args, kwargs, target, None, True, "microbatches"))
         else:

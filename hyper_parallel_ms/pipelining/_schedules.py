@@ -9,10 +9,9 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
-from ._schedule_base import PipelineSchedule, shared_args
-from ._shared import SharedSpec
+from ._schedule_base import PipelineSchedule, first_argument_renamed, shared_args
 from ._stage import PipelineStage
 
 __all__ = ["PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
@@ -36,19 +35,13 @@ class PipelineScheduleSingle(PipelineSchedule):
         isinstance(ScheduleGPipe(stage, 4, loss_fn), PipelineScheduleSingle)     # True
     """
 
-    def __init__(self, stage: PipelineStage, n_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
-                 args_chunk_spec: Optional[Sequence[Any]] = None, kwargs_chunk_spec: Optional[Dict[str, Any]] = None,
-                 output_merge_spec: Any = None, *, scale_grads: bool = True, micro_batch_num: Optional[int] = None,
-                 shared_parameters: Optional[SharedSpec] = None, args_batch_dim: Optional[Sequence[Any]] = None,
-                 kwargs_batch_dim: Optional[Dict[str, Any]] = None, output_concat_dim: Any = None,
-                 overlap_p2p: bool = False) -> None:
+    def __init__(self, stage: PipelineStage, *args: Any, **kwargs: Any) -> None:
         if not isinstance(stage, PipelineStage):
             raise TypeError(f"{type(self).__name__} runs one PipelineStage per rank, got {type(stage).__name__}; "
                             f"use ScheduleInterleaved1F1B for several")
-        super().__init__([stage], n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters,
-                         args_batch_dim=args_batch_dim, kwargs_batch_dim=kwargs_batch_dim,
-                         output_concat_dim=output_concat_dim, overlap_p2p=overlap_p2p)
+        super().__init__([stage], *args, **kwargs)
+
+    __init__.__signature__ = first_argument_renamed(PipelineSchedule.__init__, "stage", "PipelineStage")
 
 
 @shared_args
@@ -93,7 +86,8 @@ class Schedule1F1B(PipelineScheduleSingle):
 class PipelineScheduleMulti(PipelineSchedule):
     """PyTorch's base of the schedules running several stages per rank
     (:class:`ScheduleInterleaved1F1B`, :class:`ScheduleLoopedBFS`, :class:`ScheduleZBVZeroBubble`): they take this rank's
-    stages (a single stage is taken as a list of one).
+    stages (a single stage is taken as a list of one; the looped schedules then run their one-stage forms, as
+    PyTorch's).
 
     Args:
         stages: this rank's stages.
@@ -106,26 +100,20 @@ class PipelineScheduleMulti(PipelineSchedule):
         isinstance(ScheduleZBVZeroBubble([stage_r, stage_mirror], 4, loss_fn), PipelineScheduleMulti)   # True
     """
 
-    def __init__(self, stages: Union[Sequence[PipelineStage], PipelineStage], n_microbatches: Optional[int] = None,
-                 loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
-                 kwargs_chunk_spec: Optional[Dict[str, Any]] = None, output_merge_spec: Any = None, *,
-                 scale_grads: bool = True, micro_batch_num: Optional[int] = None,
-                 shared_parameters: Optional[SharedSpec] = None, args_batch_dim: Optional[Sequence[Any]] = None,
-                 kwargs_batch_dim: Optional[Dict[str, Any]] = None, output_concat_dim: Any = None,
-                 overlap_p2p: bool = False) -> None:
-        stages = [stages] if isinstance(stages, PipelineStage) else stages
-        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, micro_batch_num=micro_batch_num, shared_parameters=shared_parameters,
-                         args_batch_dim=args_batch_dim, kwargs_batch_dim=kwargs_batch_dim,
-                         output_concat_dim=output_concat_dim, overlap_p2p=overlap_p2p)
+    def __init__(self, stages: Union[Sequence[PipelineStage], PipelineStage], *args: Any, **kwargs: Any) -> None:
+        super().__init__([stages] if isinstance(stages, PipelineStage) else stages, *args, **kwargs)
+
+    __init__.__signature__ = first_argument_renamed(PipelineSchedule.__init__, "stages",
+                                                    "Union[Sequence[PipelineStage], PipelineStage]")
 
 
 @shared_args
 class ScheduleInterleaved1F1B(PipelineScheduleMulti):
-    """Interleaved 1F1B: several stages per rank, looped (stage s on rank s % pp).
+    """Interleaved 1F1B: several stages per rank, looped (stage s on rank s % pp); with one stage per rank
+    it is 1F1B with ``2 (pp - 1 - rank)`` warm-up forwards (PyTorch's too).
 
     Args:
-        stages: this rank's stages (e.g. stages r and r + pp).
+        stages: this rank's stages (e.g. stages r and r + pp; one stage: stage r).
         n_microbatches: micro-batches per step (any number).
         loss_fn: ``loss_fn(output, target_microbatch)`` (needed on the last stage's rank to train; without it: forward only).
         {shared_args}
@@ -142,10 +130,10 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
 class ScheduleLoopedBFS(PipelineScheduleMulti):
     """Looped breadth first (PyTorch's ``ScheduleLoopedBFS``): several stages per rank, looped
     (stage s on rank s % pp); every micro-batch through a rank's stage before its next stage, the
-    backwards in reverse.
+    backwards in reverse (one stage per rank: GPipe, its backwards from the last micro-batch).
 
     Args:
-        stages: this rank's looped stages, in stage order.
+        stages: this rank's looped stages, in stage order (one or more).
         n_microbatches: micro-batches per step; any number works.
         loss_fn: the last stage's ``loss_fn(output, target_microbatch)``; without one the step runs forward only.
         {shared_args}
@@ -181,10 +169,10 @@ class ScheduleZBVZeroBubble(ScheduleInterleaved1F1B):
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     """Interleaved zero bubble (PyTorch's ``ScheduleInterleavedZeroBubble``): the looped stages of
     :class:`ScheduleInterleaved1F1B`, each backward split into an input gradient (sent at once)
-    and a weight gradient run later, in what would be bubbles.
+    and a weight gradient run later, in what would be bubbles (also with one stage per rank).
 
     Args:
-        stages: this rank's looped stages, in stage order (e.g. stages r and r + pp).
+        stages: this rank's looped stages, in stage order (e.g. stages r and r + pp; or stage r alone).
         n_microbatches: micro-batches per step (any number).
         loss_fn: the last stage's ``loss_fn(output, target_microbatch)`` (without it: forward only).
         {shared_args}

@@ -1,8 +1,8 @@
 """A pipeline stage: one rank's part of a model (a Cell), its stage index and the "pp" mesh.
 
-:func:`split_blocks` cuts the common model shape (a Cell list of blocks between optional
-first-stage and last-stage layers) into one stage's Cell by deleting the other layers from
-the full model; every kept Parameter keeps the full model's name, so optimizers and
+:func:`split_blocks` (:mod:`._split`) cuts the common model shape (a Cell list of blocks between
+optional first-stage and last-stage layers) into one stage's Cell, a pass-through Cell in place of
+each layer of another stage; every kept Parameter keeps the full model's name, so optimizers and
 checkpoints see the usual names.
 
 Example::
@@ -12,13 +12,14 @@ Example::
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, nn
 
+from ._compat import either
 from ._microbatch import tree_leaves
+from ._split import StageCellList, split_blocks
 
 __all__ = ["PipelineStage", "split_blocks", "default_pp_mesh", "StageCellList", "stage_forward", "check_shapes",
            "STAGE_MESH"]
@@ -71,8 +72,9 @@ def check_shapes(stage: "PipelineStage", values: Any, expected: Optional[Tuple[T
         return
     got = tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in tree_leaves(values))
     if [g and (len(g), g[1:]) for g in got] != [e and (len(e), e[1:]) for e in expected]:
+        argument = {"inputs": "input_args", "outputs": "output_args"}.get(what, what)
         raise ValueError(f"stage {stage.stage_index}: a micro-batch's {what} have shapes {got}, but the stage was "
-                         f"built with {what}_args of shapes {expected} (compared but for dim 0, the micro-batch's "
+                         f"built with {argument} of shapes {expected} (compared but for dim 0, the micro-batch's "
                          f"rows)")
 
 
@@ -116,14 +118,7 @@ class PipelineStage:
                  mesh=None, jit: bool = False, stage_num: Optional[int] = None, has_backward: bool = True) -> None:
         if not isinstance(submodule, nn.Cell):
             raise TypeError(f"PipelineStage needs an nn.Cell as submodule, got {type(submodule).__name__}")
-        if num_stages is None:
-            if stage_num is None:
-                raise TypeError("PipelineStage needs the number of stages: num_stages (PyTorch) or stage_num "
-                                "(HyperParallel)")
-            num_stages = stage_num
-        elif stage_num is not None and stage_num != num_stages:
-            raise ValueError(f"PipelineStage got num_stages={num_stages} and stage_num={stage_num}; they name the same "
-                             f"number: give one")
+        num_stages = either("PipelineStage", "num_stages", num_stages, "stage_num", stage_num, required=True)
         if not isinstance(has_backward, bool):
             raise TypeError(f"PipelineStage has_backward must be True or False, got {has_backward!r}")
         for name, value in (("num_stages", num_stages), ("stage_index", stage_index)):
@@ -131,9 +126,12 @@ class PipelineStage:
                 raise TypeError(f"PipelineStage {name} must be an int, got {value!r}")
         if not isinstance(jit, bool):
             raise TypeError(f"PipelineStage jit must be True or False, got {jit!r}")
-        if num_stages < 1 or not 0 <= stage_index < num_stages:
+        if num_stages < 1:
+            raise ValueError(f"PipelineStage num_stages must be a positive int, the number of stages of the whole "
+                             f"pipeline (e.g. the pp size for one stage per rank), got {num_stages}")
+        if not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage stage_index must be in 0..{num_stages - 1} (num_stages={num_stages}), "
-                             f"got {stage_index}")
+                             f"got {stage_index}; pass this rank's stage, e.g. its pp rank for one stage per rank")
         if dw_builder is not None:
             raise NotImplementedError("PipelineStage(dw_builder=...): a custom weight-gradient builder is not built; "
                                       "the zero-bubble schedules (ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, "
@@ -234,100 +232,6 @@ def stage_forward(stage: PipelineStage, loss_fn: Optional[Callable]) -> Callable
         def forward(*args, **kwargs):
             return cell(*args, **kwargs)
     return ms.jit(forward) if stage.jit else forward
-
-
-class StageCellList(nn.CellList):
-    """A stage's share of an ``nn.CellList`` of blocks, each under its full-model key.
-
-    Iteration and ``len`` are a CellList's; ``blocks[i]`` is the i-th kept block; the child
-    names (``"5"`` for the full model's block 5) make Cell paths, state-dict keys and
-    checkpoints name the full model's blocks.
-
-    Args:
-        blocks: full-model key -> block, in order.
-
-    Example::
-
-        kept = StageCellList(OrderedDict([("2", block2), ("3", block3)]))
-        [name for name, _ in kept.cells_and_names()][1:]      # ['2', '3']
-    """
-
-    def __init__(self, blocks: "OrderedDict[str, nn.Cell]") -> None:
-        super().__init__()
-        for key, block in blocks.items():
-            self.insert_child_to_cell(key, block)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return StageCellList(OrderedDict(list(self._cells.items())[index]))
-        return list(self)[index]
-
-
-def _block_range(n_blocks: int, stage_index: int, num_stages: int) -> Tuple[int, int]:
-    """[start, stop) of the blocks of a stage: contiguous, as even as can be, earlier stages larger.
-
-    >>> [_block_range(5, s, 2) for s in range(2)]
-    [(0, 3), (3, 5)]
-    """
-    base, extra = divmod(n_blocks, num_stages)
-    start = stage_index * base + min(stage_index, extra)
-    return start, start + base + (stage_index < extra)
-
-
-def split_blocks(model: nn.Cell, stage_index: int, num_stages: int, *, blocks: str = "layers",
-                 first: Sequence[str] = (), last: Sequence[str] = ()) -> nn.Cell:
-    """Keep in ``model`` only what stage ``stage_index`` of ``num_stages`` runs; returns ``model``.
-
-    ``model.<blocks>`` (an ``nn.CellList`` or ``nn.SequentialCell``) keeps its contiguous share
-    of the blocks (as even as can be, earlier stages one more); the attributes named in
-    ``first`` are kept on stage 0 only and those in ``last`` on the last stage only, and set
-    to ``None`` elsewhere, so ``construct`` must skip a layer that is ``None``. Kept Parameters
-    keep their full-model names and the kept blocks their full-model keys (``layers.5.weight``
-    stays so on the stage holding block 5, as a Parameter name and as a state-dict key), so
-    checkpoints saved by the stages load into any other split and into the whole model.
-
-    Args:
-        model: the full model, built the same way (same seed) on every rank.
-        stage_index: this stage's index.
-        num_stages: the number of stages.
-        blocks: the attribute holding the list of blocks.
-        first: attributes only the first stage keeps (e.g. the embedding).
-        last: attributes only the last stage keeps (e.g. the final norm and the head).
-
-    Example::
-
-        class Model(nn.Cell):
-            def construct(self, x):
-                x = x if self.embed is None else self.embed(x)
-                for block in self.layers:
-                    x = block(x)
-                return x if self.head is None else self.head(x)
-
-        stage_cell = split_blocks(Model(), 1, 4, first=("embed",), last=("head",))
-    """
-    if not 0 <= stage_index < num_stages:
-        raise ValueError(f"split_blocks: stage_index must be in 0..{num_stages - 1}, got {stage_index}")
-    listed = getattr(model, blocks, None)
-    if not isinstance(listed, (nn.CellList, nn.SequentialCell)):
-        raise TypeError(f"split_blocks: {type(model).__name__}.{blocks} must be an nn.CellList or nn.SequentialCell, "
-                        f"got {type(listed).__name__}; pass blocks=<the attribute holding the blocks>")
-    if len(listed) < num_stages:
-        raise ValueError(f"split_blocks: {len(listed)} blocks cannot make {num_stages} stages (one block at least "
-                         f"per stage); use at most {len(listed)} stages")
-    names = {id(p): p.name for p in model.get_parameters()}
-    start, stop = _block_range(len(listed), stage_index, num_stages)
-    kept = OrderedDict((str(i), listed[i]) for i in range(start, stop))
-    # the kept blocks keep their full-model keys ("layers.5"), so the stage's Cell paths (which
-    # checkpoints' state dicts use) are the full model's too
-    setattr(model, blocks, StageCellList(kept) if isinstance(listed, nn.CellList) else nn.SequentialCell(kept))
-    for attr, keep in [(a, stage_index == 0) for a in first] + [(a, stage_index == num_stages - 1) for a in last]:
-        if not hasattr(model, attr):
-            raise AttributeError(f"split_blocks: {type(model).__name__} has no attribute {attr!r}")
-        if not keep:
-            setattr(model, attr, None)
-    for p in model.get_parameters():      # MindSpore renames Parameters of re-set lists: put the full names back
-        p.name = names[id(p)]
-    return model
 
 
 def stage_cells(stages: Sequence[PipelineStage]) -> Optional[str]:

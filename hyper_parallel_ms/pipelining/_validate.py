@@ -9,12 +9,17 @@ CPU ``send`` does) and refuses, naming the rank and the action:
   rank, a stage or micro-batch out of range;
 * an action listed twice, a missing forward or backward (each (stage, micro-batch) needs one
   F and either one B or one I and one W), a SEND without its RECV or the reverse;
+* parameter actions out of order on a rank (:func:`check_fsdp`): an UNSHARD of a stage already
+  gathered, a RESHARD of one not gathered, a compute action of a stage that has UNSHARD actions
+  while it is not gathered, a stage left gathered at the end, a REDUCE_GRAD before the stage's
+  last B or W or listed twice;
 * a compute or SEND that runs before what it needs is on its rank (F before its input is
   received, B before its own F or before the output gradient arrives, W before its I);
 * a deadlock: ranks that wait for each other, reported with the action each is blocked on.
 
-Compute actions take ``durations[kind]`` time units (1 by default), SEND / RECV none; the
-returned :class:`Timeline` gives each compute action's start time and the bubble fraction.
+Compute actions take ``durations[kind]`` time units (1 by default), SEND / RECV none, the
+parameter actions none unless given (:func:`._data.costs`); the returned :class:`Timeline`
+gives each compute action's start time and the bubble fraction.
 
 Example:
     >>> from hyper_parallel_ms.pipelining._action import Action
@@ -33,10 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ._action import B, F, I, W, Action, ActionKind, ScheduleError
-from ._data import Datum, describe, makes, needs
+from ._action import B, F, I, REDUCE_GRAD, RESHARD, UNSHARD, W, Action, ActionKind, ScheduleError
+from ._data import Datum, costs, describe, makes, needs
 
-__all__ = ["Timeline", "validate", "check_static"]
+__all__ = ["Timeline", "validate", "check_static", "check_fsdp"]
 
 Durations = Optional[Mapping[ActionKind, float]]
 
@@ -82,17 +87,23 @@ def check_static(actions: Mapping[int, Sequence[Action]], placement: Sequence[in
             if not isinstance(action, Action):
                 raise ScheduleError(f"rank {rank}, step {step}: {action!r} is not an Action")
             s, kind, m = action
-            if not (0 <= s < num_stages and 0 <= m < n_microbatches):
+            if kind.is_fsdp != (m is None):
+                raise ScheduleError(f"{_where(rank, step, action)} " + (
+                    "names a micro-batch: UNSHARD, RESHARD and REDUCE_GRAD act on a stage's parameters, e.g. "
+                    f"'{s}{kind.value}'" if kind.is_fsdp else "has no micro-batch"))
+            if not (0 <= s < num_stages and (m is None or 0 <= m < n_microbatches)):
                 raise ScheduleError(f"{_where(rank, step, action)} is out of range: {num_stages} stages, "
                                     f"{n_microbatches} micro-batches")
             if placement[s] != rank:
                 raise ScheduleError(f"{_where(rank, step, action)} acts for stage {s}, which rank "
                                     f"{placement[s]} holds")
+            if kind in (UNSHARD, RESHARD):          # a stage may be gathered again after a RESHARD
+                continue
             if action in seen:
                 raise ScheduleError(f"{_where(rank, step, action)} is listed twice (also at step "
                                     f"{seen[action][1]} of rank {seen[action][0]})")
             seen[action] = (rank, step)
-            if kind.is_compute:
+            if kind.is_compute or kind.is_fsdp:
                 continue
             peer = action.peer_stage()
             if not 0 <= peer < num_stages:
@@ -101,7 +112,7 @@ def check_static(actions: Mapping[int, Sequence[Action]], placement: Sequence[in
                 raise ScheduleError(f"{_where(rank, step, action)} goes between stages {s} and {peer}, "
                                     f"both on rank {rank}: stages of one rank pass data without SEND/RECV")
     for action, (rank, step) in seen.items():
-        if not action.kind.is_compute and action.matching() not in seen:
+        if not (action.kind.is_compute or action.kind.is_fsdp) and action.matching() not in seen:
             raise ScheduleError(f"{_where(rank, step, action)} has no matching {action.matching()} on rank "
                                 f"{placement[action.peer_stage()]}")
     for s in range(num_stages):
@@ -115,6 +126,46 @@ def check_static(actions: Mapping[int, Sequence[Action]], placement: Sequence[in
             if B in has and I in has:
                 raise ScheduleError(f"rank {placement[s]} lists both {Action(s, B, m)} and {Action(s, I, m)}: a "
                                     f"backward is either full (B) or split (I then W)")
+    for rank in range(pp):
+        check_fsdp(rank, actions[rank])
+
+
+def check_fsdp(rank: int, actions: Sequence[Action]) -> None:
+    """Refuse parameter actions out of order in one rank's list (see the module docstring).
+
+    Args:
+        rank: the rank (for the message).
+        actions: its actions, in order.
+
+    Example:
+        >>> check_fsdp(0, [Action.parse(a) for a in ("0F0", "0UNSHARD", "0B0", "0RESHARD")])
+        Traceback (most recent call last):
+        ...
+        hyper_parallel_ms.pipelining._action.ScheduleError: rank 0: 0F0 (step 0) runs while stage 0 is sharded: put 0UNSHARD before it
+    """
+    gathering = {a.stage for a in actions if a.kind in (UNSHARD, RESHARD)}
+    last_weight = {a.stage: step for step, a in enumerate(actions) if a.kind in (B, W)}
+    held: Dict[int, int] = {}          # stage -> the step of its UNSHARD
+    for step, action in enumerate(actions):
+        s, kind = action.stage, action.kind
+        if kind is UNSHARD and s in held:
+            raise ScheduleError(f"{_where(rank, step, action)} gathers stage {s} again: its UNSHARD at step "
+                                f"{held[s]} has no RESHARD before")
+        if kind is RESHARD and s not in held:
+            raise ScheduleError(f"{_where(rank, step, action)} frees stage {s}, which no UNSHARD gathered")
+        if kind.is_compute and s in gathering and s not in held:
+            raise ScheduleError(f"{_where(rank, step, action)} runs while stage {s} is sharded: put "
+                                f"{Action(s, UNSHARD)} before it")
+        if kind is REDUCE_GRAD and last_weight.get(s, -1) > step:
+            raise ScheduleError(f"{_where(rank, step, action)} runs before the last weight gradient of stage {s} "
+                                f"({actions[last_weight[s]]} at step {last_weight[s]}); it reduces them all, once")
+        if kind is UNSHARD:
+            held[s] = step
+        elif kind is RESHARD:
+            del held[s]
+    if held:
+        left = ", ".join(str(Action(s, RESHARD)) for s in held)
+        raise ScheduleError(f"rank {rank} leaves stage(s) {sorted(held)} gathered at the end of the step: add {left}")
 
 
 def _deadlock(actions, pos: List[int]) -> ScheduleError:
@@ -156,8 +207,7 @@ def validate(actions: Mapping[int, Sequence[Action]], placement: Sequence[int], 
     """
     check_static(actions, placement, n_microbatches)
     num_stages = len(placement)
-    cost = {k: 1.0 for k in (F, B, I, W)}
-    cost.update(durations or {})
+    cost = costs(durations)
     ranks = sorted(actions)
     pos = [0] * len(ranks)
     clock = [0.0] * len(ranks)
@@ -180,6 +230,11 @@ def validate(actions: Mapping[int, Sequence[Action]], placement: Sequence[int], 
         for rank in ranks:
             while (action := head(rank)) is not None:
                 ready(rank, action)
+                if action.kind.is_fsdp:             # on this rank alone: waits for nothing
+                    clock[rank] += cost[action.kind]
+                    pos[rank] += 1
+                    moved = True
+                    continue
                 if action.kind.is_compute:
                     starts[action] = clock[rank]
                     clock[rank] += cost[action.kind]
