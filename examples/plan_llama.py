@@ -1,5 +1,5 @@
 """The example Llama as a training script that :func:`hyper_parallel_ms.simulate` can run: one
-``build(mesh)`` for every layout of (pp, dp, tp), fully_shard or not, micro-batches and activation
+``build(mesh)`` for all parallel dims (pp, dp, tp), fully_shard or not, micro-batches and activation
 checkpointing, and the preset shapes of ``scripts/plan_cluster.py``.
 
 ``build(mesh)`` is what a training script does on each rank: the Llama built under
@@ -16,9 +16,9 @@ layers, dim 8192, ffn 28672, vocab 128256) on the example's architecture: multi-
 
 Example::
 
-    layout = Layout(pp=2, dp=4, tp=8, fsdp=True, microbatches=4)
-    shape, names = layout.mesh
-    report = simulate(llama_training(PRESETS["7B"], layout), mesh_shape=shape, mesh_dim_names=names)
+    dims = ParallelDims(pp=2, dp=4, tp=8, fsdp=True, microbatches=4)
+    shape, names = dims.mesh
+    report = simulate(llama_training(PRESETS["7B"], dims), mesh_shape=shape, mesh_dim_names=names)
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from mindspore import nn
 
 from hyper_parallel_ms import fully_shard, init_parameters, no_init_parameters, pipelining
 from hyper_parallel_ms.nn import GradientReducer, parallelize_module
-from hyper_parallel_ms.plan import Layout
+from hyper_parallel_ms.dryrun import ParallelDims
 from hyper_parallel_ms.training import apply_activation_checkpointing
 
 try:
@@ -39,7 +39,7 @@ try:
 except ImportError:  # run as a script: examples/ is the script's directory
     from llama import Block, Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, tp_plan
 
-__all__ = ["PRESETS", "Layout", "llama_training", "builder"]
+__all__ = ["PRESETS", "ParallelDims", "llama_training", "builder"]
 
 PRESETS = {
     "7B": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, max_seq=4096),
@@ -48,18 +48,25 @@ PRESETS = {
 FIRST, LAST = ("tok_embeddings",), ("norm", "output")
 
 
-def _stage(config: LlamaConfig, layout: Layout, mesh, stage: int) -> nn.Cell:
+def _held(model: nn.Cell, name: str) -> bool:
+    """Whether this stage holds the layer ``name``: ``split_blocks`` leaves a stand-in without
+    parameters where another stage holds it."""
+    cell = getattr(model, name)
+    return cell is not None and next(iter(cell.get_parameters()), None) is not None
+
+
+def _stage(config: LlamaConfig, dims: ParallelDims, mesh, stage: int) -> nn.Cell:
     """Pipeline stage ``stage``'s share of the Llama, parallelised."""
     with no_init_parameters():
         model = Llama(config)
-    if layout.pp > 1:
-        pipelining.split_blocks(model, stage, layout.pp, first=FIRST, last=LAST)
+    if dims.pp > 1:
+        pipelining.split_blocks(model, stage, dims.pp, first=FIRST, last=LAST)
     plan = {k: v for k, v in tp_plan(sequence_parallel=True, loss_parallel=True).items()
-            if k.split(".")[0] not in FIRST + LAST or getattr(model, k.split(".")[0]) is not None}
+            if k.split(".")[0] not in FIRST + LAST or _held(model, k.split(".")[0])}
     parallelize_module(model, mesh["tp"], plan)
-    if layout.checkpointing:
+    if dims.checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda cell: isinstance(cell, Block))
-    if layout.fsdp:
+    if dims.fsdp:
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
@@ -67,30 +74,30 @@ def _stage(config: LlamaConfig, layout: Layout, mesh, stage: int) -> nn.Cell:
     return model
 
 
-def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
+def llama_training(config: LlamaConfig, dims: ParallelDims) -> Callable:
     """``build(mesh)`` for ``simulate`` (see the module docstring): returns ``(model, optimizer, step)``.
 
     Args:
-        config: the model's shape (``max_seq`` is raised to ``layout.seq`` if smaller).
-        layout: the layout.
+        config: the model's shape (``max_seq`` is raised to ``dims.seq`` if smaller).
+        dims: the job's :class:`~hyper_parallel_ms.dryrun.ParallelDims`.
 
     Example::
 
-        model, optimizer, step = llama_training(PRESETS["7B"], Layout(tp=8))(mesh)
+        model, optimizer, step = llama_training(PRESETS["7B"], ParallelDims(tp=8))(mesh)
     """
-    config = replace(config, max_seq=max(config.max_seq, layout.seq))
+    config = replace(config, max_seq=max(config.max_seq, dims.seq))
 
     def build(mesh):
-        stage = mesh["pp"].get_local_rank() if layout.pp > 1 else 0
-        model = _stage(config, layout, mesh, stage)
+        stage = mesh["pp"].get_local_rank() if dims.pp > 1 else 0
+        model = _stage(config, dims, mesh, stage)
         loss = VocabParallelCrossEntropy(mesh["tp"], config.vocab)
-        rows = layout.micro_batch * layout.microbatches
-        ids = ms.Tensor(np.zeros((rows, layout.seq), np.int32))
-        targets = ms.Tensor(np.zeros((rows * layout.seq,), np.int32))
-        if layout.pp == 1:
+        rows = dims.micro_batch * dims.microbatches
+        ids = ms.Tensor(np.zeros((rows, dims.seq), np.int32))
+        targets = ms.Tensor(np.zeros((rows * dims.seq,), np.int32))
+        if dims.pp == 1:
             params = model.trainable_params()
             optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
-            reducer = GradientReducer(params, **({} if layout.fsdp or layout.dp == 1 else
+            reducer = GradientReducer(params, **({} if dims.fsdp or dims.dp == 1 else
                                                  {"dp_mesh": mesh, "dp_dim": "dp"}))
             grad_fn = ms.value_and_grad(WithLoss(model, loss), None, optimizer.parameters)
 
@@ -99,13 +106,13 @@ def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
                 optimizer(reducer(grads))
                 return value
             return model, optimizer, step
-        schedule = pipelining.Schedule1F1B(pipelining.PipelineStage(model, stage, layout.pp, mesh=mesh["pp"]),
-                                           layout.microbatches, loss)
+        schedule = pipelining.Schedule1F1B(pipelining.PipelineStage(model, stage, dims.pp, mesh=mesh["pp"]),
+                                           dims.microbatches, loss)
         params = schedule.parameters()
         optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
-        reducer = GradientReducer(params, **({} if layout.fsdp or layout.dp == 1 else
+        reducer = GradientReducer(params, **({} if dims.fsdp or dims.dp == 1 else
                                              {"dp_mesh": mesh, "dp_dim": "dp"}))
-        first, last = stage == 0, stage == layout.pp - 1
+        first, last = stage == 0, stage == dims.pp - 1
 
         def pipelined_step():
             schedule.step(*((ids,) if first else ()), target=targets if last else None)
@@ -115,7 +122,7 @@ def llama_training(config: LlamaConfig, layout: Layout) -> Callable:
 
 
 def builder(config: LlamaConfig) -> Callable:
-    """``build(layout, layers) -> fn(mesh)`` for :func:`hyper_parallel_ms.plan.search`: the Llama of
+    """``build(dims, layers) -> fn(mesh)`` for :func:`hyper_parallel_ms.dryrun.search`: the Llama of
     ``config`` with ``layers`` blocks.
 
     Args:
@@ -125,4 +132,4 @@ def builder(config: LlamaConfig) -> Callable:
 
         search(builder(PRESETS["7B"]), devices=64, layers=32, cluster=Cluster())
     """
-    return lambda layout, layers: llama_training(replace(config, layers=layers), layout)
+    return lambda dims, layers: llama_training(replace(config, layers=layers), dims)

@@ -32,6 +32,7 @@ _EXPORTS: Dict[str, str] = {
     "visualize_sharding": "dtensor", "sharding_table": "dtensor", "SkipDTensorDispatch": "dtensor",
     "grad": "dtensor", "value_and_grad": "dtensor", "parallelize_value_and_grad": "dtensor",
     "ColwiseParallel": "nn", "RowwiseParallel": "nn", "SequenceParallel": "nn", "PrepareModuleInput": "nn",
+    "MultiheadAttentionParallel": "nn",
     "PrepareModuleOutput": "nn", "PrepareModuleInputOutput": "nn", "parallelize_module": "nn",
     "distribute_module": "nn", "ShardingPlan": "nn", "shard_module": "nn", "GradientReducer": "nn",
     "ParallelStyle": "nn", "parameter_sharding": "nn", "as_dtensor": "nn",
@@ -42,17 +43,20 @@ _EXPORTS: Dict[str, str] = {
     "HSDPCell": "fsdp", "init_parameters": "fsdp", "no_init_parameters": "nn", "init_empty_weights": "nn", "init_on_device": "nn",
     "local_map": "ops", "custom_shard": "ops",
     "clip_grad_norm": "training", "TotalGradNorm": "training", "all_finite": "training",
-    "checkpoint_wrapper": "training", "apply_activation_checkpointing": "training",
+    "checkpoint_wrapper": "training", "apply_activation_checkpointing": "training", "offload_wrapper": "training",
     "pipelining": "", "PipelineStage": "pipelining", "split_blocks": "pipelining",
     "ScheduleGPipe": "pipelining", "Schedule1F1B": "pipelining", "ScheduleInterleaved1F1B": "pipelining",
     "ScheduleLoopedBFS": "pipelining", "ScheduleZBVZeroBubble": "pipelining",
     "ScheduleInterleavedZeroBubble": "pipelining", "ScheduleDualPipeV": "pipelining", "BatchDimSpec": "pipelining",
-    "plan": "", "simulate": "plan",
+    "dryrun": "", "simulate": "dryrun",
+    "plan": "",     # deprecated: hyper_parallel_ms.dryrun (warns on import; not in __all__)
     "process_group": "", "init_process_group": "process_group", "destroy_process_group": "process_group",
     "get_process_group_ranks": "process_group", "get_backend": "process_group", "split_group": "process_group",
     "get_group_local_rank": "process_group", "mark_created_groups": "process_group",
 }
-__all__ = list(_EXPORTS)
+# renamed modules, still importable for one release (each warns): documented on docs/differences.md
+_DEPRECATED_MODULES = ("plan",)
+__all__ = [name for name in _EXPORTS if name not in _DEPRECATED_MODULES]
 
 
 def _release(version: str) -> Tuple[int, int]:
@@ -101,4 +105,4 @@ def __getattr__(name: str) -> Any:
 
 def __dir__():
     # the public names only (not the typing names this module imports)
-    return sorted(set(_EXPORTS) | {"__version__", "SUPPORTED_MINDSPORE"})
+    return sorted(set(__all__) | {"__version__", "SUPPORTED_MINDSPORE"})

@@ -33,15 +33,15 @@ def main() -> None:
         ms.set_device("CPU")
     from examples.plan_llama import PRESETS, llama_training
     from hyper_parallel_ms import simulate
-    from hyper_parallel_ms.plan import Layout, format_bytes
+    from hyper_parallel_ms.dryrun import ParallelDims, format_bytes
     imported = time.perf_counter()
-    layout = Layout(args.pp, args.dp, args.tp, True, args.microbatches, False, 1, args.seq)
-    shape, names = layout.mesh
-    report = simulate(llama_training(PRESETS["70B"], layout), mesh_shape=shape, mesh_dim_names=names)
+    dims = ParallelDims(args.pp, args.dp, args.tp, True, args.microbatches, False, 1, args.seq)
+    shape, names = dims.mesh
+    report = simulate(llama_training(PRESETS["70B"], dims), mesh_shape=shape, mesh_dim_names=names)
     done = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(report.table())
-    print(f"70B shape on {layout.ranks} ranks ({layout.describe()}): simulate {done - imported:.1f} s "
+    print(f"70B shape on {dims.ranks} ranks ({dims.describe()}): simulate {done - imported:.1f} s "
           f"({len(report.computed)} ranks run, {(done - imported) / len(report.computed):.1f} s each), "
           f"with imports {done - began:.1f} s; peak RSS {format_bytes(peak)}")
     print(f"ratio to the 2-minute target: {(done - began) / 120:.2f}; ratio to the 8 GiB target: {peak / 2 ** 33:.2f}")

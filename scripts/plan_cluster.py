@@ -1,6 +1,6 @@
 """Plan a cluster job on a laptop: simulate the example Llama (examples/llama.py) at a preset shape
 on a (pp, dp, tp) mesh of simulated ranks, print each rank's memory and communication and the
-estimated step time, or search the layouts of N devices for the fastest that fits.
+estimated step time, or search the parallel dims of N devices for the fastest that fits.
 
 Usage::
 
@@ -10,11 +10,12 @@ Usage::
 
 Nothing is computed: parameters get no values and the step runs on shapes only
 (hyper_parallel_ms.simulate). The step time comes from the alpha-beta model of
-hyper_parallel_ms.plan.Cluster (defaults: public Atlas 800T A2 / Ascend 910B figures).
+hyper_parallel_ms.dryrun.Cluster (defaults: public Atlas 800T A2 / Ascend 910B figures).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import replace
@@ -27,47 +28,311 @@ if str(ROOT) not in sys.path:
 
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "kb": 10 ** 3, "mb": 10 ** 6,
           "gb": 10 ** 9, "tb": 10 ** 12}
+_SEARCH_ONLY = ("devices", "top")
+_DIMS_ONLY = ("pp", "dp", "tp", "microbatches", "ranks", "no_fsdp", "checkpointing", "json")
+_DEFAULTS = {"pp": 1, "dp": 1, "tp": 8, "top": 10}
 
 
 def parse_bytes(text: str) -> int:
-    """``"64GiB"`` -> 68719476736 (binary and decimal units).
+    """``"64GiB"`` -> 68719476736 (binary and decimal units); a size that is not positive is refused.
 
     >>> parse_bytes("64GiB"), parse_bytes("1.5 GB")
     (68719476736, 1500000000)
     """
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([-+]?[0-9.]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 64GiB or 32GB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    try:
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 64GiB or 32GB, got {text!r}") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size such as 64GiB, got {text!r}")
+    return size
+
+
+def positive_int(text: str) -> int:
+    """An argument that must be an integer of 1 or more.
+
+    >>> positive_int("8")
+    8
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer of 1 or more, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of 1 or more, got {text!r}")
+    return value
+
+
+def _real(text: str, low: float, what: str, high: float = math.inf, open_low: bool = True) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > low if open_low else value >= low) and value <= high):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A rate that must be a finite number above 0.
+
+    >>> positive_float("25e9")
+    25000000000.0
+    """
+    return _real(text, 0.0, "a finite number above 0")
+
+
+def latency(text: str) -> float:
+    """A latency: a finite number of seconds, 0 or more.
+
+    >>> latency("5e-6")
+    5e-06
+    """
+    return _real(text, 0.0, "a finite number of seconds, 0 or more", open_low=False)
+
+
+def fraction(text: str) -> float:
+    """A share of the peak: above 0, at most 1.
+
+    >>> fraction("0.4")
+    0.4
+    """
+    return _real(text, 0.0, "a fraction above 0 and at most 1 (the achieved share of the peak FLOPS)", 1.0)
+
+
+def _joined(argv: List[str]) -> List[str]:
+    """``--flag -1GiB`` as ``--flag=-1GiB``: argparse takes a value that starts with ``-`` and is not a
+    plain number for an option, and would say "expected one argument" instead of why the value is bad."""
+    out: List[str] = []
+    for token in argv:
+        if out and re.match(r"-[0-9.]", token) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flags that do not go together or that name ranks outside the mesh (before anything
+    is built or simulated), naming the flag and the fix; fill in the defaults of the flags left out.
+
+    Args:
+        args: what :func:`parse_args` parsed (each value already checked on its own).
+
+    Raises:
+        ValueError: naming the flag.
+
+    >>> check_args(argparse.Namespace(search=False, devices=None, top=None, pp=2, dp=None, tp=1,
+    ...                               microbatches=None, ranks="0,2", no_fsdp=False, checkpointing=False, json=False))
+    Traceback (most recent call last):
+    ...
+    ValueError: argument --ranks: rank 2 is outside the 2-rank mesh pp=2 x dp=1 x tp=1 (ranks 0..1); pass ranks below 2
+    """
+    if args.search:
+        if args.devices is None:
+            raise ValueError("argument --search: needs --devices N, the number of devices whose parallel dims to try")
+        for dest in _DIMS_ONLY:
+            if getattr(args, dest) not in (None, False):
+                raise ValueError(f"argument {_flag(dest)}: does not apply to --search, which tries all parallel "
+                                 f"dims of --devices; drop {_flag(dest)}, or drop --search to simulate those dims")
+    else:
+        for dest in _SEARCH_ONLY:
+            if getattr(args, dest) is not None:
+                raise ValueError(f"argument {_flag(dest)}: applies to --search only (one job runs on "
+                                 f"--pp x --dp x --tp ranks); add --search or drop {_flag(dest)}")
+    for dest, value in _DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    if args.search:
+        return
+    if args.microbatches is None:
+        args.microbatches = args.pp
+    elif args.pp > 1 and args.microbatches < args.pp:
+        raise ValueError(f"argument --microbatches: the 1F1B pipeline of --pp {args.pp} stages needs at least "
+                         f"{args.pp} micro-batches, got {args.microbatches}; pass --microbatches {args.pp} or more")
+    if args.ranks is not None:
+        world = args.pp * args.dp * args.tp
+        try:
+            ranks = [int(r) for r in args.ranks.split(",")]
+        except ValueError:
+            raise ValueError(f"argument --ranks: expected comma-separated ranks such as 0,8, got {args.ranks!r}") \
+                from None
+        outside = [r for r in ranks if not 0 <= r < world]
+        if outside:
+            raise ValueError(f"argument --ranks: rank {outside[0]} is outside the {world}-rank mesh pp={args.pp} x "
+                             f"dp={args.dp} x tp={args.tp} (ranks 0..{world - 1}); pass ranks below {world}")
+        args.ranks = ranks
+
+
+def dims_problem(config, *, pp: int, tp: int, seq: int) -> str:
+    """Why the example Llama of ``config`` cannot run with ``pp`` stages and ``tp`` tensor-parallel
+    ranks on sequences of ``seq`` tokens, naming the flags and the fix (``""``: it can).
+
+    Args:
+        config: the model's shape (its ``heads`` and ``layers``).
+        pp: pipeline stages.
+        tp: tensor-parallel ranks.
+        seq: tokens per sequence.
+
+    >>> from types import SimpleNamespace
+    >>> dims_problem(SimpleNamespace(heads=32, layers=4), pp=1, tp=64, seq=64)[:40]
+    'argument --tp: 64 does not divide the 32'
+    """
+    if config.heads % tp:
+        fits = [d for d in range(1, config.heads + 1) if config.heads % d == 0]
+        return (f"argument --tp: {tp} does not divide the {config.heads} attention heads (heads {config.heads}, "
+                f"tp {tp}): each tensor-parallel rank holds whole heads; pass a --tp among {fits}")
+    if seq % tp:
+        return (f"argument --seq: {seq} is not divisible by --tp {tp}: sequence parallelism splits each sequence "
+                f"evenly over the tp ranks; pass a multiple of {tp}")
+    if config.layers < pp:
+        return (f"argument --pp: {pp} stages need at least {pp} blocks, the model has {config.layers} (--layers); "
+                f"pass --pp {config.layers} or less, or more --layers")
+    return ""
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
+    """The flags (see ``--help``), each checked; a bad one exits with status 2 naming it (argparse's
+    usage error), before anything is imported, built or simulated.
+
+    Example::
+
+        parse_args(["--model", "70B", "--pp", "8", "--dp", "16"]).tp          # 8
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["7B", "70B"], default="7B", help="the preset shape of the example Llama")
-    parser.add_argument("--layers", type=int, default=None, help="override the preset's number of blocks")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch on each dp rank")
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--dp", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: pp)")
+    parser.add_argument("--layers", type=positive_int, default=None, help="override the preset's number of blocks")
+    parser.add_argument("--seq", type=positive_int, default=4096)
+    parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch on each dp rank")
+    parser.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default 1)")
+    parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel ranks (default 1)")
+    parser.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel ranks (default 8)")
+    parser.add_argument("--microbatches", type=positive_int, default=None, help="micro-batches per step (default: pp)")
     parser.add_argument("--no-fsdp", action="store_true", help="average gradients over dp instead of fully_shard")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
     parser.add_argument("--ranks", default=None, help="comma-separated ranks to run (default: one per class)")
     parser.add_argument("--device-type", choices=["npu", "cpu"], default="npu")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--search", action="store_true", help="rank the layouts of --devices that fit")
-    parser.add_argument("--devices", type=int, default=None)
-    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--search", action="store_true", help="rank the parallel dims of --devices that fit")
+    parser.add_argument("--devices", type=positive_int, default=None, help="the devices to lay out (--search)")
+    parser.add_argument("--top", type=positive_int, default=None, help="candidates to list (--search; default 10)")
     parser.add_argument("--device-memory", type=parse_bytes, default="64GiB")
-    parser.add_argument("--devices-per-node", type=int, default=8)
-    parser.add_argument("--intra-bandwidth", type=float, default=196e9, help="bytes/s one device sends in a node")
-    parser.add_argument("--inter-bandwidth", type=float, default=25e9, help="bytes/s one device sends across nodes")
-    parser.add_argument("--intra-latency", type=float, default=5e-6)
-    parser.add_argument("--inter-latency", type=float, default=15e-6)
-    parser.add_argument("--device-flops", type=float, default=313e12)
-    parser.add_argument("--efficiency", type=float, default=0.4, help="achieved share of the peak FLOPS")
-    return parser.parse_args(argv)
+    parser.add_argument("--devices-per-node", type=positive_int, default=8)
+    parser.add_argument("--intra-bandwidth", type=positive_float, default=196e9,
+                        help="bytes/s one device sends in a node")
+    parser.add_argument("--inter-bandwidth", type=positive_float, default=25e9,
+                        help="bytes/s one device sends across nodes")
+    parser.add_argument("--intra-latency", type=latency, default=5e-6)
+    parser.add_argument("--inter-latency", type=latency, default=15e-6)
+    parser.add_argument("--device-flops", type=positive_float, default=313e12)
+    parser.add_argument("--efficiency", type=fraction, default=0.4, help="achieved share of the peak FLOPS")
+    args = parser.parse_args(_joined(list(argv)))
+    try:
+        check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def _size_flag(n: int) -> str:
+    """``n`` bytes rounded up to a ``--device-memory`` value (two decimals of GiB, or of MiB below 1 GiB)."""
+    unit, size = ("GiB", 2 ** 30) if n >= 2 ** 30 else ("MiB", 2 ** 20)
+    return f"{math.ceil(n / size * 100) / 100:.2f}".rstrip("0").rstrip(".") + unit
+
+
+def memory_floor(model_state_bytes: int, devices: int) -> int:
+    """The least per-device memory any parallel dims of ``devices`` can need: every job holds each
+    parameter, its gradient and its optimizer state at least once somewhere, and the fullest device
+    holds at least the average (activations come on top).
+
+    Args:
+        model_state_bytes: the unsharded model's parameters, gradients and optimizer state.
+        devices: the devices.
+
+    >>> memory_floor(100, 8)
+    13
+    """
+    return -(-model_state_bytes // devices)
+
+
+def nothing_fits(ranked, device_memory: int) -> str:
+    """The message when no candidate of a search fits: the smallest memory that any candidate needed.
+
+    Args:
+        ranked: the priced :class:`~hyper_parallel_ms.dryrun.Candidate` s.
+        device_memory: the memory asked for.
+
+    Example::
+
+        print(nothing_fits(search(...), 2 ** 30))
+    """
+    from hyper_parallel_ms.dryrun import format_bytes
+    ran = [c for c in ranked if not c.problem]
+    if not ran:
+        return "no candidate could be simulated (see the problems above)"
+    best = min(ran, key=lambda c: c.max_bytes)
+    dims = " ".join(best.dims.describe().split())
+    return (f"no candidate fits in {format_bytes(device_memory)} per device; the smallest that any candidate needs "
+            f"is {format_bytes(best.max_bytes)} ({dims}): pass --device-memory "
+            f"{_size_flag(best.max_bytes)} or more, or more --devices")
+
+
+def _state_bytes(config) -> int:
+    """The unsharded example Llama's parameters, gradients and AdamW state (the optimizer of
+    examples/plan_llama.py), read from the model and optimizer built without values."""
+    from mindspore import nn
+    from examples.llama import Llama
+    from hyper_parallel_ms import no_init_parameters
+    from hyper_parallel_ms.dryrun._memory import memory_of
+    with no_init_parameters():
+        model = Llama(config)
+        optimizer = nn.AdamWeightDecay(model.trainable_params())
+    held = memory_of(model, optimizer)
+    return held.param_bytes + held.grad_bytes + held.optimizer_bytes
+
+
+def _search(args, config, cluster) -> int:
+    from examples.plan_llama import builder
+    from hyper_parallel_ms.dryrun import format_bytes, parallel_dims_of, search
+    floor = memory_floor(_state_bytes(config), args.devices)
+    if args.device_memory < floor:
+        print(f"plan_cluster.py: error: argument --device-memory: no parallel dims of {args.devices} devices fit in "
+              f"{format_bytes(args.device_memory)}: the {args.model} model's parameters, gradients and AdamW state "
+              f"alone need {format_bytes(floor)} per device at least (activations come on top); pass "
+              f"--device-memory {_size_flag(floor)} or more, or more --devices", file=sys.stderr)
+        return 2
+    every = parallel_dims_of(args.devices, layers=config.layers, devices_per_node=cluster.devices_per_node,
+                             micro_batch=args.micro_batch, seq=args.seq)
+    tried = [c for c in every if not dims_problem(config, pp=c.pp, tp=c.tp, seq=c.seq)]
+    if len(tried) < len(every):
+        print(f"  skipped {len(every) - len(tried)} candidates whose tp does not divide the {config.heads} heads or "
+              f"the sequence of {args.seq} tokens", file=sys.stderr)
+
+    def progress(c):
+        print(f"  {c.dims.describe():<36} peak {format_bytes(c.max_bytes):>11} "
+              f"{'fits' if c.fits else 'too big':<8} {c.tokens_per_second:>10.0f} tokens/s {c.problem[:60]}",
+              file=sys.stderr, flush=True)
+    ranked = search(builder(config), devices=args.devices, layers=config.layers, cluster=cluster,
+                    micro_batch=args.micro_batch, seq=args.seq, candidates=tried, device_type=args.device_type,
+                    progress=progress)
+    fitting = [c for c in ranked if c.fits]
+    print(f"{args.model} on {args.devices} devices, {format_bytes(args.device_memory)} each: {len(fitting)} of "
+          f"{len(ranked)} candidates fit")
+    if not fitting:
+        print(nothing_fits(ranked, args.device_memory))
+        return 1
+    print(f"{'#':>3}  {'parallel dims':<36}{'peak memory':>13}{'step':>10}{'tokens/s':>12}")
+    for i, c in enumerate(fitting[:args.top], 1):
+        print(f"{i:>3}  {c.dims.describe():<36}{format_bytes(c.max_bytes):>13}{c.step_seconds:>9.2f}s"
+              f"{c.tokens_per_second:>12.0f}")
+    return 0
 
 
 def main(argv: List[str]) -> int:
@@ -75,49 +340,35 @@ def main(argv: List[str]) -> int:
     import mindspore as ms
     if ms.get_context("device_target") != "CPU":       # set_device fails once a kernel ran
         ms.set_device("CPU")
-    from examples.plan_llama import PRESETS, builder, llama_training
+    from examples.plan_llama import PRESETS, llama_training
     from hyper_parallel_ms import simulate
     from hyper_parallel_ms.pipelining import build_plan
-    from hyper_parallel_ms.plan import Cluster, Layout, format_bytes, search, step_seconds
+    from hyper_parallel_ms.dryrun import Cluster, ParallelDims, format_bytes, step_seconds
     config = PRESETS[args.model] if args.layers is None else replace(PRESETS[args.model], layers=args.layers)
     cluster = Cluster(args.devices_per_node, args.intra_bandwidth, args.inter_bandwidth, args.intra_latency,
                       args.inter_latency, args.device_flops, args.efficiency, args.device_memory)
     if args.search:
-        if not args.devices:
-            print("plan_cluster: --search needs --devices N", file=sys.stderr)
-            return 2
-
-        def progress(c):
-            print(f"  {c.layout.describe():<36} peak {format_bytes(c.max_bytes):>11} "
-                  f"{'fits' if c.fits else 'too big':<8} {c.tokens_per_second:>10.0f} tokens/s {c.problem[:60]}",
-                  file=sys.stderr, flush=True)
-        ranked = search(builder(config), devices=args.devices, layers=config.layers, cluster=cluster,
-                        micro_batch=args.micro_batch, seq=args.seq, device_type=args.device_type, progress=progress)
-        fitting = [c for c in ranked if c.fits]
-        print(f"{args.model} on {args.devices} devices, {format_bytes(args.device_memory)} each: {len(fitting)} of "
-              f"{len(ranked)} layouts fit")
-        print(f"{'#':>3}  {'layout':<36}{'peak memory':>13}{'step':>10}{'tokens/s':>12}")
-        for i, c in enumerate(fitting[:args.top], 1):
-            print(f"{i:>3}  {c.layout.describe():<36}{format_bytes(c.max_bytes):>13}{c.step_seconds:>9.2f}s"
-                  f"{c.tokens_per_second:>12.0f}")
-        return 0
-    layout = Layout(args.pp, args.dp, args.tp, not args.no_fsdp, args.microbatches or args.pp, args.checkpointing,
-                    args.micro_batch, args.seq)
-    shape, names = layout.mesh
-    ranks = None if args.ranks is None else [int(r) for r in args.ranks.split(",")]
-    report = simulate(llama_training(config, layout), mesh_shape=shape, mesh_dim_names=names, ranks=ranks,
+        return _search(args, config, cluster)
+    problem = dims_problem(config, pp=args.pp, tp=args.tp, seq=args.seq)
+    if problem:
+        print(f"plan_cluster.py: error: {problem}", file=sys.stderr)
+        return 2
+    dims = ParallelDims(args.pp, args.dp, args.tp, not args.no_fsdp, args.microbatches, args.checkpointing,
+                        args.micro_batch, args.seq)
+    shape, names = dims.mesh
+    report = simulate(llama_training(config, dims), mesh_shape=shape, mesh_dim_names=names, ranks=args.ranks,
                       device_type=args.device_type)
     if args.json:
         print(report.to_json(indent=1))
         return 0 if report.ok else 1
-    bubble = build_plan("1F1B", layout.pp, layout.microbatches).bubble_fraction() if layout.pp > 1 else 0.0
+    bubble = build_plan("1F1B", dims.pp, dims.microbatches).bubble_fraction() if dims.pp > 1 else 0.0
     print(f"{args.model} ({config.layers} layers, dim {config.dim}, ffn {config.hidden}, vocab {config.vocab}), "
-          f"seq {layout.seq}, {layout.describe()}")
+          f"seq {dims.seq}, {dims.describe()}")
     print(report.table())
     if report.ok and all(r.flops is not None for r in report):
-        seconds = step_seconds(report, cluster, bubble)
-        print(f"estimated step: {seconds:.2f} s, {layout.tokens / seconds:.0f} tokens/s "
-              f"({layout.tokens} tokens per step, pipeline bubble {bubble:.0%}); fits in "
+        step_time = step_seconds(report, cluster, bubble)
+        print(f"estimated step: {step_time:.2f} s, {dims.tokens / step_time:.0f} tokens/s "
+              f"({dims.tokens} tokens per step, pipeline bubble {bubble:.0%}); fits in "
               f"{format_bytes(args.device_memory)}: {'yes' if report.max_total_bytes() <= args.device_memory else 'no'}")
     return 0 if report.ok else 1
 

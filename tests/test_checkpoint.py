@@ -10,7 +10,7 @@ from mindspore import nn, ops
 
 from hyper_parallel_ms import checkpoint as dcp
 from hyper_parallel_ms.checkpoint._metadata import TensorEntry
-from hyper_parallel_ms.checkpoint._planner import Piece, plan_reads, plan_writes
+from hyper_parallel_ms.checkpoint._boxes import Piece, assign_writers, overlap_reads
 from hyper_parallel_ms.checkpoint._safetensors import SafetensorsFile, write_file
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.placement import Replicate, Shard
@@ -28,39 +28,39 @@ def _pieces_of(layout: Layout, shape, ranks_of_coord):
     return plans
 
 
-def test_plan_writes_dedups_replicas_and_handles_uneven_and_ordered_shards():
+def test_assign_writers_dedups_replicas_and_handles_uneven_and_ordered_shards():
     lay = Layout((2, 2), (Replicate(), Shard(0)))
     ranks = {c: i for i, c in enumerate(lay.coordinates())}
-    writes = plan_writes(_pieces_of(lay, (5, 3), ranks))
+    writes = assign_writers(_pieces_of(lay, (5, 3), ranks))
     assert [[(p.offsets, p.sizes) for p in w] for w in writes] == [[((0, 0), (3, 3))], [((3, 0), (2, 3))], [], []]
-    spread = plan_writes(_pieces_of(lay, (5, 3), ranks), save_to_minimum_rank=False)
+    spread = assign_writers(_pieces_of(lay, (5, 3), ranks), save_to_minimum_rank=False)
     assert sorted(len(w) for w in spread) == [0, 0, 1, 1]
-    assert sum(len(w) for w in plan_writes(_pieces_of(lay, (5, 3), ranks), remove_redundancy=False)) == 4
+    assert sum(len(w) for w in assign_writers(_pieces_of(lay, (5, 3), ranks), remove_redundancy=False)) == 4
     nested = Layout((2, 2), (Shard(0), Shard(0)), shard_order={0: (1, 0)})   # tp major, dp minor: uneven 7 rows
-    writes = plan_writes(_pieces_of(nested, (7, 2), {c: i for i, c in enumerate(nested.coordinates())}))
+    writes = assign_writers(_pieces_of(nested, (7, 2), {c: i for i, c in enumerate(nested.coordinates())}))
     assert [w[0].offsets[0] for w in writes] == [0, 4, 2, 6]
     assert [w[0].sizes[0] for w in writes] == [2, 2, 2, 1]
 
 
-def test_plan_writes_rejects_inconsistent_or_incomplete_pieces():
+def test_assign_writers_rejects_inconsistent_or_incomplete_pieces():
     with pytest.raises(dcp.CheckpointError, match="'w'.*cover 3 of 6"):
-        plan_writes([[Piece("w", (2, 3), "float32", (0, 0), (1, 3))]])
+        assign_writers([[Piece("w", (2, 3), "float32", (0, 0), (1, 3))]])
     with pytest.raises(dcp.CheckpointError, match="rank 0 has global shape"):
-        plan_writes([[Piece("w", (2, 3), "float32", (0, 0), (2, 3))], [Piece("w", (2, 3), "float16", (0, 0), (2, 3))]])
+        assign_writers([[Piece("w", (2, 3), "float32", (0, 0), (2, 3))], [Piece("w", (2, 3), "float16", (0, 0), (2, 3))]])
     replicas = [[Piece("w", (2,), "float32", (0,), (2,), crc32=c)] for c in (1, 2)]
     with pytest.raises(dcp.CheckpointError, match=r"plain tensor .* differs between ranks \[0\] vs ranks \[1\]"):
-        plan_writes(replicas)
+        assign_writers(replicas)
 
 
-def test_plan_reads_overlaps_saved_chunks():
+def test_overlap_reads_overlaps_saved_chunks():
     chunks = tuple(dcp.Chunk((o, 0), (2, 3), "f", f"w@{o}", 0, 24) for o in (0, 2, 4))
-    reads = plan_reads("w", TensorEntry((6, 3), "float32", chunks), (1, 1), (4, 2), "ckpt")
+    reads = overlap_reads("w", TensorEntry((6, 3), "float32", chunks), (1, 1), (4, 2), "ckpt")
     assert [(r.chunk.offsets, r.src, r.dst) for r in reads] == [
         ((0, 0), (slice(1, 2), slice(1, 3)), (slice(0, 1), slice(0, 2))),
         ((2, 0), (slice(0, 2), slice(1, 3)), (slice(1, 3), slice(0, 2))),
         ((4, 0), (slice(0, 1), slice(1, 3)), (slice(3, 4), slice(0, 2)))]
     with pytest.raises(dcp.CheckpointError, match="cover 2 of the 6"):
-        plan_reads("w", TensorEntry((6, 3), "float32", chunks[:1] + chunks[2:]), (1, 0), (3, 2), "ckpt")
+        overlap_reads("w", TensorEntry((6, 3), "float32", chunks[:1] + chunks[2:]), (1, 0), (3, 2), "ckpt")
 
 
 def test_safetensors_files_are_read_by_the_safetensors_package_and_mindspore(tmp_path):

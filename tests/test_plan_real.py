@@ -26,27 +26,27 @@ def _setup():
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from examples.llama import LlamaConfig
-    from examples.plan_llama import Layout, llama_training
+    from examples.plan_llama import ParallelDims, llama_training
     config = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, hidden=128, max_seq=64)
-    return config, Layout, llama_training
+    return config, ParallelDims, llama_training
 
 
 def _record(rec) -> tuple:
     return rec.kind, rec.mesh_dim, tuple(rec.group), tuple(rec.shape), rec.dtype, rec.bytes, rec.peer
 
 
-def real_rank(layout_kwargs: dict) -> dict:
+def real_rank(dims_kwargs: dict) -> dict:
     """One real rank: the bytes it holds, the records of its first step, its kept activations."""
     import mindspore as ms
     from hyper_parallel_ms.comm import CommDebugMode
     from hyper_parallel_ms.mesh import init_device_mesh
-    from hyper_parallel_ms.plan._memory import memory_of
-    config, Layout, llama_training = _setup()
-    layout = Layout(seq=32, **layout_kwargs)
-    shape, names = layout.mesh
+    from hyper_parallel_ms.dryrun._memory import memory_of
+    config, ParallelDims, llama_training = _setup()
+    dims = ParallelDims(seq=32, **dims_kwargs)
+    shape, names = dims.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ms.set_seed(0)
-    model, optimizer, step = llama_training(config, layout)(mesh)
+    model, optimizer, step = llama_training(config, dims)(mesh)
     grads = []
 
     class Measured(type(optimizer)):        # the gradients the step hands the optimizer
@@ -66,12 +66,12 @@ def real_rank(layout_kwargs: dict) -> dict:
 
 def test_simulated_bytes_and_collectives_equal_real_four_rank_runs():
     from hyper_parallel_ms import simulate
-    config, Layout, llama_training = _setup()
+    config, ParallelDims, llama_training = _setup()
     for kwargs in LAYOUTS:
-        layout = Layout(seq=32, **kwargs)
-        shape, names = layout.mesh
+        dims = ParallelDims(seq=32, **kwargs)
+        shape, names = dims.mesh
         real = run_on_ranks(real_rank, 4, kwargs, timeout=600)
-        report = simulate(llama_training(config, layout), mesh_shape=shape, mesh_dim_names=names, device_type="cpu",
+        report = simulate(llama_training(config, dims), mesh_shape=shape, mesh_dim_names=names, device_type="cpu",
                           ranks=range(4))
         assert report.ok, report.table()
         for r in range(4):
@@ -84,13 +84,13 @@ def test_simulated_bytes_and_collectives_equal_real_four_rank_runs():
 
 
 def test_simulated_collective_records_equal_real_ones_call_by_call():
-    from hyper_parallel_ms.plan import _session
-    config, Layout, llama_training = _setup()
+    from hyper_parallel_ms.dryrun import _session
+    config, ParallelDims, llama_training = _setup()
     kwargs = LAYOUTS[2]                                  # pipeline x tp: sends, receives and collectives
-    layout = Layout(seq=32, **kwargs)
-    shape, names = layout.mesh
+    dims = ParallelDims(seq=32, **kwargs)
+    shape, names = dims.mesh
     real = run_on_ranks(real_rank, 4, kwargs, timeout=600)
-    sim = _session._Simulation(llama_training(config, layout), shape, names, "cpu")
+    sim = _session._Simulation(llama_training(config, dims), shape, names, "cpu")
     for r in range(4):
         assert [_record(x) for x in sim.outcome(r).step_records] == real[r]["records"], r
 
@@ -105,7 +105,7 @@ def _excluded_shapes(model, dp: int) -> set:
     return shapes
 
 
-def real_activations(layout_kwargs: dict) -> int:
+def real_activations(dims_kwargs: dict) -> int:
     """The peak bytes of the activations MindSpore's autodiff keeps during a real step: every tensor
     handed to a saved-tensor hook (ours, or fully_shard's, composed) that is not a parameter or
     made from one, each storage once (views of one tensor are one), held until the backward of its
@@ -115,12 +115,12 @@ def real_activations(layout_kwargs: dict) -> int:
     from hyper_parallel_ms._mindspore import tensor_address
     from hyper_parallel_ms.mesh import init_device_mesh
     from hyper_parallel_ms.pipelining import _runtime
-    config, Layout, llama_training = _setup()
-    layout = Layout(seq=256, micro_batch=2, **layout_kwargs)
-    shape, names = layout.mesh
+    config, ParallelDims, llama_training = _setup()
+    dims = ParallelDims(seq=256, micro_batch=2, **dims_kwargs)
+    shape, names = dims.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model, optimizer, step = llama_training(config, layout)(mesh)
-    excluded = _excluded_shapes(model, layout.dp)
+    model, optimizer, step = llama_training(config, dims)(mesh)
+    excluded = _excluded_shapes(model, dims.dp)
     live, owner, kept, state = {}, {}, [], {"forward": 0, "peak": 0}
 
     def count(t):
@@ -160,12 +160,12 @@ def real_activations(layout_kwargs: dict) -> int:
 
 def test_simulated_activations_are_within_20_percent_of_what_real_ranks_keep():
     from hyper_parallel_ms import simulate
-    config, Layout, llama_training = _setup()
+    config, ParallelDims, llama_training = _setup()
     for kwargs in LAYOUTS:
-        layout = Layout(seq=256, micro_batch=2, **kwargs)
-        shape, names = layout.mesh
+        dims = ParallelDims(seq=256, micro_batch=2, **kwargs)
+        shape, names = dims.mesh
         real = run_on_ranks(real_activations, 4, kwargs, timeout=600)
-        report = simulate(llama_training(config, layout), mesh_shape=shape, mesh_dim_names=names, device_type="cpu",
+        report = simulate(llama_training(config, dims), mesh_shape=shape, mesh_dim_names=names, device_type="cpu",
                           ranks=range(4))
         for r in range(4):
             estimate = report[r].activation_bytes
@@ -218,7 +218,7 @@ def test_simulated_backward_regathers_equal_real_ones():
     matmul keeps the weight; its bias add keeps nothing): the simulation issued no backward gather
     (only the gathering Cell's tensors reached the saved-tensor hooks), and with a group per
     parameter re-gathered the biases instead of the weights."""
-    from hyper_parallel_ms.plan import _session
+    from hyper_parallel_ms.dryrun import _session
     _setup()
     for how in ("fully_shard", "hsdp"):
         real = run_on_ranks(real_dense_records, 2, how, timeout=600)

@@ -1,4 +1,4 @@
-"""The alpha-beta cost model, the layout search (its linear extrapolation over blocks checked
+"""The alpha-beta cost model, the search over parallel dims (its linear extrapolation over blocks checked
 against full simulations) and the scripts/plan_cluster.py command line."""
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _setup():
 
 
 def test_alpha_beta_cost_of_collectives_and_ranks():
-    from hyper_parallel_ms.plan import Cluster, CommStats, RankReport, rank_seconds
-    from hyper_parallel_ms.plan._cost import collective_seconds
+    from hyper_parallel_ms.dryrun import Cluster, CommStats, RankReport, rank_seconds
+    from hyper_parallel_ms.dryrun._cost import collective_seconds
     cluster = Cluster(devices_per_node=4, intra_bandwidth=100.0, inter_bandwidth=10.0, intra_latency=1.0,
                       inter_latency=2.0, device_flops=1000.0, efficiency=0.5)
     inside = CommStats(calls=2, bytes=300, group_size=4, group=(4, 5, 6, 7))
@@ -38,9 +38,9 @@ def test_alpha_beta_cost_of_collectives_and_ranks():
         rank_seconds(replace(rank, flops=None), cluster)
 
 
-def test_layouts_cover_the_devices():
-    from hyper_parallel_ms.plan import layouts
-    found = layouts(64, layers=32, devices_per_node=8)
+def test_parallel_dims_cover_the_devices():
+    from hyper_parallel_ms.dryrun import parallel_dims_of
+    found = parallel_dims_of(64, layers=32, devices_per_node=8)
     assert found and all(c.ranks == 64 and c.tp <= 8 and 32 % c.pp == 0 for c in found)
     assert {(c.pp, c.dp, c.tp) for c in found} >= {(2, 4, 8), (1, 64, 1), (32, 2, 1)}
     assert all(c.microbatches in ((1,) if c.pp == 1 else (c.pp, 2 * c.pp)) for c in found)
@@ -52,14 +52,14 @@ def test_extrapolation_over_blocks_equals_a_full_simulation():
     from examples.plan_llama import builder
     from hyper_parallel_ms import simulate
     from hyper_parallel_ms.pipelining import build_plan
-    from hyper_parallel_ms.plan import Cluster, Layout, estimate, rank_seconds
-    from hyper_parallel_ms.plan._search import _extrapolated, _stage_reports
+    from hyper_parallel_ms.dryrun import Cluster, ParallelDims, estimate, rank_seconds
+    from hyper_parallel_ms.dryrun._search import _extrapolated, _stage_reports
     build = builder(config)
-    layout = Layout(pp=2, dp=2, tp=2, fsdp=True, microbatches=2, seq=32)
-    one = _stage_reports(build, layout, 1, "npu")
-    two = _stage_reports(build, layout, 2, "npu")
-    shape, names = layout.mesh
-    full = simulate(build(layout, 6), mesh_shape=shape, mesh_dim_names=names, ranks=[0, 4])
+    dims = ParallelDims(pp=2, dp=2, tp=2, fsdp=True, microbatches=2, seq=32)
+    one = _stage_reports(build, dims, 1, "npu")
+    two = _stage_reports(build, dims, 2, "npu")
+    shape, names = dims.mesh
+    full = simulate(build(dims, 6), mesh_shape=shape, mesh_dim_names=names, ranks=[0, 4])
     for r in (0, 4):
         guess, real = _extrapolated(one[r], two[r], 3), full[r]
         for field in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "flops"):
@@ -67,18 +67,18 @@ def test_extrapolation_over_blocks_equals_a_full_simulation():
         assert {k: (v.calls, v.bytes) for k, v in guess.comm.items()} == {k: (v.calls, v.bytes)
                                                                           for k, v in real.comm.items()}
     cluster = Cluster()
-    priced = estimate(build, layout, layers=6, cluster=cluster)
+    priced = estimate(build, dims, layers=6, cluster=cluster)
     bubble = build_plan("1F1B", 2, 2).bubble_fraction()
     assert priced.step_seconds == pytest.approx(max(rank_seconds(full[r], cluster, bubble) for r in (0, 4)))
-    assert priced.fits and priced.tokens_per_second == pytest.approx(layout.tokens / priced.step_seconds)
+    assert priced.fits and priced.tokens_per_second == pytest.approx(dims.tokens / priced.step_seconds)
 
 
 def test_search_ranks_what_fits_by_tokens_per_second():
     config = _setup()
     from examples.plan_llama import builder
-    from hyper_parallel_ms.plan import Cluster, Layout, search
-    tried = [Layout(1, 4, 1, False, 1, False, 1, 32), Layout(1, 2, 2, True, 1, False, 1, 32),
-             Layout(2, 1, 2, False, 2, True, 1, 32), Layout(1, 1, 4, False, 1, False, 1, 32)]
+    from hyper_parallel_ms.dryrun import Cluster, ParallelDims, search
+    tried = [ParallelDims(1, 4, 1, False, 1, False, 1, 32), ParallelDims(1, 2, 2, True, 1, False, 1, 32),
+             ParallelDims(2, 1, 2, False, 2, True, 1, 32), ParallelDims(1, 1, 4, False, 1, False, 1, 32)]
     roomy = search(builder(config), devices=4, layers=6, cluster=Cluster(), candidates=tried)
     assert [c.fits for c in roomy] == [True] * 4
     assert [c.tokens_per_second for c in roomy] == sorted((c.tokens_per_second for c in roomy), reverse=True)
@@ -103,3 +103,8 @@ def test_plan_cluster_command_line(capsys):
     out = capsys.readouterr().out
     assert "estimated step" in out and "tokens/s" in out and "no cross-rank problem found" in out
     assert plan_cluster.parse_bytes("64GiB") == 64 * 2 ** 30
+    # three stages with the default ranks: the last one reports its activations too
+    assert plan_cluster.main(["--layers", "3", "--pp", "3", "--tp", "2", "--seq", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["problems"] == [] and len(data["ranks"]) == 6
+    assert all(rank["activation_bytes"] for rank in data["ranks"])

@@ -92,12 +92,12 @@ def test_memory_per_rank_from_the_pieces_and_the_optimizer_slots():
 def _simulate_large_llama() -> dict:
     """The plan of a 1.0 GiB (fp32) Llama on (pp 1, dp 2, tp 2), and the rise of this process's peak RSS."""
     _cpu()
-    from examples.plan_llama import Layout, llama_training
+    from examples.plan_llama import ParallelDims, llama_training
     from examples.llama import LlamaConfig
     from hyper_parallel_ms import simulate
     config = LlamaConfig(vocab=32000, dim=2048, layers=4, heads=16, hidden=5632, max_seq=512)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    report = simulate(llama_training(config, Layout(dp=2, tp=2, seq=512)), mesh_shape=(1, 2, 2),
+    report = simulate(llama_training(config, ParallelDims(dp=2, tp=2, seq=512)), mesh_shape=(1, 2, 2),
                       mesh_dim_names=("pp", "dp", "tp"), ranks=[0])
     return {"rise_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, "ok": report.ok,
             "table": report.table(), "param_bytes": report[0].param_bytes, "comm_bytes": report[0].comm_bytes,
@@ -182,6 +182,53 @@ def test_equivalent_ranks_run_once_and_stand_for_the_others_exactly():
     assert middle[2].param_bytes == alone.param_bytes and middle[2].comm == alone.comm
 
 
+def _pipeline(pp: int, dp: int = 1, tp: int = 1):
+    """The example Llama (tiny, one block per stage) as ``simulate`` arguments on a (pp, dp, tp) mesh."""
+    from examples.llama import LlamaConfig
+    from examples.plan_llama import llama_training
+    from hyper_parallel_ms.dryrun import ParallelDims
+    dims = ParallelDims(pp=pp, dp=dp, tp=tp, fsdp=dp > 1, microbatches=pp, seq=32)
+    config = LlamaConfig(vocab=64, dim=64, layers=pp, heads=4, hidden=128, max_seq=32)
+    shape, names = dims.mesh
+    return llama_training(config, dims), dict(mesh_shape=shape, mesh_dim_names=names)
+
+
+@pytest.mark.parametrize("pp", [3, 4, 8])
+def test_every_stage_of_a_deep_pipeline_runs_with_the_default_ranks(pp):
+    """The last stage receives its forward inputs from the stage before it, which it runs first:
+    that stage, not the first (a representative picked before the pp dim was probed), whose
+    messages would be read as its own ("2RECV_F0 received the message of 0SEND_F0")."""
+    _cpu()
+    from hyper_parallel_ms import simulate
+    build, mesh = _pipeline(pp)
+    report = simulate(build, **mesh)
+    assert report.problems == [] and sorted(report.computed) == list(range(pp))
+    held = [report[s].activation_bytes for s in range(pp)]
+    assert all(h is not None and h > 0 for h in held)
+    assert held == sorted(held, reverse=True) and len(set(held)) == pp      # 1F1B: stage s holds pp - s micro-batches
+    for s in range(pp):
+        sent = {kind for kind, dim in report[s].comm if dim == "pp"}
+        assert sent == ({"send", "recv"}), (s, report[s].comm)
+    if pp == 3:
+        alone = simulate(build, ranks=[pp - 1], **mesh)       # the stages before run as the last one needs them
+        assert alone.problems == [] and alone[pp - 1].activation_bytes == held[-1]
+
+
+def test_a_deep_pipeline_with_dp_and_tp_stands_for_every_rank_exactly():
+    _cpu()
+    from hyper_parallel_ms import simulate
+    build, mesh = _pipeline(3, dp=2, tp=2)
+    by_class = simulate(build, **mesh)
+    last = [3, 7, 11]                                     # the last dp and tp coordinates of each stage
+    every = simulate(build, ranks=last, **mesh)
+    assert by_class.problems == [] and every.problems == [] and len(by_class.computed) == 5
+    assert [by_class[r].represented_by for r in last] == [0, 4, 8] and sorted(every.computed) == last
+    for r in last:
+        for field in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "flops",
+                      "comm"):
+            assert getattr(by_class[r], field) == getattr(every[r], field), (r, field)
+
+
 def test_a_plan_that_differs_on_one_rank_of_64_is_reported_naming_the_rank_and_the_cell():
     _cpu()
     from hyper_parallel_ms import simulate
@@ -256,7 +303,7 @@ def test_shape_only_ops_give_the_shapes_and_dtypes_of_real_ops():
     _cpu()
     import mindspore as ms
     from mindspore import Tensor, nn, ops
-    from hyper_parallel_ms.plan._abstract import AbstractTensor, abstract_scope, is_abstract
+    from hyper_parallel_ms.dryrun._abstract import AbstractTensor, abstract_scope, is_abstract
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal((2, 6, 8)).astype(np.float32))
     w = Tensor(rng.standard_normal((8, 12)).astype(np.float32))

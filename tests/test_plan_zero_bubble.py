@@ -81,7 +81,7 @@ def real_rank(schedule_name: str, parallel: str) -> list:
 @pytest.mark.parametrize("schedule_name,parallel", [("ZBVZeroBubble", "tp"), ("InterleavedZeroBubble", "dp"),
                                                     ("DualPipeV", "tp")])
 def test_split_backward_records_equal_real_ones_call_by_call(schedule_name, parallel):
-    from hyper_parallel_ms.plan import _session
+    from hyper_parallel_ms.dryrun import _session
     real = run_on_ranks(real_rank, 4, schedule_name, parallel, timeout=600)
     sim = _session._Simulation(zero_bubble_training(schedule_name, parallel), (2, 2), ("pp", parallel), "cpu")
     for r in range(4):

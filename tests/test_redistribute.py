@@ -11,7 +11,7 @@ from hyper_parallel_ms.dtensor import DTensor, distribute_tensor
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
-from hyper_parallel_ms.redistribute import (AllToAll, Chunk, ReduceScatter, Redistribution, redistribution,
+from hyper_parallel_ms.redistribute import (AllToAll, Narrow, ReduceScatter, Redistribution, redistribution,
                                             replicate_partials)
 from hyper_parallel_ms.redistribute._executor import lowered_steps
 from hyper_parallel_ms.testing import multi_rank
@@ -266,14 +266,14 @@ def test_gradient_copied_only_after_a_narrowing_step():
         forward, backward, scaling = lowered_steps(src_l, dst_l, shape, (1,))
         return Redistribution(None, forward, backward + scaling), backward + scaling
 
-    copying = {(Shard(0), Replicate()): Chunk, (Shard(0), Shard(1)): AllToAll, (Shard(1), Partial()): Chunk}
+    copying = {(Shard(0), Replicate()): Narrow, (Shard(0), Shard(1)): AllToAll, (Shard(1), Partial()): Narrow}
     for (src, dst), last in copying.items():
         red, backward = cell(src, dst)
         assert isinstance(backward[-1], last) and red.copies_gradient, (src, dst, backward)
     for src, dst in [(Replicate(), Shard(0)), (Partial(), Replicate()), (Replicate(), Partial()),
                      (Partial("avg"), Replicate()), (Replicate(), Replicate())]:
         red, backward = cell(src, dst)
-        assert not any(isinstance(s, (Chunk, ReduceScatter, AllToAll)) for s in backward[-1:])
+        assert not any(isinstance(s, (Narrow, ReduceScatter, AllToAll)) for s in backward[-1:])
         assert not red.copies_gradient, (src, dst, backward)
     red, backward = cell(Partial(), Replicate())      # no backward step: the gradient itself goes back
     dout = ms.Tensor(np.ones((8, 4), np.float32))

@@ -135,7 +135,7 @@ def test_a_simulated_rank_plans_pieces_without_values_and_the_ranks_tile_every_t
     _cpu()
     from hyper_parallel_ms.checkpoint import get_model_state_dict
     from hyper_parallel_ms.checkpoint._default_planner import DefaultSavePlanner
-    from hyper_parallel_ms.checkpoint._planner import plan_writes
+    from hyper_parallel_ms.checkpoint._boxes import assign_writers
     from hyper_parallel_ms.mesh import init_device_mesh
     plans, held = [], {}
     for r in range(4):
@@ -148,7 +148,7 @@ def test_a_simulated_rank_plans_pieces_without_values_and_the_ranks_tile_every_t
         planner = DefaultSavePlanner()
         planner.set_up_planner({"model": get_model_state_dict(model)}, is_coordinator=r == 0)
         plans.append(planner.create_local_plan(with_checksums=False))
-    writes = plan_writes(plans)               # raises unless the ranks' pieces tile every tensor
+    writes = assign_writers(plans)               # raises unless the ranks' pieces tile every tensor
     assert sum(len(w) for w in writes) >= len(plans[0])
     # the vocabulary (66 rows, tp 2 then dp 2: 33 -> 17 / 16) is uneven: ranks differ
     assert held["tok_embeddings.embedding_table", 0] == (17, 32)

@@ -9,7 +9,7 @@ from mindspore._c_expression import NoFallbackGuard
 
 __all__ = ["ACTIVE_RUNS", "unhooked_op"]
 
-ACTIVE_RUNS: List[Any] = []      # the active shape-only runs (``plan._autodiff``), innermost last
+ACTIVE_RUNS: List[Any] = []      # the active shape-only runs (``dryrun._autodiff``), innermost last
 
 
 def unhooked_op(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -55,7 +55,7 @@ def stride_free_view(t: Tensor, shape: Sequence[int]) -> Tensor:
 
 @contextmanager
 def abstract_run(run: Any) -> Iterator[None]:
-    """Inside, a shape-only run ``run`` (:class:`hyper_parallel_ms.plan._autodiff.AbstractAutodiff`)
+    """Inside, a shape-only run ``run`` (:class:`hyper_parallel_ms.dryrun._autodiff.AbstractAutodiff`)
     stands in for MindSpore's execution and autodiff:
 
     - :func:`no_hook` is ``run.unhooking()`` (sets ``run.unhooked``): tensor hooks reached there

@@ -23,7 +23,7 @@ from ._filesystem import FileSystemReader, FileSystemWriter
 from ._load import load
 from ._metadata import CheckpointError, Chunk, Metadata, TensorEntry
 from ._pieces import ShardedTensor
-from ._planner import Piece
+from ._boxes import Piece
 from ._reader import open_checkpoint
 from ._save import AsyncSave, async_save, save
 from ._storage import NO_CHECKSUM, StorageReader, StorageWriter, StoredChunk

@@ -31,7 +31,7 @@ from mindspore import Parameter
 from ._metadata import CheckpointError, Metadata
 from ._names import is_param_list, mindspore_names
 from ._pieces import TensorRef, ValueRef, flatten
-from ._planner import Piece, plan_writes
+from ._boxes import Piece, assign_writers
 from ._safetensors import crc32
 
 __all__ = ["DefaultSavePlanner", "DefaultLoadPlanner", "LoadPlan"]
@@ -92,8 +92,8 @@ class DefaultSavePlanner:
 
     def create_global_plan(self, plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = True,
                            save_to_minimum_rank: bool = False) -> List[List[Piece]]:
-        """For each rank, the pieces it writes (see :func:`~._planner.plan_writes`)."""
-        return plan_writes(plans, remove_redundancy=remove_redundancy, save_to_minimum_rank=save_to_minimum_rank)
+        """For each rank, the pieces it writes (see :func:`~._boxes.assign_writers`)."""
+        return assign_writers(plans, remove_redundancy=remove_redundancy, save_to_minimum_rank=save_to_minimum_rank)
 
     def resolve_data(self, piece: Piece) -> np.ndarray:
         """This rank's data of ``piece``."""

@@ -29,7 +29,7 @@ from ..fsdp._param import note_piece_written
 from ..nn import parameter_sharding
 from .._mindspore import fill_deferred, pending_init
 from ._metadata import CheckpointError
-from ._planner import Piece
+from ._boxes import Piece
 
 __all__ = ["ShardedTensor", "TensorRef", "ValueRef", "flatten", "is_tensor_like", "to_numpy", "cast_for_load",
            "loads_into"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._filesystem import FileSystemReader
 from ._metadata import CheckpointError, Chunk, Metadata
-from ._planner import plan_reads
+from ._boxes import overlap_reads
 from ._safetensors import crc32, numpy_dtype
 from ._storage import NO_CHECKSUM, StorageReader
 
@@ -67,7 +67,7 @@ class CheckpointReader:
         """The box (``offsets``, ``sizes``) of tensor ``key`` (read-only), assembled from the
         saved chunks that overlap it (each checked whole)."""
         entry = self.metadata.tensors[key]
-        reads = plan_reads(key, entry, offsets, sizes, self.source)
+        reads = overlap_reads(key, entry, offsets, sizes, self.source)
         if len(reads) == 1 and tuple(reads[0].chunk.sizes) == tuple(sizes):
             return self.read_chunk(key, reads[0].chunk)
         out = np.empty(tuple(sizes), dtype=numpy_dtype(entry.dtype))

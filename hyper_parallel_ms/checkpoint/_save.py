@@ -19,7 +19,7 @@ from ._default_planner import DefaultSavePlanner
 from ._dist import Coordinator
 from ._filesystem import FileSystemWriter
 from ._metadata import CheckpointError, Chunk, Metadata, TensorEntry
-from ._planner import Piece, chunk_key
+from ._boxes import Piece, chunk_key
 from ._stateful import resolve_stateful
 from ._storage import StorageWriter, StoredChunk
 

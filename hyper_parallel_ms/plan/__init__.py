@@ -1,28 +1,33 @@
-"""Plan a cluster job in one process: simulate the ranks of a cluster without values.
+"""Deprecated: the dry run is :mod:`hyper_parallel_ms.dryrun` (this name goes in the next release).
 
-:func:`simulate` runs a training script's own ``fn(mesh)`` as ranks of a simulated cluster
-(meshes built with ``init_device_mesh(..., simulate=(world_size, rank))``): parameters get no
-values, a step propagates shapes only, collectives are recorded, not run. The report says,
-per rank, the bytes of its parameter pieces, gradients and optimizer state, an estimate of its
-peak activations, the bytes one step sends per collective kind and mesh dim, and the
-problems a cluster launch would hit (ranks applying different plans, groups issuing different
-collective sequences, unmatched point-to-point messages). :func:`search` enumerates the
-layouts of a number of devices and ranks those that fit by the step time of an alpha-beta
-cost model (:class:`Cluster`).
+Importing this package warns (``DeprecationWarning``) and gives the same objects as
+``hyper_parallel_ms.dryrun``; its two renamed names still resolve, each with its own warning:
+``Layout`` (the job's pp / dp / tp shape) is :class:`~hyper_parallel_ms.dryrun.ParallelDims`,
+``layouts`` is :func:`~hyper_parallel_ms.dryrun.parallel_dims_of`.
 
 Example::
 
-    from hyper_parallel_ms import simulate
-    report = simulate(build, mesh_shape=(8, 16, 8), mesh_dim_names=("pp", "dp", "tp"))
-    print(report.table())
-    report[17].param_bytes, report[17].comm_bytes, report.problems
+    from hyper_parallel_ms.dryrun import ParallelDims, simulate     # was: from hyper_parallel_ms.plan import ...
 """
 from __future__ import annotations
 
-from ._cost import Cluster, rank_seconds, step_seconds
-from ._report import CommStats, Problem, RankReport, SimulationReport, format_bytes
-from ._search import Candidate, Layout, estimate, layouts, search
-from ._session import simulate
+from typing import Any
+
+from .._deprecated import importer_stacklevel, renamed
+from ..dryrun import (Candidate, Cluster, CommStats, ParallelDims, Problem, RankReport, SimulationReport, estimate,
+                      format_bytes, parallel_dims_of, rank_seconds, search, simulate, step_seconds)
 
 __all__ = ["simulate", "SimulationReport", "RankReport", "CommStats", "Problem", "format_bytes", "Cluster",
-           "rank_seconds", "step_seconds", "Layout", "Candidate", "layouts", "estimate", "search"]
+           "rank_seconds", "step_seconds", "ParallelDims", "Candidate", "parallel_dims_of", "estimate", "search"]
+
+renamed("hyper_parallel_ms.plan", "hyper_parallel_ms.dryrun", stacklevel=importer_stacklevel())
+
+_RENAMED = {"Layout": ("ParallelDims", ParallelDims), "layouts": ("parallel_dims_of", parallel_dims_of)}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new, value = _RENAMED[name]
+        renamed(f"hyper_parallel_ms.plan.{name}", f"hyper_parallel_ms.dryrun.{new}")
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

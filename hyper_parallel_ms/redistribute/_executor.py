@@ -25,7 +25,7 @@ from ..comm._tensor import narrow
 from ..layout import Layout
 from ._gradient import gradient_layout
 from ._planner import plan_redistribute
-from ._steps import (AllGather, AllReduce, AllToAll, Chunk, LocalStep, Multiply, Partition, ReduceScatter, ends_in_narrow,
+from ._steps import (AllGather, AllReduce, AllToAll, LocalStep, Multiply, Narrow, Partition, ReduceScatter, ends_in_narrow,
                      lower)
 
 __all__ = ["lower", "lowered_steps", "execute", "step_cells", "Redistribution", "redistribution",
@@ -53,7 +53,7 @@ class _AllToAll(_StepCell):
                                concat_sizes=self.concat_sizes)
 
 
-class _Chunk(_StepCell):
+class _Narrow(_StepCell):
     def construct(self, x):
         return narrow(x, self.dim, self.offset, self.length)
 
@@ -78,7 +78,7 @@ class _Multiply(_StepCell):
         return x * self.factor
 
 
-_CELLS = {AllGather: _AllGather, AllToAll: _AllToAll, Chunk: _Chunk, AllReduce: _AllReduce,
+_CELLS = {AllGather: _AllGather, AllToAll: _AllToAll, Narrow: _Narrow, AllReduce: _AllReduce,
           ReduceScatter: _ReduceScatter, Partition: _Partition, Multiply: _Multiply}
 
 

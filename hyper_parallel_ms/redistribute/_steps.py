@@ -12,7 +12,7 @@ Example:
     >>> from hyper_parallel_ms.redistribute._planner import plan_redistribute
     >>> src, dst = Layout((2,), (Replicate(),)), Layout((2,), (Shard(0),))
     >>> lower(plan_redistribute(src, dst, (5, 4)), (1,), (5, 4))
-    (Chunk(mesh_dim=0, dim=0, offset=3, length=2),)
+    (Narrow(mesh_dim=0, dim=0, offset=3, length=2),)
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Tuple, Union
 from ..layout import chunk_offsets, chunk_sizes
 from ._planner import Step
 
-__all__ = ["AllGather", "AllToAll", "Chunk", "AllReduce", "ReduceScatter", "Partition", "Multiply", "LocalStep",
+__all__ = ["AllGather", "AllToAll", "Narrow", "AllReduce", "ReduceScatter", "Partition", "Multiply", "LocalStep",
            "lower",
            "ends_in_narrow"]
 
@@ -68,8 +68,10 @@ class AllToAll:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Keep slices ``offset .. offset + length`` of tensor ``dim`` (local, no communication).
+class Narrow:
+    """Keep slices ``offset .. offset + length`` of tensor ``dim`` (local, no communication): a
+    ``chunk`` step of the plan, this rank's ``torch.chunk`` piece. (Named ``Chunk`` before, as the
+    checkpoints' stored boxes are.)
 
     Args:
         mesh_dim: the index of the mesh dim the cut is for.
@@ -77,8 +79,8 @@ class Chunk:
         offset: the first slice kept.
         length: the number of slices kept.
 
-    >>> Chunk(mesh_dim=0, dim=0, offset=3, length=2)
-    Chunk(mesh_dim=0, dim=0, offset=3, length=2)
+    >>> Narrow(mesh_dim=0, dim=0, offset=3, length=2)
+    Narrow(mesh_dim=0, dim=0, offset=3, length=2)
     """
 
     mesh_dim: int
@@ -154,7 +156,7 @@ class Multiply:
     factor: int
 
 
-LocalStep = Union[AllGather, AllToAll, Chunk, AllReduce, ReduceScatter, Partition, Multiply]
+LocalStep = Union[AllGather, AllToAll, Narrow, AllReduce, ReduceScatter, Partition, Multiply]
 
 
 def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int, ...]) -> Tuple[LocalStep, ...]:
@@ -171,7 +173,7 @@ def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int,
     >>> from hyper_parallel_ms.placement import Replicate, Shard
     >>> from hyper_parallel_ms.redistribute import plan_redistribute
     >>> lower(plan_redistribute(Layout((2,), (Replicate(),)), Layout((2,), (Shard(0),)), (5, 3)), (1,), (5, 3))
-    (Chunk(mesh_dim=0, dim=0, offset=3, length=2),)
+    (Narrow(mesh_dim=0, dim=0, offset=3, length=2),)
     """
     out = []
     for step in plan:
@@ -183,7 +185,7 @@ def lower(plan: Tuple[Step, ...], coordinate: Tuple[int, ...], shape: Tuple[int,
             out.append(AllToAll(a, step.to_dim, step.dim, before.shard_sizes(shape, coordinate, a)))
         elif step.kind == "chunk":
             local, k = before.local_shape(shape, coordinate)[step.dim], coordinate[a]
-            out.append(Chunk(a, step.dim, chunk_offsets(local, n)[k], chunk_sizes(local, n)[k]))
+            out.append(Narrow(a, step.dim, chunk_offsets(local, n)[k], chunk_sizes(local, n)[k]))
         elif step.kind == "all_reduce":
             out.append(AllReduce(a, step.op))
         elif step.kind == "reduce_scatter":
@@ -197,9 +199,9 @@ def ends_in_narrow(step: LocalStep) -> bool:
     """Whether the result of ``step`` may be a narrowed view into a larger buffer (a chunk, the
     kept piece of a reduce-scatter or all-to-all, a gather keeping one non-empty piece).
 
-    >>> ends_in_narrow(Chunk(0, 0, 2, 2)), ends_in_narrow(AllGather(0, 0, (2, 2)))
+    >>> ends_in_narrow(Narrow(0, 0, 2, 2)), ends_in_narrow(AllGather(0, 0, (2, 2)))
     (True, False)
     """
     if isinstance(step, AllGather):
         return sum(1 for s in step.sizes if s) == 1 and len(step.sizes) > 1
-    return isinstance(step, (Chunk, ReduceScatter, AllToAll))
+    return isinstance(step, (Narrow, ReduceScatter, AllToAll))

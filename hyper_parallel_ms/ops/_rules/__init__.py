@@ -5,4 +5,5 @@ Example::
     from hyper_parallel_ms.ops import registered_ops
     "MatMulExt" in registered_ops()
 """
-from . import expand, indexing, matmul, nn_ops, pointwise, random, reduction, scan, view  # noqa: F401  (registration by import)
+# registration by import (each module's rules register themselves by decorator)
+from . import concat, expand, indexing, matmul, nn_ops, pointwise, random, reduction, scan, view  # noqa: F401

@@ -6,12 +6,20 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...layout import Layout
 from ...placement import Placement, Replicate
 
-__all__ = ["layout_like", "replicate_all", "whole_and_reduced"]
+__all__ = ["ints", "layout_like", "replicate_all", "whole_and_reduced", "gathered_on"]
+
+
+def ints(values: Sequence) -> Tuple[int, ...]:
+    """The ints of an op's arguments, tuples and lists flattened (``(2, (0, 1))`` -> ``(2, 0, 1)``)."""
+    flat: List[int] = []
+    for v in values:
+        flat.extend(v if isinstance(v, (tuple, list)) else [v])
+    return tuple(int(v) for v in flat)
 
 
 def layout_like(template: Layout, placements: Sequence[Placement],
@@ -33,3 +41,8 @@ def whole_and_reduced(layout: Layout, dims, ndim: int) -> Layout:
     dims = set(dims)
     return layout_like(layout, [Replicate() if (p.is_shard() and p.dim in dims) or p.is_partial() else p
                                 for p in layout.placements], ndim=ndim)
+
+
+def gathered_on(layout: Layout, dim: int, ndim: int) -> Layout:
+    """``layout`` with tensor ``dim`` gathered (every other placement kept)."""
+    return layout_like(layout, [Replicate() if p.is_shard(dim) else p for p in layout.placements], ndim=ndim)

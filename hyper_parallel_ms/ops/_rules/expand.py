@@ -12,23 +12,16 @@ Example::
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 from mindspore import ops
 
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like
+from ._common import ints, layout_like
 
 __all__ = ["broadcast_to_rule", "expand_as_rule", "tile_rule"]
-
-
-def _sizes(values: Sequence) -> Tuple[int, ...]:
-    flat: List[int] = []
-    for v in values:
-        flat.extend(v if isinstance(v, (tuple, list)) else [v])
-    return tuple(int(v) for v in flat)
 
 
 def _kept_placements(x: TensorArg, out_shape: Tuple[int, ...], whole) -> Tuple[List[Placement], List[Placement]]:
@@ -64,7 +57,7 @@ def _broadcast(x: TensorArg, target: Tuple[int, ...]):
 def broadcast_to_rule(schema: OpSchema) -> OutputSharding:
     """``BroadcastTo(x, shape)`` or ``BroadcastTo(x, *sizes)``; ``-1`` keeps a size."""
     x = schema.args[0]
-    target = _sizes(schema.args[1:]) if len(schema.args) > 1 else _sizes(schema.kwarg("shape", ()))
+    target = ints(schema.args[1:]) if len(schema.args) > 1 else ints(schema.kwarg("shape", ()))
     need, out, out_shape = _broadcast(x, target)
     packed = len(schema.args) == 2 and isinstance(schema.args[1], (tuple, list))
 
@@ -95,7 +88,7 @@ def expand_as_rule(schema: OpSchema) -> OutputSharding:
 def tile_rule(schema: OpSchema) -> OutputSharding:
     """``Tile(x, multiples)`` / ``Repeat(x, *sizes)``: dims repeated once keep their sharding."""
     x = schema.args[0]
-    reps = _sizes(schema.args[1:])
+    reps = ints(schema.args[1:])
     if len(reps) < x.ndim:
         reps = (1,) * (x.ndim - len(reps)) + reps
     lead = len(reps) - x.ndim

@@ -1,10 +1,10 @@
 """Layers' primitives: ``LayerNorm`` (``nn.LayerNorm``), ``LayerNormExt``
 (``mint.nn.functional.layer_norm``), ``RmsNorm`` (``ops.rms_norm``), ``Gather``
 (``nn.Embedding`` and ``ops.gather``), ``Embedding`` (``mint.nn.Embedding``), ``Swiglu``
-(``ops.swiglu``), ``RotaryPositionEmbedding`` (``ops.rotary_position_embedding``), and in-place
-updates (``add_``, ``mul_``, ``copy_``, ``+=``, ``ops.assign``).
+(``ops.swiglu``), ``RotaryPositionEmbedding`` (``ops.rotary_position_embedding``), ``Softmax`` /
+``LogSoftmax``, and in-place updates (``add_``, ``mul_``, ``copy_``, ``+=``, ``ops.assign``).
 
-A norm needs the normalised dims whole and the values reduced: those are gathered /
+A norm (and a softmax) needs the normalised dims whole and the values reduced: those are gathered /
 reduced first, the leading dims keep their sharding (its statistics outputs too); the
 weight and bias are replicated.
 Gather along dim 0 of a table: a column-sharded table gives output sharded on its last dim;
@@ -21,19 +21,18 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 from mindspore import ops
 
 from ...placement import Partial, Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like, replicate_all, whole_and_reduced
+from ._common import ints, layout_like, replicate_all, whole_and_reduced
 from .pointwise import pointwise_rule
 
-__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "swiglu_rule", "rotary_position_embedding_rule",
-           "gather_rule", "embedding_rule",
-           "index_select_rule",
+__all__ = ["layer_norm_rule", "layer_norm_ext_rule", "rms_norm_rule", "softmax_rule", "swiglu_rule",
+           "rotary_position_embedding_rule", "gather_rule", "embedding_rule", "index_select_rule",
            "gather_elements_rule", "inplace_rule", "conv2d_rule", "batch_norm_rule"]
 
 
@@ -68,6 +67,16 @@ def rms_norm_rule(schema: OpSchema) -> OutputSharding:
     """``ops.rms_norm(x, gamma, eps)`` normalises the last ``gamma.ndim`` dims: output, rstd."""
     x, gamma = schema.args[0], schema.args[1]
     return _norm(schema, x.ndim - gamma.ndim, statistics=1)
+
+
+@register_sharding("Softmax", "LogSoftmax", "LogSoftmaxExt")
+def softmax_rule(schema: OpSchema) -> OutputSharding:
+    """``softmax`` / ``log_softmax`` over ``dim`` (default the last): that dim whole and Partial values
+    reduced, as a norm's; the other dims keep their sharding."""
+    x = schema.args[0]
+    axes = ints(schema.args[1:2]) if len(schema.args) > 1 and schema.args[1] is not None else (-1,)
+    layout = whole_and_reduced(x.layout, {a % x.ndim for a in axes}, x.ndim)
+    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, x.shape),))
 
 
 @register_sharding("Swiglu")

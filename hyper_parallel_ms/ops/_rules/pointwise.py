@@ -20,7 +20,7 @@ import numpy as np
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like, replicate_all
+from ._common import layout_like
 
 __all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY", "MONOTONE"]
 

@@ -1,15 +1,14 @@
 """Views and dim-wise ops: ``Transpose`` / ``TransposeExtView`` (permute, transpose),
-``ExpandDims`` (unsqueeze), ``Squeeze``, ``Reshape`` (reshape, view), ``Softmax`` /
-``LogSoftmax``, ``Concat`` / ``StackExt`` (cat, stack), the splits (``Split``,
-``SplitWithSize``, ``SplitTensor``, ``Chunk``: equal or uneven pieces) and ``Narrow``.
+``ExpandDims`` (unsqueeze), ``Squeeze``, ``Reshape`` (reshape, view), ``Flatten``, ``TExt``,
+``ViewAs``, ``Unstack`` (unbind) and ``Narrow``. Joins and splits (cat, stack, split, chunk) are in
+:mod:`.concat`, softmax with the other normalisations in :mod:`.nn_ops`.
 
 Placements follow the dims: a sharded dim moves with a permutation; unsqueeze / squeeze
 shift indices (a squeezed sharded dim is gathered); a reshape keeps a dim sharded when it
 starts at the same flat offset in the output and both sizes split evenly over the mesh dim
-(or the dim is unchanged), and gathers it otherwise. Splitting or narrowing a dim gathers
-it (the pieces cut across shard boundaries); the other dims keep their placements. Softmax needs its dim whole: a
-sharded softmax dim and Partial values are gathered / reduced first. Partial values pass
-through views unchanged (views are linear).
+(or the dim is unchanged), and gathers it otherwise. Narrowing a dim gathers it (the piece cuts
+across shard boundaries) unless it is kept whole; the other dims keep their placements. Partial
+values pass through views unchanged (views are linear).
 
 Example::
 
@@ -18,23 +17,16 @@ Example::
 from __future__ import annotations
 
 from math import prod
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Tuple
 
 from mindspore import ops
 
 from ...placement import Placement, Replicate, Shard
 from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
-from ._common import layout_like, whole_and_reduced
+from ._common import gathered_on, ints, layout_like
 
-__all__ = ["reshape_target", "split_sizes"]
-
-
-def _ints(values: Sequence) -> Tuple[int, ...]:
-    flat: List[int] = []
-    for v in values:
-        flat.extend(v if isinstance(v, (tuple, list)) else [v])
-    return tuple(int(v) for v in flat)
+__all__ = ["reshape_target"]
 
 
 def _moved(schema: OpSchema, x: TensorArg, dim_map, out_shape) -> OutputSharding:
@@ -62,7 +54,7 @@ def _nested(x: TensorArg) -> set:
 @register_sharding("Transpose", "TransposeView", "DeprecatedTranspose")
 def permute_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
-    perm = tuple(d % x.ndim for d in _ints(schema.args[1:]))
+    perm = tuple(d % x.ndim for d in ints(schema.args[1:]))
     nested = _nested(x)
     return _moved(schema, x, lambda d: None if d in nested else perm.index(d), [x.shape[d] for d in perm])
 
@@ -70,7 +62,7 @@ def permute_rule(schema: OpSchema) -> OutputSharding:
 @register_sharding("TransposeExtView", "TransposeExt")
 def transpose_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
-    d0, d1 = (d % x.ndim for d in _ints(schema.args[1:3]))
+    d0, d1 = (d % x.ndim for d in ints(schema.args[1:3]))
     swap = {d0: d1, d1: d0}
     shape = list(x.shape)
     shape[d0], shape[d1] = shape[d1], shape[d0]
@@ -81,7 +73,7 @@ def transpose_rule(schema: OpSchema) -> OutputSharding:
 @register_sharding("ExpandDims", "ExpandDimsView", "Unsqueeze")
 def unsqueeze_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
-    axis = _ints(schema.args[1:2])[0] % (x.ndim + 1)
+    axis = ints(schema.args[1:2])[0] % (x.ndim + 1)
     shape = list(x.shape)
     shape.insert(axis, 1)
     return _moved(schema, x, lambda d: d + (d >= axis), shape)
@@ -90,7 +82,7 @@ def unsqueeze_rule(schema: OpSchema) -> OutputSharding:
 @register_sharding("Squeeze")
 def squeeze_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
-    given = _ints(schema.args[1:]) if len(schema.args) > 1 else ()
+    given = ints(schema.args[1:]) if len(schema.args) > 1 else ()
     dims = {d % x.ndim for d in given if x.shape[d % x.ndim] == 1} if given else \
         {d for d, s in enumerate(x.shape) if s == 1}
     shape = [s for d, s in enumerate(x.shape) if d not in dims]
@@ -126,7 +118,7 @@ def reshape_target(shape: Tuple[int, ...], requested: Tuple[int, ...]) -> Tuple[
 @register_sharding("Reshape", "View")
 def reshape_rule(schema: OpSchema) -> OutputSharding:
     x = schema.args[0]
-    out_shape = reshape_target(x.shape, _ints(schema.args[1:]))
+    out_shape = reshape_target(x.shape, ints(schema.args[1:]))
     nested = _nested(x)
     sizes = dict((p.dim, x.layout.mesh_shape[a]) for a, p in enumerate(x.layout.placements) if p.is_shard())
 
@@ -152,122 +144,6 @@ def reshape_rule(schema: OpSchema) -> OutputSharding:
     return OutputSharding(moved.inputs, moved.outputs, local_args)
 
 
-@register_sharding("Softmax", "LogSoftmax", "LogSoftmaxExt")
-def softmax_rule(schema: OpSchema) -> OutputSharding:
-    x = schema.args[0]
-    axes = _ints(schema.args[1:2]) if len(schema.args) > 1 and schema.args[1] is not None else (-1,)
-    layout = whole_and_reduced(x.layout, {a % x.ndim for a in axes}, x.ndim)
-    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), ((layout, x.shape),))
-
-
-def _joined_placements(tensors: Sequence[TensorArg], joined_dim: Optional[int]) -> List[Placement]:
-    """Per mesh dim, the placement every input of a cat / stack is brought to: a dim other
-    than ``joined_dim`` sharded in any input shards all of them; Partial(sum) of every input
-    stays Partial; anything else is Replicate."""
-    need: List[Placement] = []
-    for axis in range(len(tensors[0].layout.mesh_shape)):
-        here = [t.layout.placements[axis] for t in tensors]
-        shards = [p for p in here if p.is_shard() and p.dim != joined_dim]
-        if shards:
-            need.append(shards[0])
-        elif all(p.is_partial("sum") for p in here):
-            need.append(here[0])
-        else:
-            need.append(Replicate())
-    return need
-
-
-def _split_args(schema: OpSchema) -> Tuple[List[TensorArg], list]:
-    return ([a for a in schema.args if isinstance(a, TensorArg)],
-            [a for a in schema.args if not isinstance(a, TensorArg)])
-
-
-@register_sharding("Concat", "Cat")
-def concat_rule(schema: OpSchema) -> OutputSharding:
-    """``ops.cat(tensors, dim)``: the tensors arrive as consecutive arguments, then ``dim``;
-    ``dim`` itself is gathered."""
-    tensors, rest = _split_args(schema)
-    dim = (rest[0] if rest and isinstance(rest[0], int) else int(schema.kwarg("dim", 0))) % tensors[0].ndim
-    out_shape = list(tensors[0].shape)
-    out_shape[dim] = sum(t.shape[dim] for t in tensors)
-    need = _joined_placements(tensors, dim)
-    layout = layout_like(tensors[0].layout, need, ndim=len(out_shape))
-    inputs = tuple(layout_like(a.layout, need, ndim=a.ndim) if isinstance(a, TensorArg) else None
-                   for a in schema.args)
-    return OutputSharding(inputs, ((layout, tuple(out_shape)),))
-
-
-@register_sharding("StackExt", "Stack")
-def stack_rule(schema: OpSchema) -> OutputSharding:
-    """``mint.stack(tensors, dim)``: a new dim at ``dim``; sharded dims at or after it shift by one."""
-    tensors, rest = _split_args(schema)
-    if len({t.shape for t in tensors}) != 1:
-        raise ValueError(f"{schema.op}: stacked tensors must have one shape, got {[t.shape for t in tensors]}")
-    ndim = tensors[0].ndim + 1
-    dim = (rest[0] if rest and isinstance(rest[0], int) else int(schema.kwarg("dim", schema.attr("axis", 0)))) % ndim
-    need = _joined_placements(tensors, None)
-    out = [Shard(p.dim + (p.dim >= dim)) if p.is_shard() else p for p in need]
-    out_shape = tensors[0].shape[:dim] + (len(tensors),) + tensors[0].shape[dim:]
-    inputs = tuple(layout_like(a.layout, need, ndim=a.ndim) if isinstance(a, TensorArg) else None
-                   for a in schema.args)
-    return OutputSharding(inputs, ((layout_like(tensors[0].layout, out, ndim=ndim), out_shape),))
-
-
-def _gathered_on(x: TensorArg, dim: int):
-    """``x``'s layout with ``dim`` gathered (and every other placement kept)."""
-    return layout_like(x.layout, [Replicate() if p.is_shard(dim) else p for p in x.layout.placements], ndim=x.ndim)
-
-
-def split_sizes(length: int, schema: OpSchema) -> Tuple[int, ...]:
-    """The piece sizes along the split dim, by the op's own convention."""
-    op, arg = schema.op, schema.args[1]
-    if op == "Split":                                   # Split(x, axis, output_num): equal pieces
-        count = int(schema.args[2])
-        if length % count:
-            raise ValueError(f"Split: dim of size {length} does not split into {count} equal pieces")
-        return (length // count,) * count
-    if op.startswith("SplitWithSize"):                  # explicit sizes
-        sizes = _ints(arg)
-        if sum(sizes) != length:
-            raise ValueError(f"{op}: sizes {sizes} do not add up to the dim size {length}")
-        return sizes
-    if op.startswith("SplitTensor"):                    # pieces of ``arg`` elements, the last smaller
-        size = int(arg)
-        return tuple(min(size, length - start) for start in range(0, length, size)) or (0,)
-    chunks = int(arg)                                   # Chunk: torch.chunk's ceil-sized pieces
-    size = -(-length // chunks)
-    return tuple(min(size, length - start) for start in range(0, length, size)) if size else (0,) * chunks
-
-
-@register_sharding("Split", "SplitWithSize", "SplitWithSizeView", "SplitTensor", "SplitTensorView",
-                   "Chunk", "ChunkView")
-def split_rule(schema: OpSchema) -> OutputSharding:
-    """``split`` / ``chunk`` into equal or uneven pieces; the split dim is gathered, the other
-    placements are kept. ``Split(x, axis, n)``; the others ``(x, sizes | size | chunks, dim)``."""
-    x = schema.args[0]
-    if schema.op == "SplitWithSizeView":
-        # measured on CPU (tests/test_silent_cases.py): when two of its pieces are used, the
-        # gradient MindSpore's view machinery hands back for a DTensor's pieces is read at wrong
-        # offsets (the same ops on plain tensors are right), whatever kernel runs the pieces
-        raise NotImplementedError(
-            f"mint.split with a list of sizes {list(_ints(schema.args[1]))} on a DTensor: MindSpore's backward of "
-            "this view op (SplitWithSizeView) gives its pieces wrong gradients there; use x.split(sizes, dim) or "
-            "ops.split(x, sizes, dim): the same values, with a right gradient")
-    if schema.op == "Split":
-        axis = int(schema.args[1])
-    else:
-        axis = int(schema.args[2]) if len(schema.args) > 2 else int(schema.kwarg("dim", 0))
-    axis %= x.ndim
-    layout = _gathered_on(x, axis)
-    pieces = []
-    sizes = split_sizes(x.shape[axis], schema)
-    for size in sizes:
-        shape = list(x.shape)
-        shape[axis] = size
-        pieces.append((layout, tuple(shape)))
-    return OutputSharding((layout,) + (None,) * (len(schema.args) - 1), tuple(pieces))
-
-
 @register_sharding("Narrow", "NarrowView")
 def narrow_rule(schema: OpSchema) -> OutputSharding:
     """``mint.narrow(x, dim, start, length)``: the narrowed dim is gathered unless it is kept whole."""
@@ -275,7 +151,7 @@ def narrow_rule(schema: OpSchema) -> OutputSharding:
     dim, start, length = (int(v) for v in schema.args[1:4])
     dim %= x.ndim
     whole = start == 0 and length == x.shape[dim]
-    layout = x.layout if whole else _gathered_on(x, dim)
+    layout = x.layout if whole else gathered_on(x.layout, dim, x.ndim)
     shape = list(x.shape)
     shape[dim] = length
 

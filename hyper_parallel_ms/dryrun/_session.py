@@ -19,11 +19,13 @@ then checks the dims found uniform against its own pieces: where the sharding re
 its parameters gives another shape at another coordinate along the dim, that dim is probed
 again from there by running, and a dim found to distinguish ranks anywhere distinguishes them
 everywhere (this repeats until nothing changes). A rank stands for every rank with its
-coordinates on the distinguishing dims. The rule assumes that what a rank does depends on its
-coordinates only through the plan (its pieces, its pipeline stage) and through data shapes
-that its code derives the same way at every stage. Pass ``ranks`` to run exactly those ranks
-(``ranks=range(world)`` runs every rank, as the cluster would: the way to check that every
-rank applies the same plan).
+coordinates on the distinguishing dims. Until a dim is probed, no rank stands for another along
+it: a probe's rank that needs messages from ranks at other coordinates of that dim (the last
+pipeline stage from the one before it) runs those ranks themselves. The rule assumes that what
+a rank does depends on its coordinates only through the plan (its pieces, its pipeline stage)
+and through data shapes that its code derives the same way at every stage. Pass ``ranks`` to run
+exactly those ranks (``ranks=range(world)`` runs every rank, as the cluster would: the way to
+check that every rank applies the same plan).
 
 Cross-rank checks (:mod:`._checks`) run over the ranks that ran. A rank receiving host values
 (a pipeline's shape header) from a rank that has not run yet has that rank run first; ranks
@@ -137,6 +139,7 @@ class _Simulation:
         self.size = prod(shape)
         self.outcomes: Dict[int, _Outcome] = {}
         self.split: Set[int] = set()                 # mesh dims that distinguish ranks
+        self.uniform: Set[int] = set()               # mesh dims probed and found not to distinguish ranks
         self.exchange = SimulatedExchange(self._stand_in)
         self._running: List[int] = []
         self._stopped: Set[int] = set()               # ranks stopped by a missing message (their mail kept)
@@ -149,9 +152,11 @@ class _Simulation:
         return int(np.ravel_multi_index(tuple(coord), self.shape))
 
     def representative(self, rank: int) -> int:
-        """The rank that stands for ``rank``: its coordinates on the distinguishing dims, 0 elsewhere."""
+        """The rank that stands for ``rank``: 0 on the dims found uniform, its own coordinates on the
+        others. A dim not probed yet keeps the rank's coordinate: until a probe says otherwise it may
+        distinguish ranks (a pipeline's middle stage cannot stand for the stage after it)."""
         c = self.coord(rank)
-        return self.rank_at([c[d] if d in self.split else 0 for d in range(len(self.shape))])
+        return self.rank_at([0 if d in self.uniform else c[d] for d in range(len(self.shape))])
 
     def _stand_in(self, rank: int) -> Tuple[int, Callable[[int], int]]:
         if rank in self.outcomes or rank in self._running or rank in self._stopped:
@@ -280,7 +285,10 @@ class _Simulation:
         probe[dim] = self.shape[dim] - 1
         if self.outcome(self.rank_at(probe)).fingerprint() != self.outcome(rep).fingerprint():
             self.split.add(dim)
+            self.uniform.discard(dim)
             return True
+        if dim not in self.split:
+            self.uniform.add(dim)
         return False
 
     def _uneven(self, rank: int, dim: int) -> bool:
@@ -356,7 +364,7 @@ def simulate(fn: Callable, *, mesh_shape: Sequence[int], mesh_dim_names: Optiona
         device_type: the simulated cluster's device, ``"npu"`` (Ascend's collectives) or ``"cpu"``.
 
     Returns:
-        A :class:`~hyper_parallel_ms.plan.SimulationReport`: ``report[r].param_bytes``, ``.grad_bytes``,
+        A :class:`~hyper_parallel_ms.dryrun.SimulationReport`: ``report[r].param_bytes``, ``.grad_bytes``,
         ``.optimizer_bytes``, ``.activation_bytes``, ``.comm_bytes``, ``.comm``; ``report.problems``,
         ``report.table()``, ``report.to_json()``.
 

@@ -1,16 +1,17 @@
-"""Which rank writes which chunk, and which saved chunks fill which part of a piece.
+"""Box arithmetic of checkpoints: which rank writes which chunk, and which saved chunks fill
+which part of a piece.
 
 Pure Python over boxes (global offsets and sizes): a rank describes each tensor piece it
-holds as a :class:`Piece`; :func:`plan_writes` takes every rank's pieces and gives each
+holds as a :class:`Piece`; :func:`assign_writers` takes every rank's pieces and gives each
 distinct box one writer (the lowest rank holding it, or the least loaded one), and
-:func:`plan_reads` intersects a piece to fill with the saved chunks. Layouts of any
+:func:`overlap_reads` intersects a piece to fill with the saved chunks. Layouts of any
 kind (styles, DTensors, fully-sharded pieces, nested or uneven shards) reduce to boxes.
 
 Example:
     >>> a = [Piece("w", (4, 2), "float32", (0, 0), (2, 2))]
     >>> b = [Piece("w", (4, 2), "float32", (2, 0), (2, 2))]
     >>> c = [Piece("w", (4, 2), "float32", (0, 0), (2, 2))]          # a replica of rank 0's piece
-    >>> [[p.offsets for p in mine] for mine in plan_writes([a, b, c])]
+    >>> [[p.offsets for p in mine] for mine in assign_writers([a, b, c])]
     [[(0, 0)], [(2, 0)], []]
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._metadata import CheckpointError, Chunk, TensorEntry
 
-__all__ = ["Piece", "plan_writes", "Read", "plan_reads", "chunk_key"]
+__all__ = ["Piece", "assign_writers", "Read", "overlap_reads", "chunk_key"]
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
@@ -70,19 +71,20 @@ def chunk_key(key: str, offsets: Sequence[int]) -> str:
     return f"{key}@{','.join(str(o) for o in offsets)}"
 
 
-def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = True,
-                save_to_minimum_rank: bool = False) -> List[List[Piece]]:
-    """For each rank, the pieces it writes. With ``remove_redundancy`` each distinct box is
-    written once: by the lowest rank holding it (``save_to_minimum_rank``) or by the holder
-    with the fewest elements to write so far (spreads the writes). Empty boxes are skipped.
+def assign_writers(held: Sequence[Sequence[Piece]], *, remove_redundancy: bool = True,
+                   save_to_minimum_rank: bool = False) -> List[List[Piece]]:
+    """For each rank, the pieces it writes, from the pieces each rank holds (``held[rank]``). With
+    ``remove_redundancy`` each distinct box is written once: by the lowest rank holding it
+    (``save_to_minimum_rank``) or by the holder with the fewest elements to write so far (spreads
+    the writes). Empty boxes are skipped.
     Raises :class:`CheckpointError` when ranks disagree on a tensor's shape or dtype or on
     the data of a replicated piece, or when the pieces do not cover a tensor."""
-    _check_consistent(plans)
-    differing = _check_replicas(plans)
-    writes: List[List[Piece]] = [[] for _ in plans]
+    _check_consistent(held)
+    differing = _check_replicas(held)
+    writes: List[List[Piece]] = [[] for _ in held]
     if not remove_redundancy:
         written = set()
-        for rank, pieces in enumerate(plans):
+        for rank, pieces in enumerate(held):
             for p in pieces:
                 box = (p.key, (p.offsets, p.sizes))
                 if prod(p.sizes) and (box not in differing or box not in written):
@@ -91,13 +93,13 @@ def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = T
         return writes
     holders: Dict[Tuple[str, Box], List[int]] = {}
     first: Dict[Tuple[str, Box], Piece] = {}
-    for rank, pieces in enumerate(plans):
+    for rank, pieces in enumerate(held):
         for p in pieces:
             if prod(p.sizes):
                 box = (p.key, (p.offsets, p.sizes))
                 holders.setdefault(box, []).append(rank)
                 first.setdefault(box, p)
-    load = [0] * len(plans)
+    load = [0] * len(held)
     for box in sorted(holders, key=lambda b: (-first[b].elements, b)):
         ranks = holders[box]
         # a copy that differs between ranks (module state) is the lowest rank's, whose CRC-32 the piece carries
@@ -110,10 +112,10 @@ def plan_writes(plans: Sequence[Sequence[Piece]], *, remove_redundancy: bool = T
     return writes
 
 
-def _check_consistent(plans: Sequence[Sequence[Piece]]) -> None:
+def _check_consistent(held: Sequence[Sequence[Piece]]) -> None:
     seen: Dict[str, Tuple[Tuple[int, ...], str, int]] = {}
     boxes: Dict[str, set] = {}
-    for rank, pieces in enumerate(plans):
+    for rank, pieces in enumerate(held):
         for p in pieces:
             if p.key in seen and seen[p.key][:2] != (p.shape, p.dtype):
                 shape, dtype, other = seen[p.key]
@@ -129,12 +131,12 @@ def _check_consistent(plans: Sequence[Sequence[Piece]]) -> None:
                                   "must be held by some rank")
 
 
-def _check_replicas(plans: Sequence[Sequence[Piece]]) -> set:
+def _check_replicas(held: Sequence[Sequence[Piece]]) -> set:
     """Raise where the ranks' copies of a plain tensor differ; the boxes of module state (``rank_state``)
     whose copies differ are returned instead (the lowest rank's copy is written), with a warning."""
     sums: Dict[Tuple[str, Box], Dict[int, List[int]]] = {}
     state: set = set()
-    for rank, pieces in enumerate(plans):
+    for rank, pieces in enumerate(held):
         for p in pieces:
             if p.crc32 is not None:
                 box = (p.key, (p.offsets, p.sizes))
@@ -168,8 +170,8 @@ class Read:
     dst: Tuple[slice, ...]
 
 
-def plan_reads(key: str, entry: TensorEntry, offsets: Sequence[int], sizes: Sequence[int],
-               source: str) -> List[Read]:
+def overlap_reads(key: str, entry: TensorEntry, offsets: Sequence[int], sizes: Sequence[int],
+                  source: str) -> List[Read]:
     """The reads that fill the box (``offsets``, ``sizes``) of tensor ``key`` from the saved
     chunks; raises :class:`CheckpointError` naming ``source`` if they do not cover it."""
     reads, covered, seen = [], 0, set()

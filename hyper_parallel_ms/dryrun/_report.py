@@ -1,4 +1,4 @@
-"""What :func:`~hyper_parallel_ms.plan.simulate` reports: per rank, the bytes it holds and moves;
+"""What :func:`~hyper_parallel_ms.dryrun.simulate` reports: per rank, the bytes it holds and moves;
 for the cluster, the problems found across ranks.
 
 Example::
@@ -90,7 +90,7 @@ class RankReport:
         optimizer_bytes: its optimizer state (per-parameter slots, e.g. AdamWeightDecay's two moments).
         optimizer_slots: optimizer bytes per slot name (``adam_m``, ``adam_v``, ...).
         activation_bytes: estimated peak of the activations a step keeps for its backward (``None``: no
-            step given; temporary buffers come on top, see :mod:`hyper_parallel_ms.plan._autodiff`).
+            step given; temporary buffers come on top, see :mod:`hyper_parallel_ms.dryrun._autodiff`).
         comm_bytes: textbook bytes it sends in one step (``None``: no step given).
         comm: per (kind, mesh dim name) the :class:`CommStats` of one step.
         represented_by: the rank whose run these numbers are (itself, or its class's representative).

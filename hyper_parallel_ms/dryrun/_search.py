@@ -1,39 +1,41 @@
-"""Search the layouts of a job: enumerate (pp, dp, tp, fully_shard, micro-batches, activation
-checkpointing) for a number of devices, simulate each, keep those that fit in a device's memory
+"""Search the parallel dims of a job: enumerate (pp, dp, tp, fully_shard, micro-batches, activation
+checkpointing) for a number of devices, dry-run each, keep those that fit in a device's memory
 and rank them by the tokens per second of the alpha-beta model (:mod:`._cost`).
 
-Each layout is simulated with one and two blocks per pipeline stage (the training code is
-built for that many layers: ``build(layout, layers)``) on the first rank of every stage, and
+Each :class:`ParallelDims` is simulated with one and two blocks per pipeline stage (the training
+code is built for that many layers: ``build(dims, layers)``) on the first rank of every stage, and
 every per-rank number (bytes held, activations, FLOPs, calls and bytes of each collective)
 is extrapolated linearly to the model's blocks per stage: the blocks are identical, so each
 one adds the same. Ranks along dp and tp are taken to be equivalent to the stage's first one
-(even shards); simulate the chosen layout with :func:`~hyper_parallel_ms.plan.simulate` to
+(even shards); simulate the chosen dims with :func:`~hyper_parallel_ms.dryrun.simulate` to
 check every rank. The pipeline runs 1F1B; a step trains ``dp * microbatches * micro_batch``
-sequences, so layouts are compared by tokens per second, not by step time.
+sequences, so candidates are compared by tokens per second, not by step time.
 
 Example::
 
-    ranked = search(lambda layout, layers: llama_training(replace(config, layers=layers), layout),
+    ranked = search(lambda dims, layers: llama_training(replace(config, layers=layers), dims),
                     devices=64, layers=32, cluster=Cluster(device_memory=64 * 2**30))
-    ranked[0].layout, ranked[0].tokens_per_second
+    ranked[0].dims, ranked[0].tokens_per_second
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+from .._deprecated import renamed
 from ._cost import Cluster, rank_seconds
 from ._report import CommStats, RankReport
 from ._session import simulate
 
-__all__ = ["Layout", "Candidate", "layouts", "estimate", "search"]
+__all__ = ["ParallelDims", "Candidate", "parallel_dims_of", "estimate", "search"]
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a job is laid out and batched: ``pp * dp * tp`` ranks on a ("pp", "dp", "tp") mesh,
-    fully_shard over dp or gradients averaged over it, micro-batches per step, activation
-    checkpointing of every block, and the sequences of each micro-batch on a dp rank.
+class ParallelDims:
+    """The parallel dims of a job (torchtitan's name) and its batching: ``pp * dp * tp`` ranks on a
+    ("pp", "dp", "tp") mesh, fully_shard over dp or gradients averaged over it, micro-batches per
+    step, activation checkpointing of every block, and the sequences of each micro-batch on a dp
+    rank. (Named ``plan.Layout`` before: a :class:`~hyper_parallel_ms.Layout` is a tensor's layout.)
 
     Args:
         pp: pipeline stages.
@@ -45,7 +47,7 @@ class Layout:
         micro_batch: sequences per micro-batch on each dp rank.
         seq: tokens per sequence.
 
-    >>> Layout(pp=8, dp=16, tp=8).ranks, Layout(dp=4, microbatches=2, seq=4096).tokens
+    >>> ParallelDims(pp=8, dp=16, tp=8).ranks, ParallelDims(dp=4, microbatches=2, seq=4096).tokens
     (1024, 32768)
     """
 
@@ -79,36 +81,43 @@ class Layout:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout, priced.
+    """A :class:`ParallelDims`, priced.
 
     Args:
-        layout: the :class:`Layout`.
+        dims: the :class:`ParallelDims`.
         max_bytes: the largest per-rank total (parameters, gradients, optimizer, activations).
         fits: whether ``max_bytes`` fits in the cluster's device memory.
         step_seconds: the model's step time (the slowest rank's).
-        tokens_per_second: ``layout.tokens / step_seconds``.
-        problem: why the layout failed to simulate (empty if it did not).
+        tokens_per_second: ``dims.tokens / step_seconds``.
+        problem: why the dims failed to simulate (empty if they did not).
 
-    >>> Candidate(Layout(), 1, True, 2.0, 2048.0).fits
+    >>> Candidate(ParallelDims(), 1, True, 2.0, 2048.0).fits
     True
     """
 
-    layout: Layout
+    dims: ParallelDims
     max_bytes: int
     fits: bool
     step_seconds: float
     tokens_per_second: float
     problem: str = ""
 
+    @property
+    def layout(self) -> ParallelDims:
+        """Deprecated name of :attr:`dims` (warns; it goes in the next release)."""
+        renamed("Candidate.layout", "Candidate.dims")
+        return self.dims
+
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(devices: int, *, layers: int, devices_per_node: int = 8, micro_batch: int = 1,
-            seq: int = 4096) -> List[Layout]:
-    """Every layout of ``devices``: tp dividing the node size, pp dividing the blocks, fully_shard or
-    not (dp > 1), ``pp`` or ``2 pp`` micro-batches (1 without pipeline), checkpointing or not.
+def parallel_dims_of(devices: int, *, layers: int, devices_per_node: int = 8, micro_batch: int = 1,
+                     seq: int = 4096) -> List[ParallelDims]:
+    """Every :class:`ParallelDims` of ``devices``: tp dividing the node size, pp dividing the blocks,
+    fully_shard or not (dp > 1), ``pp`` or ``2 pp`` micro-batches (1 without pipeline), checkpointing
+    or not. (Named ``plan.layouts`` before.)
 
     Args:
         devices: the number of devices.
@@ -117,7 +126,7 @@ def layouts(devices: int, *, layers: int, devices_per_node: int = 8, micro_batch
         micro_batch: sequences per micro-batch.
         seq: tokens per sequence.
 
-    >>> len(layouts(8, layers=4)), layouts(8, layers=4)[0].describe()
+    >>> len(parallel_dims_of(8, layers=4)), parallel_dims_of(8, layers=4)[0].describe()
     (46, 'pp=1 dp=8 tp=1 ddp  mb=1 --')
     """
     out = []
@@ -127,15 +136,15 @@ def layouts(devices: int, *, layers: int, devices_per_node: int = 8, micro_batch
             for fsdp in ((False, True) if dp > 1 else (False,)):
                 for microbatches in ((1,) if pp == 1 else (pp, 2 * pp)):
                     for checkpointing in (False, True):
-                        out.append(Layout(pp, dp, tp, fsdp, microbatches, checkpointing, micro_batch, seq))
+                        out.append(ParallelDims(pp, dp, tp, fsdp, microbatches, checkpointing, micro_batch, seq))
     return out
 
 
-def _stage_reports(build: Callable, layout: Layout, blocks: int, device_type: str) -> Dict[int, RankReport]:
+def _stage_reports(build: Callable, dims: ParallelDims, blocks: int, device_type: str) -> Dict[int, RankReport]:
     """The first rank of every stage, simulated with ``blocks`` blocks per stage."""
-    shape, names = layout.mesh
-    firsts = [s * layout.dp * layout.tp for s in range(layout.pp)]
-    report = simulate(build(layout, blocks * layout.pp), mesh_shape=shape, mesh_dim_names=names, ranks=firsts,
+    shape, names = dims.mesh
+    firsts = [s * dims.dp * dims.tp for s in range(dims.pp)]
+    report = simulate(build(dims, blocks * dims.pp), mesh_shape=shape, mesh_dim_names=names, ranks=firsts,
                       device_type=device_type)
     if report.problems:
         raise RuntimeError("; ".join(str(p) for p in report.problems))
@@ -160,47 +169,49 @@ def _extrapolated(one: RankReport, two: Optional[RankReport], blocks: int) -> Ra
     return replace(two, comm=comm, **fields)
 
 
-def estimate(build: Callable, layout: Layout, *, layers: int, cluster: Cluster, device_type: str = "npu") -> Candidate:
-    """Simulate ``layout`` (see the module docstring) and price it on ``cluster``.
+def estimate(build: Callable, dims: ParallelDims, *, layers: int, cluster: Cluster,
+             device_type: str = "npu") -> Candidate:
+    """Simulate ``dims`` (see the module docstring) and price it on ``cluster``.
 
     Args:
-        build: ``build(layout, layers) -> fn(mesh)``, the training code for that many blocks.
-        layout: the :class:`Layout`.
+        build: ``build(dims, layers) -> fn(mesh)``, the training code for that many blocks.
+        dims: the :class:`ParallelDims`.
         layers: the model's blocks.
-        cluster: the :class:`~hyper_parallel_ms.plan.Cluster`.
+        cluster: the :class:`~hyper_parallel_ms.dryrun.Cluster`.
         device_type: the simulated device.
 
     Example::
 
-        estimate(build, Layout(pp=2, dp=4, tp=8, microbatches=4), layers=32, cluster=Cluster())
+        estimate(build, ParallelDims(pp=2, dp=4, tp=8, microbatches=4), layers=32, cluster=Cluster())
     """
     from ..pipelining import build_plan
-    blocks = layers // layout.pp
+    blocks = layers // dims.pp
     try:
-        one = _stage_reports(build, layout, 1, device_type)
-        two = _stage_reports(build, layout, 2, device_type) if blocks > 1 else {}
-    except Exception as exc:  # noqa: BLE001  (a layout that cannot run is reported, not fatal)
-        return Candidate(layout, 0, False, float("inf"), 0.0, f"{type(exc).__name__}: {exc}")
+        one = _stage_reports(build, dims, 1, device_type)
+        two = _stage_reports(build, dims, 2, device_type) if blocks > 1 else {}
+    except Exception as exc:  # noqa: BLE001  (dims that cannot run are reported, not fatal)
+        return Candidate(dims, 0, False, float("inf"), 0.0, f"{type(exc).__name__}: {exc}")
     ranks = [_extrapolated(one[r], two.get(r), blocks) for r in one]
-    bubble = build_plan("1F1B", layout.pp, layout.microbatches).bubble_fraction() if layout.pp > 1 else 0.0
+    bubble = build_plan("1F1B", dims.pp, dims.microbatches).bubble_fraction() if dims.pp > 1 else 0.0
     seconds = max(rank_seconds(r, cluster, bubble) for r in ranks)
     peak = max(r.total_bytes for r in ranks)
-    return Candidate(layout, peak, peak <= cluster.device_memory, seconds, layout.tokens / seconds)
+    return Candidate(dims, peak, peak <= cluster.device_memory, seconds, dims.tokens / seconds)
 
 
 def search(build: Callable, *, devices: int, layers: int, cluster: Cluster, micro_batch: int = 1, seq: int = 4096,
-           candidates: Optional[Iterable[Layout]] = None, device_type: str = "npu",
+           candidates: Optional[Iterable[ParallelDims]] = None, device_type: str = "npu",
            progress: Optional[Callable[[Candidate], None]] = None) -> List[Candidate]:
-    """Every layout of ``devices`` (or ``candidates``), estimated; those that fit first, fastest first.
+    """Every :class:`ParallelDims` of ``devices`` (or ``candidates``), estimated; those that fit
+    first, fastest first.
 
     Args:
-        build: ``build(layout, layers) -> fn(mesh)``.
+        build: ``build(dims, layers) -> fn(mesh)``.
         devices: the number of devices.
         layers: the model's blocks.
-        cluster: the :class:`~hyper_parallel_ms.plan.Cluster` (its device memory decides what fits).
+        cluster: the :class:`~hyper_parallel_ms.dryrun.Cluster` (its device memory decides what fits).
         micro_batch: sequences per micro-batch.
         seq: tokens per sequence.
-        candidates: the layouts to try (default: :func:`layouts`).
+        candidates: the dims to try (default: :func:`parallel_dims_of`).
         device_type: the simulated device.
         progress: called with each :class:`Candidate` as it is priced.
 
@@ -209,10 +220,10 @@ def search(build: Callable, *, devices: int, layers: int, cluster: Cluster, micr
         best = search(build, devices=64, layers=32, cluster=Cluster())[0]
     """
     tried = []
-    for layout in (candidates if candidates is not None else
-                   layouts(devices, layers=layers, devices_per_node=cluster.devices_per_node,
-                           micro_batch=micro_batch, seq=seq)):
-        candidate = estimate(build, layout, layers=layers, cluster=cluster, device_type=device_type)
+    for dims in (candidates if candidates is not None else
+                 parallel_dims_of(devices, layers=layers, devices_per_node=cluster.devices_per_node,
+                                  micro_batch=micro_batch, seq=seq)):
+        candidate = estimate(build, dims, layers=layers, cluster=cluster, device_type=device_type)
         tried.append(candidate)
         if progress is not None:
             progress(candidate)

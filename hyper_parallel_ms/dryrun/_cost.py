@@ -9,7 +9,7 @@ time is, for each collective kind and mesh dim, ``calls * steps * alpha + bytes 
 a ring (``n - 1``; all-reduce ``2 (n - 1)``; a send 1), and ``alpha`` / ``bandwidth`` the
 intra-node link's when every rank of the group is on one node (``devices_per_node``
 consecutive ranks), else the inter-node link's. The project's collectives are synchronous, so
-the step time is compute plus communication (no overlap); the layout's step time is its
+the step time is compute plus communication (no overlap); a job's step time is its
 slowest rank's.
 
 Default figures are public ones for Atlas 800T A2 servers (eight Ascend 910B per node): HCCS
@@ -109,7 +109,7 @@ def rank_seconds(rank: RankReport, cluster: Cluster, bubble: float = 0.0) -> flo
 
 
 def step_seconds(report: SimulationReport, cluster: Cluster, bubble: float = 0.0) -> float:
-    """The step time of a simulated layout: its slowest rank's (:func:`rank_seconds`).
+    """The step time of a simulated job: its slowest rank's (:func:`rank_seconds`).
 
     Args:
         report: the :class:`SimulationReport`.
@@ -118,6 +118,6 @@ def step_seconds(report: SimulationReport, cluster: Cluster, bubble: float = 0.0
 
     Example::
 
-        step_seconds(report, Cluster(), bubble=plan.bubble_fraction())
+        step_seconds(report, Cluster(), bubble=build_plan("1F1B", pp, n).bubble_fraction())
     """
     return max(rank_seconds(r, cluster, bubble) for r in report)
