@@ -14,7 +14,11 @@ setup(
     packages=find_packages(include=["hyper_parallel_ms", "hyper_parallel_ms.*"]),
     python_requires=">=3.9,<3.12",
     install_requires=["mindspore>=2.8,<2.11", "numpy>=1.21,<2"],  # 2.7 has no per-tensor op hook
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={
+        # the suite builds the docs (tests/test_docs.py), so the test extra holds the docs tools too
+        "test": ["pytest>=7", "sphinx>=7", "myst-parser>=2"],
+        "docs": ["sphinx>=7", "myst-parser>=2"],
+    },
     license="Apache-2.0",
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
 )

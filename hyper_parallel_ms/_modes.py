@@ -1,7 +1,7 @@
 """Which features run in PyNative and which compile (``ms.jit`` / GRAPH_MODE): one registry,
 each cell with the tests that prove it.
 
-README.md's table "PyNative and graph mode" is :func:`mode_table`'s output (a test compares
+The table of docs/modes.md ("PyNative and graph mode") is :func:`mode_table`'s output (a test compares
 them and checks that every named test exists); regenerate it with
 ``python -m hyper_parallel_ms._modes``. Loads no MindSpore.
 
@@ -21,7 +21,7 @@ class ModeCell:
     """What one feature does in one mode, and the tests that show it.
 
     Args:
-        text: the README cell: ``"yes"`` (or ``"yes, except ..."``), or what happens instead
+        text: the table's cell: ``"yes"`` (or ``"yes, except ..."``), or what happens instead
             (``"no: ..."``).
         proofs: ``"tests/<file>.py::<test>"`` names of tests that run it (for ``"yes"``) or check
             the refusal; empty only where no test checks the cell (never for ``"yes"``).
@@ -43,7 +43,7 @@ class Feature:
     """One row of the table.
 
     Args:
-        name: the feature, as the README names it (Markdown).
+        name: the feature, as the docs' table names it (Markdown).
         pynative: the cell for PyNative.
         graph: the cell for ``ms.jit`` and GRAPH_MODE Cells.
 
@@ -97,7 +97,7 @@ FEATURES: Tuple[Feature, ...] = (
 
 
 def mode_table(features: Tuple[Feature, ...] = FEATURES) -> str:
-    """The Markdown table of ``features`` (README.md's "PyNative and graph mode").
+    """The Markdown table of ``features`` (docs/modes.md, "PyNative and graph mode").
 
     Args:
         features: the rows (default: the package's registry).

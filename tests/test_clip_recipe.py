@@ -1,5 +1,5 @@
-"""README's hand-written global-norm recipe (the Python block after "The norm by hand" in the
-"Gradient clipping" item, run as written) gives the single-device global norm on TP and fully_shard gradients, in PyNative and
+"""The hand-written global-norm recipe of docs/training.md (the Python block of "The norm by hand",
+run as written) gives the single-device global norm on TP and fully_shard gradients, in PyNative and
 ms.jit; the per-rank norm MindSpore's clip_by_global_norm would use does not."""
 from __future__ import annotations
 
@@ -22,14 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _recipe(folder: str) -> dict:
-    """The README block as a module (a file: ms.jit reads a function's source)."""
-    text = (ROOT / "README.md").read_text()
-    item = text[text.index("- Gradient clipping:"):]
-    item = item[item.index("The norm by hand"):]
+    """The docs block as a module (a file: ms.jit reads a function's source)."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    item = text[text.index("## The norm by hand"):]
     code = re.search(r"```python\n(.*?)```", item, re.S).group(1)
-    path = Path(folder) / "readme_clip_recipe.py"
-    path.write_text("\n".join(line[2:] for line in code.splitlines()) + "\n")
-    spec = importlib.util.spec_from_file_location("readme_clip_recipe", path)
+    path = Path(folder) / "docs_clip_recipe.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location("docs_clip_recipe", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module              # MindSpore's parser imports it by name
     spec.loader.exec_module(module)
