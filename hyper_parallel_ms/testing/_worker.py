@@ -106,7 +106,17 @@ def _init_mindspore() -> Tuple[int, int, float]:
     return communication.get_rank(), communication.get_group_size(), time.perf_counter() - start
 
 
+def _save_coverage() -> None:
+    """Write this rank's line coverage so far when coverage.py measures it (the pool kills ranks,
+    so data left for exit would be lost)."""
+    coverage = sys.modules.get("coverage")
+    current = coverage.Coverage.current() if coverage is not None else None
+    if current is not None:
+        current.save()
+
+
 def _reset_between_tasks() -> None:
+    _save_coverage()
     import mindspore as ms
     if ms.get_context("mode") != ms.PYNATIVE_MODE:
         ms.set_context(mode=ms.PYNATIVE_MODE)
