@@ -216,7 +216,7 @@ def test_deferred_pieces_equal_single_device_on_2_ranks():
     from hyper_parallel_ms.fsdp import fully_shard, hsdp
     from hyper_parallel_ms.mesh import init_device_mesh
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
-    from hyper_parallel_ms.nn._rules import match_path
+    from hyper_parallel_ms.nn._targets import match_path
     from hyper_parallel_ms.placement import Shard
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
 

@@ -112,7 +112,11 @@ def test_modules_are_named_for_what_they_hold():
                      "Narrow": "view", "Unstack": "view"}
     # activation checkpointing (recomputation) beside the checkpoint package, the box arithmetic named so
     assert checkpoint_wrapper.__module__ == "hyper_parallel_ms.training._recompute"
-    for gone in ("hyper_parallel_ms.training._checkpoint", "hyper_parallel_ms.checkpoint._planner"):
+    # the nn engines' shared path matching and done-markers are named for their targets, apart from op rules
+    from hyper_parallel_ms.nn import _targets
+    assert {"match_path", "near_names", "check_not_done", "mark_done"} <= set(_targets.__all__)
+    for gone in ("hyper_parallel_ms.training._checkpoint", "hyper_parallel_ms.checkpoint._planner",
+                 "hyper_parallel_ms.nn._rules"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(gone)
     from hyper_parallel_ms.checkpoint import _boxes

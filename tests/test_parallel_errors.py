@@ -16,7 +16,7 @@ from hyper_parallel_ms.nn import (ColwiseParallel, GradientReducer, MultiheadAtt
                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel, ShardingPlan,
                                   parallelize_module, shard_module)
 from hyper_parallel_ms.nn._adapter import named_cells, own_parameters
-from hyper_parallel_ms.nn._rules import near_names
+from hyper_parallel_ms.nn._targets import near_names
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 

@@ -36,7 +36,7 @@ from ._edit import ConversionSpec, InputSpec, ModuleEdit
 from ._hooks import GradientSum, InputHook
 from ._parallelize import ParallelStyle
 from ._parameter import ParameterPlacement
-from ._rules import check_mesh
+from ._targets import check_mesh
 
 __all__ = ["MultiheadAttentionParallel", "head_parallel_class"]
 

@@ -32,7 +32,7 @@ from ._adapter import named_cells, own_parameters
 from ._consistency import agreed
 from ._edit import ModuleEdit, apply_edits
 from ._parameter import ParameterPlacement
-from ._rules import check_mesh, check_not_done, match_path, near_names
+from ._targets import check_mesh, check_not_done, match_path, near_names
 
 __all__ = ["distribute_module", "ShardingPlan", "shard_module"]
 

@@ -31,7 +31,7 @@ from ._adapter import CellChanges, named_cells, own_parameters, restore_paramete
 from ._foreign import GUARD_ATTR, READERS_ATTR, guarded_class
 from ._hooks import SUMMED_PREFIX, Conversion, GradientSum, InputHook, KwargInputHook, OutputHook, summing_class
 from ._parameter import REPLACED_BY, ParameterPlacement
-from ._rules import DATA_PARALLEL, check_not_fully_sharded, mark_done
+from ._targets import DATA_PARALLEL, check_not_fully_sharded, mark_done
 from ._tied import check_tied, parameter_holders, retie
 
 __all__ = ["ConversionSpec", "InputSpec", "OutputSpec", "ModuleEdit", "apply_edits", "drop_enclosed_reductions"]

@@ -27,7 +27,7 @@ from ._consistency import agreed
 from ._dropout import check_dropouts_seeded
 from ._edit import ModuleEdit, apply_edits, drop_enclosed_reductions
 from ._foreign import check_known_readers
-from ._rules import check_mesh, check_not_done, check_not_fully_sharded, match_path, near_names
+from ._targets import check_mesh, check_not_done, check_not_fully_sharded, match_path, near_names
 
 __all__ = ["ParallelStyle", "parallelize_module"]
 

@@ -38,7 +38,7 @@ from ._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
 from ._hooks import masked_rows_class
 from ._parameter import ParameterPlacement
 from ._parallelize import ParallelStyle
-from ._rules import check_mesh
+from ._targets import check_mesh
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "PrepareModuleInputOutput"]

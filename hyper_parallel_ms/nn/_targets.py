@@ -1,5 +1,6 @@
-"""Rules shared by the three ways to shard a Cell (``parallelize_module``, ``shard_module``,
-``distribute_module``): one path-matching rule, one mesh check, one done-marker.
+"""Which Cells a plan targets, and whether they may be targeted: what the three ways to shard a
+Cell (``parallelize_module``, ``shard_module``, ``distribute_module``) share: one path-matching
+rule, one mesh check, one done-marker.
 
 Path matching: a key is a dotted path whose segments are ``fnmatch`` patterns matched one
 segment at a time (``*`` never crosses a dot): ``"layers.*.attn.q"`` matches
