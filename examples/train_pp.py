@@ -70,11 +70,11 @@ def check_pipeline_config(cfg) -> None:
                          f"or 1f1b, not {cfg.schedule!r} ({SCHEDULES[cfg.schedule][1]} stages per rank)")
 
 
-def _stage_plan(model: nn.Cell, cfg) -> dict:
-    """``tp_plan`` without the entries of layers this stage does not hold."""
+def _stage_plan(cfg) -> dict:
+    """``tp_plan`` for this stage: entries of layers another stage runs name this stage's
+    ``PassThrough`` Cells, which ``parallelize_module`` skips."""
     local = cfg.activation_checkpoint == "selective"       # a selective checkpoint refuses DTensor inputs
-    return {k: v for k, v in tp_plan(cfg.sequence_parallel, cfg.loss_parallel, local).items()
-            if k.split(".")[0] not in FIRST + LAST or getattr(model, k.split(".")[0]) is not None}
+    return tp_plan(cfg.sequence_parallel, cfg.loss_parallel, local)
 
 
 def _build(cfg, model_config, mesh):
@@ -90,7 +90,7 @@ def _build(cfg, model_config, mesh):
         if cfg.activation_checkpoint:
             apply_activation_checkpointing(model, check_fn=checkpointed(whole_blocks=cfg.fsdp),
                                            policy=None if cfg.activation_checkpoint == "full" else "selective")
-        parallelize_module(model, mesh["tp"], _stage_plan(model, cfg))
+        parallelize_module(model, mesh["tp"], _stage_plan(cfg))
         if cfg.fsdp:
             for block in model.layers:
                 fully_shard(block, mesh=mesh["dp"])

@@ -202,7 +202,7 @@ def test_fully_shard_hsdp_and_tp_on_4_ranks():
         assert model.layers[0].up.weight.shape == ((2, 8) if dp_index == 0 else (1, 8))   # (3, 8) tp piece split
     compare(fsdp_tp, dp_index, 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6))
 
-    # README's flow: the example Llama built deferred, tp plan (sequence parallel), fully_shard per
+    # docs/fsdp.md's flow: the example Llama built deferred, tp plan (sequence parallel), fully_shard per
     # block, init_parameters: every parameter equal to the eager model's from the same seed
     from examples.llama import Llama, LlamaConfig, tp_plan
     config = LlamaConfig(vocab=32, dim=16, layers=2, heads=2, hidden=24, max_seq=8)

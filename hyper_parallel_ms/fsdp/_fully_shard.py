@@ -356,7 +356,7 @@ def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_aft
             memory is host memory already; refused on Ascend).
         ignored_params: Parameters this unit leaves alone (not sharded, gradients not reduced), as FSDP2.
             Parameters with ``requires_grad=False`` are always left whole and in place (MindSpore's
-            module state such as BatchNorm statistics lives in them; see the README).
+            module state such as BatchNorm statistics lives in them; see docs/fsdp.md, Frozen parameters).
 
     Example::
 

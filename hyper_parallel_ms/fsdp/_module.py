@@ -240,7 +240,7 @@ class FSDPModule:
         """Gather ``modules``' parameters in this Cell's forward pre-hook, ahead of their own forward
         (FSDP2's explicit forward prefetch; a gather made ahead and then not used by its Cell's next
         forward is replaced by the next one). Collectives on MindSpore's CPU backend block the
-        Python thread: this changes the order, not the time (see the README's measurement).
+        Python thread: this changes the order, not the time (see docs/fsdp.md, Memory, speed and compile time).
 
         Args:
             modules: Cells sharded by fully_shard / hsdp, each running after this one in every forward.

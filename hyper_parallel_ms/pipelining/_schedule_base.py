@@ -287,7 +287,7 @@ class PipelineSchedule:
         """HyperParallel's step: as :meth:`step`, returning HyperParallel's list, one entry per
         micro-batch on the rank of the last stage (``[]`` elsewhere): each micro-batch's loss with a
         ``loss_fn`` (the step trains), else the last stage's output of each micro-batch (the step
-        runs forward only, see README: HyperParallel trains there with the output as the loss).
+        runs forward only, see docs/pipelining.md: HyperParallel trains there with the output as the loss).
 
         Args:
             args: as :meth:`step`.

@@ -7,7 +7,7 @@ which placements it takes). ``status`` is ``"ok"``, ``"unsupported"`` (no rule: 
 checks the clear NotImplementedError), ``"bypass"`` (MindSpore runs it without calling the
 tensor hook: the sweep checks that this is still so, so that a fix shows) or ``"cpu_kernel"``
 (MindSpore has no CPU kernel: the sweep checks that the rule itself is there) or ``"open"``
-(the sweep found a wrong result that is not fixed yet; listed in the README, not run). ``grad=False``
+(the sweep found a wrong result that is not fixed yet; listed in docs/dtensor.md, not run). ``grad=False``
 entries with a ``reason`` compare values only (no CPU kernel for the backward).
 
 One module per op family (``unary``, ``activations``, ``scalars``, ``binary``, ``select``,

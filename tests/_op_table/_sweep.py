@@ -148,7 +148,7 @@ def sweep(mesh_shape: Tuple[int, ...], names: Optional[Sequence[str]] = None,
             continue
         rng = np.random.default_rng(zlib.crc32(c.name.encode()))
         arrays = [_array(a, rng) for a in c.inputs]
-        if c.status == "open":              # a known wrong result, listed in the README; not run
+        if c.status == "open":              # a known wrong result, listed in docs/dtensor.md; not run
             continue
         if c.status == "cpu_kernel":
             if c.prim not in registered_ops():
