@@ -2,9 +2,10 @@
 
 Three faults on rank 1, after a few all-reduces on a DeviceMesh: it raises (``raise``), it is
 killed with SIGKILL (``kill``), or it hangs in ``time.sleep`` while rank 0 enters the next
-all-reduce (``hang``); and two in a 2-stage pipeline step, while rank 0 waits in ``recv``:
-rank 1's stage raises (``stage-raise``) or rank 1 is killed (``stage-kill``); for these the
-table is followed by what each rank ended with, and when. Each fault runs twice: under ``msrun`` (seconds from the fault to
+all-reduce (``hang``); and three in a 2-stage pipeline step, while rank 0 waits in ``recv``:
+rank 1's stage raises (``stage-raise``), rank 1 is killed (``stage-kill``) or its stage hangs
+(``stage-hang``); the table is followed by what each rank ended with (its error, or the message
+of the communication watchdog, ``HPMS_COMM_TIMEOUT``). Each fault runs twice: under ``msrun`` (seconds from the fault to
 msrun's exit, to every worker having exited and to every process msrun started having
 exited, and msrun's exit code) and under the test harness
 (``hyper_parallel_ms.testing.run_on_ranks`` with a short timeout: seconds until it raises
@@ -13,28 +14,33 @@ The environment is passed on to msrun, so MindSpore's timeouts can be compared: 
 ``MS_NODE_TIMEOUT=5`` (seconds) the scheduler gives up on a dead rank, and a rank waiting in a
 CPU collective gives up on its peer, after about 5 s instead of about 30 s; the same limit then
 fails a healthy job whose ranks reach a collective more than 5 s apart (scenario ``late``).
+``--overhead`` instead times a point-to-point round trip on 2 ranks under the harness, with the
+watchdog on and off (``HPMS_COMM_TIMEOUT=0``).
 
 Example::
 
     PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --cap 180 --harness-timeout 20
     PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --scenarios stage-raise,stage-kill --harness-grace 90
     MS_NODE_TIMEOUT=5 PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --launchers msrun
+    PYTHONPATH=$PWD .venv/bin/python scripts/fault_timings.py --overhead
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Optional, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = ("raise", "kill", "hang")
-STAGE_SCENARIOS = ("stage-raise", "stage-kill")      # a pipeline stage fails mid-step
+STAGE_SCENARIOS = ("stage-raise", "stage-kill", "stage-hang")      # a pipeline stage fails mid-step
 LATE_SECONDS = 10.0  # scenario "late" (no fault): rank 1 reaches the all-reduce this much later
 POLL = 0.2  # seconds between process checks
 
@@ -79,9 +85,9 @@ def inject_fault(scenario: str, out_dir: str) -> float:
 
 def inject_stage_fault(scenario: str, out_dir: str) -> float:
     """A 2-stage 1F1B pipeline (4 micro-batches): one good step, then rank 1's stage raises
-    (``stage-raise``) or is killed with SIGKILL (``stage-kill``) in its second forward of the
-    next step, while rank 0 waits in ``recv`` for a gradient. Each rank writes the first line of
-    the error it ends with, and when (``error.<rank>``)."""
+    (``stage-raise``), is killed with SIGKILL (``stage-kill``) or hangs (``stage-hang``) in its
+    second forward of the next step, while rank 0 waits in ``recv`` for a gradient. Each rank
+    writes the first line of the error it ends with, and when (``error.<rank>``)."""
     import numpy as np
     import mindspore as ms
     from mindspore import communication, nn, ops
@@ -100,6 +106,8 @@ def inject_stage_fault(scenario: str, out_dir: str) -> float:
                 _write(out_dir, "fault", repr(time.time()))
                 if scenario == "stage-kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                while scenario == "stage-hang":
+                    time.sleep(3600)
                 raise RuntimeError("fault injected in rank 1's stage forward")
             return ops.tanh(self.dense(x))
 
@@ -107,6 +115,7 @@ def inject_stage_fault(scenario: str, out_dir: str) -> float:
     rank = communication.get_rank()
     _write(out_dir, f"pid.{rank}", os.getpid())
     cell = Stage()
+    cell.update_parameters_name(f"stage{rank}.")      # the stages' parameters have distinct names
     schedule = Schedule1F1B(PipelineStage(cell, rank, 2, mesh=mesh), 4, lambda out, y: ((out - y) ** 2).mean())
     x = ms.Tensor(np.ones((8, 8), np.float32))
     try:
@@ -174,16 +183,44 @@ def _worker_pids(out_dir: str) -> Set[int]:
     return pids
 
 
-def _rank_errors(out_dir: str) -> str:
-    """What each rank of a stage scenario ended with (``error.<rank>``), seconds after the fault."""
+def _note_exits(out_dir: str, exits: Dict[int, float], now: float) -> None:
+    """Record in ``exits`` when each worker (by rank) was first seen gone."""
+    for rank in range(2):
+        pid = _read_float(os.path.join(out_dir, f"pid.{rank}"))
+        if pid is not None and rank not in exits and not _alive(int(pid)):
+            exits[rank] = now
+
+
+def _watchdog_messages(out_dir: str) -> Dict[int, str]:
+    """The communication watchdog's message of each rank, found in the logs under ``out_dir``."""
+    found: Dict[int, str] = {}
+    for folder, _, files in os.walk(out_dir):
+        for name in files:
+            try:
+                with open(os.path.join(folder, name), errors="replace") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            for match in re.finditer(r"\[hyper_parallel_ms watchdog\] rank (\d+): (.*?)(; ending this rank|$)", text,
+                                     re.M):
+                found.setdefault(int(match.group(1)), match.group(2))
+    return found
+
+
+def _rank_errors(out_dir: str, exits: Dict[int, float]) -> str:
+    """What each rank ended with, seconds after the fault: its error (``error.<rank>``) or its
+    watchdog's message (timed by the rank's exit)."""
     fault, found = _read_float(os.path.join(out_dir, "fault")), []
+    watchdog = _watchdog_messages(out_dir)
     for rank in range(2):
         try:
             with open(os.path.join(out_dir, f"error.{rank}")) as f:
                 when, message = f.read().split(" ", 1)
+            found.append(f"rank {rank} at {_seconds(float(when), fault).strip()} s: {message}")
         except (OSError, ValueError):
-            continue
-        found.append(f"rank {rank} at {_seconds(float(when), fault).strip()} s: {message}")
+            if rank in watchdog:
+                found.append(f"rank {rank} exits at {_seconds(exits.get(rank), fault).strip()} s: watchdog: "
+                             f"{watchdog[rank]}")
     return "; ".join(found) or "-"
 
 
@@ -207,10 +244,12 @@ def time_msrun(scenario: str, port: int, cap: float, work: str) -> Dict[str, str
     with open(os.path.join(out_dir, "msrun.log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     started: Set[int] = set()
+    exits: Dict[int, float] = {}
     msrun_end = workers_end = all_end = None
     deadline = time.time() + cap
     while time.time() < deadline:
         now = time.time()
+        _note_exits(out_dir, exits, now)
         if proc.poll() is None:
             started |= _descendants(proc.pid)
         elif msrun_end is None:
@@ -238,7 +277,7 @@ def time_msrun(scenario: str, port: int, cap: float, work: str) -> Dict[str, str
             "to workers exited": _seconds(workers_end, fault) if workers_end else over,
             "to all exited": _seconds(all_end, fault) if all_end else over,
             "exit": f"rc={rc}" + (" (killed at cap)" if msrun_end is None else ""),
-            "errors": _rank_errors(out_dir), "logs": log_dir}
+            "errors": _rank_errors(out_dir, exits), "logs": log_dir}
 
 
 # ---------------------------------------------------------------- under the test harness
@@ -249,6 +288,15 @@ def time_harness(scenario: str, timeout: float, work: str) -> Dict[str, str]:
     os.makedirs(out_dir)
     get_pool(2)  # started before the clock matters: the fault time is written by rank 1
     raised, outcome = None, "returned (no failure)"
+    exits: Dict[int, float] = {}
+    running = threading.Event()
+    running.set()
+
+    def follow() -> None:  # the workers' exits while run_on_ranks waits
+        while running.is_set():
+            _note_exits(out_dir, exits, time.time())
+            time.sleep(POLL)
+    threading.Thread(target=follow, daemon=True).start()
     try:
         job = inject_stage_fault if scenario.startswith("stage-") else inject_fault
         run_on_ranks(job, 2, scenario, out_dir, timeout=timeout)
@@ -258,11 +306,13 @@ def time_harness(scenario: str, timeout: float, work: str) -> Dict[str, str]:
         outcome = "RankFailure: " + ", ".join(line.split(":")[0] for line in str(exc).splitlines()
                                               if line.startswith("rank ") and line.split(":")[0].split()[-1]
                                               in ("raised", "died", "hung"))
+    running.clear()
     workers = _worker_pids(out_dir)
     workers_exited = all_exited = None
     end = time.time() + 60
     while time.time() < end and all_exited is None:  # the pool's scheduler and ranks are children of this process
         now = time.time()
+        _note_exits(out_dir, exits, now)
         if workers_exited is None and not any(_alive(p) for p in workers):
             workers_exited = now
         if not any(_alive(p) for p in _descendants(os.getpid())):
@@ -271,8 +321,65 @@ def time_harness(scenario: str, timeout: float, work: str) -> Dict[str, str]:
     fault = _read_float(os.path.join(out_dir, "fault"))
     return {"fault": scenario, "launcher": f"run_on_ranks(timeout={timeout:.0f})",
             "to launcher exit": _seconds(raised, fault), "to workers exited": _seconds(workers_exited, fault),
-            "to all exited": _seconds(all_exited, fault), "exit": outcome, "errors": _rank_errors(out_dir),
+            "to all exited": _seconds(all_exited, fault), "exit": outcome, "errors": _rank_errors(out_dir, exits),
             "logs": out_dir}
+
+
+# ---------------------------------------------------------------- the watchdog's cost
+def p2p_round_trips(count: int, blocks: int) -> Dict[str, List[float]]:
+    """Seconds per point-to-point call (a send or a recv of 8 floats) over ``count`` round trips
+    between 2 ranks, in ``blocks`` blocks counted by the watchdog alternating with as many not
+    counted (the same processes: the machine's load changes less between them than between runs);
+    and the seconds one round of the watchdog thread takes."""
+    import numpy as np
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.comm import _watchdog
+    from hyper_parallel_ms.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_local_rank()
+    x = ms.Tensor(np.ones(8, np.float32))
+    times: Dict[str, List[float]] = {"on": [], "off": []}
+    dog = None
+    for block in range(2 * blocks + 2):
+        state = "on" if block % 2 == 0 else "off"
+        if dog is not None:
+            _watchdog._dogs[0] = dog if state == "on" else None      # pylint: disable=protected-access
+        start = time.perf_counter()
+        for _ in range(count):
+            if me == 0:
+                comm.send(x, mesh, "pp", dst=1)
+                comm.recv(x, mesh, "pp", src=1)
+            else:
+                comm.recv(x, mesh, "pp", src=0)
+                comm.send(x, mesh, "pp", dst=0)
+        dog = dog or _watchdog._dogs[0]                              # pylint: disable=protected-access
+        if block >= 2:                      # the first two are a warm-up
+            times[state].append((time.perf_counter() - start) / (2 * count))
+    _watchdog._dogs[0] = dog                                          # pylint: disable=protected-access
+    start = time.perf_counter()
+    for _ in range(100):
+        dog._publish(time.time())                                     # pylint: disable=protected-access
+        dog.check(time.time())
+    times["round"] = [(time.perf_counter() - start) / 100]
+    return times
+
+
+def time_overhead(count: int, blocks: int = 30) -> None:
+    """Print the time per p2p call with the watchdog counting and not (on one fresh pair of ranks):
+    the median and fastest block of each, and the median difference of neighbouring blocks."""
+    from hyper_parallel_ms.testing import RankPool
+    with RankPool(2) as pool:
+        times = pool.run(p2p_round_trips, count, blocks)[0]
+    for state in ("off", "on"):
+        runs = sorted(t * 1e6 for t in times[state])
+        print(f"watchdog {state}: {runs[len(runs) // 2]:.1f} us per p2p call on rank 0 (median of {len(runs)} blocks "
+              f"of {count} round trips, alternating; fastest {runs[0]:.1f} us)")
+    diffs = sorted((on - off) * 1e6 for on, off in zip(times["on"], times["off"]))
+    print(f"on - off, block by block: median {diffs[len(diffs) // 2]:+.1f} us per call "
+          f"(quartiles {diffs[len(diffs) // 4]:+.1f}, {diffs[3 * len(diffs) // 4]:+.1f})")
+    print(f"one round of the watchdog thread (every {0.25} s): {times['round'][0] * 1e6:.0f} us", flush=True)
 
 
 def _print_table(rows: List[Dict[str, str]]) -> None:
@@ -300,11 +407,16 @@ def main() -> int:
                              "a long grace shows what the surviving ranks do by themselves")
     parser.add_argument("--harness-timeout", type=float,
                         default=float(os.environ.get("HPMS_TEST_TIMEOUT", "20")))
+    parser.add_argument("--overhead", type=int, nargs="?", const=500, default=None, metavar="ROUND_TRIPS",
+                        help="time p2p calls with the watchdog on and off instead (default 500 round trips)")
     parser.add_argument("--rank-job", choices=SCENARIOS + STAGE_SCENARIOS + ("late",), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_job:
         _rank_main(args.rank_job, args.out)
+        return 0
+    if args.overhead is not None:
+        time_overhead(args.overhead)
         return 0
     if args.harness_grace is not None:
         from hyper_parallel_ms.testing import _pool

@@ -1,5 +1,6 @@
 """Point-to-point send / recv: exchanges both ways on 2 CPU ranks (the order a pipeline plan
-gives them), CommDebugMode counts, refusals; and their rows in the capability table."""
+gives them), CommDebugMode counts, the watchdog's counts on the rank's board, refusals; and their
+rows in the capability table."""
 from __future__ import annotations
 
 import mindspore as ms
@@ -17,6 +18,17 @@ def test_point_to_point_rows_in_the_capability_table():
             cap = CAPABILITIES[(device, kind)]
             assert cap.path == "native" and "PyNative only" in cap.how
             assert f"| {device} | {kind} | native | {cap.how} |" in table()
+
+
+def _board_counts(mesh) -> tuple:
+    """(sends to, receives from) the other rank of ``mesh``'s "pp" dim counted on this rank's board."""
+    from hyper_parallel_ms.comm import _watchdog
+    from hyper_parallel_ms.comm._board import BoardView, key_hash
+
+    group = mesh.comm_group("pp")
+    me, peer = group.ranks[group.rank], group.ranks[1 - group.rank]
+    view = BoardView.read(_watchdog._dogs[0].board.path)          # pylint: disable=protected-access
+    return view.count(key_hash(f"s:{group.name}:{me}>{peer}")), view.count(key_hash(f"r:{group.name}:{peer}>{me}"))
 
 
 def _values(rank: int, step: int, dtype) -> ms.Tensor:
@@ -48,6 +60,8 @@ def test_send_recv_both_ways_on_two_ranks():
     assert mode.total_bytes("send") == 2 * 6 * 4 and mode.total_bytes("recv") == 0
     assert {(r.mesh_dim, r.group_size, r.path) for r in mode.records} == {("pp", 2, "native")}
 
+    # each call is counted once on this rank's board, for the watchdog (a recv by the receiver, a send by the sender)
+    sends, receives = _board_counts(mesh)
     for dtype in (ms.bool_, ms.int64, ms.bfloat16, ms.float64):      # bool travels as uint8
         if me == 0:
             comm.send(_values(0, 3, dtype), mesh, "pp", dst=1)
@@ -56,6 +70,7 @@ def test_send_recv_both_ways_on_two_ranks():
             assert got.dtype == dtype
             np.testing.assert_array_equal(got.astype(ms.float64).asnumpy(),
                                           _values(0, 3, dtype).astype(ms.float64).asnumpy())
+    assert _board_counts(mesh) == ((sends + 4, receives) if me == 0 else (sends, receives + 4))
 
     # a runtime can execute a plan's lists as they are: each RECV gets what its SEND sent
     from hyper_parallel_ms.pipelining import SEND_F, build_plan

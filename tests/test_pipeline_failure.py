@@ -5,11 +5,19 @@ one with its own error, every other one with a PipelineError naming it, no rank 
 message left unread (an unread message would be taken as data by the next collective). The
 runtime's Channel runs the protocol, over queues instead of MindSpore's send / recv. Every
 schedule, 2 to 4 ranks, as many and one more micro-batches as ranks, a failure at every action
-of every rank (before it runs, so a failed RECV leaves its message unread)."""
+of every rank (before it runs, so a failed RECV leaves its message unread).
+
+A rank that hangs or dies sends no abort: on 2 CPU ranks (a pool of their own, with a 3 s
+``HPMS_COMM_TIMEOUT``), the communication watchdog ends the rank waiting for it, naming it and
+the call it waited in."""
 from __future__ import annotations
 
+import os
 import queue
+import re
+import signal
 import threading
+import time
 from typing import Dict, List, Optional
 
 import pytest
@@ -109,3 +117,80 @@ def test_a_failure_at_any_action_ends_the_step_on_every_rank_with_no_message_lef
                 error = outcome[other]
                 assert isinstance(error, PipelineError), (rank, action, other, error)
                 assert f"pp rank {rank} at {action}: RuntimeError: fault at {action}" in str(error), str(error)
+
+
+TIMEOUT = 3.0       # HPMS_COMM_TIMEOUT of the ranks below
+
+
+def _stage_hangs_or_dies(fault: str, where: str) -> None:
+    """Two 1F1B steps on 2 ranks (4 micro-batches); in the second, rank 1 hangs in its stage's
+    forward of micro-batch 1 while rank 0 waits in a RECV for its gradient (``fault="hang"``), or
+    is killed with SIGKILL as it enters the step's closing agreement, an all-reduce over the pp
+    mesh that rank 0 waits in (``fault="kill"``). Rank 1 writes when to ``where``."""
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from tests._pipeline_models import batch, make_schedule
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    schedule, _ = make_schedule("1F1B", mesh, 4)
+    runtime = schedule._runtime                      # pylint: disable=protected-access  (fault injection)
+    forward, agreement, armed = runtime._forward, _failure.failure_messages, [False]
+
+    def fault_now() -> None:
+        with open(where, "w") as f:
+            f.write(repr(time.time()))
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+
+    def faulty_forward(s: int, m: int) -> None:
+        if armed[0] and fault == "hang" and m == 1:
+            fault_now()
+        forward(s, m)
+
+    def faulty_agreement(mesh_, message):
+        if armed[0] and fault == "kill":
+            fault_now()
+        return agreement(mesh_, message)
+
+    first = mesh.get_local_rank() == 0
+    if not first:
+        runtime._forward, _failure.failure_messages = faulty_forward, faulty_agreement
+    for step in range(2):
+        x, y = batch(step, 8)
+        armed[0] = step == 1
+        schedule.step(*((x,) if first else ()), target=None if first else y)
+
+
+@pytest.mark.parametrize("fault", ["hang", "kill"])
+def test_a_rank_that_hangs_or_dies_ends_the_rank_waiting_for_it_naming_it(fault, tmp_path, monkeypatch):
+    """Rank 0 ends (exit code 124) within the timeout of rank 1 hanging, at once when it is
+    killed, with a message naming rank 1 and the call it waited in (a pipeline RECV; the step's
+    closing all-reduce). Without the watchdog rank 0 waited in MindSpore for 60 s (a RECV) or
+    30 s (the all-reduce), and its error named neither."""
+    from hyper_parallel_ms.testing import RankFailure, RankPool, _pool
+
+    monkeypatch.setenv("HPMS_COMM_TIMEOUT", str(TIMEOUT))
+    if fault == "hang":
+        monkeypatch.setattr(_pool, "FAILURE_GRACE", 1.0)  # once rank 0 has ended, the hung rank 1 is not waited for
+    where = str(tmp_path / "fault")
+    with RankPool(2) as pool:
+        with pytest.raises(RankFailure) as info:
+            pool.run(_stage_hangs_or_dies, fault, where, timeout=120)
+    ended = time.time()
+    with open(where) as f:
+        seconds = ended - float(f.read())
+    text = str(info.value)
+    message = text.split("[hyper_parallel_ms watchdog] rank 0: ", 1)[-1].split("\n", 1)[0]
+    assert "rank 0 exited with code 124" in text and "watchdog" in text, text
+    if fault == "hang":
+        found = re.search(r"^rank 1 stopped answering: this rank waits for rank 1 in recv #\d+ from rank 1 over mesh "
+                          r"dim 'pp' \[pipeline 0RECV_B1 of pp rank 0, from pp rank 1\]; rank 1 \(pid \d+, alive\) has "
+                          r"issued no communication call for (\d+\.\d) s and has not reached that call; it is at "
+                          r".*test_pipeline_failure.py:\d+ in fault_now", message)
+        assert found and TIMEOUT <= float(found.group(1)) < TIMEOUT + 3, message
+        assert "rank 1 hung" in text and seconds < TIMEOUT + 1.0 + 6, (seconds, text)
+    else:
+        assert re.search(r"^rank 1 is gone: this rank waits for rank 1 in all_reduce \(call #\d+ over mesh dim 'pp', "
+                         r"ranks \[0, 1\]\) \[the pipeline step's closing agreement, over the pp mesh\], and its "
+                         r"process \(pid \d+\) exited before it reached that call", message), message
+        assert "rank 1 exited with code -9" in text and seconds < 6, (seconds, text)

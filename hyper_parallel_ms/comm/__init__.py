@@ -23,6 +23,10 @@ Every dtype goes through exactly: on CPU integers, bool and float64 travel in fl
 ``send`` / ``recv`` (:mod:`._p2p`) move one tensor between two ranks of a mesh dimension, in
 PyNative only and without a backward (pipeline schedules send gradients as actions of their own).
 
+On a cluster every call made in PyNative is counted for the communication watchdog
+(:mod:`._watchdog`): a rank waiting for a peer that stopped answering (``HPMS_COMM_TIMEOUT``
+seconds, default 20; ``0`` turns it off) or whose process is gone ends, naming the peer and the call.
+
 On a simulated mesh (``init_device_mesh(..., simulate=...)``) nothing runs: each call is
 checked and recorded exactly as on the cluster (the record ``CommDebugMode`` gets, with the
 path of the simulated device) and returns a placeholder of the output's shape and dtype
@@ -47,6 +51,7 @@ from ..placement import REDUCE_OPS
 from . import _composed, _exact, _native, _simulated, _traffic
 from ._broadcast import broadcast as _broadcast
 from ._p2p import recv, send
+from ._watchdog import arrive
 from .capability import CAPABILITIES, COLLECTIVES, POINT_TO_POINT, force_path, select_path, table
 from .debug import CommDebugMode, CommRecord, record
 
@@ -180,6 +185,8 @@ def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize:
             "PyNative, or use a size along the scattered dim that gives every rank at least one slice")
     if call.record is not None:
         record(call.record)
+        if not compiling and not call.group.simulated:
+            arrive(kind, call.group, call.record.mesh_dim)
     return call
 
 

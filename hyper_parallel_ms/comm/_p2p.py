@@ -8,7 +8,9 @@ can deadlock, as :mod:`hyper_parallel_ms.pipelining` orders its actions. bool tr
 (MCCL refuses bool). Every call is counted by ``CommDebugMode`` (``recv`` with 0 bytes sent).
 On a simulated mesh nothing is sent: ``send`` is recorded and handed to the simulation's
 exchange, ``recv`` returns what the exchange gives (by default zeros of ``x``'s shape and
-dtype; see :mod:`._simulated`).
+dtype; see :mod:`._simulated`). On a cluster each call is counted by the communication
+watchdog (:mod:`._watchdog`): a ``recv`` whose sender hangs or dies ends the rank with a message
+naming the sender.
 
 Example (2 ranks on a 1-D mesh)::
 
@@ -25,13 +27,15 @@ import mindspore as ms
 
 from .._mindspore import is_compiling, p2p_recv, p2p_send
 from . import _simulated
+from ._watchdog import arrive
 from .debug import CommRecord, record
 
 __all__ = ["send", "recv"]
 
 
 def _peer(kind: str, x, mesh, mesh_dim, peer: int, what: str):
-    """The group, after checking the call; records it in active CommDebugModes."""
+    """The group, after checking the call; records it in active CommDebugModes and, on a
+    cluster, counts it for the watchdog."""
     if is_compiling():
         raise NotImplementedError(f"{kind} runs in PyNative only (MindSpore's point-to-point calls have no "
                                   "graph-mode kernel here); call it outside ms.jit / GRAPH_MODE")
@@ -44,9 +48,12 @@ def _peer(kind: str, x, mesh, mesh_dim, peer: int, what: str):
                          f"(0..{n - 1}, this rank is {group.rank}), got {peer!r}")
     names = mesh.mesh_dim_names
     index = mesh.dim_index(mesh_dim)
+    dim_name = names[index] if names else str(index)
     sent = prod(x.shape) * x.itemsize if kind == "send" else 0
-    record(CommRecord(kind, names[index] if names else str(index), n, "native", sent, sent, tuple(x.shape),
+    record(CommRecord(kind, dim_name, n, "native", sent, sent, tuple(x.shape),
                       str(x.dtype), group=group.ranks, peer=group.ranks[peer]))
+    if not group.simulated:
+        arrive(kind, group, dim_name, peer)
     return group
 
 
