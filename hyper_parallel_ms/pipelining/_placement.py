@@ -5,7 +5,7 @@
 * ``"v"`` (ZBV, DualPipeV): stages go down the ranks and back up, a V: rank ``r`` holds stages
   ``r`` and ``2 pp - 1 - r``, so the last rank holds the two middle stages and rank 0 the first and
   the last stage. More stages repeat the V (ranks ``0..pp-1``, then ``pp-1..0``, then again), so any
-  even number of stages per rank has a V placement.
+  number of stages per rank has a V placement (an odd number ends on a downward leg, as PyTorch's).
 
 Pure Python.
 
@@ -33,11 +33,11 @@ def stage_to_rank(style: str, pp: int, num_stages: int) -> Tuple[int, ...]:
         style: ``"loop"`` (stage s on rank s % pp) or ``"v"`` (down the ranks and back: rank r holds
             r and 2 pp - 1 - r, and with more stages the same V again).
         pp: the number of pipeline ranks.
-        num_stages: the number of stages (a multiple of ``pp``; an even multiple for ``"v"``).
+        num_stages: the number of stages (a multiple of ``pp``).
 
     Raises:
         ValueError: ``pp`` or ``num_stages`` not a positive int, stages that do not divide over the
-            ranks, an odd number of stages per rank for ``"v"``, or another ``style``.
+            ranks, or another ``style``.
 
     Example:
         >>> stage_to_rank("v", pp=2, num_stages=4)
@@ -53,13 +53,8 @@ def stage_to_rank(style: str, pp: int, num_stages: int) -> Tuple[int, ...]:
     if style == "loop":
         return tuple(s % pp for s in range(num_stages))
     if style == "v":
-        per_rank = num_stages // pp
-        if per_rank % 2:
-            fits = " or ".join(str(k * pp) for k in (per_rank - 1, per_rank + 1) if k)
-            raise ValueError(f"the V placement holds an even number of stages per rank (down the {pp} ranks and "
-                             f"back), got {num_stages} stages for {pp} ranks ({per_rank} per rank); use {fits} "
-                             f"stages, or the loop placement")
-        # stages go down the ranks in even legs of the V, back up in odd ones
+        # stages go down the ranks in even legs of the V, back up in odd ones (an odd number of stages
+        # per rank ends on a downward leg, as PyTorch's mapping does)
         return tuple(s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(num_stages))
     raise ValueError(f"unknown stage placement {style!r}; expected one of {PLACEMENTS}")
 
