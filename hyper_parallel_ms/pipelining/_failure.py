@@ -17,7 +17,7 @@
 A rank that hangs or dies sends no abort: the communication watchdog
 (:mod:`hyper_parallel_ms.comm._watchdog`) ends every rank waiting for it (in a RECV, in the
 agreement, or in a collective inside a stage), naming it and the call, at once for a dead rank
-on the same host and after ``HPMS_COMM_TIMEOUT`` seconds (20) of silence for a hung one. A failed
+on the same host and after ``HPMS_COMM_TIMEOUT`` seconds (20 on CPU ranks) of silence for a hung one. A failed
 transfer (MindSpore's "Send failed" after its node timeout, about 30 s on CPU, where the
 watchdog is off or cannot see the peer) aborts with ``ABORT_LOST``, reads nothing more and skips
 the agreement, which a dead rank would never join. Sends are assumed to return before their
