@@ -15,8 +15,9 @@ setup(
     python_requires=">=3.9,<3.12",
     install_requires=["mindspore>=2.8,<2.11", "numpy>=1.21,<2"],  # 2.7 has no per-tensor op hook
     extras_require={
-        # the suite builds the docs (tests/test_docs.py), so the test extra holds the docs tools too
-        "test": ["pytest>=7", "sphinx>=7", "myst-parser>=2"],
+        # the suite builds the docs (tests/test_docs.py), so the test extra holds the docs tools too;
+        # scripts/test.sh runs the test files on two pytest workers (pytest-xdist)
+        "test": ["pytest>=7", "pytest-xdist>=3", "sphinx>=7", "myst-parser>=2"],
         "docs": ["sphinx>=7", "myst-parser>=2"],
     },
     license="Apache-2.0",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mindspore import nn
 
+from hyper_parallel_ms import _mindspore as seam
 from hyper_parallel_ms.testing import multi_rank
 from tests._pipeline_models import (ATOL, RTOL, RUNTIME_SCHEDULES, STAGES_PER_RANK, Model, batch, loss_fn,
                                     make_schedule)
@@ -380,6 +381,13 @@ def test_stage_arguments_and_mismatched_stages_are_named():
                                            r"Cell takes") as info:
         pl.ScheduleInterleaved1F1B(stages, 4, loss_fn).step(x, target=y)
     assert isinstance(info.value.__cause__, ValueError)          # MindSpore's error, chained
+    # the failed step dropped its records, the open one of the failed forward included: a later
+    # gradient call and recorded block leave nothing recording outside them
+    probe, px = nn.Dense(6, 3), ms.Tensor(np.ones((2, 6), np.float32))
+    ms.grad(lambda v: probe(v).sum())(px)
+    with seam.taped():
+        probe(px)
+    assert probe(px)._grad_node is None
     stages = [pl.PipelineStage(Named("c", nn.Dense(5, 8)), 0, 1)]
     with pytest.raises(RuntimeError, match=r"stage 0 failed to run its forward on micro-batch 0: .*its inputs have "
                                            r"shapes \[\(2, 6\)\], micro-batch 0 of the batch given to step\(\); the "

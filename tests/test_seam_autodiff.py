@@ -237,6 +237,30 @@ def test_contract_an_error_inside_taped_call_leaves_the_executor_usable():
         seam.discard_grad_recording()         # the failed call leaves MindSpore recording (contract below)
 
 
+def test_contract_a_failed_taped_call_leaves_a_record_open_until_discard_tapes():
+    """The record a failed taped_call leaves open (so that earlier ones still differentiate) takes in
+    every later op once a gradient call and a taped block have run; discard_tapes (what a failed pipeline step calls) drops
+    it, and the executor records only inside taped blocks again."""
+    stage, bad = nn.Dense(6, 8), nn.Dense(5, 4)
+    x = Tensor(np.ones((2, 6), np.float32))
+
+    def two_stages(v):
+        return bad(stage(v))                 # 8 features into a Dense of 5: MindSpore raises
+
+    def recorded_outside_a_taped_block() -> bool:
+        ms.grad(lambda v: stage(v).sum())(x)
+        with seam.taped():
+            stage(x)
+        return stage(x)._grad_node is not None
+
+    assert not recorded_outside_a_taped_block()
+    with pytest.raises(ValueError):
+        seam.taped_call(two_stages, x)
+    assert recorded_outside_a_taped_block()     # the open record: a silent leak without discard_tapes
+    seam.discard_tapes()
+    assert not recorded_outside_a_taped_block()
+
+
 class _Mlp(nn.Cell):
     def __init__(self):
         super().__init__()

@@ -123,8 +123,8 @@ from __future__ import annotations
 from ._release import (ADOPTED_REACH_HOOK, HOOK_ERRORS_REACH_CALLER, LIST_ARGS_REACH_HOOK, MINDSPORE_VERSION,
                        OVERLOAD_OPS_CALLABLE)
 from .abstract import GRAD_ENTRY_POINTS, abstract_run, has_custom_bprop, numpy_dtype, stride_free_view
-from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_recording, no_grad, random_state,
-                       recompute_eagerly, set_random_state,
+from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_recording, discard_tapes, no_grad,
+                       random_state, recompute_eagerly, set_random_state,
                        recompute_in_graph, recomputing, recording_gradients, saved_tensors_hooks, tape_backward,
                        taped, taped_call, tensor_address)
 from .compiling import (graph_of_its_own, cached_in_python, cell_per_call_site, cell_subclass, check_compiled_calls,
@@ -150,7 +150,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "guard_mindspore_for", "reject_in_compiled_args", "check_compiled_calls", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
            "deferred_parameter", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
-           "taped", "taped_call", "tape_backward", "discard_grad_recording",
+           "taped", "taped_call", "tape_backward", "discard_grad_recording", "discard_tapes",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad",
            "recording_gradients", "tensor_address",

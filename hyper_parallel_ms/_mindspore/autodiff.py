@@ -29,7 +29,8 @@ from mindspore import Tensor
 from ._active import ACTIVE_RUNS
 
 __all__ = ["SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address", "taped", "taped_call",
-           "tape_backward", "discard_grad_recording", "RECOMPUTE_CONTEXT_FN", "recompute_eagerly", "recomputing",
+           "tape_backward", "discard_grad_recording", "discard_tapes", "RECOMPUTE_CONTEXT_FN", "recompute_eagerly",
+           "recomputing",
            "recompute_in_graph", "random_state", "set_random_state"]
 
 
@@ -155,6 +156,24 @@ def discard_grad_recording() -> None:
     from mindspore.common.api import _pynative_executor
     if _pynative_executor.grad_flag():
         _pynative_executor.clear_res()
+
+
+def discard_tapes() -> None:
+    """Drop every record :func:`taped_call` keeps, and the half-recorded one a failed call leaves
+    open (kept so that earlier records still differentiate): a caller that gives up all its
+    records (a failed pipeline step) must, or the open record takes in every later op of the
+    process and breaks the next recorded call.
+
+    Example::
+
+        try:
+            out = taped_call(stage, x)
+        except Exception:
+            discard_tapes()
+            raise
+    """
+    from mindspore.common.api import _pynative_executor
+    _pynative_executor.clear_res()
 
 
 # ------------------------------------------------------------ recompute (activation checkpointing)

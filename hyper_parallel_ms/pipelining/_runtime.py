@@ -29,7 +29,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from .._mindspore import discard_grad_recording, no_grad, tape_backward, taped_call
+from .._mindspore import discard_tapes, no_grad, tape_backward, taped_call
 from ..comm._simulated import RunFirst
 from . import _fsdp_actions
 from ._action import B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action, ScheduleError
@@ -181,7 +181,7 @@ class Runtime:
             self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
         self.failed = error is not None
         if self.failed:
-            discard_grad_recording()       # the failed forward's record: later in-place updates must still work
+            discard_tapes()       # the step's records and a failed forward's open one: later ops must not be taped
         end_step(self._channel, self.plan, actions, at, error)
         if self.profile:
             ms.runtime.synchronize()
