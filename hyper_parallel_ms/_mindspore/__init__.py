@@ -128,6 +128,7 @@ from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_re
                        recompute_in_graph, recomputing, recording_gradients, saved_tensors_hooks, tape_backward,
                        taped, taped_call, tensor_address)
 from .compiling import (graph_of_its_own, cached_in_python, cell_per_call_site, cell_subclass, check_compiled_calls,
+                        reading_class,
                         constant_id, constant_of, refuse_while_compiling,
                         compile_argument_checks, compiling_graph_code, is_compiling, reject_in_compiled_args, run_first_call_checks,
                         run_in_python, running_eagerly)
@@ -145,7 +146,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "OVERLOAD_OPS_CALLABLE",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "hooks_off",
            "as_subclass",
-           "plain_view", "adopt", "graph_of_its_own", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site", "constant_id", "constant_of", "refuse_while_compiling", "is_compiling", "running_eagerly",
+           "plain_view", "adopt", "graph_of_its_own", "cell_subclass", "reading_class", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site", "constant_id", "constant_of", "refuse_while_compiling", "is_compiling", "running_eagerly",
            "compiling_graph_code",
            "guard_mindspore_for", "reject_in_compiled_args", "check_compiled_calls", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",

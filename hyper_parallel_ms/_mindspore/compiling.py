@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from ._release import F, _graph_api
 from .swaps import Swap, swap_entry_points
 
-__all__ = ["graph_of_its_own", "cell_subclass", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site",
+__all__ = ["graph_of_its_own", "cell_subclass", "reading_class", "run_first_call_checks", "cached_in_python", "run_in_python", "cell_per_call_site",
            "constant_id", "constant_of", "refuse_while_compiling",
            "is_compiling", "running_eagerly", "compiling_graph_code", "compile_argument_checks",
            "reject_in_compiled_args"]
@@ -82,6 +82,28 @@ def cell_subclass(name: str, bases: Tuple[type, ...], namespace: Dict[str, Any])
         # MindSpore's own Cell properties are its Python-side bookkeeping, never compiled
         if owner is not cls and isinstance(value, property) and not _defined_by_mindspore(value):
             setattr(cls, attr, value)
+    return cls
+
+
+def reading_class(cache: Dict[tuple, type], base: type, attrs: Tuple[str, ...],
+                  read: Callable[[str], property], **extra: Any) -> type:
+    """The :func:`cell_subclass` of the Cell class ``base`` that reads each of ``attrs`` (sorted)
+    through ``read(attr)``, a property, with the class attributes ``extra``; made once per
+    ``(base, attrs)`` in ``cache`` (a class swap of many Cells of one kind shares one class).
+
+    >>> class A:
+    ...     w = 1
+    >>> cache = {}
+    >>> B = reading_class(cache, A, ("w",), lambda a: property(lambda self: 2))
+    >>> B().w, reading_class(cache, A, ("w",), None) is B
+    (2, True)
+    """
+    key = (base, attrs)
+    cls = cache.get(key)
+    if cls is None:
+        namespace = {a: read(a) for a in attrs}
+        namespace.update(__module__=base.__module__, __qualname__=base.__qualname__, **extra)
+        cls = cache[key] = cell_subclass(base.__name__, (base,), namespace)
     return cls
 
 

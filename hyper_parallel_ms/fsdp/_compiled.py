@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence, Tuple
 
-from .._mindspore import cell_subclass, compiling_graph_code
+from .._mindspore import compiling_graph_code, reading_class
 from ..nn._hooks import SUMMED_PREFIX
 from ._group import shared_gather
 
@@ -69,10 +69,6 @@ def gathering_class(base: type, attrs: Sequence[str]) -> type:
 
         holder.__class__ = gathering_class(type(holder), ["weight", "bias"])
     """
-    key = (base, tuple(sorted(attrs)))
-    if key not in _CLASSES:
-        summed = getattr(base, "_hpms_summed", ())    # a SequenceParallel Cell's reads sum their gradients
-        namespace = {a: _gathered(a, a in summed) for a in key[1]}
-        namespace.update(__module__=base.__module__, __qualname__=base.__qualname__, _hpms_gathered=key[1])
-        _CLASSES[key] = cell_subclass(base.__name__, (base,), namespace)
-    return _CLASSES[key]
+    attrs = tuple(sorted(attrs))
+    summed = getattr(base, "_hpms_summed", ())    # a SequenceParallel Cell's reads sum their gradients
+    return reading_class(_CLASSES, base, attrs, lambda a: _gathered(a, a in summed), _hpms_gathered=attrs)

@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Tuple
 
 from mindspore import Tensor, nn
 
-from .._mindspore import as_subclass, cell_subclass, compiling_graph_code, tensor_hook
+from .._mindspore import as_subclass, compiling_graph_code, reading_class, tensor_hook
 
 __all__ = ["ForeignPiece", "guarded_class", "check_known_readers", "READERS_ATTR", "GUARD_ATTR"]
 
@@ -122,13 +122,7 @@ def guarded_class(base: type, attrs: Iterable[str]) -> type:
 
         dense.__class__ = guarded_class(type(dense), ["weight", "bias"])
     """
-    key = (base, tuple(sorted(attrs)))
-    cached = _GUARDED.get(key)
-    if cached is None:
-        namespace = {a: _guarded(a) for a in key[1]}
-        namespace.update(__module__=base.__module__, __qualname__=base.__qualname__)
-        cached = _GUARDED[key] = cell_subclass(base.__name__, (base,), namespace)
-    return cached
+    return reading_class(_GUARDED, base, tuple(sorted(attrs)), _guarded)
 
 
 _GUARDED: Dict[tuple, type] = {}

@@ -21,7 +21,7 @@ from mindspore import Tensor, nn, ops
 
 from .. import comm
 from .._mindspore import (as_subclass, cell_per_call_site, cell_subclass, constant_id, constant_of, is_compiling, plain_view,
-                          run_in_python, tensor_hook)
+                          reading_class, run_in_python, tensor_hook)
 from ..dtensor import DTensor
 from ..layout import Layout
 from ..redistribute import LocalRedistribute, plan_global_shape, plan_layouts
@@ -304,14 +304,9 @@ def summing_class(base: type, attrs) -> type:
 
         norm.__class__ = summing_class(type(norm), ["gamma", "beta"])
     """
-    key = (base, tuple(sorted(attrs)))
-    cached = _SUMMING.get(key)
-    if cached is None:
-        namespace = {a: _summed(a) for a in key[1]}
-        namespace.update(__module__=base.__module__, __qualname__=base.__qualname__,
-                         _hpms_summed=tuple(getattr(base, "_hpms_summed", ())) + key[1])
-        cached = _SUMMING[key] = cell_subclass(base.__name__, (base,), namespace)
-    return cached
+    attrs = tuple(sorted(attrs))
+    return reading_class(_SUMMING, base, attrs, _summed,
+                         _hpms_summed=tuple(getattr(base, "_hpms_summed", ())) + attrs)
 
 
 _SUMMING: Dict[tuple, type] = {}
