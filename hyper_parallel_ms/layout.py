@@ -421,6 +421,26 @@ class Layout:
             out.append(-1 if not mapped else mapped[0] if len(mapped) == 1 else mapped)
         return tuple(out)
 
+    def repeat_num(self) -> int:
+        """HyperParallel's: how many ranks hold each piece, the mesh size over the sizes of the
+        mesh dims that shard a tensor dim (a Partial or Replicate mesh dim repeats pieces).
+
+        Example:
+            >>> Layout((2, 4), (Shard(0), Replicate())).repeat_num()
+            4
+        """
+        return prod(self.mesh_shape) // prod(n for n, p in zip(self.mesh_shape, self.placements) if p.is_shard())
+
+    def get_global_shape(self, slice_shape: Sequence[int]) -> Shape:
+        """HyperParallel's name for :meth:`even_global_shape`: ``slice_shape`` times the shard
+        counts (a DTensor's ``layout`` answers its true global shape, uneven pieces included).
+
+        Example:
+            >>> Layout((2, 2), (Shard(0), Replicate())).get_global_shape((3, 4))
+            (6, 4)
+        """
+        return self.even_global_shape(slice_shape)
+
     def partial_dims(self) -> Tuple[Tuple[int, str], ...]:
         """``(mesh_dim, reduce_op)`` for every Partial placement."""
         return tuple((a, p.reduce_op) for a, p in enumerate(self.placements) if isinstance(p, Partial))

@@ -34,6 +34,7 @@ from mindspore import Tensor
 from .. import _mindspore as _ms_seam
 from ..placement import Placement, Replicate
 from ..redistribute import gradient_layout, redistribution, replicate_partials
+from ._layout_view import tensor_layout
 from ._optimizer import elementwise_step_on_pieces
 from ._run_check import check_local_shapes, check_replicas_equal
 from ._spec import DTensorSpec, to_layout
@@ -281,8 +282,10 @@ class DTensor(Tensor):
 
     @property
     def layout(self):
-        """The :class:`~hyper_parallel_ms.layout.Layout` (placements, shard order)."""
-        return self._dt_spec.layout
+        """The :class:`~hyper_parallel_ms.layout.Layout` (placements, shard order), bound to the
+        mesh and global shape for HyperParallel's queries (``rank_list``, ``get_split_id``, ...)."""
+        spec = self._dt_spec
+        return tensor_layout(spec.layout, spec.mesh, spec.shape)
 
     @property
     def spec(self) -> DTensorSpec:

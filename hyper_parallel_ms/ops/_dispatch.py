@@ -252,7 +252,7 @@ def _run(func, rebuild, kwargs: dict, inputs, local_inputs, decision: "_Decision
 def _decide(name: str, inputs: tuple, kwargs: dict, attrs: tuple, mesh) -> _Decision:
     template = next(spec_of(a).layout for a in inputs if spec_of(a) is not None)
     replicated = replicate_all(template)
-    described = tuple(TensorArg(a.layout, a.shape) if spec_of(a) is not None else
+    described = tuple(TensorArg(spec_of(a).layout, a.shape) if spec_of(a) is not None else
                       TensorArg(replicated, tuple(a.shape), is_dtensor=False) if isinstance(a, Tensor) else a
                       for a in inputs)
     schema = OpSchema(name, described, tuple(sorted(kwargs.items())), attrs)

@@ -1,0 +1,83 @@
+"""The HyperParallel 1.0 module paths MindFormers 2.1.0's PyNative stack imports, and for each
+name the object of this library that serves it (``"module:attr"`` under ``hyper_parallel_ms``),
+or ``None``: the name is HyperParallel's but not provided here yet (using it raises
+:class:`~hyper_parallel_ms.compat.NotProvidedError`).
+
+Example:
+    >>> HYPER_PARALLEL_NAMES["hyper_parallel.core.fully_shard.api"]["HSDPModule"]
+    'fsdp:FSDPModule'
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Dict, Optional
+
+__all__ = ["HYPER_PARALLEL_NAMES", "alias_packages"]
+
+_PIPELINE = {"PipelineStage": "pipelining:PipelineStage", "ScheduleGPipe": "pipelining:ScheduleGPipe",
+             "Schedule1F1B": "pipelining:Schedule1F1B", "ScheduleInterleaved1F1B": "pipelining:ScheduleInterleaved1F1B"}
+_DTENSOR = {"DTensor": "dtensor:DTensor", "distribute_tensor": "dtensor:distribute_tensor"}
+_PLACEMENTS = {"Placement": "placement:Placement", "Shard": "placement:Shard", "Replicate": "placement:Replicate",
+               "Partial": "placement:Partial"}
+
+# HyperParallel module path -> {name: "module:attr" of hyper_parallel_ms, or None: not provided yet}
+HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
+    "hyper_parallel": {
+        **_DTENSOR, **_PLACEMENTS, **_PIPELINE, "DeviceMesh": "mesh:DeviceMesh",
+        "init_device_mesh": "mesh:init_device_mesh", "SkipDTensorDispatch": "dtensor:SkipDTensorDispatch",
+        "shard_module": "nn:shard_module", "ShardingPlan": "nn:ShardingPlan", "fully_shard": "fsdp:fully_shard",
+        "Layout": "layout:Layout",
+    },
+    "hyper_parallel.core.dtensor": dict(_DTENSOR),
+    "hyper_parallel.core.dtensor.dtensor": dict(_DTENSOR),
+    "hyper_parallel.core.dtensor.placement_types": dict(_PLACEMENTS),
+    "hyper_parallel.core.dtensor.layout": {"Layout": "layout:Layout", "_infer_slice_area_by_rank": None},
+    "hyper_parallel.core.dtensor.redistribute_infer": {"DevMat": None, "RedistributionOperatorInfer": None},
+    "hyper_parallel.core.shard.sharding_plan": {"ShardingPlan": "nn:ShardingPlan"},
+    "hyper_parallel.core.fully_shard.api": {
+        "fully_shard": "fsdp:fully_shard", "HSDPModule": "fsdp:FSDPModule",
+        "MixedPrecisionPolicy": "fsdp:MixedPrecisionPolicy"},
+    "hyper_parallel.core.fully_shard.utils": {"OffloadPolicy": "fsdp:OffloadPolicy",
+                                              "CPUOffloadPolicy": "fsdp:CPUOffloadPolicy"},
+    "hyper_parallel.core.pipeline_parallel": dict(_PIPELINE),
+    "hyper_parallel.core.pipeline_parallel.scheduler": {"MetaStepType": None},
+    "hyper_parallel.core.pipeline_parallel.hook_coordinator": {"HookCoordinator": None, "HookRole": None},
+    "hyper_parallel.core.pipeline_parallel.comm_compute_overlap": {"CommComputeOverlap": None},
+    # HyperParallel's checkpoint_wrapper(context_fn=, early_stop=, output_recompute=) and swap_wrapper
+    # (a policy_fn answering CheckpointPolicy) differ from this library's (training.checkpoint_wrapper,
+    # training.swap_wrapper): not mapped until they take those arguments.
+    "hyper_parallel.core.activation_checkpoint": {
+        "CheckpointPolicy": None, "SwapManager": None, "checkpoint_exclude_wrapper": None,
+        "checkpoint_wrapper": None, "swap_wrapper": None},
+    "hyper_parallel.core.context_parallel.context_parallel": {"ContextParallel": None},
+    "hyper_parallel.core.context_parallel.async_context_parallel": {"AsyncContextParallel": None},
+    "hyper_parallel.core.context_parallel.dsa_context_parallel": {
+        "DSAIndexerContextParallel": None, "DSAIndexerLossContextParallel": None,
+        "DSASequenceReplicateCache": None, "DSASparseAttentionContextParallel": None},
+    "hyper_parallel.core.context_parallel.async_dsa_context_parallel": {
+        "AsyncDSAIndexerContextParallel": None, "AsyncDSAIndexerLossContextParallel": None,
+        "AsyncDSASparseAttentionContextParallel": None},
+    "hyper_parallel.custom_ops.experimental": dict.fromkeys((
+        "npu_dense_lightning_indexer_grad_kl_loss", "npu_dense_lightning_indexer_softmax_lse",
+        "npu_lightning_indexer", "npu_mhc_post", "npu_mhc_pre_sinkhorn", "npu_sparse_flash_mla",
+        "npu_sparse_flash_mla_grad", "npu_sparse_lightning_indexer_grad_kl_loss",
+        "npu_sparse_lightning_indexer_kl_loss_grad")),
+    "hyper_parallel.platform": {"get_platform": None},
+    "hyper_parallel.platform.mindspore.autograd_compat": {"enable_mindspore_backward_compat": None},
+    "hyper_parallel.platform.mindspore.pipeline_parallel._utils": {"_MicroBatch": None},
+}
+
+
+@lru_cache(maxsize=None)
+def alias_packages() -> frozenset:
+    """Every module path the alias serves: the table's and their parent packages.
+
+    Example:
+        >>> "hyper_parallel.core" in alias_packages()
+        True
+    """
+    paths = set()
+    for path in HYPER_PARALLEL_NAMES:
+        parts = path.split(".")
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(paths)

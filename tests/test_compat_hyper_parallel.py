@@ -1,0 +1,123 @@
+"""hyper_parallel_ms.compat: ``alias_hyper_parallel()`` serves HyperParallel 1.0's module paths
+(the ones MindFormers 2.1.0's PyNative stack imports) with this library's objects, refuses to hide
+a real ``hyper_parallel``, and names what is not provided yet. In the pytest process, no ranks."""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+
+import hyper_parallel_ms as hp
+from hyper_parallel_ms.compat import HYPER_PARALLEL_NAMES, NotProvidedError, alias_hyper_parallel
+from hyper_parallel_ms.compat._alias import _remove_alias
+
+# Every ``hyper_parallel`` import of MindFormers 2.1.0's mindformers/pynative/ (module path, names),
+# read from its sources; the schedules are MindFormers' _SCHEDULE_REGISTRY (importlib + getattr).
+MINDFORMERS_IMPORTS = [
+    ("hyper_parallel", ("DTensor", "DeviceMesh", "PipelineStage", "SkipDTensorDispatch", "init_device_mesh",
+                        "shard_module")),
+    ("hyper_parallel.core.dtensor", ("DTensor",)),
+    ("hyper_parallel.core.dtensor.dtensor", ("DTensor", "distribute_tensor")),
+    ("hyper_parallel.core.dtensor.placement_types", ("Placement", "Shard", "Replicate", "Partial")),
+    ("hyper_parallel.core.dtensor.layout", ("_infer_slice_area_by_rank",)),
+    ("hyper_parallel.core.dtensor.redistribute_infer", ("DevMat", "RedistributionOperatorInfer")),
+    ("hyper_parallel.core.shard.sharding_plan", ("ShardingPlan",)),
+    ("hyper_parallel.core.fully_shard.api", ("HSDPModule", "MixedPrecisionPolicy", "fully_shard")),
+    ("hyper_parallel.core.fully_shard.utils", ("OffloadPolicy", "CPUOffloadPolicy")),
+    ("hyper_parallel.core.pipeline_parallel", ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleGPipe")),
+    ("hyper_parallel.core.pipeline_parallel.scheduler", ("MetaStepType",)),
+    ("hyper_parallel.core.pipeline_parallel.hook_coordinator", ("HookCoordinator", "HookRole")),
+    ("hyper_parallel.core.pipeline_parallel.comm_compute_overlap", ("CommComputeOverlap",)),
+    ("hyper_parallel.core.activation_checkpoint", ("CheckpointPolicy", "SwapManager", "checkpoint_exclude_wrapper",
+                                                   "checkpoint_wrapper", "swap_wrapper")),
+    ("hyper_parallel.core.context_parallel.context_parallel", ("ContextParallel",)),
+    ("hyper_parallel.core.context_parallel.async_context_parallel", ("AsyncContextParallel",)),
+    ("hyper_parallel.core.context_parallel.dsa_context_parallel", (
+        "DSAIndexerContextParallel", "DSAIndexerLossContextParallel", "DSASequenceReplicateCache",
+        "DSASparseAttentionContextParallel")),
+    ("hyper_parallel.core.context_parallel.async_dsa_context_parallel", (
+        "AsyncDSAIndexerContextParallel", "AsyncDSAIndexerLossContextParallel",
+        "AsyncDSASparseAttentionContextParallel")),
+    ("hyper_parallel.custom_ops.experimental", (
+        "npu_dense_lightning_indexer_grad_kl_loss", "npu_dense_lightning_indexer_softmax_lse", "npu_lightning_indexer",
+        "npu_mhc_post", "npu_mhc_pre_sinkhorn", "npu_sparse_flash_mla", "npu_sparse_flash_mla_grad",
+        "npu_sparse_lightning_indexer_grad_kl_loss", "npu_sparse_lightning_indexer_kl_loss_grad")),
+    ("hyper_parallel.platform", ("get_platform",)),
+    ("hyper_parallel.platform.mindspore.autograd_compat", ("enable_mindspore_backward_compat",)),
+    ("hyper_parallel.platform.mindspore.pipeline_parallel._utils", ("_MicroBatch",)),
+]
+IMPORTS = [(module, name) for module, names in MINDFORMERS_IMPORTS for name in names]
+PROVIDED = {
+    "DTensor": hp.DTensor, "DeviceMesh": hp.DeviceMesh, "PipelineStage": hp.PipelineStage,
+    "SkipDTensorDispatch": hp.SkipDTensorDispatch, "init_device_mesh": hp.init_device_mesh,
+    "shard_module": hp.shard_module, "distribute_tensor": hp.distribute_tensor, "Placement": hp.Placement,
+    "Shard": hp.Shard, "Replicate": hp.Replicate, "Partial": hp.Partial, "ShardingPlan": hp.ShardingPlan,
+    "HSDPModule": hp.FSDPModule, "MixedPrecisionPolicy": hp.MixedPrecisionPolicy, "fully_shard": hp.fully_shard,
+    "OffloadPolicy": hp.OffloadPolicy, "CPUOffloadPolicy": hp.CPUOffloadPolicy, "Schedule1F1B": hp.Schedule1F1B,
+    "ScheduleInterleaved1F1B": hp.ScheduleInterleaved1F1B, "ScheduleGPipe": hp.ScheduleGPipe,
+}
+
+
+@pytest.fixture
+def aliased():
+    alias_hyper_parallel()
+    yield
+    _remove_alias()
+
+
+def test_the_table_covers_every_mindformers_import():
+    assert {(m, n) for m, names in HYPER_PARALLEL_NAMES.items() for n in names} >= set(IMPORTS)
+
+
+@pytest.mark.parametrize("module,name", [i for i in IMPORTS if i[1] in PROVIDED], ids="{0[0]}:{0[1]}".format)
+def test_a_mindformers_import_gets_this_librarys_object(aliased, module, name):
+    namespace = {}
+    exec(f"from {module} import {name}", namespace)
+    assert namespace[name] is PROVIDED[name]
+    assert getattr(importlib.import_module(module), name) is PROVIDED[name]
+
+
+@pytest.mark.parametrize("module,name", [i for i in IMPORTS if i[1] not in PROVIDED], ids="{0[0]}:{0[1]}".format)
+def test_a_name_not_provided_yet_says_so(aliased, module, name):
+    assert HYPER_PARALLEL_NAMES[module][name] is None
+    with pytest.raises(NotProvidedError, match=rf"{module}\.{name} \(HyperParallel\) is not provided yet"):
+        exec(f"from {module} import {name}", {})
+
+
+def test_unknown_paths_and_names_are_refused_by_name(aliased):
+    with pytest.raises(ModuleNotFoundError, match=r"hyper_parallel\.core\.nothing \(HyperParallel\) is not provided"):
+        importlib.import_module("hyper_parallel.core.nothing")
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        getattr(importlib.import_module("hyper_parallel"), "nothing")
+
+
+def test_alias_is_idempotent_and_opt_in():
+    assert "hyper_parallel" not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("hyper_parallel")
+    alias_hyper_parallel()
+    try:
+        alias_hyper_parallel()
+        assert sum(type(f).__name__ == "_Finder" for f in sys.meta_path) == 1
+        import hyper_parallel  # pylint: disable=import-outside-toplevel
+        assert hyper_parallel.DeviceMesh is hp.DeviceMesh and hyper_parallel.core.dtensor.dtensor.DTensor is hp.DTensor
+    finally:
+        _remove_alias()
+    assert "hyper_parallel" not in sys.modules
+
+
+def test_alias_refuses_an_imported_hyper_parallel(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hyper_parallel", types.ModuleType("hyper_parallel"))
+    with pytest.raises(RuntimeError, match="already imported"):
+        alias_hyper_parallel()
+
+
+def test_alias_refuses_an_installed_hyper_parallel(monkeypatch, tmp_path):
+    (tmp_path / "hyper_parallel").mkdir()
+    (tmp_path / "hyper_parallel" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="is installed .*Uninstall it"):
+        alias_hyper_parallel()
+    assert "hyper_parallel" not in sys.modules
