@@ -20,6 +20,9 @@ reads the rank from the mesh, so styles, ``fully_shard``, pipeline stages and ch
 built on it are rank ``rank``'s; collectives over it are recorded (``CommDebugMode``), not run,
 and return tensors of the right shape and dtype (zeros). Sub-meshes and meshes built while
 :func:`hyper_parallel_ms._cluster.simulating` a world belong to the same simulated world.
+Communication goes through the mesh's :attr:`DeviceMesh.exchange` (the cluster's, or the
+simulated world's): the layers above ``comm`` ask its properties (:attr:`DeviceMesh.holds_values`),
+never whether the mesh is simulated.
 
 Example:
     >>> from hyper_parallel_ms.mesh import init_device_mesh
@@ -36,13 +39,15 @@ import numpy as np
 from . import _cluster, _mesh_context
 from ._cluster import CommGroup, World
 from ._mesh_context import current_mesh, get_current_mesh
+from ._mesh_hyper import HyperParallelMeshMixin
+from .comm._exchange import Exchange, exchange_of
 
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "mesh_world"]
 
 MeshDim = Union[int, str]
 
 
-class DeviceMesh:
+class DeviceMesh(HyperParallelMeshMixin):
     """Ranks laid out as an n-D array, with names and per-dimension groups.
 
     Args:
@@ -164,6 +169,29 @@ class DeviceMesh:
             True
         """
         return self._world.simulated
+
+    @property
+    def exchange(self) -> Exchange:
+        """How this mesh's ranks exchange data (:mod:`hyper_parallel_ms.comm._exchange`): the
+        cluster's collectives and point-to-point calls, or, on a simulated mesh, the simulated
+        world's (nothing sent). ``comm`` goes through it.
+
+        Example:
+            >>> init_device_mesh("cpu", (1,)).exchange.moves
+            True
+        """
+        return exchange_of(self._world)
+
+    @property
+    def holds_values(self) -> bool:
+        """Whether tensors and parameters on this mesh hold values (``False`` on a simulated mesh:
+        its ranks plan on shapes only, parameters are pieces without data).
+
+        Example:
+            >>> init_device_mesh("npu", (4,), simulate=(4, 1)).holds_values
+            False
+        """
+        return self.exchange.holds_values
 
     @property
     def device_target(self) -> str:

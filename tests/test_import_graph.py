@@ -12,6 +12,7 @@ and why it is no edge between the package's modules.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -22,6 +23,8 @@ DYNAMIC = {
     "hyper_parallel_ms": "the lazy top-level exports (__getattr__): the package __init__'s re-exports",
     "hyper_parallel_ms.testing._worker": "a rank worker imports the module of the test function it runs",
     "hyper_parallel_ms.nn._loss_parallel": "MindSpore's mint.nn modules, none of this package",
+    "hyper_parallel_ms.compat._alias": "the served hyper_parallel names import their hyper_parallel_ms modules "
+                                       "on first use (a leaf: no module of the package imports compat)",
 }
 
 
@@ -144,3 +147,46 @@ def test_function_local_and_reexported_imports_make_cycles(tmp_path):
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.a"] == {"pkg.sub._b"} and graph["pkg.sub._b"] == {"pkg.a"}
     assert find_cycle(graph) == ["pkg.a", "pkg.sub._b", "pkg.a"]
+
+
+# The layers above ``comm``: they reach the cluster only through the mesh's exchange
+# (``hyper_parallel_ms.comm._exchange``) and never ask whether a rank is simulated.
+ABOVE_COMM = ("pipelining", "nn", "fsdp", "checkpoint", "training", "dtensor", "ops", "redistribute")
+SIMULATION_WORDS = re.compile(r"simulat|runfirst|clusterexchange", re.IGNORECASE)
+
+
+def simulation_mentions(root: Path = ROOT, package: str = PACKAGE, layers=ABOVE_COMM) -> List[str]:
+    """``path:line: text`` of every line of ``layers`` (code, comments and docstrings) naming the
+    simulated world or the exchange's implementations, and of every import of the dry run."""
+    found = []
+    for layer in layers:
+        files = sorted((root / package / layer).rglob("*.py"))
+        assert files, f"no module under {package}/{layer}"
+        for path in files:
+            text = path.read_text()
+            for number, line in enumerate(text.splitlines(), 1):
+                if SIMULATION_WORDS.search(line):
+                    found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+            for node in ast.walk(ast.parse(text)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if any("dryrun" in n.split(".") for n in names):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: imports the dry run")
+    return found
+
+
+def test_the_layers_above_comm_never_mention_simulation():
+    """Simulation enters through the mesh's exchange only (DESIGN.md): what differs on a simulated
+    mesh is a property of the exchange (``mesh.holds_values``, ``Exchange.defer_agreement``)."""
+    found = simulation_mentions()
+    assert not found, "the layers above comm mention simulation:\n" + "\n".join(found)
+
+
+def test_simulation_mentions_are_found(tmp_path):
+    """The scan sees a test for simulation, a RunFirst, and an import of the dry run."""
+    layer = tmp_path / "pkg" / "nn"
+    layer.mkdir(parents=True)
+    (layer / "a.py").write_text("def f(mesh):\n    return mesh.is_simulated\n")
+    (layer / "b.py").write_text("from ..comm._x import RunFirst\nfrom ..dryrun import _session\n")
+    found = simulation_mentions(tmp_path, "pkg", ("nn",))
+    assert [f.split(":")[:2] for f in found] == [["pkg/nn/a.py", "2"], ["pkg/nn/b.py", "1"], ["pkg/nn/b.py", "2"]], found

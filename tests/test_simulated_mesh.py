@@ -226,3 +226,61 @@ def test_flattened_dims_are_reachable_from_the_root_mesh():
     four["a", "c"]._flatten("a_c")
     with pytest.raises(KeyError, match="not adjacent"):
         four["a_c", "d"]
+
+
+def test_every_call_over_a_simulated_mesh_goes_through_its_exchange():
+    """The mesh's exchange carries collectives, send / recv, agreements and object gathers: a
+    simulated mesh's is the one entered with ``exchanging`` (else zeros, sends dropped), a lone
+    process's is the cluster's; the layers above ask ``holds_values``, not whether it is simulated."""
+    _cpu()
+    import mindspore as ms
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms._cluster import World, simulating
+    from hyper_parallel_ms.checkpoint._dist import Coordinator
+    from hyper_parallel_ms.comm._agreement import extremes, observing_agreements
+    from hyper_parallel_ms.comm._exchange import ClusterExchange, SimulatedExchange, current_exchange, exchanging
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.nn._consistency import check_same_on_all_ranks
+
+    class Log(SimulatedExchange):
+        def __init__(self):
+            self.calls = []
+
+        def count(self, kind, group, dim, peer=None):
+            self.calls.append(("count", kind, dim, peer))
+
+        def placeholder(self, x, shape):
+            self.calls.append(("placeholder", tuple(shape)))
+            return x.new_ones(tuple(shape))
+
+        def send(self, x, group, dst):
+            self.calls.append(("send", group.ranks[dst]))
+
+        def recv(self, x, group, src):
+            self.calls.append(("recv", group.ranks[src]))
+            return x.new_ones(tuple(x.shape)) * 7
+
+    local = init_device_mesh("cpu", (1,))
+    assert isinstance(local.exchange, ClusterExchange) and local.holds_values and current_exchange().holds_values
+    mesh = init_device_mesh("npu", (2, 2), mesh_dim_names=("dp", "tp"), simulate=(4, 2))
+    assert type(mesh.exchange) is SimulatedExchange and not mesh.holds_values and not mesh.exchange.moves
+    log = Log()
+    x = ms.Tensor(np.zeros((4, 3), np.float32))
+    with exchanging(log):
+        assert mesh.exchange is log and mesh["tp"].exchange is log
+        gathered = comm.all_gather(x, mesh, "tp", dim=0)
+        comm.send(x, mesh, "dp", dst=0)
+        got = comm.recv(x, mesh, "tp", src=1)
+        high, low = extremes(np.array([3.0]), mesh)
+    assert gathered.asnumpy().tolist() == np.ones((8, 3)).tolist() and (got.asnumpy() == 7).all()
+    assert high.tolist() == low.tolist() == [3.0]
+    assert log.calls == [("count", "all_gather", "tp", None), ("placeholder", (8, 3)), ("count", "send", "dp", 0),
+                         ("send", 0), ("count", "recv", "tp", 1), ("recv", 3)]
+    notes = []
+    with observing_agreements(lambda what, m, entries: notes.append((what, m.rank_list, entries))):
+        check_same_on_all_ranks([("fc", "Colwise")], mesh, "parallelize_module")   # noted, compared later
+    assert notes == [("parallelize_module", mesh.rank_list, (("fc", "Colwise"),))]
+    with simulating(World(4, 1, simulated=True, device_type="npu")):
+        assert not current_exchange().holds_values
+        with pytest.raises(NotImplementedError, match="rank 1 of a simulated cluster of 4 ranks cannot exchange"):
+            Coordinator(distributed=True).all_gather({"plan": 1})

@@ -10,11 +10,11 @@ Example:
 """
 from __future__ import annotations
 
-import pickle
 from typing import Any, List, Optional
 
 from .. import _cluster
 from ..comm._agreement import failed_coordinates
+from ..comm._exchange import exchange_of
 from ..mesh import DeviceMesh
 
 __all__ = ["Coordinator"]
@@ -22,8 +22,8 @@ __all__ = ["Coordinator"]
 
 class Coordinator:
     """Rank, world size and object collectives over the world group (PyNative); the world is
-    the current one (:func:`~hyper_parallel_ms._cluster.current_world`: this process's, or a
-    simulated cluster's, whose objects cannot travel)."""
+    the current one (:func:`~hyper_parallel_ms._cluster.current_world`), whose exchange carries the
+    objects (:meth:`~hyper_parallel_ms.comm._exchange.Exchange.all_gather_object`)."""
 
     def __init__(self, distributed: bool) -> None:
         self._place = _cluster.current_world()
@@ -41,14 +41,7 @@ class Coordinator:
         """
         if not self.distributed:
             return [obj]
-        if self._place.simulated:
-            raise NotImplementedError(f"rank {self.rank} of a simulated cluster of {self.world_size} ranks cannot "
-                                      "exchange checkpoint plans with the others: save / load on the cluster, or "
-                                      "plan pieces with the planner's create_local_plan on each simulated rank")
-        from mindspore.mint import distributed as dist
-        out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        return [pickle.loads(data) for data in out]
+        return exchange_of(self._place).all_gather_object(obj, self._place)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (the others' are not sent)."""

@@ -27,10 +27,10 @@ On a cluster every call made in PyNative is counted for the communication watchd
 (:mod:`._watchdog`): a rank waiting for a peer that stopped answering (``HPMS_COMM_TIMEOUT``
 seconds, default 20; ``0`` turns it off) or whose process is gone ends, naming the peer and the call.
 
-On a simulated mesh (``init_device_mesh(..., simulate=...)``) nothing runs: each call is
-checked and recorded exactly as on the cluster (the record ``CommDebugMode`` gets, with the
-path of the simulated device) and returns a placeholder of the output's shape and dtype
-(zeros, or what a simulation's exchange makes: :mod:`._simulated`).
+Every call goes through the mesh's exchange (:mod:`._exchange`): on a simulated mesh
+(``init_device_mesh(..., simulate=...)``) nothing runs: each call is checked and recorded exactly
+as on the cluster (the record ``CommDebugMode`` gets, with the path of the simulated device) and
+returns a placeholder of the output's shape and dtype (zeros, or what a simulation's exchange makes).
 
 Example::
 
@@ -48,10 +48,9 @@ import mindspore as ms
 from .._mindspore import cached_in_python, is_compiling, run_in_python
 from ..layout import chunk_offsets, chunk_sizes
 from ..placement import REDUCE_OPS
-from . import _composed, _exact, _native, _simulated, _traffic
+from . import _composed, _exact, _native, _traffic
 from ._broadcast import broadcast as _broadcast
 from ._p2p import recv, send
-from ._watchdog import arrive
 from .capability import CAPABILITIES, COLLECTIVES, POINT_TO_POINT, force_path, select_path, table
 from .debug import CommDebugMode, CommRecord, record
 
@@ -71,11 +70,12 @@ class _Call:
     empty_output: bool     # some rank's output piece is empty (reduce_scatter / all_to_all chunks)
     on_cpu: bool = False   # native on MindSpore's CPU backend (MCCL: world group, composed backward)
     kept: Tuple[int, int] = (0, 0)   # reduce_scatter / all_to_all: this rank's chunk (offset, length), plain ints
+    moves: bool = True     # the exchange's collectives send data
 
     @property
     def runs(self) -> bool:
-        """Whether anything is sent: a group of several ranks, not simulated."""
-        return self.group.size > 1 and not self.group.simulated
+        """Whether anything is sent: a group of several ranks, over an exchange that moves data."""
+        return self.group.size > 1 and self.moves
 
 
 def _norm_dim(dim: int, ndim: int, what: str) -> int:
@@ -167,7 +167,8 @@ def _plan(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize: in
         size = shape[dim if kind == "reduce_scatter" else split_dim]
         lengths = chunk_sizes(size, n)
         kept, empty_output = (chunk_offsets(size, n)[group.rank], lengths[group.rank]), 0 in lengths
-    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, mesh.device_target == "CPU", kept)
+    return _Call(group, path == "native", dim, sizes or (), rec, empty_output, mesh.device_target == "CPU", kept,
+                 mesh.exchange.moves)
 
 
 @run_in_python
@@ -185,20 +186,25 @@ def _resolve(kind: str, mesh, mesh_dim, shape: Tuple[int, ...], dtype, itemsize:
             "PyNative, or use a size along the scattered dim that gives every rank at least one slice")
     if call.record is not None:
         record(call.record)
-        if not compiling and not call.group.simulated:
-            arrive(kind, call.group, call.record.mesh_dim)
+        if not compiling:
+            mesh.exchange.count(kind, call.group, call.record.mesh_dim)
     return call
 
 
-def _placeholder(x, call: _Call, lengths: Optional[Dict[int, int]] = None):
-    """What a call that sends nothing returns: ``x`` for a one-rank group; on a simulated mesh,
-    zeros of ``x``'s shape (with ``lengths[d]`` along dim ``d``) and dtype."""
+def _placeholder(x, mesh, call: _Call, lengths: Optional[Dict[int, int]] = None):
+    """What a call that sends nothing returns: ``x`` for a one-rank group; else the exchange's
+    placeholder of ``x``'s shape (with ``lengths[d]`` along dim ``d``) and dtype."""
     if call.group.size == 1:
         return x
     shape = list(x.shape)
     for d, length in (lengths or {}).items():
         shape[d] = length
-    return _simulated.placeholder(x, tuple(shape))
+    return _exchanged(mesh, x, tuple(shape))
+
+
+def _exchanged(mesh, x, shape: Tuple[int, ...]):
+    """The placeholder of shape ``shape`` the mesh's exchange gives for a collective on ``x`` that moves nothing."""
+    return mesh.exchange.placeholder(x, shape)
 
 
 def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[int]] = None):
@@ -220,7 +226,7 @@ def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[in
     call = _resolve("all_gather", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim,
                  sizes=None if sizes is None else tuple(sizes))
     if not call.runs:
-        return _placeholder(x, call, {call.dim: sum(call.sizes)})
+        return _placeholder(x, mesh, call, {call.dim: sum(call.sizes)})
     if call.native:
         if call.on_cpu:
             return _composed.world_all_gather(x, call.dim, call.sizes, call.group)
@@ -243,7 +249,7 @@ def all_reduce(x, mesh, mesh_dim=0, *, op: str = "sum"):
     """
     call = _resolve("all_reduce", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, op=op)
     if not call.runs:
-        return _placeholder(x, call)
+        return _placeholder(x, mesh, call)
     if call.native:
         return _native.all_reduce(x, op, call.group)
     return _composed.all_reduce(x, op, call.group)
@@ -265,7 +271,7 @@ def reduce_scatter(x, mesh, mesh_dim=0, *, dim: int = 0, op: str = "sum"):
     """
     call = _resolve("reduce_scatter", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, dim=dim, op=op)
     if not call.runs:
-        return _placeholder(x, call, {call.dim: call.kept[1]})
+        return _placeholder(x, mesh, call, {call.dim: call.kept[1]})
     if call.native:
         return _native.reduce_scatter(x, call.dim, op, call.group, call.kept)
     return _composed.reduce_scatter(x, call.dim, op, call.group, call.kept)
@@ -294,7 +300,7 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
                  sizes=None if concat_sizes is None else tuple(concat_sizes), split_dim=split_dim)
     split = split_dim % x.ndim
     if not call.runs:
-        return _placeholder(x, call, {split: call.kept[1], call.dim: sum(call.sizes)})
+        return _placeholder(x, mesh, call, {split: call.kept[1], call.dim: sum(call.sizes)})
     if call.native:
         return _native.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
     return _composed.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
@@ -315,5 +321,5 @@ def broadcast(x, mesh, mesh_dim=0, *, src: int = 0):
     """
     call = _resolve("broadcast", mesh, mesh_dim, x.shape, x.dtype, x.itemsize, src=src)
     if not call.runs:
-        return _placeholder(x, call)
+        return _placeholder(x, mesh, call)
     return _broadcast(x, src, call.group, call.native)

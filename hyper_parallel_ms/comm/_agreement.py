@@ -7,8 +7,9 @@ with max and min over every mesh dim in one all-reduce per dim; entries that dif
 where max and min disagree. Every rank sees the same result, so every rank can raise.
 The traffic is bookkeeping: :class:`~hyper_parallel_ms.comm.CommDebugMode` does not record it.
 
-On a simulated mesh the other ranks are not here: :func:`extremes` returns this rank's values
-(it agrees with itself), and what a layer asks the ranks to agree on is handed, through
+The values travel through the mesh's exchange (:meth:`~._exchange.Exchange.extremes`). On a
+simulated mesh the other ranks are not here: :func:`extremes` returns this rank's values (it
+agrees with itself), and what a layer asks the ranks to agree on is handed, through
 :func:`note_agreement`, to the observers entered with :func:`observing_agreements` (a
 simulation compares the ranks' notes once every rank has run, as the cluster would have).
 
@@ -26,10 +27,6 @@ import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-from mindspore import Tensor
-
-from . import all_reduce
-from .debug import unrecorded
 
 __all__ = ["digest", "DIGEST_LENGTH", "extremes", "failed_coordinates", "failure_messages", "note_agreement",
            "observing_agreements"]
@@ -101,15 +98,7 @@ def extremes(values: np.ndarray, mesh) -> Tuple[np.ndarray, np.ndarray]:
 
         high, low = extremes(np.array([float(n_entries)]), mesh)
     """
-    values = np.asarray(values, np.float32).reshape(-1)
-    if mesh.is_simulated:
-        return values, values
-    both = Tensor(np.concatenate([values, -values]))
-    with unrecorded():
-        for dim in range(mesh.ndim):
-            both = all_reduce(both, mesh, dim, op="max")
-    both = both.asnumpy()
-    return both[:len(values)], -both[len(values):]
+    return mesh.exchange.extremes(np.asarray(values, np.float32).reshape(-1), mesh)
 
 
 def failed_coordinates(mesh, failed: bool) -> List[Tuple[int, ...]]:

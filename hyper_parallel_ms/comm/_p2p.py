@@ -5,12 +5,12 @@ as actions of its schedule). Ranks are indices along ``mesh_dim``, as ``broadcas
 ``recv`` blocks until the data arrive; ``send`` may return before the matching ``recv`` is
 posted (MindSpore's CPU backend buffers it) or wait for it: order the calls so that neither
 can deadlock, as :mod:`hyper_parallel_ms.pipelining` orders its actions. bool travels as uint8
-(MCCL refuses bool). Every call is counted by ``CommDebugMode`` (``recv`` with 0 bytes sent).
-On a simulated mesh nothing is sent: ``send`` is recorded and handed to the simulation's
-exchange, ``recv`` returns what the exchange gives (by default zeros of ``x``'s shape and
-dtype; see :mod:`._simulated`). On a cluster each call is counted by the communication
-watchdog (:mod:`._watchdog`): a ``recv`` whose sender hangs or dies ends the rank with a message
-naming the sender.
+(MCCL refuses bool). Every call is counted by ``CommDebugMode`` (``recv`` with 0 bytes sent)
+and goes through the mesh's exchange (:mod:`._exchange`). On a cluster each call is counted by
+the communication watchdog (:mod:`._watchdog`): a ``recv`` whose sender hangs or dies ends the
+rank with a message naming the sender. On a simulated mesh nothing is sent: ``send`` is
+recorded and handed to the simulation's exchange, ``recv`` returns what the exchange gives (by
+default zeros of ``x``'s shape and dtype).
 
 Example (2 ranks on a 1-D mesh)::
 
@@ -25,17 +25,15 @@ from math import prod
 
 import mindspore as ms
 
-from .._mindspore import is_compiling, p2p_recv, p2p_send
-from . import _simulated
-from ._watchdog import arrive
+from .._mindspore import is_compiling
 from .debug import CommRecord, record
 
 __all__ = ["send", "recv"]
 
 
 def _peer(kind: str, x, mesh, mesh_dim, peer: int, what: str):
-    """The group, after checking the call; records it in active CommDebugModes and, on a
-    cluster, counts it for the watchdog."""
+    """The group, after checking the call; records it in active CommDebugModes and counts it
+    on the mesh's exchange (on a cluster, for the watchdog)."""
     if is_compiling():
         raise NotImplementedError(f"{kind} runs in PyNative only (MindSpore's point-to-point calls have no "
                                   "graph-mode kernel here); call it outside ms.jit / GRAPH_MODE")
@@ -52,8 +50,7 @@ def _peer(kind: str, x, mesh, mesh_dim, peer: int, what: str):
     sent = prod(x.shape) * x.itemsize if kind == "send" else 0
     record(CommRecord(kind, dim_name, n, "native", sent, sent, tuple(x.shape),
                       str(x.dtype), group=group.ranks, peer=group.ranks[peer]))
-    if not group.simulated:
-        arrive(kind, group, dim_name, peer)
+    mesh.exchange.count(kind, group, dim_name, peer)
     return group
 
 
@@ -75,15 +72,7 @@ def send(x, mesh, mesh_dim=0, *, dst: int) -> None:
             send(x, mesh, dst=1)                 # rank 1 calls recv(..., src=0)
     """
     group = _peer("send", x, mesh, mesh_dim, dst, "dst")
-    _transmit(x, dst, group)
-
-
-def _transmit(x, dst: int, group) -> None:
-    """Send ``x`` to ``dst`` of ``group`` (a simulated group hands it to the simulation's exchange)."""
-    if group.simulated:
-        _simulated.sent(x, group, dst)
-    else:
-        p2p_send(x.astype(ms.uint8) if x.dtype == ms.bool_ else x, dst, group.name)
+    mesh.exchange.send(x, group, dst)
 
 
 def recv(x, mesh, mesh_dim=0, *, src: int):
@@ -105,14 +94,4 @@ def recv(x, mesh, mesh_dim=0, *, src: int):
             y = recv(ms.ops.zeros((2, 3), ms.float32), mesh, src=0)   # what rank 0 sent
     """
     group = _peer("recv", x, mesh, mesh_dim, src, "src")
-    return _receive(x, src, group)
-
-
-def _receive(x, src: int, group):
-    """What ``src`` of ``group`` sends, of ``x``'s shape and dtype (a simulated group: what the
-    simulation's exchange gives)."""
-    if group.simulated:
-        return _simulated.received(x, group, src)
-    if x.dtype == ms.bool_:
-        return p2p_recv(ms.ops.zeros(x.shape, ms.uint8), src, group.name).astype(ms.bool_)
-    return p2p_recv(ms.ops.zeros(x.shape, x.dtype), src, group.name)
+    return mesh.exchange.recv(x, group, src)

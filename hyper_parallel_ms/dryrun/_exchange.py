@@ -9,7 +9,7 @@ that ran and a function translating the representative's peers to the sender's.
 
 Example::
 
-    exchange = SimulatedExchange()
+    exchange = Mailbox()
     with exchanging(exchange):
         send(header, simulated_mesh, dst=1)         # rank 0
     ...
@@ -24,17 +24,17 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from ..comm._simulated import Exchange, RunFirst
+from ..comm._exchange import NotReady, SimulatedExchange
 from ._abstract import abstract_like, is_abstract
 
-__all__ = ["SimulatedExchange", "MissingMessage"]
+__all__ = ["Mailbox", "MissingMessage"]
 
 _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 StandIn = Callable[[int], Tuple[int, Callable[[int], int]]]
 
 
-class MissingMessage(RunFirst):
+class MissingMessage(NotReady):
     """A rank receives host values from a rank that has not run yet (the simulation runs it first)."""
 
     def __init__(self, sender: int, receiver: int, dtype: Any) -> None:
@@ -43,7 +43,7 @@ class MissingMessage(RunFirst):
         self.sender, self.receiver = sender, receiver
 
 
-class SimulatedExchange(Exchange):
+class Mailbox(SimulatedExchange):
     """Placeholders are shape-only tensors; messages wait in a mailbox keyed by (sender, receiver).
 
     Args:
@@ -52,7 +52,7 @@ class SimulatedExchange(Exchange):
 
     Example::
 
-        exchange = SimulatedExchange()
+        exchange = Mailbox()
         exchange.placeholder(x, (4, 8))          # AbstractTensor((4, 8), x.dtype)
     """
 
@@ -73,11 +73,11 @@ class SimulatedExchange(Exchange):
         self._mail = {k: v for k, v in self._mail.items() if k[0] != rank}
         self._read = {k: v for k, v in self._read.items() if k[0] != rank}
 
-    def sent(self, x: Any, group: Any, dst: int) -> None:
+    def send(self, x: Any, group: Any, dst: int) -> None:
         value = None if is_abstract(x) else np.array(x.asnumpy(), copy=True)
         self._mail.setdefault((group.ranks[group.rank], group.ranks[dst]), []).append(value)
 
-    def received(self, x: Any, group: Any, src: int) -> Any:
+    def recv(self, x: Any, group: Any, src: int) -> Any:
         sender, receiver = group.ranks[src], group.ranks[group.rank]
         count = self._read.get((receiver, sender), 0)
         self._read[receiver, sender] = count + 1

@@ -62,13 +62,13 @@ from .._cluster import World, simulating
 from .._mindspore import abstract_run
 from ..comm import CommDebugMode
 from ..comm._agreement import observing_agreements
-from ..comm._simulated import exchanging
+from ..comm._exchange import exchanging
 from ..mesh import init_device_mesh
 from ..nn._parameter import parameter_sharding
 from ._abstract import abstract_scope, observing_ops
 from ._autodiff import AbstractAutodiff
 from ._checks import RankRun, cross_rank_problems, grouped
-from ._exchange import MissingMessage, SimulatedExchange
+from ._exchange import Mailbox, MissingMessage
 from ._memory import Held, cells_of, memory_of
 from ._report import CommStats, Problem, RankReport, SimulationReport
 
@@ -140,7 +140,7 @@ class _Simulation:
         self.outcomes: Dict[int, _Outcome] = {}
         self.split: Set[int] = set()                 # mesh dims that distinguish ranks
         self.uniform: Set[int] = set()               # mesh dims probed and found not to distinguish ranks
-        self.exchange = SimulatedExchange(self._stand_in)
+        self.exchange = Mailbox(self._stand_in)
         self._running: List[int] = []
         self._stopped: Set[int] = set()               # ranks stopped by a missing message (their mail kept)
 

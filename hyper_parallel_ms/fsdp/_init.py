@@ -3,8 +3,8 @@
 Each deferred parameter gets the value it has eagerly for the same seed: its initialiser is
 replayed from the point of numpy's random stream recorded when the Parameter was made
 (:mod:`hyper_parallel_ms._deferred`), so the order in which this runs does not matter.
-Inside a simulation (a simulated world, see :func:`hyper_parallel_ms.dryrun.simulate`) nothing is
-initialised: the parameters stay without data. Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
+Where the current world's exchange holds no values (a rank of a dry run, see
+:mod:`hyper_parallel_ms.dryrun`) nothing is initialised: the parameters stay without data. Random streams cannot be cut, so for each sharded parameter this rank runs its initialiser
 once, keeps its piece and drops the rest before the next parameter: the peak is the pieces
 plus the largest single parameter, never the whole model. Random initialisers made under
 MindSpore's own ``no_init_parameters()`` (no record) run from numpy's current state in
@@ -25,8 +25,8 @@ from typing import List
 
 from mindspore import Parameter, Tensor, nn
 
-from .._cluster import current_world
 from .._deferred import check_initial_values, initial_value, initialise, unrecorded_notice
+from ..comm._exchange import current_exchange
 from ._param import fsdp_param
 from ._pieces import cut_piece
 
@@ -66,7 +66,7 @@ def init_parameters(module: nn.Cell, stage_index: int = 0) -> nn.Cell:
     params = _distinct(module)
     records = [fsdp_param(p) for p in params]
     records = [r if r is not None and r.deferred is not None else None for r in records]
-    if current_world().simulated:        # a simulated rank plans: its parameters never get values
+    if not current_exchange().holds_values:     # a rank that plans on shapes: its parameters never get values
         for record in records:
             if record is not None:
                 record.deferred = None

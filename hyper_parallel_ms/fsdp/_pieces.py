@@ -99,11 +99,11 @@ def cut_piece(full: np.ndarray, mesh, sharded: bool, dim: int = 0) -> np.ndarray
 def new_piece(param: Parameter, mesh, sharded: bool, dim: int = 0) -> Parameter:
     """A Parameter with ``param``'s name holding this rank's piece of ``dim`` (normalised; zeros for
     a parameter built under ``no_init_parameters()``, which :func:`init_parameters` fills later; on
-    a simulated mesh a piece without data, never filled), with its records."""
+    a mesh without values a piece without data, never filled), with its records."""
     record, dp_dims = piece_record(param, mesh, sharded, dim)
     if param.has_init:
         shape = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
-        if mesh.is_simulated:
+        if not mesh.holds_values:
             piece = deferred_parameter(shape, param.dtype, param.name, param.requires_grad)
         else:
             piece = Parameter(initializer("zeros", shape, param.dtype), name=param.name,

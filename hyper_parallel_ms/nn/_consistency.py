@@ -4,8 +4,9 @@ that differs (instead of a collective failing or pairing up wrongly later).
 
 Each entry's description is hashed to 60 bits, carried as three 20-bit chunks in float32
 (exact), and reduced with max and min over the mesh: an entry differs where they disagree.
-Every rank sees the same reduction, so every rank raises. On a simulated mesh the entries are
-noted for the simulation to compare once every rank has run (:func:`~..comm._agreement.note_agreement`).
+Every rank sees the same reduction, so every rank raises. A mesh whose exchange sees one rank
+only takes the entries over, to compare once every rank has run
+(:meth:`~..comm._exchange.Exchange.defer_agreement`).
 
 Example::
 
@@ -13,11 +14,11 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple, TypeVar
+from typing import Callable, Sequence, Tuple, TypeVar
 
 import numpy as np
 
-from ..comm._agreement import DIGEST_LENGTH, digest, extremes, note_agreement
+from ..comm._agreement import DIGEST_LENGTH, digest, extremes
 
 __all__ = ["check_same_on_all_ranks", "agreed"]
 
@@ -31,8 +32,7 @@ def check_same_on_all_ranks(entries: Sequence[Tuple[str, str]], mesh, what: str)
     differ between ranks, naming the first entry that differs."""
     if mesh.size() == 1:
         return
-    if mesh.is_simulated:
-        note_agreement(what, mesh, entries)
+    if mesh.exchange.defer_agreement(what, mesh, entries):
         return
     high, low = extremes(np.array([float(len(entries))]), mesh)
     count = int(high[0])

@@ -7,10 +7,11 @@ DTensor (PyNative); :func:`sharded_parameter` cuts a full parameter into its pie
 :class:`ParameterPlacement` describes the cut before it is made (the styles' piece, or a
 ``Parameter(DTensor)`` for ``shard_module`` / ``distribute_module``).
 
-On a simulated mesh (``init_device_mesh(..., simulate=...)``) a parameter becomes a piece of the
-right shape without data (a deferred Parameter): no value of the whole parameter or of the
-piece is computed or sent (a simulated rank plans, it does not train). DTensor parameters
-(``as_dtensor``) hold their values in the DTensor and are refused there.
+On a mesh without values (``mesh.holds_values`` is ``False``: a rank of a dry run,
+:mod:`hyper_parallel_ms.dryrun`) a parameter becomes a piece of the right shape without
+data (a deferred Parameter): no value of the whole parameter or of the piece is computed or sent
+(such a rank plans, it does not train). DTensor parameters (``as_dtensor``) hold their values in
+the DTensor and are refused there.
 
 Example::
 
@@ -94,9 +95,9 @@ def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_
     """A new Parameter with ``param``'s name holding this rank's piece under ``placements``.
     ``src_data_rank``: whose full value is cut (``None``: every rank cuts its own); ``view``: the
     shape the whole parameter is cut in (a reshape of its values, e.g. a fused q/k/v weight
-    ``(3E, E)`` seen as ``(3, E, E)``), which becomes its global shape. On a simulated mesh the
-    piece has no data (a deferred Parameter)."""
-    if mesh.is_simulated:
+    ``(3E, E)`` seen as ``(3, E, E)``), which becomes its global shape. On a mesh without values
+    the piece has no data (a deferred Parameter)."""
+    if not mesh.holds_values:
         spec = DTensorSpec.build(mesh, placements, tuple(view or param.shape))
         local = deferred_parameter(spec.local_shape(), param.dtype, param.name, param.requires_grad)
     else:
@@ -215,11 +216,11 @@ class ParameterPlacement:
     def make(self, param: Parameter) -> Parameter:
         """The new Parameter, with ``param``'s name, cut from ``param``'s values."""
         if self.as_dtensor:
-            if self.mesh.is_simulated:
+            if not self.mesh.holds_values:
                 raise NotImplementedError(
                     f"parameter {param.name!r}: a DTensor parameter (shard_module / distribute_module) holds values, "
-                    "which a simulated rank does not have; place it with parallelize_module's styles or fully_shard "
-                    "to simulate it")
+                    f"which the ranks of {self.mesh!r} do not have (shapes only); place it with parallelize_module's "
+                    "styles or fully_shard to plan it there")
             return Parameter(_distributed(param, self.mesh, self.placements, self.src_data_rank), name=param.name,
                              requires_grad=param.requires_grad)
         return sharded_parameter(param, self.mesh, self.placements, src_data_rank=self.src_data_rank,

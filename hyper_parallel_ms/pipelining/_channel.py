@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import Tensor
 
 from .. import comm
-from ..comm import _simulated as simulated
+from ..comm._exchange import NotReady
 from ..comm._watchdog import note
 from ._action import Action, ActionKind, ScheduleError, TransferFailed
 from ._microbatch import HEADER, fitting_signature, like_tensors
@@ -105,10 +105,11 @@ class Channel:
             return self._read(action, src, expected)
 
     def _read(self, action: Action, src: int, expected: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        if action.kind is ActionKind.RECV_B and self._simulated():
-            # a simulation runs its ranks one after another: a gradient's sender (a later stage) has
-            # not run yet, so its header is received without values and the shapes are the expected ones
-            self._recv(simulated.placeholder(Tensor(np.zeros(_FIELDS + HEADER, np.int64)), (_FIELDS + HEADER,)), src)
+        if action.kind is ActionKind.RECV_B and not self._holds_values():
+            # over an exchange without values a gradient's header is received as a placeholder (its
+            # sender, a later stage, need not have made it yet) and the shapes are the expected ones
+            header = Tensor(np.zeros(_FIELDS + HEADER, np.int64))
+            self._recv(self.mesh.exchange.placeholder(header, (_FIELDS + HEADER,)), src)
             self.read[src] += 1
             return tuple(self._recv(like, src) for like in expected)
         sent, tensors = self._message(src)
@@ -132,23 +133,23 @@ class Channel:
         ``action`` to pp rank ``dst``, in place of the next message ``dst`` expects from here."""
         self._send(_header(status, origin, action, (0,) * HEADER), dst)
 
-    def _simulated(self) -> bool:
-        """Whether the pp mesh is a simulated cluster's (the transport a test puts under the protocol has none)."""
-        return self.mesh is not None and self.mesh.is_simulated
+    def _holds_values(self) -> bool:
+        """Whether the pp mesh's tensors hold values (the transport a test puts under the protocol has no mesh)."""
+        return self.mesh is None or self.mesh.holds_values
 
     def _send(self, tensor: Tensor, dst: int) -> None:
         """The transport (``comm``'s send; a test may put another under the protocol)."""
         try:
             comm.send(tensor, self.mesh, 0, dst=dst)
-        except simulated.RunFirst:
-            raise                  # a simulation's own signal: not a failed transfer
+        except NotReady:
+            raise                  # the exchange's "run the peer first": not a failed transfer, the step runs again
         except Exception as exc:  # noqa: BLE001  (MindSpore's failures, re-raised naming the peer)
             raise TransferFailed(dst, exc) from exc
 
     def _recv(self, like: Tensor, src: int) -> Tensor:
         try:
             return comm.recv(like, self.mesh, 0, src=src)
-        except simulated.RunFirst:
+        except NotReady:
             raise
         except Exception as exc:  # noqa: BLE001
             raise TransferFailed(src, exc) from exc

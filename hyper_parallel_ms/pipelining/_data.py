@@ -1,4 +1,4 @@
-"""What each action needs and makes: the data flow every check and simulation shares.
+"""What each action needs and makes: the data flow every check and timeline shares.
 
 A datum is a small tuple ``(what, stage, microbatch)``:
 
@@ -10,7 +10,7 @@ A datum is a small tuple ``(what, stage, microbatch)``:
 
 A compute action makes its data on its own rank; a RECV makes the datum its SEND carries. The
 parameter actions (UNSHARD, RESHARD, REDUCE_GRAD) need and make none. :func:`costs` gives each
-kind its time in the simulations (compute 1, transfers and parameter actions 0, by default).
+kind its time in the timelines (compute 1, transfers and parameter actions 0, by default).
 
 Example:
     >>> from hyper_parallel_ms.pipelining._action import Action
@@ -72,7 +72,7 @@ def describe(datum: Datum) -> str:
 
 
 def costs(durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[ActionKind, float]:
-    """Time units of each kind a simulation advances a rank's clock by: F, B, I, W 1 and UNSHARD,
+    """Time units of each kind a timeline advances a rank's clock by: F, B, I, W 1 and UNSHARD,
     RESHARD, REDUCE_GRAD 0 unless ``durations`` says otherwise (SEND / RECV take none).
 
     >>> costs({F: 2.0})[F], costs()[UNSHARD]

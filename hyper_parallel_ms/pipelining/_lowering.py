@@ -14,7 +14,7 @@ schedules the same way):
   action (B or W) of each stage: its backwards accumulate unreduced gradients, and this action
   reduces their sum (one reduce-scatter per sharded Cell and step).
 
-The parameter actions take no time in the plan's simulations (unless given a duration) and
+The parameter actions take no time in the plan's timelines (unless given a duration) and
 move no data between ranks; :func:`._validate.validate` checks their order on each rank.
 Pure Python.
 

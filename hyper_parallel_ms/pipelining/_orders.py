@@ -116,7 +116,7 @@ def _ready(stages, kind, next_mb: Dict, n_microbatches: int, made: set, num_stag
 
 def zero_bubble(placement: Tuple[int, ...], pp: int, n_microbatches: int, in_flight_limit: int) -> Order:
     """The zero-bubble list scheduler (see the module docstring) over ``placement``, built by
-    simulating unit-time steps: at most ``in_flight_limit`` forwards per rank whose W is pending.
+    playing unit-time steps: at most ``in_flight_limit`` forwards per rank whose W is pending.
 
     >>> zero_bubble(stage_to_rank("v", 2, 4), 2, 1, 4)[1]
     [1F0, 2F0, 2I0, 1I0, 2W0, 1W0]

@@ -30,7 +30,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from .._mindspore import discard_tapes, no_grad, tape_backward, taped_call
-from ..comm._simulated import RunFirst
+from ..comm._exchange import NotReady
 from . import _fsdp_actions
 from ._action import B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action, ScheduleError
 from ._channel import Channel
@@ -169,8 +169,8 @@ class Runtime:
             results = [self._results[m] for m in sorted(self._results)]
             if merge is not None and results:
                 results = merge(results)
-        except RunFirst:
-            raise                  # a simulation runs the sending rank first, then this step again
+        except NotReady:
+            raise                  # not a failure: the step runs again once the sender has run
         except BaseException as exc:  # noqa: BLE001  (end_step raises it once every rank knows)
             error = exc
         finally:
@@ -239,7 +239,7 @@ class Runtime:
         stages do (a ``RuntimeError`` from it), naming the stage and its inputs' shapes and origin."""
         try:
             return call()
-        except RunFirst:
+        except NotReady:
             raise
         except Exception as exc:  # noqa: BLE001  (any error of the user's Cell or loss_fn)
             origin = input_origin(s, m, self.plan.placement)

@@ -28,8 +28,8 @@ STAGE_MESH = "_hpms_stage_mesh"   # on each stage parameter of a schedule: its p
 
 
 def default_pp_mesh():
-    """A 1-D mesh named "pp" over every rank of the job (of the current world: a simulated
-    cluster's inside a simulation).
+    """A 1-D mesh named "pp" over every rank of the job (of the current world: this
+    process's, or the one a dry run enters).
 
     Example::
 

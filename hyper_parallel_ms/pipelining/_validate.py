@@ -48,7 +48,7 @@ Durations = Optional[Mapping[ActionKind, float]]
 
 @dataclass(frozen=True)
 class Timeline:
-    """When each compute action starts, and how busy each rank is, in one simulated step.
+    """When each compute action starts, and how busy each rank is, in one step played on a timeline.
 
     Args:
         starts: the start time of each compute action.
