@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import datetime
 import warnings
 from typing import Any, List, Optional, Sequence, Union
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from . import _cluster
 from .comm._agreement import digest, extremes
+from .comm._watchdog import set_comm_timeout
 from .mesh import DeviceMesh
 
 __all__ = ["init_process_group", "destroy_process_group", "get_process_group_ranks", "get_backend", "split_group",
@@ -46,8 +48,10 @@ def init_process_group(backend: Optional[str] = None, *, init_method: Optional[s
     Args:
         backend: ``None`` (the device's: HCCL on Ascend, MCCL on CPU) or MindSpore's backend name.
         init_method: must be ``None``: msrun's environment is the rendezvous.
-        timeout: accepted; MindSpore reads it from its environment (``HCCL_EXEC_TIMEOUT``): a value
-            given warns that it is not applied (so do ``pg_options`` and ``device_id``).
+        timeout: how long a rank waits for a silent peer before it ends, naming it (a
+            ``datetime.timedelta`` or seconds): the communication watchdog's ``HPMS_COMM_TIMEOUT``
+            for this process. MindSpore's own collective timeouts stay its environment's
+            (``HCCL_EXEC_TIMEOUT``, ``MS_NODE_TIMEOUT``).
         world_size: ``-1``, or the number of ranks msrun's environment gives (else ``ValueError``).
         rank: ``-1``, or this process's rank in msrun's environment (else ``ValueError``).
         store: must be ``None``, as ``init_method``.
@@ -66,16 +70,23 @@ def init_process_group(backend: Optional[str] = None, *, init_method: Optional[s
             raise TypeError(f"init_process_group {name} must be an int, got {value!r}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"init_process_group backend must be a str or None, got {backend!r}")
-    ignored = [n for n, v in (("timeout", timeout), ("pg_options", pg_options), ("device_id", device_id))
-               if v is not None]
+    seconds = None
+    if timeout is not None:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+            raise ValueError(f"init_process_group timeout must be a positive datetime.timedelta or number of "
+                             f"seconds, got {timeout!r}")
+    ignored = [n for n, v in (("pg_options", pg_options), ("device_id", device_id)) if v is not None]
     if ignored:
         warnings.warn(f"init_process_group: {', '.join(ignored)} not applied: MindSpore reads them from its "
-                      "environment (HCCL_EXEC_TIMEOUT, ms.set_device)", stacklevel=2)
+                      "environment (ms.set_device)", stacklevel=2)
     _cluster.init_world(backend)
     size, me = _cluster.world_size(), _cluster.world_rank()
     if world_size not in (-1, size) or rank not in (-1, me):
         raise ValueError(f"init_process_group(world_size={world_size}, rank={rank}): this process is rank {me} "
                          f"of {size} (msrun's environment); launch with that many workers, or drop the arguments")
+    if seconds is not None:
+        set_comm_timeout(seconds)
 
 
 def destroy_process_group(group: Optional[str] = None) -> None:

@@ -245,8 +245,18 @@ def test_process_groups_by_pytorch_and_hyper_parallel_names():
         init_process_group(world_size=8)
     with pytest.raises(ValueError, match="msrun's environment .* is the rendezvous"):
         init_process_group(init_method="tcp://127.0.0.1:23456")
-    with pytest.warns(UserWarning, match="timeout not applied"):
+    from hyper_parallel_ms.comm import _watchdog
+    try:                                                   # timeout: the watchdog's wait for a silent peer
         init_process_group(timeout=datetime.timedelta(seconds=60))
+        assert _watchdog.comm_timeout() == 60.0
+        assert all(dog is None or dog.timeout == 60.0 for dog in _watchdog._dogs)  # pylint: disable=protected-access
+        with pytest.raises(ValueError, match="timeout must be a positive datetime.timedelta or number of seconds"):
+            init_process_group(timeout=datetime.timedelta(seconds=-1))
+    finally:
+        _watchdog.set_comm_timeout(None)
+    assert _watchdog.comm_timeout() == _watchdog.default_timeout("cpu")
+    with pytest.warns(UserWarning, match="device_id not applied"):
+        init_process_group(device_id=0)
     assert get_process_group_ranks() == [0, 1, 2, 3] and get_group_local_rank() == me
     assert get_backend() == "mccl"
     pair = [[0, 1], [2, 3]][me // 2]

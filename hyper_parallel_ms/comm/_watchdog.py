@@ -49,7 +49,8 @@ from typing import Dict, List, Optional, Tuple
 from ._board import (COMPILING, ENDED, EXITED, HEARTBEAT, PID, PROGRESS, RUNNING, STARTED, STATE, WAITING_ON, Board,
                      BoardView, job_dir, key_hash, process_start_ns, sweep)
 
-__all__ = ["arrive", "note", "comm_timeout", "default_timeout", "Watchdog", "TIMEOUT_ENV", "EXIT_CODE"]
+__all__ = ["arrive", "note", "comm_timeout", "default_timeout", "set_comm_timeout", "Watchdog", "TIMEOUT_ENV",
+           "EXIT_CODE"]
 
 TIMEOUT_ENV = "HPMS_COMM_TIMEOUT"
 DEFAULT_TIMEOUT = 20.0     # seconds on CPU ranks: every rank ends within 30 s of a peer hanging, with room to spare
@@ -89,9 +90,32 @@ def default_timeout(device: str) -> float:
         return HCCL_DEFAULT_TIMEOUT
 
 
+def set_comm_timeout(seconds: Optional[float]) -> None:
+    """Use ``seconds`` of a peer's silence (``init_process_group(timeout=...)``) in place of
+    ``HPMS_COMM_TIMEOUT`` and the default, for this process, a watchdog already running included;
+    ``None`` goes back to them.
+
+    >>> set_comm_timeout(45.0); comm_timeout()
+    45.0
+    >>> set_comm_timeout(None)
+    """
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+            raise ValueError(f"the communication timeout must be a positive number of seconds, got {seconds!r}")
+        seconds = float(seconds)
+    _chosen[:] = [] if seconds is None else [seconds]
+    if _dogs and _dogs[0] is not None:
+        _dogs[0].timeout = seconds if seconds is not None else comm_timeout(_dogs[0].device)
+
+
+_chosen: List[float] = []     # [seconds] given by set_comm_timeout, else []
+
+
 def comm_timeout(device: str = "cpu") -> float:
     """``HPMS_COMM_TIMEOUT`` in seconds (default :func:`default_timeout` of ``device``; ``0`` or
-    ``off``: no watchdog)."""
+    ``off``: no watchdog), or what :func:`set_comm_timeout` chose."""
+    if _chosen:
+        return _chosen[0]
     raw = os.environ.get(TIMEOUT_ENV, "").strip().lower()
     if raw in ("", "default"):
         return default_timeout(device)
@@ -158,8 +182,9 @@ class Watchdog:
         dog.check(time.time())           # None, or the message this rank would end with
     """
 
-    def __init__(self, rank: int, timeout: float, folder: str, local_job: bool) -> None:
+    def __init__(self, rank: int, timeout: float, folder: str, local_job: bool, device: str = "cpu") -> None:
         self.rank, self.timeout, self.folder, self.local_job = rank, timeout, folder, local_job
+        self.device = device
         self.board = Board.create(self._path(rank))
         self.keys: Dict[tuple, _Key] = {}
         self.caller: Optional[int] = None      # the thread that issues the calls (sampled for "where")
@@ -416,11 +441,13 @@ def _watchdog(rank: int) -> Optional[Watchdog]:
     """This process's watchdog, made on first use (``None``: turned off, or no job folder)."""
     if not _dogs:
         from .._cluster import device_type
-        timeout, folder, dog = comm_timeout(device_type()), job_dir(), None
+        device = device_type()
+        timeout, folder, dog = comm_timeout(device), job_dir(), None
         if timeout > 0 and folder:
             try:
                 sweep(folder)
-                dog = Watchdog(rank, timeout, folder, os.environ.get("MS_SCHED_HOST", "") in _LOCAL_HOSTS).start()
+                dog = Watchdog(rank, timeout, folder, os.environ.get("MS_SCHED_HOST", "") in _LOCAL_HOSTS,
+                               device).start()
             except OSError as exc:
                 warnings.warn(f"the communication watchdog is off: its board in {folder} could not be made "
                               f"({exc}); set HPMS_WATCHDOG_DIR to a writable folder", RuntimeWarning, stacklevel=3)
