@@ -25,7 +25,7 @@ PyNative only and without a backward (pipeline schedules send gradients as actio
 
 On a cluster every call made in PyNative is counted for the communication watchdog
 (:mod:`._watchdog`): a rank waiting for a peer that stopped answering (``HPMS_COMM_TIMEOUT``
-seconds, default 20; ``0`` turns it off) or whose process is gone ends, naming the peer and the call.
+seconds, default 20 on CPU ranks and HCCL's execution timeout on NPUs; ``0`` turns it off) or whose process is gone ends, naming the peer and the call.
 
 Every call goes through the mesh's exchange (:mod:`._exchange`): on a simulated mesh
 (``init_device_mesh(..., simulate=...)``) nothing runs: each call is checked and recorded exactly
@@ -199,12 +199,7 @@ def _placeholder(x, mesh, call: _Call, lengths: Optional[Dict[int, int]] = None)
     shape = list(x.shape)
     for d, length in (lengths or {}).items():
         shape[d] = length
-    return _exchanged(mesh, x, tuple(shape))
-
-
-def _exchanged(mesh, x, shape: Tuple[int, ...]):
-    """The placeholder of shape ``shape`` the mesh's exchange gives for a collective on ``x`` that moves nothing."""
-    return mesh.exchange.placeholder(x, shape)
+    return mesh.exchange.placeholder(x, tuple(shape))
 
 
 def all_gather(x, mesh, mesh_dim=0, *, dim: int = 0, sizes: Optional[Sequence[int]] = None):

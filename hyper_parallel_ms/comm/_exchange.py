@@ -76,8 +76,9 @@ class Exchange:
         raise NotImplementedError
 
     def placeholder(self, x: Any, shape: Tuple[int, ...]) -> Any:
-        """The output of shape ``shape`` (``x``'s dtype) of a collective on ``x`` that moves nothing."""
-        raise NotImplementedError
+        """The output of shape ``shape`` (``x``'s dtype) of a collective on ``x`` that moves nothing:
+        zeros (a simulation may make shape-only ones)."""
+        return x.new_zeros(tuple(shape))
 
     def send(self, x: Any, group: Any, dst: int) -> None:
         """Send ``x`` to rank ``dst`` of ``group`` (a :class:`~hyper_parallel_ms._cluster.CommGroup`)."""
@@ -111,9 +112,6 @@ class ClusterExchange(Exchange):
 
     def count(self, kind: str, group: Any, dim: str, peer: Any = None) -> None:
         arrive(kind, group, dim, peer)
-
-    def placeholder(self, x: Any, shape: Tuple[int, ...]) -> Any:
-        return x.new_zeros(tuple(shape))
 
     def send(self, x: Any, group: Any, dst: int) -> None:
         p2p_send(x.astype(ms.uint8) if x.dtype == ms.bool_ else x, dst, group.name)
@@ -155,9 +153,6 @@ class SimulatedExchange(Exchange):
 
     def count(self, kind: str, group: Any, dim: str, peer: Any = None) -> None:
         """Nothing is issued: the watchdog has nothing to wait for."""
-
-    def placeholder(self, x: Any, shape: Tuple[int, ...]) -> Any:
-        return x.new_zeros(tuple(shape))
 
     def send(self, x: Any, group: Any, dst: int) -> None:
         """Delivered nowhere (a subclass may keep it for a rank run later)."""
