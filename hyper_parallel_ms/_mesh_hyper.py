@@ -29,8 +29,5 @@ class HyperParallelMeshMixin:
             RuntimeError: this rank is not in the mesh.
         """
         dim = self.dim_index(axis)
-        if self.coordinate is None:
-            raise RuntimeError(f"get_rank_list_along_axis({axis!r}): rank {self.get_rank()} is not in {self!r}")
-        index = list(self.coordinate)
-        index[dim] = slice(None)
-        return [int(r) for r in self.mesh[tuple(index)]]
+        self._member_coordinate()                 # raises when this rank is not in the mesh
+        return list(self._slice_ranks(dim))
