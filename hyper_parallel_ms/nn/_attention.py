@@ -36,23 +36,9 @@ from ._edit import ConversionSpec, InputSpec, ModuleEdit
 from ._hooks import GradientSum, InputHook
 from ._parallelize import ParallelStyle
 from ._parameter import ParameterPlacement
-from ._targets import check_mesh
+from ._styles import _check_bool, _check_mesh, _one_placement, _where
 
 __all__ = ["MultiheadAttentionParallel", "head_parallel_class"]
-
-
-def _where(path: str) -> str:
-    return f"'{path}'" if path else "the root Cell"
-
-
-def _placement(value, what: str) -> Placement:
-    if value is None:
-        return Replicate()
-    if isinstance(value, (tuple, list)) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, (Shard, Replicate)):
-        raise TypeError(f"{what} must be a Shard or Replicate placement for a 1-D mesh, got {value!r}")
-    return value
 
 
 class MultiheadAttentionParallel(ParallelStyle):
@@ -88,15 +74,15 @@ class MultiheadAttentionParallel(ParallelStyle):
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
                  use_local_output: bool = True) -> None:
-        self.input_layouts = (_placement(input_layouts, "MultiheadAttentionParallel input_layouts"),)
-        self.output_layouts = (_placement(output_layouts, "MultiheadAttentionParallel output_layouts"),)
-        if not isinstance(use_local_output, bool):
-            raise TypeError(f"use_local_output must be True or False, got {use_local_output!r}")
-        self.use_local_output = use_local_output
+        self.input_layouts = (_one_placement(input_layouts, "MultiheadAttentionParallel input_layouts",
+                                             (Shard, Replicate), Replicate()),)
+        self.output_layouts = (_one_placement(output_layouts, "MultiheadAttentionParallel output_layouts",
+                                              (Shard, Replicate), Replicate()),)
+        self.use_local_output = _check_bool(use_local_output, "use_local_output")
 
     def plan(self, path, cell, mesh, src_data_rank=0) -> List[ModuleEdit]:
         where = _where(path)
-        check_mesh(mesh, f"MultiheadAttentionParallel on {where}", ndim=1)
+        _check_mesh(self, path, mesh)
         if not isinstance(cell, nn.MultiheadAttention):
             raise TypeError(f"MultiheadAttentionParallel supports mindspore.nn.MultiheadAttention; {where} is a "
                             f"{type(cell).__name__}")
