@@ -26,8 +26,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import communication as comm_api
 from mindspore.communication import GlobalComm
+from ._mindspore import process_device_target
 
-__all__ = ["CommGroup", "World", "is_initialized", "world_size", "world_rank", "device_target",
+__all__ = ["CommGroup", "World", "is_initialized", "world_size", "world_rank", "device_target", "rank_device_target",
            "comm_group", "group_ranks", "device_key", "check_device_type", "process_world", "current_world",
            "simulating", "DEVICE_TYPES", "device_type", "init_world", "release_world", "destroy_group", "adopt_group"]
 
@@ -165,8 +166,21 @@ def simulating(world: World) -> Iterator[World]:
 
 
 def device_target() -> str:
-    """MindSpore's device target: ``"CPU"`` or ``"Ascend"`` (``"GPU"`` is not supported)."""
-    return ms.get_context("device_target")
+    """MindSpore's device target: ``"CPU"`` or ``"Ascend"`` (``"GPU"`` is not supported), the
+    process's also inside a ``mindspore.DeviceCtx("meta")`` block."""
+    return process_device_target()
+
+
+def rank_device_target() -> str:
+    """MindSpore's device target of the rank this code runs as: a simulated world's inside
+    :func:`simulating` (a dry run of Ascend ranks picks Ascend's kernels), else :func:`device_target`.
+
+    Example:
+        >>> with simulating(World(8, 3, simulated=True, device_type="npu")):
+        ...     rank_device_target()
+        'Ascend'
+    """
+    return _SIMULATING[-1].device_target if _SIMULATING else device_target()
 
 
 def device_type() -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import warnings
+from functools import lru_cache
 from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
@@ -106,6 +107,22 @@ def destroy_process_group(group: Optional[str] = None) -> None:
     if not isinstance(group, str):
         raise TypeError(f"a group is a MindSpore group name (str), got {group!r}")
     _cluster.destroy_group(group)
+
+
+def group_mesh(group: Optional[str] = None) -> DeviceMesh:
+    """A 1-D mesh over a group's ranks (cached per world and ranks), for this library's
+    collectives on a group known by its name only.
+
+    Example::
+
+        comm.all_reduce(x, group_mesh(mesh.get_group("tp")))
+    """
+    return _mesh_of(_cluster.current_world(), _ranks(group))
+
+
+@lru_cache(maxsize=64)
+def _mesh_of(world: _cluster.World, ranks: tuple) -> DeviceMesh:
+    return DeviceMesh(world.device_type, list(ranks), _world=world)
 
 
 def get_process_group_ranks(group: Optional[str] = None) -> List[int]:

@@ -17,3 +17,12 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "mindspore==$MINDSPORE" -e "$ROOT[test]"
   touch "$STAMP"
 fi
+# MindFormers' PyNative stack for tests/test_mindformers.py (test environment only; --no-deps: see the file).
+# HPMS_MINDFORMERS=0 skips it (those tests then skip, saying why).
+MF_REQS="$ROOT/scripts/requirements-mindformers.txt"
+MF_STAMP="$VENV/.hpms-mindformers-installed"
+if [ "${HPMS_MINDFORMERS:-1}" != "0" ] && { [ ! -f "$MF_STAMP" ] || [ "$MF_REQS" -nt "$MF_STAMP" ]; }; then
+  echo "setup: installing MindFormers 2.1.0's PyNative test dependencies (--no-deps) into $VENV" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$MF_REQS"
+  touch "$MF_STAMP"
+fi

@@ -12,6 +12,8 @@ import pytest
 import hyper_parallel_ms as hp
 from hyper_parallel_ms.compat import HYPER_PARALLEL_NAMES, NotProvidedError, alias_hyper_parallel
 from hyper_parallel_ms.compat._alias import _remove_alias
+from hyper_parallel_ms.compat._fsdp import fully_shard as compat_fully_shard
+from hyper_parallel_ms.compat._platform import MindSporePlatform
 
 # Every ``hyper_parallel`` import of MindFormers 2.1.0's mindformers/pynative/ (module path, names),
 # read from its sources; the schedules are MindFormers' _SCHEDULE_REGISTRY (importlib + getattr).
@@ -45,6 +47,7 @@ MINDFORMERS_IMPORTS = [
         "npu_mhc_post", "npu_mhc_pre_sinkhorn", "npu_sparse_flash_mla", "npu_sparse_flash_mla_grad",
         "npu_sparse_lightning_indexer_grad_kl_loss", "npu_sparse_lightning_indexer_kl_loss_grad")),
     ("hyper_parallel.platform", ("get_platform",)),
+    ("hyper_parallel.core.distributed_checkpoint", ("get_global_layout", "get_current_layout")),  # mindformers/checkpoint
     ("hyper_parallel.platform.mindspore.autograd_compat", ("enable_mindspore_backward_compat",)),
     ("hyper_parallel.platform.mindspore.pipeline_parallel._utils", ("_MicroBatch",)),
 ]
@@ -54,10 +57,13 @@ PROVIDED = {
     "SkipDTensorDispatch": hp.SkipDTensorDispatch, "init_device_mesh": hp.init_device_mesh,
     "shard_module": hp.shard_module, "distribute_tensor": hp.distribute_tensor, "Placement": hp.Placement,
     "Shard": hp.Shard, "Replicate": hp.Replicate, "Partial": hp.Partial, "ShardingPlan": hp.ShardingPlan,
-    "HSDPModule": hp.FSDPModule, "MixedPrecisionPolicy": hp.MixedPrecisionPolicy, "fully_shard": hp.fully_shard,
+    "HSDPModule": hp.FSDPModule, "MixedPrecisionPolicy": hp.MixedPrecisionPolicy, "fully_shard": compat_fully_shard,
     "OffloadPolicy": hp.OffloadPolicy, "CPUOffloadPolicy": hp.CPUOffloadPolicy, "Schedule1F1B": hp.Schedule1F1B,
     "ScheduleInterleaved1F1B": hp.ScheduleInterleaved1F1B, "ScheduleGPipe": hp.ScheduleGPipe,
+    "ContextParallel": hp.ContextParallel, "AsyncContextParallel": hp.AsyncContextParallel,
 }
+# provided under another name's rules (tested below)
+SERVED = {"get_platform", "get_global_layout", "get_current_layout"}
 
 
 @pytest.fixture
@@ -79,11 +85,33 @@ def test_a_mindformers_import_gets_this_librarys_object(aliased, module, name):
     assert getattr(importlib.import_module(module), name) is PROVIDED[name]
 
 
-@pytest.mark.parametrize("module,name", [i for i in IMPORTS if i[1] not in PROVIDED], ids="{0[0]}:{0[1]}".format)
-def test_a_name_not_provided_yet_says_so(aliased, module, name):
+@pytest.mark.parametrize("module,name", [i for i in IMPORTS if i[1] not in PROVIDED and i[1] not in SERVED],
+                         ids="{0[0]}:{0[1]}".format)
+def test_a_name_not_provided_imports_as_a_placeholder_that_refuses_use(aliased, module, name):
+    # MindFormers imports (and subclasses) these at import time: the import works, any use raises
     assert HYPER_PARALLEL_NAMES[module][name] is None
-    with pytest.raises(NotProvidedError, match=rf"{module}\.{name} \(HyperParallel\) is not provided yet"):
-        exec(f"from {module} import {name}", {})
+    namespace = {}
+    exec(f"from {module} import {name}", namespace)
+    placeholder = namespace[name]
+    message = rf"{module}\.{name} \(HyperParallel\) is not provided by hyper_parallel_ms"
+    with pytest.raises(NotProvidedError, match=message):
+        placeholder()
+    with pytest.raises(NotProvidedError, match=message):
+        getattr(placeholder, "anything")
+    sub = type("Sub", (placeholder,), {})                   # a subclass is defined, not made
+    with pytest.raises(NotProvidedError, match=message):
+        sub()
+
+
+def test_get_platform_serves_the_differentiable_all_reduce_and_refuses_the_rest(aliased):
+    from hyper_parallel.platform import get_platform  # pylint: disable=import-outside-toplevel
+    platform = get_platform()
+    assert isinstance(platform, MindSporePlatform) and get_platform() is platform and platform.name == "mindspore"
+    with pytest.raises(ValueError, match="op 'prod' is not one of"):
+        platform.differentiable_all_reduce(None, "prod", None)
+    for name in ("differentiable_sync_hook", "differentiable_all_to_all_single_async", "AsyncCollectiveTensor"):
+        with pytest.raises(NotProvidedError, match=name):
+            getattr(platform, name)() if name != "AsyncCollectiveTensor" else getattr(platform, name)
 
 
 def test_unknown_paths_and_names_are_refused_by_name(aliased):

@@ -132,7 +132,8 @@ from .compiling import (graph_of_its_own, cached_in_python, cell_per_call_site, 
                         constant_id, constant_of, refuse_while_compiling,
                         compile_argument_checks, compiling_graph_code, is_compiling, reject_in_compiled_args, run_first_call_checks,
                         run_in_python, running_eagerly)
-from .deferred import (deferred_creation_hooked, deferred_parameter, draw_numpy_seed, fill_deferred, initial_array,
+from .deferred import (deferred_creation_hooked, deferred_parameter, is_meta, meta_empty, off_meta_device,
+                       process_device_target, draw_numpy_seed, fill_deferred, initial_array,
                        initializer_draws, pending_init)
 from .hooks import (OP_INTERCEPTION, OpInterception, adopt, as_subclass, guard_mindspore_for, hooks_off,
                     keep_hook_errors, keeps_hook_errors, no_hook, original_hook_errors, plain_view,
@@ -150,7 +151,7 @@ __all__ = ["MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLE
            "compiling_graph_code",
            "guard_mindspore_for", "reject_in_compiled_args", "check_compiled_calls", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
-           "deferred_parameter", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
+           "deferred_parameter", "off_meta_device", "process_device_target", "is_meta", "meta_empty", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
            "taped", "taped_call", "tape_backward", "discard_grad_recording", "discard_tapes",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad",

@@ -14,6 +14,7 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
@@ -26,7 +27,8 @@ from ._release import ABSENT as _ABSENT
 from .swaps import entry_points_swapped
 
 __all__ = ["initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
-           "deferred_creation_hooked", "deferred_parameter"]
+           "deferred_creation_hooked", "deferred_parameter", "off_meta_device", "process_device_target", "is_meta",
+           "meta_empty"]
 
 # MindSpore's own initialisers whose every run draws a fixed number of times from numpy's global
 # generator: ``_numpy_seed()`` (one ``np.random.randint``) seeds the C++ fill; the constant ones
@@ -119,3 +121,60 @@ def deferred_parameter(shape: Sequence[int], dtype: Any, name: str, requires_gra
             del mindspore.Parameter.init_param
         else:
             mindspore.Parameter.init_param = before
+
+
+def process_device_target() -> str:
+    """MindSpore's device target of this process (``"CPU"``, ``"Ascend"``), also inside a
+    ``mindspore.DeviceCtx("meta")`` block, where ``get_context("device_target")`` says ``"meta"``:
+    the device below the meta blocks on MindSpore's device stack.
+
+    Contract: ``DeviceCtx.__enter__`` pushes the device it replaces, an object with a
+    ``device_target``, onto ``mindspore.common.device._DEVICE_STACK`` (a thread-local stack).
+
+    >>> process_device_target() in ("CPU", "Ascend", "GPU")
+    True
+    """
+    target = mindspore.get_context("device_target")
+    if target != "meta":
+        return target
+    from mindspore.common.device import _DEVICE_STACK
+    for info in reversed(_DEVICE_STACK.get_stack()):
+        if info.device_target != "meta":
+            return info.device_target
+    raise RuntimeError("the device target is 'meta' and no device is below it on MindSpore's device stack: "
+                       "call mindspore.set_device(...) before entering mindspore.DeviceCtx('meta')")
+
+
+def off_meta_device() -> Any:
+    """A context in which tensors are made on the process's device target even inside a
+    ``mindspore.DeviceCtx("meta")`` block (where models are built shape-only): the host-side
+    agreements between ranks run their collectives there. A no-op outside meta blocks and where
+    MindSpore has no ``DeviceCtx``.
+
+    >>> with off_meta_device():
+    ...     pass
+    """
+    device_ctx = getattr(mindspore, "DeviceCtx", None)
+    if device_ctx is None or mindspore.get_context("device_target") != "meta":
+        return contextlib.nullcontext()
+    return device_ctx(process_device_target())
+
+
+def is_meta(tensor: Any) -> bool:
+    """Whether ``tensor`` lives on MindSpore's meta device (a shape and dtype, no storage), as
+    Parameters made inside ``mindspore.DeviceCtx("meta")`` do.
+
+    >>> is_meta(Tensor(np.zeros(2)))
+    False
+    """
+    return getattr(tensor, "device", None) == "meta"
+
+
+def meta_empty(shape: Sequence[int], dtype: Any) -> Tensor:
+    """A tensor of ``shape`` and ``dtype`` on the meta device (no storage), wherever it is called.
+
+    >>> is_meta(meta_empty((2, 3), mindspore.float32))
+    True
+    """
+    with mindspore.DeviceCtx("meta"):
+        return mindspore.mint.empty(tuple(int(d) for d in shape), dtype=dtype)

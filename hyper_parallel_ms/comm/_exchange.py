@@ -35,7 +35,7 @@ import numpy as np
 from mindspore import Tensor
 
 from .._cluster import current_world
-from .._mindspore import p2p_recv, p2p_send
+from .._mindspore import off_meta_device, p2p_recv, p2p_send
 from ._watchdog import arrive
 
 __all__ = ["Exchange", "ClusterExchange", "SimulatedExchange", "NotReady", "exchanging", "exchange_of",
@@ -124,11 +124,11 @@ class ClusterExchange(Exchange):
     def extremes(self, values: np.ndarray, mesh: Any) -> Tuple[np.ndarray, np.ndarray]:
         from . import all_reduce
         from .debug import unrecorded
-        both = Tensor(np.concatenate([values, -values]))
-        with unrecorded():
+        with off_meta_device(), unrecorded():
+            both = Tensor(np.concatenate([values, -values]))
             for dim in range(mesh.ndim):
                 both = all_reduce(both, mesh, dim, op="max")
-        both = both.asnumpy()
+            both = both.asnumpy()
         return both[:len(values)], -both[len(values):]
 
     def all_gather_object(self, obj: Any, world: Any) -> List[Any]:

@@ -41,6 +41,28 @@ class NotProvidedError(ImportError):
     """
 
 
+class _NotProvidedMeta(type):
+    """Calling a not-provided name, or reading one of its attributes, raises NotProvidedError."""
+
+    def __call__(cls, *args: Any, **kwargs: Any):
+        raise NotProvidedError(cls._hpms_message, name=cls.__module__)
+
+    def __getattr__(cls, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise NotProvidedError(cls._hpms_message, name=cls.__module__)
+
+
+def _not_provided(module: str, name: str) -> type:
+    """A placeholder for HyperParallel's ``module.name``: importable (and subclassable, as MindFormers'
+    styles subclass HyperParallel's), but calling it, instantiating it or reading its attributes
+    raises :class:`NotProvidedError` naming it. Nothing runs in its place."""
+    message = (f"{module}.{name} (HyperParallel) is not provided by hyper_parallel_ms; importing it works, "
+               f"using it does not. {_DOC} lists what is provided")
+    return _NotProvidedMeta(name, (), {"__module__": module, "_hpms_message": message,
+                                       "__doc__": f"Not provided: {message}"})
+
+
 class _AliasModule(types.ModuleType):
     """A served ``hyper_parallel`` module: attributes resolve from the table on first access."""
 
@@ -53,10 +75,10 @@ class _AliasModule(types.ModuleType):
                                  f"serves {sorted(table) or 'no names'} there; see {_DOC})")
         target = table[name]
         if target is None:
-            raise NotProvidedError(f"{self.__name__}.{name} (HyperParallel) is not provided yet by hyper_parallel_ms; "
-                                   f"{_DOC} lists what is", name=self.__name__)
-        module, attr = target.split(":")
-        value = getattr(importlib.import_module(f"hyper_parallel_ms.{module}"), attr)
+            value = _not_provided(self.__name__, name)
+        else:
+            module, attr = target.split(":")
+            value = getattr(importlib.import_module(f"hyper_parallel_ms.{module}"), attr)
         setattr(self, name, value)
         return value
 
@@ -96,8 +118,9 @@ def alias_hyper_parallel() -> None:
 
     ``hyper_parallel.DTensor`` is ``hyper_parallel_ms.DTensor``,
     ``hyper_parallel.core.fully_shard.api.HSDPModule`` is ``hyper_parallel_ms.FSDPModule``, and so on
-    (the table: :data:`hyper_parallel_ms.compat.HYPER_PARALLEL_NAMES`). Names not provided yet raise
-    :class:`NotProvidedError` naming them.
+    (the table: :data:`hyper_parallel_ms.compat.HYPER_PARALLEL_NAMES`). Names not provided import as
+    placeholders: calling one, instantiating one or reading its attributes raises
+    :class:`NotProvidedError` naming it.
 
     Raises:
         RuntimeError: a real ``hyper_parallel`` is already imported, or importable (installed):

@@ -25,7 +25,7 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
     "hyper_parallel": {
         **_DTENSOR, **_PLACEMENTS, **_PIPELINE, "DeviceMesh": "mesh:DeviceMesh",
         "init_device_mesh": "mesh:init_device_mesh", "SkipDTensorDispatch": "dtensor:SkipDTensorDispatch",
-        "shard_module": "nn:shard_module", "ShardingPlan": "nn:ShardingPlan", "fully_shard": "fsdp:fully_shard",
+        "shard_module": "nn:shard_module", "ShardingPlan": "nn:ShardingPlan", "fully_shard": "compat._fsdp:fully_shard",
         "Layout": "layout:Layout",
     },
     "hyper_parallel.core.dtensor": dict(_DTENSOR),
@@ -35,7 +35,7 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
     "hyper_parallel.core.dtensor.redistribute_infer": {"DevMat": None, "RedistributionOperatorInfer": None},
     "hyper_parallel.core.shard.sharding_plan": {"ShardingPlan": "nn:ShardingPlan"},
     "hyper_parallel.core.fully_shard.api": {
-        "fully_shard": "fsdp:fully_shard", "HSDPModule": "fsdp:FSDPModule",
+        "fully_shard": "compat._fsdp:fully_shard", "HSDPModule": "fsdp:FSDPModule",
         "MixedPrecisionPolicy": "fsdp:MixedPrecisionPolicy"},
     "hyper_parallel.core.fully_shard.utils": {"OffloadPolicy": "fsdp:OffloadPolicy",
                                               "CPUOffloadPolicy": "fsdp:CPUOffloadPolicy"},
@@ -49,8 +49,9 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
     "hyper_parallel.core.activation_checkpoint": {
         "CheckpointPolicy": None, "SwapManager": None, "checkpoint_exclude_wrapper": None,
         "checkpoint_wrapper": None, "swap_wrapper": None},
-    "hyper_parallel.core.context_parallel.context_parallel": {"ContextParallel": None},
-    "hyper_parallel.core.context_parallel.async_context_parallel": {"AsyncContextParallel": None},
+    "hyper_parallel.core.context_parallel.context_parallel": {"ContextParallel": "nn:ContextParallel"},
+    "hyper_parallel.core.context_parallel.async_context_parallel": {"AsyncContextParallel": "nn:AsyncContextParallel"},
+    # DeepSeek sparse attention's styles (its indexer, its sparse kernels): not provided
     "hyper_parallel.core.context_parallel.dsa_context_parallel": {
         "DSAIndexerContextParallel": None, "DSAIndexerLossContextParallel": None,
         "DSASequenceReplicateCache": None, "DSASparseAttentionContextParallel": None},
@@ -62,7 +63,10 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
         "npu_lightning_indexer", "npu_mhc_post", "npu_mhc_pre_sinkhorn", "npu_sparse_flash_mla",
         "npu_sparse_flash_mla_grad", "npu_sparse_lightning_indexer_grad_kl_loss",
         "npu_sparse_lightning_indexer_kl_loss_grad")),
-    "hyper_parallel.platform": {"get_platform": None},
+    "hyper_parallel.core.distributed_checkpoint": {
+        "get_current_layout": "compat._layouts:get_current_layout",
+        "get_global_layout": "compat._layouts:get_global_layout"},
+    "hyper_parallel.platform": {"get_platform": "compat._platform:get_platform"},
     "hyper_parallel.platform.mindspore.autograd_compat": {"enable_mindspore_backward_compat": None},
     "hyper_parallel.platform.mindspore.pipeline_parallel._utils": {"_MicroBatch": None},
 }

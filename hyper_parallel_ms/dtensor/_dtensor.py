@@ -41,6 +41,10 @@ from ._spec import DTensorSpec, to_layout
 
 __all__ = ["DTensor"]
 
+# on a DTensor: the grad_placements ``to_local()`` uses when given none (fully_shard's HyperParallel
+# convention sets it on the parameters it puts back for the forward; see fsdp/_dparams.as_placed)
+LOCAL_GRAD_PLACEMENTS = "_hpms_local_grad_placements"
+
 
 _local_view = _ms_seam.plain_view   # a plain Tensor sharing storage (and the autodiff node) with ``t``
 
@@ -108,7 +112,9 @@ class DTensor(Tensor):
         if spec is None:  # Parameter(dtensor) re-creates the object: optimizers update it in place,
             spec = local._dt_spec  # which needs storage of its own (a view would not be updated)
             _refuse_empty_piece(spec)
-            local = _local_view(local).copy()
+            local = _local_view(local)
+            # a meta piece (a model built under DeviceCtx("meta")) has no storage to copy
+            local = _ms_seam.meta_empty(local.shape, local.dtype) if _ms_seam.is_meta(local) else local.copy()
         _ms_seam.guard_mindspore_for(DTensor, elementwise_step_on_pieces)
         obj = _ms_seam.as_subclass(cls, local)
         obj._dt_spec = spec
@@ -301,6 +307,8 @@ class DTensor(Tensor):
             local = partial_dt.to_local(grad_placements=[Replicate()])   # no all-reduce in backward
         """
         spec = self._dt_spec
+        if grad_placements is None:         # a placed parameter may say how its local gradient arrives
+            grad_placements = self.__dict__.get(LOCAL_GRAD_PLACEMENTS)
         grad_layout = spec.layout if grad_placements is None else to_layout(spec.mesh, grad_placements, self.ndim)
         if grad_layout == gradient_layout(spec.layout):
             return _local_tensor(self)

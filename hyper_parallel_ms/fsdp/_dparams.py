@@ -22,11 +22,13 @@ from typing import Optional, Tuple
 import numpy as np
 from mindspore import Parameter, Tensor
 
+from .._mindspore import is_meta, meta_empty
 from ..dtensor import DTensor
-from ..dtensor._dtensor import _local_view
+from ..dtensor._dtensor import LOCAL_GRAD_PLACEMENTS, _local_view
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..mesh import DeviceMesh
+from ..placement import Partial
 from ..nn._parameter import ParameterSharding, record_sharding
 
 __all__ = ["local_parameter", "replicated_dp_mesh", "as_placed"]
@@ -51,8 +53,9 @@ def local_parameter(param: Parameter, engine: str) -> Tuple[Parameter, Optional[
         return param, None
     _check_placements(param, engine)
     spec = param._dt_spec
-    local = Parameter(Tensor(_local_view(param).asnumpy(), dtype=param.dtype), name=param.name,
-                      requires_grad=param.requires_grad)
+    view = _local_view(param)
+    value = meta_empty(view.shape, param.dtype) if is_meta(view) else Tensor(view.asnumpy(), dtype=param.dtype)
+    local = Parameter(value, name=param.name, requires_grad=param.requires_grad)
     dims = [d for d, p in enumerate(spec.placements) if p.is_shard()]
     if dims:
         names = spec.mesh.mesh_dim_names
@@ -85,7 +88,17 @@ def replicated_dp_mesh(param: DTensor, shard_size: int, engine: str) -> DeviceMe
                       mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def as_placed(value: Tensor, spec: Optional[DTensorSpec]):
+def as_placed(value: Tensor, spec: Optional[DTensorSpec], replicated_grads_partial: bool = False):
     """A gathered local piece as what the Cell reads: a DTensor with the parameter's ``spec``
-    (differentiable: it shares the autodiff node), or ``value`` itself for a plain parameter."""
-    return value if spec is None else DTensor(value, spec)
+    (differentiable: it shares the autodiff node), or ``value`` itself for a plain parameter.
+    ``replicated_grads_partial`` (HyperParallel's convention, see
+    :func:`hyper_parallel_ms.compat.alias_hyper_parallel`): the Cell computes with ``to_local()`` on
+    its own pieces of activations, so on the mesh dims where the parameter is Replicate the gradient
+    of its local value is this rank's share: ``to_local()`` reads it as Partial (summed over those
+    dims in the backward)."""
+    if spec is None:
+        return value
+    placed = DTensor(value, spec)
+    if replicated_grads_partial and any(p.is_replicate() for p in spec.placements):
+        placed.__dict__[LOCAL_GRAD_PLACEMENTS] = tuple(Partial() if p.is_replicate() else p for p in spec.placements)
+    return placed

@@ -15,6 +15,7 @@ import warnings
 from math import prod
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+import mindspore as ms
 from mindspore import Parameter, nn
 
 from .._cluster import device_target
@@ -125,14 +126,14 @@ def _unit_slots(cells: List[nn.Cell], ignored: frozenset) -> List[Tuple[Paramete
 
 def _plan(cells: List[nn.Cell], mesh, state: FSDPState, *, threshold_bytes: int, bucket_bytes: Optional[int],
           reduce: str, dtensor_mesh: Optional[Callable[[Parameter], Any]], call: str, ignored: frozenset,
-          shard_placement_fn: Optional[Callable]) -> FSDPState:
+          shard_placement_fn: Optional[Callable], replicated: frozenset = frozenset()) -> FSDPState:
     """``state`` with its records and groups: the pieces made, no Cell changed, nothing sent."""
     kinds: Dict[Tuple[bool, Any, Any], List[FSDPParam]] = {}
     for p, holders in _unit_slots(cells, ignored):
         local, placed = local_parameter(p, call)
         dim = _placement_dim(shard_placement_fn, p, local, call)
         unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
-        sharded = _shardable(local, unit_mesh, threshold_bytes, dim)
+        sharded = id(p) not in replicated and _shardable(local, unit_mesh, threshold_bytes, dim)
         chunks = chunks_of(local.shape, unit_mesh, dim) if sharded else Chunks(tuple(local.shape), 1, 0, dim)
         record = FSDPParam(p, local, holders, unit_mesh, sharded, chunks, placed)
         record.make(p)
@@ -247,7 +248,7 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
                bucket_bytes: Optional[int] = None, reduce: str = "reduce_scatter", grad_scale: float = 1.0,
                reduce_dtype: Any = None, mixin: type = FSDPModule, prefix: str = "FSDP", engine: str = "fully_shard",
                dtensor_mesh: Optional[Callable[[Parameter], Any]] = None, ignored_params: Optional[Any] = None,
-               shard_placement_fn: Optional[Callable] = None):
+               shard_placement_fn: Optional[Callable] = None, replicate_params: Optional[Any] = None):
     """The engine of :func:`fully_shard` and ``hsdp``: shard ``cell``'s own parameters over ``mesh``
     (a ``Parameter(DTensor)``: its local piece, over ``dtensor_mesh(param)`` if given, see :mod:`._dparams`).
     The plan is made without changing anything, agreed by every rank of ``mesh`` (a rank whose plan
@@ -269,13 +270,16 @@ def shard_cell(cell: nn.Cell, mesh, *, reshard_after_forward: Any = True,
     names = ", ".join(type(c).__name__ for c in cells)
     call = f"{prefix.lower()}({names if len(cells) == 1 else '[' + names + ']'})"   # names this call in errors
     ignored = _ignored_ids(ignored_params, call)
+    replicated = _ignored_ids(replicate_params, call, "replicate_params")
+    if policy.apply_grad_on_fp32_main_grad:
+        _check_fp32_pieces(cells, ignored, call)
 
     def prepare() -> FSDPState:
         state = FSDPState(cells[0], mesh, sync, policy, reshard_after_forward)
         state.cells = cells
         state = _plan(cells, mesh, state, threshold_bytes=threshold_bytes, bucket_bytes=bucket_bytes,
                       reduce=reduce, dtensor_mesh=dtensor_mesh, call=call, ignored=ignored,
-                      shard_placement_fn=shard_placement_fn)
+                      shard_placement_fn=shard_placement_fn, replicated=replicated)
         check_reshard(reshard_after_forward, state.groups, names)
         return state
     state = agreed(prepare, _described, mesh, call)
@@ -302,13 +306,25 @@ def _warn_kept_whole(state: FSDPState, call: str) -> None:
                   UserWarning, stacklevel=4)
 
 
-def _ignored_ids(ignored_params: Optional[Any], call: str) -> frozenset:
+def _ignored_ids(ignored_params: Optional[Any], call: str, what: str = "ignored_params") -> frozenset:
     if ignored_params is None:
         return frozenset()
     params = list(ignored_params)
     if not all(isinstance(p, Parameter) for p in params):
-        raise TypeError(f"{call}: ignored_params must be a set of Parameters, got {ignored_params!r}")
+        raise TypeError(f"{call}: {what} must be a collection of Parameters, got {ignored_params!r}")
     return frozenset(id(p) for p in params)
+
+
+def _check_fp32_pieces(cells: List[nn.Cell], ignored: frozenset, call: str) -> None:
+    """``apply_grad_on_fp32_main_grad``: the gradients handed back must be fp32; they have the pieces'
+    dtype, so every piece must be fp32 (a lower-precision piece would need a separate fp32 buffer)."""
+    low = [(p.name, p.dtype) for p, _ in _unit_slots(cells, ignored) if p.requires_grad and p.dtype != ms.float32]
+    if low:
+        raise NotImplementedError(
+            f"{call}: MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True) with parameters not in float32 "
+            f"{low[:4]}: gradients come back in each parameter's dtype here (functional autodiff, no separate "
+            "main_grad buffer). Keep the parameters in float32 (params_dtype float32, param_dtype for the "
+            "compute dtype): their gradients are then float32, as the option asks")
 
 
 def _check_offload(offload_policy: Optional[OffloadPolicy]) -> None:
@@ -325,7 +341,8 @@ def _check_offload(offload_policy: Optional[OffloadPolicy]) -> None:
 def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_after_forward: Optional[Any] = None,
                 shard_placement_fn: Optional[Callable[[Parameter], Optional[Shard]]] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
-                ignored_params: Optional[Any] = None) -> Union[nn.Cell, List[nn.Cell]]:
+                ignored_params: Optional[Any] = None, replicate_params: Optional[Any] = None,
+                comm_fusion: Optional[bool] = None) -> Union[nn.Cell, List[nn.Cell]]:
     """Shard ``module``'s parameters (those not taken by an earlier call on a sub-Cell) on dim 0 (or the dim
     ``shard_placement_fn`` gives) over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP); returns ``module``,
     now an :class:`FSDPModule`. A list of Cells (none inside another) is one unit, as in FSDP2: their
@@ -357,6 +374,11 @@ def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_aft
         ignored_params: Parameters this unit leaves alone (not sharded, gradients not reduced), as FSDP2.
             Parameters with ``requires_grad=False`` are always left whole and in place (MindSpore's
             module state such as BatchNorm statistics lives in them; see docs/fsdp.md, Frozen parameters).
+        replicate_params: Parameters of the unit kept whole on every rank of ``mesh`` and not cut,
+            their gradients all-reduced (averaged) over it (HyperParallel's; e.g. parameters whose dim 0
+            does not divide the shard size).
+        comm_fusion: HyperParallel's switch: ``None`` (default, FSDP2) or ``True``: one all-gather and
+            one reduction per unit and dtype; ``False``: one per parameter.
 
     Example::
 
@@ -364,8 +386,11 @@ def fully_shard(module: Union[nn.Cell, List[nn.Cell]], *, mesh=None, reshard_aft
         fully_shard(model, mesh=mesh)
     """
     _check_offload(offload_policy)
+    if comm_fusion is not None and not isinstance(comm_fusion, bool):
+        raise TypeError(f"fully_shard: comm_fusion must be None or a bool, got {comm_fusion!r}")
     shard_cell(module, mesh, reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
-               mp_policy=mp_policy, ignored_params=ignored_params, shard_placement_fn=shard_placement_fn)
+               mp_policy=mp_policy, ignored_params=ignored_params, shard_placement_fn=shard_placement_fn,
+               replicate_params=replicate_params, bucket_bytes=0 if comm_fusion is False else None)
     if reshard_after_forward is None:
         fsdp_state(_unit_cells(module)[0]).on_first_forward = _root_keeps_gathered
     return module

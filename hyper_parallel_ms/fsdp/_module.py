@@ -101,6 +101,21 @@ class FSDPModule:
             raise ValueError(f"set_gradient_divide_factor takes a positive number, got {factor!r}")
         self._set_reduction_scaling("divide_factor", float(factor), "its divide factor", "the factor")
 
+    def set_reduce_op_type(self, reduce_op_type: str) -> None:
+        """HyperParallel's choice of this unit's gradient reduction over the data-parallel ranks:
+        ``"avg"`` (the default: the mean) or ``"sum"`` (the sum: the loss carries the division, as
+        MindFormers' ``disable_fsdp_gradient_division`` arranges). ``"sum"`` is
+        ``set_gradient_divide_factor(1.0)``. Set it before a graph gathering the unit is compiled.
+
+        Example::
+
+            model.set_reduce_op_type("sum")
+        """
+        if reduce_op_type not in ("sum", "avg"):
+            raise ValueError(f"set_reduce_op_type takes 'sum' or 'avg', got {reduce_op_type!r}")
+        factor = 1.0 if reduce_op_type == "sum" else None
+        self._set_reduction_scaling("divide_factor", factor, "its reduce op", "the reduce op type")
+
     def _set_reduction_scaling(self, field: str, value: Any, built_in: str, what: str) -> None:
         """Set ``SyncState.<field>`` of this unit and give its backward steps the new scale and reduce op;
         refused once a compiled graph holds the unit (``built_in``, ``what``: the error's words)."""

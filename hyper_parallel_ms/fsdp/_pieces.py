@@ -26,7 +26,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 from mindspore.common.initializer import initializer
 
-from .._mindspore import deferred_parameter
+from .._mindspore import deferred_parameter, is_meta, meta_empty
 from ..dtensor._spec import DTensorSpec
 from ..layout import Layout
 from ..nn._parameter import ParameterSharding, parameter_sharding, record_sharding
@@ -99,9 +99,13 @@ def cut_piece(full: np.ndarray, mesh, sharded: bool, dim: int = 0) -> np.ndarray
 def new_piece(param: Parameter, mesh, sharded: bool, dim: int = 0) -> Parameter:
     """A Parameter with ``param``'s name holding this rank's piece of ``dim`` (normalised; zeros for
     a parameter built under ``no_init_parameters()``, which :func:`init_parameters` fills later; on
-    a mesh without values a piece without data, never filled), with its records."""
+    a mesh without values a piece without data, never filled; for a meta parameter a meta piece), with its
+    records."""
     record, dp_dims = piece_record(param, mesh, sharded, dim)
-    if param.has_init:
+    if is_meta(param):                      # built shape-only (DeviceCtx("meta")): a meta piece (to_empty fills it)
+        shape = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
+        piece = Parameter(meta_empty(shape, param.dtype), name=param.name, requires_grad=param.requires_grad)
+    elif param.has_init:
         shape = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
         if not mesh.holds_values:
             piece = deferred_parameter(shape, param.dtype, param.name, param.requires_grad)

@@ -32,6 +32,9 @@ class MixedPrecisionPolicy:
         output_dtype: the dtype a sharded Cell's floating outputs are cast to.
         cast_forward_inputs: cast floating inputs to ``param_dtype`` (refused in compiled code:
             use ``False`` and cast in the model).
+        apply_grad_on_fp32_main_grad: HyperParallel's: the gradients handed back are float32 (its
+            fp32 "main grad"). Gradients here have their pieces' dtype, so ``fully_shard`` requires
+            float32 pieces with it (refused otherwise, naming the parameters).
 
     Example::
 
@@ -42,6 +45,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: Optional[Any] = None
     output_dtype: Optional[Any] = None
     cast_forward_inputs: bool = True
+    apply_grad_on_fp32_main_grad: bool = False
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -51,6 +55,9 @@ class MixedPrecisionPolicy:
                 raise TypeError(f"MixedPrecisionPolicy: {field} must be None or a floating dtype (ms.float16, "
                                 f"ms.bfloat16, ms.float32, ms.float64), got {dtype!r}: the gathered parameters, "
                                 "reduced gradients and outputs are floating")
+        if not isinstance(self.apply_grad_on_fp32_main_grad, bool):
+            raise TypeError(f"MixedPrecisionPolicy: apply_grad_on_fp32_main_grad must be a bool, got "
+                            f"{self.apply_grad_on_fp32_main_grad!r}")
 
 
 @dataclass(frozen=True)

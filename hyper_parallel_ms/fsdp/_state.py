@@ -104,6 +104,9 @@ class FSDPState:
         self.groups: List[FSDPParamGroup] = []
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
+        # HyperParallel's convention for DTensor parameters (set by its fully_shard under the alias):
+        # the gradient of a Replicate mesh dim's local value is a share, summed over that dim
+        self.replicated_grads_partial = False
         self.is_last_backward = True           # FSDP2's flag (set_is_last_backward); reductions never wait here
         self.kept: Optional[list] = None       # per group (flat, values) gathered by unshard(), until resharded
         self.pinned = False                    # kept across backward passes too (a pipeline's UNSHARD)
@@ -147,7 +150,7 @@ class FSDPState:
         params = self.params
         for i, j in self._slots(cell):
             holder, attr = params[i].holders[j]
-            put_parameter(holder, attr, as_placed(values[i], params[i].placed))
+            put_parameter(holder, attr, as_placed(values[i], params[i].placed, self.replicated_grads_partial))
 
     def _restore(self, cell: Optional[nn.Cell] = None) -> None:
         params = self.params
@@ -216,7 +219,7 @@ class FSDPState:
         if held is not record.piece or not _FORWARDS.running:
             return held
         value = group.gathered()[1][index]
-        return as_placed(value, record.placed)
+        return as_placed(value, record.placed, self.replicated_grads_partial)
 
     def check_compilable(self) -> None:
         """Called while ms.jit / GRAPH_MODE compiles a read of this Cell's parameters: refuse what

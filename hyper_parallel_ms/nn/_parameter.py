@@ -31,7 +31,7 @@ from ..dtensor._dtensor import _local_view
 from ..dtensor._optimizer import centralized_gradients, reads_whole_parameters
 from ..dtensor._spec import DTensorSpec, to_layout
 from .._deferred import initial_value
-from .._mindspore import check_compiled_calls, deferred_parameter
+from .._mindspore import check_compiled_calls, deferred_parameter, is_meta, meta_empty
 
 __all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter",
            "record_sharding", "check_optimizer_step", "REPLACED_BY"]
@@ -100,6 +100,10 @@ def sharded_parameter(param: Parameter, mesh, placements: Sequence, *, src_data_
     if not mesh.holds_values:
         spec = DTensorSpec.build(mesh, placements, tuple(view or param.shape))
         local = deferred_parameter(spec.local_shape(), param.dtype, param.name, param.requires_grad)
+    elif is_meta(param):                      # built shape-only (DeviceCtx("meta")): a meta piece
+        spec = DTensorSpec.build(mesh, placements, tuple(view or param.shape))
+        local = Parameter(meta_empty(spec.local_shape(), param.dtype), name=param.name,
+                          requires_grad=param.requires_grad)
     else:
         piece = _distributed(param, mesh, placements, src_data_rank, view)
         spec = piece._dt_spec
@@ -229,7 +233,11 @@ class ParameterPlacement:
 
 def _distributed(param: Parameter, mesh, placements: Sequence, src_data_rank: Optional[int],
                  view: Optional[Tuple[int, ...]] = None) -> DTensor:
-    # a deferred parameter is cut from initial_value (eager, or first-use), itself left as it was
+    # a deferred parameter is cut from initial_value (eager, or first-use), itself left as it was;
+    # a meta one (DeviceCtx("meta")) has no values: its piece is a meta tensor of the local shape
+    if is_meta(param):
+        spec = DTensorSpec.build(mesh, placements, tuple(view or param.shape))
+        return DTensor(meta_empty(spec.local_shape(), param.dtype), spec)
     value = initial_value(param)
     return distribute_tensor(Tensor(value.reshape(view) if view else value), mesh, placements,
                              src_data_rank=src_data_rank)

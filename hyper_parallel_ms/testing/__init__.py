@@ -22,10 +22,11 @@ import functools
 from typing import Any, Callable, Dict, List, Optional
 
 from ._pool import RankFailure, RankPool
+from ._twins import TWINS, cpu_twins
 from .graph_counts import compiled_collectives, compiled_primitives
 
 __all__ = ["RankPool", "RankFailure", "get_pool", "run_on_ranks", "multi_rank", "shutdown_pools",
-           "compiled_collectives", "compiled_primitives"]
+           "compiled_collectives", "compiled_primitives", "cpu_twins", "TWINS"]
 
 _POOLS: Dict[int, RankPool] = {}
 

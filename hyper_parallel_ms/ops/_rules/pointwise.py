@@ -24,7 +24,7 @@ from ._common import layout_like
 
 __all__ = ["UNARY", "LINEAR_UNARY", "ADDITIVE", "MULTIPLICATIVE", "OTHER_BINARY", "MONOTONE"]
 
-LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast", "Clone", "Identity", "StopGradient")
+LINEAR_UNARY = ("Neg", "Muls", "Divs", "ToDtype", "Cast", "Clone", "Contiguous", "Identity", "StopGradient")
 UNARY = ("ReLU", "Exp", "Log", "Erf", "Sqrt", "Rsqrt", "Square", "Sigmoid", "Tanh", "SiLU", "GeLU", "Abs",
          "Reciprocal", "Sin", "Cos", "Softplus", "PowTensorScalar", "AddScalar", "SubScalar", "Sign", "Floor",
          "Ceil", "Round", "LogicalNot", "IsNan", "IsInf", "ZerosLike", "OnesLike", "Clamp", "ClampScalar",
@@ -43,7 +43,7 @@ OTHER_BINARY = ("Maximum", "Minimum", "Pow", "Equal", "NotEqual", "Greater", "Gr
 # or Partial(min) operand stays Partial (Muls / Divs only by a non-negative / positive scalar).
 MONOTONE = ("ReLU", "Exp", "Sigmoid", "Tanh", "Erf", "Floor", "Ceil", "Round", "Trunc", "Sign", "ClampScalar",
             "Softplus", "SoftplusExt", "AddScalar", "SubScalar", "Expm1", "ReLU6", "HSigmoid", "Hardtanh",
-            "LogSigmoid", "ToDtype", "Cast", "Clone", "Muls", "Divs")
+            "LogSigmoid", "ToDtype", "Cast", "Clone", "Contiguous", "Muls", "Divs")
 _LINEAR_PARTIALS = ("sum", "avg")
 _CASTS = ("ToDtype", "Cast")
 

@@ -1,0 +1,84 @@
+"""HyperParallel's ``core.distributed_checkpoint.get_current_layout`` / ``get_global_layout``: every
+parameter's sharding as MindSpore's strategy metadata describes it (device matrix, alias names,
+rank list, tensor map), which MindFormers' ``LayoutAdapter`` turns into ``mindspore.parallel.Layout``
+objects for its checkpoints.
+
+Each entry is ``{"device_matrix", "alias_name", "rank_list", "tensor_map", "type", "full_shape"}``
+for a parameter this library shards (a parallel style, ``shard_module``, ``fully_shard``: the joint
+layout of its pieces), and ``{"type", "full_shape"}`` for a whole one. ``type`` is the dtype's name
+(``"Float32"``), ``full_shape`` the global shape.
+
+Example::
+
+    get_current_layout(model)       # {rank: {"layers.0.w": {"device_matrix": [2, 2], ...}}}
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Union
+
+from mindspore import nn
+
+from .. import _cluster
+from ..comm._exchange import exchange_of
+from ..dtensor import DTensor
+from ..nn._parameter import parameter_sharding
+
+__all__ = ["get_current_layout", "get_global_layout"]
+
+
+def _spec_of(param: Any):
+    if isinstance(param, DTensor):
+        return param._dt_spec
+    record = parameter_sharding(param)
+    return None if record is None else record.spec
+
+
+def _entry(param: Any) -> Dict[str, Any]:
+    spec = _spec_of(param)
+    entry: Dict[str, Any] = {"type": str(param.dtype)}
+    if spec is None:
+        entry["full_shape"] = [int(d) for d in param.shape]
+        return entry
+    layout, mesh = spec.layout, spec.mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    entry.update(device_matrix=[int(d) for d in mesh.shape], alias_name=list(names),
+                 rank_list=[int(r) for r in mesh.mesh.ravel()],
+                 tensor_map=[list(m) if isinstance(m, tuple) else int(m) for m in layout.tensor_map(len(spec.shape))],
+                 full_shape=[int(d) for d in spec.shape])
+    return entry
+
+
+def get_current_layout(network: Union[nn.Cell, List[nn.Cell]]) -> Dict[int, Dict[str, Dict[str, Any]]]:
+    """This rank's parameters' layouts: ``{rank: {parameter name: entry}}`` (no communication).
+
+    Args:
+        network: a Cell, or a list of Cells (pipeline stages of this rank).
+
+    Example::
+
+        layouts = get_current_layout(model)[get_rank()]
+    """
+    cells = network if isinstance(network, (list, tuple)) else [network]
+    rank = _cluster.world_rank() if _cluster.is_initialized() else 0
+    return {rank: {p.name: _entry(p) for cell in cells for p in cell.get_parameters()}}
+
+
+def get_global_layout(network: Union[nn.Cell, List[nn.Cell]]) -> Dict[int, Dict[str, Dict[str, Any]]]:
+    """Every rank's parameters' layouts, ``{rank: {parameter name: entry}}``: each rank's
+    :func:`get_current_layout`, gathered over the world (a collective: every rank calls it).
+
+    Args:
+        network: a Cell, or a list of Cells (pipeline stages of this rank).
+
+    Example::
+
+        layouts = get_global_layout(model)     # the same dictionary on every rank
+    """
+    mine = get_current_layout(network)
+    if not _cluster.is_initialized() or _cluster.world_size() == 1:
+        return mine
+    world = _cluster.current_world()
+    out: Dict[int, Dict[str, Dict[str, Any]]] = {}
+    for part in exchange_of(world).all_gather_object(mine, world):
+        out.update(part)
+    return out

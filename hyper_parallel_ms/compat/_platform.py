@@ -1,0 +1,79 @@
+"""HyperParallel's ``get_platform()``: the object through which MindFormers calls differentiable
+collectives on a process group given by its name.
+
+Served: ``differentiable_all_reduce(tensor, op, group)`` (this library's ``comm.all_reduce`` on
+the group's ranks, whose backward is the all-reduce of the gradient, summed). Not served: the
+expert-parallel overlap hooks (``differentiable_sync_hook``,
+``differentiable_all_to_all_single_async``, ``AsyncCollectiveTensor``): calling them raises
+:class:`~hyper_parallel_ms.compat.NotProvidedError`.
+
+Example::
+
+    from hyper_parallel.platform import get_platform      # after alias_hyper_parallel()
+    total = get_platform().differentiable_all_reduce(count, "sum", mesh.get_group("tp"))
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Optional
+
+from ..comm import all_reduce
+from ..process_group import group_mesh
+from ._alias import NotProvidedError
+
+__all__ = ["MindSporePlatform", "get_platform"]
+
+_OPS = {"sum": "sum", "avg": "avg", "mean": "avg", "max": "max", "min": "min"}
+
+
+class MindSporePlatform:
+    """The MindSpore platform of HyperParallel's API, on this library's collectives.
+
+    Example::
+
+        get_platform().differentiable_all_reduce(x, "sum", None)     # over the world group
+    """
+
+    name = "mindspore"
+
+    def differentiable_all_reduce(self, tensor, op: str = "sum", group: Optional[str] = None):
+        """All-reduce ``tensor`` over ``group`` (a group name; ``None``: the world), differentiably.
+
+        Args:
+            tensor: this rank's tensor.
+            op: ``"sum"``, ``"avg"`` (or ``"mean"``), ``"max"`` or ``"min"``.
+            group: a MindSpore group name, as ``DeviceMesh.get_group()`` returns, or ``None``.
+        """
+        key = str(getattr(op, "name", op)).lower()
+        if key not in _OPS:
+            raise ValueError(f"differentiable_all_reduce: op {op!r} is not one of {sorted(_OPS)}")
+        return all_reduce(tensor, group_mesh(group), 0, op=_OPS[key])
+
+    def _not_provided(self, what: str) -> Any:
+        raise NotProvidedError(f"hyper_parallel.platform.get_platform().{what} (HyperParallel's expert-parallel "
+                               f"overlap) is not provided by hyper_parallel_ms; see docs/mindformers.md")
+
+    def differentiable_sync_hook(self, *args: Any, **kwargs: Any) -> Any:
+        """Not provided: raises :class:`NotProvidedError` (expert-parallel overlap hooks)."""
+        return self._not_provided("differentiable_sync_hook")
+
+    def differentiable_all_to_all_single_async(self, *args: Any, **kwargs: Any) -> Any:
+        """Not provided: raises :class:`NotProvidedError` (expert-parallel overlap)."""
+        return self._not_provided("differentiable_all_to_all_single_async")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._not_provided(name)
+
+
+@lru_cache(maxsize=None)
+def get_platform() -> MindSporePlatform:
+    """The platform object (one per process), as HyperParallel's ``get_platform()``.
+
+    Example::
+
+        platform = get_platform()
+        platform.differentiable_all_reduce(x, "sum", group)
+    """
+    return MindSporePlatform()

@@ -1,0 +1,348 @@
+"""CPU twins: compositions of ops that MindSpore's CPU backend has, put in place of the
+primitives it has no CPU kernel for, so that models written for Ascend (MindFormers') run on CPU
+ranks in tests.
+
+Inside ``with cpu_twins():`` each primitive class below computes through its twin in PyNative,
+whatever name reached it (``mint.full``, ``ops.rms_norm``, a ``FlashAttentionScore`` instance a
+Cell built before the block): the twin replaces the class's ``__call__`` and the block restores
+it. Each twin is the operator's formula; autodiff differentiates the composition. Refused: a
+device target other than CPU (on Ascend the real kernels run), and options a twin does not
+compute (named in the error). For tests only: nothing in the library enters it.
+
+| primitive | what calls it | twin |
+| --- | --- | --- |
+| ``FillScalar`` | ``mint.full`` | ``numpy.full`` (a Tensor fill value: broadcast) |
+| ``TrilExt`` | ``mint.tril`` | select by a lower-triangular mask |
+| ``IndexSelect`` | ``mint.index_select`` | ``ops.gather`` |
+| ``Arange`` | ``mint.arange`` | ``numpy.arange`` |
+| ``Outer`` | ``mint.outer`` | column times row |
+| ``RmsNorm`` | ``ops.rms_norm`` | ``x * rsqrt(mean(x^2) + eps) * gamma`` in fp32, and ``rstd`` |
+| ``Embedding`` | ``mint.nn.functional.embedding`` | ``ops.gather`` (no gradient at ``padding_idx``) |
+| ``FlashAttentionScore`` | ``ops.flash_attention_score`` | softmax(scale q k^T + shift, masked) v in fp32; \
+DTensor arguments: the op's sharding rule, then the twin on each rank's pieces |
+| ``ZerosLikeExt`` / ``OnesLikeExt`` | ``mint.zeros_like`` / ``mint.ones_like`` | ``ops.zeros`` / ``ops.ones`` |
+| ``SplitTensorView`` / ``SplitWithSizeView`` | ``mint.split`` | ``mint.narrow`` pieces (MindSpore 2.10's CPU \
+backward of these views misplaces a gradient that is itself a view: ``cat((b, a))`` of the pieces) |
+| ``ScatterAddExt`` | ``mint.scatter_add`` | ``ops.tensor_scatter_elements(..., reduction="add")`` |
+| ``InnerCommAllReduce`` / ``InnerCommAllGather`` / ``InnerCommReduceScatter`` | ``ops.communication``'s \
+``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (not in place) | this library's \
+``comm`` collectives on the group's ranks (synchronous) |
+
+Example::
+
+    from hyper_parallel_ms.testing import cpu_twins
+    with cpu_twins():
+        model = PyNativeQwen3ForCausalLM(config)      # its FlashAttentionScore, RmsNorm, ... run on CPU
+        loss = model(input_ids=ids, labels=labels)
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import mint, ops
+
+__all__ = ["cpu_twins", "TWINS"]
+
+_LOCK = threading.Lock()
+_DEPTH = [0]
+_SAVED: Dict[type, Any] = {}
+
+
+def _host(value: Any) -> Any:
+    return value.item() if isinstance(value, ms.Tensor) else value
+
+
+def _fill_scalar(self, size, fill_value, dtype=None):
+    if dtype is None:
+        dtype = ms.bool_ if isinstance(_host(fill_value), (bool, np.bool_)) else ms.float32
+    shape = tuple(int(_host(s)) for s in size)
+    if isinstance(fill_value, ms.Tensor):                         # keeps the fill value's gradient
+        return ops.broadcast_to(fill_value.astype(dtype).reshape(()), shape)
+    return ms.Tensor(np.full(shape, fill_value), dtype)
+
+
+def _tril(self, input, diagonal=0):  # noqa: A002 - MindSpore's argument name
+    rows, cols = input.shape[-2:]
+    keep = ms.Tensor(np.tril(np.ones((rows, cols), dtype=bool), int(_host(diagonal))))
+    return ops.select(ops.broadcast_to(keep, input.shape), input, ops.zeros_like(input))
+
+
+def _index_select(self, input, dim, index):  # noqa: A002
+    return ops.gather(input, index, int(_host(dim)))
+
+
+def _arange(self, start=0, end=None, step=1, dtype=None):
+    start, end, step = _host(start), _host(end), _host(step)
+    if end is None:
+        start, end = 0, start
+    if dtype is None:
+        dtype = ms.int64 if all(isinstance(v, (int, np.integer)) for v in (start, end, step)) else ms.float32
+    return ms.Tensor(np.arange(start, end, step), dtype)
+
+
+def _outer(self, input, vec2):  # noqa: A002
+    return mint.mul(input.reshape(-1, 1), vec2.reshape(1, -1))
+
+
+def _rms_norm(self, x, gamma, epsilon=1e-6):
+    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+    x32 = x.astype(ms.float32)
+    rstd = ops.rsqrt(mint.mean(x32 * x32, dim=axes, keepdim=True) + float(_host(epsilon)))
+    y = (x32 * rstd * gamma.astype(ms.float32)).astype(x.dtype)
+    return y, rstd
+
+
+def _embedding(self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):  # noqa: A002
+    if max_norm is not None or scale_grad_by_freq:
+        raise ValueError("cpu_twins: the Embedding twin computes neither max_norm nor scale_grad_by_freq; "
+                         "pass max_norm=None, scale_grad_by_freq=False, or run on Ascend")
+    rows = ops.gather(weight, input, 0)
+    if padding_idx is None:
+        return rows
+    padding = ops.expand_dims(input == int(_host(padding_idx)), -1)
+    return ops.select(ops.broadcast_to(padding, rows.shape), ops.stop_gradient(rows), rows)
+
+
+def _zeros_like(self, input, dtype=None):  # noqa: A002
+    return ops.zeros(input.shape, input.dtype if dtype is None else dtype)
+
+
+def _ones_like(self, input, dtype=None):  # noqa: A002
+    return ops.ones(input.shape, input.dtype if dtype is None else dtype)
+
+
+def _scatter_add(self, input, dim, index, src):  # noqa: A002
+    dim = int(_host(dim))
+    if tuple(src.shape) != tuple(index.shape):                          # only index's part of src is added
+        src = src[tuple(slice(0, n) for n in index.shape)]
+    return ops.tensor_scatter_elements(input, index, src, axis=dim, reduction="add")
+
+
+def _split_view(self, input, split_size, dim=0):  # noqa: A002
+    dim = int(_host(dim))
+    length = input.shape[dim]
+    if isinstance(split_size, (list, tuple)):
+        sizes = [int(_host(n)) for n in split_size]
+    else:
+        step = int(_host(split_size))
+        sizes = [min(step, length - start) for start in range(0, length, step)]
+    starts = np.cumsum([0] + sizes[:-1])
+    return tuple(mint.narrow(input, dim, int(start), n) for start, n in zip(starts, sizes))
+
+
+_REDUCE_OPS = {"sum": "sum", "max": "max", "min": "min", "avg": "avg"}
+
+
+def _reduce_op(op_type: Any) -> str:
+    key = str(_host(op_type)).lower()
+    if key not in _REDUCE_OPS:
+        raise ValueError(f"cpu_twins: the collective twins reduce with {sorted(_REDUCE_OPS)}, got {op_type!r}")
+    return _REDUCE_OPS[key]
+
+
+def _all_reduce(self, input, op_type, group, async_op=True):  # noqa: A002
+    from ..comm import all_reduce
+    from ..process_group import group_mesh
+    return all_reduce(input, group_mesh(group), 0, op=_reduce_op(op_type))
+
+
+def _all_gather(self, input, rank_size, group, async_op=True):  # noqa: A002
+    from ..comm import all_gather
+    from ..process_group import group_mesh
+    return all_gather(input, group_mesh(group), 0, dim=0)
+
+
+def _reduce_scatter(self, input, rank_size, op_type, group, async_op=True):  # noqa: A002
+    from ..comm import reduce_scatter
+    from ..process_group import group_mesh
+    return reduce_scatter(input, group_mesh(group), 0, dim=0, op=_reduce_op(op_type))
+
+
+_LAYOUTS = {"BSH": "bsh", "SBH": "sbh", "BNSD": "bnsd", "BSND": "bsnd"}
+
+
+_LAYOUT_ENUM = {0: "BSH", 1: "BNSD", 2: "SBH", 3: "BSND", 4: "TND"}     # MindSpore's input_layout enum
+
+
+def _layout_name(value: Any) -> str:
+    return value if isinstance(value, str) else _LAYOUT_ENUM.get(int(value), str(value))
+
+
+def _to_bnsd(x, layout: str, heads: int):
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(0, 2, 1, 3)
+    if layout == "BSH":
+        b, s, h = x.shape
+        return x.reshape(b, s, heads, h // heads).transpose(0, 2, 1, 3)
+    s, b, h = x.shape                                                   # SBH
+    return x.reshape(s, b, heads, h // heads).transpose(1, 2, 0, 3)
+
+
+def _from_bnsd(x, layout: str):
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(0, 2, 1, 3)
+    b, n, s, d = x.shape
+    if layout == "BSH":
+        return x.transpose(0, 2, 1, 3).reshape(b, s, n * d)
+    return x.transpose(2, 0, 1, 3).reshape(s, b, n * d)                 # SBH
+
+
+def _band(sq: int, skv: int, sparse_mode: int, pre_tokens: int, next_tokens: int) -> Optional[np.ndarray]:
+    """True where a query row may not see a key column, from ``sparse_mode`` and the token band
+    (mode 0 counts the band from the top-left corner, mode 4 from the bottom-right one, as mode 3)."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    if sparse_mode in (0, 4):
+        d = j - i - (skv - sq if sparse_mode == 4 else 0)
+        return (d > next_tokens) | (-d > pre_tokens)
+    if sparse_mode == 1:
+        return None
+    if sparse_mode == 2:                                                # causal from the top left
+        return j > i
+    if sparse_mode == 3:                                                # causal from the bottom right
+        return j - i > skv - sq
+    raise ValueError(f"cpu_twins: the FlashAttentionScore twin computes sparse_mode 0 to 4, got {sparse_mode}")
+
+
+_FLASH_ATTRS = ("head_num", "keep_prob", "scale_value", "pre_tokens", "next_tokens", "inner_precise",
+                "input_layout", "sparse_mode")      # the primitive's attributes, in its flat call's order
+
+
+class _LocalFlashAttention:
+    """The twin as the dispatcher's local op: called with ``FlashAttentionScore``'s 18 flat arguments
+    (the 10 tensors, then :data:`_FLASH_ATTRS`, as the sharding rule's ``local_args`` set them)."""
+
+    name = "FlashAttentionScore"
+
+    def __call__(self, *flat):
+        from .._mindspore import plain_view
+        attrs = types.SimpleNamespace(**dict(zip(_FLASH_ATTRS, flat[10:])))
+        pieces = [plain_view(t) if hasattr(t, "placements") else t for t in flat[:10]]   # this rank's pieces
+        return _flash_attention_score(attrs, *pieces)
+
+
+def _flash_attention_score(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
+                           attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
+    attrs = self.attrs if hasattr(self, "attrs") else {}
+    get = lambda name: _host(getattr(self, name, attrs.get(name)))      # noqa: E731
+    tensors = (query, key, value, real_shift, drop_mask, padding_mask, attn_mask, prefix, actual_seq_qlen,
+               actual_seq_kvlen)
+    if any(hasattr(t, "placements") for t in tensors):     # DTensors: FlashAttentionScore's sharding rule decides
+        from ..ops._dispatch import dispatch
+        return dispatch(_LocalFlashAttention(), tensors + tuple(get(n) for n in _FLASH_ATTRS), {})
+    layout = _layout_name(get("input_layout"))
+    if layout not in _LAYOUTS:
+        raise ValueError(f"cpu_twins: the FlashAttentionScore twin computes input_layout BSH, SBH, BNSD or BSND, "
+                         f"got {layout!r}")
+    if float(get("keep_prob")) != 1.0:
+        raise ValueError("cpu_twins: the FlashAttentionScore twin computes keep_prob=1.0 only (no attention "
+                         "dropout); set attention_dropout to 0 in tests")
+    unsupported = [n for n, v in (("padding_mask", padding_mask), ("prefix", prefix),
+                                  ("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen))
+                   if v is not None]
+    if unsupported:
+        raise ValueError(f"cpu_twins: the FlashAttentionScore twin does not compute {unsupported}")
+    heads = int(get("head_num"))
+    kv_heads = _kv_heads(key, layout, query, heads)
+    q, k, v = _to_bnsd(query, layout, heads), _to_bnsd(key, layout, kv_heads), _to_bnsd(value, layout, kv_heads)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:                                                      # grouped-query attention
+        k, v = (_repeat_heads(t, groups) for t in (k, v))
+    scores = mint.matmul(q.astype(ms.float32), k.astype(ms.float32).swapaxes(-1, -2)) * float(get("scale_value"))
+    if real_shift is not None:
+        scores = scores + real_shift.astype(ms.float32)
+    sq, skv = scores.shape[-2:]
+    sparse_mode = int(get("sparse_mode"))
+    masked = None if sparse_mode == 0 and attn_mask is None else (     # mode 0 without a mask: no band
+        _band(sq, skv, sparse_mode, int(get("pre_tokens")), int(get("next_tokens"))))
+    hidden = None if masked is None else ms.Tensor(masked)
+    if attn_mask is not None and sparse_mode in (0, 1):               # 2 to 4: the compressed mask is the band
+        user = attn_mask.astype(ms.bool_)
+        hidden = user if hidden is None else ops.logical_or(user, hidden)
+    if hidden is not None:
+        scores = ops.select(ops.broadcast_to(hidden, scores.shape), ms.Tensor(-1e30, ms.float32), scores)
+    row_max = scores.max(axis=-1, keepdims=True)
+    weights = ops.exp(scores - ops.stop_gradient(row_max))
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    out = mint.matmul(weights / row_sum, v.astype(ms.float32)).astype(query.dtype)
+    stats = tuple(ops.broadcast_to(ops.stop_gradient(t), t.shape[:-1] + (8,)) for t in (row_max, row_sum))
+    reserved = ms.Tensor(np.zeros((), np.float32)).astype(query.dtype)      # softmax_out: shape (), unused
+    return stats[0], stats[1], reserved, _from_bnsd(out, layout)
+
+
+def _repeat_heads(t, groups: int):
+    """Each key / value head repeated ``groups`` times in place (BNSD), as ``repeat_interleave`` on
+    dim 1 (which has no CPU kernel in MindSpore 2.10)."""
+    b, n, s, d = t.shape
+    return ops.broadcast_to(t.reshape(b, n, 1, s, d), (b, n, groups, s, d)).reshape(b, n * groups, s, d)
+
+
+def _kv_heads(t, layout: str, query, heads: int) -> int:
+    if layout in ("BNSD", "BSND"):
+        return t.shape[1 if layout == "BNSD" else 2]
+    return heads * t.shape[-1] // query.shape[-1]
+
+
+def _primitive_classes() -> Dict[str, type]:
+    from mindspore.ops.auto_generate import gen_ops_prim
+    from mindspore.ops.auto_generate.pyboost_inner_prim import _PyboostRmsNormPrim
+    classes = {name: getattr(gen_ops_prim, name) for name in ("FillScalar", "TrilExt", "IndexSelect", "Arange",
+                                                               "Outer", "Embedding", "FlashAttentionScore",
+                                                               "ZerosLikeExt", "OnesLikeExt", "ScatterAddExt",
+                                                               "SplitTensorView", "SplitWithSizeView",
+                                                               "InnerCommAllReduce", "InnerCommAllGather",
+                                                               "InnerCommReduceScatter")}
+    classes["RmsNorm"] = _PyboostRmsNormPrim
+    return classes
+
+
+TWINS: Dict[str, Callable] = {
+    "FillScalar": _fill_scalar, "TrilExt": _tril, "IndexSelect": _index_select, "Arange": _arange,
+    "Outer": _outer, "RmsNorm": _rms_norm, "Embedding": _embedding, "FlashAttentionScore": _flash_attention_score,
+    "ZerosLikeExt": _zeros_like, "OnesLikeExt": _ones_like, "ScatterAddExt": _scatter_add,
+    "SplitTensorView": _split_view, "SplitWithSizeView": _split_view,
+    "InnerCommAllReduce": _all_reduce, "InnerCommAllGather": _all_gather, "InnerCommReduceScatter": _reduce_scatter,
+}
+
+
+@contextlib.contextmanager
+def cpu_twins() -> Iterator[Tuple[str, ...]]:
+    """Run the primitives of :data:`TWINS` as CPU compositions inside the block (PyNative, CPU only).
+
+    Yields the names of the primitives replaced. Re-entrant; the outermost block restores the
+    primitives. Refused on a device target other than CPU.
+
+    Example::
+
+        with cpu_twins():
+            y = mindspore.mint.arange(4)            # Arange has no CPU kernel in MindSpore 2.10
+    """
+    from .._mindspore import process_device_target
+    target = process_device_target()
+    if target != "CPU":
+        raise RuntimeError(f"cpu_twins() is for tests on CPU ranks; the device target is {target!r}, "
+                           f"whose own kernels run these primitives")
+    with _LOCK:
+        if _DEPTH[0] == 0:
+            for name, cls in _primitive_classes().items():
+                _SAVED[cls] = cls.__dict__["__call__"]
+                cls.__call__ = TWINS[name]
+        _DEPTH[0] += 1
+    try:
+        yield tuple(TWINS)
+    finally:
+        with _LOCK:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                for cls, call in _SAVED.items():
+                    cls.__call__ = call
+                _SAVED.clear()

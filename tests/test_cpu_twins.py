@@ -1,0 +1,157 @@
+"""``hyper_parallel_ms.testing.cpu_twins()``: each twin against its formula (numpy), its gradient
+where a model differentiates it, its refusals, and the restoration of the primitives. In the
+pytest process, except the collective twins (2 CPU ranks, one call)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import mint, ops
+
+from hyper_parallel_ms.testing import TWINS, cpu_twins, run_on_ranks
+
+RNG = np.random.default_rng(3)
+
+
+def _np(t):
+    return t.asnumpy()
+
+
+def _softmax(s):
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_elementary_twins_equal_their_formulas():
+    x = RNG.normal(size=(3, 5)).astype(np.float32)
+    idx = np.array([2, 0, 2], np.int64)
+    with cpu_twins() as names:
+        assert set(names) == set(TWINS)
+        np.testing.assert_array_equal(_np(mint.full((2, 3), 1.5)), np.full((2, 3), 1.5, np.float32))
+        np.testing.assert_array_equal(_np(mint.tril(ms.Tensor(x), diagonal=1)), np.tril(x, 1))
+        np.testing.assert_array_equal(_np(mint.index_select(ms.Tensor(x), 1, ms.Tensor(idx))), x[:, idx])
+        np.testing.assert_array_equal(_np(mint.arange(2, 11, 3)), np.arange(2, 11, 3))
+        assert mint.arange(4).dtype == ms.int64 and mint.arange(0.0, 1.0, 0.25).dtype == ms.float32
+        np.testing.assert_allclose(_np(mint.outer(ms.Tensor(x[0]), ms.Tensor(x[1]))), np.outer(x[0], x[1]), rtol=1e-6)
+        np.testing.assert_array_equal(_np(mint.zeros_like(ms.Tensor(x))), np.zeros_like(x))
+        assert mint.ones_like(ms.Tensor(x), dtype=ms.int32).dtype == ms.int32
+        np.testing.assert_array_equal(_np(mint.ones_like(ms.Tensor(x))), np.ones_like(x))
+        index = np.array([[0, 1, 0], [2, 2, 1]], np.int64)
+        src = RNG.normal(size=(2, 4)).astype(np.float32)
+        expect = x[:2, :3].copy()
+        for i in range(2):
+            for j in range(3):
+                expect[i, index[i, j]] += src[i, j]
+        got = mint.scatter_add(ms.Tensor(x[:2, :3]), 1, ms.Tensor(index), ms.Tensor(src))
+        np.testing.assert_allclose(_np(got), expect, rtol=1e-6)
+
+
+def test_rms_norm_and_embedding_twins_equal_their_formulas_with_gradients():
+    x = RNG.normal(size=(2, 3, 8)).astype(np.float32)
+    gamma = RNG.normal(size=(8,)).astype(np.float32)
+    rstd = 1 / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+    table = RNG.normal(size=(6, 4)).astype(np.float32)
+    ids = np.array([[1, 0, 5], [0, 3, 1]], np.int32)
+    with cpu_twins():
+        y, r = ops.rms_norm(ms.Tensor(x), ms.Tensor(gamma), 1e-6)
+        np.testing.assert_allclose(_np(y), x * rstd * gamma, rtol=1e-5)
+        np.testing.assert_allclose(_np(r), rstd, rtol=1e-5)
+        rows = mint.nn.functional.embedding(ms.Tensor(ids), ms.Tensor(table), padding_idx=0)
+        np.testing.assert_array_equal(_np(rows), table[ids])
+        grad = ms.grad(lambda t: mint.nn.functional.embedding(ms.Tensor(ids), t, padding_idx=0).sum())(ms.Tensor(table))
+    expect = np.zeros_like(table)
+    np.add.at(expect, ids[ids != 0], 1.0)                     # no gradient reaches the padding row
+    np.testing.assert_array_equal(_np(grad), expect)
+
+
+def test_split_twin_gives_the_gradients_mindspore_2_10_misplaces_on_cpu():
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    dy = x + 100
+    swap = lambda t: mint.cat(mint.split(t, 4, dim=-1)[::-1], dim=-1)       # noqa: E731
+    with cpu_twins():
+        grad = ms.grad(lambda t: (swap(t) * ms.Tensor(dy)).sum())(ms.Tensor(x))
+        pieces = mint.split(ms.Tensor(np.arange(10, dtype=np.float32)), [3, 7])
+    np.testing.assert_array_equal(_np(grad), np.concatenate([dy[:, 4:], dy[:, :4]], -1))
+    assert [p.shape for p in pieces] == [(3,), (7,)]
+
+
+def _attention(q, k, v, scale, masked):
+    """BNSD numpy attention; ``masked[i, j]`` True hides key j from query i."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, groups, 1), np.repeat(v, groups, 1)
+    s = np.einsum("bnqd,bnkd->bnqk", q, k) * scale
+    s = np.where(masked, -np.inf, s)
+    return np.einsum("bnqk,bnkd->bnqd", _softmax(s), v)
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_flash_attention_twin_equals_softmax_attention(layout):
+    from mindspore.ops.operations.nn_ops import FlashAttentionScore
+    b, n, kv, s, d = 2, 4, 2, 6, 8
+    q, k, v = (RNG.normal(size=shape).astype(np.float32) for shape in ((b, n, s, d), (b, kv, s, d), (b, kv, s, d)))
+    causal = np.triu(np.ones((s, s), bool), 1)
+    band = (np.arange(s)[None] - np.arange(s)[:, None] > 1) | (np.arange(s)[:, None] - np.arange(s)[None] > 2)
+
+    def to_layout(t):
+        return t if layout == "BNSD" else t.transpose(0, 2, 1, 3).reshape(t.shape[0], t.shape[2], -1)
+
+    with cpu_twins():
+        nothing = ms.Tensor(np.zeros((s, s), np.uint8))
+        # sparse_mode 0 applies the pre / next token band with an attn_mask only (MindSpore's defaultMask)
+        for sparse_mode, pre, nxt, mask, hidden in ((2, 65536, 0, None, causal), (3, 65536, 0, None, causal),
+                                                    (0, 2, 1, nothing, band), (0, 2, 1, None, causal & False)):
+            fa = FlashAttentionScore(head_num=n, scale_value=0.3, pre_tokens=pre, next_tokens=nxt,
+                                     input_layout=layout, sparse_mode=sparse_mode)
+            out = fa(*(ms.Tensor(to_layout(t)) for t in (q, k, v)), attn_mask=mask)[3]
+            np.testing.assert_allclose(_np(out), to_layout(_attention(q, k, v, 0.3, hidden)), rtol=1e-5, atol=1e-5)
+        user_mask = RNG.random((s, s)) < 0.3
+        np.fill_diagonal(user_mask, False)
+        fa = FlashAttentionScore(head_num=n, scale_value=0.3, input_layout=layout, sparse_mode=0)
+        out = fa(*(ms.Tensor(to_layout(t)) for t in (q, k, v)), attn_mask=ms.Tensor(user_mask.astype(np.uint8)))[3]
+        np.testing.assert_allclose(_np(out), to_layout(_attention(q, k, v, 0.3, user_mask)), rtol=1e-5, atol=1e-5)
+        # the gradient of the composition is the one of softmax attention written with mint ops
+        ref = lambda q: mint.matmul(mint.softmax(mint.matmul(q, ms.Tensor(np.repeat(k, 2, 1)).swapaxes(-1, -2)) * 0.3, -1), ms.Tensor(np.repeat(v, 2, 1)))  # noqa: E731,E501
+        fa = FlashAttentionScore(head_num=n, scale_value=0.3, input_layout="BNSD", sparse_mode=1)
+        got = ms.grad(lambda q: fa(q, ms.Tensor(k), ms.Tensor(v))[3].sum())(ms.Tensor(q))
+        np.testing.assert_allclose(_np(got), _np(ms.grad(lambda q: ref(q).sum())(ms.Tensor(q))), rtol=1e-4, atol=1e-6)
+        with pytest.raises(ValueError, match="keep_prob"):
+            FlashAttentionScore(head_num=n, keep_prob=0.9, input_layout="BNSD")(*(ms.Tensor(t) for t in (q, k, v)))
+
+
+def test_twins_are_restored_and_refused_off_cpu(monkeypatch):
+    from mindspore.ops.auto_generate import gen_ops_prim
+    before = gen_ops_prim.Arange.__call__
+    with cpu_twins():
+        with cpu_twins():                              # re-entrant
+            assert gen_ops_prim.Arange.__call__ is not before
+        assert gen_ops_prim.Arange.__call__ is not before
+    assert gen_ops_prim.Arange.__call__ is before
+    monkeypatch.setattr("hyper_parallel_ms._mindspore.process_device_target", lambda: "Ascend")
+    with pytest.raises(RuntimeError, match="tests on CPU ranks"):
+        with cpu_twins():
+            pass
+
+
+def collectives_on_ranks():
+    """The collective twins (``mindspore.ops.communication``'s not-in-place calls) on 2 ranks."""
+    from mindspore.communication import GlobalComm, get_rank
+    from mindspore.ops import communication as comm
+    rank = get_rank()
+    x = ms.Tensor(np.arange(8, dtype=np.float32).reshape(4, 2) * (rank + 1))
+    comm.set_comm_ops_inplace(False)
+    try:
+        with cpu_twins():
+            total = comm.all_reduce(x, group=GlobalComm.WORLD_COMM_GROUP)[0]
+            gathered = comm.all_gather_into_tensor(None, x)[0]
+            piece = comm.reduce_scatter_tensor(None, x)[0]
+    finally:
+        comm.set_comm_ops_inplace(True)
+    return _np(total), _np(gathered), _np(piece)
+
+
+def test_collective_twins_on_two_ranks():
+    base = np.arange(8, dtype=np.float32).reshape(4, 2)
+    for rank, (total, gathered, piece) in enumerate(run_on_ranks(collectives_on_ranks, 2)):
+        np.testing.assert_array_equal(total, base * 3)
+        np.testing.assert_array_equal(gathered, np.concatenate([base, base * 2]))
+        np.testing.assert_array_equal(piece, (base * 3)[2 * rank:2 * rank + 2])
