@@ -259,6 +259,15 @@ def _keyed(a: Any) -> Any:
     return a
 
 
+def _fused_dtypes(name: str, keyed: tuple) -> Optional[List[Any]]:
+    """The output dtypes of the fused kernels whose outputs do not all take the inputs' dtype:
+    ``FlashAttentionScore``'s softmax max and sum are float32, its reserved output and attention
+    output the query's dtype (their shapes come from its sharding rule)."""
+    if name == "FlashAttentionScore":
+        return [ms.float32, ms.float32, keyed[0][1], keyed[0][1]]
+    return None
+
+
 def _outputs(name: str, keyed: tuple, kwargs: tuple, attrs: tuple) -> Tuple[bool, Tuple[Tuple[tuple, Any], ...]]:
     """(inplace, ((shape, dtype) of each output)) of op ``name`` on arguments described by ``keyed``."""
     rule = propagator.rule_for(name)
@@ -269,8 +278,8 @@ def _outputs(name: str, keyed: tuple, kwargs: tuple, attrs: tuple) -> Tuple[bool
             f"register one with @hyper_parallel_ms.ops.register_sharding('{name}')")
     described = tuple(TensorArg(_ONE_RANK, a[0], is_dtensor=False) if isinstance(a, _Tensor) else a for a in keyed)
     sharding = rule(OpSchema(name, described, kwargs, attrs))
-    dtypes = out_dtypes(name, [a[1] for a in keyed if isinstance(a, _Tensor)], keyed, dict(kwargs),
-                        len(sharding.outputs))
+    dtypes = _fused_dtypes(name, keyed) or out_dtypes(name, [a[1] for a in keyed if isinstance(a, _Tensor)], keyed,
+                                                      dict(kwargs), len(sharding.outputs))
     return sharding.inplace, tuple((tuple(shape), dtype) for (_, shape), dtype in zip(sharding.outputs, dtypes))
 
 

@@ -6,4 +6,4 @@ Example::
     "MatMulExt" in registered_ops()
 """
 # registration by import (each module's rules register themselves by decorator)
-from . import concat, expand, indexing, matmul, nn_ops, pointwise, random, reduction, scan, view  # noqa: F401
+from . import attention, concat, expand, indexing, matmul, nn_ops, pointwise, random, reduction, scan, view  # noqa: F401,E501
