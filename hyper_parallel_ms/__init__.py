@@ -37,6 +37,8 @@ _EXPORTS: Dict[str, str] = {
     "distribute_module": "nn", "ShardingPlan": "nn", "shard_module": "nn", "GradientReducer": "nn",
     "ParallelStyle": "nn", "parameter_sharding": "nn", "as_dtensor": "nn",
     "loss_parallel": "nn", "ParallelCrossEntropy": "nn",
+    "context_parallel": "nn", "context_parallel_unshard": "nn", "set_rotate_method": "nn", "ContextParallel": "nn",
+    "AsyncContextParallel": "nn",
     "fully_shard": "fsdp", "FSDPModule": "fsdp", "MixedPrecisionPolicy": "fsdp", "hsdp": "fsdp",
     "OffloadPolicy": "fsdp", "CPUOffloadPolicy": "fsdp", "register_fsdp_forward_method": "fsdp",
     "hsdp_sync_stream": "fsdp", "hsdp_wait_grad_handle": "fsdp", "UnshardHandle": "fsdp",
@@ -49,6 +51,7 @@ _EXPORTS: Dict[str, str] = {
     "ScheduleLoopedBFS": "pipelining", "ScheduleZBVZeroBubble": "pipelining",
     "ScheduleInterleavedZeroBubble": "pipelining", "ScheduleDualPipeV": "pipelining", "BatchDimSpec": "pipelining",
     "dryrun": "", "simulate": "dryrun",
+    "moe": "", "MoE": "moe", "ExpertParallel": "moe", "ExpertTensorParallel": "moe",
     "plan": "",     # deprecated: hyper_parallel_ms.dryrun (warns on import; not in __all__)
     "process_group": "", "init_process_group": "process_group", "destroy_process_group": "process_group",
     "get_process_group_ranks": "process_group", "get_backend": "process_group", "split_group": "process_group",

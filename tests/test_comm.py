@@ -280,3 +280,55 @@ def test_process_groups_by_pytorch_and_hyper_parallel_names():
         destroy_process_group(ms.communication.GlobalComm.WORLD_COMM_GROUP)
     with pytest.raises(TypeError, match="a group is a MindSpore group name"):
         mark_created_groups([3])
+
+
+@multi_rank(4)
+def test_all_to_all_single():
+    """Uneven row blocks (some empty, one rank receiving nothing) over each dim of a (2, 2) mesh and over 4
+    ranks, values and gradients against numpy, PyNative and ms.jit (splits as Python ints); counts exchanged
+    when output_split_sizes is None; a rank's wrong output_split_sizes raises on every rank; CommDebugMode
+    records the textbook bytes (the rows sent to the other ranks)."""
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    for mesh, dim, mode, pieces in [(grid, "dp", "pynative", "uneven"), (grid, "tp", "jit", "uneven"),
+                                    (flat, "ep", "pynative", "uneven"), (flat, "ep", "pynative", "empty"),
+                                    (flat, "ep", "jit", "uneven"), (flat, "ep", "jit", "even")]:
+        check_collective("all_to_all_single", mesh, dim, mode=mode, pieces=pieces)
+    me = flat.get_local_rank()
+    from hyper_parallel_ms.testing.collective_check import split_matrix
+    matrix = split_matrix(4, "uneven")
+    x = ms.Tensor(np.arange(sum(matrix[me]) * 3, dtype=np.float32).reshape(-1, 3) + 100 * me)
+    with CommDebugMode() as mode:
+        y = comm.all_to_all_single(x, None, matrix[me], flat, "ep")              # counts exchanged first
+    want = np.concatenate([(np.arange(sum(matrix[i]) * 3, dtype=np.float32).reshape(-1, 3) + 100 * i)
+                           [sum(matrix[i][:me]):sum(matrix[i][:me + 1])] for i in range(4)])
+    np.testing.assert_array_equal(y.asnumpy(), want)
+    rec = mode.records[0]
+    assert (rec.kind, rec.mesh_dim, rec.group_size, rec.path) == ("all_to_all_single", "ep", 4, "composed")
+    assert mode.get_total_counts() == 1 and rec.bytes == (sum(matrix[me]) - matrix[me][me]) * 12
+    assert rec.wire_bytes == 504 + 192        # ring all-reduces of the 28-row buffer and of the 4 x 8 counts
+    np.testing.assert_array_equal(comm.all_to_all_by_matrix(x, matrix, flat, "ep").asnumpy(), want)
+    # the whole matrix known: inside ms.jit with row counts that differ between the ranks, value and gradient
+    from hyper_parallel_ms.testing.collective_check import all_to_all_single as reference
+    known = ((1, 2, 0, 1), (2, 1, 1, 0), (0, 3, 1, 2), (1, 0, 2, 1))
+    xs = [np.random.default_rng(10 + r).standard_normal((sum(known[r]), 3)).astype(np.float32) for r in range(4)]
+    ws = [np.random.default_rng(20 + r).standard_normal((sum(row[r] for row in known), 3)).astype(np.float32)
+          for r in range(4)]
+    weight = ms.Tensor(ws[me])
+
+    def by_matrix(t):
+        return (comm.all_to_all_by_matrix(t, known, flat, "ep") * weight).sum()
+    value, grad = ms.jit(ms.value_and_grad(by_matrix))(ms.Tensor(xs[me]))
+    out, want_grad = reference(xs, ws, me, known)
+    np.testing.assert_allclose(value.asnumpy(), (reference(xs, None, me, known) * ws[me]).sum(), rtol=1e-5)
+    np.testing.assert_allclose(grad.asnumpy(), want_grad, rtol=1e-5, atol=1e-6)
+    wrong = tuple(row[me] for row in matrix)
+    wrong = (wrong[0] + 1,) + wrong[1:] if me == 2 else wrong
+    with pytest.raises(ValueError, match=r"rank 2 of the group \(global rank 2\) expects output_split_sizes"):
+        comm.all_to_all_single(x, wrong, matrix[me], flat, "ep")
+    def counts_unknown(t):
+        return comm.all_to_all_single(t, None, matrix[me], flat, "ep")
+    with pytest.raises(NotImplementedError, match="inside ms.jit needs output_split_sizes"):
+        ms.jit(counts_unknown)(x)
+    with pytest.raises(ValueError, match="input_split_sizes .* sum to"):
+        comm.all_to_all_single(x, None, (1, 1, 1, 1), flat, "ep")

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.npu,
 
 CASES = [("all_gather", {}), ("all_gather", {"pieces": "uneven", "dim": 1}), ("all_reduce", {"op": "sum"}),
          ("all_reduce", {"op": "max"}), ("reduce_scatter", {}), ("reduce_scatter", {"pieces": "uneven", "dim": 1}),
-         ("all_to_all", {}), ("all_to_all", {"pieces": "uneven"}), ("broadcast", {"src": 1})]
+         ("all_to_all", {}), ("all_to_all", {"pieces": "uneven"}), ("all_to_all_single", {"pieces": "uneven"}),
+         ("broadcast", {"src": 1})]
 
 
 @pytest.mark.parametrize("mode", ["pynative", "jit"])

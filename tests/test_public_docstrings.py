@@ -11,7 +11,7 @@ from typing import Dict, List, Set, Tuple
 
 import hyper_parallel_ms
 
-SUBPACKAGES = ("checkpoint", "comm", "dryrun", "dtensor", "fsdp", "nn", "ops", "pipelining", "redistribute",
+SUBPACKAGES = ("checkpoint", "comm", "dryrun", "dtensor", "fsdp", "moe", "nn", "ops", "pipelining", "redistribute",
                "testing", "training")
 _ENTRY = re.compile(r"^    (\*{0,2}\w+(?:, \*{0,2}\w+)*)(?: \([^)]*\))?:")
 

@@ -11,6 +11,7 @@ reduce_scatter     reduce, keep this rank's chunk of ``dim``   all-gather (sum a
 all_reduce         element-wise sum / avg / max / min          all-reduce sum (max/min: to the
                                                                rank(s) holding the extreme)
 all_to_all         chunk ``split_dim``, concat ``concat_dim``  the inverse all-to-all
+all_to_all_single  uneven row blocks of dim 0 to each rank     the same with the splits swapped
 broadcast          the tensor of group rank ``src``            sum of gradients onto ``src``
 =================  ==========================================  ================================
 
@@ -49,12 +50,14 @@ from .._mindspore import cached_in_python, is_compiling, run_in_python
 from ..layout import chunk_offsets, chunk_sizes
 from ..placement import REDUCE_OPS
 from . import _composed, _exact, _native, _traffic
+from ._alltoallv import all_to_all_by_matrix, all_to_all_single
 from ._broadcast import broadcast as _broadcast
 from ._p2p import recv, send
 from .capability import CAPABILITIES, COLLECTIVES, POINT_TO_POINT, force_path, select_path, table
 from .debug import CommDebugMode, CommRecord, record
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "CommDebugMode",
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_single", "all_to_all_by_matrix",
+           "broadcast", "send", "recv", "CommDebugMode",
            "CommRecord", "CAPABILITIES", "COLLECTIVES", "POINT_TO_POINT", "force_path", "select_path", "table"]
 
 

@@ -24,7 +24,7 @@ from .._cost import textbook_sent
 from ..layout import chunk_sizes
 
 __all__ = ["all_gather_bytes", "all_reduce_bytes", "reduce_scatter_bytes", "all_to_all_bytes",
-           "broadcast_bytes"]
+           "all_to_all_single_bytes", "broadcast_bytes"]
 
 Bytes = Tuple[int, int]
 
@@ -86,6 +86,24 @@ def all_to_all_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, spl
     gathered = list(shape)
     gathered[concat_dim] = sum(concat_sizes)
     return textbook, _ring_all_reduce(n, prod(gathered) * item)
+
+
+def all_to_all_single_bytes(path: str, n: int, shape: Sequence[int], itemsize: int, sends: Sequence[int], rank: int,
+                            gathered_rows: int, counts: int = 0, wire_itemsize: Optional[int] = None) -> Bytes:
+    """(textbook, wire) bytes for an all-to-all of uneven row blocks (dim 0): this rank sends ``sends[j]``
+    rows to rank ``j``. Textbook: the rows sent to the other ranks. Wire: native, the same (``ops.AlltoAllV``
+    sends exactly); composed, the all-reduce of the buffer of ``gathered_rows`` rows; plus, either way, the
+    all-reduce of the ``counts`` float32 split counts the ranks exchanged first (0: none).
+
+    >>> all_to_all_single_bytes("composed", 2, (3, 4), 4, (1, 2), 0, 5, counts=8)
+    (32, 112)
+    """
+    row = _slice_bytes(shape, 0, itemsize)
+    textbook = int(textbook_sent("all_to_all", n, shape[0] * row, sends[rank] * row))
+    exchange = _ring_all_reduce(n, counts * 4) if counts else 0
+    if path == "native":
+        return textbook, (shape[0] - sends[rank]) * _slice_bytes(shape, 0, wire_itemsize or itemsize) + exchange
+    return textbook, _ring_all_reduce(n, gathered_rows * _slice_bytes(shape, 0, wire_itemsize or itemsize)) + exchange
 
 
 def broadcast_bytes(path: str, n: int, shape: Sequence[int], itemsize: int,

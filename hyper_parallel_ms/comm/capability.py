@@ -21,7 +21,7 @@ __all__ = ["Capability", "CAPABILITIES", "COLLECTIVES", "POINT_TO_POINT", "DTYPE
 
 NATIVE = "native"
 COMPOSED = "composed"
-COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast")
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_single", "broadcast")
 POINT_TO_POINT = ("send", "recv")
 
 
@@ -42,6 +42,8 @@ _ROWS = [
                "ops.ReduceScatter for sum/avg; max/min: ops.AllReduce + local chunk "
                "(ReduceScatter has no max/min backward)"),
     Capability("Ascend", "all_to_all", NATIVE, "ops.AlltoAll (padded when uneven)"),
+    Capability("Ascend", "all_to_all_single", NATIVE,
+               "ops.AlltoAllV on the flattened rows; backward: the same with the splits swapped"),
     Capability("Ascend", "broadcast", NATIVE, "ops.Broadcast; backward: ops.AllReduce kept on the source"),
     Capability("CPU", "all_gather", COMPOSED,
                "each rank writes its piece into a zero buffer, ops.AllReduce sum; on the world group (float32, "
@@ -52,6 +54,11 @@ _ROWS = [
                "AllReduce sum, max/min over the slot axis (MCCL AllReduce: sum only)"),
     Capability("CPU", "reduce_scatter", COMPOSED, "all_reduce, then the local chunk"),
     Capability("CPU", "all_to_all", COMPOSED, "all_gather along concat_dim, then the local chunk of split_dim"),
+    Capability("CPU", "all_to_all_single", COMPOSED,
+               "PyNative: the ranks exchange their splits (one all-reduce), each writes its rows into its slot of the "
+               "buffer of every rank's rows, ops.AllReduce sum, keeps the blocks sent to it; ms.jit (splits as Python "
+               "ints, equal row counts): the inputs all-gathered whole, the blocks picked at offsets computed in the "
+               "graph"),
     Capability("CPU", "broadcast", COMPOSED, "non-source ranks contribute zeros to ops.AllReduce sum"),
     Capability("Ascend", "send", NATIVE, "HCCL isend kernel (mint.distributed.send's), waited on; PyNative only"),
     Capability("Ascend", "recv", NATIVE, "HCCL irecv kernel (mint.distributed.recv's), waited on; PyNative only"),

@@ -107,9 +107,9 @@ class CommDebugMode:
 
     def summary(self) -> str:
         """A text table, one line per call."""
-        lines = [f"{'kind':<15}{'mesh dim':<10}{'n':>3}  {'path':<9}{'bytes':>12}{'wire bytes':>12}  shape"]
+        lines = [f"{'kind':<18}{'mesh dim':<10}{'n':>3}  {'path':<9}{'bytes':>12}{'wire bytes':>12}  shape"]
         for r in self.records:
-            lines.append(f"{r.kind:<15}{str(r.mesh_dim):<10}{r.group_size:>3}  {r.path:<9}"
+            lines.append(f"{r.kind:<18}{str(r.mesh_dim):<10}{r.group_size:>3}  {r.path:<9}"
                          f"{r.bytes:>12}{r.wire_bytes:>12}  {r.shape} {r.dtype}"
                          f"{'  (compiled)' if r.compiled else ''}")
         return "\n".join(lines)

@@ -17,9 +17,9 @@ from typing import Callable, List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["check_collective", "chunk_bounds", "KINDS", "PIECES"]
+__all__ = ["check_collective", "chunk_bounds", "split_matrix", "KINDS", "PIECES"]
 
-KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast")
+KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_single", "broadcast")
 
 
 def chunk_bounds(size: int, n: int) -> List[Tuple[int, int]]:
@@ -97,6 +97,30 @@ def all_to_all(xs, ws, me, split_dim, concat_dim):
     return out, grad
 
 
+def split_matrix(n: int, pieces: str) -> List[List[int]]:
+    """The rows member ``i`` sends to member ``j`` in the ``all_to_all_single`` checks: ``even`` 2 each;
+    ``uneven`` ``(i + j) % n`` plus one to member 0 (zeros included, every member sending as many rows);
+    ``empty`` 2 each but none to the last member."""
+    if pieces == "even":
+        return [[2] * n for _ in range(n)]
+    if pieces == "uneven":
+        return [[(i + j) % n + (j == 0) for j in range(n)] for i in range(n)]
+    return [[0 if j == n - 1 else 2 for j in range(n)] for _ in range(n)]
+
+
+def all_to_all_single(xs, ws, me, matrix):
+    n = len(xs)
+    starts = [np.cumsum([0] + list(row)) for row in matrix]       # starts[i][j]: where i's block for j begins
+    out = np.concatenate([xs[i][starts[i][me]:starts[i][me + 1]] for i in range(n)], 0)
+    if ws is None:
+        return out
+    grad = np.zeros_like(xs[me])
+    for j in range(n):
+        at = sum(matrix[k][j] for k in range(me))                  # where my block sits in j's output
+        grad[starts[me][j]:starts[me][j + 1]] = ws[j][at:at + matrix[me][j]]
+    return out, grad
+
+
 def broadcast(xs, ws, me, src):
     if ws is None:
         return xs[src]
@@ -117,6 +141,8 @@ def _input(kind: str, member: int, n: int, pieces: str, dim: int, seed: int) -> 
         shape = (rows, 4)
     elif kind == "all_to_all":
         shape = (uneven_rows, 2 - (pieces != "even" and member == n - 1))
+    elif kind == "all_to_all_single":
+        shape = (sum(split_matrix(n, pieces)[member]), 3)
     elif kind == "reduce_scatter":
         shape = (uneven_rows, 3)
     else:
@@ -126,7 +152,7 @@ def _input(kind: str, member: int, n: int, pieces: str, dim: int, seed: int) -> 
 
 
 def _collective(kind: str, mesh, mesh_dim, xs: List[np.ndarray], op: str, src: int,
-                dim: int) -> Tuple[Callable, Callable]:
+                dim: int, pieces: str = "even") -> Tuple[Callable, Callable]:
     """(the collective on a tensor, its reference ``(ws, member) -> out[, grad]``)."""
     from .. import comm
 
@@ -151,6 +177,16 @@ def _collective(kind: str, mesh, mesh_dim, xs: List[np.ndarray], op: str, src: i
         def run(t):
             return comm.all_to_all(t, mesh, mesh_dim, split_dim=dim, concat_dim=other, concat_sizes=sizes)
         return run, lambda ws, m: all_to_all(xs, ws, m, dim, other)
+    if kind == "all_to_all_single":
+        if dim != 0:
+            raise ValueError(f"all_to_all_single exchanges rows of dim 0, got dim={dim}")
+        matrix = split_matrix(len(xs), pieces)
+        me = mesh.comm_group(mesh_dim).rank
+        outputs = tuple(row[me] for row in matrix)
+
+        def run(t):
+            return comm.all_to_all_single(t, outputs, tuple(matrix[me]), mesh, mesh_dim)
+        return run, lambda ws, m: all_to_all_single(xs, ws, m, matrix)
     if kind == "broadcast":
         def run(t):
             return comm.broadcast(t, mesh, mesh_dim, src=src)
@@ -178,7 +214,7 @@ def check_collective(kind: str, mesh, mesh_dim, *, mode: str = "pynative", piece
     if dim not in (0, 1):
         raise ValueError(f"dim must be 0 or 1 (the inputs are 2-D), got {dim!r}")
     xs = [_input(kind, m, n, pieces, dim, seed) for m in range(n)]
-    run, want = _collective(kind, mesh, mesh_dim, xs, op, src, dim)
+    run, want = _collective(kind, mesh, mesh_dim, xs, op, src, dim, pieces)
     forward = ms.jit(run) if mode == "jit" else run
     x = ms.Tensor(xs[me])
     out = forward(x)
