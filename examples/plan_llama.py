@@ -10,9 +10,12 @@ averaged over dp), optionally each block activation-checkpointed, an ``AdamWeigh
 optimizer, and a ``step()`` that runs one training step: ``value_and_grad`` of the loss, or the
 pipeline schedule (1F1B over ``mesh["pp"]``), then the gradient reduction and the optimizer.
 
-The presets have Llama's shapes (7B: 32 layers, dim 4096, ffn 11008, vocab 32000; 70B: 80
-layers, dim 8192, ffn 28672, vocab 128256) on the example's architecture: multi-head attention
-(Llama 70B's grouped-query attention has smaller k / v projections), no bias, fp32 parameters.
+The presets have Llama's shapes on the example's architecture (no bias): ``7B`` (32 layers, dim
+4096, ffn 11008, vocab 32000) and ``70B`` (80 layers, dim 8192, ffn 28672, vocab 128256) with
+multi-head attention written out and fp32 parameters, as the example was first planned;
+``Llama-2-70B`` and ``Llama-3-70B`` as those models are trained: 64 query heads sharing 8 key /
+value heads (grouped-query attention), flash attention, bfloat16 (vocab 32000 and 128256).
+``DTYPES`` names the parameter dtypes ``scripts/plan_cluster.py`` takes.
 
 Example::
 
@@ -23,7 +26,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -39,13 +42,61 @@ try:
 except ImportError:  # run as a script: examples/ is the script's directory
     from llama import Block, Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, tp_plan
 
-__all__ = ["PRESETS", "ParallelDims", "llama_training", "builder"]
+__all__ = ["PRESETS", "DTYPES", "ParallelDims", "llama_training", "builder", "heads_problem", "describe"]
 
+DTYPES = {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}
 PRESETS = {
     "7B": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, max_seq=4096),
     "70B": LlamaConfig(vocab=128256, dim=8192, layers=80, heads=64, hidden=28672, max_seq=4096),
+    "Llama-2-70B": LlamaConfig(vocab=32000, dim=8192, layers=80, heads=64, kv_heads=8, hidden=28672, max_seq=4096,
+                               attention="flash", dtype=ms.bfloat16),
+    "Llama-3-70B": LlamaConfig(vocab=128256, dim=8192, layers=80, heads=64, kv_heads=8, hidden=28672, max_seq=8192,
+                               attention="flash", dtype=ms.bfloat16),
 }
 FIRST, LAST = ("tok_embeddings",), ("norm", "output")
+
+
+def heads_problem(heads: int, kv_heads: int, tp: int) -> str:
+    """Why ``tp`` tensor-parallel ranks cannot split ``heads`` query and ``kv_heads`` key / value heads
+    (each rank holds whole heads), naming both numbers; ``""`` if they can.
+
+    >>> heads_problem(32, 32, 64)
+    '64 does not divide the 32 attention heads (heads 32, tp 64): each tensor-parallel rank holds whole heads'
+    >>> heads_problem(64, 8, 16)[:48]
+    '16 does not divide the 8 key / value heads (kv h'
+    """
+    if heads % tp:
+        return (f"{tp} does not divide the {heads} attention heads (heads {heads}, tp {tp}): each tensor-parallel "
+                "rank holds whole heads")
+    if kv_heads % tp:
+        return (f"{tp} does not divide the {kv_heads} key / value heads (kv heads {kv_heads}, tp {tp}): each "
+                "tensor-parallel rank holds whole key / value heads")
+    return ""
+
+
+def describe(config: LlamaConfig) -> str:
+    """The shape in words, e.g. ``80 layers, dim 8192, heads 64, kv heads 8, ffn 28672, vocab 128256, bf16, flash``."""
+    dtype = next(k for k, v in DTYPES.items() if v == config.dtype)
+    return (f"{config.layers} layers, dim {config.dim}, heads {config.heads}, kv heads {config.key_heads}, ffn "
+            f"{config.hidden}, vocab {config.vocab}, {dtype}, {config.attention} attention")
+
+
+class _Fp32Loss(nn.Cell):
+    """The vocabulary-parallel loss on this rank's logits piece cast to float32: with 16-bit parameters
+    the loss is computed in float32, as mixed-precision training does (the cast's output is kept for
+    the backward, and counted)."""
+
+    def __init__(self, loss: nn.Cell) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def construct(self, local_logits, targets):
+        return self.loss(local_logits.astype(ms.float32), targets)
+
+
+def _loss(config: LlamaConfig, mesh) -> nn.Cell:
+    loss = VocabParallelCrossEntropy(mesh["tp"], config.vocab)
+    return loss if config.dtype == ms.float32 else _Fp32Loss(loss)
 
 
 def _held(model: nn.Cell, name: str) -> bool:
@@ -55,10 +106,28 @@ def _held(model: nn.Cell, name: str) -> bool:
     return cell is not None and next(iter(cell.get_parameters()), None) is not None
 
 
+class _Elsewhere(nn.Cell):
+    """A block another stage holds, never built (``split_blocks`` drops it)."""
+
+
+def _blocks_of(layers: int, stage: int, stages: int) -> Tuple[int, int]:
+    """[start, stop) of the blocks ``split_blocks`` keeps on ``stage``: contiguous, earlier stages one more."""
+    base, extra = divmod(layers, stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (stage < extra)
+
+
 def _stage(config: LlamaConfig, dims: ParallelDims, mesh, stage: int) -> nn.Cell:
     """Pipeline stage ``stage``'s share of the Llama, parallelised."""
+    problem = heads_problem(config.heads, config.key_heads, dims.tp)
+    if problem:
+        raise ValueError(f"tensor parallelism over {dims.tp} ranks: {problem}")
     with no_init_parameters():
-        model = Llama(config)
+        model = Llama(config if dims.pp == 1 else replace(config, layers=0))
+        if dims.pp > 1:           # only this stage's blocks are built: the others' are dropped by split_blocks
+            start, stop = _blocks_of(config.layers, stage, dims.pp)
+            model.layers = nn.CellList([Block(config) if start <= i < stop else _Elsewhere()
+                                        for i in range(config.layers)])
     if dims.pp > 1:
         pipelining.split_blocks(model, stage, dims.pp, first=FIRST, last=LAST)
     plan = {k: v for k, v in tp_plan(sequence_parallel=True, loss_parallel=True).items()
@@ -90,7 +159,7 @@ def llama_training(config: LlamaConfig, dims: ParallelDims) -> Callable:
     def build(mesh):
         stage = mesh["pp"].get_local_rank() if dims.pp > 1 else 0
         model = _stage(config, dims, mesh, stage)
-        loss = VocabParallelCrossEntropy(mesh["tp"], config.vocab)
+        loss = _loss(config, mesh)
         rows = dims.micro_batch * dims.microbatches
         ids = ms.Tensor(np.zeros((rows, dims.seq), np.int32))
         targets = ms.Tensor(np.zeros((rows * dims.seq,), np.int32))
@@ -121,9 +190,19 @@ def llama_training(config: LlamaConfig, dims: ParallelDims) -> Callable:
     return build
 
 
+class _Builder:
+    """``build(dims, layers)`` of :func:`builder` (a class, so that it pickles for ``search(workers=...)``)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        self.config = config
+
+    def __call__(self, dims: ParallelDims, layers: int) -> Callable:
+        return llama_training(replace(self.config, layers=layers), dims)
+
+
 def builder(config: LlamaConfig) -> Callable:
     """``build(dims, layers) -> fn(mesh)`` for :func:`hyper_parallel_ms.dryrun.search`: the Llama of
-    ``config`` with ``layers`` blocks.
+    ``config`` with ``layers`` blocks (it pickles: ``search(..., workers=2)`` takes it).
 
     Args:
         config: the model's shape.
@@ -132,4 +211,4 @@ def builder(config: LlamaConfig) -> Callable:
 
         search(builder(PRESETS["7B"]), devices=64, layers=32, cluster=Cluster())
     """
-    return lambda dims, layers: llama_training(replace(config, layers=layers), dims)
+    return _Builder(config)

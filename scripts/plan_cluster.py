@@ -7,6 +7,8 @@ Usage::
     python scripts/plan_cluster.py --model 7B --pp 2 --dp 4 --tp 8 --microbatches 4
     python scripts/plan_cluster.py --model 70B --pp 8 --dp 16 --tp 8 --microbatches 8 --json
     python scripts/plan_cluster.py --model 7B --search --devices 64 --device-memory 64GiB --top 10
+    python scripts/plan_cluster.py --model Llama-3-70B --search --devices 1024 --device-memory 64GiB
+    python scripts/plan_cluster.py --model 70B --dtype bf16 --attention flash --kv-heads 8 --pp 8 --dp 16
 
 Nothing is computed: parameters get no values and the step runs on shapes only
 (hyper_parallel_ms.simulate). The step time comes from the alpha-beta model of
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from dataclasses import replace
@@ -28,9 +31,11 @@ if str(ROOT) not in sys.path:
 
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "kb": 10 ** 3, "mb": 10 ** 6,
           "gb": 10 ** 9, "tb": 10 ** 12}
-_SEARCH_ONLY = ("devices", "top")
+_SEARCH_ONLY = ("devices", "top", "workers")
 _DIMS_ONLY = ("pp", "dp", "tp", "microbatches", "ranks", "no_fsdp", "checkpointing", "json")
 _DEFAULTS = {"pp": 1, "dp": 1, "tp": 8, "top": 10}
+MODELS = ("7B", "70B", "Llama-2-70B", "Llama-3-70B")      # examples/plan_llama.py's PRESETS
+DTYPES = ("bf16", "fp16", "fp32")                          # examples/plan_llama.py's DTYPES
 
 
 def parse_bytes(text: str) -> int:
@@ -119,6 +124,16 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def default_workers() -> int:
+    """The processes a search simulates on by default: the CPUs this process may use, at most 4 (each
+    holds MindSpore and a model's shapes, about 1 GiB).
+
+    >>> 1 <= default_workers() <= 4
+    True
+    """
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse flags that do not go together or that name ranks outside the mesh (before anything
     is built or simulated), naming the flag and the fix; fill in the defaults of the flags left out.
@@ -144,12 +159,14 @@ def check_args(args: argparse.Namespace) -> None:
                                  f"dims of --devices; drop {_flag(dest)}, or drop --search to simulate those dims")
     else:
         for dest in _SEARCH_ONLY:
-            if getattr(args, dest) is not None:
+            if getattr(args, dest, None) is not None:
                 raise ValueError(f"argument {_flag(dest)}: applies to --search only (one job runs on "
                                  f"--pp x --dp x --tp ranks); add --search or drop {_flag(dest)}")
     for dest, value in _DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, value)
+    if args.search and args.workers is None:
+        args.workers = default_workers()
     if args.search:
         return
     if args.microbatches is None:
@@ -171,24 +188,34 @@ def check_args(args: argparse.Namespace) -> None:
         args.ranks = ranks
 
 
-def dims_problem(config, *, pp: int, tp: int, seq: int) -> str:
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False) -> str:
     """Why the example Llama of ``config`` cannot run with ``pp`` stages and ``tp`` tensor-parallel
     ranks on sequences of ``seq`` tokens, naming the flags and the fix (``""``: it can).
 
     Args:
-        config: the model's shape (its ``heads`` and ``layers``).
+        config: the model's shape (its ``heads``, ``key_heads`` and ``layers``).
         pp: pipeline stages.
         tp: tensor-parallel ranks.
         seq: tokens per sequence.
+        kv_flag: the key / value heads came from ``--kv-heads`` (a mismatch names that flag too).
 
     >>> from types import SimpleNamespace
-    >>> dims_problem(SimpleNamespace(heads=32, layers=4), pp=1, tp=64, seq=64)[:40]
+    >>> dims_problem(SimpleNamespace(heads=32, key_heads=32, layers=4), pp=1, tp=64, seq=64)[:40]
     'argument --tp: 64 does not divide the 32'
     """
-    if config.heads % tp:
-        fits = [d for d in range(1, config.heads + 1) if config.heads % d == 0]
-        return (f"argument --tp: {tp} does not divide the {config.heads} attention heads (heads {config.heads}, "
-                f"tp {tp}): each tensor-parallel rank holds whole heads; pass a --tp among {fits}")
+    heads = config.heads
+    kv = getattr(config, "key_heads", heads)
+    if heads % tp:
+        return (f"argument --tp: {tp} does not divide the {heads} attention heads (heads {heads}, tp {tp}): each "
+                f"tensor-parallel rank holds whole heads; pass a --tp among {_divisors(heads)}")
+    if kv % tp:
+        return (f"argument --tp: {tp} does not divide the {kv} key / value heads (kv heads {kv}, tp {tp}): each "
+                f"tensor-parallel rank holds whole key / value heads; pass a --tp among {_divisors(kv)}"
+                + (" or more --kv-heads" if kv_flag else ""))
     if seq % tp:
         return (f"argument --seq: {seq} is not divisible by --tp {tp}: sequence parallelism splits each sequence "
                 f"evenly over the tp ranks; pass a multiple of {tp}")
@@ -196,6 +223,45 @@ def dims_problem(config, *, pp: int, tp: int, seq: int) -> str:
         return (f"argument --pp: {pp} stages need at least {pp} blocks, the model has {config.layers} (--layers); "
                 f"pass --pp {config.layers} or less, or more --layers")
     return ""
+
+
+def model_config(args: argparse.Namespace, presets: dict, dtypes: dict):
+    """The model's shape: the preset ``--model`` with ``--layers``, ``--dtype``, ``--attention`` and
+    ``--kv-heads`` applied, or the reason it cannot be, naming the flag and the fix.
+
+    Args:
+        args: the parsed flags.
+        presets: ``examples/plan_llama.py``'s ``PRESETS``.
+        dtypes: its ``DTYPES`` (``"bf16"`` -> ``mindspore.bfloat16``, ...).
+
+    Returns:
+        ``(config, "")``, or ``(None, problem)``.
+
+    Example::
+
+        config, problem = model_config(parse_args(["--model", "70B", "--dtype", "bf16"]), PRESETS, DTYPES)
+    """
+    base = presets[args.model]
+    changes = {name: value for name, value in (("layers", args.layers), ("kv_heads", args.kv_heads),
+                                                ("attention", args.attention)) if value is not None}
+    if args.dtype is not None:
+        changes["dtype"] = dtypes[args.dtype]
+    if args.kv_heads is not None and (args.kv_heads > base.heads or base.heads % args.kv_heads):
+        return None, (f"argument --kv-heads: {args.kv_heads} does not divide the {base.heads} attention heads of "
+                      f"{args.model} (each key / value head serves heads / kv-heads query heads); pass a --kv-heads "
+                      f"among {_divisors(base.heads)}")
+    config = replace(base, **changes)
+    dtype = next(name for name, value in dtypes.items() if value == config.dtype)
+    if config.attention == "flash" and dtype == "fp32":
+        flag = "--dtype" if args.dtype is not None else "--attention"
+        return None, (f"argument {flag}: flash attention (Ascend's fused kernel) takes bf16 or fp16; in fp32 the "
+                      "attention is computed from its definition and keeps its seq x seq scores: pass --dtype bf16 "
+                      "(or fp16), or --attention math")
+    if config.attention == "flash" and args.device_type == "cpu":
+        return None, ("argument --device-type: flash attention is Ascend's fused kernel; on cpu the attention is "
+                      "computed from its definition and keeps its seq x seq scores: pass --device-type npu, or "
+                      "--attention math")
+    return config, ""
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -207,8 +273,17 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
         parse_args(["--model", "70B", "--pp", "8", "--dp", "16"]).tp          # 8
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["7B", "70B"], default="7B", help="the preset shape of the example Llama")
+    parser.add_argument("--model", choices=MODELS, default="7B",
+                        help="the preset shape of the example Llama (7B, 70B: fp32, math attention, no GQA; "
+                             "Llama-2-70B, Llama-3-70B: bf16, flash attention, 8 kv heads)")
     parser.add_argument("--layers", type=positive_int, default=None, help="override the preset's number of blocks")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="parameter and activation dtype (default: the preset's); the loss is computed in fp32")
+    parser.add_argument("--attention", choices=["flash", "math"], default=None,
+                        help="flash: the fused kernel, no seq x seq scores kept (bf16 / fp16); math: scores, mask "
+                             "and softmax written out (default: the preset's)")
+    parser.add_argument("--kv-heads", type=positive_int, default=None,
+                        help="key / value heads, grouped-query attention (default: the preset's)")
     parser.add_argument("--seq", type=positive_int, default=4096)
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch on each dp rank")
     parser.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default 1)")
@@ -223,6 +298,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--search", action="store_true", help="rank the parallel dims of --devices that fit")
     parser.add_argument("--devices", type=positive_int, default=None, help="the devices to lay out (--search)")
     parser.add_argument("--top", type=positive_int, default=None, help="candidates to list (--search; default 10)")
+    parser.add_argument("--workers", type=positive_int, default=None,
+                        help="processes that simulate (--search; default: the CPUs, at most 4)")
     parser.add_argument("--device-memory", type=parse_bytes, default="64GiB")
     parser.add_argument("--devices-per-node", type=positive_int, default=8)
     parser.add_argument("--intra-bandwidth", type=positive_float, default=196e9,
@@ -312,8 +389,8 @@ def _search(args, config, cluster) -> int:
                              micro_batch=args.micro_batch, seq=args.seq)
     tried = [c for c in every if not dims_problem(config, pp=c.pp, tp=c.tp, seq=c.seq)]
     if len(tried) < len(every):
-        print(f"  skipped {len(every) - len(tried)} candidates whose tp does not divide the {config.heads} heads or "
-              f"the sequence of {args.seq} tokens", file=sys.stderr)
+        print(f"  skipped {len(every) - len(tried)} candidates whose tp does not divide the {config.heads} heads, the "
+              f"{config.key_heads} key / value heads or the sequence of {args.seq} tokens", file=sys.stderr)
 
     def progress(c):
         print(f"  {c.dims.describe():<36} peak {format_bytes(c.max_bytes):>11} "
@@ -321,7 +398,7 @@ def _search(args, config, cluster) -> int:
               file=sys.stderr, flush=True)
     ranked = search(builder(config), devices=args.devices, layers=config.layers, cluster=cluster,
                     micro_batch=args.micro_batch, seq=args.seq, candidates=tried, device_type=args.device_type,
-                    progress=progress)
+                    progress=progress, workers=args.workers)
     fitting = [c for c in ranked if c.fits]
     print(f"{args.model} on {args.devices} devices, {format_bytes(args.device_memory)} each: {len(fitting)} of "
           f"{len(ranked)} candidates fit")
@@ -340,16 +417,19 @@ def main(argv: List[str]) -> int:
     import mindspore as ms
     if ms.get_context("device_target") != "CPU":       # set_device fails once a kernel ran
         ms.set_device("CPU")
-    from examples.plan_llama import PRESETS, llama_training
+    from examples.plan_llama import DTYPES as dtypes, PRESETS, describe, llama_training
     from hyper_parallel_ms import simulate
     from hyper_parallel_ms.pipelining import build_plan
     from hyper_parallel_ms.dryrun import Cluster, ParallelDims, format_bytes, step_seconds
-    config = PRESETS[args.model] if args.layers is None else replace(PRESETS[args.model], layers=args.layers)
+    config, problem = model_config(args, PRESETS, dtypes)
+    if problem:
+        print(f"plan_cluster.py: error: {problem}", file=sys.stderr)
+        return 2
     cluster = Cluster(args.devices_per_node, args.intra_bandwidth, args.inter_bandwidth, args.intra_latency,
                       args.inter_latency, args.device_flops, args.efficiency, args.device_memory)
     if args.search:
         return _search(args, config, cluster)
-    problem = dims_problem(config, pp=args.pp, tp=args.tp, seq=args.seq)
+    problem = dims_problem(config, pp=args.pp, tp=args.tp, seq=args.seq, kv_flag=args.kv_heads is not None)
     if problem:
         print(f"plan_cluster.py: error: {problem}", file=sys.stderr)
         return 2
@@ -362,8 +442,7 @@ def main(argv: List[str]) -> int:
         print(report.to_json(indent=1))
         return 0 if report.ok else 1
     bubble = build_plan("1F1B", dims.pp, dims.microbatches).bubble_fraction() if dims.pp > 1 else 0.0
-    print(f"{args.model} ({config.layers} layers, dim {config.dim}, ffn {config.hidden}, vocab {config.vocab}), "
-          f"seq {dims.seq}, {dims.describe()}")
+    print(f"{args.model} ({describe(config)}), seq {dims.seq}, {dims.describe()}")
     print(report.table())
     if report.ok and all(r.flops is not None for r in report):
         step_time = step_seconds(report, cluster, bubble)

@@ -56,6 +56,10 @@ def _script():
     (["--device-flops", "nan"], "--device-flops", "finite number above 0"),
     (["--inter-latency", "-1e-6"], "--inter-latency", "0 or more"),
     (["--devices-per-node", "0"], "--devices-per-node", "integer of 1 or more"),
+    (["--dtype", "fp8"], "--dtype", "invalid choice: 'fp8'"),
+    (["--attention", "sparse"], "--attention", "invalid choice: 'sparse'"),
+    (["--kv-heads", "0"], "--kv-heads", "integer of 1 or more"),
+    (["--model", "Llama-3-8B"], "--model", "invalid choice: 'Llama-3-8B'"),
 ])
 def test_a_bad_flag_is_refused_naming_it_and_the_fix(argv, flag, fix, capsys):
     plan_cluster = _script()
@@ -79,7 +83,7 @@ def test_flags_left_out_get_their_defaults():
 def test_shapes_the_model_cannot_take_name_the_flags():
     from types import SimpleNamespace
     plan_cluster = _script()
-    config = SimpleNamespace(heads=32, layers=2)
+    config = SimpleNamespace(heads=32, key_heads=32, layers=2)
     problem = plan_cluster.dims_problem(config, pp=1, tp=64, seq=4096)
     assert problem.startswith("argument --tp:") and "heads 32, tp 64" in problem and "[1, 2, 4, 8, 16, 32]" in problem
     problem = plan_cluster.dims_problem(config, pp=1, tp=8, seq=60)
@@ -87,6 +91,44 @@ def test_shapes_the_model_cannot_take_name_the_flags():
     problem = plan_cluster.dims_problem(config, pp=3, tp=8, seq=64)
     assert problem.startswith("argument --pp:") and "pass --pp 2 or less" in problem
     assert plan_cluster.dims_problem(config, pp=2, tp=8, seq=64) == ""
+    gqa = SimpleNamespace(heads=64, key_heads=8, layers=80)             # tp must divide the key / value heads too
+    problem = plan_cluster.dims_problem(gqa, pp=1, tp=16, seq=4096, kv_flag=True)
+    assert problem.startswith("argument --tp: 16 does not divide the 8 key / value heads")
+    assert "[1, 2, 4, 8] or more --kv-heads" in problem and "--seq" not in problem
+    assert plan_cluster.dims_problem(gqa, pp=8, tp=8, seq=4096) == ""
+
+
+def test_presets_and_the_dtype_attention_and_kv_heads_flags():
+    """The presets have the real models' shapes: parameters counted from the model built without values
+    (Llama-2-70B 68,976,648,192 and Llama-3-70B 70,553,706,496, as published); the flags change the
+    preset, and combinations the example cannot honour are refused naming the flag."""
+    plan_cluster = _script()
+    from mindspore import bfloat16, float32
+    from examples.llama import Llama
+    from examples.plan_llama import DTYPES, PRESETS, describe
+    from hyper_parallel_ms import no_init_parameters
+    assert plan_cluster.MODELS == tuple(PRESETS) and set(plan_cluster.DTYPES) == set(DTYPES)
+
+    def config(argv):
+        return plan_cluster.model_config(plan_cluster.parse_args(argv), PRESETS, DTYPES)
+    for name, params in (("Llama-2-70B", 68_976_648_192), ("Llama-3-70B", 70_553_706_496)):
+        shape, problem = config(["--model", name])
+        assert problem == "" and (shape.heads, shape.key_heads, shape.attention, shape.dtype) == (64, 8, "flash", bfloat16)
+        with no_init_parameters():
+            model = Llama(shape)
+        assert sum(p.size for p in model.get_parameters()) == params, name
+    shape, problem = config(["--model", "70B", "--dtype", "bf16", "--attention", "flash", "--kv-heads", "8",
+                             "--layers", "4"])
+    assert problem == "" and describe(shape) == ("4 layers, dim 8192, heads 64, kv heads 8, ffn 28672, vocab 128256, "
+                                                 "bf16, flash attention")
+    assert config(["--model", "Llama-3-70B", "--dtype", "fp32", "--attention", "math"])[0].dtype == float32
+    for argv, flag, detail in ((["--model", "70B", "--kv-heads", "3"], "--kv-heads", "among [1, 2, 4, 8, 16, 32, 64]"),
+                               (["--kv-heads", "64"], "--kv-heads", "does not divide the 32 attention heads of 7B"),
+                               (["--model", "Llama-2-70B", "--dtype", "fp32"], "--dtype", "takes bf16 or fp16"),
+                               (["--model", "70B", "--attention", "flash"], "--attention", "pass --dtype bf16"),
+                               (["--model", "Llama-3-70B", "--device-type", "cpu"], "--device-type", "Ascend")):
+        shape, problem = config(argv)
+        assert shape is None and problem.startswith(f"argument {flag}: ") and detail in problem, (argv, problem)
 
 
 def test_model_problems_and_a_memory_below_the_floor_are_refused_before_any_simulation(monkeypatch, capsys):
@@ -101,7 +143,12 @@ def test_model_problems_and_a_memory_below_the_floor_are_refused_before_any_simu
     monkeypatch.setattr(hyper_parallel_ms.dryrun, "search", never)
     for argv, flag, detail in ((["--tp", "64"], "--tp", "heads 32, tp 64"),
                                (["--layers", "2", "--seq", "60"], "--seq", "not divisible by --tp 8"),
-                               (["--layers", "2", "--pp", "3", "--tp", "2"], "--pp", "the model has 2")):
+                               (["--layers", "2", "--pp", "3", "--tp", "2"], "--pp", "the model has 2"),
+                               (["--model", "Llama-3-70B", "--tp", "16"], "--tp", "the 8 key / value heads"),
+                               (["--model", "70B", "--kv-heads", "5"], "--kv-heads", "does not divide the 64"),
+                               (["--model", "Llama-2-70B", "--dtype", "fp32"], "--dtype", "flash attention"),
+                               (["--model", "Llama-3-70B", "--search", "--devices", "8", "--dtype", "fp32"],
+                                "--dtype", "flash attention")):
         assert plan_cluster.main(argv) == 2
         err = capsys.readouterr().err
         assert f"error: argument {flag}: " in err and detail in err, err

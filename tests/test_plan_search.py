@@ -73,6 +73,39 @@ def test_extrapolation_over_blocks_equals_a_full_simulation():
     assert priced.fits and priced.tokens_per_second == pytest.approx(dims.tokens / priced.step_seconds)
 
 
+@pytest.mark.parametrize("pp, microbatches, dp, tp, fsdp, checkpointing", [
+    (6, 6, 2, 1, True, False),         # the first and the middle roles extrapolated in flight (k = 6, 5, 4)
+    (5, 10, 1, 2, False, True),        # more micro-batches than stages, checkpointed blocks
+    (2, 4, 2, 2, True, False),         # two stages from 2 stages with 2 and 3 micro-batches
+])
+def test_every_stage_of_a_deep_pipeline_from_two_short_ones(pp, microbatches, dp, tp, fsdp, checkpointing):
+    """The search's fast path (dryrun/_stages.py) gives the numbers a full simulation of every stage
+    gives, exactly: held bytes, activations, FLOPs, each collective's calls, bytes and group."""
+    config = _setup()
+    from examples.plan_llama import builder
+    from hyper_parallel_ms import simulate
+    from hyper_parallel_ms.dryrun import ParallelDims
+    from hyper_parallel_ms.dryrun._search import _sampled
+    build = builder(config)
+    layers = 3 * pp
+    dims = ParallelDims(pp, dp, tp, fsdp, microbatches, checkpointing, 1, 32)
+    cache = {}
+    sampled = _sampled(build, dims, layers, "npu", cache)
+    assert len(cache) == 4                  # 2 short pipelines x (1, 2) blocks per stage
+    firsts = [s * dp * tp for s in range(pp)]
+    shape, names = dims.mesh
+    full = simulate(build(dims, layers), mesh_shape=shape, mesh_dim_names=names, ranks=firsts)
+    assert full.problems == [] and [r.rank for r in sampled] == firsts
+    for guess in sampled:
+        real = full[guess.rank]
+        for field in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "comm_bytes", "flops",
+                      "coordinate"):
+            assert getattr(guess, field) == getattr(real, field), (guess.rank, field)
+        assert guess.comm == real.comm, guess.rank
+    again = _sampled(build, replace(dims, microbatches=2 * microbatches), layers, "npu", cache)
+    assert len(cache) == 4 and len(again) == pp                  # another micro-batch count: no new simulation
+
+
 def test_search_ranks_what_fits_by_tokens_per_second():
     config = _setup()
     from examples.plan_llama import builder
@@ -108,3 +141,19 @@ def test_plan_cluster_command_line(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["problems"] == [] and len(data["ranks"]) == 6
     assert all(rank["activation_bytes"] for rank in data["ranks"])
+
+
+def test_a_search_on_worker_processes_gives_the_same_candidates_in_the_same_order():
+    config = _setup()
+    from examples.plan_llama import builder
+    from hyper_parallel_ms.dryrun import Cluster, ParallelDims, search
+    tried = [ParallelDims(3, 1, 2, False, 3, False, 1, 32), ParallelDims(1, 2, 2, True, 1, False, 1, 32),
+             ParallelDims(3, 1, 2, False, 6, False, 1, 32)]
+    seen = {1: [], 2: []}
+    for workers in (1, 2):
+        ranked = search(builder(config), devices=6, layers=6, cluster=Cluster(), candidates=tried, workers=workers,
+                        progress=seen[workers].append)
+        assert [c.dims for c in seen[workers]] == tried and all(not c.problem for c in ranked)
+    assert seen[1] == seen[2]
+    with pytest.raises(TypeError, match="build must pickle"):
+        search(lambda dims, layers: None, devices=6, layers=6, cluster=Cluster(), candidates=tried, workers=2)

@@ -160,6 +160,43 @@ def test_an_error_of_a_class_is_reported_for_every_rank_it_stands_for():
     assert "shards dim 1 of length 7 over 4 ranks unevenly" in report.problems[0].message
 
 
+def test_an_error_in_user_code_names_the_cell_and_carries_its_traceback():
+    _cpu()
+    import mindspore as ms
+    from mindspore import nn
+    from hyper_parallel_ms import no_init_parameters, simulate
+
+    class Faulty(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 4)
+
+        def construct(self, x):
+            return self.fc(x)[:, 7]          # IndexError: the user's bug, two Cells down
+
+    class Model(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.SequentialCell([nn.Dense(4, 4), Faulty()])
+
+        def construct(self, x):
+            return self.body(x).sum()
+
+    def build(mesh):
+        with no_init_parameters():
+            model = Model()
+        optimizer = nn.SGD(model.trainable_params(), 0.1)
+        grad = ms.value_and_grad(model, None, optimizer.parameters)
+        return model, optimizer, lambda: grad(ms.Tensor(np.ones((2, 4), np.float32)))
+    report = simulate(build, mesh_shape=(2,), mesh_dim_names=("dp",))
+    [problem] = report.problems
+    assert problem.kind == "error" and problem.ranks == (0, 1) and problem.where == "body.1 (Faulty)"
+    assert "Traceback" in problem.traceback and "return self.fc(x)[:, 7]" in problem.traceback
+    table = report.table()
+    assert "return self.fc(x)[:, 7]" in table and "dryrun" not in table.split("at body.1 (Faulty)")[1]
+    assert json.loads(report.to_json())["problems"][0]["traceback"] == problem.traceback
+
+
 def test_equivalent_ranks_run_once_and_stand_for_the_others_exactly():
     _cpu()
     from hyper_parallel_ms import simulate

@@ -43,7 +43,9 @@ class RankRun:
         notes: ``(what, group ranks, entries)`` of each agreement, in order.
         records: every collective it issued (construction and step), in order.
         where: the Cell that issued each record.
-        error: what its code raised (``None``: it ran through).
+        error: what its code raised (``""``: it ran through).
+        error_cell: the model's innermost Cell running when it raised (``""``: none, or outside the model).
+        traceback: the traceback of what it raised.
 
     >>> RankRun(3).rank
     3
@@ -54,6 +56,8 @@ class RankRun:
     records: list = field(default_factory=list)
     where: List[str] = field(default_factory=list)
     error: str = ""
+    error_cell: str = ""
+    traceback: str = ""
 
 
 def _majority(values: Dict[int, object]) -> object:
@@ -172,7 +176,8 @@ def cross_rank_problems(runs: Dict[int, RankRun]) -> List[Problem]:
     >>> cross_rank_problems({0: RankRun(0), 1: RankRun(1, error="ValueError: x")})[0].kind
     'error'
     """
-    errors = [Problem("error", (r,), "its code", run.error) for r, run in sorted(runs.items()) if run.error]
+    errors = [Problem("error", (r,), run.error_cell or "its code", run.error, run.traceback)
+              for r, run in sorted(runs.items()) if run.error]
     return errors + _plan_problems(runs) + _collective_problems(runs) + _p2p_problems(runs)
 
 
@@ -186,7 +191,9 @@ def grouped(problems: Sequence[Problem]) -> List[Problem]:
     1
     """
     merged: Dict[Tuple[str, str, str], List[int]] = {}
+    tracebacks: Dict[Tuple[str, str, str], str] = {}
     for p in problems:
         merged.setdefault((p.kind, p.where, p.message), []).extend(p.ranks)
-    return [Problem(kind, tuple(sorted(set(ranks))), where, message)
+        tracebacks.setdefault((p.kind, p.where, p.message), p.traceback)
+    return [Problem(kind, tuple(sorted(set(ranks))), where, message, tracebacks[kind, where, message])
             for (kind, where, message), ranks in merged.items()]

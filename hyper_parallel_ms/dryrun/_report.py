@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -64,6 +65,7 @@ class Problem:
         ranks: the ranks concerned.
         where: the Cell (or call) concerned.
         message: what differs, and how to fix it.
+        traceback: for an ``"error"``, the traceback of what the rank's code raised.
 
     >>> Problem("plan", (37,), "layers.3.attention", "...").ranks
     (37,)
@@ -73,6 +75,7 @@ class Problem:
     ranks: Tuple[int, ...]
     where: str
     message: str
+    traceback: str = ""
 
     def __str__(self) -> str:
         return f"[{self.kind}] ranks {_ranges(self.ranks)} at {self.where}: {self.message}"
@@ -199,7 +202,10 @@ class SimulationReport:
                      f"{format_bytes(sum(r.optimizer_bytes for r in self)):>12}{'':>13}"
                      f"{format_bytes(sum(r.total_bytes for r in self)):>12}{format_bytes(total_comm):>12}")
         lines.append(f"largest per-rank total: {format_bytes(self.max_total_bytes())}")
-        lines.extend(str(p) for p in self.problems)
+        for p in self.problems:
+            lines.append(str(p))
+            if p.traceback:
+                lines.extend("    " + line for line in user_frames(p.traceback).splitlines())
         if not self.problems:
             lines.append("no cross-rank problem found")
         return "\n".join(lines)
@@ -224,6 +230,42 @@ class SimulationReport:
     def to_json(self, indent: Optional[int] = None) -> str:
         """:meth:`to_dict` as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
+
+
+_INTERNAL = (f"{os.sep}hyper_parallel_ms{os.sep}", f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python")
+
+
+def user_frames(traceback_text: str) -> str:
+    r"""``traceback_text`` (Python's format) with only the frames of the code that was simulated: the
+    frames of this package, of MindSpore and of the standard library left out (the full text is in
+    :attr:`Problem.traceback` and in the JSON report).
+
+    >>> text = ('Traceback (most recent call last):\n  File "/x/hyper_parallel_ms/a.py", line 1, in f\n    g()\n'
+    ...         '  File "/home/me/train.py", line 9, in construct\n    raise KeyError(1)\nKeyError: 1\n')
+    >>> print(user_frames(text))
+    Traceback (most recent call last; the frames of hyper_parallel_ms, MindSpore and Python left out):
+      File "/home/me/train.py", line 9, in construct
+        raise KeyError(1)
+    KeyError: 1
+    """
+    out: List[str] = []
+    keep = True
+    for line in traceback_text.splitlines():
+        if line.startswith("Traceback (most recent call last)"):
+            out.append("Traceback (most recent call last; the frames of hyper_parallel_ms, MindSpore and Python "
+                       "left out):")
+            keep = False
+        elif line.startswith("  File "):
+            keep = not any(part in line for part in _INTERNAL)
+            if keep:
+                out.append(line)
+        elif line.startswith("    "):
+            if keep:
+                out.append(line)
+        else:                     # the exception line, and the lines between chained exceptions
+            keep = False
+            out.append(line)
+    return "\n".join(out)
 
 
 def _ranges(ranks: Sequence[int]) -> str:

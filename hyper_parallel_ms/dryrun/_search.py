@@ -19,13 +19,16 @@ Example::
 """
 from __future__ import annotations
 
+import multiprocessing
+import pickle
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from .._deprecated import renamed
 from ._cost import Cluster, rank_seconds
 from ._report import CommStats, RankReport
 from ._session import simulate
+from ._stages import sample_pipelines, stage_reports
 
 __all__ = ["ParallelDims", "Candidate", "parallel_dims_of", "estimate", "search"]
 
@@ -169,8 +172,81 @@ def _extrapolated(one: RankReport, two: Optional[RankReport], blocks: int) -> Ra
     return replace(two, comm=comm, **fields)
 
 
-def estimate(build: Callable, dims: ParallelDims, *, layers: int, cluster: Cluster,
-             device_type: str = "npu") -> Candidate:
+def _sample_keys(dims: ParallelDims, layers: int) -> List[Tuple[ParallelDims, int]]:
+    """The runs :func:`_sampled` needs for ``dims``: ``(short pipeline's dims, blocks per stage)``."""
+    blocks = layers // dims.pp
+    return [(replace(dims, pp=p, microbatches=m), b) for p, m in sample_pipelines(dims.pp)
+            for b in ((1, 2) if blocks > 1 else (1,))]
+
+
+def _sample_run(build: Callable, key: Tuple[ParallelDims, int], device_type: str):
+    """The run of ``key`` (see :func:`_sample_keys`), or what it raised (the dims sharing it fail alike)."""
+    try:
+        return _stage_reports(build, key[0], key[1], device_type)
+    except Exception as exc:  # noqa: BLE001  (kept: reported as the candidate's problem)
+        return exc
+
+
+def _sampled(build: Callable, dims: ParallelDims, layers: int, device_type: str, cache: Dict) -> List[RankReport]:
+    """The first rank of every stage of ``dims`` from the short pipelines of :mod:`._stages`, each
+    simulated with one and two blocks per stage (``cache``: runs shared by the dims that need them)."""
+    blocks = layers // dims.pp
+    samples = {}
+    for key in _sample_keys(dims, layers):
+        if key not in cache:
+            cache[key] = _sample_run(build, key, device_type)
+        if isinstance(cache[key], Exception):
+            raise cache[key]
+    for p, m in sample_pipelines(dims.pp):
+        short = replace(dims, pp=p, microbatches=m)
+        one = cache[short, 1]
+        two = cache[short, 2] if blocks > 1 else {}
+        samples[p, m] = {s: _extrapolated(one[r], two.get(r), blocks) for s, r in enumerate(sorted(one))}
+    return stage_reports(samples, dims.pp, dims.microbatches, dims.mesh[0])
+
+
+_WORKER: Dict[str, object] = {}
+
+
+def _worker_start(build: Callable, device_type: str, target: str) -> None:
+    import mindspore as ms
+    if ms.get_context("device_target") != target:
+        ms.set_device(target)
+    _WORKER.update(build=build, device_type=device_type)
+
+
+def _worker_run(key: Tuple[ParallelDims, int]):
+    out = _sample_run(_WORKER["build"], key, _WORKER["device_type"])
+    if isinstance(out, Exception):
+        try:
+            pickle.dumps(out)
+        except Exception:  # noqa: BLE001  (an exception that does not pickle comes back as its text)
+            out = RuntimeError(f"{type(out).__name__}: {out}")
+    return key, out
+
+
+def _prefilled(build: Callable, candidates: List[ParallelDims], layers: int, device_type: str, cache: Dict,
+               workers: int) -> Iterator[int]:
+    """Run the short pipelines of ``candidates`` on ``workers`` processes (spawned: ``build`` must
+    pickle), filling ``cache``; yields the number of leading candidates whose runs are all in."""
+    import mindspore as ms
+    keys = list(dict.fromkeys(k for dims in candidates for k in _sample_keys(dims, layers) if k not in cache))
+    needed = [set(_sample_keys(dims, layers)) for dims in candidates]
+    ready = 0
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, _worker_start, (build, device_type, ms.get_context("device_target"))) as pool:
+        for key, out in pool.imap(_worker_run, keys):
+            cache[key] = out
+            while ready < len(candidates) and needed[ready] <= cache.keys():
+                ready += 1
+                yield ready
+    while ready < len(candidates):
+        ready += 1
+        yield ready
+
+
+def estimate(build: Callable, dims: ParallelDims, *, layers: int, cluster: Cluster, device_type: str = "npu",
+             every_stage: bool = False, cache: Optional[Dict] = None) -> Candidate:
     """Simulate ``dims`` (see the module docstring) and price it on ``cluster``.
 
     Args:
@@ -179,6 +255,9 @@ def estimate(build: Callable, dims: ParallelDims, *, layers: int, cluster: Clust
         layers: the model's blocks.
         cluster: the :class:`~hyper_parallel_ms.dryrun.Cluster`.
         device_type: the simulated device.
+        every_stage: simulate the first rank of every stage of ``dims`` itself (slower, the same numbers)
+            instead of the short pipelines of :mod:`._stages`.
+        cache: the short pipelines' runs, shared between calls (:func:`search` passes one).
 
     Example::
 
@@ -187,11 +266,14 @@ def estimate(build: Callable, dims: ParallelDims, *, layers: int, cluster: Clust
     from ..pipelining import build_plan
     blocks = layers // dims.pp
     try:
-        one = _stage_reports(build, dims, 1, device_type)
-        two = _stage_reports(build, dims, 2, device_type) if blocks > 1 else {}
+        if every_stage:
+            one = _stage_reports(build, dims, 1, device_type)
+            two = _stage_reports(build, dims, 2, device_type) if blocks > 1 else {}
+            ranks = [_extrapolated(one[r], two.get(r), blocks) for r in one]
+        else:
+            ranks = _sampled(build, dims, layers, device_type, {} if cache is None else cache)
     except Exception as exc:  # noqa: BLE001  (dims that cannot run are reported, not fatal)
         return Candidate(dims, 0, False, float("inf"), 0.0, f"{type(exc).__name__}: {exc}")
-    ranks = [_extrapolated(one[r], two.get(r), blocks) for r in one]
     bubble = build_plan("1F1B", dims.pp, dims.microbatches).bubble_fraction() if dims.pp > 1 else 0.0
     seconds = max(rank_seconds(r, cluster, bubble) for r in ranks)
     peak = max(r.total_bytes for r in ranks)
@@ -200,12 +282,17 @@ def estimate(build: Callable, dims: ParallelDims, *, layers: int, cluster: Clust
 
 def search(build: Callable, *, devices: int, layers: int, cluster: Cluster, micro_batch: int = 1, seq: int = 4096,
            candidates: Optional[Iterable[ParallelDims]] = None, device_type: str = "npu",
-           progress: Optional[Callable[[Candidate], None]] = None) -> List[Candidate]:
+           progress: Optional[Callable[[Candidate], None]] = None, workers: int = 1) -> List[Candidate]:
     """Every :class:`ParallelDims` of ``devices`` (or ``candidates``), estimated; those that fit
     first, fastest first.
 
+    Dims that differ only in their micro-batches share their simulations (the short pipelines of
+    :mod:`._stages`); with ``workers > 1`` the simulations run on that many processes, and each
+    candidate is priced, and passed to ``progress``, in order as soon as its runs are in.
+
     Args:
-        build: ``build(dims, layers) -> fn(mesh)``.
+        build: ``build(dims, layers) -> fn(mesh)`` (picklable when ``workers > 1``: a module-level
+            function or class instance, as ``examples/plan_llama.py``'s ``builder`` returns).
         devices: the number of devices.
         layers: the model's blocks.
         cluster: the :class:`~hyper_parallel_ms.dryrun.Cluster` (its device memory decides what fits).
@@ -214,17 +301,32 @@ def search(build: Callable, *, devices: int, layers: int, cluster: Cluster, micr
         candidates: the dims to try (default: :func:`parallel_dims_of`).
         device_type: the simulated device.
         progress: called with each :class:`Candidate` as it is priced.
+        workers: processes that simulate (1: this one).
 
     Example::
 
-        best = search(build, devices=64, layers=32, cluster=Cluster())[0]
+        best = search(build, devices=64, layers=32, cluster=Cluster(), workers=2)[0]
     """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"search: workers must be an int of 1 or more, got {workers!r}")
+    todo = list(candidates if candidates is not None else
+                parallel_dims_of(devices, layers=layers, devices_per_node=cluster.devices_per_node,
+                                 micro_batch=micro_batch, seq=seq))
+    cache: Dict = {}
+    if workers > 1:
+        try:
+            pickle.dumps(build)
+        except Exception as exc:  # noqa: BLE001  (named, with the fix)
+            raise TypeError(f"search: with workers={workers} build must pickle (a module-level function or class "
+                            f"instance, not a lambda or closure): {type(exc).__name__}: {exc}; or pass workers=1") \
+                from None
+    ready = _prefilled(build, todo, layers, device_type, cache, workers) if workers > 1 else iter(range(1, len(todo) + 1))
     tried = []
-    for dims in (candidates if candidates is not None else
-                 parallel_dims_of(devices, layers=layers, devices_per_node=cluster.devices_per_node,
-                                  micro_batch=micro_batch, seq=seq)):
-        candidate = estimate(build, dims, layers=layers, cluster=cluster, device_type=device_type)
-        tried.append(candidate)
-        if progress is not None:
-            progress(candidate)
+    for count in ready:
+        while len(tried) < count:
+            dims = todo[len(tried)]
+            candidate = estimate(build, dims, layers=layers, cluster=cluster, device_type=device_type, cache=cache)
+            tried.append(candidate)
+            if progress is not None:
+                progress(candidate)
     return sorted(tried, key=lambda c: (not c.fits, bool(c.problem), -c.tokens_per_second))

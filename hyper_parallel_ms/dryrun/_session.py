@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
+import traceback
 from math import prod
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -239,12 +240,14 @@ class _Simulation:
         return out
 
     def _build_and_step(self, rank: int, out: _Outcome, autodiff: AbstractAutodiff, mode: _AttributedMode) -> None:
+        names: Dict[int, str] = {}
         try:
             mesh = init_device_mesh(self.device_type, self.shape, mesh_dim_names=self.names,
                                     simulate=(self.size, rank))
             model, optimizer, step = _unpack(self.fn(mesh))
             cells = cells_of(model)
             autodiff.name_cells(cells)
+            names.update((id(c), n) for top in cells for n, c in top.cells_and_names() if n)
             out.held = memory_of(model, optimizer)
             out.specs = [rec.spec for c in cells for p in c.get_parameters()
                          for rec in (parameter_sharding(p),) if rec is not None]
@@ -260,6 +263,8 @@ class _Simulation:
             raise
         except Exception as exc:  # noqa: BLE001  (a rank's failure is reported, as the cluster would show it)
             out.run.error = f"{type(exc).__name__}: {exc}"
+            out.run.error_cell = _raising_cell(exc, names)
+            out.run.traceback = "".join(traceback.format_exception(exc))
 
     # ---------------------------------------------------------------- classes
     def run_classes(self) -> None:
@@ -331,6 +336,27 @@ class _Simulation:
             return problem
         stood = {q for q in ranks if q not in self.outcomes and self.representative(q) in problem.ranks}
         return dataclasses.replace(problem, ranks=tuple(sorted(stood | set(problem.ranks))))
+
+
+def _raising_cell(exc: BaseException, names: Dict[int, str]) -> str:
+    """The innermost Cell whose code ran when ``exc`` was raised, as ``"path (Class)"`` (``names``:
+    id -> path in the model; a Cell outside the model, such as the loss, by its class); through the
+    exceptions it was raised from, the first one raised counts; ``""`` outside any Cell."""
+    from mindspore import nn
+    found, seen = "", set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb, here = current.__traceback__, ""
+        while tb is not None:
+            cell = tb.tb_frame.f_locals.get("self")
+            if isinstance(cell, nn.Cell):
+                path = names.get(id(cell))
+                here = f"{path} ({type(cell).__name__})" if path else type(cell).__name__
+            tb = tb.tb_next
+        found = here or found
+        current = current.__cause__ or current.__context__
+    return found
 
 
 def _rank_report(rank: int, coord: Tuple[int, ...], rep: int, outcome: _Outcome,
