@@ -2,10 +2,10 @@
 ranks and simulated for those 4 ranks in this process, for tensor parallelism, FSDP x TP and
 pipeline x TP. Parameter, gradient and optimizer bytes per rank and the collectives of a step
 (every CommDebugMode record: kind, mesh dim, group, shape, bytes) must be equal; the
-activation estimate must be within 20% of the activations the real ranks keep for the backward
+activation estimate must be within 10% of the activations the real ranks keep for the backward
 (measured with MindSpore's saved-tensor hooks on the real ranks: each kept storage once, not
-parameters or what is made from them, held until its micro-batch's backward; measured 0.83 to
-0.89 of it here)."""
+parameters or what is made from them, held until its micro-batch's backward; tensors dropped
+by the conversions' saved-tensor hooks not counted; measured 1.00 to 1.04 of it here)."""
 from __future__ import annotations
 
 import sys
@@ -136,7 +136,12 @@ def real_activations(dims_kwargs: dict) -> int:
     hooks, taped_call, tape_backward = ms.saved_tensors_hooks, _runtime.taped_call, _runtime.tape_backward
 
     def composed(pack, unpack):
-        return hooks(lambda t: pack(count(t)), unpack)
+        def packed(t):
+            handle = pack(t)
+            if handle is not None:      # None: dropped (the conversions' keeping_nothing), not kept
+                count(t)
+            return handle
+        return hooks(packed, unpack)
 
     def forward(top, *args):
         state["forward"] += 1
@@ -158,7 +163,7 @@ def real_activations(dims_kwargs: dict) -> int:
     return state["peak"]
 
 
-def test_simulated_activations_are_within_20_percent_of_what_real_ranks_keep():
+def test_simulated_activations_are_within_10_percent_of_what_real_ranks_keep():
     from hyper_parallel_ms import simulate
     config, ParallelDims, llama_training = _setup()
     for kwargs in LAYOUTS:
@@ -169,7 +174,7 @@ def test_simulated_activations_are_within_20_percent_of_what_real_ranks_keep():
                           ranks=range(4))
         for r in range(4):
             estimate = report[r].activation_bytes
-            assert real[r] > 0 and abs(estimate - real[r]) <= 0.2 * real[r], (kwargs, r, estimate, real[r])
+            assert real[r] > 0 and abs(estimate - real[r]) <= 0.1 * real[r], (kwargs, r, estimate, real[r])
 
 
 def _dense_training(how: str):

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import mindspore
+import numpy as np
 from mindspore import Tensor
 
 from ._active import ACTIVE_RUNS
@@ -31,7 +32,8 @@ from ._active import ACTIVE_RUNS
 __all__ = ["SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address", "taped", "taped_call",
            "tape_backward", "discard_grad_recording", "discard_tapes", "RECOMPUTE_CONTEXT_FN", "recompute_eagerly",
            "recomputing",
-           "recompute_in_graph", "random_state", "set_random_state"]
+           "recompute_in_graph", "random_state", "set_random_state", "identity_with_gradient",
+           "keeping_nothing"]
 
 
 SAVED_TENSOR_HOOKS = hasattr(mindspore, "saved_tensors_hooks") and hasattr(mindspore, "_no_grad")
@@ -258,3 +260,58 @@ def recompute_in_graph(method: Callable, *args: Any, **kwargs: Any) -> Any:
     """Inside ms.jit / GRAPH_MODE: ``method(*args)`` (a Cell's bound method) marked for MindSpore's
     graph recompute pass (its forward ops are computed again in the backward)."""
     return mindspore.recompute(method, *args, **kwargs)
+
+
+# ------------------------------------------------ an identity whose backward keeps nothing
+def identity_with_gradient(x: Tensor, backward: Callable[[Tensor], Tensor]) -> Tensor:
+    """PyNative: ``x``'s value as a new tensor (``x - 0``, exact, signed zeros included), whose
+    gradient reaches ``x`` as ``backward(dout)`` (a tensor hook), keeping no tensor for the
+    backward. A Cell with a custom ``bprop`` keeps its input and its output whether its bprop
+    reads them or not, and every op that keeps such a Cell's output for its own backward keeps a
+    copy of it (measured, MindSpore 2.10: three q / k / v projections reading one converted input
+    kept three copies; ``tests/test_activation_memory.py``). Floating-point ``x`` only.
+
+    Args:
+        x: the input (floating point).
+        backward: the gradient of ``x`` from the gradient of the result (same shape).
+
+    Example::
+
+        y = identity_with_gradient(x, lambda d: all_reduce(d, mesh, 0))
+    """
+    if ACTIVE_RUNS:
+        return ACTIVE_RUNS[-1].identity_with_gradient(x, backward)
+    y = x - 0
+    y.register_hook(backward)
+    return y
+
+
+def _dropped(_t: Any) -> None:
+    return None
+
+
+def _empty(_packed: Any) -> Tensor:
+    return Tensor(np.zeros((0,), np.float32))
+
+
+@contextmanager
+def keeping_nothing() -> Iterator[None]:
+    """Inside (PyNative), autodiff keeps no tensor for the backward: a backward that reads one it
+    saved gets an empty tensor. For a custom-``bprop`` Cell whose bprop reads neither its inputs
+    nor its output, which MindSpore keeps all the same (measured, 2.10: a sequence-parallel
+    gather's whole output; ``tests/test_activation_memory.py``); only such a Cell may run inside.
+    Without ``mindspore.saved_tensors_hooks`` (before 2.9) the tensors are kept.
+
+    Example::
+
+        with keeping_nothing():
+            y = redistribution_cell(x)      # its bprop reads only dout
+    """
+    if ACTIVE_RUNS:
+        with ACTIVE_RUNS[-1].keeping_nothing():
+            yield
+    elif SAVED_TENSOR_HOOKS:
+        with mindspore.saved_tensors_hooks(_dropped, _empty):
+            yield
+    else:
+        yield

@@ -149,13 +149,15 @@ def _needs_grad(t: Any) -> bool:
 class _Node:
     """One recorded step of a forward: an op (``cell`` is None) or a custom-``bprop`` Cell call."""
 
-    __slots__ = ("cell", "args", "inputs", "outputs", "out", "packs", "where")
+    __slots__ = ("cell", "args", "inputs", "outputs", "out", "packs", "where", "backward")
 
-    def __init__(self, cell: Optional[nn.Cell], args: tuple, out: Any, where: str = "") -> None:
+    def __init__(self, cell: Optional[nn.Cell], args: tuple, out: Any, where: str = "",
+                 backward: Optional[Callable] = None) -> None:
         self.cell, self.args, self.out, self.where = cell, args, out, where
         self.inputs = _tensors(args)
         self.outputs = _tensors(out)
         self.packs: List[Tuple[Callable, Any]] = []
+        self.backward = backward        # identity_with_gradient's gradient function
 
 
 class _Recompute:
@@ -210,6 +212,8 @@ class AbstractAutodiff:
         self.unhooked = 0
         self._recording: List[Optional[_Tape]] = []
         self._hooks: List[Tuple[Callable, Callable]] = []
+        self._dropping = 0              # inside keeping_nothing(): nothing is kept
+        self._op_logs: List[list] = []  # (name, outputs) of the ops of selective recomputes' forwards
         self._pending: Dict[int, _Tape] = {}         # taped_call outputs -> their tape
         self._calls: List[nn.Cell] = []              # the Cells being called, innermost last
         self._names: Dict[int, str] = {}             # id of a model's Cell -> its path
@@ -260,6 +264,8 @@ class AbstractAutodiff:
 
     def _keep(self, tape: _Tape, node: Any, tensors: Sequence[Tensor], activations: Sequence[Tensor]) -> None:
         """Hand ``tensors`` to the saved-tensor hooks (if any) and count ``activations``."""
+        if self._dropping:
+            return
         if self._hooks:
             pack, unpack = self._hooks[-1]
             node.packs.extend((unpack, pack(t)) for t in tensors)
@@ -271,6 +277,8 @@ class AbstractAutodiff:
 
     def on_op(self, name: str, inputs: Sequence[Tensor], outputs: Sequence[AbstractTensor]) -> None:
         """An op ran on shape-only tensors (the observer of :func:`._abstract.observing_ops`)."""
+        if self._op_logs:
+            self._op_logs[-1].append((name, tuple(outputs)))
         for o in outputs:
             if flags_of(o)[1]:
                 self.largest_activation = max(self.largest_activation, tensor_bytes(o))
@@ -304,6 +312,16 @@ class AbstractAutodiff:
             self._keep(tape, node, node.inputs + node.outputs, [t for t in node.inputs + node.outputs
                                                                  if _is_activation(t)])
             tape.nodes.append(node)
+        return out
+
+    def identity_with_gradient(self, x: Tensor, backward: Callable) -> Any:
+        """``identity_with_gradient`` of a shape-only run: ``x - 0`` unrecorded, one node that keeps
+        nothing and whose backward runs ``backward`` (its collectives recorded)."""
+        tape = self._tape()
+        with self._recorded_into(None):
+            out = x - 0
+        if tape is not None and _needs_grad(x):
+            tape.nodes.append(_Node(None, (x,), out, self.where(), backward))
         return out
 
     @contextlib.contextmanager
@@ -395,6 +413,15 @@ class AbstractAutodiff:
                      if _key(x) in reached else None for x in inputs)
 
     @contextlib.contextmanager
+    def keeping_nothing(self) -> Iterator[None]:
+        """Inside, nodes keep nothing (``keeping_nothing`` of the PyNative code)."""
+        self._dropping += 1
+        try:
+            yield
+        finally:
+            self._dropping -= 1
+
+    @contextlib.contextmanager
     def saved_tensors_hooks(self, pack: Callable, unpack: Callable) -> Iterator[None]:
         """Inside, tensors kept for the backward go through ``pack`` / ``unpack``."""
         self._hooks.append((pack, unpack))
@@ -414,11 +441,20 @@ class AbstractAutodiff:
         tape = self._tape()
         forward_ctx, again_ctx = context_fn() if context_fn is not None else (contextlib.nullcontext(),
                                                                                 contextlib.nullcontext())
-        with forward_ctx, self._recorded_into(None if tape is None else _Tape()):
-            out = fn(*args, **kwargs)
+        keeps = getattr(forward_ctx, "keeps", None)     # a selective policy: the op outputs it keeps
+        self._op_logs.append([])
+        try:
+            with forward_ctx, self._recorded_into(None if tape is None else _Tape()):
+                out = fn(*args, **kwargs)
+        finally:
+            ops = self._op_logs.pop()
         if tape is not None:
             node = _Recompute(fn, args, kwargs, again_ctx, out, self.where())
-            self._keep(tape, node, (), [t for t in node.inputs if _is_activation(t)])    # its inputs are kept
+            kept = [t for t in node.inputs if _is_activation(t)]                          # its inputs are kept
+            if keeps is not None:
+                flags = keeps([name for name, _ in ops], [tuple(o[0].shape) if o else None for _, o in ops])
+                kept += [t for (_, outs), keep in zip(ops, flags) if keep for t in outs if _is_activation(t)]
+            self._keep(tape, node, (), kept)
             tape.nodes.append(node)
         return out
 
@@ -450,6 +486,8 @@ class AbstractAutodiff:
                         unpack(packed)
                     if node.cell is not None:
                         node.cell.bprop(*node.args, node.out, _like(node.out))
+                    elif node.backward is not None:
+                        node.backward(_like(node.out))
                 finally:
                     self._replaying.pop()
         if release:

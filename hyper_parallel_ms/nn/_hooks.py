@@ -21,12 +21,13 @@ from mindspore import Tensor, nn, ops
 
 from .. import comm
 from .._mindspore import (as_subclass, cell_per_call_site, cell_subclass, constant_id, constant_of, is_compiling, plain_view,
-                          reading_class, run_in_python, tensor_hook)
+                          reading_class, run_in_python, running_eagerly, tensor_hook)
 from ..dtensor import DTensor
 from ..layout import Layout
 from ..redistribute import LocalRedistribute, plan_global_shape, plan_layouts
 
-__all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class", "summing_class",
+__all__ = ["Conversion", "InputHook", "KwargInputHook", "OutputHook", "masked_rows_class", "unflattened_dense_class",
+           "summing_class",
            "SUMMED_PREFIX", "GradientSum", "DeferredInput", "DeferredDTensorInput"]
 
 @run_in_python
@@ -333,3 +334,28 @@ def masked_rows_class(base: type) -> type:
 
 
 _MASKED: Dict[type, type] = {}
+
+
+def unflattened_dense_class(base: type) -> type:
+    """A subclass of ``nn.Dense`` (or of a subclass of it) whose PyNative forward computes on its
+    input as it is (MindSpore's ``Dense`` primitive takes ``(..., in)``) instead of reshaping it to
+    2-D first: ``nn.Dense``'s ``MatMul`` receives the reshaped view as a contiguous copy and keeps that
+    copy for its backward, beside the input that the op before usually keeps too (three q / k / v
+    projections kept three copies of one input; measured, MindSpore 2.10: ``tests/test_activation_memory.py``).
+    Same values and gradients; compiled graphs run the Cell's own ``construct``."""
+    cached = _UNFLATTENED.get(base)
+    if cached is not None:
+        return cached
+
+    def construct(self, x):
+        if running_eagerly() and x.ndim > 2:
+            out = ops.dense(x, self.weight, self.bias if self.has_bias else None)
+            return self.activation(out) if self.activation_flag else out
+        return self._hpms_dense_construct(x)
+    cls = cell_subclass(base.__name__, (base,), {"construct": construct, "_hpms_dense_construct": base.construct,
+                                                 "__module__": base.__module__, "__qualname__": base.__qualname__})
+    _UNFLATTENED[base] = cls
+    return cls
+
+
+_UNFLATTENED: Dict[type, type] = {}

@@ -35,7 +35,7 @@ from ..redistribute._gradient import gradient_placements, shared_dims
 from ._adapter import own_parameters
 from ._dropout import check_dropout_seeded, dropouts_inside, is_dropout, sharded_dropout_class
 from ._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
-from ._hooks import masked_rows_class
+from ._hooks import masked_rows_class, unflattened_dense_class
 from ._parameter import ParameterPlacement
 from ._parallelize import ParallelStyle
 from ._targets import check_mesh
@@ -79,6 +79,15 @@ def _layer_kind(style: "ParallelStyle", path: str, cell: nn.Cell) -> str:
         return "embedding"
     raise TypeError(f"{type(style).__name__} supports nn.Dense, mint.nn.Linear, nn.Embedding and mint.nn.Embedding; "
                     f"{_where(path)} is a {type(cell).__name__}")
+
+
+def _unflattened(cell: nn.Cell) -> Optional[type]:
+    """An ``nn.Dense``'s class computing on its input unreshaped in PyNative (see
+    :func:`~._hooks.unflattened_dense_class`); other layers, and subclasses of ``nn.Dense`` with a
+    ``construct`` of their own, keep theirs."""
+    if isinstance(cell, nn.Dense) and type(cell).construct is nn.Dense.construct:
+        return unflattened_dense_class(type(cell))
+    return None
 
 
 def _weight_name(cell: nn.Cell) -> str:
@@ -129,6 +138,7 @@ class ColwiseParallel(_LayerStyle):
         weight = params[_weight_name(cell)]
         if kind == "linear":
             by_rows = (Shard(0),)
+            edit.swap_class = _unflattened(cell)
             edit.parameters[_weight_name(cell)] = ParameterPlacement(mesh, by_rows, src_data_rank=src_data_rank)
             if params.get("bias") is not None:
                 edit.parameters["bias"] = ParameterPlacement(mesh, by_rows, src_data_rank=src_data_rank)
@@ -190,6 +200,7 @@ class RowwiseParallel(_LayerStyle):
                 raise ValueError(f"RowwiseParallel on {_where(path)}: the Dense applies an activation to a partial "
                                  "sum; move the activation out of the Dense (activation=None)")
             edit.parameters[name] = ParameterPlacement(mesh, (Shard(1),), src_data_rank=src_data_rank)
+            edit.swap_class = _unflattened(cell)
             has_bias = params.get("bias") is not None
             bias_sum = None
             if has_bias:

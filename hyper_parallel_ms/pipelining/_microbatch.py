@@ -9,7 +9,7 @@ Example::
 
     mbs = split_microbatches((x, y), 4)              # 4 tuples (x_m, y_m), rows as torch.tensor_split
     split_microbatches(((a, b), {"mask": m}), 2)     # nested tuples, lists and dicts: each Tensor split
-    sig = signature(mbs[0]); like_tensors(sig)       # zero tensors of those shapes and dtypes
+    sig = signature(mbs[0]); like_tensors(sig)       # receive templates of those shapes and dtypes
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import copy
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mindspore as ms
-import numpy as np
 from mindspore import Tensor, ops
+
+from .._mindspore import stride_free_view
 
 __all__ = ["TensorChunkSpec", "BatchDimSpec", "chunk_sizes", "split_microbatches", "split_dims", "merge_chunks",
            "split_args_kwargs_into_chunks", "tree_leaves",
@@ -388,10 +389,12 @@ def fitting_signature(tensors: Sequence[Tensor]) -> Tuple[int, ...]:
 
 
 def like_tensors(sig: Sequence[int]) -> Tuple[Tensor, ...]:
-    """Zero tensors with the shapes and dtypes ``sig`` (a fitting signature) describes (receive templates)."""
+    """Receive templates with the shapes and dtypes ``sig`` (a fitting signature) describes: a receive
+    reads only a template's shape and dtype, so each is one zero element seen with every stride 0
+    (an activation's template allocates nothing)."""
     sig = [int(v) for v in sig]
     out = []
     for i in range(sig[0]):
         code, ndim, *dims = sig[1 + i * (2 + MAX_NDIM): 1 + (i + 1) * (2 + MAX_NDIM)]
-        out.append(Tensor(np.zeros(dims[:ndim]), _DTYPES[code]))
+        out.append(stride_free_view(ops.zeros((1,), _DTYPES[code]), dims[:ndim]))
     return tuple(out)

@@ -145,11 +145,22 @@ class Redistribution(nn.Cell):
         # so a gradient whose last step narrows is handed back as a fresh tensor (the CPU backend
         # has no Clone kernel); masking makes a fresh one anyway
         self.copies_gradient = bool(backward_steps) and ends_in_narrow(backward_steps[-1]) and not self.masked
+        # no step either way: the identity, which callers may skip in PyNative (as a custom-bprop
+        # Cell, MindSpore keeps its input and output for the backward); no forward step: the
+        # identity with :meth:`gradient` as its backward (_mindspore.identity_with_gradient)
+        self.is_identity = not forward_steps and not backward_steps and not self.masked
+        self.backward_only = not forward_steps and bool(backward_steps) and not self.masked
 
     def construct(self, x):
         for cell in self.forward_cells:
             x = cell(x)
         return x
+
+    def gradient(self, dout):
+        """The backward steps on ``dout`` (for a Redistribution with no masked reduction)."""
+        for cell in self.backward_cells:
+            dout = cell(dout)
+        return dout * 1 if self.copies_gradient else dout
 
     def bprop(self, x, out, dout):
         for cell in self.backward_cells:

@@ -30,11 +30,15 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from mindspore import nn
+from mindspore.common import dtype as mstype
 
-from .._mindspore import cached_in_python, cell_per_call_site, is_compiling, run_in_python
+from .._mindspore import (cached_in_python, cell_per_call_site, identity_with_gradient, is_compiling, keeping_nothing,
+                          run_in_python, running_eagerly)
 from ..comm._agreement import extremes
 from ..layout import Layout
 from ._executor import Redistribution, redistribution
+
+_FLOATS = (mstype.float16, mstype.bfloat16, mstype.float32, mstype.float64)
 
 __all__ = ["LocalRedistribute", "plan_layouts", "plan_global_shape", "agree_on_global_shape"]
 
@@ -174,6 +178,23 @@ def _redistribution(plan_id: int, local_shape: Tuple[int, ...], where: str, unev
                           None if grad_src is None else grad_src.normalized(ndim))
 
 
+def _moved_eagerly(move: Redistribution, x):
+    """PyNative: ``move(x)`` keeping neither ``x`` nor the result for the backward (``move``'s
+    bprop, with no masked reduction, reads only the gradient). As a custom-bprop Cell, MindSpore
+    keeps both, and every op keeping the Cell's result for its own backward keeps a copy of it
+    (measured, 2.10: a sequence-parallel gather's result kept by the Cell and copied by each of the
+    three q / k / v projections; ``tests/test_activation_memory.py``)."""
+    if move.is_identity:                    # nothing to do either way
+        return x
+    if x.dtype not in _FLOATS:
+        return move(x)
+    if move.backward_only:                  # the identity forward: a hooked op result
+        return identity_with_gradient(x, move.gradient)
+    with keeping_nothing():
+        y = move(x)
+    return y - 0                            # an op's result, which the ops keeping it share
+
+
 class LocalRedistribute(nn.Cell):
     """Move a local piece from layout ``src`` to ``dst``; the gradient arrives as ``grad_src``
     (default: ``dst`` with Partial read as Replicate) and leaves as ``src`` (Partial as Replicate).
@@ -210,4 +231,7 @@ class LocalRedistribute(nn.Cell):
     def construct(self, x):
         if self.checks_shape:
             agree_on_global_shape(self.plan_id, x.shape, self.where)
-        return _redistribution(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))(x)
+        move = _redistribution(self.plan_id, x.shape, self.where, _becomes_dtensor(self.wrapped))
+        if running_eagerly() and not move.masked:
+            return _moved_eagerly(move, x)
+        return move(x)

@@ -7,7 +7,7 @@ Example::
     from hyper_parallel_ms.training import clip_grad_norm, all_finite
     grads, total = clip_grad_norm(reducer(grads), 1.0, parameters=optimizer.parameters)
 """
-from ._recompute import (SAVE_MATMUL_AND_COLLECTIVES, CheckpointImpl, CheckpointWrapper,
+from ._recompute import (ATTENTION_CORE, SAVE_MATMUL_AND_COLLECTIVES, CheckpointImpl, CheckpointWrapper,
                           apply_activation_checkpointing, checkpoint_stats, checkpoint_wrapper,
                           create_selective_checkpoint_contexts)
 from ._clip import clip_grad_norm
@@ -18,5 +18,5 @@ from ._swap import SwapStats, SwapWrapper, swap_stats, swap_wrapper
 
 __all__ = ["clip_grad_norm", "TotalGradNorm", "all_finite", "checkpoint_wrapper", "apply_activation_checkpointing",
            "CheckpointWrapper", "CheckpointImpl", "checkpoint_stats", "create_selective_checkpoint_contexts",
-           "SAVE_MATMUL_AND_COLLECTIVES", "swap_wrapper", "SwapWrapper", "swap_stats", "SwapStats", "checkpoint",
+           "SAVE_MATMUL_AND_COLLECTIVES", "ATTENTION_CORE", "swap_wrapper", "SwapWrapper", "swap_stats", "SwapStats", "checkpoint",
            "offload_wrapper"]

@@ -23,6 +23,9 @@ wrapping keep working.
 - Selective (``policy``): the outputs of the ops the policy names (by MindSpore primitive name;
   default :data:`SAVE_MATMUL_AND_COLLECTIVES`) are kept from the forward and handed back to the
   recompute, which runs every other op again (PyTorch's ``create_selective_checkpoint_contexts``).
+  ``policy="attention_core"`` (:data:`ATTENTION_CORE`) is Korthikanti et al.'s selective
+  recomputation: the matmul and collective outputs are kept except the attention scores (the
+  outputs shaped like the forward's softmax output), so the ``s^2`` terms are recomputed.
 
 Example::
 
@@ -51,7 +54,7 @@ from ..fsdp._param import is_piece
 from ..nn._adapter import CellChanges, named_cells, own_parameters
 
 __all__ = ["CheckpointWrapper", "CheckpointImpl", "checkpoint_wrapper", "apply_activation_checkpointing",
-           "checkpoint_stats", "create_selective_checkpoint_contexts", "SAVE_MATMUL_AND_COLLECTIVES"]
+           "checkpoint_stats", "create_selective_checkpoint_contexts", "SAVE_MATMUL_AND_COLLECTIVES", "ATTENTION_CORE"]
 
 
 class CheckpointImpl(enum.Enum):
@@ -122,14 +125,17 @@ class _State:
 
 
 def _keep_fn(policy: Policy) -> Optional[Callable[[str], bool]]:
-    """The op-name predicate of ``policy`` (``None``: full recompute)."""
+    """The op-name predicate of ``policy`` (``None``: full recompute; :data:`ATTENTION_CORE`: its own
+    predicate, told apart by identity)."""
     if policy is None or policy == "full":
         return None
     if policy == "selective":
         return SAVE_MATMUL_AND_COLLECTIVES.__contains__
+    if policy == ATTENTION_CORE:
+        return _attention_core_keeps
     if isinstance(policy, str):
-        raise ValueError(f"policy must be None, 'full', 'selective', a collection of op names or a callable "
-                         f"op_name -> bool, got {policy!r}")
+        raise ValueError(f"policy must be None, 'full', 'selective', {ATTENTION_CORE!r}, a collection of op names or a "
+                         f"callable op_name -> bool, got {policy!r}")
     if callable(policy):
         return policy
     if not isinstance(policy, collections.abc.Collection):
@@ -157,6 +163,10 @@ class _SaveOutputs(OpInterception):
             self.stats.saved[name] += 1
         return out
 
+    def keeps(self, names: List[str], shapes: List[Optional[tuple]]) -> List[bool]:
+        """Which of a forward's ops (names, output shapes) keep their outputs (the planner asks)."""
+        return [name not in _NEVER_SAVED and bool(self.keep(name)) for name in names]
+
 
 class _ReplayOutputs(OpInterception):
     """Recompute of a selective checkpoint: hands back the kept outputs, in order, runs the rest."""
@@ -182,14 +192,112 @@ class _ReplayOutputs(OpInterception):
         return out
 
 
+# --------------------------------------------- Korthikanti et al.'s selective recomputation
+ATTENTION_CORE = "attention_core"
+# the ops whose outputs define the attention scores' shape
+_SOFTMAX = frozenset({"Softmax", "SoftmaxExt", "SoftmaxV2"})
+_MATMULS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Dense", "Mm", "Bmm", "BmmExt",
+                      "Baddbmm"})
+
+
+def _attention_core_keeps(name: str) -> bool:
+    """The op-name part of :data:`ATTENTION_CORE` (the shape part is decided after the forward)."""
+    return name in SAVE_MATMUL_AND_COLLECTIVES
+
+
+def _shape(out: Any) -> Optional[tuple]:
+    return tuple(out.shape) if isinstance(out, ms.Tensor) else None
+
+
+class _RecordOutputs(OpInterception):
+    """Forward of the :data:`ATTENTION_CORE` policy: records every op and its output; on leaving,
+    keeps what Korthikanti et al.'s selective recomputation keeps: the outputs of the matmuls up
+    to the attention core's last (q, k, v and the probabilities times v) except those shaped like a
+    softmax output of this forward (the scores), and those of random ops; it releases the rest,
+    which the recompute runs again (collectives and the output projection included)."""
+
+    def __init__(self, record: List[list], stats: CheckpointStats) -> None:
+        super().__init__()
+        self.record, self.stats = record, stats
+
+    def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        out = run()
+        if name not in _NEVER_SAVED:
+            self.record.append([name, out])
+        return out
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        flags = self.keeps([name for name, _ in self.record], [_shape(out) for _, out in self.record])
+        for entry, keep in zip(self.record, flags):
+            if keep:
+                self.stats.saved[entry[0]] += 1
+            else:
+                entry[1] = _RECOMPUTED
+        return result
+
+    @staticmethod
+    def keeps(names: List[str], shapes: List[Optional[tuple]]) -> List[bool]:
+        """Which of a forward's ops (names and output shapes, in order) keep their outputs (the
+        planner asks too)."""
+        scores = {shape for name, shape in zip(names, shapes) if name in _SOFTMAX} - {None}
+        first = next((i for i, shape in enumerate(shapes) if shape in scores), None)
+        # the core ends with the first matmul after its scores that is no score itself (probabilities x V)
+        last = None if first is None else next(
+            (i for i in range(first, len(shapes)) if names[i] in _MATMULS and shapes[i] not in scores), None)
+        return [is_random_op(name) or (name in _MATMULS and shape not in scores and (last is None or i <= last))
+                for i, (name, shape) in enumerate(zip(names, shapes))]
+
+
+_RECOMPUTED = object()
+
+
+class _ReplayRecord(OpInterception):
+    """Recompute of the :data:`ATTENTION_CORE` policy: walks the forward's record, handing back the
+    kept outputs and running the ops whose outputs were released."""
+
+    def __init__(self, record: List[list], stats: CheckpointStats) -> None:
+        super().__init__()
+        self.record, self.stats, self.next = record, stats, 0
+
+    def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        if name in _NEVER_SAVED:
+            return run()
+        if self.next >= len(self.record) or self.record[self.next][0] != name:
+            want = self.record[self.next][0] if self.next < len(self.record) else "nothing more"
+            raise RuntimeError(
+                f"selective activation checkpointing ({ATTENTION_CORE!r}): the recomputed forward ran {name} where the "
+                f"forward had {want} (op {self.next}). The wrapped Cell's forward must run the same ops each time (no "
+                "data-dependent branches, no state changed between forward and backward); use policy=None")
+        entry = self.record[self.next]
+        self.next += 1
+        if entry[1] is _RECOMPUTED:
+            self.stats.recomputed[name] += 1
+            return run()
+        out, entry[1] = entry[1], None            # handed over: freed with the recompute
+        self.stats.replayed[name] += 1
+        return out
+
+
+def _attention_core_contexts(stats: CheckpointStats) -> Callable[[], Tuple[Any, Any]]:
+    if not OP_INTERCEPTION:
+        raise NotImplementedError(f"selective activation checkpointing needs mindspore.MsDispatchMode (MindSpore "
+                                  f"2.10); MindSpore {ms.__version__} lacks it: use policy=None (full recompute)")
+
+    def context_fn():
+        record: List[list] = []
+        return _RecordOutputs(record, stats), _ReplayRecord(record, stats)
+    return context_fn
+
+
 def create_selective_checkpoint_contexts(policy: Policy) -> Callable[[], Tuple[Any, Any]]:
     """A ``context_fn`` for ``mindspore.recompute(..., use_reentrant=False, context_fn=...)``: the
     forward keeps the outputs of the ops ``policy`` names, the recompute reuses them and runs
     every other op again (PyTorch's name). PyNative only.
 
     Args:
-        policy: ``"selective"`` (:data:`SAVE_MATMUL_AND_COLLECTIVES`), a collection of MindSpore
-            primitive names (``{"MatMul", "AllReduce"}``) or a callable ``op_name -> bool`` (True: keep).
+        policy: ``"selective"`` (:data:`SAVE_MATMUL_AND_COLLECTIVES`), :data:`ATTENTION_CORE`
+            (``"attention_core"``, see :func:`checkpoint_wrapper`), a collection of MindSpore primitive names (``{"MatMul", "AllReduce"}``) or a callable ``op_name -> bool`` (True: keep).
 
     Example::
 
@@ -199,7 +307,10 @@ def create_selective_checkpoint_contexts(policy: Policy) -> Callable[[], Tuple[A
     keep = _keep_fn(policy)
     if keep is None:
         raise ValueError("create_selective_checkpoint_contexts needs a selective policy, got None / 'full'")
-    context_fn = _selective_contexts(keep, CheckpointStats())
+    if keep is _attention_core_keeps:
+        context_fn = _attention_core_contexts(CheckpointStats())
+    else:
+        context_fn = _selective_contexts(keep, CheckpointStats())
     context_fn._hpms_policy = policy          # the composable checkpoint(context_fn=) reads it back
     return context_fn
 
@@ -289,7 +400,10 @@ class CheckpointWrapper:
         """PyNative: the refusals, then the forward under MindSpore's non-reentrant recompute."""
         _refuse_outer_unit(self)
         context_fn = None
-        if state.keep is not None:
+        if state.keep is _attention_core_keeps:
+            _refuse_dtensors(self, args + tuple(kwargs.values()))
+            context_fn = _attention_core_contexts(state.stats)
+        elif state.keep is not None:
             _refuse_dtensors(self, args + tuple(kwargs.values()))
             context_fn = _selective_contexts(lambda name: is_random_op(name) or state.keep(name), state.stats)
         elif OP_INTERCEPTION:
@@ -377,9 +491,14 @@ def checkpoint_wrapper(cell: nn.Cell, checkpoint_impl: CheckpointImpl = Checkpoi
         checkpoint_impl: PyTorch's :class:`CheckpointImpl`; both run MindSpore's recompute.
         checkpoint_fn: PyTorch's custom checkpoint function: not supported (``None`` only).
         policy: ``None`` or ``"full"``: recompute everything; ``"selective"``: keep the outputs of
-            :data:`SAVE_MATMUL_AND_COLLECTIVES` and recompute the rest; or a collection of MindSpore
-            primitive names / a callable ``op_name -> bool`` naming the ops to keep. Selective
-            policies run in PyNative only (ms.jit / GRAPH_MODE refuse them while compiling).
+            :data:`SAVE_MATMUL_AND_COLLECTIVES` and recompute the rest; :data:`ATTENTION_CORE`
+            (``"attention_core"``, Korthikanti et al.'s selective recomputation, for an attention
+            Cell or a block): as ``"selective"``, except that the outputs shaped like a softmax
+            output of the forward (the attention scores and probabilities, the ``s^2`` terms) are
+            recomputed too; or a collection of MindSpore primitive names / a callable
+            ``op_name -> bool`` naming the ops to keep. Random ops' outputs (a dropout's) are kept
+            by every policy (MindSpore's dropout kernels cannot draw the same mask again).
+            Selective policies run in PyNative only (ms.jit / GRAPH_MODE refuse them while compiling).
         use_reentrant: PyTorch's keyword, either value: the recompute is the same.
         preserve_rng_state: PyTorch's keyword; the random state is always replayed (the recomputed
             dropout masks are the forward's, so the gradients are the forward's), whatever it says.
