@@ -23,7 +23,12 @@ backward (``PipelineStage(..., jit=True)``; plain or tensor-parallel stages with
 (``clip_grad_norm``; the single-device run uses MindSpore's ``ops.clip_by_global_norm``) and
 logs that norm; ``--activation-checkpoint full|selective`` checkpoints each block's attention
 and feed-forward, with ``--fsdp`` each block (``apply_activation_checkpointing``; selective in
-PyNative only).
+PyNative only); ``--activation-checkpoint attention_core`` recomputes only each attention's
+scores and probabilities (Korthikanti et al.'s selective recomputation, PyNative only).
+
+``--cp C`` splits each sequence over C context-parallel ranks (a (cp, tp) mesh, PyNative, with
+``--tp`` only): the token ids and labels cut inside ``context_parallel`` each step, the attention
+through ``scaled_dot_product_attention``, the loss and gradients averaged over cp.
 
 ``--fsdp`` also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
@@ -47,7 +52,7 @@ from mindspore import communication, nn, ops
 
 from hyper_parallel_ms import comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import GradientReducer, parallelize_module
+from hyper_parallel_ms.nn import GradientReducer, context_parallel, parallelize_module
 from hyper_parallel_ms.training import TotalGradNorm, apply_activation_checkpointing, clip_grad_norm
 
 try:
@@ -91,13 +96,15 @@ class TrainConfig:
     schedule: str = "1f1b"             # with pp > 1: gpipe | 1f1b | interleaved | zb
     microbatches: int = 2              # with pp > 1: micro-batches per step
     compile_stages: bool = False       # with pp > 1: each stage's forward and backward compiled (ms.jit)
-    activation_checkpoint: str = ""    # "" (none), "full" or "selective": attention and feed-forward checkpointed
+    activation_checkpoint: str = ""    # "" (none), "full", "selective" or "attention_core" (see the module docstring)
     clip_grad_norm: float = 0.0        # > 0: clip the gradients to this global norm
+    cp: int = 1                        # context parallelism: the sequence over cp ranks (cp x tp ranks; PyNative)
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
+    # context parallelism: attention through scaled_dot_product_attention (the one that computes on shards)
     return LlamaConfig(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, hidden=cfg.hidden,
-                       max_seq=cfg.seq)
+                       max_seq=cfg.seq, attention="flash" if getattr(cfg, "cp", 1) > 1 else "math")
 
 
 def batch(cfg: TrainConfig, step: int, dp_index: int = 0, dp_size: int = 1, onehot: bool = True):
@@ -192,7 +199,8 @@ def step_line(cfg: TrainConfig, label: str, i: int, loss: float, norm: float, ra
 
 def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_mesh, dp_index: int, dp_size: int,
          log: Callable[[str], None], label: str, dp_dims: tuple = ("dp",),
-         checkpoints: bool = False, clip: Optional[Callable[[List], nn.Cell]] = None) -> Dict[str, List[float]]:
+         checkpoints: bool = False, clip: Optional[Callable[[List], nn.Cell]] = None,
+         cp_mesh=None) -> Dict[str, List[float]]:
     params = model.trainable_params()
     optimizer = nn.AdamWeightDecay(params, learning_rate=cfg.lr, weight_decay=0.01)
     start = resume(model, optimizer, cfg.checkpoint_dir, log) if checkpoints and cfg.resume else 0
@@ -203,7 +211,10 @@ def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_m
     for i in range(start, cfg.steps):
         ids, labels = batch(cfg, i, dp_index, dp_size, onehot)
         began = time.perf_counter()
-        value, norm = (float(v.asnumpy()) for v in step(ids, labels))
+        if cp_mesh is not None:
+            value, norm = _context_parallel_step(step, ids, labels, cp_mesh)
+        else:
+            value, norm = (float(v.asnumpy()) for v in step(ids, labels))
         seconds = time.perf_counter() - began
         losses.append(value)
         norms.append(norm)
@@ -214,13 +225,44 @@ def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_m
     return {"losses": losses, "tokens_per_s": rates, "start_step": start, "grad_norms": norms}
 
 
+def _context_parallel_step(step: Callable, ids, labels, cp_mesh) -> tuple:
+    """One step on this cp rank's load-balanced sequence shard: the inputs and labels cut inside
+    ``context_parallel`` (the attention computes on shards there), the loss averaged over cp by the step."""
+    rows, seq = ids.shape
+    grid = labels.reshape(rows, seq, -1) if labels.ndim == 3 else labels.reshape(rows, seq)
+    with context_parallel(cp_mesh, buffers=[ids, grid], buffer_seq_dims=[1, 1], no_restore_buffers=[ids, grid]):
+        local = grid if labels.ndim == 3 else grid.reshape(-1)
+        return tuple(float(v.asnumpy()) for v in step(ids, local))
+
+
+def check_context_parallel(cfg: TrainConfig) -> None:
+    """Raise naming the flag to change when ``cfg``'s context parallelism (``--cp``) cannot run."""
+    if cfg.cp < 1:
+        raise ValueError(f"--cp must be a positive number of ranks, got {cfg.cp}")
+    if cfg.cp == 1:
+        return
+    others = [flag for flag, on in (("--dp", cfg.dp > 1), ("--pp", cfg.pp > 1), ("--fsdp", cfg.fsdp),
+                                    ("--checkpoint-dir", bool(cfg.checkpoint_dir)),
+                                    ("--activation-checkpoint", bool(cfg.activation_checkpoint))) if on]
+    if others:
+        raise ValueError(f"--cp is built with --tp only (cp x tp ranks): drop {', '.join(others)}")
+    if cfg.mode != "pynative":
+        raise ValueError(f"--cp runs in --mode pynative (each step cuts its inputs in a context_parallel block), "
+                         f"not {cfg.mode!r}")
+    if cfg.seq % (2 * cfg.cp) or (cfg.seq // cfg.cp) % cfg.tp or cfg.heads % cfg.tp:
+        raise ValueError(f"--seq {cfg.seq} must divide by 2 x cp = {2 * cfg.cp} (load-balanced chunks), each "
+                         f"rank's {cfg.seq // cfg.cp} tokens and the {cfg.heads} heads by tp={cfg.tp}")
+
+
 def check_training_config(cfg: TrainConfig) -> None:
     """Raise naming the flag to change when ``cfg``'s checkpointing or clipping cannot run."""
-    if cfg.activation_checkpoint not in ("", "full", "selective"):
-        raise ValueError(f"--activation-checkpoint must be full or selective, got {cfg.activation_checkpoint!r}")
-    if cfg.activation_checkpoint == "selective" and cfg.mode != "pynative":
-        raise ValueError("--activation-checkpoint selective chooses the ops to keep in PyNative (MindSpore's graph "
-                         f"recompute has no per-op choice): use --mode pynative, not {cfg.mode!r}, or full")
+    if cfg.activation_checkpoint not in ("", "full", "selective", "attention_core"):
+        raise ValueError(f"--activation-checkpoint must be full or selective (or attention_core), got "
+                         f"{cfg.activation_checkpoint!r}")
+    if cfg.activation_checkpoint in ("selective", "attention_core") and cfg.mode != "pynative":
+        raise ValueError(f"--activation-checkpoint {cfg.activation_checkpoint} chooses the ops to keep in PyNative "
+                         f"(MindSpore's graph recompute has no per-op choice): use --mode pynative, not {cfg.mode!r}, "
+                         "or full")
     if cfg.activation_checkpoint and cfg.fsdp and cfg.mode != "pynative":
         raise ValueError("--activation-checkpoint with --fsdp (checkpointed blocks, its units) runs in --mode pynative: "
                          "compiled, MindSpore fails to launch the recomputed parameter gathers (\"Launch kernel "
@@ -231,15 +273,16 @@ def check_training_config(cfg: TrainConfig) -> None:
 
 def plan(cfg) -> dict:
     """The example's tensor-parallel plan (local inputs for a selective checkpoint, which refuses DTensors)."""
-    return tp_plan(cfg.sequence_parallel, cfg.loss_parallel, local_inputs=cfg.activation_checkpoint == "selective")
+    return tp_plan(cfg.sequence_parallel, cfg.loss_parallel, local_inputs=cfg.activation_checkpoint in ("selective", "attention_core"))
 
 
 def checkpoint_activations(model: nn.Cell, cfg: TrainConfig) -> None:
     """``--activation-checkpoint``: wrap each block's attention and feed-forward, or with ``--fsdp``
     the blocks, which are its units (names unchanged)."""
     if cfg.activation_checkpoint:
-        policy = None if cfg.activation_checkpoint == "full" else "selective"
-        apply_activation_checkpointing(model, check_fn=checkpointed(whole_blocks=cfg.fsdp), policy=policy)
+        policy = None if cfg.activation_checkpoint == "full" else cfg.activation_checkpoint
+        check_fn = checkpointed(whole_blocks=cfg.fsdp, attention_only=policy == "attention_core")
+        apply_activation_checkpointing(model, check_fn=check_fn, policy=policy)
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, object]:
@@ -250,6 +293,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     if (cfg.save_every or cfg.resume) and not cfg.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir")
     check_training_config(cfg)
+    check_context_parallel(cfg)
+    if cfg.cp > 1:
+        return _train_context_parallel(cfg, log)
     if cfg.batch % cfg.dp or cfg.seq % cfg.tp or cfg.heads % cfg.tp:
         raise ValueError(f"batch {cfg.batch} must divide by dp={cfg.dp}, seq {cfg.seq} and heads {cfg.heads} by "
                          f"tp={cfg.tp}")
@@ -284,6 +330,21 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
     return result
+
+
+def _train_context_parallel(cfg: TrainConfig, log: Callable[[str], None]) -> Dict[str, object]:
+    """``--cp``: a (cp, tp) mesh; each step on this rank's sequence shard, gradients and the loss
+    averaged over cp (each rank's loss is the mean of as many tokens), tensor parallelism over tp."""
+    mesh = init_device_mesh("cpu" if ms.get_context("device_target") == "CPU" else "npu", (cfg.cp, cfg.tp),
+                            mesh_dim_names=("cp", "tp"))
+    ms.set_seed(cfg.seed)
+    model = Llama(model_config(cfg))
+    parallelize_module(model, mesh["tp"], plan(cfg))
+    loss = VocabParallelCrossEntropy(mesh["tp"], cfg.vocab) if cfg.loss_parallel else OneHotCrossEntropy()
+    reducer = GradientReducer(model.trainable_params(), dp_mesh=mesh, dp_dim="cp")
+    result = _run(cfg, model, loss, reducer, mesh, 0, 1, log, "parallel", ("cp",),
+                  clip=lambda params: Clip(TotalGradNorm(params), cfg.clip_grad_norm), cp_mesh=mesh["cp"])
+    return _checked(cfg, result, log)
 
 
 def _loss_cell(cfg: TrainConfig) -> Callable:
@@ -343,7 +404,7 @@ class _Identity(nn.Cell):
 def parse_args(argv: List[str]) -> TrainConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = TrainConfig()
-    for name in ("pp", "microbatches", "dp", "tp", "steps", "batch", "seq", "vocab", "dim", "layers", "heads", "hidden", "seed"):
+    for name in ("pp", "microbatches", "dp", "tp", "cp", "steps", "batch", "seq", "vocab", "dim", "layers", "heads", "hidden", "seed"):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--mode", choices=["pynative", "jit", "graph"], default=defaults.mode)
@@ -361,13 +422,14 @@ def parse_args(argv: List[str]) -> TrainConfig:
                         help="with --pp > 1: the pipeline schedule")
     parser.add_argument("--compile-stages", action="store_true",
                         help="with --pp > 1: compile each stage's forward and backward (--no-loss-parallel, no --fsdp)")
-    parser.add_argument("--activation-checkpoint", choices=["full", "selective"], default="",
-                        help="checkpoint each block's attention and feed-forward (selective: PyNative)")
+    parser.add_argument("--activation-checkpoint", choices=["full", "selective", "attention_core"], default="",
+                        help="checkpoint each block's attention and feed-forward (selective: PyNative); "
+                             "attention_core: recompute each attention's scores only (PyNative)")
     parser.add_argument("--clip-grad-norm", type=float, default=defaults.clip_grad_norm,
                         help="clip the gradients to this global norm (0: no clipping)")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in ("pp", "microbatches", "schedule", "dp", "tp", "steps", "batch", "seq", "vocab", "dim",
+    cfg = TrainConfig(**{k: getattr(args, k) for k in ("pp", "microbatches", "schedule", "dp", "tp", "cp", "steps", "batch", "seq", "vocab", "dim",
                                                        "layers", "heads", "hidden", "seed", "lr", "mode")})
     return replace(cfg, sequence_parallel=not args.no_sequence_parallel, loss_parallel=not args.no_loss_parallel,
                    check=not args.no_check, fsdp=args.fsdp,
@@ -380,8 +442,8 @@ def main(argv: List[str]) -> int:
     cfg = parse_args(argv)
     communication.init()
     rank, world = communication.get_rank(), communication.get_group_size()
-    if world != cfg.pp * cfg.dp * cfg.tp:
-        print(f"train_tp: {world} ranks but pp x dp x tp = {cfg.pp} x {cfg.dp} x {cfg.tp}", flush=True)
+    if world != cfg.pp * cfg.dp * cfg.cp * cfg.tp:
+        print(f"train_tp: {world} ranks but pp x dp x cp x tp = {cfg.pp} x {cfg.dp} x {cfg.cp} x {cfg.tp}", flush=True)
         return 2
 
     def log(line: str) -> None:
@@ -390,6 +452,7 @@ def main(argv: List[str]) -> int:
     result = train(cfg, log)
     rate = float(np.median(result["tokens_per_s"][1:] or result["tokens_per_s"]))
     pipeline = f"pp={cfg.pp} schedule={cfg.schedule} microbatches={cfg.microbatches} " if cfg.pp > 1 else ""
+    pipeline += f"cp={cfg.cp} " if cfg.cp > 1 else ""
     summary = (f"train_tp: rank {rank} of {world}, {pipeline}dp={cfg.dp} tp={cfg.tp} mode={cfg.mode} "
                f"{'fsdp' + (f' hsdp x{cfg.hsdp_replicate} ' if cfg.hsdp_replicate > 1 else ' ') if cfg.fsdp else ''}"
                f"sp={cfg.sequence_parallel} loss_parallel={cfg.loss_parallel}"

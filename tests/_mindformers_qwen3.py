@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 BATCH, SEQ, VOCAB = 2, 16, 128
+CP_SEQ = 2048       # MindFormers' compressed causal mask is (2048, 2048): it refuses shorter sequences
 
 
 def available() -> Optional[str]:
@@ -32,22 +33,50 @@ def _setup() -> None:
     alias_hyper_parallel()
 
 
-def config():
+def config(context_parallel: bool = False):
     """The issue's Qwen3: 2 layers, hidden 64, 4 heads, vocab 128, sequence 16, all float32; the
     attention core written out (``use_flash_attention=False``: MindFormers casts flash attention's
-    float32 inputs to float16, whose rounding differs between layouts)."""
+    float32 inputs to float16, whose rounding differs between layouts). ``context_parallel``: what
+    MindFormers' context parallelism requires: flash attention with the compressed causal mask
+    (``use_attn_mask_compression``, sparse mode 2), so a sequence of 2048."""
     from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
-    return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=SEQ,
+    from mindformers.modules.transformer.transformer import TransformerOpParallelConfig
+    seq = CP_SEQ if context_parallel else SEQ
+    # a parallel_config of its own: the default is one object shared by every config of the process,
+    # which MindFormers' attach_context_parallel_runtime_hints changes (context_parallel=2 would reach
+    # the next configs built here)
+    return Qwen3Config(parallel_config=TransformerOpParallelConfig(),
+                       vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=seq,
                        compute_dtype="float32", params_dtype="float32", layernorm_compute_dtype="float32",
-                       rotary_dtype="float32", softmax_compute_dtype="float32", seq_length=SEQ,
-                       hidden_dropout=0.0, attention_dropout=0.0, use_flash_attention=False)
+                       rotary_dtype="float32", softmax_compute_dtype="float32", seq_length=seq,
+                       hidden_dropout=0.0, attention_dropout=0.0, use_flash_attention=context_parallel,
+                       use_attn_mask_compression=context_parallel)
 
 
-def _batch() -> Tuple[np.ndarray, np.ndarray]:
+def _float32_attention(model) -> None:
+    """Keep flash attention's inputs float32: MindFormers' attention casts float32 q, k and v to
+    float16 for the kernel; under context parallelism the float16 gradients of k and v are then summed
+    over the ranks in float16 (one rounding more than on one device: 1e-3 relative in the gradients,
+    measured, which AdamW turns into steps of lr on small elements). The twin computes in float32."""
+    import mindspore as ms
+    from mindspore import ops
+
+    def cast(x, dtype):
+        return x if dtype == ms.float16 and x.dtype == ms.float32 else ops.cast(x, dtype)
+    patched = 0
+    for name, cell in model.cells_and_names():
+        if name.endswith("self_attention"):
+            cell.cast = cast
+            patched += 1
+    if not patched:
+        raise RuntimeError("no self_attention Cell found in the model: MindFormers' attention changed")
+
+
+def _batch(batch: int = BATCH, seq: int = SEQ) -> Tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(100)
-    return (rng.integers(0, VOCAB, size=(BATCH, SEQ)).astype(np.int32),
-            rng.integers(0, VOCAB, size=(BATCH, SEQ)).astype(np.int32))
+    return (rng.integers(0, VOCAB, size=(batch, seq)).astype(np.int32),
+            rng.integers(0, VOCAB, size=(batch, seq)).astype(np.int32))
 
 
 def _weights(model) -> Dict[str, np.ndarray]:
@@ -58,17 +87,19 @@ def _weights(model) -> Dict[str, np.ndarray]:
             for name, p in model.parameters_and_names()}
 
 
-def _train(model, steps: int, rows: slice, sense: float) -> List[float]:
+def _train(model, steps: int, rows: slice, sense: float, context_parallel: bool = False) -> List[float]:
     """``steps`` AdamW steps on the batch's ``rows``; the loss scaled by ``sense`` for the backward
-    (MindFormers' trainer's loss sense) and returned unscaled."""
+    (MindFormers' trainer's loss sense) and returned unscaled. ``context_parallel``: one sequence of
+    2048 with its ``position_ids`` (MindFormers' context parallelism cuts them with the tokens)."""
     import mindspore as ms
     from mindspore import nn
-    ids, labels = (ms.Tensor(a[rows]) for a in _batch())
+    ids, labels = (ms.Tensor(a[rows]) for a in (_batch(1, CP_SEQ) if context_parallel else _batch()))
+    extra = {"position_ids": ms.Tensor(np.arange(CP_SEQ, dtype=np.int32)[None])} if context_parallel else {}
     opt = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-2, weight_decay=0.0)
     model.set_train(True)
 
     def forward(ids, labels):
-        loss = model(input_ids=ids, labels=labels)
+        loss = model(input_ids=ids, labels=labels, **extra)
         loss = loss[0] if isinstance(loss, tuple) else loss
         return loss * sense, loss
 
@@ -81,17 +112,20 @@ def _train(model, steps: int, rows: slice, sense: float) -> List[float]:
     return losses
 
 
-def one_device(steps: int) -> Tuple[List[float], Dict[str, np.ndarray]]:
-    """The model on one device (this process), trained on the whole batch."""
+def one_device(steps: int, context_parallel: bool = False) -> Tuple[List[float], Dict[str, np.ndarray]]:
+    """The model on one device (this process), trained on the whole batch (``context_parallel``: the
+    configuration and the sequence of :func:`context_parallel`'s runs)."""
     _setup()
     import mindspore as ms
     from mindformers.models.qwen3.modeling_qwen3_train_pynative import PyNativeQwen3ForCausalLM
     from hyper_parallel_ms.testing import cpu_twins
     with cpu_twins():
-        model = PyNativeQwen3ForCausalLM(config())
+        model = PyNativeQwen3ForCausalLM(config(context_parallel))
+        if context_parallel:
+            _float32_attention(model)
         for name, value in _weights(model).items():
             dict(model.parameters_and_names())[name].set_data(ms.Tensor(value))
-        losses = _train(model, steps, slice(None), 1.0)
+        losses = _train(model, steps, slice(None), 1.0, context_parallel)
     return losses, {name: p.asnumpy() for name, p in model.parameters_and_names()}
 
 
@@ -141,7 +175,70 @@ def parallel(steps: int, tensor_parallel: int) -> Tuple[List[float], Dict[str, n
         parallel_dims.device_type = "npu"
 
 
+def context_parallel(steps: int, method: str) -> Tuple[List[float], Dict[str, np.ndarray], Tuple[str, int]]:
+    """The model parallelized by MindFormers' ``parallelize_model`` for ``ParallelismConfig(
+    context_parallel=world, context_parallel_method=method)``, its config given the fields MindFormers'
+    trainer sets for it (``attach_context_parallel_runtime_hints``: colossal's ``BSH`` layout), trained
+    on one sequence of 2048 that MindFormers' input hook cuts into each rank's piece; returns this
+    rank's losses (the mean of its piece), the full parameters, and the method and Ulysses degree
+    MindFormers applied."""
+    _setup()
+    import mindspore as ms
+    from mindspore.communication import get_group_size
+    from mindspore.ops.communication import set_comm_ops_inplace
+    import mindformers.pynative.distributed.parallel_dims as parallel_dims
+    from mindformers.models.qwen3.modeling_qwen3_train_pynative import PyNativeQwen3ForCausalLM
+    from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
+                                                    SwapConfig)
+    from mindformers.pynative.distributed.context_parallel import attach_context_parallel_runtime_hints
+    from mindformers.pynative.distributed.parallel_dims import ParallelDims
+    from mindformers.pynative.distributed.parallelize import parallelize_model
+    from mindformers.pynative.distributed.utils import get_loss_sense
+    from hyper_parallel_ms.checkpoint import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from hyper_parallel_ms.testing import cpu_twins
+
+    world = get_group_size()
+    parallel_dims.device_type = "cpu"
+    set_comm_ops_inplace(False)
+    try:
+        with cpu_twins():
+            parallelism = ParallelismConfig(context_parallel=world, context_parallel_method=method)
+            parallelism.data_parallel = 1
+            model_config = attach_context_parallel_runtime_hints(config(context_parallel=True), parallelism)
+            with ms.DeviceCtx("meta"):
+                model = PyNativeQwen3ForCausalLM(model_config)
+            _float32_attention(model)
+            full = _weights(model)
+            dims = ParallelDims.from_config(parallelism, world)
+            model = parallelize_model(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
+                                      SwapConfig())[0][0]
+            model.to_empty(device="CPU")
+            set_model_state_dict(model, {k: ms.Tensor(v) for k, v in full.items()},
+                                 options=StateDictOptions(full_state_dict=True))
+            applied = _applied_context_parallel(model)
+            sense = float(get_loss_sense(parallelism, enable_parallel=True).asnumpy().reshape(-1)[0])
+            losses = _train(model, steps, slice(None), sense, context_parallel=True)
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            return losses, {k: v.asnumpy() for k, v in state.items()}, applied
+    finally:
+        set_comm_ops_inplace(True)
+        parallel_dims.device_type = "npu"
+
+
+def _applied_context_parallel(model) -> Tuple[str, int]:
+    """The method and Ulysses degree MindFormers' ``parallelize_model`` recorded on the model's config
+    when it applied its context-parallel styles."""
+    for _, cell in model.cells_and_names():
+        cfg = getattr(cell, "config", None)
+        if hasattr(cfg, "_mf_runtime_context_parallel_method"):
+            return cfg._mf_runtime_context_parallel_method, int(cfg._mf_runtime_ulysses_degree_in_cp)
+    raise RuntimeError("parallelize_model applied no context parallelism to the model")
+
+
 def run_all(steps: int) -> dict:
-    """On each rank of a 2-rank pool: TP=2 with sequence parallelism, FSDP over dp=2, and the model on
-    one device (every rank computes it: the ranks would wait for each other otherwise)."""
-    return {"tp2_sp": parallel(steps, 2), "fsdp_dp2": parallel(steps, 1), "one_device": one_device(steps)}
+    """On each rank of a 2-rank pool: TP=2 with sequence parallelism, FSDP over dp=2, context
+    parallelism cp=2 (colossal and Ulysses) and the model on one device for each configuration
+    (every rank computes it: the ranks would wait for each other otherwise)."""
+    return {"tp2_sp": parallel(steps, 2), "fsdp_dp2": parallel(steps, 1), "one_device": one_device(steps),
+            "cp2_colossal": context_parallel(steps, "colossal"), "cp2_ulysses": context_parallel(steps, "ulysses"),
+            "one_device_cp": one_device(steps, context_parallel=True)}

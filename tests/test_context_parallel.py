@@ -279,22 +279,32 @@ def test_flash_attention_rule_gives_each_shard_one_devices_rows(layout, mesh_sha
 
 
 def test_flash_attention_rule_refuses_what_a_shard_cannot_compute():
+    from mindspore.ops.operations.nn_ops import FlashAttentionScore
     from hyper_parallel_ms.ops._rules.attention import band_for_rows
     with pytest.raises(NotImplementedError, match="sparse_mode=6"):
         band_for_rows(6, 0, 0, 4, 4, 8, 8)
     assert band_for_rows(3, 2147483647, 0, 0, 4, 8, 8) == (4, 8, -4)
+    # [B, S, H] tensors given to a BNSD primitive: refused by the rule (DTensors) and the kernel's twin
+    bsh = np.zeros((1, 8, 16), np.float32)
+    mesh = DeviceMesh("cpu", [0], mesh_dim_names=("cp",))
+    with cpu_twins():
+        fa = FlashAttentionScore(head_num=2, input_layout="BNSD")
+        for tensors in ([ms.Tensor(bsh)] * 3, [DTensor.from_local(ms.Tensor(bsh), mesh, (Shard(1),))] * 3):
+            with pytest.raises(ValueError, match="input_layout 'BNSD' takes 4-D query"):
+                fa(*tensors)
 
 
 # ----------------------------------------------------------------------------- on ranks
 def _cases(n: int):
     """(method, rotate method, Ulysses degree, also compiled) of a world of ``n`` ranks: two compiled
-    cases per world (a compile costs seconds); under ms.jit "alltoall" compiles to "allgather"'s graph,
-    so the ring is compiled with "allgather" on 2 ranks and "alltoall" on 4."""
+    cases per world (a compile costs seconds). Under ms.jit the ring moves keys and values by
+    all-gather whatever the rotate method (point-to-point calls do not compile), so the compiled
+    cases use "allgather"; "alltoall" runs in PyNative."""
     if n == 2:
         return [("ring", "allgather", None, True), ("ring", "alltoall", None, False),
                 ("ulysses", "allgather", None, True)]
-    return [("ring", "allgather", None, False), ("ring", "alltoall", None, True), ("ulysses", "allgather", None, False),
-            ("hybrid", "alltoall", 2, True)]
+    return [("ring", "allgather", None, True), ("ring", "alltoall", None, False), ("ulysses", "allgather", None, False),
+            ("hybrid", "allgather", 2, True), ("hybrid", "alltoall", 2, False)]
 
 
 def _cp_against_one_device():

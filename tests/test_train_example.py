@@ -98,6 +98,32 @@ def test_example_trains_on_a_3d_mesh_of_8_ranks():
     assert result["max_relative_norm_difference"] <= 1e-4, (result["grad_norms"], result["reference_grad_norms"])
 
 
+@multi_rank(2, timeout=600)
+def test_example_trains_with_context_parallelism_on_2_ranks():
+    """--cp 2: each sequence over 2 ranks (load-balanced shards inside context_parallel, attention
+    through scaled_dot_product_attention), gradients and loss averaged over cp; with the clip active,
+    the gradient norms too."""
+    _train(cp=2, tp=1, mode="pynative", steps=3, clip_grad_norm=CLIP)
+
+
+@multi_rank(4, timeout=600)
+def test_example_trains_with_context_x_tensor_parallelism_on_4_ranks():
+    """--cp 2 --tp 2: the heads over tp (sequence parallelism on each cp shard), the sequence over cp."""
+    _train(cp=2, tp=2, mode="pynative", steps=3, clip_grad_norm=CLIP)
+
+
+def test_context_parallel_flags_that_cannot_run_are_refused_naming_the_fix():
+    from examples.train_tp import check_context_parallel
+
+    with pytest.raises(ValueError, match="--cp is built with --tp only .* drop --dp, --fsdp"):
+        check_context_parallel(TrainConfig(cp=2, dp=2, fsdp=True, mode="pynative"))
+    with pytest.raises(ValueError, match="--cp runs in --mode pynative"):
+        check_context_parallel(TrainConfig(cp=2, mode="jit"))
+    with pytest.raises(ValueError, match="--seq 12 must divide by 2 x cp = 8"):
+        check_context_parallel(TrainConfig(cp=4, seq=12, mode="pynative"))
+    check_context_parallel(TrainConfig(cp=2, tp=2, seq=16, mode="pynative"))
+
+
 def test_checkpoint_and_clip_flags_that_cannot_run_are_refused_naming_the_fix():
     from examples.train_tp import check_training_config
 

@@ -243,6 +243,8 @@ def _flash_attention_score(self, query, key, value, real_shift=None, drop_mask=N
     if layout not in _LAYOUTS:
         raise ValueError(f"cpu_twins: the FlashAttentionScore twin computes input_layout BSH, SBH, BNSD or BSND, "
                          f"got {layout!r}")
+    from ..ops._rules.attention import check_layout_ranks
+    check_layout_ranks(layout, (query.shape, key.shape, value.shape))
     if float(get("keep_prob")) != 1.0:
         raise ValueError("cpu_twins: the FlashAttentionScore twin computes keep_prob=1.0 only (no attention "
                          "dropout); set attention_dropout to 0 in tests")

@@ -32,7 +32,7 @@ from .._registry import register_sharding
 from .._schema import OpSchema, OutputSharding, TensorArg
 from ._common import layout_like, replicate_all
 
-__all__ = ["flash_attention_score_rule", "LAYOUT_DIMS", "band_for_rows"]
+__all__ = ["flash_attention_score_rule", "LAYOUT_DIMS", "band_for_rows", "check_layout_ranks"]
 
 # (batch, sequence, heads) dims of query / key / value per input layout (None: no such dim)
 LAYOUT_DIMS: Dict[str, Tuple[Optional[int], Optional[int], int]] = {
@@ -69,6 +69,25 @@ def band_for_rows(sparse_mode: int, pre_tokens: int, next_tokens: int, offset: i
 
 def _layout_name(value) -> str:
     return value if isinstance(value, str) else _LAYOUT_NAMES[int(value)]
+
+
+def check_layout_ranks(name: str, shapes) -> None:
+    """Refuse query / key / value ``shapes`` whose rank is not the one ``input_layout`` ``name`` reads
+    (3 for BSH, SBH and TND; 4 for BNSD and BSND): the kernel would read their dims as other ones.
+
+    Args:
+        name: the ``input_layout`` ("BSH", "BNSD", "SBH", "BSND" or "TND").
+        shapes: the shapes of query, key and value.
+
+    >>> check_layout_ranks("BSH", [(1, 8, 64)] * 3)
+    """
+    want = 4 if name in ("BNSD", "BSND") else 3
+    for what, shape in zip(("query", "key", "value"), shapes):
+        if len(shape) != want:
+            raise ValueError(f"FlashAttentionScore: input_layout {name!r} takes {want}-D query, key and value, got "
+                             f"a {len(shape)}-D {what} of shape {tuple(shape)}; build the primitive with the layout "
+                             "of the tensors it is given (a context-parallel style that hands over [B, S, H] "
+                             "tensors needs input_layout 'BSH')")
 
 
 def _roles(schema: OpSchema, dims, heads: int, kv_heads: int) -> List[str]:
@@ -114,6 +133,7 @@ def flash_attention_score_rule(schema: OpSchema) -> OutputSharding:
     args = schema.args
     q, k, v = args[_QUERY], args[_KEY], args[_VALUE]
     name = _layout_name(args[_LAYOUT])
+    check_layout_ranks(name, (q.shape, k.shape, v.shape))
     dims = LAYOUT_DIMS[name]
     batch_dim, seq_dim, head_dim = dims
     heads = int(args[_HEAD_NUM])
