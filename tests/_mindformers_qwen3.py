@@ -129,100 +129,80 @@ def one_device(steps: int, context_parallel: bool = False) -> Tuple[List[float],
     return losses, {name: p.asnumpy() for name, p in model.parameters_and_names()}
 
 
-def parallel(steps: int, tensor_parallel: int) -> Tuple[List[float], Dict[str, np.ndarray]]:
-    """The model built on the meta device, parallelized by MindFormers' ``parallelize_model`` for
-    ``ParallelismConfig(tensor_parallel=..., sequence_parallel=...)`` over the world (the rest data
-    parallel: FSDP), materialised, loaded with the full weights, and trained with MindFormers' loss
-    sense, each data-parallel rank on its rows; returns this rank's losses and the full parameters."""
-    _setup()
-    import mindspore as ms
-    from mindspore.communication import get_group_size, get_rank
-    from mindspore.ops.communication import set_comm_ops_inplace
-    import mindformers.pynative.distributed.parallel_dims as parallel_dims
-    from mindformers.models.qwen3.modeling_qwen3_train_pynative import PyNativeQwen3ForCausalLM
-    from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
-                                                    SwapConfig)
-    from mindformers.pynative.distributed.parallel_dims import ParallelDims
-    from mindformers.pynative.distributed.parallelize import parallelize_model
-    from mindformers.pynative.distributed.utils import get_loss_sense
-    from hyper_parallel_ms.checkpoint import StateDictOptions, get_model_state_dict, set_model_state_dict
-    from hyper_parallel_ms.testing import cpu_twins
-
-    world, rank = get_group_size(), get_rank()
-    parallel_dims.device_type = "cpu"           # MindFormers' meshes are "npu" meshes; these ranks are CPU ones
-    set_comm_ops_inplace(False)
-    try:
-        with cpu_twins():
-            with ms.DeviceCtx("meta"):
-                model = PyNativeQwen3ForCausalLM(config())
-            full = _weights(model)
-            parallelism = ParallelismConfig(tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1)
-            parallelism.data_parallel = world // tensor_parallel       # as MindFormers' trainer sets it
-            dims = ParallelDims.from_config(parallelism, world)
-            model = parallelize_model(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
-                                      SwapConfig())[0][0]
-            model.to_empty(device="CPU")
-            set_model_state_dict(model, {k: ms.Tensor(v) for k, v in full.items()},
-                                 options=StateDictOptions(full_state_dict=True))
-            rows_per_rank = BATCH // parallelism.data_parallel
-            dp_rank = rank // tensor_parallel
-            sense = float(get_loss_sense(parallelism, enable_parallel=True).asnumpy().reshape(-1)[0])
-            losses = _train(model, steps, slice(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank), sense)
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-            return losses, {k: v.asnumpy() for k, v in state.items()}
-    finally:
-        set_comm_ops_inplace(True)
-        parallel_dims.device_type = "npu"
-
-
-def context_parallel(steps: int, method: str) -> Tuple[List[float], Dict[str, np.ndarray], Tuple[str, int]]:
-    """The model parallelized by MindFormers' ``parallelize_model`` for ``ParallelismConfig(
-    context_parallel=world, context_parallel_method=method)``, its config given the fields MindFormers'
-    trainer sets for it (``attach_context_parallel_runtime_hints``: colossal's ``BSH`` layout), trained
-    on one sequence of 2048 that MindFormers' input hook cuts into each rank's piece; returns this
-    rank's losses (the mean of its piece), the full parameters, and the method and Ulysses degree
-    MindFormers applied."""
-    _setup()
+def _train_parallelized(steps: int, parallelism, model_config, rows: slice, float32_attention: bool = False,
+                        context_parallel: bool = False):
+    """The model built on the meta device from ``model_config``, parallelized by MindFormers'
+    ``parallelize_model`` for ``parallelism``, materialised, loaded with the full weights and trained on
+    ``rows`` with MindFormers' loss sense; returns the model, this rank's losses and the full parameters."""
     import mindspore as ms
     from mindspore.communication import get_group_size
     from mindspore.ops.communication import set_comm_ops_inplace
     import mindformers.pynative.distributed.parallel_dims as parallel_dims
     from mindformers.models.qwen3.modeling_qwen3_train_pynative import PyNativeQwen3ForCausalLM
-    from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
-                                                    SwapConfig)
-    from mindformers.pynative.distributed.context_parallel import attach_context_parallel_runtime_hints
+    from mindformers.pynative.config.config import RecomputeCommConfig, RecomputeConfig, SwapConfig
     from mindformers.pynative.distributed.parallel_dims import ParallelDims
     from mindformers.pynative.distributed.parallelize import parallelize_model
     from mindformers.pynative.distributed.utils import get_loss_sense
     from hyper_parallel_ms.checkpoint import StateDictOptions, get_model_state_dict, set_model_state_dict
     from hyper_parallel_ms.testing import cpu_twins
 
-    world = get_group_size()
-    parallel_dims.device_type = "cpu"
+    parallel_dims.device_type = "cpu"           # MindFormers' meshes are "npu" meshes; these ranks are CPU ones
     set_comm_ops_inplace(False)
     try:
         with cpu_twins():
-            parallelism = ParallelismConfig(context_parallel=world, context_parallel_method=method)
-            parallelism.data_parallel = 1
-            model_config = attach_context_parallel_runtime_hints(config(context_parallel=True), parallelism)
             with ms.DeviceCtx("meta"):
                 model = PyNativeQwen3ForCausalLM(model_config)
-            _float32_attention(model)
+            if float32_attention:
+                _float32_attention(model)
             full = _weights(model)
-            dims = ParallelDims.from_config(parallelism, world)
+            dims = ParallelDims.from_config(parallelism, get_group_size())
             model = parallelize_model(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
                                       SwapConfig())[0][0]
-            model.to_empty(device="CPU")
+            model.to_empty(device="CPU")                # MindSpore 2.10: to_empty() without a device stays meta
             set_model_state_dict(model, {k: ms.Tensor(v) for k, v in full.items()},
                                  options=StateDictOptions(full_state_dict=True))
-            applied = _applied_context_parallel(model)
             sense = float(get_loss_sense(parallelism, enable_parallel=True).asnumpy().reshape(-1)[0])
-            losses = _train(model, steps, slice(None), sense, context_parallel=True)
+            losses = _train(model, steps, rows, sense, context_parallel=context_parallel)
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-            return losses, {k: v.asnumpy() for k, v in state.items()}, applied
+            return model, losses, {k: v.asnumpy() for k, v in state.items()}
     finally:
         set_comm_ops_inplace(True)
         parallel_dims.device_type = "npu"
+
+
+def parallel(steps: int, tensor_parallel: int) -> Tuple[List[float], Dict[str, np.ndarray]]:
+    """``ParallelismConfig(tensor_parallel=..., sequence_parallel=...)`` over the world (the rest data
+    parallel: FSDP), each data-parallel rank trained on its rows; returns this rank's losses and the
+    full parameters."""
+    _setup()
+    from mindspore.communication import get_group_size, get_rank
+    from mindformers.pynative.config.config import ParallelismConfig
+    world, rank = get_group_size(), get_rank()
+    parallelism = ParallelismConfig(tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1)
+    parallelism.data_parallel = world // tensor_parallel       # as MindFormers' trainer sets it
+    rows = BATCH // parallelism.data_parallel
+    dp_rank = rank // tensor_parallel
+    _, losses, params = _train_parallelized(steps, parallelism, config(),
+                                            slice(dp_rank * rows, (dp_rank + 1) * rows))
+    return losses, params
+
+
+def context_parallel(steps: int, method: str) -> Tuple[List[float], Dict[str, np.ndarray], Tuple[str, int]]:
+    """``ParallelismConfig(context_parallel=world, context_parallel_method=method)``, the config given the
+    fields MindFormers' trainer sets for it (``attach_context_parallel_runtime_hints``: colossal's ``BSH``
+    layout), trained on one sequence of 2048 that MindFormers' input hook cuts into each rank's piece;
+    returns this rank's losses (the mean of its piece), the full parameters, and the method and Ulysses
+    degree MindFormers applied."""
+    _setup()
+    from mindspore.communication import get_group_size
+    from mindformers.pynative.config.config import ParallelismConfig
+    from mindformers.pynative.distributed.context_parallel import attach_context_parallel_runtime_hints
+    parallelism = ParallelismConfig(context_parallel=get_group_size(), context_parallel_method=method)
+    parallelism.data_parallel = 1
+    model_config = attach_context_parallel_runtime_hints(config(context_parallel=True), parallelism)
+    model, losses, params = _train_parallelized(steps, parallelism, model_config, slice(None),
+                                                float32_attention=True, context_parallel=True)
+    return losses, params, _applied_context_parallel(model)
 
 
 def _applied_context_parallel(model) -> Tuple[str, int]:
