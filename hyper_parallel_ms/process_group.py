@@ -109,6 +109,23 @@ def destroy_process_group(group: Optional[str] = None) -> None:
     _cluster.destroy_group(group)
 
 
+_OP_NAMES = {"sum": "sum", "avg": "avg", "mean": "avg", "max": "max", "min": "min"}
+
+
+def reduce_op_name(op: Any, caller: str) -> str:
+    """This library's reduce op (``"sum"``, ``"avg"``, ``"max"``, ``"min"``) for a reduction named by a
+    string or a ``mindspore.ops.ReduceOp`` value (``"mean"`` is ``"avg"``), for collectives called
+    by a group's name; anything else is refused naming ``caller``.
+
+    >>> reduce_op_name("mean", "all_reduce")
+    'avg'
+    """
+    key = str(getattr(op, "name", op)).lower()
+    if key not in _OP_NAMES:
+        raise ValueError(f"{caller}: op {op!r} is not one of {sorted(_OP_NAMES)}")
+    return _OP_NAMES[key]
+
+
 def group_mesh(group: Optional[str] = None) -> DeviceMesh:
     """A 1-D mesh over a group's ranks (cached per world and ranks), for this library's
     collectives on a group known by its name only.

@@ -31,6 +31,7 @@ from ..dtensor import DTensor
 from ..dtensor._dtensor import _local_view
 from ..nn import as_dtensor, parameter_sharding
 from ..nn._adapter import own_parameters
+from ..nn._parameter import parameter_spec
 from ._dist import Coordinator
 from ._metadata import CheckpointError
 from ._pieces import ShardedTensor, TensorRef, cast_for_load, flatten, is_tensor_like, to_numpy
@@ -91,13 +92,6 @@ class IncompatibleKeys:
     unexpected_keys: Tuple[str, ...]
 
 
-def _spec_of(param: Parameter):
-    if isinstance(param, DTensor):
-        return param._dt_spec
-    sharding = parameter_sharding(param)
-    return None if sharding is None else sharding.spec
-
-
 def _export(value: Union[Tensor, ShardedTensor], options: StateDictOptions) -> Any:
     """``value`` as the options ask: itself, a host copy (sharded ones stay
     :class:`ShardedTensor` pieces: a bare numpy piece would read as a whole tensor), or the
@@ -107,7 +101,7 @@ def _export(value: Union[Tensor, ShardedTensor], options: StateDictOptions) -> A
         return to_numpy(full).copy() if options.cpu_offload else full
     if not options.cpu_offload:
         return value
-    spec = value.spec if isinstance(value, ShardedTensor) else _spec_of(value)
+    spec = value.spec if isinstance(value, ShardedTensor) else parameter_spec(value)
     host = to_numpy(value.local if isinstance(value, ShardedTensor) else value).copy()
     return host if spec is None else ShardedTensor(host, spec)
 
@@ -220,7 +214,7 @@ def get_optimizer_state_dict(model: nn.Cell, optimizers: Union[nn.Optimizer, Seq
         slots, scalars, fqns = _slots(model, optimizer)
         params = dict(model.parameters_and_names())
         for fqn, named in slots.items():
-            spec = _spec_of(params[fqn])
+            spec = parameter_spec(params[fqn])
             state[fqn] = {slot: _export(q if spec is None else ShardedTensor(q, spec), options)
                           for slot, q in named.items()}
         group: Dict[str, Any] = {k: _export(v, options) for k, v in scalars.items()}

@@ -20,21 +20,13 @@ from mindspore import nn
 
 from .. import _cluster
 from ..comm._exchange import exchange_of
-from ..dtensor import DTensor
-from ..nn._parameter import parameter_sharding
+from ..nn._parameter import parameter_spec
 
 __all__ = ["get_current_layout", "get_global_layout"]
 
 
-def _spec_of(param: Any):
-    if isinstance(param, DTensor):
-        return param._dt_spec
-    record = parameter_sharding(param)
-    return None if record is None else record.spec
-
-
 def _entry(param: Any) -> Dict[str, Any]:
-    spec = _spec_of(param)
+    spec = parameter_spec(param)
     entry: Dict[str, Any] = {"type": str(param.dtype)}
     if spec is None:
         entry["full_shape"] = [int(d) for d in param.shape]

@@ -18,13 +18,10 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from ..comm import all_reduce
-from ..process_group import group_mesh
+from ..process_group import group_mesh, reduce_op_name
 from ._alias import NotProvidedError
 
 __all__ = ["MindSporePlatform", "get_platform"]
-
-_OPS = {"sum": "sum", "avg": "avg", "mean": "avg", "max": "max", "min": "min"}
-
 
 class MindSporePlatform:
     """The MindSpore platform of HyperParallel's API, on this library's collectives.
@@ -44,10 +41,8 @@ class MindSporePlatform:
             op: ``"sum"``, ``"avg"`` (or ``"mean"``), ``"max"`` or ``"min"``.
             group: a MindSpore group name, as ``DeviceMesh.get_group()`` returns, or ``None``.
         """
-        key = str(getattr(op, "name", op)).lower()
-        if key not in _OPS:
-            raise ValueError(f"differentiable_all_reduce: op {op!r} is not one of {sorted(_OPS)}")
-        return all_reduce(tensor, group_mesh(group), 0, op=_OPS[key])
+        op = reduce_op_name(op, "differentiable_all_reduce")          # checked before the group is looked up
+        return all_reduce(tensor, group_mesh(group), 0, op=op)
 
     def _not_provided(self, what: str) -> Any:
         raise NotProvidedError(f"hyper_parallel.platform.get_platform().{what} (HyperParallel's expert-parallel "

@@ -102,11 +102,10 @@ def new_piece(param: Parameter, mesh, sharded: bool, dim: int = 0) -> Parameter:
     a mesh without values a piece without data, never filled; for a meta parameter a meta piece), with its
     records."""
     record, dp_dims = piece_record(param, mesh, sharded, dim)
+    shape = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
     if is_meta(param):                      # built shape-only (DeviceCtx("meta")): a meta piece (to_empty fills it)
-        shape = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
         piece = Parameter(meta_empty(shape, param.dtype), name=param.name, requires_grad=param.requires_grad)
     elif param.has_init:
-        shape = chunks_of(param.shape, mesh, dim).piece_shape if sharded else tuple(param.shape)
         if not mesh.holds_values:
             piece = deferred_parameter(shape, param.dtype, param.name, param.requires_grad)
         else:

@@ -33,8 +33,8 @@ from ..dtensor._spec import DTensorSpec, to_layout
 from .._deferred import initial_value
 from .._mindspore import check_compiled_calls, deferred_parameter, is_meta, meta_empty
 
-__all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "as_dtensor", "sharded_parameter",
-           "record_sharding", "check_optimizer_step", "REPLACED_BY"]
+__all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "parameter_spec", "as_dtensor",
+           "sharded_parameter", "record_sharding", "check_optimizer_step", "REPLACED_BY"]
 
 _ATTR = "_hpms_sharding"
 REPLACED_BY = "_hpms_replaced_by"     # on a Parameter an engine replaced by a new one in the model: which engine
@@ -71,6 +71,23 @@ def parameter_sharding(param: Parameter) -> Optional[ParameterSharding]:
         parameter_sharding(model.fc1.weight).spec.placements      # (Shard(dim=0),)
     """
     return getattr(param, _ATTR, None)
+
+
+def parameter_spec(param: Any) -> Optional[DTensorSpec]:
+    """The global layout of what ``param`` holds: a DTensor parameter's spec, else the spec recorded by
+    the engine that sharded it, else ``None`` (a whole parameter).
+
+    Args:
+        param: a Parameter (plain, a piece, or a ``Parameter(DTensor)``).
+
+    Example::
+
+        parameter_spec(model.fc1.weight).placements       # (Shard(dim=0),)
+    """
+    if isinstance(param, DTensor):
+        return param._dt_spec
+    record = parameter_sharding(param)
+    return None if record is None else record.spec
 
 
 def as_dtensor(param: Parameter) -> DTensor:

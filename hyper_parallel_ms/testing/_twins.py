@@ -135,20 +135,11 @@ def _split_view(self, input, split_size, dim=0):  # noqa: A002
     return tuple(mint.narrow(input, dim, int(start), n) for start, n in zip(starts, sizes))
 
 
-_REDUCE_OPS = {"sum": "sum", "max": "max", "min": "min", "avg": "avg"}
-
-
-def _reduce_op(op_type: Any) -> str:
-    key = str(_host(op_type)).lower()
-    if key not in _REDUCE_OPS:
-        raise ValueError(f"cpu_twins: the collective twins reduce with {sorted(_REDUCE_OPS)}, got {op_type!r}")
-    return _REDUCE_OPS[key]
-
-
 def _all_reduce(self, input, op_type, group, async_op=True):  # noqa: A002
     from ..comm import all_reduce
-    from ..process_group import group_mesh
-    return all_reduce(input, group_mesh(group), 0, op=_reduce_op(op_type))
+    from ..process_group import group_mesh, reduce_op_name
+    op = reduce_op_name(_host(op_type), "cpu_twins")
+    return all_reduce(input, group_mesh(group), 0, op=op)
 
 
 def _all_gather(self, input, rank_size, group, async_op=True):  # noqa: A002
@@ -159,8 +150,9 @@ def _all_gather(self, input, rank_size, group, async_op=True):  # noqa: A002
 
 def _reduce_scatter(self, input, rank_size, op_type, group, async_op=True):  # noqa: A002
     from ..comm import reduce_scatter
-    from ..process_group import group_mesh
-    return reduce_scatter(input, group_mesh(group), 0, dim=0, op=_reduce_op(op_type))
+    from ..process_group import group_mesh, reduce_op_name
+    op = reduce_op_name(_host(op_type), "cpu_twins")
+    return reduce_scatter(input, group_mesh(group), 0, dim=0, op=op)
 
 
 _LAYOUTS = {"BSH": "bsh", "SBH": "sbh", "BNSD": "bnsd", "BSND": "bsnd"}
