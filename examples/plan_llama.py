@@ -6,9 +6,10 @@ checkpointing, and the preset shapes of ``scripts/plan_cluster.py``.
 ``no_init_parameters()`` (split into pipeline stages with ``split_blocks`` when pp > 1), tensor
 parallel on ``mesh["tp"]`` (PyTorch's Llama plan with sequence parallelism and a vocabulary-
 parallel loss), each block and the root ``fully_shard``-ed over ``mesh["dp"]`` (or gradients
-averaged over dp), optionally each block activation-checkpointed, an ``AdamWeightDecay``
-optimizer, and a ``step()`` that runs one training step: ``value_and_grad`` of the loss, or the
-pipeline schedule (1F1B over ``mesh["pp"]``), then the gradient reduction and the optimizer.
+averaged over dp; over dp x cp with context parallelism), optionally each block
+activation-checkpointed, an ``AdamWeightDecay`` optimizer, and a ``step()`` that runs one training
+step: ``value_and_grad`` of the loss, or the pipeline schedule (1F1B over ``mesh["pp"]``), then the
+gradient reduction and the optimizer; with ``cp > 1`` inside ``context_parallel(mesh["cp"])``.
 
 The presets have Llama's shapes on the example's architecture (no bias): ``7B`` (32 layers, dim
 4096, ffn 11008, vocab 32000) and ``70B`` (80 layers, dim 8192, ffn 28672, vocab 128256) with
@@ -25,6 +26,8 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import replace
 from typing import Callable, Tuple
 
@@ -33,7 +36,7 @@ import numpy as np
 from mindspore import nn
 
 from hyper_parallel_ms import fully_shard, init_parameters, no_init_parameters, pipelining
-from hyper_parallel_ms.nn import GradientReducer, parallelize_module
+from hyper_parallel_ms.nn import GradientReducer, context_parallel, parallelize_module, set_rotate_method
 from hyper_parallel_ms.dryrun import ParallelDims
 from hyper_parallel_ms.training import apply_activation_checkpointing
 
@@ -42,7 +45,8 @@ try:
 except ImportError:  # run as a script: examples/ is the script's directory
     from llama import Block, Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, tp_plan
 
-__all__ = ["PRESETS", "DTYPES", "ParallelDims", "llama_training", "builder", "heads_problem", "describe"]
+__all__ = ["PRESETS", "DTYPES", "ParallelDims", "llama_training", "builder", "heads_problem", "context_parallel_problem",
+           "describe"]
 
 DTYPES = {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}
 PRESETS = {
@@ -71,6 +75,27 @@ def heads_problem(heads: int, kv_heads: int, tp: int) -> str:
     if kv_heads % tp:
         return (f"{tp} does not divide the {kv_heads} key / value heads (kv heads {kv_heads}, tp {tp}): each "
                 "tensor-parallel rank holds whole key / value heads")
+    return ""
+
+
+def context_parallel_problem(seq: int, cp: int, tp: int) -> str:
+    """Why sequences of ``seq`` tokens cannot be cut over ``cp`` context-parallel ranks with ``tp``
+    tensor-parallel ones (load balancing cuts ``2 cp`` equal chunks; sequence parallelism then splits
+    each rank's ``seq / cp`` tokens over tp), naming the numbers; ``""`` if they can. The ring needs
+    nothing of the heads.
+
+    >>> context_parallel_problem(4096, 4, 8)
+    ''
+    >>> context_parallel_problem(4098, 2, 1)[:60]
+    'the sequence of 4098 tokens does not cut into 2 x cp = 4 equ'
+    """
+    if seq % (2 * cp):
+        return (f"the sequence of {seq} tokens does not cut into 2 x cp = {2 * cp} equal chunks (load-balanced "
+                f"context parallelism over {cp} ranks); use a sequence length that is a multiple of {2 * cp}")
+    if (seq // cp) % tp:
+        return (f"each context-parallel rank's {seq // cp} tokens (seq {seq} / cp {cp}) do not divide over tp {tp}: "
+                f"sequence parallelism splits them evenly; use a sequence length that is a multiple of "
+                f"{cp * math.lcm(2, tp)}")
     return ""
 
 
@@ -136,42 +161,84 @@ def _stage(config: LlamaConfig, dims: ParallelDims, mesh, stage: int) -> nn.Cell
     if dims.checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda cell: isinstance(cell, Block))
     if dims.fsdp:
+        data = _data_mesh(mesh, dims)
         for block in model.layers:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=data)
+        fully_shard(model, mesh=data)
     init_parameters(model)           # the pieces' values (none on a simulated rank)
     return model
 
 
-def llama_training(config: LlamaConfig, dims: ParallelDims) -> Callable:
+def _data_mesh(mesh, dims: ParallelDims):
+    """The ranks that hold the same parameters and see different tokens: ``mesh["dp"]``, or with
+    context parallelism dp and cp flattened into ``"dp_cp"`` (torchtitan's FSDP mesh)."""
+    return mesh["dp", "cp"]._flatten("dp_cp") if dims.cp > 1 else mesh["dp"]
+
+
+def _reducer(params, mesh, dims: ParallelDims) -> GradientReducer:
+    """Gradients averaged over the data ranks (dp, and cp: each cp rank's loss is its tokens' mean),
+    unless fully_shard reduces them."""
+    if dims.fsdp or dims.dp * dims.cp == 1:
+        return GradientReducer(params)
+    if dims.cp == 1:
+        return GradientReducer(params, dp_mesh=mesh, dp_dim="dp")
+    return GradientReducer(params, dp_mesh=_data_mesh(mesh, dims), dp_dim="dp_cp")
+
+
+def _in_context(cp_mesh, buffers):
+    """``context_parallel`` over ``cp_mesh`` cutting ``buffers`` (along dim 1, their sequence dim) for
+    the block's duration; nothing without context parallelism."""
+    if cp_mesh is None:
+        return contextlib.nullcontext()
+    return context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers))
+
+
+def llama_training(config: LlamaConfig, dims: ParallelDims, *, rotate: str = "allgather") -> Callable:
     """``build(mesh)`` for ``simulate`` (see the module docstring): returns ``(model, optimizer, step)``.
+
+    With context parallelism (``dims.cp > 1``) the step runs inside
+    :func:`~hyper_parallel_ms.nn.context_parallel` over ``mesh["cp"]`` (the token ids and targets cut
+    load-balanced, as ``examples/train_tp.py --cp`` does), the attention goes through
+    :func:`~hyper_parallel_ms.nn.functional.scaled_dot_product_attention` (the written-out form of
+    ``attention="math"`` cannot see the other ranks' keys), so the ring engine computes it with keys and
+    values moved by ``rotate``; fully_shard (or the gradient average) spans dp x cp.
 
     Args:
         config: the model's shape (``max_seq`` is raised to ``dims.seq`` if smaller).
         dims: the job's :class:`~hyper_parallel_ms.dryrun.ParallelDims`.
+        rotate: the ring's rotate method with ``cp > 1`` (:func:`~hyper_parallel_ms.nn.set_rotate_method`):
+            ``"allgather"`` (default) or ``"alltoall"``.
 
     Example::
 
         model, optimizer, step = llama_training(PRESETS["7B"], ParallelDims(tp=8))(mesh)
     """
     config = replace(config, max_seq=max(config.max_seq, dims.seq))
+    if dims.cp > 1:
+        problem = context_parallel_problem(dims.seq, dims.cp, dims.tp)
+        if problem:
+            raise ValueError(problem)
+        config = replace(config, attention="flash")
 
     def build(mesh):
+        if dims.cp > 1:
+            set_rotate_method(rotate)
         stage = mesh["pp"].get_local_rank() if dims.pp > 1 else 0
         model = _stage(config, dims, mesh, stage)
         loss = _loss(config, mesh)
         rows = dims.micro_batch * dims.microbatches
+        cp_mesh = mesh["cp"] if dims.cp > 1 else None
         ids = ms.Tensor(np.zeros((rows, dims.seq), np.int32))
-        targets = ms.Tensor(np.zeros((rows * dims.seq,), np.int32))
+        grid = ms.Tensor(np.zeros((rows, dims.seq), np.int32))      # the targets of each token, cut like ids
         if dims.pp == 1:
             params = model.trainable_params()
             optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
-            reducer = GradientReducer(params, **({} if dims.fsdp or dims.dp == 1 else
-                                                 {"dp_mesh": mesh, "dp_dim": "dp"}))
+            reducer = _reducer(params, mesh, dims)
             grad_fn = ms.value_and_grad(WithLoss(model, loss), None, optimizer.parameters)
 
             def step():
-                value, grads = grad_fn(ids, targets)
+                with _in_context(cp_mesh, [ids, grid]):
+                    value, grads = grad_fn(ids, grid.reshape(-1))
                 optimizer(reducer(grads))
                 return value
             return model, optimizer, step
@@ -179,12 +246,12 @@ def llama_training(config: LlamaConfig, dims: ParallelDims) -> Callable:
                                            dims.microbatches, loss)
         params = schedule.parameters()
         optimizer = nn.AdamWeightDecay(params, learning_rate=1e-4, weight_decay=0.01)
-        reducer = GradientReducer(params, **({} if dims.fsdp or dims.dp == 1 else
-                                             {"dp_mesh": mesh, "dp_dim": "dp"}))
+        reducer = _reducer(params, mesh, dims)
         first, last = stage == 0, stage == dims.pp - 1
 
         def pipelined_step():
-            schedule.step(*((ids,) if first else ()), target=targets if last else None)
+            with _in_context(cp_mesh, ([ids] if first else []) + ([grid] if last else [])):
+                schedule.step(*((ids,) if first else ()), target=grid.reshape(-1) if last else None)
             optimizer(reducer(schedule.gradients()))
         return model, optimizer, pipelined_step
     return build
@@ -193,22 +260,23 @@ def llama_training(config: LlamaConfig, dims: ParallelDims) -> Callable:
 class _Builder:
     """``build(dims, layers)`` of :func:`builder` (a class, so that it pickles for ``search(workers=...)``)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
-        self.config = config
+    def __init__(self, config: LlamaConfig, rotate: str = "allgather") -> None:
+        self.config, self.rotate = config, rotate
 
     def __call__(self, dims: ParallelDims, layers: int) -> Callable:
-        return llama_training(replace(self.config, layers=layers), dims)
+        return llama_training(replace(self.config, layers=layers), dims, rotate=self.rotate)
 
 
-def builder(config: LlamaConfig) -> Callable:
+def builder(config: LlamaConfig, *, rotate: str = "allgather") -> Callable:
     """``build(dims, layers) -> fn(mesh)`` for :func:`hyper_parallel_ms.dryrun.search`: the Llama of
     ``config`` with ``layers`` blocks (it pickles: ``search(..., workers=2)`` takes it).
 
     Args:
         config: the model's shape.
+        rotate: the ring's rotate method of the candidates with context parallelism.
 
     Example::
 
         search(builder(PRESETS["7B"]), devices=64, layers=32, cluster=Cluster())
     """
-    return _Builder(config)
+    return _Builder(config, rotate)

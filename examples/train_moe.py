@@ -10,7 +10,10 @@ out), the tp ranks of an ep group the same rows. Each step: the loss (token cros
 rank's rows, divided by the global token count), its gradients, the dense gradients summed over ep (the
 experts' arrive whole: each rank's experts received every rank's tokens), AdamW, and the aux-loss-free
 expert-bias update from the token counts summed over ep. PyNative (the token moves follow the router's
-counts). The last line says whether the losses and the parameters (sharded ones gathered) matched.
+counts). ``--activation-checkpoint full|selective`` checkpoints each block of the parallel model
+(``apply_activation_checkpointing``): the backward runs the block again, its expert dispatch included (the
+single-device run is not checkpointed, so the check shows the recompute exact). The last line says whether
+the losses and the parameters (sharded ones gathered) matched.
 """
 from __future__ import annotations
 
@@ -28,12 +31,13 @@ from hyper_parallel_ms import comm
 from hyper_parallel_ms.mesh import init_device_mesh
 from hyper_parallel_ms.moe import update_expert_bias
 from hyper_parallel_ms.nn import GradientReducer, as_dtensor, parameter_sharding
-from hyper_parallel_ms.training import TotalGradNorm
+from hyper_parallel_ms.training import (CheckpointWrapper, TotalGradNorm, apply_activation_checkpointing,
+                                        checkpoint_stats)
 
 try:
-    from examples.moe import MoEConfig, MoEModel, is_expert_parameter, parallelize_moe
+    from examples.moe import MoEBlock, MoEConfig, MoEModel, is_expert_parameter, parallelize_moe
 except ImportError:  # run as a script: examples/ is the script's directory
-    from moe import MoEConfig, MoEModel, is_expert_parameter, parallelize_moe
+    from moe import MoEBlock, MoEConfig, MoEModel, is_expert_parameter, parallelize_moe
 
 __all__ = ["MoETrainConfig", "train", "main"]
 
@@ -54,6 +58,7 @@ class MoETrainConfig:
     top_k: int = 2
     lr: float = 3e-3
     seed: int = 0
+    activation_checkpoint: str = ""    # "" (none), "full" or "selective": each block of the parallel model
     check: bool = True                 # also train a single-device model and compare
     tolerance: float = 1e-5            # relative, losses and gradient norms
     param_tolerance: float = 1e-5      # absolute, parameters (see tests/test_train_moe_example.py)
@@ -125,6 +130,8 @@ def train(cfg: MoETrainConfig, log: Callable[[str], None] = print) -> Dict[str, 
     if cfg.batch % cfg.ep or cfg.heads % cfg.tp or cfg.experts % cfg.ep or cfg.moe_hidden % cfg.tp:
         raise ValueError(f"batch {cfg.batch} and experts {cfg.experts} must divide by ep={cfg.ep}, heads "
                          f"{cfg.heads} and moe_hidden {cfg.moe_hidden} by tp={cfg.tp}")
+    if cfg.activation_checkpoint not in ("", "full", "selective"):
+        raise ValueError(f"--activation-checkpoint must be full or selective, got {cfg.activation_checkpoint!r}")
     if ms.get_context("mode") != ms.PYNATIVE_MODE:
         raise ValueError("the MoE example runs in PyNative: expert parallelism moves tokens by the router's "
                          "run-time counts, which GRAPH_MODE cannot compile")
@@ -132,7 +139,12 @@ def train(cfg: MoETrainConfig, log: Callable[[str], None] = print) -> Dict[str, 
     mesh = init_device_mesh(device, (cfg.ep, cfg.tp), mesh_dim_names=("ep", "tp"))
     ep_index = mesh.get_coordinate()[0]
     model = parallelize_moe(_new_model(cfg), mesh)
+    if cfg.activation_checkpoint:
+        policy = None if cfg.activation_checkpoint == "full" else cfg.activation_checkpoint
+        apply_activation_checkpointing(model, check_fn=lambda cell: isinstance(cell, MoEBlock), policy=policy)
     result: Dict[str, object] = dict(_run(cfg, model, mesh, ep_index, cfg.ep, log, "parallel"))
+    checkpointed = [cell for _, cell in model.cells_and_names() if isinstance(cell, CheckpointWrapper)]
+    result["recomputes"] = sum(checkpoint_stats(cell).recomputes for cell in checkpointed)   # blocks x steps
     if not cfg.check:
         return result
     mine = whole_parameters(model)
@@ -161,13 +173,14 @@ def parse_args(argv: List[str]) -> MoETrainConfig:
                  "top_k", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--activation-checkpoint", choices=["full", "selective"], default="")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
     fields = {k: getattr(args, k) for k in ("ep", "tp", "steps", "batch", "seq", "vocab", "dim", "layers", "heads",
                                              "moe_hidden", "experts", "top_k", "seed", "lr")}
-    return MoETrainConfig(check=not args.no_check, **fields)
+    return MoETrainConfig(check=not args.no_check, activation_checkpoint=args.activation_checkpoint, **fields)
 
 
 def main(argv: List[str]) -> int:
@@ -183,8 +196,10 @@ def main(argv: List[str]) -> int:
             print(line, flush=True)
     result = train(cfg, log)
     step = float(np.median(result["seconds"][1:] or result["seconds"]))
+    checkpointed = f" activation_checkpoint={cfg.activation_checkpoint}" if cfg.activation_checkpoint else ""
     summary = (f"train_moe: rank {rank} of {world}, ep={cfg.ep} tp={cfg.tp} experts={cfg.experts} top_k={cfg.top_k} "
-               f"mode=pynative: steps 1-{cfg.steps}, loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, "
+               f"mode=pynative{checkpointed}: steps 1-{cfg.steps}, "
+               f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, "
                f"median step {step * 1e3:.0f} ms")
     ok = True
     if cfg.check:

@@ -26,9 +26,15 @@ and feed-forward, with ``--fsdp`` each block (``apply_activation_checkpointing``
 PyNative only); ``--activation-checkpoint attention_core`` recomputes only each attention's
 scores and probabilities (Korthikanti et al.'s selective recomputation, PyNative only).
 
-``--cp C`` splits each sequence over C context-parallel ranks (a (cp, tp) mesh, PyNative, with
-``--tp`` only): the token ids and labels cut inside ``context_parallel`` each step, the attention
-through ``scaled_dot_product_attention``, the loss and gradients averaged over cp.
+``--cp C`` splits each sequence over C context-parallel ranks (a (pp, dp, cp, tp) mesh, PyNative): the
+token ids and labels cut inside ``context_parallel`` each step (load-balanced shards), the attention
+through ``scaled_dot_product_attention``, the loss and gradients averaged over the flattened dp x cp
+ranks (each rank's loss is the mean of as many tokens); with ``--fsdp`` parameters, gradients and
+optimizer state are sharded over dp x cp (torchtitan's FSDP mesh); with ``--pp`` each stage has its cp
+group and the schedule runs inside the step's ``context_parallel`` block; ``--activation-checkpoint``
+recomputes the context-parallel attention (and its collectives) in the backward; checkpoints save and
+resume on any layout. Not with ``--hsdp-replicate`` or ``--compile-stages`` (refused naming the flag).
+With ``--cp`` the check also compares every parameter (gathered whole) with the single-device model's.
 
 ``--fsdp`` also shards parameters, gradients and optimizer state over dp with
 ``fully_shard`` per block and at the root (FSDP x TP); ``--hsdp-replicate R`` makes it HSDP
@@ -44,7 +50,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import mindspore as ms
 import numpy as np
@@ -52,18 +58,19 @@ from mindspore import communication, nn, ops
 
 from hyper_parallel_ms import comm, fully_shard
 from hyper_parallel_ms.mesh import init_device_mesh
-from hyper_parallel_ms.nn import GradientReducer, context_parallel, parallelize_module
-from hyper_parallel_ms.training import TotalGradNorm, apply_activation_checkpointing, clip_grad_norm
+from hyper_parallel_ms.nn import GradientReducer, as_dtensor, parallelize_module, parameter_sharding
+from hyper_parallel_ms.training import (CheckpointWrapper, TotalGradNorm, apply_activation_checkpointing,
+                                        checkpoint_stats, clip_grad_norm)
 
 try:
     from examples.checkpoints import latest_checkpoint, resume, save_step
     from examples.llama import (Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, checkpointed, cross_entropy,
                                 tp_plan)
-    from examples.train_pp import SCHEDULES, train_pipeline
+    from examples.train_pp import SCHEDULES, sequence_shards, train_pipeline
 except ImportError:  # run as a script: examples/ is the script's directory
     from checkpoints import latest_checkpoint, resume, save_step
     from llama import Llama, LlamaConfig, VocabParallelCrossEntropy, WithLoss, checkpointed, cross_entropy, tp_plan
-    from train_pp import SCHEDULES, train_pipeline
+    from train_pp import SCHEDULES, sequence_shards, train_pipeline
 
 __all__ = ["TrainConfig", "train", "main", "latest_checkpoint"]
 
@@ -98,7 +105,11 @@ class TrainConfig:
     compile_stages: bool = False       # with pp > 1: each stage's forward and backward compiled (ms.jit)
     activation_checkpoint: str = ""    # "" (none), "full", "selective" or "attention_core" (see the module docstring)
     clip_grad_norm: float = 0.0        # > 0: clip the gradients to this global norm
-    cp: int = 1                        # context parallelism: the sequence over cp ranks (cp x tp ranks; PyNative)
+    cp: int = 1                        # context parallelism: the sequence over cp ranks (pp x dp x cp x tp; PyNative)
+    # with cp > 1: absolute, the parameters against the single-device model's. AdamW divides each gradient by
+    # its root mean square (+ eps 1e-6), so an element whose gradient is near eps moves by lr x its rounding / eps:
+    # measured 8.9e-6 on --tp 2 and 2.4e-5 on --cp 2 (both at the same embedding element), against lr = 3e-3 per step
+    param_tolerance: float = 1e-4
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
@@ -227,12 +238,10 @@ def _run(cfg: TrainConfig, model: nn.Cell, loss: nn.Cell, reducer: nn.Cell, dp_m
 
 def _context_parallel_step(step: Callable, ids, labels, cp_mesh) -> tuple:
     """One step on this cp rank's load-balanced sequence shard: the inputs and labels cut inside
-    ``context_parallel`` (the attention computes on shards there), the loss averaged over cp by the step."""
-    rows, seq = ids.shape
-    grid = labels.reshape(rows, seq, -1) if labels.ndim == 3 else labels.reshape(rows, seq)
-    with context_parallel(cp_mesh, buffers=[ids, grid], buffer_seq_dims=[1, 1], no_restore_buffers=[ids, grid]):
-        local = grid if labels.ndim == 3 else grid.reshape(-1)
-        return tuple(float(v.asnumpy()) for v in step(ids, local))
+    ``context_parallel`` (the attention computes on shards there, its recomputation in the backward
+    too), the loss averaged over dp x cp by the step."""
+    with sequence_shards(cp_mesh, ids, labels) as (local_ids, local_labels):
+        return tuple(float(v.asnumpy()) for v in step(local_ids, local_labels))
 
 
 def check_context_parallel(cfg: TrainConfig) -> None:
@@ -241,14 +250,17 @@ def check_context_parallel(cfg: TrainConfig) -> None:
         raise ValueError(f"--cp must be a positive number of ranks, got {cfg.cp}")
     if cfg.cp == 1:
         return
-    others = [flag for flag, on in (("--dp", cfg.dp > 1), ("--pp", cfg.pp > 1), ("--fsdp", cfg.fsdp),
-                                    ("--checkpoint-dir", bool(cfg.checkpoint_dir)),
-                                    ("--activation-checkpoint", bool(cfg.activation_checkpoint))) if on]
-    if others:
-        raise ValueError(f"--cp is built with --tp only (cp x tp ranks): drop {', '.join(others)}")
+    if cfg.pp > 1 and cfg.compile_stages:
+        raise ValueError("--cp runs the pipeline stages in PyNative (each step cuts its inputs in a context_parallel "
+                         "block, which a stage compiled once would not see again): drop --compile-stages")
+    if cfg.hsdp_replicate != 1:
+        raise ValueError("--cp with --fsdp shards over the flattened dp x cp ranks (no HSDP replicas yet): drop "
+                         "--hsdp-replicate")
     if cfg.mode != "pynative":
         raise ValueError(f"--cp runs in --mode pynative (each step cuts its inputs in a context_parallel block), "
                          f"not {cfg.mode!r}")
+    if cfg.batch % cfg.dp:
+        raise ValueError(f"--batch {cfg.batch} must divide by --dp {cfg.dp}")
     if cfg.seq % (2 * cfg.cp) or (cfg.seq // cfg.cp) % cfg.tp or cfg.heads % cfg.tp:
         raise ValueError(f"--seq {cfg.seq} must divide by 2 x cp = {2 * cfg.cp} (load-balanced chunks), each "
                          f"rank's {cfg.seq // cfg.cp} tokens and the {cfg.heads} heads by tp={cfg.tp}")
@@ -294,14 +306,17 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
         raise ValueError("--save-every and --resume need --checkpoint-dir")
     check_training_config(cfg)
     check_context_parallel(cfg)
-    if cfg.cp > 1:
+    if cfg.cp > 1 and cfg.pp == 1:
         return _train_context_parallel(cfg, log)
     if cfg.batch % cfg.dp or cfg.seq % cfg.tp or cfg.heads % cfg.tp:
         raise ValueError(f"batch {cfg.batch} must divide by dp={cfg.dp}, seq {cfg.seq} and heads {cfg.heads} by "
                          f"tp={cfg.tp}")
     if cfg.pp > 1:
         result = train_pipeline(cfg, model_config, batch, _loss_cell(cfg), log, step_line)
-        return _checked(cfg, result, log)
+        cells = result.pop("cells")
+        if cfg.cp > 1:
+            result["recomputes"] = sum(_recomputes(cell) for cell in cells)
+        return _checked(cfg, result, log, cells if cfg.cp > 1 else None)
     if cfg.fsdp:
         mesh, dp_dims, dp_index = _fsdp_mesh(cfg)
     else:
@@ -333,18 +348,54 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, obj
 
 
 def _train_context_parallel(cfg: TrainConfig, log: Callable[[str], None]) -> Dict[str, object]:
-    """``--cp``: a (cp, tp) mesh; each step on this rank's sequence shard, gradients and the loss
-    averaged over cp (each rank's loss is the mean of as many tokens), tensor parallelism over tp."""
-    mesh = init_device_mesh("cpu" if ms.get_context("device_target") == "CPU" else "npu", (cfg.cp, cfg.tp),
-                            mesh_dim_names=("cp", "tp"))
+    """``--cp``: a (dp, cp, tp) mesh (torchtitan's order); each step on this rank's sequence shard of its
+    dp rows, tensor parallelism over tp. The loss of each rank is the mean of as many tokens, so the
+    average over dp x cp is the global mean: the loss and the gradients are averaged over the flattened
+    ``dp_cp`` dims, by a :class:`GradientReducer` or, with ``--fsdp``, by ``fully_shard`` over ``dp_cp``
+    (parameters, gradients and optimizer state sharded over dp x cp, torchtitan's FSDP mesh)."""
+    mesh = init_device_mesh("cpu" if ms.get_context("device_target") == "CPU" else "npu", (cfg.dp, cfg.cp, cfg.tp),
+                            mesh_dim_names=("dp", "cp", "tp"))
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     ms.set_seed(cfg.seed)
     model = Llama(model_config(cfg))
+    checkpoint_activations(model, cfg)
     parallelize_module(model, mesh["tp"], plan(cfg))
     loss = VocabParallelCrossEntropy(mesh["tp"], cfg.vocab) if cfg.loss_parallel else OneHotCrossEntropy()
-    reducer = GradientReducer(model.trainable_params(), dp_mesh=mesh, dp_dim="cp")
-    result = _run(cfg, model, loss, reducer, mesh, 0, 1, log, "parallel", ("cp",),
-                  clip=lambda params: Clip(TotalGradNorm(params), cfg.clip_grad_norm), cp_mesh=mesh["cp"])
-    return _checked(cfg, result, log)
+    if cfg.fsdp:
+        _fully_shard(model, dp_cp)        # fully_shard averages the gradients over dp x cp
+        reducer = GradientReducer(model.trainable_params())
+    else:
+        reducer = GradientReducer(model.trainable_params(), dp_mesh=dp_cp, dp_dim="dp_cp")
+    result = _run(cfg, model, loss, reducer, dp_cp, mesh.get_coordinate()[0], cfg.dp, log, "parallel", ("dp_cp",),
+                  checkpoints=True, clip=lambda params: Clip(TotalGradNorm(params), cfg.clip_grad_norm),
+                  cp_mesh=mesh["cp"])
+    result["recomputes"] = _recomputes(model)
+    result["saved_ops"] = _saved_ops(model)
+    return _checked(cfg, result, log, model)
+
+
+def _recomputes(model: nn.Cell) -> int:
+    """How many times the checkpointed Cells of ``model`` ran their forward again in a backward."""
+    return sum(checkpoint_stats(cell).recomputes for _, cell in model.cells_and_names()
+               if isinstance(cell, CheckpointWrapper))
+
+
+def _saved_ops(model: nn.Cell) -> Dict[str, int]:
+    """The op names whose outputs the checkpointed Cells of ``model`` kept for their recompute (selective
+    policies), with how many times."""
+    kept: Dict[str, int] = {}
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, CheckpointWrapper):
+            for name, count in checkpoint_stats(cell).saved.items():
+                kept[name] = kept.get(name, 0) + count
+    return kept
+
+
+def whole_parameters(model: nn.Cell) -> Dict[str, np.ndarray]:
+    """Every trainable parameter of ``model`` by its path (a pipeline stage's are the whole model's),
+    tensor-parallel and fully-sharded ones gathered whole."""
+    return {name: (as_dtensor(p).full_tensor() if parameter_sharding(p) is not None else p.value()).asnumpy()
+            for name, p in model.parameters_and_names() if p.requires_grad}
 
 
 def _loss_cell(cfg: TrainConfig) -> Callable:
@@ -354,14 +405,29 @@ def _loss_cell(cfg: TrainConfig) -> Callable:
     return lambda tp_mesh: OneHotCrossEntropy()
 
 
-def _checked(cfg: TrainConfig, result: Dict[str, object], log: Callable[[str], None]) -> Dict[str, object]:
-    """With ``cfg.check``: the single-device run's losses and the largest relative difference added."""
+def _checked(cfg: TrainConfig, result: Dict[str, object], log: Callable[[str], None],
+             model: Union[None, nn.Cell, List[nn.Cell]] = None) -> Dict[str, object]:
+    """With ``cfg.check``: the single-device run's losses and the largest relative difference added;
+    given the trained ``model`` (or this rank's pipeline stages), also the largest absolute difference
+    of its parameters (gathered whole) from the single-device model's (``max_parameter_difference``)."""
     if not cfg.check:
         return result
+    mine = None
+    if model is not None:           # every rank gathers its pieces (collectives over its tp / fsdp groups)
+        cells = model if isinstance(model, list) else [model]
+        mine = {k: v for cell in cells for k, v in whole_parameters(cell).items()}
     ms.set_seed(cfg.seed)
     single = Llama(model_config(cfg))
     ref = _run(cfg, single, OneHotCrossEntropy(), _Identity(), None, 0, 1, log, "single device",
                clip=lambda params: OneDeviceClip(cfg.clip_grad_norm))
+    if mine is not None:
+        theirs = whole_parameters(single)
+        if not mine or set(mine) - set(theirs) or (not isinstance(model, list) and set(mine) != set(theirs)):
+            raise AssertionError(f"parameter names differ from the single-device model's: "
+                                 f"{sorted(set(mine) ^ set(theirs))}")
+        diffs = {k: float(np.max(np.abs(mine[k] - theirs[k]))) for k in mine}
+        result["worst_parameter"] = max(diffs, key=diffs.get)
+        result["max_parameter_difference"] = diffs[result["worst_parameter"]]
     start = result["start_step"]
     for key, out, diff in (("losses", "reference_losses", "max_relative_difference"),
                            ("grad_norms", "reference_grad_norms", "max_relative_norm_difference")):
@@ -468,8 +534,13 @@ def main(argv: List[str]) -> int:
         if cfg.clip_grad_norm:
             ok = ok and result["max_relative_norm_difference"] <= cfg.tolerance
             norms = f", grad norm {result['max_relative_norm_difference']:.2e}"
+        params = ""
+        if "max_parameter_difference" in result:
+            ok = ok and result["max_parameter_difference"] <= cfg.param_tolerance
+            params = (f", max absolute parameter difference {result['max_parameter_difference']:.2e} "
+                      f"({result['worst_parameter']}, tolerance {cfg.param_tolerance:.0e})")
         summary += (f"; single-device check: max relative loss difference {diff:.2e}{norms} (tolerance "
-                    f"{cfg.tolerance:.0e}) {'OK' if ok else 'FAILED'}")
+                    f"{cfg.tolerance:.0e}){params} {'OK' if ok else 'FAILED'}")
     print(summary, flush=True)
     return 0 if ok else 1
 

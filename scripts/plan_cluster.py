@@ -1,6 +1,7 @@
 """Plan a cluster job on a laptop: simulate the example Llama (examples/llama.py) at a preset shape
-on a (pp, dp, tp) mesh of simulated ranks, print each rank's memory and communication and the
-estimated step time, or search the parallel dims of N devices for the fastest that fits.
+on a (pp, dp, tp) mesh of simulated ranks, or (pp, dp, cp, tp) with context parallelism, print each
+rank's memory and communication and the estimated step time, or search the parallel dims of N
+devices for the fastest that fits.
 
 Usage::
 
@@ -9,10 +10,21 @@ Usage::
     python scripts/plan_cluster.py --model 7B --search --devices 64 --device-memory 64GiB --top 10
     python scripts/plan_cluster.py --model Llama-3-70B --search --devices 1024 --device-memory 64GiB
     python scripts/plan_cluster.py --model 70B --dtype bf16 --attention flash --kv-heads 8 --pp 8 --dp 16
+    python scripts/plan_cluster.py --model Llama-3-70B --seq 32768 --pp 8 --dp 4 --cp 4 --tp 8
+    python scripts/plan_cluster.py --model Llama-3-70B --seq 32768 --search --devices 256
 
 Nothing is computed: parameters get no values and the step runs on shapes only
 (hyper_parallel_ms.simulate). The step time comes from the alpha-beta model of
 hyper_parallel_ms.dryrun.Cluster (defaults: public Atlas 800T A2 / Ascend 910B figures).
+
+Context parallelism (--cp C): each sequence is cut load-balanced over C ranks (2 C chunks) and the
+step runs inside hyper_parallel_ms.context_parallel, as examples/train_tp.py --cp does: every layer
+works on the rank's seq / C tokens; the attention goes through scaled_dot_product_attention to the
+ring engine, which keeps the local key / value shard, the output and its float32 log-sum-exp, and
+moves the keys and values by --rotate: "allgather" (default: one all-gather of the key / value shard
+in the forward, again in the backward, and a reduce-scatter of the float32 key / value gradients) or
+"alltoall" (send / recv one shard per ring step). fully_shard spans dp x cp. A search tries cp > 1
+where each cp rank keeps at least --min-cp-tokens tokens (default 4096) and 2 cp divides --seq.
 """
 from __future__ import annotations
 
@@ -31,9 +43,9 @@ if str(ROOT) not in sys.path:
 
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "kb": 10 ** 3, "mb": 10 ** 6,
           "gb": 10 ** 9, "tb": 10 ** 12}
-_SEARCH_ONLY = ("devices", "top", "workers")
-_DIMS_ONLY = ("pp", "dp", "tp", "microbatches", "ranks", "no_fsdp", "checkpointing", "json")
-_DEFAULTS = {"pp": 1, "dp": 1, "tp": 8, "top": 10}
+_SEARCH_ONLY = ("devices", "top", "workers", "min_cp_tokens")
+_DIMS_ONLY = ("pp", "dp", "cp", "tp", "microbatches", "ranks", "no_fsdp", "checkpointing", "json")
+_DEFAULTS = {"pp": 1, "dp": 1, "cp": 1, "tp": 8, "top": 10, "min_cp_tokens": 4096}
 MODELS = ("7B", "70B", "Llama-2-70B", "Llama-3-70B")      # examples/plan_llama.py's PRESETS
 DTYPES = ("bf16", "fp16", "fp32")                          # examples/plan_llama.py's DTYPES
 
@@ -154,16 +166,16 @@ def check_args(args: argparse.Namespace) -> None:
         if args.devices is None:
             raise ValueError("argument --search: needs --devices N, the number of devices whose parallel dims to try")
         for dest in _DIMS_ONLY:
-            if getattr(args, dest) not in (None, False):
+            if getattr(args, dest, None) not in (None, False):
                 raise ValueError(f"argument {_flag(dest)}: does not apply to --search, which tries all parallel "
                                  f"dims of --devices; drop {_flag(dest)}, or drop --search to simulate those dims")
     else:
         for dest in _SEARCH_ONLY:
             if getattr(args, dest, None) is not None:
                 raise ValueError(f"argument {_flag(dest)}: applies to --search only (one job runs on "
-                                 f"--pp x --dp x --tp ranks); add --search or drop {_flag(dest)}")
+                                 f"--pp x --dp x --cp x --tp ranks); add --search or drop {_flag(dest)}")
     for dest, value in _DEFAULTS.items():
-        if getattr(args, dest) is None:
+        if getattr(args, dest, None) is None:
             setattr(args, dest, value)
     if args.search and args.workers is None:
         args.workers = default_workers()
@@ -175,7 +187,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"argument --microbatches: the 1F1B pipeline of --pp {args.pp} stages needs at least "
                          f"{args.pp} micro-batches, got {args.microbatches}; pass --microbatches {args.pp} or more")
     if args.ranks is not None:
-        world = args.pp * args.dp * args.tp
+        world = args.pp * args.dp * args.cp * args.tp
         try:
             ranks = [int(r) for r in args.ranks.split(",")]
         except ValueError:
@@ -183,8 +195,9 @@ def check_args(args: argparse.Namespace) -> None:
                 from None
         outside = [r for r in ranks if not 0 <= r < world]
         if outside:
+            cp = f" x cp={args.cp}" if args.cp > 1 else ""
             raise ValueError(f"argument --ranks: rank {outside[0]} is outside the {world}-rank mesh pp={args.pp} x "
-                             f"dp={args.dp} x tp={args.tp} (ranks 0..{world - 1}); pass ranks below {world}")
+                             f"dp={args.dp}{cp} x tp={args.tp} (ranks 0..{world - 1}); pass ranks below {world}")
         args.ranks = ranks
 
 
@@ -192,9 +205,11 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False) -> str:
-    """Why the example Llama of ``config`` cannot run with ``pp`` stages and ``tp`` tensor-parallel
-    ranks on sequences of ``seq`` tokens, naming the flags and the fix (``""``: it can).
+def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, cp: int = 1) -> str:
+    """Why the example Llama of ``config`` cannot run with ``pp`` stages, ``cp`` context-parallel and
+    ``tp`` tensor-parallel ranks on sequences of ``seq`` tokens, naming the flags and the fix (``""``:
+    it can). The ring needs nothing of the heads; the sequence must cut into ``2 cp`` load-balanced
+    chunks and each cp rank's ``seq / cp`` tokens over tp (sequence parallelism).
 
     Args:
         config: the model's shape (its ``heads``, ``key_heads`` and ``layers``).
@@ -202,6 +217,7 @@ def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False) -
         tp: tensor-parallel ranks.
         seq: tokens per sequence.
         kv_flag: the key / value heads came from ``--kv-heads`` (a mismatch names that flag too).
+        cp: context-parallel ranks.
 
     >>> from types import SimpleNamespace
     >>> dims_problem(SimpleNamespace(heads=32, key_heads=32, layers=4), pp=1, tp=64, seq=64)[:40]
@@ -216,7 +232,14 @@ def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False) -
         return (f"argument --tp: {tp} does not divide the {kv} key / value heads (kv heads {kv}, tp {tp}): each "
                 f"tensor-parallel rank holds whole key / value heads; pass a --tp among {_divisors(kv)}"
                 + (" or more --kv-heads" if kv_flag else ""))
-    if seq % tp:
+    if cp > 1 and seq % (2 * cp):
+        return (f"argument --seq: {seq} does not cut into 2 x --cp = {2 * cp} equal chunks (load-balanced context "
+                f"parallelism over {cp} ranks); pass a multiple of {2 * cp}, or another --cp")
+    if (seq // cp) % tp:
+        if cp > 1:
+            return (f"argument --seq: each of the --cp {cp} ranks holds {seq // cp} tokens, not divisible by --tp "
+                    f"{tp}: sequence parallelism splits them evenly over the tp ranks; pass a multiple of "
+                    f"{cp * math.lcm(2, tp)}")
         return (f"argument --seq: {seq} is not divisible by --tp {tp}: sequence parallelism splits each sequence "
                 f"evenly over the tp ranks; pass a multiple of {tp}")
     if config.layers < pp:
@@ -251,6 +274,10 @@ def model_config(args: argparse.Namespace, presets: dict, dtypes: dict):
                       f"{args.model} (each key / value head serves heads / kv-heads query heads); pass a --kv-heads "
                       f"among {_divisors(base.heads)}")
     config = replace(base, **changes)
+    if (getattr(args, "cp", None) or 1) > 1 and args.attention == "math":
+        return None, ("argument --attention: with --cp the attention runs on sequence shards through "
+                      "scaled_dot_product_attention (the ring engine keeps no scores); the written-out math "
+                      "attention masks only its own shard's scores: drop --attention math")
     dtype = next(name for name, value in dtypes.items() if value == config.dtype)
     if config.attention == "flash" and dtype == "fp32":
         flag = "--dtype" if args.dtype is not None else "--attention"
@@ -288,7 +315,13 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch on each dp rank")
     parser.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default 1)")
     parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel ranks (default 1)")
+    parser.add_argument("--cp", type=positive_int, default=None,
+                        help="context-parallel ranks: each sequence cut over them, the attention on the ring "
+                             "(default 1)")
     parser.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel ranks (default 8)")
+    parser.add_argument("--rotate", choices=["allgather", "alltoall"], default="allgather",
+                        help="how the ring moves keys and values with cp > 1 (default allgather: one all-gather "
+                             "forward, again backward, gradients reduce-scattered; alltoall: send / recv per step)")
     parser.add_argument("--microbatches", type=positive_int, default=None, help="micro-batches per step (default: pp)")
     parser.add_argument("--no-fsdp", action="store_true", help="average gradients over dp instead of fully_shard")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
@@ -300,6 +333,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--top", type=positive_int, default=None, help="candidates to list (--search; default 10)")
     parser.add_argument("--workers", type=positive_int, default=None,
                         help="processes that simulate (--search; default: the CPUs, at most 4)")
+    parser.add_argument("--min-cp-tokens", type=positive_int, default=None,
+                        help="--search tries cp > 1 where each cp rank keeps at least this many tokens of a "
+                             "sequence (default 4096)")
     parser.add_argument("--device-memory", type=parse_bytes, default="64GiB")
     parser.add_argument("--devices-per-node", type=positive_int, default=8)
     parser.add_argument("--intra-bandwidth", type=positive_float, default=196e9,
@@ -386,17 +422,25 @@ def _search(args, config, cluster) -> int:
               f"--device-memory {_size_flag(floor)} or more, or more --devices", file=sys.stderr)
         return 2
     every = parallel_dims_of(args.devices, layers=config.layers, devices_per_node=cluster.devices_per_node,
-                             micro_batch=args.micro_batch, seq=args.seq)
-    tried = [c for c in every if not dims_problem(config, pp=c.pp, tp=c.tp, seq=c.seq)]
+                             micro_batch=args.micro_batch, seq=args.seq, min_cp_tokens=args.min_cp_tokens)
+    tried = [c for c in every if not dims_problem(config, pp=c.pp, tp=c.tp, seq=c.seq, cp=c.cp)]
     if len(tried) < len(every):
         print(f"  skipped {len(every) - len(tried)} candidates whose tp does not divide the {config.heads} heads, the "
-              f"{config.key_heads} key / value heads or the sequence of {args.seq} tokens", file=sys.stderr)
+              f"{config.key_heads} key / value heads or each cp rank's share of the sequence of {args.seq} tokens",
+              file=sys.stderr)
+    if args.attention == "math" and any(c.cp > 1 for c in tried):
+        tried = [c for c in tried if c.cp == 1]
+        print("  context parallelism not tried: --attention math (the ring runs the attention through "
+              "scaled_dot_product_attention)", file=sys.stderr)
+    cps = sorted({c.cp for c in tried})
+    print(f"  context parallelism tried: cp in {cps} (cp > 1 where 2 cp divides --seq {args.seq} and each cp rank "
+          f"keeps at least --min-cp-tokens {args.min_cp_tokens} tokens; ring, rotate {args.rotate})", file=sys.stderr)
 
     def progress(c):
-        print(f"  {c.dims.describe():<36} peak {format_bytes(c.max_bytes):>11} "
+        print(f"  {c.dims.describe():<42} peak {format_bytes(c.max_bytes):>11} "
               f"{'fits' if c.fits else 'too big':<8} {c.tokens_per_second:>10.0f} tokens/s {c.problem[:60]}",
               file=sys.stderr, flush=True)
-    ranked = search(builder(config), devices=args.devices, layers=config.layers, cluster=cluster,
+    ranked = search(builder(config, rotate=args.rotate), devices=args.devices, layers=config.layers, cluster=cluster,
                     micro_batch=args.micro_batch, seq=args.seq, candidates=tried, device_type=args.device_type,
                     progress=progress, workers=args.workers)
     fitting = [c for c in ranked if c.fits]
@@ -405,9 +449,9 @@ def _search(args, config, cluster) -> int:
     if not fitting:
         print(nothing_fits(ranked, args.device_memory))
         return 1
-    print(f"{'#':>3}  {'parallel dims':<36}{'peak memory':>13}{'step':>10}{'tokens/s':>12}")
+    print(f"{'#':>3}  {'parallel dims':<42}{'peak memory':>13}{'step':>10}{'tokens/s':>12}")
     for i, c in enumerate(fitting[:args.top], 1):
-        print(f"{i:>3}  {c.dims.describe():<36}{format_bytes(c.max_bytes):>13}{c.step_seconds:>9.2f}s"
+        print(f"{i:>3}  {c.dims.describe():<42}{format_bytes(c.max_bytes):>13}{c.step_seconds:>9.2f}s"
               f"{c.tokens_per_second:>12.0f}")
     return 0
 
@@ -429,26 +473,35 @@ def main(argv: List[str]) -> int:
                       args.inter_latency, args.device_flops, args.efficiency, args.device_memory)
     if args.search:
         return _search(args, config, cluster)
-    problem = dims_problem(config, pp=args.pp, tp=args.tp, seq=args.seq, kv_flag=args.kv_heads is not None)
+    problem = dims_problem(config, pp=args.pp, tp=args.tp, seq=args.seq, kv_flag=args.kv_heads is not None,
+                           cp=args.cp)
     if problem:
         print(f"plan_cluster.py: error: {problem}", file=sys.stderr)
         return 2
     dims = ParallelDims(args.pp, args.dp, args.tp, not args.no_fsdp, args.microbatches, args.checkpointing,
-                        args.micro_batch, args.seq)
+                        args.micro_batch, args.seq, args.cp)
     shape, names = dims.mesh
-    report = simulate(llama_training(config, dims), mesh_shape=shape, mesh_dim_names=names, ranks=args.ranks,
-                      device_type=args.device_type)
+    report = simulate(llama_training(config, dims, rotate=args.rotate), mesh_shape=shape, mesh_dim_names=names,
+                      ranks=args.ranks, device_type=args.device_type)
     if args.json:
         print(report.to_json(indent=1))
         return 0 if report.ok else 1
     bubble = build_plan("1F1B", dims.pp, dims.microbatches).bubble_fraction() if dims.pp > 1 else 0.0
-    print(f"{args.model} ({describe(config)}), seq {dims.seq}, {dims.describe()}")
+    shape_text = describe(config)
+    if dims.cp > 1:          # the attention is the ring engine's, whatever the preset's
+        shape_text = (shape_text.rsplit(", ", 1)[0] + f", attention on {dims.seq // dims.cp}-token sequence shards: "
+                      f"ring over cp={dims.cp}, rotate {args.rotate}")
+    print(f"{args.model} ({shape_text}), seq {dims.seq}, {dims.describe()}")
     print(report.table())
     if report.ok and all(r.flops is not None for r in report):
         step_time = step_seconds(report, cluster, bubble)
         print(f"estimated step: {step_time:.2f} s, {dims.tokens / step_time:.0f} tokens/s "
               f"({dims.tokens} tokens per step, pipeline bubble {bubble:.0%}); fits in "
               f"{format_bytes(args.device_memory)}: {'yes' if report.max_total_bytes() <= args.device_memory else 'no'}")
+        largest = max(report, key=lambda r: r.largest_temporary_bytes or 0)
+        if largest.largest_temporary_bytes:
+            print(f"largest single temporary: {format_bytes(largest.largest_temporary_bytes)} (rank "
+                  f"{largest.rank}; on top of the totals while it lives: the biggest op output of the step)")
     return 0 if report.ok else 1
 
 

@@ -9,13 +9,16 @@
 # defaults to pynative with it); --hsdp-replicate R makes it HSDP with R replicas.
 # --pp N splits the model into pipeline stages over pp x dp x tp ranks (PyNative; interleaved and zb
 # need 2 N layers, given with -- --layers 4).
-# --cp C splits each sequence over C context-parallel ranks (cp x tp ranks, PyNative), e.g. --cp 2 --tp 1
-# (2 ranks) or --cp 2 --tp 2 (4 ranks).
+# --cp C splits each sequence over C context-parallel ranks (pp x dp x cp x tp ranks, PyNative; --nproc
+# defaults to that product), e.g. --cp 2 --tp 1 (2 ranks), --cp 2 --tp 2, --cp 2 --dp 2 --fsdp (fully_shard
+# over the flattened dp x cp ranks) or --cp 2 --pp 2 (4 ranks); with -- --activation-checkpoint full|selective|
+# attention_core, --checkpoint-dir / --save-every / --resume; not with --hsdp-replicate or --compile-stages.
 # Flags after -- go to examples/train_tp.py, e.g. -- --clip-grad-norm 1.0 --activation-checkpoint full
 # (clipping by the whole model's gradient norm; attention and feed-forward checkpointed; selective: PyNative).
 # --ep E trains the DeepSeek-style MoE example instead (examples/train_moe.py, PyNative): the experts over E
 # ranks, with --tp T (default 1) also the dense parts and each expert's hidden features over T (E x T ranks);
-# losses, gradient norms and parameters checked against one device, e.g. --ep 2 --steps 3, --ep 2 --tp 2.
+# losses, gradient norms and parameters checked against one device, e.g. --ep 2 --steps 3, --ep 2 --tp 2;
+# -- --activation-checkpoint full|selective checkpoints each MoE block (its dispatch recomputed).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NPROC=4 TP="" DP="" CP=1 DEVICE=CPU MODE="" STEPS=10 PORT=8128 EXTRA=() FSDP=() PP=1 PIPE=()
@@ -71,7 +74,7 @@ if [ -n "$EP" ]; then
   exit "$status"
 fi
 if [ -z "$MODE" ]; then MODE=$([ ${#FSDP[@]} -gt 0 ] || [ "$PP" -gt 1 ] || [ "$CP" -gt 1 ] && echo pynative || echo graph); fi
-if [ "$CP" -gt 1 ] && [ -z "$NPROC_SET" ]; then NPROC=$(( CP * ${TP:-1} )); fi
+if [ "$CP" -gt 1 ] && [ -z "$NPROC_SET" ]; then NPROC=$(( PP * ${DP:-1} * CP * ${TP:-1} )); fi
 TP="${TP:-$(( NPROC / PP / CP >= 2 ? 2 : 1 ))}"
 DP="${DP:-$(( NPROC / PP / CP / TP ))}"
 if [ $(( PP * DP * CP * TP )) -ne "$NPROC" ]; then

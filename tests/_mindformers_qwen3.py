@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -81,16 +81,21 @@ def _batch(batch: int = BATCH, seq: int = SEQ) -> Tuple[np.ndarray, np.ndarray]:
 
 def _weights(model) -> Dict[str, np.ndarray]:
     """Seeded values for every parameter (MindFormers leaves them to its trainer's initialisation):
-    norms' weights 1, matrices N(0, 0.05)."""
+    norms' weights 1, matrices N(0, 0.05); a MoE layer's buffers (``moe_buffers``)."""
+    from tests._mindformers_moe import moe_buffers
+    buffers = moe_buffers(model)
     rng = np.random.default_rng(7)
-    return {name: (np.ones(p.shape) if len(p.shape) == 1 else rng.normal(0.0, 0.05, tuple(p.shape))).astype(np.float32)
+    return {name: buffers[name] if name in buffers else
+            (np.ones(p.shape) if len(p.shape) == 1 else rng.normal(0.0, 0.05, tuple(p.shape))).astype(np.float32)
             for name, p in model.parameters_and_names()}
 
 
-def _train(model, steps: int, rows: slice, sense: float, context_parallel: bool = False) -> List[float]:
+def _train(model, steps: int, rows: slice, sense: float, context_parallel: bool = False,
+           after_step: Optional[Callable] = None) -> List[float]:
     """``steps`` AdamW steps on the batch's ``rows``; the loss scaled by ``sense`` for the backward
     (MindFormers' trainer's loss sense) and returned unscaled. ``context_parallel``: one sequence of
-    2048 with its ``position_ids`` (MindFormers' context parallelism cuts them with the tokens)."""
+    2048 with its ``position_ids`` (MindFormers' context parallelism cuts them with the tokens).
+    ``after_step(model)``: called after each optimizer step (what MindFormers' trainer does then)."""
     import mindspore as ms
     from mindspore import nn
     ids, labels = (ms.Tensor(a[rows]) for a in (_batch(1, CP_SEQ) if context_parallel else _batch()))
@@ -108,6 +113,8 @@ def _train(model, steps: int, rows: slice, sense: float, context_parallel: bool 
     for _ in range(steps):
         (_, loss), grads = grad_fn(ids, labels)
         opt(grads)
+        if after_step is not None:
+            after_step(model)
         losses.append(float(loss.asnumpy().reshape(-1)[0]))
     return losses
 
@@ -130,10 +137,11 @@ def one_device(steps: int, context_parallel: bool = False) -> Tuple[List[float],
 
 
 def _train_parallelized(steps: int, parallelism, model_config, rows: slice, float32_attention: bool = False,
-                        context_parallel: bool = False):
-    """The model built on the meta device from ``model_config``, parallelized by MindFormers'
-    ``parallelize_model`` for ``parallelism``, materialised, loaded with the full weights and trained on
-    ``rows`` with MindFormers' loss sense; returns the model, this rank's losses and the full parameters."""
+                        context_parallel: bool = False, model_class=None, after_step=None):
+    """The model (``model_class``, default PyNativeQwen3ForCausalLM) built on the meta device from
+    ``model_config``, parallelized by MindFormers' ``parallelize_model`` for ``parallelism``, materialised,
+    loaded with the full weights and trained on ``rows`` with MindFormers' loss sense (``after_step(model,
+    dims)`` after each step); returns the model, this rank's losses and the full parameters."""
     import mindspore as ms
     from mindspore.communication import get_group_size
     from mindspore.ops.communication import set_comm_ops_inplace
@@ -151,7 +159,7 @@ def _train_parallelized(steps: int, parallelism, model_config, rows: slice, floa
     try:
         with cpu_twins():
             with ms.DeviceCtx("meta"):
-                model = PyNativeQwen3ForCausalLM(model_config)
+                model = (model_class or PyNativeQwen3ForCausalLM)(model_config)
             if float32_attention:
                 _float32_attention(model)
             full = _weights(model)
@@ -162,7 +170,8 @@ def _train_parallelized(steps: int, parallelism, model_config, rows: slice, floa
             set_model_state_dict(model, {k: ms.Tensor(v) for k, v in full.items()},
                                  options=StateDictOptions(full_state_dict=True))
             sense = float(get_loss_sense(parallelism, enable_parallel=True).asnumpy().reshape(-1)[0])
-            losses = _train(model, steps, rows, sense, context_parallel=context_parallel)
+            losses = _train(model, steps, rows, sense, context_parallel=context_parallel,
+                            after_step=None if after_step is None else lambda m: after_step(m, dims))
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             return model, losses, {k: v.asnumpy() for k, v in state.items()}
     finally:
@@ -217,8 +226,15 @@ def _applied_context_parallel(model) -> Tuple[str, int]:
 
 def run_all(steps: int) -> dict:
     """On each rank of a 2-rank pool: TP=2 with sequence parallelism, FSDP over dp=2, context
-    parallelism cp=2 (colossal and Ulysses) and the model on one device for each configuration
-    (every rank computes it: the ranks would wait for each other otherwise)."""
+    parallelism cp=2 (colossal and Ulysses), MindFormers' MoE (DeepSeek-V3, tiny) with expert
+    parallelism ep=2 (its token permutation written out, and fused; and ep=2 over the ranks of tp=2
+    with sequence parallelism), and the model on one device for each configuration (every rank computes it: the
+    ranks would wait for each other otherwise)."""
+    from tests import _mindformers_moe as moe
     return {"tp2_sp": parallel(steps, 2), "fsdp_dp2": parallel(steps, 1), "one_device": one_device(steps),
             "cp2_colossal": context_parallel(steps, "colossal"), "cp2_ulysses": context_parallel(steps, "ulysses"),
-            "one_device_cp": one_device(steps, context_parallel=True)}
+            "one_device_cp": one_device(steps, context_parallel=True),
+            "moe_ep2": moe.expert_parallel(steps), "one_device_moe": moe.one_device(steps),
+            "moe_ep2_fused": moe.expert_parallel(steps, permute_fusion=True),
+            "one_device_moe_fused": moe.one_device(steps, permute_fusion=True),
+            "moe_tp2_sp_ep2": moe.expert_parallel(steps, tensor_parallel=2)}

@@ -162,6 +162,36 @@ def test_comm_debug_mode_counts_and_bytes():
     ]
     assert mode.total_bytes() == 240 and mode.total_bytes("all_reduce") == 96
     assert "all_to_all" in mode.summary()
+    _check_all_to_all_keeps_nothing_and_records_its_backward(mesh)
+
+
+def _check_all_to_all_keeps_nothing_and_records_its_backward(mesh):
+    """Under PyNative autodiff the composed all-to-all is one node keeping nothing (op by op, MindSpore
+    kept the padded buffer and the all-reduced one, 2x the input each); its backward, the inverse
+    all-to-all, is on the record with the forward; the gradient is the inverse exchange of the weights."""
+    from hyper_parallel_ms._mindspore import SAVED_TENSOR_HOOKS
+    rank = mesh.get_coordinate()[1]
+    x = ms.Tensor(np.arange(96, dtype=np.float32).reshape(2, 4, 4, 3) + 100 * rank)     # 384 bytes
+    w = ms.Tensor(np.random.RandomState(rank).randn(2, 2, 8, 3).astype(np.float32))
+
+    def loss(t):
+        return (comm.all_to_all(t, mesh, "tp", split_dim=1, concat_dim=2) * w).sum()
+    kept = []
+
+    def pack(t):
+        kept.append(t.nbytes)
+        return t
+    with CommDebugMode() as mode:
+        if SAVED_TENSOR_HOOKS:
+            with ms.saved_tensors_hooks(pack, lambda t: t):
+                grad = ms.grad(loss)(x)
+        else:
+            grad = ms.grad(loss)(x)
+    assert [(r.kind, r.bytes) for r in mode.records] == [("all_to_all", 192), ("all_to_all", 192)]
+    if SAVED_TENSOR_HOOKS:
+        assert kept == [384]            # the product's copy of the result only
+    weights = comm.all_gather(w, mesh, "tp", dim=1).asnumpy()               # every rank's w, heads whole
+    np.testing.assert_array_equal(grad.asnumpy(), weights[:, :, 4 * rank:4 * rank + 4])
 
 
 @multi_rank(2)
@@ -322,6 +352,11 @@ def test_all_to_all_single():
     out, want_grad = reference(xs, ws, me, known)
     np.testing.assert_allclose(value.asnumpy(), (reference(xs, None, me, known) * ws[me]).sum(), rtol=1e-5)
     np.testing.assert_allclose(grad.asnumpy(), want_grad, rtol=1e-5, atol=1e-6)
+    with CommDebugMode() as mode:           # PyNative: the backward (the transposed exchange) is recorded too
+        value, grad = ms.value_and_grad(by_matrix)(ms.Tensor(xs[me]))
+    np.testing.assert_allclose(grad.asnumpy(), want_grad, rtol=1e-5, atol=1e-6)
+    sent = [sum(known[me]) - known[me][me], sum(row[me] for row in known) - known[me][me]]
+    assert [(r.kind, r.bytes) for r in mode.records] == [("all_to_all_single", 12 * n) for n in sent]
     wrong = tuple(row[me] for row in matrix)
     wrong = (wrong[0] + 1,) + wrong[1:] if me == 2 else wrong
     with pytest.raises(ValueError, match=r"rank 2 of the group \(global rank 2\) expects output_split_sizes"):

@@ -14,6 +14,8 @@ from hyper_parallel_ms.compat import HYPER_PARALLEL_NAMES, NotProvidedError, ali
 from hyper_parallel_ms.compat._alias import _remove_alias
 from hyper_parallel_ms.compat._fsdp import fully_shard as compat_fully_shard
 from hyper_parallel_ms.compat._platform import MindSporePlatform
+from hyper_parallel_ms.compat import _activation, _pipeline
+from hyper_parallel_ms.training import checkpoint_exclude_wrapper
 
 # Every ``hyper_parallel`` import of MindFormers 2.1.0's mindformers/pynative/ (module path, names),
 # read from its sources; the schedules are MindFormers' _SCHEDULE_REGISTRY (importlib + getattr).
@@ -61,6 +63,12 @@ PROVIDED = {
     "OffloadPolicy": hp.OffloadPolicy, "CPUOffloadPolicy": hp.CPUOffloadPolicy, "Schedule1F1B": hp.Schedule1F1B,
     "ScheduleInterleaved1F1B": hp.ScheduleInterleaved1F1B, "ScheduleGPipe": hp.ScheduleGPipe,
     "ContextParallel": hp.ContextParallel, "AsyncContextParallel": hp.AsyncContextParallel,
+    # the activation-checkpoint face (tests/test_compat_activation.py) and the pipeline data types
+    # (tests/test_compat_pipeline.py)
+    "CheckpointPolicy": _activation.CheckpointPolicy, "SwapManager": _activation.SwapManager,
+    "checkpoint_wrapper": _activation.checkpoint_wrapper, "swap_wrapper": _activation.swap_wrapper,
+    "checkpoint_exclude_wrapper": checkpoint_exclude_wrapper, "MetaStepType": _pipeline.MetaStepType,
+    "_MicroBatch": _pipeline.MicroBatch,
 }
 # provided under another name's rules (tested below)
 SERVED = {"get_platform", "get_global_layout", "get_current_layout"}

@@ -1,6 +1,8 @@
 """``hyper_parallel_ms.testing.cpu_twins()``: each twin against its formula (numpy), its gradient
 where a model differentiates it, its refusals, and the restoration of the primitives. In the
-pytest process, except the collective twins (2 CPU ranks, one call)."""
+pytest process, except the collective twins (2 CPU ranks, one call): the all-reduce, all-gather,
+reduce-scatter and uneven all-to-alls of ``mindspore.ops.communication`` and the in-place all-reduce
+of ``mindspore.mint.distributed``."""
 from __future__ import annotations
 
 import numpy as np
@@ -75,6 +77,82 @@ def test_split_twin_gives_the_gradients_mindspore_2_10_misplaces_on_cpu():
     assert [p.shape for p in pieces] == [(3,), (7,)]
 
 
+def test_moe_twins_equal_their_formulas_with_gradients():
+    """The twins MindFormers' MoE layers reach: routing (topk, sort, argsort, histc, cumsum, floor_divide,
+    scatter_), its counters (add_), the token permutation (moe_token_permute / unpermute,
+    repeat_interleave) and the experts' grouped matmul."""
+    x = np.array([[0.5, 2.0, 2.0, -1.0, 0.5], [3.0, 3.0, 3.0, 0.0, 1.0]], np.float32)   # ties: lower index first
+    with cpu_twins():
+        values, index = mint.topk(ms.Tensor(x), 3, dim=-1)
+        np.testing.assert_array_equal(_np(index), [[1, 2, 0], [0, 1, 2]])
+        np.testing.assert_array_equal(_np(values), np.take_along_axis(x, _np(index), -1))
+        assert index.dtype == ms.int64
+        _, low = mint.topk(ms.Tensor(x), 1, dim=0, largest=False)
+        np.testing.assert_array_equal(_np(low), [[0, 0, 0, 0, 0]])
+        grad = ms.grad(lambda t: mint.topk(t, 2)[0].sum())(ms.Tensor(x))
+        np.testing.assert_array_equal(_np(grad), [[0, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+        values, index = mint.sort(ms.Tensor(x), dim=-1, descending=True)
+        np.testing.assert_array_equal(_np(index), np.argsort(-x, -1, kind="stable"))
+        np.testing.assert_array_equal(_np(values), -np.sort(-x, -1))
+        np.testing.assert_array_equal(_np(mint.argsort(ms.Tensor(x[1]), stable=True)), np.argsort(x[1], kind="stable"))
+        ids = np.array([[0, 3], [3, 1], [1, 3]], np.int64)
+        counts = mint.histc(ms.Tensor(ids), bins=4, min=0, max=4)
+        np.testing.assert_array_equal(_np(counts), np.bincount(ids.reshape(-1), minlength=4))
+        values = RNG.normal(size=20).astype(np.float32)
+        np.testing.assert_array_equal(_np(mint.histc(ms.Tensor(values), bins=5)),
+                                      np.histogram(values, 5, (values.min(), values.max()))[0])
+        np.testing.assert_array_equal(_np(mint.histc(ms.Tensor(values), bins=4, min=-1, max=1)),
+                                      np.histogram(values, 4, (-1, 1))[0])     # outside [min, max]: not counted
+        running = mint.cumsum(ms.Tensor(np.array([1.0, 2.0, 0.0, 3.0], np.float32)), dim=0, dtype=ms.int64)
+        assert running.dtype == ms.int64 and _np(running).tolist() == [1, 3, 3, 6]
+        np.testing.assert_array_equal(_np(mint.floor_divide(ms.Tensor(np.array([-7, 5, 6], np.int64)), 3)), [-3, 1, 2])
+        mask = mint.ones((3, 2), dtype=ms.bool_)
+        mask.scatter_(1, ms.Tensor(np.array([[0], [1], [0]], np.int64)), False)
+        np.testing.assert_array_equal(_np(mask), [[False, True], [True, False], [False, True]])
+        counter = ms.Parameter(ms.Tensor(np.zeros(4, np.float32)), requires_grad=False)
+        counter.add_(ms.Tensor(np.array([1, 2, 3, 4], np.int32)))
+        counter.add_(ms.Tensor(np.ones(4, np.float32)), alpha=2)
+        np.testing.assert_array_equal(_np(counter), [3, 4, 5, 6])            # in place (CPU: not written)
+        # token permutation: rows grouped by expert (stable: token-major), each (token, slot)'s row returned
+        tokens = RNG.normal(size=(4, 3)).astype(np.float32)
+        experts = np.array([[2, 0], [1, 2], [0, 1], [2, 1]], np.int32)
+        order = np.argsort(experts.reshape(-1), kind="stable")
+        permuted, where = ops.moe_token_permute(ms.Tensor(tokens), ms.Tensor(experts))
+        np.testing.assert_array_equal(_np(permuted), tokens[order // 2])
+        assert where.dtype == ms.int32 and np.array_equal(order[_np(where)], np.arange(8))
+        probs = RNG.random((4, 2)).astype(np.float32)
+        back = ops.moe_token_unpermute(permuted, where, ms.Tensor(probs))
+        np.testing.assert_allclose(_np(back), tokens * probs.sum(1, keepdims=True), rtol=1e-6)
+        np.testing.assert_array_equal(_np(ops.moe_token_unpermute(permuted, where)), tokens[np.arange(8) // 2])
+        def round_trip(t, p):
+            return ops.moe_token_unpermute(ops.moe_token_permute(t, ms.Tensor(experts))[0], where, p).sum()
+        grad = ms.grad(round_trip, (0, 1))(ms.Tensor(tokens), ms.Tensor(probs))
+        np.testing.assert_allclose(_np(grad[0]), np.repeat(probs.sum(1, keepdims=True), 3, 1), rtol=1e-6)
+        np.testing.assert_allclose(_np(grad[1]), np.repeat(tokens.sum(1, keepdims=True), 2, 1), rtol=1e-6)
+        repeated = mint.repeat_interleave(ms.Tensor(np.array([5, 6, 7], np.int32)), ms.Tensor(np.array([2, 0, 1])),
+                                          dim=0, output_size=3)
+        np.testing.assert_array_equal(_np(repeated), [5, 5, 7])
+        np.testing.assert_array_equal(_np(mint.repeat_interleave(ms.Tensor(x), 2)), np.repeat(x.reshape(-1), 2))
+        # grouped matmul: rows [0, 1) by expert 0, none by expert 1, [1, 6) by expert 2
+        from mindspore.ops.auto_generate import GroupedMatmul
+        a, w = RNG.normal(size=(6, 4)).astype(np.float32), RNG.normal(size=(3, 4, 2)).astype(np.float32)
+        dy = RNG.normal(size=(6, 2)).astype(np.float32)
+        groups = ms.Tensor(np.array([1, 1, 6], np.int64))
+        expert = np.array([0, 2, 2, 2, 2, 2])
+
+        def gmm(a, w):
+            return GroupedMatmul(split_item=3, group_type=0)([a], [w], None, None, None, None, None, groups)[0]
+        np.testing.assert_allclose(_np(gmm(ms.Tensor(a), ms.Tensor(w))), np.einsum("mk,mkn->mn", a, w[expert]),
+                                   rtol=1e-5, atol=1e-6)
+        da, dw = ms.grad(lambda a, w: (gmm(a, w) * ms.Tensor(dy)).sum(), (0, 1))(ms.Tensor(a), ms.Tensor(w))
+        np.testing.assert_allclose(_np(da), np.einsum("mn,mkn->mk", dy, w[expert]), rtol=1e-5, atol=1e-6)
+        expect_dw = np.stack([a[expert == e].T @ dy[expert == e] for e in range(3)])
+        np.testing.assert_allclose(_np(dw), expect_dw, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="ending at x's 6 rows"):
+            GroupedMatmul(split_item=3, group_type=0)([ms.Tensor(a)], [ms.Tensor(w)], None, None, None, None, None,
+                                                      ms.Tensor(np.array([1, 1, 5], np.int64)))
+
+
 def _attention(q, k, v, scale, masked):
     """BNSD numpy attention; ``masked[i, j]`` True hides key j from query i."""
     groups = q.shape[1] // k.shape[1]
@@ -133,25 +211,47 @@ def test_twins_are_restored_and_refused_off_cpu(monkeypatch):
 
 
 def collectives_on_ranks():
-    """The collective twins (``mindspore.ops.communication``'s not-in-place calls) on 2 ranks."""
+    """The collective twins (``mindspore.ops.communication``'s not-in-place calls, ``mint.distributed``'s
+    in-place all-reduce) on 2 ranks."""
     from mindspore.communication import GlobalComm, get_rank
     from mindspore.ops import communication as comm
+    from mindspore.mint import distributed
     rank = get_rank()
     x = ms.Tensor(np.arange(8, dtype=np.float32).reshape(4, 2) * (rank + 1))
+    # uneven all-to-all: rank 0 sends 1 row to itself and 2 to rank 1, rank 1 sends 3 to rank 0
+    rows = ms.Tensor(np.arange(6, dtype=np.float32).reshape(3, 2) + 10 * rank)
+    sends, receives = ((1, 2), (1, 3)) if rank == 0 else ((3, 0), (2, 0))
     comm.set_comm_ops_inplace(False)
     try:
         with cpu_twins():
             total = comm.all_reduce(x, group=GlobalComm.WORLD_COMM_GROUP)[0]
             gathered = comm.all_gather_into_tensor(None, x)[0]
             piece = comm.reduce_scatter_tensor(None, x)[0]
+
+            def exchange(t):
+                return comm.all_to_all_single(None, t, list(receives), list(sends))[0]
+            moved = exchange(rows)
+            # the gradient of sum(out^2) / 2 is out, sent back: each rank's own rows
+            grad = ms.grad(lambda t: (exchange(t) ** 2).sum() / 2)(rows)
+            lists = comm.all_to_all([(1, 2), (1, 2)], [ms.Tensor(np.full((1, 2), 10.0 * rank + j, np.float32))
+                                                         for j in range(2)])[0]
+            in_place = ms.Tensor(np.ones(3, np.float32) * (rank + 1))
+            distributed.all_reduce(in_place)
     finally:
         comm.set_comm_ops_inplace(True)
-    return _np(total), _np(gathered), _np(piece)
+    return (_np(total), _np(gathered), _np(piece), _np(moved), _np(grad), [_np(t) for t in lists], _np(in_place))
 
 
 def test_collective_twins_on_two_ranks():
     base = np.arange(8, dtype=np.float32).reshape(4, 2)
-    for rank, (total, gathered, piece) in enumerate(run_on_ranks(collectives_on_ranks, 2)):
+    rows = [np.arange(6, dtype=np.float32).reshape(3, 2) + 10 * r for r in range(2)]
+    expect_moved = [np.concatenate([rows[0][:1], rows[1]]), rows[0][1:]]
+    results = run_on_ranks(collectives_on_ranks, 2)
+    for rank, (total, gathered, piece, moved, grad, lists, in_place) in enumerate(results):
         np.testing.assert_array_equal(total, base * 3)
         np.testing.assert_array_equal(gathered, np.concatenate([base, base * 2]))
         np.testing.assert_array_equal(piece, (base * 3)[2 * rank:2 * rank + 2])
+        np.testing.assert_array_equal(moved, expect_moved[rank])
+        np.testing.assert_array_equal(grad, rows[rank])
+        np.testing.assert_array_equal(np.concatenate(lists), [[10.0 * i + rank] * 2 for i in range(2)])
+        np.testing.assert_array_equal(in_place, np.full(3, 3.0))

@@ -4,9 +4,13 @@ parallelized by its own ``parallelize_model`` / ``ParallelismConfig`` over Hyper
 TP=2 with sequence parallelism, FSDP over dp=2, and context parallelism cp=2 (MindFormers' colossal
 and Ulysses methods, on its flash attention with the compressed causal mask: one sequence of 2048).
 MindFormers' pipeline path does not build a Qwen3 model in 2.1.0 (its stage builder passes
-``layer_start``, which PyNativeQwen3ForCausalLM does not take): see docs/mindformers.md. One rank
-call runs them all (37 to 65 s measured on 2 shared cores; the context-parallel runs and their
-one-device reference, sequence 2048, about half of it)."""
+``layer_start``, which PyNativeQwen3ForCausalLM does not take): see docs/mindformers.md. And
+MindFormers' MoE, PyNativeDeepseekV3ForCausalLM at tiny sizes, with its own expert parallelism over
+ep=2 (experts sharded, tokens exchanged by all-to-all): over the dp ranks (dense parameters fully
+sharded over dp=2; the token permutation written out and fused) and over the ranks of TP=2 with
+sequence parallelism. One rank call runs them all (24 s at load 4 to 75 s at load 10, measured on
+2 shared cores; the context-parallel runs and their one-device reference, sequence 2048, about half
+of it; the MoE runs 8 to 25 s)."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,3 +68,34 @@ def test_context_parallel_trains_as_one_device(runs, method, ulysses_degree):
         assert applied == (method, ulysses_degree)          # what MindFormers' parallelize_model applied
         # measured worst: 1.3e-5 of the largest value (both methods; gradients within 1e-5 relative)
         _assert_params_equal(params, ref_params)
+
+
+@pytest.mark.parametrize("case, reference, data_parallel", [
+    ("moe_ep2", "one_device_moe", 2),                    # ep over the dp ranks, dense parameters FSDP
+    ("moe_ep2_fused", "one_device_moe_fused", 2),        # the same with moe_token_permute / unpermute
+    ("moe_tp2_sp_ep2", "one_device_moe", 1),             # ep over the tp ranks, dense parameters TP + SP
+])
+def test_moe_with_expert_parallelism_trains_as_one_device(runs, case, reference, data_parallel):
+    from tests._mindformers_moe import EXPERT_BIAS, EXPERTS
+    ref_losses, ref_params = runs[0][reference]
+    # it trains: the first step lowers the loss (lr 1e-2 makes the third overshoot, here as on ep=2)
+    assert ref_losses[1] < ref_losses[0]
+    # dp=2: each rank trains on its own row, the one-device loss (all tokens counted) is their mean;
+    # dp=1: each rank's loss is the whole batch's (measured: 1.1e-7 and 4.2e-7 relative)
+    losses = np.array([rank[case][0] for rank in runs])
+    np.testing.assert_allclose(losses.mean(0), ref_losses, rtol=1e-5)
+    if data_parallel == 1:
+        np.testing.assert_allclose(losses, [ref_losses] * len(runs), rtol=1e-5)
+    for rank in runs:
+        _, params, applied = rank[case]
+        experts = {k: v for k, v in applied.items() if ".experts.weight" in k}
+        assert len(experts) == 4 and all(shape[0] == EXPERTS // 2 for shape in experts.values())   # 2 of 4 experts
+        # per step and MoE layer: the counts, the tokens out and back, and the backward of both token moves
+        assert applied["all_to_all_single"] == STEPS * 2 * 5
+        # measured worst: 1.6e-5 (dp) and 3.2e-5 (tp) of the largest value; the expert bias (updated from
+        # the token counts summed over the ranks after each step, as MindFormers' trainer does) equal
+        _assert_params_equal(params, ref_params)
+        for name, ref in ref_params.items():
+            if name.endswith(".expert_bias"):
+                assert np.abs(ref - EXPERT_BIAS).max() > 1e-3                 # the update moved it
+                np.testing.assert_allclose(params[name], ref, rtol=1e-6, err_msg=name)

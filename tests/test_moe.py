@@ -1,11 +1,15 @@
 """Mixture of experts: the router's tie-breaking and arguments, the dropless layer against a numpy reference
 and compiled, and expert parallelism on 2 CPU ranks (each with its own tokens) equal to one device: outputs,
-expert gradients, dense gradients summed over the ranks, the aux-loss-free bias update."""
+expert gradients, dense gradients summed over the ranks, the aux-loss-free bias update; composed with
+fully_shard, activation checkpointing (the recompute's dispatch, counts, a diverging recompute refused),
+the distributed checkpoint (ep=2 to one device; model and Adam state ep=2 to ep=4 and one device) and, on 4
+ranks, with ExpertTensorParallel / TensorParallel and pipeline stages (pp=2 x ep=2)."""
 from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
 import pytest
+from mindspore import nn
 
 from hyper_parallel_ms.moe import (ExpertParallel, GroupedExperts, MoE, TensorParallel,
                                    TokenChoiceTopKRouter, auxiliary_loss, update_expert_bias)
@@ -195,6 +199,7 @@ def test_expert_parallel_equals_one_device():
     with pytest.raises(NotImplementedError, match=r"ExpertParallel on 'experts' moves tokens by the counts"):
         ms.jit(ep)(ms.Tensor(x_all[me]))
     _ep_borrowed_from_dp_with_fully_shard(mesh, x_all, w_all)
+    _ep_under_activation_checkpointing(mesh, x_all, w_all)
     _checkpoint_saved_on_ep2_loads_on_one_device(mesh)
     _calls_of_mindformers_expert_parallel(mesh)
 
@@ -295,6 +300,8 @@ def test_expert_tensor_parallel_and_tensor_parallel_equal_one_device():
                               data_parallel_experts=True)
     np.testing.assert_allclose(ms.jit(tpm)(ms.Tensor(x_all[ep])).asnumpy(), tpm(ms.Tensor(x_all[ep])).asnumpy(),
                                rtol=RTOL, atol=ATOL)
+    _checkpoint_saved_on_ep2_loads_on_ep4_and_one_device()
+    _pipeline_stages_with_expert_parallel()
 
 
 def _calls_of_mindformers_expert_parallel(mesh):
@@ -331,3 +338,231 @@ def _calls_of_mindformers_expert_parallel(mesh):
     layout = DTensor.from_local(local, mesh, (Shard(0),)).layout
     wrapped = DTensor.from_local(cell(local), layout.mesh, layout.alias_placements)
     assert seen == [mesh] and tuple(wrapped.shape) == (4, 3) and wrapped.placements == (Shard(0),)
+
+
+class _Block(nn.Cell):
+    """A residual block around an MoE (the Cell activation checkpointing wraps)."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def construct(self, x):
+        return x + self.moe(x * 1.5)
+
+
+def _ep_under_activation_checkpointing(mesh, x_all, w_all):
+    """A block holding an ExpertParallel MoE, checkpointed: the recompute in the backward runs the dispatch
+    again (one all-gather of the counts and the two exchanges more than the plain step; checkpoint_stats: two
+    forwards, one recompute), the gradients are one device's, ``tokens_per_expert`` counts each token once (the
+    recompute adds nothing) and no dispatch is left pending. With policy="selective" the collective kernels'
+    outputs are kept from the forward and replayed (not run again). A recompute that routes differently from its forward
+    (the expert bias changed in between) is refused on every rank, naming the cause; the next step is exact."""
+    from mindspore import ops
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.nn import parallelize_module
+    from hyper_parallel_ms.training import apply_activation_checkpointing, checkpoint_stats, checkpoint_wrapper
+    me = mesh.get_local_rank()
+    count = float(np.prod(x_all.shape[:-1]))
+    whole, weights = ms.Tensor(x_all.reshape(4, 3, 16)), ms.Tensor(w_all.reshape(4, 3, 16))
+    mine, my_weights = ms.Tensor(x_all[me]), ms.Tensor(w_all[me])
+    one = _Block(_moe(load_balance_coeff=0.1))
+    one_grads = _grads(one, whole, weights, count)
+    routed = one.moe.tokens_per_expert.asnumpy()
+    plain = _Block(_moe(load_balance_coeff=0.1))
+    parallelize_module(plain, mesh, {"moe.experts": ExpertParallel()})
+    with comm.CommDebugMode() as without:
+        _grads(plain, mine, my_weights, count)
+    for policy in (None, "selective"):
+        model = nn.SequentialCell([_Block(_moe(load_balance_coeff=0.1))])
+        parallelize_module(model, mesh, {"0.moe.experts": ExpertParallel()})
+        if policy is None:
+            checkpoint_wrapper(model[0])
+        else:
+            apply_activation_checkpointing(model, check_fn=lambda cell: isinstance(cell, _Block), policy=policy)
+        with comm.CommDebugMode() as debug:
+            grads = _grads(model, mine, my_weights, count)
+        more = {k: v - without.get_comm_counts().get(k, 0) for k, v in debug.get_comm_counts().items()}
+        stats = checkpoint_stats(model[0])
+        assert (stats.forwards, stats.recomputes) == (2, 1), policy
+        assert more == {"all_gather": 1, "all_to_all_single": 2}, (more, debug.summary())   # the dispatch again
+        if policy is not None:                              # its collectives' kernels replayed, not run again
+            assert stats.replayed["AllGather"] == 1 and "AllGather" not in stats.recomputed, dict(stats.replayed)
+        for name, grad in grads.items():
+            name = name[2:]                                                 # "0." of the SequentialCell
+            if name.startswith("moe.experts."):
+                want, got = one_grads[name].asnumpy()[2 * me:2 * me + 2], grad.asnumpy()
+            else:
+                want, got = one_grads[name].asnumpy(), comm.all_reduce(grad, mesh, "ep").asnumpy()
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=f"{policy}: {name}")
+        counted = comm.all_reduce(model[0].moe.tokens_per_expert, mesh, "ep").asnumpy()
+        np.testing.assert_array_equal(counted, routed, err_msg=f"{policy}: tokens counted once")
+        assert not model[0].moe.experts._hpms_expert_dispatch[1], "a dispatch left pending"
+    steer = ms.Tensor(np.array([1.0, 1.0, 0.0, 0.0], np.float32))
+
+    def bias_changed_before_the_backward(v):
+        out = (model(v) * my_weights).sum() / count
+        ops.assign(model[0].moe.expert_bias, steer)
+        return out
+    checkpoint_wrapper(plain)
+    model = nn.SequentialCell([plain])
+    with pytest.raises(RuntimeError, match="the recompute in the backward routed the tokens differently from the "
+                                           "forward"):
+        ms.grad(bias_changed_before_the_backward, None, model.trainable_params())(mine)
+    model[0].moe.expert_bias.set_data(ms.Tensor(np.zeros(4, np.float32)))
+    again = _grads(model, mine, my_weights, count)
+    np.testing.assert_allclose(again["0.moe.experts.w1"].asnumpy(),
+                               one_grads["moe.experts.w1"].asnumpy()[2 * me:2 * me + 2], rtol=RTOL, atol=ATOL,
+                               err_msg="the step after the refusal")
+
+
+def _saved_values(seed: int = 5):
+    """Whole values of every MoE parameter and of Adam's moments (moment2 positive) and scalars."""
+    rng = np.random.default_rng(seed)
+    ref = _moe(load_balance_coeff=0.1)
+    model = {n: (rng.standard_normal(p.shape) * 0.3).astype(np.float32) for n, p in ref.parameters_and_names()}
+    trainable = [p.name for p in ref.trainable_params()]
+    state = {n: {"moment1": (rng.standard_normal(model[n].shape) * 1e-2).astype(np.float32),
+                 "moment2": (np.abs(rng.standard_normal(model[n].shape)) * 1e-4).astype(np.float32)} for n in trainable}
+    group = {"global_step": np.array([3], np.int32), "learning_rate": np.array(0.01, np.float32),
+             "beta1_power": np.array(0.9 ** 3, np.float32), "beta2_power": np.array(0.999 ** 3, np.float32),
+             "params": trainable}
+    return model, {"state": state, "param_groups": [group]}
+
+
+def _checkpoint_saved_on_ep2_loads_on_ep4_and_one_device():
+    """Model and Adam state saved with the experts Shard(0) over ep=2 (a (dp 2, ep 2) mesh: two replicas of each
+    expert pair) load on ep=4 (one expert per rank) and on one device bit-exact (the moments and scalars too);
+    one Adam step from the loaded state on ep=4 (each rank its own tokens, dense gradients summed over the ranks)
+    gives one device's parameters."""
+    import os
+    import shutil
+    import tempfile
+    from mindspore.mint import distributed as dist
+    from hyper_parallel_ms import checkpoint as dcp
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.nn import parallelize_module
+    rank = ms.communication.get_rank()
+    where = [tempfile.mkdtemp(prefix="hpms_moe_") if rank == 0 else None] * 4
+    dist.all_gather_object(where, where[0])
+    path = os.path.join(where[0], "ep2")
+    try:
+        model = _moe(load_balance_coeff=0.1)
+        parallelize_module(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))["ep"],
+                           {"experts": ExpertParallel()})
+        opt = ms.nn.Adam(model.trainable_params(), learning_rate=0.5)
+        values, moments = _saved_values()
+        dcp.set_state_dict(model, opt, model_state_dict=values, optim_state_dict=moments)
+        model_sd, optim_sd = dcp.get_state_dict(model, opt)
+        meta = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        chunks = {key: len(meta.tensors[key].chunks) for key in ("model.experts.w1", "optim.state.experts.w1.moment1")}
+        assert chunks == dict.fromkeys(chunks, 2), chunks          # the ep=2 pieces, each written once of its replicas
+        ep4 = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        loaded, one = _moe(seed=9, load_balance_coeff=0.1), _moe(seed=11, load_balance_coeff=0.1)
+        parallelize_module(loaded, ep4, {"experts": ExpertParallel()})
+        assert tuple(loaded.experts.w1.shape) == (1, 32, 16)
+        optimizers = {"ep4": ms.nn.Adam(loaded.trainable_params(), learning_rate=0.5),
+                      "one device": ms.nn.Adam(one.trainable_params(), learning_rate=0.5)}
+        for label, target in (("ep4", loaded), ("one device", one)):
+            optimizer = optimizers[label]
+            state = {"model": dcp.get_model_state_dict(target),
+                     "optim": dcp.get_optimizer_state_dict(target, optimizer)}
+            dcp.load(state, checkpoint_id=path, no_dist=target is one)
+            got, got_optim = dcp.get_state_dict(target, optimizer, options=dcp.StateDictOptions(full_state_dict=True))
+            for name, value in values.items():
+                np.testing.assert_array_equal(got[name].asnumpy(), value, err_msg=f"{label}: {name}")
+            for name, slots in moments["state"].items():
+                for slot, value in slots.items():
+                    np.testing.assert_array_equal(got_optim["state"][name][slot].asnumpy(), value,
+                                                  err_msg=f"{label}: {name}.{slot}")
+            assert float(optimizer.learning_rate.asnumpy()) == np.float32(0.01), label
+        rng = np.random.default_rng(7)
+        x_all, w_all = (rng.standard_normal((4, 3, 16)).astype(np.float32) for _ in range(2))
+        one_grads = _grads(one, ms.Tensor(x_all), ms.Tensor(w_all), 12.0)
+        optimizers["one device"](tuple(one_grads[p.name] for p in one.trainable_params()))
+        grads = _grads(loaded, ms.Tensor(x_all[rank:rank + 1]), ms.Tensor(w_all[rank:rank + 1]), 12.0)
+        optimizers["ep4"](tuple(grads[p.name] if p.name.startswith("experts.") else
+                                comm.all_reduce(grads[p.name], ep4, 0) for p in loaded.trainable_params()))
+        stepped = dict(one.parameters_and_names())
+        for p in loaded.trainable_params():
+            want = stepped[p.name].asnumpy()
+            want = want[rank:rank + 1] if p.name.startswith("experts.") else want
+            np.testing.assert_allclose(p.asnumpy(), want, rtol=RTOL, atol=ATOL, err_msg=f"after a step: {p.name}")
+        assert np.abs(one.experts.w1.asnumpy() - values["experts.w1"]).max() > 1e-3       # the step moved them
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+
+
+class _PipelinedMoE(nn.Cell):
+    """embed, two residual MoE blocks, head: a 2-stage pipeline holds one block per stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        np.random.seed(0)
+        ms.set_seed(0)
+        self.embed = nn.Dense(6, 16)
+        self.layers = nn.CellList([_Block(MoE(16, 32, 4, 2, num_shared_experts=1)) for _ in range(2)])
+        self.head = nn.Dense(16, 4)
+
+    def construct(self, x):
+        x = self.embed(x)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def _mean_square(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _pipeline_stages_with_expert_parallel():
+    """pp=2 x ep=2 on 4 ranks: each stage's MoE block with ExpertParallel over the ep ranks of its stage (which
+    feed different rows of the batch), the blocks checkpointed, 1F1B over 2 micro-batches, 2 SGD steps: every
+    micro-batch loss equals one device's on the same rows, and the parameters (dense gradients averaged over
+    ep, the experts' divided by ep: each rank's loss is the mean of its own rows) one device's on the whole
+    batch. Compiled stages (jit=True) are refused on every rank, naming ExpertParallel and the cause."""
+    from hyper_parallel_ms import comm
+    from hyper_parallel_ms import pipelining as pl
+    from hyper_parallel_ms.mesh import init_device_mesh
+    from hyper_parallel_ms.nn import parallelize_module
+    from hyper_parallel_ms.training import apply_activation_checkpointing, checkpoint_stats
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    pp, ep = mesh.coordinate
+    rows = slice(8 * ep, 8 * ep + 8)
+    batches = [tuple(ms.Tensor(np.random.default_rng(30 + s).standard_normal((16, n)).astype(np.float32))
+                     for n in (6, 4)) for s in range(2)]
+    one = _PipelinedMoE()
+    params = one.trainable_params()
+    step = ms.value_and_grad(lambda x, y: _mean_square(one(x), y), None, params)
+    optimizer, history = ms.nn.SGD(params, learning_rate=0.1), []
+    for x, y in batches:
+        history.append([float(_mean_square(one(x[rows][m:m + 4]), y[rows][m:m + 4]).asnumpy()) for m in (0, 4)])
+        optimizer(step(x, y)[1])
+    stage = pl.split_blocks(_PipelinedMoE(), pp, 2, first=("embed",), last=("head",))
+    parallelize_module(stage, mesh["ep"], {"layers.*.moe.experts": ExpertParallel()})
+    apply_activation_checkpointing(stage, check_fn=lambda cell: isinstance(cell, _Block))
+    schedule = pl.Schedule1F1B(pl.PipelineStage(stage, pp, 2, mesh=mesh["pp"]), 2, _mean_square)
+    params = schedule.parameters()
+    optimizer = ms.nn.SGD(params, learning_rate=0.1)
+    for (x, y), want in zip(batches, history):
+        losses: list = []
+        schedule.step(*((x[rows],) if pp == 0 else ()), target=y[rows] if pp == 1 else None, losses=losses)
+        optimizer(tuple(g / 2 if ".experts." in p.name else comm.all_reduce(g, mesh, "ep", op="avg")
+                        for p, g in zip(params, schedule.gradients())))
+        if pp == 1:
+            np.testing.assert_allclose([float(v.asnumpy()) for v in losses], want, rtol=RTOL, atol=ATOL)
+    block, = stage.layers                                                   # this stage keeps one block
+    assert (checkpoint_stats(block).forwards, checkpoint_stats(block).recomputes) == (8, 4)
+    final = dict(one.parameters_and_names())
+    for p in params:
+        want = final[p.name].asnumpy()[2 * ep:2 * ep + 2] if ".experts." in p.name else final[p.name].asnumpy()
+        np.testing.assert_allclose(p.asnumpy(), want, rtol=RTOL, atol=ATOL, err_msg=p.name)
+    compiled = pl.split_blocks(_PipelinedMoE(), pp, 2, first=("embed",), last=("head",))
+    parallelize_module(compiled, mesh["ep"], {"layers.*.moe.experts": ExpertParallel()})
+    schedule = pl.Schedule1F1B(pl.PipelineStage(compiled, pp, 2, mesh=mesh["pp"], jit=True), 2, _mean_square)
+    with pytest.raises(RuntimeError, match=r"ExpertParallel on 'layers.\d.moe.experts' moves tokens by the counts"):
+        x, y = batches[0]
+        schedule.step(*((x[rows],) if pp == 0 else ()), target=y[rows] if pp == 1 else None)

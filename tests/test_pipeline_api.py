@@ -228,7 +228,8 @@ def test_pytorch_names_of_the_pipelining_api():
         2, pl.TensorChunkSpec(1), (pl.TensorChunkSpec(0),))
     # the schedules' arguments are written once (PipelineSchedule); the bases show them under PyTorch's first name
     base = list(inspect.signature(pl.PipelineSchedule).parameters)
-    assert base[0] == "stages" and len(base) == 13
+    # 13 + HyperParallel's overlap_b_f, enable_dxdw_split, p2p_transport and swap
+    assert base[0] == "stages" and len(base) == 17
     assert list(inspect.signature(pl.ScheduleGPipe).parameters) == ["stage"] + base[1:]
     assert list(inspect.signature(pl.ScheduleDualPipeV).parameters) == base
     with pytest.raises(TypeError, match="ScheduleGPipe runs one PipelineStage per rank"):

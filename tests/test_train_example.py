@@ -98,30 +98,98 @@ def test_example_trains_on_a_3d_mesh_of_8_ranks():
     assert result["max_relative_norm_difference"] <= 1e-4, (result["grad_norms"], result["reference_grad_norms"])
 
 
+# absolute, after 3 AdamW steps of lr 3e-3 (a parameter moves by up to lr a step): measured <= 3.3e-6 here with
+# cp, the rounding of gradients near AdamW's eps amplified (the example's default size: 8.9e-6 on tp=2, 2.4e-5 on
+# cp=2, see TrainConfig.param_tolerance); 6e-2 when the gradients are not averaged over cp
+PARAM_TOLERANCE = 5e-5
+
+
+def _train_cp(**overrides):
+    """``_train`` for --cp (3 steps, PyNative, clip active): also every parameter, gathered whole, against
+    the single-device model's, and each checkpointed Cell recomputed once per step (its forward, the
+    context-parallel attention and its collectives, run again in the backward)."""
+    cfg = TrainConfig(**{**dict(steps=3, seq=8, dim=32, hidden=64, vocab=64, mode="pynative", tp=1,
+                                clip_grad_norm=CLIP), **overrides})
+    result = train(cfg, log=lambda line: None)
+    assert len(result["losses"]) == cfg.steps - result["start_step"]
+    assert result["max_relative_difference"] <= 1e-4, (result["losses"], result["reference_losses"])
+    assert min(result["reference_grad_norms"]) > cfg.clip_grad_norm, result["reference_grad_norms"]
+    assert result["max_relative_norm_difference"] <= 1e-4, (result["grad_norms"], result["reference_grad_norms"])
+    if cfg.cp > 1:
+        assert result["max_parameter_difference"] <= PARAM_TOLERANCE, result["max_parameter_difference"]
+        cells = 2 if cfg.activation_checkpoint in ("full", "selective") and not cfg.fsdp else 1   # attention, ffn
+        calls = (cfg.steps - result["start_step"]) * (cfg.microbatches if cfg.pp > 1 else 1)
+        expected = cfg.layers // cfg.pp * cells * calls if cfg.activation_checkpoint else 0
+        assert result["recomputes"] == expected, (result["recomputes"], expected)
+    return result
+
+
 @multi_rank(2, timeout=600)
 def test_example_trains_with_context_parallelism_on_2_ranks():
     """--cp 2: each sequence over 2 ranks (load-balanced shards inside context_parallel, attention
-    through scaled_dot_product_attention), gradients and loss averaged over cp; with the clip active,
-    the gradient norms too."""
-    _train(cp=2, tp=1, mode="pynative", steps=3, clip_grad_norm=CLIP)
+    through scaled_dot_product_attention), the loss averaged over cp: with --fsdp (the blocks and the
+    root fully sharded over the flattened dp x cp ranks, which average the gradients) and the blocks
+    checkpointed whole (the recompute reruns the context-parallel attention inside the step's
+    context_parallel block); with the GradientReducer averaging over cp and attention_core (the
+    attentions alone recomputed); then a checkpoint saved at step 2 by a cp x fsdp run resumes as
+    tp=2 and as cp x fsdp. Each equal to one device (losses, clipped gradient norms, parameters)."""
+    import os
+    import shutil
+    import tempfile
+
+    import mindspore as ms
+    from mindspore.mint import distributed as dist
+
+    _train_cp(cp=2, fsdp=True, activation_checkpoint="full")
+    core = _train_cp(cp=2, activation_checkpoint="attention_core")
+    # what attention_core keeps: the q, k, v projections of each layer and step; the context-parallel
+    # attention (one custom-bprop Cell: its score blocks) and the output projection are recomputed
+    layers = TrainConfig().layers
+    assert core["saved_ops"] == {"Dense": 3 * layers * 3}, core["saved_ops"]
+    holder = [None, None]
+    dist.all_gather_object(holder, tempfile.mkdtemp(prefix="hpms_cp_example_") if ms.communication.get_rank() == 0
+                           else None)
+    try:
+        saved = dict(cp=2, fsdp=True, checkpoint_dir=holder[0])
+        train(TrainConfig(steps=2, save_every=2, check=False, seq=8, dim=32, hidden=64, vocab=64, mode="pynative",
+                          tp=1, clip_grad_norm=CLIP, **saved), log=lambda line: None)
+        assert _train_cp(tp=2, resume=True, checkpoint_dir=holder[0])["start_step"] == 2
+        assert _train_cp(resume=True, **saved)["start_step"] == 2
+    finally:
+        dist.barrier()
+        if ms.communication.get_rank() == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
 
 
 @multi_rank(4, timeout=600)
-def test_example_trains_with_context_x_tensor_parallelism_on_4_ranks():
-    """--cp 2 --tp 2: the heads over tp (sequence parallelism on each cp shard), the sequence over cp."""
-    _train(cp=2, tp=2, mode="pynative", steps=3, clip_grad_norm=CLIP)
+def test_example_trains_with_context_parallelism_composed_on_4_ranks():
+    """--cp 2 with, on 4 ranks: --tp 2 (heads over tp, sequence parallelism on each cp shard, the
+    attention and feed-forward checkpointed selectively); --dp 2 (gradients averaged over dp x cp by
+    the GradientReducer); --dp 2 --fsdp (fully_shard over the flattened dp x cp); --pp 2 (each stage
+    with its cp group, the schedule run inside the step's context_parallel block, 1F1B, the stages
+    fully sharded over cp and checkpointed whole). 3 steps each, equal to one device."""
+    _train_cp(cp=2, tp=2, activation_checkpoint="selective")
+    _train_cp(cp=2, dp=2)
+    _train_cp(cp=2, dp=2, fsdp=True)
+    _train_cp(cp=2, pp=2, fsdp=True, activation_checkpoint="full", schedule="1f1b", microbatches=2)
 
 
 def test_context_parallel_flags_that_cannot_run_are_refused_naming_the_fix():
     from examples.train_tp import check_context_parallel
 
-    with pytest.raises(ValueError, match="--cp is built with --tp only .* drop --dp, --fsdp"):
-        check_context_parallel(TrainConfig(cp=2, dp=2, fsdp=True, mode="pynative"))
+    with pytest.raises(ValueError, match="drop --compile-stages"):
+        check_context_parallel(TrainConfig(cp=2, pp=2, mode="pynative", compile_stages=True, loss_parallel=False))
+    with pytest.raises(ValueError, match="drop --hsdp-replicate"):
+        check_context_parallel(TrainConfig(cp=2, dp=2, fsdp=True, hsdp_replicate=2, mode="pynative"))
     with pytest.raises(ValueError, match="--cp runs in --mode pynative"):
         check_context_parallel(TrainConfig(cp=2, mode="jit"))
     with pytest.raises(ValueError, match="--seq 12 must divide by 2 x cp = 8"):
         check_context_parallel(TrainConfig(cp=4, seq=12, mode="pynative"))
+    with pytest.raises(ValueError, match="--batch 4 must divide by --dp 3"):
+        check_context_parallel(TrainConfig(cp=2, dp=3, mode="pynative"))
     check_context_parallel(TrainConfig(cp=2, tp=2, seq=16, mode="pynative"))
+    check_context_parallel(TrainConfig(cp=2, dp=2, pp=2, fsdp=True, checkpoint_dir="ckpt", mode="pynative",
+                                       activation_checkpoint="attention_core"))
 
 
 def test_checkpoint_and_clip_flags_that_cannot_run_are_refused_naming_the_fix():
@@ -216,4 +284,7 @@ def test_pipeline_flags_that_cannot_run_are_refused_naming_the_fix():
     check_pipeline_config(TrainConfig(pp=2, tp=2, mode="pynative", compile_stages=True, loss_parallel=False))
     with pytest.raises(ValueError, match="use --schedule gpipe or 1f1b, not 'zb' \\(2 stages per rank\\)"):
         check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="zb", layers=4, checkpoint_dir="ckpt"))
+    with pytest.raises(ValueError, match="use --activation-checkpoint full or another --schedule"):
+        check_pipeline_config(TrainConfig(pp=2, mode="pynative", schedule="zb", layers=4,
+                                          activation_checkpoint="attention_core"))
     check_pipeline_config(TrainConfig(pp=2, mode="pynative"))          # the defaults run

@@ -2,7 +2,8 @@
 attention + MoE with 4 routed experts, top-2, sigmoid router with an expert bias, one shared expert) with
 ep=2 (ExpertParallel, the dense parts replicated) and with ep=2 x tp=2 (ExpertTensorParallel, attention heads,
 shared expert, embedding and head tensor-parallel), each against one device training the same steps on the
-whole batch.
+whole batch; and 2 steps of each with its blocks checkpointed (full recompute on ep=2, the selective policy on
+ep=2 x tp=2), the single-device run not checkpointed, at the same tolerances.
 
 Tolerances: the losses and the whole gradient's norm (sharded pieces combined) within 1e-5 relative: fp32
 sums in another order differ by ~1e-7 (measured: losses 1.2e-7, norms 8e-8 and 5e-7); a dense gradient
@@ -22,7 +23,8 @@ from hyper_parallel_ms.testing import multi_rank
 def _train(**overrides) -> None:
     cfg = MoETrainConfig(**{**dict(steps=3), **overrides})
     result = train(cfg, log=lambda line: None)
-    assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0]        # it learns
+    assert len(result["losses"]) == cfg.steps and result["losses"][-1] < result["losses"][0]        # it learns
+    assert result["recomputes"] == (cfg.layers * cfg.steps if cfg.activation_checkpoint else 0)
     assert result["max_relative_difference"] <= 1e-5, (result["losses"], result["reference_losses"])
     assert result["max_relative_norm_difference"] <= 1e-5, (result["grad_norms"], result["reference_grad_norms"])
     assert result["parameters_checked"] == 33
@@ -32,11 +34,13 @@ def _train(**overrides) -> None:
 @multi_rank(2, timeout=600)
 def test_moe_example_trains_with_ep2_equal_to_one_device():
     _train(ep=2, tp=1)
+    _train(ep=2, tp=1, steps=2, activation_checkpoint="full")       # each block's recompute runs its dispatch again
 
 
 @multi_rank(4, timeout=600)
 def test_moe_example_trains_with_ep2_x_tp2_equal_to_one_device():
     _train(ep=2, tp=2)
+    _train(ep=2, tp=2, steps=2, activation_checkpoint="selective")
 
 
 def test_dry_run_reports_each_rank_s_expert_and_dense_pieces():

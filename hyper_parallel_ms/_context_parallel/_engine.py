@@ -36,7 +36,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
 from .. import comm
-from .._mindspore import cell_per_call_site, graph_of_its_own, running_eagerly
+from .._mindspore import cell_per_call_site, graph_of_its_own, one_autodiff_node, running_eagerly
 from ..comm._tensor import pad_dim
 from ._blocks import block_backward, block_forward, merge, neg_inf_like
 from ._schedule import block_mask, ring_blocks
@@ -114,6 +114,18 @@ def _splice(x, start: int, stop: int, middle):
     return ops.cat(parts, 2)
 
 
+def _mask_tensor(mesh, q_positions: np.ndarray, kv_positions: np.ndarray, block) -> Tensor:
+    """The causal mask of a ``"masked"`` block (a (1, 1) stand-in for the others); on a simulated rank
+    (a mesh whose exchange moves nothing: the dry run) a shape-only one, since only its shape counts
+    there (a 32k sequence over cp = 4 would otherwise build a 256 MiB host mask per simulated rank)."""
+    if block.kind != "masked":
+        return Tensor(np.zeros((1, 1), bool))
+    if mesh is not None and not mesh.exchange.moves:
+        rows, cols = block.rows[1] - block.rows[0], block.cols[1] - block.cols[0]
+        return mesh.exchange.placeholder(Tensor(np.zeros((1, 1), bool)), (rows, cols))
+    return Tensor(block_mask(q_positions, kv_positions, block))
+
+
 class RingAttention(nn.Cell):
     """Attention of this rank's queries on every ring member's keys and values; see the module
     docstring. Built by :func:`ring_attention`.
@@ -136,8 +148,8 @@ class RingAttention(nn.Cell):
         blocks += ring_blocks(q_pos, (gathered,), 0, spec.causal)
         kv_pos.append(gathered)
         self.steps = tuple((b.member, b.rows[0], b.rows[1], b.cols[0], b.cols[1], _KINDS[b.kind]) for b in blocks)
-        self.masks = tuple(Tensor(block_mask(q_pos, kv_pos[len(kv_pos) - 1 if i == spec.size else b.member], b))
-                           if b.kind == "masked" else Tensor(np.zeros((1, 1), bool)) for i, b in enumerate(blocks))
+        self.masks = tuple(_mask_tensor(spec.mesh, q_pos, kv_pos[len(kv_pos) - 1 if i == spec.size else b.member], b)
+                           for i, b in enumerate(blocks))
 
     # ------------------------------------------------------------------ pieces of one block
     def _operands(self, kv, bias, step: int, offset: int, head: int):
@@ -175,6 +187,12 @@ class RingAttention(nn.Cell):
         got = comm.recv(x, self.mesh, self.dim, src=self.previous)
         comm.send(x, self.mesh, self.dim, dst=self.next)
         return got
+
+    def __call__(self, *args):
+        if running_eagerly():          # PyNative: an op-level recompute policy keeps none of its ops' outputs
+            with one_autodiff_node():
+                return super().__call__(*args)
+        return super().__call__(*args)
 
     # ------------------------------------------------------------------ forward
     def construct(self, q, k, v, bias):

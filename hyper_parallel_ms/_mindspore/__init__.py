@@ -122,11 +122,11 @@ from __future__ import annotations
 
 from ._release import (ADOPTED_REACH_HOOK, HOOK_ERRORS_REACH_CALLER, LIST_ARGS_REACH_HOOK, MINDSPORE_VERSION,
                        OVERLOAD_OPS_CALLABLE)
-from .abstract import GRAD_ENTRY_POINTS, abstract_run, has_custom_bprop, numpy_dtype, stride_free_view
+from .abstract import GRAD_ENTRY_POINTS, abstract_run, has_custom_bprop, numpy_dtype, stride_free_view, reads_shape_only
 from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_recording, discard_tapes, no_grad,
                        identity_with_gradient, keeping_nothing,
                        random_state, recompute_eagerly, set_random_state,
-                       recompute_in_graph, recomputing, recording_gradients, saved_tensors_hooks, tape_backward,
+                       recompute_in_graph, recompute_record, recomputing, replaying, recording_gradients, saved_tensors_hooks, tape_backward,
                        taped, taped_call, tensor_address)
 from .compiling import (graph_of_its_own, cached_in_python, cell_per_call_site, cell_subclass, check_compiled_calls,
                         reading_class,
@@ -136,7 +136,8 @@ from .compiling import (graph_of_its_own, cached_in_python, cell_per_call_site, 
 from .deferred import (deferred_creation_hooked, deferred_parameter, is_meta, meta_empty, off_meta_device,
                        process_device_target, draw_numpy_seed, fill_deferred, initial_array,
                        initializer_draws, pending_init)
-from .hooks import (OP_INTERCEPTION, OpInterception, adopt, as_subclass, guard_mindspore_for, hooks_off,
+from .hooks import (ONE_NODE, OP_INTERCEPTION, OpInterception, adopt, as_subclass, guard_mindspore_for, hooks_off,
+                    in_one_autodiff_node, one_autodiff_node,
                     keep_hook_errors, keeps_hook_errors, no_hook, original_hook_errors, plain_view,
                     route_list_arguments, tensor_hook)
 from .p2p import p2p_recv, p2p_send
@@ -152,9 +153,10 @@ __all__ = ["identity_with_gradient", "keeping_nothing", "MINDSPORE_VERSION", "LI
            "compiling_graph_code",
            "guard_mindspore_for", "reject_in_compiled_args", "check_compiled_calls", "compile_argument_checks", "route_list_arguments",
            "seeded_dropout", "Swap", "swap_entry_points", "entry_points_swapped", "p2p_send", "p2p_recv",
-           "deferred_parameter", "off_meta_device", "process_device_target", "is_meta", "meta_empty", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype",
+           "deferred_parameter", "off_meta_device", "process_device_target", "is_meta", "meta_empty", "GRAD_ENTRY_POINTS", "has_custom_bprop", "abstract_run", "stride_free_view", "numpy_dtype", "reads_shape_only",
            "taped", "taped_call", "tape_backward", "discard_grad_recording", "discard_tapes",
            "initializer_draws", "draw_numpy_seed", "pending_init", "initial_array", "fill_deferred",
            "deferred_creation_hooked", "SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad",
            "recording_gradients", "tensor_address",
-           "RECOMPUTE_CONTEXT_FN", "random_state", "set_random_state", "recompute_eagerly", "recomputing", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception"]
+           "RECOMPUTE_CONTEXT_FN", "random_state", "set_random_state", "recompute_eagerly", "recomputing", "recompute_record", "replaying", "recompute_in_graph", "OP_INTERCEPTION", "OpInterception",
+           "one_autodiff_node", "in_one_autodiff_node", "ONE_NODE"]

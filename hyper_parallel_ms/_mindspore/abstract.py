@@ -21,7 +21,8 @@ from ._active import ACTIVE_RUNS
 from .hooks import tensor_hook
 from .swaps import Swap, entry_points_swapped
 
-__all__ = ["GRAD_ENTRY_POINTS", "has_custom_bprop", "numpy_dtype", "stride_free_view", "abstract_run"]
+__all__ = ["GRAD_ENTRY_POINTS", "has_custom_bprop", "numpy_dtype", "stride_free_view", "abstract_run",
+           "reads_shape_only"]
 
 # MindSpore's public functions that differentiate, by module: a shape-only run replaces them
 GRAD_ENTRY_POINTS: Tuple[Tuple[Any, str], ...] = tuple(
@@ -51,6 +52,17 @@ def stride_free_view(t: Tensor, shape: Sequence[int]) -> Tensor:
     """
     shape = tuple(shape)
     return t.reshape(()) if not shape else mindspore.ops.broadcast_to(t, shape)
+
+
+def reads_shape_only(args: Sequence[Any]) -> bool:
+    """Whether ``args`` include shape-only data of the active shape-only run (a simulated rank's step,
+    :func:`abstract_run`): code whose work depends on values (counts read to the host) takes a
+    shape-level form there. ``False`` outside a simulation.
+
+    >>> reads_shape_only((Tensor(np.ones(2, np.float32)),))
+    False
+    """
+    return bool(ACTIVE_RUNS) and bool(ACTIVE_RUNS[-1].reads_abstract(tuple(args)))
 
 
 @contextmanager

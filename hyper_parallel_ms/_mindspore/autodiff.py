@@ -21,7 +21,7 @@ import inspect
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mindspore
 import numpy as np
@@ -216,21 +216,28 @@ def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optio
             f"(MindSpore 2.9 and later); MindSpore {mindspore.__version__} lacks it: upgrade MindSpore")
 
     forward_rng = []
+    record = RecomputeRecord()
 
     def flagged(*inner_args, **inner_kwargs):     # the forward and its recompute in the backward alike
         # the recompute draws seeds as the forward did and leaves the random state as it found it
         # (PyTorch's preserve_rng_state): random ops that take their seeds in Python advance it
         after = None
+        replay = bool(forward_rng)             # the second call: the recompute in the backward
         if forward_rng:
             after = random_state()
             set_random_state(forward_rng[0])
         else:
             forward_rng.append(random_state())
         _RECOMPUTING.depth += 1
+        _RECOMPUTING.replays += replay
+        record.replaying, record.next = replay, 0
+        _RECOMPUTING.records.append(record)
         try:
             return fn(*inner_args, **inner_kwargs)
         finally:
+            _RECOMPUTING.records.pop()
             _RECOMPUTING.depth -= 1
+            _RECOMPUTING.replays -= replay
             if after is not None:
                 set_random_state(after)
     if ACTIVE_RUNS:
@@ -240,6 +247,31 @@ def recompute_eagerly(fn: Callable, args: tuple, kwargs: dict, context_fn: Optio
 
 class _Recomputing(threading.local):
     depth = 0
+    replays = 0
+
+    def __init__(self) -> None:
+        self.records: List["RecomputeRecord"] = []
+
+
+class RecomputeRecord:
+    """Host values one checkpointed call keeps in its forward (:meth:`keep`) and reads back, in
+    the same order, in its recompute (:meth:`take`): code run twice checks that the recompute saw
+    what the forward saw (an expert-parallel dispatch's token counts)."""
+
+    def __init__(self) -> None:
+        self.values: List[Any] = []
+        self.replaying, self.next = False, 0
+
+    def keep(self, value: Any) -> None:
+        """In the forward: remember ``value`` for the recompute."""
+        self.values.append(value)
+
+    def take(self) -> Any:
+        """In the recompute: the forward's next kept value (``None`` when the forward kept no more)."""
+        if self.next >= len(self.values):
+            return None
+        self.next += 1
+        return self.values[self.next - 1]
 
 
 _RECOMPUTING = _Recomputing()
@@ -254,6 +286,27 @@ def recomputing() -> bool:
     False
     """
     return _RECOMPUTING.depth > 0
+
+
+def recompute_record() -> Optional[RecomputeRecord]:
+    """The :class:`RecomputeRecord` of the innermost :func:`recompute_eagerly` call running now
+    (its forward or its recompute: ``record.replaying`` tells), ``None`` outside one.
+
+    >>> recompute_record() is None
+    True
+    """
+    return _RECOMPUTING.records[-1] if _RECOMPUTING.records else None
+
+
+def replaying() -> bool:
+    """Whether Python runs :func:`recompute_eagerly`'s function for its recompute in the backward
+    (not for the forward): state a forward updates in place (an MoE's token counters) is updated
+    once, by the forward, not again by the recompute.
+
+    >>> replaying()
+    False
+    """
+    return _RECOMPUTING.replays > 0
 
 
 def recompute_in_graph(method: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,7 @@ from .swaps import swap_entry_points
 
 __all__ = ["tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "hooks_off",
            "as_subclass", "plain_view", "adopt", "route_list_arguments", "guard_mindspore_for", "OP_INTERCEPTION",
-           "OpInterception"]
+           "OpInterception", "one_autodiff_node", "in_one_autodiff_node", "ONE_NODE"]
 
 _FALLBACK_FAILED = "Python fallback failed"
 _OVERLOADS = {f.__code__: f for f in map(inspect.unwrap, vars(_functional_overload).values())
@@ -357,3 +357,34 @@ class OpInterception(getattr(mindspore, "MsDispatchMode", object)):
 
     def __ms_dispatch__(self, func, args, kwargs=None):
         return self.on_op(func.name, lambda: func(*args, **(kwargs or {})))
+
+
+_ONE_NODE = threading.local()        # .depth: > 0 while a custom-bprop Cell's forward runs its ops eagerly
+ONE_NODE = "<one autodiff node>"     # an op record's mark where such a forward ran (its ops not recorded)
+
+
+@contextmanager
+def one_autodiff_node() -> Iterator[None]:
+    """Inside (PyNative), the ops compute the forward of one custom-``bprop`` Cell: autodiff keeps
+    none of their outputs, only the Cell's inputs and outputs, so an op-level recompute policy
+    (:class:`OpInterception`) treats them as one op rather than keeping what they make.
+
+    Example::
+
+        with one_autodiff_node():
+            out = ring_attention_cell(q, k, v, bias)     # its score blocks are nobody's to keep
+    """
+    _ONE_NODE.depth = getattr(_ONE_NODE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ONE_NODE.depth -= 1
+
+
+def in_one_autodiff_node() -> bool:
+    """Whether ops now run inside :func:`one_autodiff_node`.
+
+    >>> in_one_autodiff_node()
+    False
+    """
+    return getattr(_ONE_NODE, "depth", 0) > 0

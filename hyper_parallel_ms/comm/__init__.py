@@ -46,10 +46,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import mindspore as ms
 
-from .._mindspore import cached_in_python, is_compiling, run_in_python
+from .._mindspore import cached_in_python, cell_per_call_site, is_compiling, run_in_python
 from ..layout import chunk_offsets, chunk_sizes
 from ..placement import REDUCE_OPS
-from . import _composed, _exact, _native, _traffic
+from . import _composed, _exact, _lean, _native, _traffic
 from ._alltoallv import all_to_all_by_matrix, all_to_all_single
 from ._broadcast import broadcast as _broadcast
 from ._p2p import recv, send
@@ -301,7 +301,25 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
         return _placeholder(x, mesh, call, {split: call.kept[1], call.dim: sum(call.sizes)})
     if call.native:
         return _native.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
+    if _lean.chunked_evenly(call.sizes) and _lean.applies(x.dtype):
+        return _lean_all_to_all(mesh, mesh_dim, split, call.dim, call.sizes, call.kept, x.shape[split]).move(x)
     return _composed.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
+
+
+@cell_per_call_site
+def _lean_all_to_all(mesh, mesh_dim, split: int, concat: int, sizes: Tuple[int, ...], kept: Tuple[int, int],
+                     split_length: int) -> _lean.LeanAllToAll:
+    """The composed all-to-all as one node keeping nothing (:mod:`._lean`); its backward is the
+    inverse :func:`all_to_all` (recorded by CommDebugMode as the forward is)."""
+    group = mesh.comm_group(mesh_dim)
+    back_sizes = chunk_sizes(split_length, group.size)
+
+    def forward(x):
+        return _composed.all_to_all(x, split, concat, sizes, group, kept)
+
+    def inverse(dout):
+        return all_to_all(dout, mesh, mesh_dim, split_dim=concat, concat_dim=split, concat_sizes=back_sizes)
+    return _lean.LeanAllToAll(forward, inverse)
 
 
 def broadcast(x, mesh, mesh_dim=0, *, src: int = 0):

@@ -12,7 +12,8 @@ Paths, chosen by device (:mod:`.capability`):
   also checks that every rank's ``output_split_sizes`` agrees with what the others send); every rank then
   writes its rows into its slot of a buffer holding every rank's rows, all-reduces it and keeps the blocks
   sent to it (a Cell whose ``bprop`` is the transposed exchange, so that a rank with nothing to send or
-  receive still joins the backward).
+  receive still joins the backward; under autodiff it keeps nothing and its backward is recorded,
+  :mod:`._lean`).
 - composed (CPU), inside ``ms.jit``: the split sizes must be Python ints (they are graph constants) and every
   rank's input must have as many rows (the gathered buffer has one shape on every rank; MCCL fails on
   mismatched shapes). The inputs are all-gathered whole, the splits travel as data in the same graph, and
@@ -35,9 +36,11 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from .._mindspore import cell_per_call_site, is_compiling, run_in_python
+from .._mindspore import cell_per_call_site, is_compiling, keeping_nothing, run_in_python
 from . import _composed, _traffic
 from ._exact import place_over, wire_itemsize
+from ._lean import LeanAllToAll
+from ._lean import applies as lean_applies
 from ._tensor import narrow, pad_slot
 from .capability import select_path
 from .debug import CommRecord, record, unrecorded
@@ -188,24 +191,19 @@ def _known_exchange(x, matrix: Matrix, group):
     return parts[0] if len(parts) == 1 else ops.cat(parts, 0)
 
 
-class _ComposedV(nn.Cell):
-    """Known split matrix, PyNative: :func:`_known_exchange`; ``bprop``: the exchange with the matrix
-    transposed (run on every rank, also one that sends and receives nothing)."""
-
-    def __init__(self, matrix: Matrix, group) -> None:
-        super().__init__()
-        self.group, self.matrix = group, matrix
-
-    def construct(self, x):
-        return _known_exchange(x, self.matrix, self.group)
-
-    def bprop(self, x, out, dout):
-        return (_composed_cell(_transposed(self.matrix), self.group)(dout),)
-
-
 @cell_per_call_site
-def _composed_cell(matrix: Matrix, group) -> _ComposedV:
-    return _ComposedV(matrix, group)
+def _composed_cell(matrix: Matrix, mesh, mesh_dim) -> LeanAllToAll:
+    """Known split matrix, PyNative: :func:`_known_exchange` as one autodiff node whose backward is the
+    exchange with the matrix transposed (recorded, and run on every rank, also one that sends and
+    receives nothing)."""
+    group = mesh.comm_group(mesh_dim)
+
+    def forward(x):
+        return _known_exchange(x, matrix, group)
+
+    def inverse(dout):
+        return all_to_all_by_matrix(dout, _transposed(matrix), mesh, mesh_dim)
+    return LeanAllToAll(forward, inverse)
 
 
 def _graph_exchange(x, outputs: Tuple[int, ...], inputs: Tuple[int, ...], group):
@@ -323,10 +321,37 @@ def all_to_all_by_matrix(x, matrix: Matrix, mesh, mesh_dim=0):
     return _run(x, mesh, mesh_dim, _resolve(mesh, mesh_dim, x.shape, x.dtype, None, None, matrix))
 
 
+class _SimulatedV(nn.Cell):
+    """A simulated rank's exchange of a known split matrix (the exchange moves nothing): recorded as on the
+    cluster, the received rows a placeholder; ``bprop``: the transposed exchange, issued (and recorded) as
+    the cluster's backward sends it. Kept for the backward as the cluster's path keeps it: the native
+    Cell's input and output, nothing for the composed one (:mod:`._lean`)."""
+
+    def __init__(self, matrix: Matrix, mesh, mesh_dim) -> None:
+        super().__init__()
+        self.matrix, self.mesh, self.mesh_dim = matrix, mesh, mesh_dim
+
+    def construct(self, x):
+        me = self.mesh.comm_group(self.mesh_dim).rank
+        rows = sum(row[me] for row in self.matrix)
+        return self.mesh.exchange.placeholder(x, (rows,) + tuple(x.shape[1:]))
+
+    def bprop(self, x, out, dout):
+        return (all_to_all_by_matrix(dout, _transposed(self.matrix), self.mesh, self.mesh_dim),)
+
+
 def _run(x, mesh, mesh_dim, call: _VCall):
     if call.group.size == 1:
         return x
     if not call.moves:
+        if call.matrix is not None and not call.compiled:      # a simulated rank knowing every rank's splits
+            _prepared(mesh, mesh_dim, call, x.shape, x.dtype, x.itemsize)
+            cell = _SimulatedV(call.matrix, mesh, mesh_dim)
+            if call.native:
+                return cell(x)
+            with keeping_nothing():
+                y = cell(x)
+            return y - 0
         rows = sum(call.outputs) if call.outputs is not None else x.shape[0]
         return mesh.exchange.placeholder(x, (rows,) + tuple(x.shape[1:]))
     kind, args = _prepared(mesh, mesh_dim, call, x.shape, x.dtype, x.itemsize)
@@ -336,4 +361,5 @@ def _run(x, mesh, mesh_dim, call: _VCall):
         return _graph_exchange(x, args[0], args[1], call.group)
     if call.compiled:       # autodiff of the all-reduce gives the transposed exchange (no empty side: refused)
         return _known_exchange(x, args[0], call.group)
-    return _composed_cell(args[0], call.group)(x)
+    cell = _composed_cell(args[0], mesh, mesh_dim)
+    return cell.move(x) if lean_applies(x.dtype) else cell(x)

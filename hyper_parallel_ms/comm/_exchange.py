@@ -168,6 +168,15 @@ class SimulatedExchange(Exchange):
         note_agreement(what, mesh, entries)     # compared once every rank has run, as the cluster would have
         return True
 
+    def expert_counts(self, rows: int, num_experts: int, ranks: int) -> np.ndarray:
+        """The ``(ranks, num_experts)`` routed rows each rank of an expert-parallel group sends to each expert,
+        each rank routing ``rows`` (what the cluster's ranks all-gather from their routers; a simulated rank
+        has no router values): stated by the exchange of a simulation that knows a routing assumption."""
+        raise NotImplementedError(
+            "expert parallelism on a simulated rank: the other ranks' token counts, which decide the shapes of "
+            "the token exchange, are unknown here; simulate it with hyper_parallel_ms.simulate, which states "
+            "them (routing='uniform' or shares per expert)")
+
     def all_gather_object(self, obj: Any, world: Any) -> List[Any]:
         raise NotImplementedError(f"rank {world.rank} of a simulated cluster of {world.size} ranks cannot exchange "
                                   "Python objects with the others (they are not in this process): run it on the "

@@ -40,15 +40,16 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
     "hyper_parallel.core.fully_shard.utils": {"OffloadPolicy": "fsdp:OffloadPolicy",
                                               "CPUOffloadPolicy": "fsdp:CPUOffloadPolicy"},
     "hyper_parallel.core.pipeline_parallel": dict(_PIPELINE),
-    "hyper_parallel.core.pipeline_parallel.scheduler": {"MetaStepType": None},
+    "hyper_parallel.core.pipeline_parallel.scheduler": {"MetaStepType": "compat._pipeline:MetaStepType"},
+    # the backward/forward overlap of expert-parallel all-to-alls (schedules refuse overlap_b_f=True)
     "hyper_parallel.core.pipeline_parallel.hook_coordinator": {"HookCoordinator": None, "HookRole": None},
     "hyper_parallel.core.pipeline_parallel.comm_compute_overlap": {"CommComputeOverlap": None},
-    # HyperParallel's checkpoint_wrapper(context_fn=, early_stop=, output_recompute=) and swap_wrapper
-    # (a policy_fn answering CheckpointPolicy) differ from this library's (training.checkpoint_wrapper,
-    # training.swap_wrapper): not mapped until they take those arguments.
+    # HyperParallel's face on training.checkpoint_wrapper / swap_wrapper / checkpoint_exclude_wrapper
     "hyper_parallel.core.activation_checkpoint": {
-        "CheckpointPolicy": None, "SwapManager": None, "checkpoint_exclude_wrapper": None,
-        "checkpoint_wrapper": None, "swap_wrapper": None},
+        "CheckpointPolicy": "compat._activation:CheckpointPolicy", "SwapManager": "compat._activation:SwapManager",
+        "checkpoint_exclude_wrapper": "training:checkpoint_exclude_wrapper",
+        "checkpoint_wrapper": "compat._activation:checkpoint_wrapper",
+        "swap_wrapper": "compat._activation:swap_wrapper"},
     "hyper_parallel.core.context_parallel.context_parallel": {"ContextParallel": "nn:ContextParallel"},
     "hyper_parallel.core.context_parallel.async_context_parallel": {"AsyncContextParallel": "nn:AsyncContextParallel"},
     # DeepSeek sparse attention's styles (its indexer, its sparse kernels): not provided
@@ -68,7 +69,7 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
         "get_global_layout": "compat._layouts:get_global_layout"},
     "hyper_parallel.platform": {"get_platform": "compat._platform:get_platform"},
     "hyper_parallel.platform.mindspore.autograd_compat": {"enable_mindspore_backward_compat": None},
-    "hyper_parallel.platform.mindspore.pipeline_parallel._utils": {"_MicroBatch": None},
+    "hyper_parallel.platform.mindspore.pipeline_parallel._utils": {"_MicroBatch": "compat._pipeline:MicroBatch"},
 }
 
 

@@ -7,8 +7,11 @@ per rank, the bytes of its parameter pieces, gradients and optimizer state, an e
 peak activations, the bytes one step sends per collective kind and mesh dim, and the
 problems a cluster launch would hit (ranks applying different plans, groups issuing different
 collective sequences, unmatched point-to-point messages). :func:`search` enumerates the
-:class:`ParallelDims` of a number of devices and ranks those that fit by the step time of an
-alpha-beta cost model (:class:`Cluster`).
+:class:`ParallelDims` of a number of devices (pp, dp, cp, tp) and ranks those that fit by the step
+time of an alpha-beta cost model (:class:`Cluster`). Context parallelism and expert parallelism run
+their own code on shapes: the ring's key / value transfers are recorded as the engine issues them,
+and expert parallelism's token exchange takes its shapes from a stated routing (``simulate(...,
+routing=)``, uniform unless given).
 
 This package was ``hyper_parallel_ms.plan``; that name still imports, with a
 ``DeprecationWarning``, for one release.
@@ -24,8 +27,9 @@ from __future__ import annotations
 
 from ._cost import Cluster, rank_seconds, step_seconds
 from ._report import CommStats, Problem, RankReport, SimulationReport, format_bytes
-from ._search import Candidate, ParallelDims, estimate, parallel_dims_of, search
+from ._search import Candidate, ParallelDims, context_parallel_sizes, estimate, parallel_dims_of, search
 from ._session import simulate
 
 __all__ = ["simulate", "SimulationReport", "RankReport", "CommStats", "Problem", "format_bytes", "Cluster",
-           "rank_seconds", "step_seconds", "ParallelDims", "Candidate", "parallel_dims_of", "estimate", "search"]
+           "rank_seconds", "step_seconds", "ParallelDims", "Candidate", "parallel_dims_of", "context_parallel_sizes",
+           "estimate", "search"]

@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 from mindspore import Parameter, Tensor, nn
 
-from .._mindspore import has_custom_bprop
+from .._mindspore import ONE_NODE, has_custom_bprop, in_one_autodiff_node
 from ._abstract import (AbstractTensor, abstract_like, abstract_view, flags_of, infer, is_abstract, reads_abstract,
                         storage_key, tensor_bytes, viewed)
 
@@ -278,7 +278,11 @@ class AbstractAutodiff:
     def on_op(self, name: str, inputs: Sequence[Tensor], outputs: Sequence[AbstractTensor]) -> None:
         """An op ran on shape-only tensors (the observer of :func:`._abstract.observing_ops`)."""
         if self._op_logs:
-            self._op_logs[-1].append((name, tuple(outputs)))
+            log = self._op_logs[-1]
+            if not in_one_autodiff_node():
+                log.append((name, tuple(outputs)))
+            elif not log or log[-1][0] != ONE_NODE:      # a custom-bprop Cell's forward: one mark (training's)
+                log.append((ONE_NODE, ()))
         for o in outputs:
             if flags_of(o)[1]:
                 self.largest_activation = max(self.largest_activation, tensor_bytes(o))

@@ -15,6 +15,10 @@ Example::
     ...
     with exchanging(exchange):
         recv(like, simulated_mesh, src=0)           # rank 1: the header rank 0 sent
+
+The mailbox also states what a simulated rank cannot know: how a mixture-of-experts router spreads
+the tokens over the experts (:meth:`Mailbox.expert_counts`, from the routing :func:`simulate` was
+given; :mod:`._routing`), which expert parallelism's token exchange takes its shapes from.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from mindspore import Tensor
 
 from ..comm._exchange import NotReady, SimulatedExchange
 from ._abstract import abstract_like, is_abstract
+from ._routing import check_routing, routed_counts
 
 __all__ = ["Mailbox", "MissingMessage"]
 
@@ -49,6 +54,8 @@ class Mailbox(SimulatedExchange):
     Args:
         stand_in: ``rank -> (the rank that ran for it, translation of that rank's peers to its own)``
             (default: every rank ran itself).
+        routing: the routing assumption of :meth:`expert_counts` (``"uniform"`` or shares, see
+            :func:`~._routing.routed_counts`).
 
     Example::
 
@@ -56,10 +63,17 @@ class Mailbox(SimulatedExchange):
         exchange.placeholder(x, (4, 8))          # AbstractTensor((4, 8), x.dtype)
     """
 
-    def __init__(self, stand_in: Optional[StandIn] = None) -> None:
+    def __init__(self, stand_in: Optional[StandIn] = None, routing: Any = "uniform") -> None:
         self._mail: Dict[Tuple[int, int], List[Any]] = {}
         self._read: Dict[Tuple[int, int], int] = {}
         self._stand_in = stand_in or (lambda rank: (rank, lambda peer: peer))
+        self.routing = check_routing(routing)
+
+    def expert_counts(self, rows: int, num_experts: int, ranks: int) -> np.ndarray:
+        """The ``(ranks, num_experts)`` routed slots each rank of an expert-parallel group sends to each
+        expert (every rank routing ``rows``), by the stated routing: what the ranks' all-gathered router
+        counts would be on the cluster."""
+        return routed_counts(self.routing, rows=rows, num_experts=num_experts, ranks=ranks)
 
     def placeholder(self, x: Any, shape: Tuple[int, ...]) -> Any:
         return abstract_like(x, shape)

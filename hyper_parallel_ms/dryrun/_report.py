@@ -98,6 +98,9 @@ class RankReport:
         comm: per (kind, mesh dim name) the :class:`CommStats` of one step.
         represented_by: the rank whose run these numbers are (itself, or its class's representative).
         flops: matmul FLOPs of one step (forward, backward and recomputation; ``None``: no step given).
+        largest_temporary_bytes: the largest single batch-dependent tensor an op of the step makes (kept
+            or not: a temporary such as the attention's scores or a ring block's, which comes on top of
+            ``activation_bytes`` while it lives; ``None``: no step given).
 
     Example::
 
@@ -115,6 +118,7 @@ class RankReport:
     comm: Dict[Tuple[str, str], CommStats] = field(default_factory=dict)
     represented_by: int = -1
     flops: Optional[int] = None
+    largest_temporary_bytes: Optional[int] = None
 
     @property
     def total_bytes(self) -> int:

@@ -1,12 +1,13 @@
-"""Search the parallel dims of a job: enumerate (pp, dp, tp, fully_shard, micro-batches, activation
+"""Search the parallel dims of a job: enumerate (pp, dp, cp, tp, fully_shard, micro-batches, activation
 checkpointing) for a number of devices, dry-run each, keep those that fit in a device's memory
-and rank them by the tokens per second of the alpha-beta model (:mod:`._cost`).
+and rank them by the tokens per second of the alpha-beta model (:mod:`._cost`). Context parallelism
+(cp > 1) is tried only for sequences long enough (:func:`context_parallel_sizes`).
 
 Each :class:`ParallelDims` is simulated with one and two blocks per pipeline stage (the training
 code is built for that many layers: ``build(dims, layers)``) on the first rank of every stage, and
 every per-rank number (bytes held, activations, FLOPs, calls and bytes of each collective)
 is extrapolated linearly to the model's blocks per stage: the blocks are identical, so each
-one adds the same. Ranks along dp and tp are taken to be equivalent to the stage's first one
+one adds the same. Ranks along dp, cp and tp are taken to be equivalent to the stage's first one
 (even shards); simulate the chosen dims with :func:`~hyper_parallel_ms.dryrun.simulate` to
 check every rank. The pipeline runs 1F1B; a step trains ``dp * microbatches * micro_batch``
 sequences, so candidates are compared by tokens per second, not by step time.
@@ -30,28 +31,33 @@ from ._report import CommStats, RankReport
 from ._session import simulate
 from ._stages import sample_pipelines, stage_reports
 
-__all__ = ["ParallelDims", "Candidate", "parallel_dims_of", "estimate", "search"]
+__all__ = ["ParallelDims", "Candidate", "parallel_dims_of", "context_parallel_sizes", "estimate", "search"]
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The parallel dims of a job (torchtitan's name) and its batching: ``pp * dp * tp`` ranks on a
-    ("pp", "dp", "tp") mesh, fully_shard over dp or gradients averaged over it, micro-batches per
-    step, activation checkpointing of every block, and the sequences of each micro-batch on a dp
-    rank. (Named ``plan.Layout`` before: a :class:`~hyper_parallel_ms.Layout` is a tensor's layout.)
+    """The parallel dims of a job (torchtitan's name) and its batching: ``pp * dp * cp * tp`` ranks on
+    a ("pp", "dp", "tp") mesh, or ("pp", "dp", "cp", "tp") with context parallelism (``cp > 1``: each
+    sequence cut over the cp ranks), fully_shard over dp (over dp x cp with context parallelism, as
+    torchtitan does) or gradients averaged over it, micro-batches per step, activation checkpointing
+    of every block, and the sequences of each micro-batch on a dp rank. (Named ``plan.Layout``
+    before: a :class:`~hyper_parallel_ms.Layout` is a tensor's layout.)
 
     Args:
         pp: pipeline stages.
         dp: data-parallel ranks.
         tp: tensor-parallel ranks.
-        fsdp: parameters, gradients and optimizer state sharded over dp (fully_shard).
+        fsdp: parameters, gradients and optimizer state sharded over dp (and cp) (fully_shard).
         microbatches: micro-batches per step (pipelined when pp > 1).
         checkpointing: activation checkpointing of every block.
         micro_batch: sequences per micro-batch on each dp rank.
         seq: tokens per sequence.
+        cp: context-parallel ranks (each holds ``seq / cp`` tokens of every sequence of its dp rank).
 
     >>> ParallelDims(pp=8, dp=16, tp=8).ranks, ParallelDims(dp=4, microbatches=2, seq=4096).tokens
     (1024, 32768)
+    >>> ParallelDims(dp=2, cp=4, tp=2).mesh
+    ((1, 2, 4, 2), ('pp', 'dp', 'cp', 'tp'))
     """
 
     pp: int = 1
@@ -62,10 +68,11 @@ class ParallelDims:
     checkpointing: bool = False
     micro_batch: int = 1
     seq: int = 4096
+    cp: int = 1
 
     @property
     def ranks(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def tokens(self) -> int:
@@ -73,12 +80,16 @@ class ParallelDims:
         return self.dp * self.microbatches * self.micro_batch * self.seq
 
     @property
-    def mesh(self) -> Tuple[Tuple[int, int, int], Tuple[str, str, str]]:
-        """``(mesh_shape, mesh_dim_names)``: ``(pp, dp, tp)`` and ``("pp", "dp", "tp")``."""
+    def mesh(self) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+        """``(mesh_shape, mesh_dim_names)``: ``(pp, dp, tp)`` and ``("pp", "dp", "tp")``; with ``cp > 1``
+        ``(pp, dp, cp, tp)`` and ``("pp", "dp", "cp", "tp")`` (tp innermost, then cp, as torchtitan)."""
+        if self.cp > 1:
+            return (self.pp, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp")
         return (self.pp, self.dp, self.tp), ("pp", "dp", "tp")
 
     def describe(self) -> str:
-        return (f"pp={self.pp} dp={self.dp} tp={self.tp} {'fsdp' if self.fsdp else 'ddp '} "
+        cp = f"cp={self.cp} " if self.cp > 1 else ""
+        return (f"pp={self.pp} dp={self.dp} {cp}tp={self.tp} {'fsdp' if self.fsdp else 'ddp '} "
                 f"mb={self.microbatches} {'ac' if self.checkpointing else '--'}")
 
 
@@ -116,11 +127,29 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_parallel_sizes(seq: int, devices: int, min_cp_tokens: int = 4096) -> List[int]:
+    """The context-parallel sizes a search tries for sequences of ``seq`` tokens on ``devices``: 1, and every
+    ``cp > 1`` dividing ``devices`` that cuts the sequence into ``2 cp`` equal load-balanced chunks and leaves
+    each cp rank at least ``min_cp_tokens`` tokens (shorter shards gain little memory and pay the ring's
+    transfers for every block).
+
+    Args:
+        seq: tokens per sequence.
+        devices: the devices (cp divides them).
+        min_cp_tokens: the fewest tokens of a sequence a cp rank may hold.
+
+    >>> context_parallel_sizes(4096, 64), context_parallel_sizes(32768, 64), context_parallel_sizes(12288, 64)
+    ([1], [1, 2, 4, 8], [1, 2])
+    """
+    return [1] + [c for c in _divisors(devices) if c > 1 and seq % (2 * c) == 0 and seq // c >= min_cp_tokens]
+
+
 def parallel_dims_of(devices: int, *, layers: int, devices_per_node: int = 8, micro_batch: int = 1,
-                     seq: int = 4096) -> List[ParallelDims]:
-    """Every :class:`ParallelDims` of ``devices``: tp dividing the node size, pp dividing the blocks,
-    fully_shard or not (dp > 1), ``pp`` or ``2 pp`` micro-batches (1 without pipeline), checkpointing
-    or not. (Named ``plan.layouts`` before.)
+                     seq: int = 4096, min_cp_tokens: int = 4096) -> List[ParallelDims]:
+    """Every :class:`ParallelDims` of ``devices``: tp dividing the node size, cp among
+    :func:`context_parallel_sizes` (only 1 unless each cp rank keeps ``min_cp_tokens`` tokens or more),
+    pp dividing the blocks, fully_shard or not (dp x cp > 1), ``pp`` or ``2 pp`` micro-batches (1
+    without pipeline), checkpointing or not. (Named ``plan.layouts`` before.)
 
     Args:
         devices: the number of devices.
@@ -128,25 +157,30 @@ def parallel_dims_of(devices: int, *, layers: int, devices_per_node: int = 8, mi
         devices_per_node: tp stays inside a node.
         micro_batch: sequences per micro-batch.
         seq: tokens per sequence.
+        min_cp_tokens: context parallelism is tried down to this many tokens per cp rank.
 
     >>> len(parallel_dims_of(8, layers=4)), parallel_dims_of(8, layers=4)[0].describe()
     (46, 'pp=1 dp=8 tp=1 ddp  mb=1 --')
+    >>> sorted({d.cp for d in parallel_dims_of(8, layers=4, seq=16384)})
+    [1, 2, 4]
     """
     out = []
     for tp in [t for t in _divisors(devices) if t <= devices_per_node and devices_per_node % t == 0]:
-        for pp in [p for p in _divisors(devices // tp) if layers % p == 0]:
-            dp = devices // (tp * pp)
-            for fsdp in ((False, True) if dp > 1 else (False,)):
-                for microbatches in ((1,) if pp == 1 else (pp, 2 * pp)):
-                    for checkpointing in (False, True):
-                        out.append(ParallelDims(pp, dp, tp, fsdp, microbatches, checkpointing, micro_batch, seq))
+        for cp in context_parallel_sizes(seq, devices // tp, min_cp_tokens):
+            for pp in [p for p in _divisors(devices // (tp * cp)) if layers % p == 0]:
+                dp = devices // (tp * cp * pp)
+                for fsdp in ((False, True) if dp * cp > 1 else (False,)):
+                    for microbatches in ((1,) if pp == 1 else (pp, 2 * pp)):
+                        for checkpointing in (False, True):
+                            out.append(ParallelDims(pp, dp, tp, fsdp, microbatches, checkpointing, micro_batch,
+                                                    seq, cp))
     return out
 
 
 def _stage_reports(build: Callable, dims: ParallelDims, blocks: int, device_type: str) -> Dict[int, RankReport]:
     """The first rank of every stage, simulated with ``blocks`` blocks per stage."""
     shape, names = dims.mesh
-    firsts = [s * dims.dp * dims.tp for s in range(dims.pp)]
+    firsts = [s * (dims.ranks // dims.pp) for s in range(dims.pp)]
     report = simulate(build(dims, blocks * dims.pp), mesh_shape=shape, mesh_dim_names=names, ranks=firsts,
                       device_type=device_type)
     if report.problems:
@@ -282,7 +316,8 @@ def estimate(build: Callable, dims: ParallelDims, *, layers: int, cluster: Clust
 
 def search(build: Callable, *, devices: int, layers: int, cluster: Cluster, micro_batch: int = 1, seq: int = 4096,
            candidates: Optional[Iterable[ParallelDims]] = None, device_type: str = "npu",
-           progress: Optional[Callable[[Candidate], None]] = None, workers: int = 1) -> List[Candidate]:
+           progress: Optional[Callable[[Candidate], None]] = None, workers: int = 1,
+           min_cp_tokens: int = 4096) -> List[Candidate]:
     """Every :class:`ParallelDims` of ``devices`` (or ``candidates``), estimated; those that fit
     first, fastest first.
 
@@ -302,6 +337,8 @@ def search(build: Callable, *, devices: int, layers: int, cluster: Cluster, micr
         device_type: the simulated device.
         progress: called with each :class:`Candidate` as it is priced.
         workers: processes that simulate (1: this one).
+        min_cp_tokens: context parallelism is among the default candidates where each cp rank keeps
+            at least this many tokens of a sequence (:func:`context_parallel_sizes`).
 
     Example::
 
@@ -311,7 +348,7 @@ def search(build: Callable, *, devices: int, layers: int, cluster: Cluster, micr
         raise ValueError(f"search: workers must be an int of 1 or more, got {workers!r}")
     todo = list(candidates if candidates is not None else
                 parallel_dims_of(devices, layers=layers, devices_per_node=cluster.devices_per_node,
-                                 micro_batch=micro_batch, seq=seq))
+                                 micro_batch=micro_batch, seq=seq, min_cp_tokens=min_cp_tokens))
     cache: Dict = {}
     if workers > 1:
         try:

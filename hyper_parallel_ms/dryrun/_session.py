@@ -110,6 +110,7 @@ class _Outcome:
         self.step_records: list = []
         self.activation: Optional[int] = None
         self.flops: Optional[int] = None
+        self.largest: Optional[int] = None          # the largest batch-dependent op output of the step
         self.stepped = False
         self.specs: list = []            # the sharding records (DTensorSpec) of its parameters
 
@@ -135,13 +136,13 @@ class _Simulation:
     """The ranks of one simulated cluster, run in turn."""
 
     def __init__(self, fn: Callable, shape: Tuple[int, ...], names: Optional[Tuple[str, ...]],
-                 device_type: str) -> None:
+                 device_type: str, routing: Any = "uniform") -> None:
         self.fn, self.shape, self.names, self.device_type = fn, shape, names, device_type
         self.size = prod(shape)
         self.outcomes: Dict[int, _Outcome] = {}
         self.split: Set[int] = set()                 # mesh dims that distinguish ranks
         self.uniform: Set[int] = set()               # mesh dims probed and found not to distinguish ranks
-        self.exchange = Mailbox(self._stand_in)
+        self.exchange = Mailbox(self._stand_in, routing)
         self._running: List[int] = []
         self._stopped: Set[int] = set()               # ranks stopped by a missing message (their mail kept)
 
@@ -258,6 +259,7 @@ class _Simulation:
                 out.step_records = list(mode.records[start:])
                 out.activation = autodiff.activation_peak()
                 out.flops = autodiff.flops
+                out.largest = autodiff.largest_activation
                 out.stepped = True
         except MissingMessage:
             raise
@@ -370,11 +372,12 @@ def _rank_report(rank: int, coord: Tuple[int, ...], rep: int, outcome: _Outcome,
                               stats.group if stats else group_of(r.group))
     return RankReport(rank, coord, held.param_bytes, held.grad_bytes, held.optimizer_bytes, dict(held.optimizer_slots),
                       outcome.activation, sum(r.bytes for r in outcome.step_records) if outcome.stepped else None,
-                      comm, rep, outcome.flops)
+                      comm, rep, outcome.flops, outcome.largest)
 
 
 def simulate(fn: Callable, *, mesh_shape: Sequence[int], mesh_dim_names: Optional[Sequence[str]] = None,
-             ranks: Optional[Sequence[int]] = None, device_type: str = "npu") -> SimulationReport:
+             ranks: Optional[Sequence[int]] = None, device_type: str = "npu",
+             routing: Any = "uniform") -> SimulationReport:
     """Run ``fn(mesh)`` as the ranks of a simulated cluster of ``prod(mesh_shape)`` ranks, without
     values, and report what each rank holds and sends (see the module docstring).
 
@@ -388,6 +391,11 @@ def simulate(fn: Callable, *, mesh_shape: Sequence[int], mesh_dim_names: Optiona
         mesh_dim_names: its dim names, e.g. ``("pp", "dp", "tp")``.
         ranks: the ranks to run (default: one per class of equivalent ranks, reported for every rank).
         device_type: the simulated cluster's device, ``"npu"`` (Ascend's collectives) or ``"cpu"``.
+        routing: what a mixture-of-experts router is assumed to do (a simulated rank has no values to
+            route by), for expert parallelism's token exchange: ``"uniform"`` (each rank's routed slots,
+            tokens times top-k, spread evenly over the experts: ``1 / ep`` of them to each peer) or
+            shares per expert, ``(E,)`` for every rank or ``(ep, E)`` per rank of the expert-parallel
+            group (see :mod:`hyper_parallel_ms.dryrun._routing`).
 
     Returns:
         A :class:`~hyper_parallel_ms.dryrun.SimulationReport`: ``report[r].param_bytes``, ``.grad_bytes``,
@@ -405,7 +413,7 @@ def simulate(fn: Callable, *, mesh_shape: Sequence[int], mesh_dim_names: Optiona
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(mesh), got {fn!r}")
     names = None if mesh_dim_names is None else tuple(mesh_dim_names)
-    sim = _Simulation(fn, shape, names, device_type)
+    sim = _Simulation(fn, shape, names, device_type, routing)
     world = sim.size
     began = time.perf_counter()
     if ranks is None:

@@ -6,7 +6,9 @@ tokens of ``j``'s ``E / ep`` experts), exchanges the tokens (:func:`~hyper_paral
 and reorders what arrives from source-major (rank, expert) blocks into expert-major blocks, so the local
 experts see their tokens contiguous with their local counts. Combine undoes the reorder and sends every row
 back where it came from. Both moves are differentiable (the backward of each exchange is the transposed one);
-the counts make the shapes, so this runs in PyNative only.
+the counts make the shapes, so this runs in PyNative only. On a simulated rank (the dry run), where no count
+is known, the counts come from the routing the simulation states (``simulate(..., routing=)``; the count
+gather is still issued and recorded).
 
 Example::
 
@@ -32,11 +34,12 @@ __all__ = ["TokenDispatcher", "DispatchState"]
 @dataclass(frozen=True)
 class DispatchState:
     """What combine needs of one dispatch: the split matrix, the received blocks' sizes (source-major) and
-    the expert-major order of those blocks."""
+    the expert-major order of those blocks; and every rank's tokens per expert (the same on every rank)."""
 
     matrix: Tuple[Tuple[int, ...], ...]
     blocks: Tuple[int, ...]
     order: Tuple[int, ...]
+    counts: Tuple[Tuple[int, ...], ...] = ()
 
 
 def _reorder(x, sizes: Sequence[int], order: Sequence[int]):
@@ -82,12 +85,11 @@ class TokenDispatcher:
     def dispatch(self, x, counts) -> Tuple[Tensor, Tensor, DispatchState]:
         """(this rank's tokens of its experts, expert-major; their counts ``(E / ep,)`` int32; the state)."""
         n, local, me = self.ranks, self.local, self.me
-        if not self.mesh.exchange.moves:
-            raise NotImplementedError(
-                f"expert parallelism over {self.mesh!r}: a simulated rank does not see the other ranks' token "
-                "counts, which decide the shapes of the token exchange; simulate the model without "
-                "ExpertParallel on its experts")
         every = self.gathered_counts(counts)
+        if not self.mesh.exchange.moves:
+            # nothing moved, no count known: the exchange states them (the dry run's routing assumption,
+            # hyper_parallel_ms.simulate(..., routing=)); the gather above was issued and recorded
+            every = np.asarray(self.mesh.exchange.expert_counts(int(x.shape[0]), self.num_experts, n), dtype=np.int64)
         if int(every[me].sum()) != x.shape[0]:
             raise ValueError(f"expert parallelism: num_tokens_per_expert sums to {int(every[me].sum())}, but the "
                              f"input has {x.shape[0]} tokens")
@@ -96,7 +98,8 @@ class TokenDispatcher:
         blocks = tuple(int(every[i, me * local + e]) for i in range(n) for e in range(local))
         order = tuple(i * local + e for e in range(local) for i in range(n))
         mine = Tensor(every[:, me * local:(me + 1) * local].sum(0).astype(np.int32))
-        return _reorder(received, blocks, order), mine, DispatchState(matrix, blocks, order)
+        state = DispatchState(matrix, blocks, order, tuple(map(tuple, every.tolist())))
+        return _reorder(received, blocks, order), mine, state
 
     def combine(self, y, state: DispatchState):
         """The experts' output rows back on the ranks (and in the order) they came from."""

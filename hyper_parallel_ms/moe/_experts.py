@@ -4,7 +4,8 @@ stacked weights run on tokens sorted by expert (:class:`GroupedExperts`).
 :func:`grouped_swiglu` picks the computation by device and mode: on Ascend, MindSpore's grouped matmul
 (``gmm``); on CPU in PyNative a loop over the experts on their rows (the counts read once); compiled on CPU
 (``ms.jit``, where the counts are data) every expert on every row, each row keeping its own expert's result
-(the same values, static shapes).
+(the same values, static shapes). On a simulated rank (shape-only tensors, :func:`hyper_parallel_ms.simulate`)
+the rows go through one matmul per weight: the grouped matmul's shapes and FLOPs, no counts read.
 
 Example::
 
@@ -18,7 +19,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import TruncatedNormal, initializer
 
 from .._cluster import device_target
-from .._mindspore import run_in_python, running_eagerly
+from .._mindspore import reads_shape_only, run_in_python, running_eagerly
 from ._router import _check_positive_int
 
 __all__ = ["FeedForward", "GroupedExperts", "grouped_swiglu"]
@@ -53,6 +54,11 @@ class FeedForward(nn.Cell):
 def _swiglu(x, w1, w2, w3):
     """One expert: ``x (M, dim)``, ``w1 / w3 (hidden, dim)``, ``w2 (dim, hidden)``."""
     return ops.matmul(ops.silu(ops.matmul(x, w1.T)) * ops.matmul(x, w3.T), w2.T)
+
+
+def _first(w):
+    """Expert 0's weight of the stacked ``w`` (``narrow``: indexing a Parameter without data fails)."""
+    return ops.narrow(w, 0, 0, 1).reshape(tuple(w.shape[1:]))
 
 
 @run_in_python
@@ -110,6 +116,8 @@ def grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert):
 
         y = grouped_swiglu(x, w1, w2, w3, ms.Tensor([2, 1], ms.int32))
     """
+    if reads_shape_only((x,)):                      # the grouped matmul's shapes: every row through one expert's
+        return _swiglu(x, _first(w1), _first(w2), _first(w3))
     path = _path()
     if path == "grouped":
         return _grouped(x, w1, w2, w3, num_tokens_per_expert)

@@ -3,7 +3,9 @@
 Dropless: every token reaches its ``top_k`` experts, however many go to one expert. Tokens are sorted by
 (expert, token position) with distinct integer keys, so the order inside an expert is the tokens' order
 (deterministic on every device). The router's counts feed the experts and accumulate in
-``tokens_per_expert`` (for aux-loss-free balancing, :func:`~hyper_parallel_ms.moe.update_expert_bias`).
+``tokens_per_expert`` (for aux-loss-free balancing, :func:`~hyper_parallel_ms.moe.update_expert_bias`),
+once per forward: under activation checkpointing the recompute in the backward adds nothing (PyNative;
+MindSpore's graph recompute does not repeat the in-place add).
 
 Example::
 
@@ -18,6 +20,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from .._mindspore import replaying, running_eagerly
 from ._experts import FeedForward, GroupedExperts
 from ._router import TokenChoiceTopKRouter, _check_positive_int
 
@@ -116,7 +119,10 @@ class MoE(nn.Cell):
         shape = x.shape
         tokens = x.reshape(-1, self.dim)
         scores, experts, counts = self.router(tokens, self.expert_bias)
-        ops.assign_add(self.tokens_per_expert, counts.astype(ms.float32))
+        increment = counts.astype(ms.float32)
+        if running_eagerly():       # activation checkpointing's recompute counts nothing (the same ops, times 0)
+            increment = increment * (0.0 if replaying() else 1.0)
+        ops.assign_add(self.tokens_per_expert, increment)
         slots = experts.shape[0] * self.top_k
         keys = experts.reshape(-1) * slots + ops.arange(slots).astype(ms.int32)        # distinct: a stable order
         _, order = ops.sort(keys.astype(ms.float32) if slots * self.num_experts < 2 ** 24 else keys)

@@ -27,7 +27,7 @@ from typing import Dict, List, Tuple
 
 from mindspore import nn
 
-from .._mindspore import refuse_while_compiling
+from .._mindspore import recompute_record, refuse_while_compiling
 from ..nn import ParallelStyle
 from ..nn._adapter import own_parameters
 from ..nn._edit import ConversionSpec, InputSpec, ModuleEdit, OutputSpec
@@ -88,6 +88,26 @@ def _graph_error(style: str, path: str) -> str:
             "the model without expert parallelism (a whole GroupedExperts compiles)")
 
 
+def _same_routing_when_recomputed(cell, state) -> None:
+    """Under activation checkpointing (PyNative) the backward runs the dispatch again: its counts, gathered
+    from every rank, must be the forward's (then the recomputed exchanges are the forward's); otherwise every
+    rank raises (they all compare the same gathered counts), naming the cause."""
+    record = recompute_record()
+    if record is None:
+        return
+    if not record.replaying:
+        record.keep(state.counts)
+        return
+    forward = record.take()
+    if forward != state.counts:
+        raise RuntimeError(
+            f"expert parallelism under activation checkpointing ({type(cell).__name__}): the recompute in the "
+            f"backward routed the tokens differently from the forward (tokens per expert on each rank: forward "
+            f"{forward}, recompute {state.counts}), so its token exchanges would not be the forward's. The router's "
+            "weights or expert_bias changed between the forward and its backward (update the expert bias and step "
+            "the optimizer after the backward), or its inputs differ; checkpoint the block without changing them")
+
+
 def _dispatch_hook(cell, args):
     if refuse_while_compiling(getattr(cell, _GRAPH_ERROR)):
         dispatcher, pending = getattr(cell, _DISPATCH)
@@ -95,6 +115,7 @@ def _dispatch_hook(cell, args):
             raise TypeError(f"expert parallelism: {type(cell).__name__} is called with (x, num_tokens_per_expert), "
                             f"got {len(args)} positional argument(s)")
         tokens, local_counts, state = dispatcher.dispatch(args[0], args[1])
+        _same_routing_when_recomputed(cell, state)
         pending.append(state)
         return (tokens, local_counts) + tuple(args[2:])
     return args

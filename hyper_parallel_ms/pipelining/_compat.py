@@ -10,6 +10,10 @@ HyperParallel          PyTorch / this library  translation
 ``output_concat_dim``  ``output_merge_spec``   an int ``d``: ``TensorChunkSpec(d)``
 ``overlap_p2p``        (none)                  checked and accepted: transfers are synchronous
 ``stage_num``          ``num_stages``          the same number
+``overlap_b_f``,       (none)                  ``False`` accepted; ``True`` refused by name
+``enable_dxdw_split``,                         (the overlaps and the activation swap they ask
+``swap``                                       for are not built); ``p2p_transport``:
+``p2p_transport``                              ``"plain"`` only
 =====================  ======================  =============================================
 
 Each pair is one argument under two names: give either; both are accepted when they are equal,
@@ -26,7 +30,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ._microbatch import TensorChunkSpec
 
-__all__ = ["either", "schedule_arguments", "SCHEDULE_ARGS_DOC"]
+__all__ = ["either", "schedule_arguments", "SCHEDULE_ARGS_DOC", "refuse_unbuilt"]
 
 # the docstring lines of the schedules' HyperParallel arguments (in every schedule's ``{shared_args}``)
 SCHEDULE_ARGS_DOC = """\
@@ -36,6 +40,13 @@ SCHEDULE_ARGS_DOC = """\
         output_concat_dim: HyperParallel's name for ``output_merge_spec`` (an int: that dim).
         overlap_p2p: HyperParallel's: accepted; the transfers here are synchronous either way (the values
             are the same).
+        overlap_b_f: HyperParallel's overlap of one micro-batch's backward with another's forward (for
+            expert-parallel all-to-alls): ``False`` only (``True`` raises: not built).
+        enable_dxdw_split: HyperParallel's split of that overlapped backward into input and weight
+            gradients: ``False`` only (the zero-bubble schedules split the backward themselves).
+        p2p_transport: HyperParallel's transfer backend: ``"plain"`` only (point-to-point sends).
+        swap: HyperParallel's activation swap between micro-batches: ``False`` only (swap Cells with
+            ``hyper_parallel_ms.training.swap_wrapper``).
 """
 
 
@@ -101,3 +112,37 @@ def schedule_arguments(where: str, n_microbatches: Optional[int], args_chunk_spe
             either(where, "args_chunk_spec", args_chunk_spec, "args_batch_dim", args_batch_dim),
             either(where, "kwargs_chunk_spec", kwargs_chunk_spec, "kwargs_batch_dim", kwargs_batch_dim),
             either(where, "output_merge_spec", output_merge_spec, "output_concat_dim", output_concat_dim))
+
+
+def refuse_unbuilt(where: str, *, overlap_b_f: bool, enable_dxdw_split: bool, p2p_transport: str,
+                   swap: bool) -> None:
+    """Refuse, by name, HyperParallel's schedule options that are not built here when they ask for
+    something (``True``, a transport other than ``"plain"``); their defaults are accepted.
+
+    Args:
+        where: the schedule's class name, for the error messages.
+        overlap_b_f: HyperParallel's backward/forward overlap flag.
+        enable_dxdw_split: HyperParallel's input/weight gradient split of that overlap.
+        p2p_transport: HyperParallel's transfer backend name.
+        swap: HyperParallel's activation swap flag.
+
+    Example:
+        >>> refuse_unbuilt("Schedule1F1B", overlap_b_f=False, enable_dxdw_split=False, p2p_transport="plain",
+        ...                swap=False)
+    """
+    for name, value in (("overlap_b_f", overlap_b_f), ("enable_dxdw_split", enable_dxdw_split), ("swap", swap)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{where} {name} must be True or False, got {value!r}")
+    if overlap_b_f:
+        raise NotImplementedError(f"{where}(overlap_b_f=True): overlapping one micro-batch's backward with another's "
+                                  "forward is not built here; leave overlap_b_f=False (the values are the same)")
+    if enable_dxdw_split:
+        raise NotImplementedError(f"{where}(enable_dxdw_split=True): the split backward of the B/F overlap is not "
+                                  "built; leave it False, or use a zero-bubble schedule (ScheduleZBVZeroBubble, "
+                                  "ScheduleInterleavedZeroBubble), which splits the backward itself")
+    if swap:
+        raise NotImplementedError(f"{where}(swap=True): swapping activations between micro-batches is not built; "
+                                  "swap Cells with hyper_parallel_ms.training.swap_wrapper instead")
+    if p2p_transport != "plain":
+        raise NotImplementedError(f"{where}(p2p_transport={p2p_transport!r}): only 'plain' point-to-point transfers "
+                                  "are built")

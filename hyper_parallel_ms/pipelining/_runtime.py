@@ -142,6 +142,8 @@ class Runtime:
         if forward_only:
             actions = [a for a in actions if a.kind in (F, SEND_F, RECV_F, UNSHARD, RESHARD)]
         self._channel.new_step()
+        for stage in self.stages.values():
+            stage.bwd_cache.clear()
         handlers = {F: self._forward, B: self._backward, I: self._backward_input, W: self._backward_weight,
                     SEND_F: self._send_f, RECV_F: self._recv_f, SEND_B: self._send_b, RECV_B: self._recv_b,
                     UNSHARD: self._unshard, RESHARD: self._reshard, REDUCE_GRAD: self._reduce_grad}
@@ -178,6 +180,7 @@ class Runtime:
                 self._reshard(s, None)
             for stage in self.stages.values():
                 stage.set_requires_gradient_sync(True)
+                stage.bwd_cache.clear()
             self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
         self.failed = error is not None
         if self.failed:
@@ -225,7 +228,7 @@ class Runtime:
         if stage.is_last:
             if self._losses is not None:
                 self._losses.append(loss)
-            self._tape[s, m] = ((loss,), (Tensor(np.full(loss.shape, self._scales[m]), loss.dtype),))
+            self._tape[s, m] = ((loss,), (self._last_sens(stage, loss, m),))
             return
         outs = stage_outputs(out, s)
         self._tape[s, m] = (tuple(o for o in outs if is_float(o)), None)
@@ -233,6 +236,20 @@ class Runtime:
             self._take_inputs(s + 1, m, tuple(ops.stop_gradient(o) for o in outs))
         else:
             self._outs[s, m] = outs
+
+    def _last_sens(self, stage: PipelineStage, loss: Tensor, m: int) -> Tensor:
+        """The backward seed of micro-batch ``m``'s loss: the stage's ``get_last_stage_sens`` times the
+        micro-batch's weight."""
+        seed = stage.get_last_stage_sens(loss)
+        if isinstance(seed, (list, tuple)) and len(seed) == 1:
+            seed = seed[0]
+        if not isinstance(seed, Tensor) or tuple(seed.shape) != tuple(loss.shape):
+            raise ScheduleError(f"stage {stage.stage_index}: get_last_stage_sens returned {type(seed).__name__} "
+                                f"{getattr(seed, 'shape', '')}; it must return one Tensor shaped like the loss "
+                                f"{tuple(loss.shape)}")
+        seed = seed.astype(loss.dtype) if seed.dtype != loss.dtype else seed
+        scale = self._scales[m]
+        return seed if scale == 1 else seed * Tensor(np.full(loss.shape, scale), loss.dtype)
 
     def _call(self, s: int, m: int, call: Callable[[], Any], args: tuple, kwargs: dict, target: Any) -> Any:
         """``call()``, stage ``s``'s forward of micro-batch ``m``; its error re-raised as PyTorch's
@@ -307,7 +324,7 @@ class Runtime:
         if self.plan.placement[s - 1] == self.plan.placement[s]:
             self._out_grads[s - 1, m] = grads
         else:
-            self._in_grads[s, m] = grads
+            self.stages[s].bwd_cache[m] = grads       # sent by SEND_B through the stage's bwd_send_specs
 
     # --------------------------------------------------------------- parameter actions (fully_shard stages)
     def _unshard(self, s: int, _: None) -> None:
@@ -340,7 +357,11 @@ class Runtime:
         self._take_inputs(s, m, self._channel.recv(Action(s, RECV_F, m), self._peer(s - 1)))
 
     def _send_b(self, s: int, m: int) -> None:
-        self._channel.send(Action(s, SEND_B, m), self._in_grads.pop((s, m)), self._peer(s - 1))
+        grads = self.stages[s].bwd_send_specs(m)
+        if not isinstance(grads, (list, tuple)) or not all(isinstance(g, Tensor) for g in grads):
+            raise ScheduleError(f"stage {s}: bwd_send_specs({m}) returned {grads!r}; it must return the list of input "
+                                f"gradients to send back")
+        self._channel.send(Action(s, SEND_B, m), tuple(grads), self._peer(s - 1))
 
     def _recv_b(self, s: int, m: int) -> None:
         outputs = self._tape[s, m][0]

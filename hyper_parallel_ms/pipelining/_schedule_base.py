@@ -25,7 +25,7 @@ from ..comm._agreement import extremes
 from ._action import PipelineError, ScheduleError
 from ._batch import (BAD_SPEC, TARGET_WITHOUT_LOSS, batch_message, batch_problem, check_chunk_specs,
                      microbatch_weights)
-from ._compat import SCHEDULE_ARGS_DOC, schedule_arguments
+from ._compat import SCHEDULE_ARGS_DOC, refuse_unbuilt, schedule_arguments
 from ._microbatch import merge_chunks, split_dims, split_microbatches
 from ._plan import PipelinePlan, build_plan
 from ._runtime import Runtime, StepStats
@@ -99,8 +99,11 @@ class PipelineSchedule:
                  scale_grads: bool = True, micro_batch_num: Optional[int] = None,
                  shared_parameters: Optional[SharedSpec] = None, args_batch_dim: Optional[Sequence[Any]] = None,
                  kwargs_batch_dim: Optional[Dict[str, Any]] = None, output_concat_dim: Any = None,
-                 overlap_p2p: bool = False) -> None:
+                 overlap_p2p: bool = False, overlap_b_f: bool = False, enable_dxdw_split: bool = False,
+                 p2p_transport: str = "plain", swap: bool = False) -> None:
         name = type(self).__name__
+        refuse_unbuilt(name, overlap_b_f=overlap_b_f, enable_dxdw_split=enable_dxdw_split,
+                       p2p_transport=p2p_transport, swap=swap)
         n, args_chunk_spec, kwargs_chunk_spec, output_merge_spec = schedule_arguments(
             name, n_microbatches, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
             micro_batch_num=micro_batch_num, args_batch_dim=args_batch_dim, kwargs_batch_dim=kwargs_batch_dim,

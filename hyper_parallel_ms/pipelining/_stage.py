@@ -12,7 +12,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import Tensor, nn
@@ -98,6 +98,9 @@ class PipelineStage:
         stage_num: HyperParallel's name of ``num_stages`` (give either).
         has_backward: HyperParallel's: ``False`` makes every schedule holding this stage run forwards only
             (the pp ranks agree on it when the schedule is built), as a schedule without ``loss_fn`` does.
+        dyn_shape: HyperParallel's: ``True`` lets the shapes crossing this stage's boundaries change
+            from one micro-batch or step to the next. Shapes travel with every message here, so both
+            values run any shapes (kept as :attr:`dyn_shape`).
         jit: compile the stage: each micro-batch's forward (with ``loss_fn`` on the last stage)
             runs as one ``ms.jit`` graph, and its backward as the compiled backward graph of that
             forward, reading the activations the forward kept (the forward is not run again);
@@ -107,6 +110,10 @@ class PipelineStage:
             (compiled backwards cannot turn sync off) and sums them. (PyTorch has no such
             argument: one compiles the module given to the stage.)
 
+    HyperParallel's override points, which the schedules call (a subclass may override them):
+    :meth:`get_last_stage_sens` (the last stage's backward seed) and :meth:`bwd_send_specs` (the
+    input gradients this stage sends back to the previous stage's rank).
+
     Example::
 
         stage = PipelineStage(split_blocks(Model(), rank, 2), rank, 2, mesh=mesh)
@@ -115,7 +122,8 @@ class PipelineStage:
 
     def __init__(self, submodule: nn.Cell, stage_index: int, num_stages: Optional[int] = None, device: Any = None,
                  input_args: Any = None, output_args: Any = None, group: Any = None, dw_builder: Any = None, *,
-                 mesh=None, jit: bool = False, stage_num: Optional[int] = None, has_backward: bool = True) -> None:
+                 mesh=None, jit: bool = False, stage_num: Optional[int] = None, has_backward: bool = True,
+                 dyn_shape: bool = False) -> None:
         if not isinstance(submodule, nn.Cell):
             raise TypeError(f"PipelineStage needs an nn.Cell as submodule, got {type(submodule).__name__}")
         num_stages = either("PipelineStage", "num_stages", num_stages, "stage_num", stage_num, required=True)
@@ -126,6 +134,8 @@ class PipelineStage:
                 raise TypeError(f"PipelineStage {name} must be an int, got {value!r}")
         if not isinstance(jit, bool):
             raise TypeError(f"PipelineStage jit must be True or False, got {jit!r}")
+        if not isinstance(dyn_shape, bool):
+            raise TypeError(f"PipelineStage dyn_shape must be True or False, got {dyn_shape!r}")
         if num_stages < 1:
             raise ValueError(f"PipelineStage num_stages must be a positive int, the number of stages of the whole "
                              f"pipeline (e.g. the pp size for one stage per rank), got {num_stages}")
@@ -136,6 +146,8 @@ class PipelineStage:
             raise NotImplementedError("PipelineStage(dw_builder=...): a custom weight-gradient builder is not built; "
                                       "the zero-bubble schedules (ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, "
                                       "ScheduleDualPipeV) split the backward themselves")
+        if isinstance(group, str) and mesh is not None and mesh.ndim == 1 and group == mesh.get_group():
+            group = None                # HyperParallel's group name of the pp mesh given with it
         if group is not None:
             if mesh is not None and group is not mesh and group != mesh:
                 raise ValueError("PipelineStage got both group= and mesh=, and they differ; give the pp mesh once")
@@ -153,6 +165,8 @@ class PipelineStage:
         self.mesh = mesh
         self.jit = jit
         self.has_backward = has_backward
+        self.dyn_shape = dyn_shape
+        self.bwd_cache: Dict[int, Tuple[Tensor, ...]] = {}    # micro-batch -> input gradients to send back
 
     @property
     def is_first(self) -> bool:
@@ -163,6 +177,50 @@ class PipelineStage:
     def is_last(self) -> bool:
         """Whether this is the last stage (it applies the loss)."""
         return self.stage_index == self.num_stages - 1
+
+    @property
+    def _has_backward(self) -> bool:
+        """HyperParallel's name of :attr:`has_backward` (subclasses read it)."""
+        return self.has_backward
+
+    def get_last_stage_sens(self, last_stage_outputs: Any) -> Any:
+        """The backward seed of the last stage's loss for one micro-batch (HyperParallel's override
+        point; the schedules call it on the last stage, once per micro-batch): ones shaped like the
+        loss. The schedule multiplies it by the micro-batch's weight (``1 / n_microbatches`` with
+        ``scale_grads=True``, the default; ``1`` with ``scale_grads=False``, HyperParallel's sum).
+        Gradients of a DTensor loss here are whole, not each replica's share: no ``1 / repeat_num``.
+
+        Args:
+            last_stage_outputs: the loss of the micro-batch (what ``loss_fn`` returned).
+
+        Example::
+
+            class Scaled(PipelineStage):
+                def get_last_stage_sens(self, loss):
+                    return super().get_last_stage_sens(loss) * 0.5      # half of every gradient
+        """
+        if isinstance(last_stage_outputs, (list, tuple)):
+            return [ms.ops.ones(tuple(o.shape), o.dtype) for o in last_stage_outputs]
+        return ms.ops.ones(tuple(last_stage_outputs.shape), last_stage_outputs.dtype)
+
+    def bwd_send_specs(self, micro_index: int) -> List[Tensor]:
+        """The input gradients of micro-batch ``micro_index`` this stage sends to the previous
+        stage's rank (HyperParallel's override point; the schedules call it at each backward send),
+        one per floating input, in order; taken from :attr:`bwd_cache`.
+
+        Args:
+            micro_index: the micro-batch.
+
+        Example::
+
+            class Clipped(PipelineStage):
+                def bwd_send_specs(self, micro_index):
+                    return [ops.clip_by_value(g, -1.0, 1.0) for g in super().bwd_send_specs(micro_index)]
+        """
+        if micro_index not in self.bwd_cache:
+            raise KeyError(f"stage {self.stage_index} holds no input gradients of micro-batch {micro_index} to send "
+                           f"(its backward has not run)")
+        return list(self.bwd_cache.pop(micro_index))
 
     @property
     def submod(self) -> nn.Cell:

@@ -27,6 +27,25 @@ backward of these views misplaces a gradient that is itself a view: ``cat((b, a)
 | ``InnerCommAllReduce`` / ``InnerCommAllGather`` / ``InnerCommReduceScatter`` | ``ops.communication``'s \
 ``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (not in place) | this library's \
 ``comm`` collectives on the group's ranks (synchronous) |
+| ``InnerCommAllToAllV`` | ``ops.communication``'s ``all_to_all_single`` / ``all_to_all`` (not in place) | \
+this library's ``comm.all_to_all_single`` on the flat elements (uneven splits; backward: the splits swapped) |
+| ``DistCommAllReduce`` | ``mint.distributed.all_reduce`` (in place) | ``comm.all_reduce``, written into the input |
+| ``TopkExt`` / ``SortExt`` / ``ArgSort`` | ``mint.topk`` / ``mint.sort`` / ``mint.argsort`` | a stable order on the \
+host (ties: the lower index first; ``sorted=False`` answers sorted), values by ``ops.gather_elements`` \
+(differentiable) |
+| ``HistcExt`` | ``mint.histc`` | ``numpy.bincount`` of the bins (outside ``[min, max]``: not counted; ``max`` \
+in the last bin), in the input's dtype |
+| ``CumsumExt`` | ``mint.cumsum`` | ``ops.cumsum``, cast to ``dtype`` |
+| ``GroupedMatmul`` | ``ops.grouped_matmul`` (``split_item=3, group_type=0``: rows grouped by the cumulative \
+``group_list``; ``split_item=0``: a list of matmuls) | one matmul per group on its rows, concatenated |
+| ``MoeTokenPermute`` / ``MoeTokenUnpermute`` | ``ops.moe_token_permute`` / ``ops.moe_token_unpermute`` \
+(no dropping, not padded) | a stable sort of the flattened expert ids on the host, rows by ``ops.gather`` \
+(the second output: each (token, slot)'s row) / rows gathered back, weighted by ``probs`` and summed over top-k |
+| ``Tensor.scatter_`` / ``Tensor.add_`` / ``mint.floor_divide`` / ``mint.repeat_interleave`` | C++ methods and \
+functions, no Python primitive call: the Python names are replaced (``Tensor``'s methods, ``mindspore.mint``'s \
+functions) | ``ops.tensor_scatter_elements`` written back with ``copy_`` / the sum written back with ``copy_`` \
+(MindSpore 2.10's CPU ``add_`` returns it without writing it) / ``ops.floor_div`` / ``ops.gather`` of the \
+repeated indices |
 
 Example::
 
@@ -51,6 +70,14 @@ __all__ = ["cpu_twins", "TWINS"]
 _LOCK = threading.Lock()
 _DEPTH = [0]
 _SAVED: Dict[type, Any] = {}
+_SAVED_METHODS: Dict[str, Any] = {}
+_ORIGINALS: Dict[str, Any] = {}
+_ABSENT = object()
+# twins put in place of a Python name (a C++ tensor method, a C++ overloaded function), not of a primitive
+_ATTRIBUTES: Dict[str, Tuple[Any, str]] = {"Tensor.scatter_": (ms.Tensor, "scatter_"),
+                                           "Tensor.add_": (ms.Tensor, "add_"),
+                                           "mint.floor_divide": (mint, "floor_divide"),
+                                           "mint.repeat_interleave": (mint, "repeat_interleave")}
 
 
 def _host(value: Any) -> Any:
@@ -153,6 +180,200 @@ def _reduce_scatter(self, input, rank_size, op_type, group, async_op=True):  # n
     from ..process_group import group_mesh, reduce_op_name
     op = reduce_op_name(_host(op_type), "cpu_twins")
     return reduce_scatter(input, group_mesh(group), 0, dim=0, op=op)
+
+
+def _all_to_all_v(self, input, group, send_numel_list, recv_numel_list, rank_size, split_sizes_empty,  # noqa: A002
+                  async_op=True):
+    from ..comm import all_to_all_single
+    from ..process_group import group_mesh
+    sends = [int(_host(n)) for n in send_numel_list]
+    receives = [int(_host(n)) for n in recv_numel_list]
+    return all_to_all_single(input.reshape(-1), receives, sends, group_mesh(group), 0)
+
+
+def _dist_all_reduce(self, input, op_type, group, async_op=True):  # noqa: A002
+    """In place (``mint.distributed.all_reduce``): the result written into ``input``."""
+    return input.copy_(_all_reduce(self, input, op_type, group))
+
+
+def _axis(dim: Any, ndim: int) -> int:
+    dim = int(_host(dim))
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"cpu_twins: dim {dim} is out of range for a {ndim}-d tensor")
+    return dim % max(ndim, 1)
+
+
+def _order(input, dim: int, descending: bool) -> np.ndarray:  # noqa: A002
+    """Stable order along ``dim`` (ties: the lower index first, either direction), on the host."""
+    values = input.asnumpy()
+    if values.ndim == 0:
+        return np.zeros((), np.int64)
+    if values.dtype == np.bool_:
+        values = values.astype(np.int8)
+    key = -values.astype(np.float64) if descending else values
+    return np.argsort(key, axis=dim, kind="stable").astype(np.int64)
+
+
+def _picked(input, index: np.ndarray, dim: int):  # noqa: A002
+    """``input``'s elements at ``index`` along ``dim``, differentiable with respect to ``input``."""
+    if input.ndim == 0:
+        return input
+    return ops.gather_elements(input, dim, ms.Tensor(index))
+
+
+def _topk(self, input, k, dim=-1, largest=True, sorted=True):  # noqa: A002
+    dim, k = _axis(dim, input.ndim), int(_host(k))
+    length = input.shape[dim] if input.ndim else 1
+    if not 0 <= k <= length:
+        raise ValueError(f"cpu_twins: topk k={k} is out of range for {length} elements along dim {dim}")
+    index = np.take(_order(input, dim, bool(largest)), np.arange(k), axis=dim) if input.ndim else _order(input, 0, True)
+    return _picked(input, index, dim), ms.Tensor(index)
+
+
+def _sort(self, input, dim=-1, descending=False, stable=False):  # noqa: A002
+    dim = _axis(dim, input.ndim)
+    index = _order(input, dim, bool(descending))
+    return _picked(input, index, dim), ms.Tensor(index)
+
+
+def _argsort(self, input, dim=-1, descending=False, stable=False):  # noqa: A002
+    return ms.Tensor(_order(input, _axis(dim, input.ndim), bool(descending)))
+
+
+def _histc(self, input, bins=100, min=0, max=0):  # noqa: A002 - MindSpore's argument names
+    values = input.asnumpy().astype(np.float64).reshape(-1)
+    bins, low, high = int(_host(bins)), float(_host(min)), float(_host(max))
+    if bins <= 0:
+        raise ValueError(f"cpu_twins: histc bins must be positive, got {bins}")
+    if low == high == 0.0 and values.size:
+        low, high = float(values.min()), float(values.max())
+    if low == high:
+        low, high = low - 1.0, high + 1.0
+    if low > high:
+        raise ValueError(f"cpu_twins: histc min {low} is larger than max {high}")
+    inside = values[(values >= low) & (values <= high)]
+    which = np.minimum(((inside - low) * bins / (high - low)).astype(np.int64), bins - 1)
+    return ms.Tensor(np.bincount(which, minlength=bins).astype(ms.dtype_to_nptype(input.dtype)))
+
+
+def _cumsum(self, input, dim, dtype=None):  # noqa: A002
+    out = ops.cumsum(input, _axis(dim, input.ndim))
+    return out if dtype is None else out.astype(dtype)
+
+
+def _tensor_add_(self, other, *, alpha=1):
+    """``Tensor.add_``: MindSpore 2.10's CPU backend returns the sum without writing it into the tensor.
+    A DTensor keeps the method it had (this library's dispatcher places its in-place ops)."""
+    if _dtensor(self):
+        return _ORIGINALS["Tensor.add_"](self, other, alpha=alpha)
+    alpha = _host(alpha)
+    return self.copy_((self + (other if alpha == 1 else other * alpha)).astype(self.dtype))
+
+
+def _floor_divide(input, other):  # noqa: A002
+    """``mint.floor_divide``: a C++ overloaded function (no Python primitive call to replace)."""
+    return ops.floor_div(input, _host(other) if not isinstance(other, ms.Tensor) else other)
+
+
+def _dtensor(value: Any) -> bool:
+    from ..dtensor import DTensor
+    return isinstance(value, DTensor)
+
+
+def _tensor_scatter_(self, dim, index, src, *, reduce=None):
+    """``Tensor.scatter_``: a method of MindSpore's C++ tensor (no Python primitive call to replace).
+    A DTensor keeps the method it had (this library's dispatcher places its in-place ops)."""
+    if _dtensor(self):
+        extra = {} if reduce is None else {"reduce": reduce}
+        return _ORIGINALS["Tensor.scatter_"](self, dim, index, src, **extra)
+    if reduce is not None:
+        raise ValueError("cpu_twins: the Tensor.scatter_ twin writes values only (reduce=None); run on Ascend")
+    dim = _axis(dim, self.ndim)
+    if isinstance(src, ms.Tensor):
+        source = src[tuple(slice(0, n) for n in index.shape)].astype(self.dtype)
+    else:
+        source = ms.Tensor(np.full(tuple(index.shape), src), self.dtype)
+    wire = ms.int32 if self.dtype == ms.bool_ else self.dtype
+    out = ops.tensor_scatter_elements(self.astype(wire), index, source.astype(wire), axis=dim)
+    return self.copy_(out.astype(self.dtype))
+
+
+def _moe_token_permute(self, tokens, indices, num_out_tokens=None, padded_mode=False):
+    if padded_mode or num_out_tokens is not None:
+        raise ValueError("cpu_twins: the MoeTokenPermute twin permutes every token (num_out_tokens=None, "
+                         "padded_mode=False); run on Ascend for token dropping")
+    experts = indices.asnumpy().astype(np.int64)
+    top_k = 1 if experts.ndim == 1 else experts.shape[1]
+    order = np.argsort(experts.reshape(-1), kind="stable")                 # ties: token-major order
+    where = np.empty_like(order)
+    where[order] = np.arange(order.size)                                   # each (token, slot)'s row
+    return ops.gather(tokens, ms.Tensor((order // top_k).astype(np.int64)), 0), ms.Tensor(where.astype(np.int32))
+
+
+def _moe_token_unpermute(self, permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    if padded_mode:
+        raise ValueError("cpu_twins: the MoeTokenUnpermute twin takes padded_mode=False; run on Ascend")
+    rows = ops.gather(permuted_tokens, sorted_indices.reshape(-1).astype(ms.int64), 0)
+    if probs is None:
+        return rows
+    tokens, top_k = probs.shape
+    weighted = rows.reshape(tokens, top_k, -1) * probs.astype(rows.dtype).reshape(tokens, top_k, 1)
+    return weighted.sum(1)
+
+
+def _repeat_interleave(input, repeats, dim=None, output_size=None):  # noqa: A002
+    """``mint.repeat_interleave``: a C++ overloaded function (no Python primitive call to replace)."""
+    if dim is None:
+        input, dim = input.reshape(-1), 0                                   # noqa: A001
+    dim = _axis(dim, input.ndim)
+    length = input.shape[dim]
+    counts = np.asarray(repeats.asnumpy() if isinstance(repeats, ms.Tensor) else repeats, np.int64).reshape(-1)
+    counts = np.broadcast_to(counts, (length,)) if counts.size == 1 else counts
+    if counts.size != length or np.any(counts < 0):
+        raise ValueError(f"cpu_twins: repeat_interleave takes one non-negative repeat count or {length}, got "
+                         f"{counts.tolist()}")
+    index = np.repeat(np.arange(length), counts)
+    if output_size is not None and int(_host(output_size)) != index.size:
+        raise ValueError(f"cpu_twins: repeat_interleave output_size {int(_host(output_size))} is not the "
+                         f"{index.size} elements the repeats give")
+    return ops.gather(input, ms.Tensor(index.astype(np.int64)), dim)
+
+
+def _grouped_matmul(self, x, weight, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+                    group_list=None):
+    if any(v is not None for v in (bias, scale, offset, antiquant_scale, antiquant_offset)):
+        raise ValueError("cpu_twins: the GroupedMatmul twin computes x @ weight only (no bias, quantisation or "
+                         "antiquantisation); run on Ascend for those")
+    split_item, group_type = int(_host(self.split_item)), int(_host(self.group_type))
+    if self.transpose_a:
+        raise ValueError("cpu_twins: the GroupedMatmul twin does not compute transpose_a=True; run on Ascend")
+
+    def matmul(a, w):
+        return mint.matmul(a, mint.transpose(w, -1, -2) if self.transpose_b else w)
+    if split_item == 0 and group_type == -1:
+        if len(x) != len(weight):
+            raise ValueError(f"cpu_twins: GroupedMatmul split_item=0 takes as many x as weights, got {len(x)} "
+                             f"and {len(weight)}")
+        return tuple(matmul(a, w) for a, w in zip(x, weight))
+    if split_item != 3 or group_type != 0:
+        raise ValueError(f"cpu_twins: GroupedMatmul takes split_item=0 with group_type=-1, or split_item=3 with "
+                         f"group_type=0; got split_item={split_item}, group_type={group_type}")
+    if group_list is None or len(x) != 1 or len(weight) != 1:
+        raise ValueError("cpu_twins: GroupedMatmul split_item=3 takes one x, one 3-d weight and group_list")
+    (a,), (w,) = x, weight
+    ends = np.asarray(group_list.asnumpy() if isinstance(group_list, ms.Tensor) else group_list, np.int64).reshape(-1)
+    if w.ndim != 3 or ends.shape[0] != w.shape[0]:
+        raise ValueError(f"cpu_twins: GroupedMatmul group_list has one cumulative row count per weight "
+                         f"(weight {tuple(w.shape)}), got {ends.shape[0]}")
+    starts = np.concatenate([[0], ends[:-1]])
+    if np.any(ends < starts) or ends[-1] != a.shape[0]:
+        raise ValueError(f"cpu_twins: GroupedMatmul group_list must be non-decreasing cumulative row counts "
+                         f"ending at x's {a.shape[0]} rows, got {ends.tolist()}")
+    pieces = [matmul(mint.narrow(a, 0, int(start), int(end - start)), w[e])
+              for e, (start, end) in enumerate(zip(starts, ends)) if end > start]
+    if not pieces:
+        return (ops.zeros((0, w.shape[1] if self.transpose_b else w.shape[2]), a.dtype),)
+    return (pieces[0] if len(pieces) == 1 else ops.cat(pieces, 0),)
 
 
 _LAYOUTS = {"BSH": "bsh", "SBH": "sbh", "BNSD": "bnsd", "BSND": "bsnd"}
@@ -294,7 +515,10 @@ def _primitive_classes() -> Dict[str, type]:
                                                                "ZerosLikeExt", "OnesLikeExt", "ScatterAddExt",
                                                                "SplitTensorView", "SplitWithSizeView",
                                                                "InnerCommAllReduce", "InnerCommAllGather",
-                                                               "InnerCommReduceScatter")}
+                                                               "InnerCommReduceScatter", "InnerCommAllToAllV",
+                                                               "TopkExt", "SortExt", "ArgSort", "HistcExt",
+                                                               "CumsumExt", "GroupedMatmul", "DistCommAllReduce",
+                                                               "MoeTokenPermute", "MoeTokenUnpermute")}
     classes["RmsNorm"] = _PyboostRmsNormPrim
     return classes
 
@@ -305,6 +529,11 @@ TWINS: Dict[str, Callable] = {
     "ZerosLikeExt": _zeros_like, "OnesLikeExt": _ones_like, "ScatterAddExt": _scatter_add,
     "SplitTensorView": _split_view, "SplitWithSizeView": _split_view,
     "InnerCommAllReduce": _all_reduce, "InnerCommAllGather": _all_gather, "InnerCommReduceScatter": _reduce_scatter,
+    "InnerCommAllToAllV": _all_to_all_v, "TopkExt": _topk, "SortExt": _sort, "ArgSort": _argsort, "HistcExt": _histc,
+    "CumsumExt": _cumsum, "GroupedMatmul": _grouped_matmul,
+    "DistCommAllReduce": _dist_all_reduce, "Tensor.scatter_": _tensor_scatter_, "Tensor.add_": _tensor_add_,
+    "mint.floor_divide": _floor_divide, "mint.repeat_interleave": _repeat_interleave,
+    "MoeTokenPermute": _moe_token_permute, "MoeTokenUnpermute": _moe_token_unpermute,
 }
 
 
@@ -330,6 +559,10 @@ def cpu_twins() -> Iterator[Tuple[str, ...]]:
             for name, cls in _primitive_classes().items():
                 _SAVED[cls] = cls.__dict__["__call__"]
                 cls.__call__ = TWINS[name]
+            for key, (owner, name) in _ATTRIBUTES.items():   # C++ methods and functions: their Python names
+                _SAVED_METHODS[key] = owner.__dict__.get(name, _ABSENT)
+                _ORIGINALS[key] = getattr(owner, name)
+                setattr(owner, name, TWINS[key])
         _DEPTH[0] += 1
     try:
         yield tuple(TWINS)
@@ -340,3 +573,10 @@ def cpu_twins() -> Iterator[Tuple[str, ...]]:
                 for cls, call in _SAVED.items():
                     cls.__call__ = call
                 _SAVED.clear()
+                for key, method in _SAVED_METHODS.items():
+                    owner, name = _ATTRIBUTES[key]
+                    if method is _ABSENT:
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, method)
+                _SAVED_METHODS.clear()

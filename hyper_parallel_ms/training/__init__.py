@@ -12,6 +12,7 @@ from ._recompute import (ATTENTION_CORE, SAVE_MATMUL_AND_COLLECTIVES, Checkpoint
                           create_selective_checkpoint_contexts)
 from ._clip import clip_grad_norm
 from ._composable import checkpoint, offload_wrapper
+from ._exclude import CheckpointExcludeWrapper, ExcludeStats, checkpoint_exclude_wrapper, exclude_stats
 from ._finite import all_finite
 from ._norm import TotalGradNorm
 from ._swap import SwapStats, SwapWrapper, swap_stats, swap_wrapper
@@ -19,4 +20,4 @@ from ._swap import SwapStats, SwapWrapper, swap_stats, swap_wrapper
 __all__ = ["clip_grad_norm", "TotalGradNorm", "all_finite", "checkpoint_wrapper", "apply_activation_checkpointing",
            "CheckpointWrapper", "CheckpointImpl", "checkpoint_stats", "create_selective_checkpoint_contexts",
            "SAVE_MATMUL_AND_COLLECTIVES", "ATTENTION_CORE", "swap_wrapper", "SwapWrapper", "swap_stats", "SwapStats", "checkpoint",
-           "offload_wrapper"]
+           "offload_wrapper", "checkpoint_exclude_wrapper", "CheckpointExcludeWrapper", "exclude_stats", "ExcludeStats"]

@@ -36,18 +36,19 @@ Example::
 from __future__ import annotations
 
 import collections.abc
+import contextvars
 import enum
 import threading
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from contextlib import nullcontext
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import mindspore as ms
 from mindspore import Parameter, nn
 
-from .._mindspore import (OP_INTERCEPTION, OpInterception, cell_subclass, discard_grad_recording, is_compiling,
-                          recompute_eagerly, recompute_in_graph, refuse_while_compiling, run_in_python,
-                          running_eagerly)
+from .._mindspore import (ONE_NODE, OP_INTERCEPTION, OpInterception, cell_subclass, discard_grad_recording,
+                          in_one_autodiff_node, is_compiling, recompute_eagerly, recompute_in_graph,
+                          refuse_while_compiling, run_in_python, running_eagerly)
 from ..dtensor import DTensor
 from ..fsdp._module import fsdp_state
 from ..fsdp._param import is_piece
@@ -98,6 +99,8 @@ def is_random_op(name: str) -> bool:
 _NEVER_SAVED = frozenset({"StopGradient"})     # run by MindSpore's recompute itself, in the recompute only
 _STATE = "_hpms_checkpoint"
 _RUNNING = threading.local()          # .cell: the checkpointed Cell whose forward runs now (nesting check)
+_EXCLUDING = threading.local()        # .depth: > 0 inside a region excluded from recomputation (training._exclude)
+_EXCLUDING.depth = 0
 
 Policy = Union[None, str, Collection[str], Callable[[str], bool]]
 
@@ -118,10 +121,78 @@ class CheckpointStats:
 
 
 class _State:
-    def __init__(self, keep: Optional[Callable[[str], bool]], graph_error: str) -> None:
+    def __init__(self, keep: Optional[Callable[[str], bool]], graph_error: str,
+                 context_fn: Optional[Callable[[], Tuple[Any, Any]]] = None) -> None:
         self.keep = keep
         self.graph_error = graph_error
+        self.context_fn = context_fn
         self.stats = CheckpointStats()
+
+
+class Invocation:
+    """One call of a checkpointed Cell: what the regions excluded from its recomputation produced
+    in its forward (``outputs``: region id -> queue of outputs), handed to its recompute."""
+
+    def __init__(self) -> None:
+        self.outputs: Dict[int, deque] = defaultdict(deque)
+
+
+# (the Invocation, whether its recompute runs) while a checkpointed Cell's forward or recompute runs
+_PHASE: contextvars.ContextVar = contextvars.ContextVar("hpms_checkpoint_phase", default=None)
+
+
+def checkpoint_phase() -> Optional[Tuple[Invocation, bool]]:
+    """``(invocation, recomputing)`` inside a checkpointed Cell's forward (``recomputing`` False) or
+    its recompute in the backward (True); ``None`` elsewhere (inside an excluded region too)."""
+    return _PHASE.get()
+
+
+class _Phase:
+    def __init__(self, invocation: Optional[Invocation], recomputing: bool) -> None:
+        self.value = None if invocation is None else (invocation, recomputing)
+        self.token = None
+
+    def __enter__(self):
+        self.token = _PHASE.set(self.value)
+        return self
+
+    def __exit__(self, *exc):
+        _PHASE.reset(self.token)
+        return False
+
+
+class _Stacked:
+    """Context managers entered in order, left in reverse; ``keeps``: the policy's choice of op outputs
+    (a selective policy's context's, which the dry run reads; ``None`` without one)."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts, self.entered = contexts, []
+        self.keeps = next((c.keeps for c in contexts if getattr(c, "keeps", None) is not None), None)
+
+    def __enter__(self):
+        for ctx in self.contexts:
+            ctx.__enter__()
+            self.entered.append(ctx)
+        return self
+
+    def __exit__(self, *exc):
+        suppress = False
+        while self.entered:
+            ctx = self.entered.pop()
+            if ctx.__exit__(*exc):
+                suppress, exc = True, (None, None, None)
+        return suppress
+
+
+def _user_contexts(context_fn: Optional[Callable[[], Tuple[Any, Any]]]) -> Tuple[Any, Any]:
+    if context_fn is None:
+        return nullcontext(), nullcontext()
+    pair = context_fn()
+    if not (isinstance(pair, tuple) and len(pair) == 2 and
+            all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in pair)):
+        raise TypeError(f"checkpoint_wrapper(context_fn=...): context_fn() must return (forward context manager, "
+                        f"recompute context manager), got {pair!r}")
+    return pair
 
 
 def _keep_fn(policy: Policy) -> Optional[Callable[[str], bool]]:
@@ -157,6 +228,8 @@ class _SaveOutputs(OpInterception):
         self.keep, self.saved, self.stats = keep, saved, stats
 
     def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        if _EXCLUDING.depth:          # a region excluded from recomputation: not recorded
+            return run()
         out = run()
         if name not in _NEVER_SAVED and self.keep(name):
             self.saved.append([name, out])
@@ -176,6 +249,8 @@ class _ReplayOutputs(OpInterception):
         self.keep, self.saved, self.stats, self.next = keep, saved, stats, 0
 
     def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        if _EXCLUDING.depth:          # a region excluded from recomputation: not recorded
+            return run()
         if name in _NEVER_SAVED or not self.keep(name):
             self.stats.recomputed[name] += 1
             return run()
@@ -214,13 +289,21 @@ class _RecordOutputs(OpInterception):
     keeps what Korthikanti et al.'s selective recomputation keeps: the outputs of the matmuls up
     to the attention core's last (q, k, v and the probabilities times v) except those shaped like a
     softmax output of this forward (the scores), and those of random ops; it releases the rest,
-    which the recompute runs again (collectives and the output projection included)."""
+    which the recompute runs again (collectives and the output projection included). The ops of a
+    custom-bprop Cell's forward (:func:`one_autodiff_node`: the context-parallel attention, whose
+    blockwise softmax has no softmax op) are neither recorded nor kept: the recompute runs it again."""
 
     def __init__(self, record: List[list], stats: CheckpointStats) -> None:
         super().__init__()
         self.record, self.stats = record, stats
 
     def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        if _EXCLUDING.depth:          # a region excluded from recomputation: not recorded
+            return run()
+        if in_one_autodiff_node():    # a custom-bprop Cell's forward (the context-parallel attention): one mark
+            if not self.record or self.record[-1][0] != ONE_NODE:
+                self.record.append([ONE_NODE, None])
+            return run()
         out = run()
         if name not in _NEVER_SAVED:
             self.record.append([name, out])
@@ -245,6 +328,8 @@ class _RecordOutputs(OpInterception):
         # the core ends with the first matmul after its scores that is no score itself (probabilities x V)
         last = None if first is None else next(
             (i for i in range(first, len(shapes)) if names[i] in _MATMULS and shapes[i] not in scores), None)
+        if first is None and ONE_NODE in names:      # the core is a custom-bprop Cell: what follows is recomputed
+            last = names.index(ONE_NODE)
         return [is_random_op(name) or (name in _MATMULS and shape not in scores and (last is None or i <= last))
                 for i, (name, shape) in enumerate(zip(names, shapes))]
 
@@ -261,8 +346,12 @@ class _ReplayRecord(OpInterception):
         self.record, self.stats, self.next = record, stats, 0
 
     def on_op(self, name: str, run: Callable[[], Any]) -> Any:
+        if _EXCLUDING.depth or in_one_autodiff_node():   # excluded, or a custom-bprop Cell's forward: run
+            return run()
         if name in _NEVER_SAVED:
             return run()
+        while self.next < len(self.record) and self.record[self.next][0] == ONE_NODE:
+            self.next += 1
         if self.next >= len(self.record) or self.record[self.next][0] != name:
             want = self.record[self.next][0] if self.next < len(self.record) else "nothing more"
             raise RuntimeError(
@@ -430,7 +519,10 @@ class CheckpointWrapper:
 
         def counted_context_fn():
             forward_ctx, recompute_ctx = context_fn() if context_fn is not None else (nullcontext(), nullcontext())
-            return forward_ctx, _Counting(recompute_ctx, stats)
+            user_forward, user_recompute = _user_contexts(state.context_fn)
+            invocation = Invocation()
+            return (_Stacked(_Phase(invocation, False), user_forward, forward_ctx),
+                    _Stacked(_Phase(invocation, True), user_recompute, _Counting(recompute_ctx, stats)))
         return recompute_eagerly(forward, args, kwargs, counted_context_fn)
 
     def construct(self, *args, **kwargs):
@@ -479,7 +571,8 @@ def _check_not_nested(cell: nn.Cell) -> None:
 
 def checkpoint_wrapper(cell: nn.Cell, checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
                        checkpoint_fn: Optional[Callable] = None, *, policy: Policy = None,
-                       use_reentrant: Optional[bool] = None, preserve_rng_state: bool = True) -> nn.Cell:
+                       use_reentrant: Optional[bool] = None, preserve_rng_state: bool = True,
+                       context_fn: Optional[Callable[[], Tuple[Any, Any]]] = None) -> nn.Cell:
     """Checkpoint ``cell``'s activations: its forward keeps nothing for the backward (or only the
     outputs ``policy`` names), and the backward runs it again. Wraps in place and returns ``cell``:
     parameter names and paths do not change, so a plan, a checkpoint or an optimizer made before or
@@ -502,6 +595,10 @@ def checkpoint_wrapper(cell: nn.Cell, checkpoint_impl: CheckpointImpl = Checkpoi
         use_reentrant: PyTorch's keyword, either value: the recompute is the same.
         preserve_rng_state: PyTorch's keyword; the random state is always replayed (the recomputed
             dropout masks are the forward's, so the gradients are the forward's), whatever it says.
+        context_fn: ``None``, or a callable returning ``(forward_ctx, recompute_ctx)``, two context
+            managers: each call of the Cell enters the first around its forward and the second
+            around its recompute in the backward (as ``mindspore.recompute(context_fn=)``), e.g. to
+            skip one-time side effects in the recompute. PyNative only.
 
     Example::
 
@@ -520,13 +617,19 @@ def checkpoint_wrapper(cell: nn.Cell, checkpoint_impl: CheckpointImpl = Checkpoi
     for name, value in (("use_reentrant", use_reentrant), ("preserve_rng_state", preserve_rng_state)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"checkpoint_wrapper(context_fn=...) must be a callable returning two context managers, "
+                        f"got {context_fn!r}")
     keep = _keep_fn(policy)
     _check_not_nested(cell)
     graph_error = "" if keep is None else (
         f"{type(cell).__name__}: a selective checkpoint policy ({policy!r}) chooses ops in PyNative; MindSpore's "
         "graph recompute has no per-op choice here. Use policy=None under ms.jit / GRAPH_MODE, or run in PyNative")
+    if context_fn is not None and not graph_error:
+        graph_error = (f"{type(cell).__name__}: checkpoint_wrapper(context_fn=...) enters its contexts in PyNative; "
+                       "MindSpore's graph recompute runs none. Leave context_fn=None under ms.jit / GRAPH_MODE")
     with CellChanges() as changes:
-        changes.set_attribute(cell, _STATE, _State(keep, graph_error))
+        changes.set_attribute(cell, _STATE, _State(keep, graph_error, context_fn))
         changes.set_attribute(cell, "_hpms_checkpoint_graph_error", graph_error)
         changes.swap_class(cell, wrapped_class(CheckpointWrapper, type(cell), "checkpoint"))
     return cell

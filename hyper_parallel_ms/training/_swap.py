@@ -20,7 +20,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 import mindspore as ms
 import numpy as np
@@ -39,7 +40,8 @@ _GRAPH_ERROR = ("{name} is wrapped by swap_wrapper, which moves saved activation
 
 
 class SwapStats:
-    """What a swapping Cell moved: ``tensors`` and ``bytes`` copied to host, ``restored`` read back.
+    """What a swapping Cell moved: ``tensors`` and ``bytes`` copied to host, ``restored`` read back
+    (``prefetched`` of them read back ahead of their use, by a prefetch order).
 
     Example::
 
@@ -47,10 +49,11 @@ class SwapStats:
     """
 
     def __init__(self) -> None:
-        self.tensors = self.bytes = self.restored = 0
+        self.tensors = self.bytes = self.restored = self.prefetched = 0
 
     def __repr__(self) -> str:
-        return f"SwapStats(tensors={self.tensors}, bytes={self.bytes}, restored={self.restored})"
+        return (f"SwapStats(tensors={self.tensors}, bytes={self.bytes}, restored={self.restored}, "
+                f"prefetched={self.prefetched})")
 
 
 class _HostCopy:
@@ -60,8 +63,12 @@ class _HostCopy:
         self.dtype = t.dtype
         wide = t.astype(ms.float32) if t.dtype == ms.bfloat16 else t
         self.array = np.array(wide.asnumpy(), copy=True)
+        self.ahead: Optional[Tensor] = None      # read back ahead of its use (a prefetch)
 
     def restore(self) -> Tensor:
+        if self.ahead is not None:
+            t, self.ahead = self.ahead, None
+            return t
         t = Tensor(self.array)
         return t.astype(self.dtype) if t.dtype != self.dtype else t
 
@@ -70,13 +77,29 @@ class _State:
     def __init__(self, policy_fn: Optional[Callable[[Tensor], bool]]) -> None:
         self.policy_fn = policy_fn
         self.stats = SwapStats()
+        self.pending: List[weakref.ref] = []     # host copies not read back yet
+
+    def prefetch(self) -> int:
+        """Read back every host copy not read back yet (ahead of its use); how many."""
+        count = 0
+        for ref in self.pending:
+            kept = ref()
+            if kept is not None and kept.ahead is None:
+                kept.ahead = kept.restore()
+                count += 1
+        self.pending = []
+        self.stats.prefetched += count
+        return count
 
     def pack(self, t: Any) -> Any:
         if type(t) is not Tensor or isinstance(t, Parameter) or (self.policy_fn is not None and not self.policy_fn(t)):
             return t
         self.stats.tensors += 1
         self.stats.bytes += t.nbytes
-        return _HostCopy(t)
+        kept = _HostCopy(t)
+        self.pending = [ref for ref in self.pending if ref() is not None]
+        self.pending.append(weakref.ref(kept))
+        return kept
 
     def unpack(self, kept: Any) -> Any:
         if isinstance(kept, _HostCopy):
@@ -169,3 +192,14 @@ def swap_stats(cell: nn.Cell) -> SwapStats:
     if state is None:
         raise ValueError(f"{type(cell).__name__} is not swapped: wrap it with swap_wrapper first")
     return state.stats
+
+
+def prefetch_swapped(cell: nn.Cell) -> int:
+    """Read back now the host copies kept by the swapping Cells at or under ``cell`` that their
+    backward has not used yet (the prefetch of a swap order); returns how many."""
+    return sum(sub.__dict__[_STATE].prefetch() for sub in named_cells(cell).values() if isinstance(sub, SwapWrapper))
+
+
+def swapped_cells(cell: nn.Cell) -> List[str]:
+    """The paths of the swapping Cells at or under ``cell`` (``""``: ``cell`` itself)."""
+    return [path for path, sub in named_cells(cell).items() if isinstance(sub, SwapWrapper)]

@@ -1,0 +1,74 @@
+"""HyperParallel's pipeline override points on this library's schedules, through MindFormers
+2.1.0's own ``ScaledLossPipelineStage`` (``get_last_stage_sens`` with ``loss_scale``, built with
+``dyn_shape=True``, ``group=`` and ``mesh=``) and ``_create_schedule`` (the HyperParallel schedule
+keywords), and ``bwd_send_specs`` overridden: on 2 pp ranks, gradients against one device. One
+rank call; ``MetaStepType`` and ``_MicroBatch`` in-process."""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from hyper_parallel_ms.compat._pipeline import MetaStepType, MicroBatch
+from hyper_parallel_ms.pipelining import F, SEND_B, BatchDimSpec, PipelineStage, ScheduleGPipe
+from hyper_parallel_ms.testing import run_on_ranks
+
+from tests._mindformers_qwen3 import available
+
+
+@pytest.fixture(scope="module")
+def runs():
+    if available() is not None:
+        pytest.skip(available())
+    from tests._compat_pipeline import run_override_points
+    return run_on_ranks(run_override_points, 2, timeout=300)
+
+
+def test_mindformers_stage_seeds_the_backward_with_its_loss_scale(runs):
+    for r in runs:
+        assert r["dyn_shape"] is True
+        # loss_scale 1/4 on 4 summed micro-batches = the full batch's mean-loss gradient, in both
+        # steps (the second with every boundary shape changed); float32 sums of 4 micro-batches
+        # against one: 2.7e-7 relative at worst, measured
+        assert max(r["mindformers_stage"]) < 1e-5, r["mindformers_stage"]
+
+
+def test_the_engine_sends_back_what_bwd_send_specs_returns(runs):
+    first, last = runs
+    assert first["doubling"]["ratios"] == pytest.approx([2.0] * 4, rel=1e-5)     # the doubled gradients reached it
+    assert last["doubling"]["ratios"] == pytest.approx([1.0] * 4, rel=1e-5)
+    assert last["doubling"]["calls"] == [0, 1, 2, 3] and first["doubling"]["calls"] == []
+
+
+def test_mindformers_schedule_factory_keywords_are_refused_by_name_when_asked_for(runs):
+    for r in runs:
+        assert r["plain"] == "Schedule1F1B"
+        assert set(r["refused"]) == {"pipeline_parallel_overlap_b_f", "pipeline_parallel_p2p_transport", "swap"}
+        assert "overlap_b_f=True" in r["refused"]["pipeline_parallel_overlap_b_f"]
+        assert "hccl_rdma" in r["refused"]["pipeline_parallel_p2p_transport"]
+        assert "swap=True" in r["refused"]["swap"]
+
+
+def test_meta_step_types_and_the_micro_batch_splitter():
+    assert MetaStepType.FWD.action_kind is F and MetaStepType.BWD_SEND.action_kind is SEND_B
+    assert len({t.action_kind for t in MetaStepType}) == len(MetaStepType) == 6
+    x = ms.Tensor(np.arange(24, dtype=np.float32).reshape(4, 6))
+    mask = ms.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
+    args, kwargs = MicroBatch(2, args_batch_dim=[BatchDimSpec(0)], kwargs_batch_dim={"mask": BatchDimSpec(1),
+                                                                                       "scale": -1})(
+        (x,), {"mask": mask, "scale": ms.Tensor(2.0)})
+    assert [a[0].asnumpy().tolist() for a in args] == [x.asnumpy()[:2].tolist(), x.asnumpy()[2:].tolist()]
+    assert [k["mask"].shape for k in kwargs] == [(3, 2), (3, 2)]
+    assert all(float(k["scale"].asnumpy()) == 2.0 for k in kwargs)        # -1: given whole
+    with pytest.raises(ValueError, match="micro_batch_num"):
+        MicroBatch(0)
+
+
+def test_stage_keywords_are_checked():
+    from tests._pipeline_models import Model
+    with pytest.raises(TypeError, match="dyn_shape"):
+        PipelineStage(Model(1), 0, 1, dyn_shape="yes")
+    stage = PipelineStage(Model(1), 0, 1, dyn_shape=True)
+    assert stage.dyn_shape and stage._has_backward
+    with pytest.raises(NotImplementedError, match="enable_dxdw_split"):
+        ScheduleGPipe(stage, 2, lambda o, t: o.mean(), enable_dxdw_split=True)
