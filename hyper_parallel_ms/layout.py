@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import numbers
 from math import prod
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
@@ -203,6 +204,48 @@ class Layout:
         if not names:
             raise ValueError(f"Layout.from_device_mesh needs a mesh with mesh_dim_names, got {device_mesh!r}")
         return cls(tuple(device_mesh.shape), tuple(names))
+
+    @classmethod
+    def from_tensor_map(cls, mesh_shape: Sequence[int], tensor_map: Sequence[Union[int, Sequence[int]]],
+                        mesh_dim_names: Optional[Sequence[str]] = None) -> "Layout":
+        """The inverse of :meth:`tensor_map`: a layout from MindSpore's / HyperParallel's tensor map,
+        one entry per tensor dim: ``-1`` (not sharded), ``k`` (sharded by mesh dim
+        ``len(mesh_shape) - 1 - k``), or a tuple of such entries (sharded by several, major first;
+        ``-1`` inside a tuple is skipped).
+
+        Args:
+            mesh_shape: the device mesh shape.
+            tensor_map: one entry per tensor dim, as above.
+            mesh_dim_names: optional names of the mesh dims.
+
+        Example:
+            >>> Layout.from_tensor_map((2, 4), (0, -1)).placements
+            (Replicate(), Shard(dim=0))
+            >>> Layout.from_tensor_map((2, 2), ((0, 1), -1)).sharding_axes(2)
+            ((1, 0), ())
+        """
+        shape = _check_mesh_shape(mesh_shape)
+        last = len(shape) - 1
+        placements: list = [Replicate()] * len(shape)
+        order: Dict[int, Tuple[int, ...]] = {}
+        for dim, entry in enumerate(tensor_map):
+            items = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+            axes = []
+            for item in items:
+                if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not -1 <= item <= last:
+                    raise ValueError(f"tensor map {tuple(tensor_map)!r}: entry {item!r} of tensor dim {dim} is not -1 "
+                                     f"or a mesh dim counted from the right in [0, {last}] (mesh {shape})")
+                if item == -1:
+                    continue
+                axis = last - int(item)
+                if placements[axis].is_shard():
+                    raise ValueError(f"tensor map {tuple(tensor_map)!r}: mesh dim {axis} shards tensor dims "
+                                     f"{placements[axis].dim} and {dim}; a mesh dim shards one tensor dim")
+                placements[axis] = Shard(dim)
+                axes.append(axis)
+            if len(axes) > 1 and axes != sorted(axes):
+                order[dim] = tuple(axes)
+        return cls(shape, placements, mesh_dim_names=mesh_dim_names, shard_order=order)
 
     @property
     def alias_name(self) -> Optional[Tuple[str, ...]]:

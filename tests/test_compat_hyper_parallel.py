@@ -14,7 +14,7 @@ from hyper_parallel_ms.compat import HYPER_PARALLEL_NAMES, NotProvidedError, ali
 from hyper_parallel_ms.compat._alias import _remove_alias
 from hyper_parallel_ms.compat._fsdp import fully_shard as compat_fully_shard
 from hyper_parallel_ms.compat._platform import MindSporePlatform
-from hyper_parallel_ms.compat import _activation, _pipeline
+from hyper_parallel_ms.compat import _activation, _pipeline, _redistribute_infer
 from hyper_parallel_ms.training import checkpoint_exclude_wrapper
 
 # Every ``hyper_parallel`` import of MindFormers 2.1.0's mindformers/pynative/ (module path, names),
@@ -69,6 +69,9 @@ PROVIDED = {
     "checkpoint_wrapper": _activation.checkpoint_wrapper, "swap_wrapper": _activation.swap_wrapper,
     "checkpoint_exclude_wrapper": checkpoint_exclude_wrapper, "MetaStepType": _pipeline.MetaStepType,
     "_MicroBatch": _pipeline.MicroBatch,
+    # MindFormers' Muon tensor-map helpers (tests/test_compat_redistribute_infer.py)
+    "_infer_slice_area_by_rank": _redistribute_infer.infer_slice_area_by_rank, "DevMat": _redistribute_infer.DevMat,
+    "RedistributionOperatorInfer": _redistribute_infer.RedistributionOperatorInfer,
 }
 # provided under another name's rules (tested below)
 SERVED = {"get_platform", "get_global_layout", "get_current_layout"}

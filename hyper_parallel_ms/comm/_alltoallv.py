@@ -340,18 +340,25 @@ class _SimulatedV(nn.Cell):
         return (all_to_all_by_matrix(dout, _transposed(self.matrix), self.mesh, self.mesh_dim),)
 
 
+def _simulated_exchange(x, mesh, mesh_dim, call: _VCall):
+    """A simulated rank's exchange (PyNative only: a ``with`` block, which graph parsing refuses in
+    :func:`_run`), keeping for the backward what the cluster's path keeps (the native Cell its input
+    and output, the composed one nothing)."""
+    _prepared(mesh, mesh_dim, call, x.shape, x.dtype, x.itemsize)
+    cell = _SimulatedV(call.matrix, mesh, mesh_dim)
+    if call.native:
+        return cell(x)
+    with keeping_nothing():
+        y = cell(x)
+    return y - 0
+
+
 def _run(x, mesh, mesh_dim, call: _VCall):
     if call.group.size == 1:
         return x
     if not call.moves:
         if call.matrix is not None and not call.compiled:      # a simulated rank knowing every rank's splits
-            _prepared(mesh, mesh_dim, call, x.shape, x.dtype, x.itemsize)
-            cell = _SimulatedV(call.matrix, mesh, mesh_dim)
-            if call.native:
-                return cell(x)
-            with keeping_nothing():
-                y = cell(x)
-            return y - 0
+            return _simulated_exchange(x, mesh, mesh_dim, call)
         rows = sum(call.outputs) if call.outputs is not None else x.shape[0]
         return mesh.exchange.placeholder(x, (rows,) + tuple(x.shape[1:]))
     kind, args = _prepared(mesh, mesh_dim, call, x.shape, x.dtype, x.itemsize)

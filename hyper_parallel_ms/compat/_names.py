@@ -31,8 +31,12 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
     "hyper_parallel.core.dtensor": dict(_DTENSOR),
     "hyper_parallel.core.dtensor.dtensor": dict(_DTENSOR),
     "hyper_parallel.core.dtensor.placement_types": dict(_PLACEMENTS),
-    "hyper_parallel.core.dtensor.layout": {"Layout": "layout:Layout", "_infer_slice_area_by_rank": None},
-    "hyper_parallel.core.dtensor.redistribute_infer": {"DevMat": None, "RedistributionOperatorInfer": None},
+    # the tensor-map helpers of MindFormers' Muon optimizer (its P2P gather / scatter of 2-D weights)
+    "hyper_parallel.core.dtensor.layout": {
+        "Layout": "layout:Layout", "_infer_slice_area_by_rank": "compat._redistribute_infer:infer_slice_area_by_rank"},
+    "hyper_parallel.core.dtensor.redistribute_infer": {
+        "DevMat": "compat._redistribute_infer:DevMat",
+        "RedistributionOperatorInfer": "compat._redistribute_infer:RedistributionOperatorInfer"},
     "hyper_parallel.core.shard.sharding_plan": {"ShardingPlan": "nn:ShardingPlan"},
     "hyper_parallel.core.fully_shard.api": {
         "fully_shard": "compat._fsdp:fully_shard", "HSDPModule": "fsdp:FSDPModule",

@@ -9,12 +9,31 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
 from ..layout import Layout, Shape
-from ..placement import Placement
+from ..placement import Placement, Replicate
 
-__all__ = ["TensorLayout", "tensor_layout"]
+__all__ = ["TensorLayout", "TensorMap", "tensor_layout"]
+
+
+class TensorMap(tuple):
+    """A DTensor layout's tensor map (HyperParallel reads ``layout.tensor_map`` as a value), also
+    callable as :meth:`Layout.tensor_map` (``tensor_map(ndim)``) for this library's callers.
+
+    Example::
+
+        dt.layout.tensor_map            # (1, -1): dim 0 sharded by mesh dim 0 of a 2-D mesh
+        dt.layout.tensor_map(2)         # the same, asked as Layout.tensor_map(ndim)
+    """
+
+    def __new__(cls, entries, layout: Layout):
+        out = super().__new__(cls, entries)
+        out._layout = layout
+        return out
+
+    def __call__(self, ndim: int):
+        return Layout.tensor_map(self._layout, ndim)
 
 
 class TensorLayout(Layout):
@@ -47,6 +66,65 @@ class TensorLayout(Layout):
         """The tensor's global shape (uneven pieces included); ``slice_shape`` is HyperParallel's
         argument for a layout without a tensor and is not needed here."""
         return self._shape
+
+    @property
+    def tensor_map(self) -> "TensorMap":
+        """HyperParallel's ``layout.tensor_map``: the tensor's map (per tensor dim ``-1``, or the
+        sharding mesh dim counted from the right, a tuple when several, major first). It is a tuple
+        that can also be called as :meth:`Layout.tensor_map` (``tensor_map(ndim)``)."""
+        return TensorMap(Layout.tensor_map(self, len(self._shape)), self)
+
+    def set_placements(self, placements: Sequence[Placement]) -> None:
+        """HyperParallel's in-place setter: this view now describes ``placements`` (one per mesh
+        dim). Only this view changes, never the DTensor (``dt.layout`` builds a new view each time).
+
+        Args:
+            placements: one ``Shard`` / ``Replicate`` / ``Partial`` per mesh dim.
+
+        Example::
+
+            lay = copy.deepcopy(dt.layout)
+            lay.set_placements([Replicate()] * len(lay.mesh_shape))
+        """
+        new = Layout(self.mesh_shape, tuple(placements), mesh_dim_names=self.mesh_dim_names).normalized(
+            len(self._shape))
+        self._become(new)
+
+    def placement_to_tensor_map(self, dim: int) -> List[Union[int, Tuple[int, ...]]]:
+        """HyperParallel's: the tensor map of the placements for a ``dim``-D tensor, as a list
+        (this view's :attr:`tensor_map` always follows its placements).
+
+        Args:
+            dim: the tensor's number of dims (this view's tensor: ``len(get_global_shape())``).
+
+        Example::
+
+            lay.placement_to_tensor_map(2)          # [1, -1] for (Shard(0), Replicate())
+        """
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"placement_to_tensor_map: dim must be a non-negative int, got {dim!r}")
+        return list(Layout.tensor_map(self, dim))
+
+    def reset_partial(self) -> None:
+        """HyperParallel's: every ``Partial`` placement of this view becomes ``Replicate``.
+
+        Example::
+
+            lay.reset_partial()
+        """
+        self._become(self.with_placements(tuple(Replicate() if p.is_partial() else p for p in self.placements)))
+
+    def _become(self, layout: Layout) -> None:
+        for name in ("mesh_shape", "mesh_dim_names", "placements", "shard_order"):
+            object.__setattr__(self, name, getattr(layout, name))
+        object.__setattr__(self, "_hash", None)
+
+    def __copy__(self) -> "TensorLayout":
+        return tensor_layout(self, self._mesh, self._shape)
+
+    def __deepcopy__(self, memo) -> "TensorLayout":
+        """A view of the same mesh (a mesh is not copied: it names process groups) and shape."""
+        return tensor_layout(self, self._mesh, self._shape)
 
     def get_split_id(self, tensor_dim: int) -> int:
         """This rank's index among the pieces ``tensor_dim`` is split into (HyperParallel): its mesh

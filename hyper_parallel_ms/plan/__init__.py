@@ -14,11 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from .._deprecated import importer_stacklevel, renamed
-from ..dryrun import (Candidate, Cluster, CommStats, ParallelDims, Problem, RankReport, SimulationReport, estimate,
-                      format_bytes, parallel_dims_of, rank_seconds, search, simulate, step_seconds)
+from ..dryrun import (Candidate, Cluster, CommStats, ParallelDims, Problem, RankReport, SimulationReport,
+                      context_parallel_sizes, estimate, format_bytes, parallel_dims_of, rank_seconds, search, simulate,
+                      step_seconds)
 
 __all__ = ["simulate", "SimulationReport", "RankReport", "CommStats", "Problem", "format_bytes", "Cluster",
-           "rank_seconds", "step_seconds", "ParallelDims", "Candidate", "parallel_dims_of", "estimate", "search"]
+           "rank_seconds", "step_seconds", "ParallelDims", "Candidate", "parallel_dims_of",
+           "context_parallel_sizes", "estimate", "search"]
 
 renamed("hyper_parallel_ms.plan", "hyper_parallel_ms.dryrun", stacklevel=importer_stacklevel())
 
