@@ -23,7 +23,8 @@ works on the rank's seq / C tokens; the attention goes through scaled_dot_produc
 ring engine, which keeps the local key / value shard, the output and its float32 log-sum-exp, and
 moves the keys and values by --rotate: "allgather" (default: one all-gather of the key / value shard
 in the forward, again in the backward, and a reduce-scatter of the float32 key / value gradients) or
-"alltoall" (send / recv one shard per ring step). fully_shard spans dp x cp. A search tries cp > 1
+"alltoall" (send / recv one shard per ring step); --cp-method ulysses runs Ulysses instead (all-to-alls
+of q, k, v and the output between sequence and head shards, forward and backward). fully_shard spans dp x cp. A search tries cp > 1
 where each cp rank keeps at least --min-cp-tokens tokens (default 4096) and 2 cp divides --seq.
 """
 from __future__ import annotations
@@ -205,7 +206,8 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, cp: int = 1) -> str:
+def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, cp: int = 1,
+                 cp_method: str = "ring") -> str:
     """Why the example Llama of ``config`` cannot run with ``pp`` stages, ``cp`` context-parallel and
     ``tp`` tensor-parallel ranks on sequences of ``seq`` tokens, naming the flags and the fix (``""``:
     it can). The ring needs nothing of the heads; the sequence must cut into ``2 cp`` load-balanced
@@ -218,6 +220,8 @@ def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, c
         seq: tokens per sequence.
         kv_flag: the key / value heads came from ``--kv-heads`` (a mismatch names that flag too).
         cp: context-parallel ranks.
+        cp_method: ``"ring"`` or ``"ulysses"`` (which moves heads: each tp rank's query heads must divide
+            by cp; key / value heads that do not are repeated, one per query head).
 
     >>> from types import SimpleNamespace
     >>> dims_problem(SimpleNamespace(heads=32, key_heads=32, layers=4), pp=1, tp=64, seq=64)[:40]
@@ -232,6 +236,10 @@ def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, c
         return (f"argument --tp: {tp} does not divide the {kv} key / value heads (kv heads {kv}, tp {tp}): each "
                 f"tensor-parallel rank holds whole key / value heads; pass a --tp among {_divisors(kv)}"
                 + (" or more --kv-heads" if kv_flag else ""))
+    if cp > 1 and cp_method == "ulysses" and heads // tp % cp:
+        return (f"argument --cp: Ulysses moves whole heads to the {cp} context-parallel ranks, and each tp rank's "
+                f"{heads // tp} query heads (heads {heads}, tp {tp}) do not divide by {cp}; pass a --cp dividing "
+                f"{heads // tp}, or --cp-method ring")
     if cp > 1 and seq % (2 * cp):
         return (f"argument --seq: {seq} does not cut into 2 x --cp = {2 * cp} equal chunks (load-balanced context "
                 f"parallelism over {cp} ranks); pass a multiple of {2 * cp}, or another --cp")
@@ -319,6 +327,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         help="context-parallel ranks: each sequence cut over them, the attention on the ring "
                              "(default 1)")
     parser.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel ranks (default 8)")
+    parser.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+                        help="the attention with cp > 1 (default ring; ulysses: all-to-alls from sequence shards to "
+                             "head shards and back, each tp rank's query heads divisible by cp)")
     parser.add_argument("--rotate", choices=["allgather", "alltoall"], default="allgather",
                         help="how the ring moves keys and values with cp > 1 (default allgather: one all-gather "
                              "forward, again backward, gradients reduce-scattered; alltoall: send / recv per step)")
@@ -411,6 +422,15 @@ def _state_bytes(config) -> int:
     return held.param_bytes + held.grad_bytes + held.optimizer_bytes
 
 
+def _cp_attention(args) -> str:
+    """How the attention runs with cp > 1, in words ("ring over cp, rotate allgather" / "Ulysses over cp").
+
+    >>> _cp_attention(argparse.Namespace(cp_method="ulysses", rotate="allgather"))
+    'Ulysses over cp'
+    """
+    return "Ulysses over cp" if args.cp_method == "ulysses" else f"ring over cp, rotate {args.rotate}"
+
+
 def _search(args, config, cluster) -> int:
     from examples.plan_llama import builder
     from hyper_parallel_ms.dryrun import format_bytes, parallel_dims_of, search
@@ -423,7 +443,8 @@ def _search(args, config, cluster) -> int:
         return 2
     every = parallel_dims_of(args.devices, layers=config.layers, devices_per_node=cluster.devices_per_node,
                              micro_batch=args.micro_batch, seq=args.seq, min_cp_tokens=args.min_cp_tokens)
-    tried = [c for c in every if not dims_problem(config, pp=c.pp, tp=c.tp, seq=c.seq, cp=c.cp)]
+    tried = [c for c in every if not dims_problem(config, pp=c.pp, tp=c.tp, seq=c.seq, cp=c.cp,
+                                                  cp_method=args.cp_method)]
     if len(tried) < len(every):
         print(f"  skipped {len(every) - len(tried)} candidates whose tp does not divide the {config.heads} heads, the "
               f"{config.key_heads} key / value heads or each cp rank's share of the sequence of {args.seq} tokens",
@@ -434,13 +455,14 @@ def _search(args, config, cluster) -> int:
               "scaled_dot_product_attention)", file=sys.stderr)
     cps = sorted({c.cp for c in tried})
     print(f"  context parallelism tried: cp in {cps} (cp > 1 where 2 cp divides --seq {args.seq} and each cp rank "
-          f"keeps at least --min-cp-tokens {args.min_cp_tokens} tokens; ring, rotate {args.rotate})", file=sys.stderr)
+          f"keeps at least --min-cp-tokens {args.min_cp_tokens} tokens; {_cp_attention(args)})", file=sys.stderr)
 
     def progress(c):
         print(f"  {c.dims.describe():<42} peak {format_bytes(c.max_bytes):>11} "
               f"{'fits' if c.fits else 'too big':<8} {c.tokens_per_second:>10.0f} tokens/s {c.problem[:60]}",
               file=sys.stderr, flush=True)
-    ranked = search(builder(config, rotate=args.rotate), devices=args.devices, layers=config.layers, cluster=cluster,
+    ranked = search(builder(config, rotate=args.rotate, method=args.cp_method), devices=args.devices,
+                    layers=config.layers, cluster=cluster,
                     micro_batch=args.micro_batch, seq=args.seq, candidates=tried, device_type=args.device_type,
                     progress=progress, workers=args.workers)
     fitting = [c for c in ranked if c.fits]
@@ -474,14 +496,15 @@ def main(argv: List[str]) -> int:
     if args.search:
         return _search(args, config, cluster)
     problem = dims_problem(config, pp=args.pp, tp=args.tp, seq=args.seq, kv_flag=args.kv_heads is not None,
-                           cp=args.cp)
+                           cp=args.cp, cp_method=args.cp_method)
     if problem:
         print(f"plan_cluster.py: error: {problem}", file=sys.stderr)
         return 2
     dims = ParallelDims(args.pp, args.dp, args.tp, not args.no_fsdp, args.microbatches, args.checkpointing,
                         args.micro_batch, args.seq, args.cp)
     shape, names = dims.mesh
-    report = simulate(llama_training(config, dims, rotate=args.rotate), mesh_shape=shape, mesh_dim_names=names,
+    report = simulate(llama_training(config, dims, rotate=args.rotate, method=args.cp_method), mesh_shape=shape,
+                      mesh_dim_names=names,
                       ranks=args.ranks, device_type=args.device_type)
     if args.json:
         print(report.to_json(indent=1))
@@ -490,7 +513,7 @@ def main(argv: List[str]) -> int:
     shape_text = describe(config)
     if dims.cp > 1:          # the attention is the ring engine's, whatever the preset's
         shape_text = (shape_text.rsplit(", ", 1)[0] + f", attention on {dims.seq // dims.cp}-token sequence shards: "
-                      f"ring over cp={dims.cp}, rotate {args.rotate}")
+                      f"{_cp_attention(args).replace('cp', f'cp={dims.cp}', 1)}")
     print(f"{args.model} ({shape_text}), seq {dims.seq}, {dims.describe()}")
     print(report.table())
     if report.ok and all(r.flops is not None for r in report):

@@ -20,6 +20,7 @@ from hyper_parallel_ms.compat._redistribute_infer import DevMat, RedistributionO
 from hyper_parallel_ms.dtensor._layout_view import tensor_layout
 from hyper_parallel_ms.layout import Layout
 from hyper_parallel_ms.placement import Partial, Replicate, Shard
+from hyper_parallel_ms.testing import cpu_twins
 
 
 # ----------------------------------------------------------------- _infer_slice_area_by_rank
@@ -169,8 +170,9 @@ def _view(placements, rank, shape=(8, 4), world=4, mesh_shape=(2, 2)):
 def test_tensor_map_is_a_value_and_still_answers_as_the_method():
     lay = _view((Shard(0), Shard(1)), 0)
     assert lay.tensor_map == (1, 0) and list(lay.tensor_map) == [1, 0] and lay.tensor_map(2) == (1, 0)
-    assert _view((Shard(0), Shard(0)), 0).tensor_map == ((1, 0),)[:1] + (-1,)
+    assert _view((Shard(0), Shard(0)), 0).tensor_map == ((1, 0), -1)
     assert _view((Replicate(), Partial()), 0).tensor_map == (-1, -1)
+    assert copy.deepcopy(lay.tensor_map) == (1, 0) and type(copy.deepcopy(lay.tensor_map)) is tuple
 
 
 def test_in_place_setters_change_a_deep_copy_only():
@@ -231,6 +233,11 @@ def test_mindformers_replica_local_info_and_slices(muon):
     assert muon._get_replica_local_layout_info(3, lay.rank_list, lay.mesh_shape, lay.tensor_map) == \
         ((1, 3), (2,), [0, -1])
     full = np.arange(32, dtype=np.float32).reshape(8, 4)
+    with cpu_twins():                                     # MindFormers clones each slice: no CPU Clone kernel
+        _check_slices(muon, full)
+
+
+def _check_slices(muon, full):
     for placements in [(Shard(0), Shard(1)), (Shard(0), Shard(0)), (Replicate(), Shard(0))]:
         for rank in range(4):
             lay = _view(placements, rank)

@@ -1,8 +1,8 @@
 """``hyper_parallel_ms.testing.cpu_twins()``: each twin against its formula (numpy), its gradient
 where a model differentiates it, its refusals, and the restoration of the primitives. In the
 pytest process, except the collective twins (2 CPU ranks, one call): the all-reduce, all-gather,
-reduce-scatter and uneven all-to-alls of ``mindspore.ops.communication`` and the in-place all-reduce
-of ``mindspore.mint.distributed``."""
+reduce-scatter and uneven all-to-alls of ``mindspore.ops.communication`` and the in-place all-reduce,
+all-gather and ``batch_isend_irecv`` of ``mindspore.mint.distributed``."""
 from __future__ import annotations
 
 import numpy as np
@@ -196,6 +196,61 @@ def test_flash_attention_twin_equals_softmax_attention(layout):
             FlashAttentionScore(head_num=n, keep_prob=0.9, input_layout="BNSD")(*(ms.Tensor(t) for t in (q, k, v)))
 
 
+def _bf16(x):
+    """``x`` rounded to bfloat16 (round to nearest even), as float32."""
+    return ms.Tensor(x, ms.float32).astype(ms.bfloat16).astype(ms.float32).asnumpy()
+
+
+def test_muon_twins_equal_their_formulas():
+    """What MindFormers' Muon optimizer calls: bfloat16 matmuls (float32 accumulation, one rounding), stack,
+    vector norms, clone, copy_ into and out of views, a 0-d float32 tensor times a bfloat16 one."""
+    a, b, c = (RNG.normal(size=shape).astype(np.float32) for shape in [(3, 4), (4, 5), (3, 5)])
+    a16, b16, c16 = (ms.Tensor(t, ms.float32).astype(ms.bfloat16) for t in (a, b, c))
+    a_, b_, c_ = (t.astype(ms.float32).asnumpy() for t in (a16, b16, c16))
+    with cpu_twins():
+        mm = mint.mm(a16, b16)
+        assert mm.dtype == ms.bfloat16
+        np.testing.assert_array_equal(mm.astype(ms.float32).asnumpy(), _bf16(a_ @ b_))
+        np.testing.assert_allclose(_np(mint.mm(ms.Tensor(a), ms.Tensor(b))), a @ b, rtol=1e-6)
+        got = mint.addmm(c16, a16, b16, beta=-0.5, alpha=2.0).astype(ms.float32).asnumpy()
+        np.testing.assert_array_equal(got, _bf16(-0.5 * c_ + 2.0 * (a_ @ b_)))
+        stacked = mint.stack([a16, a16 * 2], dim=0)
+        assert stacked.dtype == ms.bfloat16 and tuple(stacked.shape) == (2, 3, 4)
+        np.testing.assert_array_equal(stacked.astype(ms.float32).asnumpy(), np.stack([a_, 2 * a_]))
+        sb = ms.Tensor(np.stack([b, b]), ms.float32).astype(ms.bfloat16)
+        sb_ = sb.astype(ms.float32).asnumpy()
+        np.testing.assert_array_equal(mint.bmm(stacked, sb).astype(ms.float32).asnumpy(),
+                                      _bf16(np.stack([a_, 2 * a_]) @ sb_))
+        base = ms.Tensor(np.stack([c, c]), ms.float32).astype(ms.bfloat16)
+        got = mint.baddbmm(base, stacked, sb, beta=3.0, alpha=1.0).astype(ms.float32).asnumpy()
+        np.testing.assert_array_equal(got, _bf16(3.0 * base.astype(ms.float32).asnumpy() + np.stack([a_, 2 * a_]) @ sb_))
+        x = ms.Tensor(a)
+        np.testing.assert_allclose(_np(mint.norm(x, p="fro", dim=(-2, -1), keepdim=True, dtype=ms.float32)),
+                                   np.sqrt((a * a).sum(keepdims=True)), rtol=1e-6)
+        np.testing.assert_allclose(_np(mint.norm(x, p=1, dim=1)), np.abs(a).sum(1), rtol=1e-6)
+        np.testing.assert_allclose(_np(mint.norm(x, p=3)), (np.abs(a) ** 3).sum() ** (1 / 3), rtol=1e-5)
+        from mindspore.ops.auto_generate.gen_ops_prim import LinalgVectorNorm    # mint.norm(p=inf) calls LpNormV2
+        np.testing.assert_allclose(_np(LinalgVectorNorm()(x, float("inf"), 0, False, None)), np.abs(a).max(0), rtol=1e-6)
+        view = x[:, 1:]                                          # strided view
+        copied = view.clone()
+        np.testing.assert_array_equal(_np(copied), a[:, 1:])
+        assert copied.storage_offset() == 0 and copied.is_contiguous()
+        assert a16.clone().dtype == ms.bfloat16 and mint.clone(x).shape == x.shape
+        param = ms.Parameter(ms.Tensor(a), name="w")
+        assert isinstance(param.clone("zeros"), ms.Parameter)
+        whole = mint.zeros((4, 3), dtype=ms.float32)
+        whole[2:4].copy_(ms.Tensor(c[:2, :3]))                   # into a view: written through
+        whole[0:2].copy_(x[:2, 1:])                              # a view into a view of the same size
+        np.testing.assert_array_equal(_np(whole), np.concatenate([a[:2, 1:], c[:2, :3]]))
+        plain = mint.zeros((3, 4), dtype=ms.float32)
+        plain.copy_(x)
+        np.testing.assert_array_equal(_np(plain), a)
+        scaled = ms.Tensor(0.3, ms.float32) * a16                # 0-d float32 times bfloat16: bfloat16
+        assert scaled.dtype == ms.bfloat16
+        np.testing.assert_array_equal(scaled.astype(ms.float32).asnumpy(), _bf16(np.float32(0.3) * a_))
+        np.testing.assert_allclose(_np(ms.Tensor(a) * ms.Tensor(b[:3, :4])), a * b[:3, :4], rtol=1e-6)
+
+
 def test_twins_are_restored_and_refused_off_cpu(monkeypatch):
     from mindspore.ops.auto_generate import gen_ops_prim
     before = gen_ops_prim.Arange.__call__
@@ -237,9 +292,17 @@ def collectives_on_ranks():
                                                          for j in range(2)])[0]
             in_place = ms.Tensor(np.ones(3, np.float32) * (rank + 1))
             distributed.all_reduce(in_place)
+            into = mint.zeros((8, 2), dtype=ms.float32)
+            distributed.all_gather_into_tensor(into, x, async_op=True).wait()
+            # batch_isend_irecv: each rank sends its x and receives the peer's into rows of a buffer (views)
+            peer = 1 - rank
+            buffer = mint.zeros((8, 2), dtype=ms.float32)
+            ops_ = [distributed.P2POp("isend", x, peer), distributed.P2POp("irecv", buffer[4:8], peer)]
+            distributed.batch_isend_irecv(ops_ if rank == 0 else ops_[::-1])[0].wait()
     finally:
         comm.set_comm_ops_inplace(True)
-    return (_np(total), _np(gathered), _np(piece), _np(moved), _np(grad), [_np(t) for t in lists], _np(in_place))
+    return (_np(total), _np(gathered), _np(piece), _np(moved), _np(grad), [_np(t) for t in lists], _np(in_place),
+            _np(into), _np(buffer))
 
 
 def test_collective_twins_on_two_ranks():
@@ -247,7 +310,7 @@ def test_collective_twins_on_two_ranks():
     rows = [np.arange(6, dtype=np.float32).reshape(3, 2) + 10 * r for r in range(2)]
     expect_moved = [np.concatenate([rows[0][:1], rows[1]]), rows[0][1:]]
     results = run_on_ranks(collectives_on_ranks, 2)
-    for rank, (total, gathered, piece, moved, grad, lists, in_place) in enumerate(results):
+    for rank, (total, gathered, piece, moved, grad, lists, in_place, into, buffer) in enumerate(results):
         np.testing.assert_array_equal(total, base * 3)
         np.testing.assert_array_equal(gathered, np.concatenate([base, base * 2]))
         np.testing.assert_array_equal(piece, (base * 3)[2 * rank:2 * rank + 2])
@@ -255,3 +318,5 @@ def test_collective_twins_on_two_ranks():
         np.testing.assert_array_equal(grad, rows[rank])
         np.testing.assert_array_equal(np.concatenate(lists), [[10.0 * i + rank] * 2 for i in range(2)])
         np.testing.assert_array_equal(in_place, np.full(3, 3.0))
+        np.testing.assert_array_equal(into, np.concatenate([base, base * 2]))
+        np.testing.assert_array_equal(buffer, np.concatenate([np.zeros((4, 2)), base * (2 - rank)]))

@@ -39,11 +39,11 @@ def _record(rec) -> tuple:
     return rec.kind, rec.mesh_dim, tuple(rec.group), tuple(rec.shape), rec.dtype, rec.bytes
 
 
-def _simulated(dims, rotate="allgather", device_type="npu", config=None):
+def _simulated(dims, rotate="allgather", device_type="npu", config=None, method="ring"):
     from examples.plan_llama import llama_training
     from hyper_parallel_ms import simulate
     shape, names = dims.mesh
-    report = simulate(llama_training(config or _setup(), dims, rotate=rotate), mesh_shape=shape,
+    report = simulate(llama_training(config or _setup(), dims, rotate=rotate, method=method), mesh_shape=shape,
                       mesh_dim_names=names, device_type=device_type)
     assert report.ok, report.table()
     return report
@@ -76,6 +76,36 @@ def test_context_parallel_bytes_per_rank_equal_the_ring_textbook():
     whole = _simulated(ParallelDims(dp=1, tp=1, seq=64, fsdp=False))[0]
     assert 4 * sharded.param_bytes == whole.param_bytes and 4 * sharded.optimizer_bytes == whole.optimizer_bytes
     assert sharded.comm["reduce_scatter", "dp_cp"].group_size == 4
+
+
+def test_ulysses_bytes_per_rank_equal_the_textbook():
+    """Ulysses (``--cp-method ulysses``) sends (cp - 1) / cp of this rank's q, k, v and attention output
+    shards ([b, heads / tp, seq / cp, head_dim] each; k and v with their kv_heads / tp heads, repeated to
+    one per query head when they do not divide by cp) in the forward's all-to-alls, and as much again in
+    the backward's inverse ones; a tp rank's query heads that cp does not divide are refused naming
+    --cp-method."""
+    config = _setup()
+    from hyper_parallel_ms.dryrun import ParallelDims
+    head_dim, layers, b = config.dim // config.heads, config.layers, 1
+    for cp, tp, seq in ((2, 1, 64), (2, 2, 64), (4, 1, 64)):     # kv heads per tp rank: 2 (moved), 1 and 2 (repeated)
+        rank = _simulated(ParallelDims(dp=1, cp=cp, tp=tp, seq=seq, fsdp=False), method="ulysses")[0]
+        q = b * (config.heads // tp) * (seq // cp) * head_dim                  # elements of a q (or output) shard
+        kv_heads = config.key_heads // tp if (config.key_heads // tp) % cp == 0 else config.heads // tp
+        kv = b * kv_heads * (seq // cp) * head_dim
+        moved = rank.comm["all_to_all", "cp"]
+        assert moved.calls == 8 * layers, (cp, tp)
+        assert moved.bytes == 2 * layers * (2 * q + 2 * kv) * (cp - 1) // cp * 4, (cp, tp)
+    sys.path.insert(0, str(Path(ROOT) / "scripts"))
+    try:
+        import plan_cluster
+    finally:
+        sys.path.remove(str(Path(ROOT) / "scripts"))
+    from types import SimpleNamespace
+    problem = plan_cluster.dims_problem(SimpleNamespace(heads=64, key_heads=8, layers=2), pp=1, tp=8, seq=4096, cp=16,
+                                        cp_method="ulysses")
+    assert problem.startswith("argument --cp: Ulysses") and "--cp-method ring" in problem, problem
+    assert plan_cluster.dims_problem(SimpleNamespace(heads=64, key_heads=8, layers=2), pp=1, tp=8, seq=4096, cp=4,
+                                     cp_method="ulysses") == ""
 
 
 def test_context_parallel_activations_depend_on_the_local_shard_only():
@@ -226,6 +256,11 @@ def real_rank(_):
     held = memory_of(model, optimizer)
     out = {"cp_records": [_record(r) for r in mode.records], "cp_activations": state["peak"],
            "cp_held": (held.param_bytes, held.grad_bytes, held.optimizer_bytes)}
+    ms.set_seed(0)
+    _, _, ulysses_step = llama_training(config, dims, method="ulysses")(mesh)
+    with CommDebugMode() as mode:
+        ulysses_step()
+    out["ulysses_records"] = [_record(r) for r in mode.records]
     ep_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "tp"))
     ms.set_seed(0)
     _, _, moe_step = moe_training(_moe_config(), micro_batch=2, seq=16)(ep_mesh)
@@ -264,6 +299,11 @@ def test_simulated_cp_and_ep_steps_equal_real_two_rank_runs():
         assert (held.param_bytes, held.grad_bytes, held.optimizer_bytes) == real[r]["cp_held"]
         want = real[r]["cp_activations"]
         assert want > 0 and abs(outcome.activation - want) <= 0.1 * want, (r, outcome.activation, want)
+    sim = _session._Simulation(llama_training(config, dims, method="ulysses"), shape, names, "cpu")
+    for r in range(2):                  # Ulysses: the forward's all-to-alls and their inverses in the backward
+        got = [_record(x) for x in sim.outcome(r).step_records]
+        assert got == real[r]["ulysses_records"], r
+        assert sum(x[0] == "all_to_all" for x in got) == 8 * config.layers, got
     assert real[0]["ep_counts"] == real[1]["ep_counts"]
     counts = real[0]["ep_counts"]                         # (ep, E): what each rank's router sent each expert
     sim = _session._Simulation(moe_training(_moe_config(), micro_batch=2, seq=16), (2, 1), ("ep", "tp"), "cpu",

@@ -204,8 +204,8 @@ def attention_spec(state_id: int, q_shape, k_shape, v_shape, dtype, mask_shape, 
                              f"dividing {heads} (ulysses_degree=, or method='ring')")
         if kv_heads % u:
             repeat, groups = groups, 1          # too few key heads to cut: every query head gets its own
-        if u == n:
-            a2a_mesh, a2a_dim, ring_mesh, ring_dim = state.mesh, 0, None, 0
+        if u == n:      # a ring of one member (its mesh only tells whether this rank is simulated)
+            a2a_mesh, a2a_dim, ring_mesh, ring_dim = state.mesh, 0, state.mesh, 0
         else:
             mesh2 = hybrid_mesh(state.mesh, u)
             a2a_mesh, a2a_dim, ring_mesh, ring_dim = mesh2, 1, mesh2, 0

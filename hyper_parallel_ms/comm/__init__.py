@@ -298,6 +298,9 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
                  sizes=None if concat_sizes is None else tuple(concat_sizes), split_dim=split_dim)
     split = split_dim % x.ndim
     if not call.runs:
+        if _lean.chunked_evenly(call.sizes) and _lean.simulated(x.dtype, call.group.size, mesh.exchange):
+            return _lean_all_to_all(mesh, mesh_dim, split, call.dim, call.sizes, call.kept, x.shape[split],
+                                    True).move(x)
         return _placeholder(x, mesh, call, {split: call.kept[1], call.dim: sum(call.sizes)})
     if call.native:
         return _native.all_to_all(x, split, call.dim, call.sizes, call.group, call.kept)
@@ -308,13 +311,19 @@ def all_to_all(x, mesh, mesh_dim=0, *, split_dim: int, concat_dim: int,
 
 @cell_per_call_site
 def _lean_all_to_all(mesh, mesh_dim, split: int, concat: int, sizes: Tuple[int, ...], kept: Tuple[int, int],
-                     split_length: int) -> _lean.LeanAllToAll:
+                     split_length: int, simulated: bool = False) -> _lean.LeanAllToAll:
     """The composed all-to-all as one node keeping nothing (:mod:`._lean`); its backward is the
-    inverse :func:`all_to_all` (recorded by CommDebugMode as the forward is)."""
+    inverse :func:`all_to_all` (recorded by CommDebugMode as the forward is). ``simulated``: on a
+    simulated rank, the exchange's placeholder in its place (the backward issued all the same, as
+    the cluster's; both paths' backwards read only the gradient)."""
     group = mesh.comm_group(mesh_dim)
     back_sizes = chunk_sizes(split_length, group.size)
 
     def forward(x):
+        if simulated:
+            shape = list(x.shape)
+            shape[split], shape[concat] = kept[1], sum(sizes)
+            return mesh.exchange.placeholder(x, tuple(shape))
         return _composed.all_to_all(x, split, concat, sizes, group, kept)
 
     def inverse(dout):

@@ -24,7 +24,7 @@ from .._mindspore import is_compiling, keeping_nothing, recording_gradients, run
 from .._mindspore._active import ACTIVE_RUNS
 from ..layout import chunk_sizes
 
-__all__ = ["LeanAllToAll", "applies", "chunked_evenly"]
+__all__ = ["LeanAllToAll", "applies", "chunked_evenly", "simulated"]
 
 _FLOATS = (ms.float16, ms.float32, ms.bfloat16, ms.float64)
 
@@ -38,6 +38,18 @@ def applies(dtype) -> bool:
     False
     """
     return not is_compiling() and dtype in _FLOATS and not ACTIVE_RUNS and recording_gradients()
+
+
+@run_in_python
+def simulated(dtype, group_size: int, exchange) -> bool:
+    """Whether an all-to-all of ``dtype`` over a group of ``group_size`` ranks runs on a simulated rank
+    (``exchange`` moves nothing: the dry run) as :class:`LeanAllToAll` of a placeholder, whose backward
+    issues the inverse exchange as the cluster's does (outside a graph, floating point).
+
+    >>> simulated(ms.float32, 1, None)
+    False
+    """
+    return group_size > 1 and dtype in _FLOATS and not exchange.moves and not is_compiling()
 
 
 def chunked_evenly(sizes: Tuple[int, ...]) -> bool:

@@ -1,6 +1,8 @@
 """The layout a DTensor answers with ``dt.layout``: its :class:`Layout` (equal to it, hashing the
 same) that also knows the tensor's mesh and global shape, so HyperParallel's rank-bound queries
-(``rank_list``, ``get_split_id``, ``get_global_shape``, ``alias_placements``) answer.
+(``rank_list``, ``get_split_id``, ``get_global_shape``, ``alias_placements``, ``tensor_map`` as a value)
+answer, and HyperParallel's in-place setters (``set_placements``, ``placement_to_tensor_map``,
+``reset_partial``) change a view (MindFormers' Muon calls them on a deep copy), never the DTensor.
 
 Example::
 
@@ -34,6 +36,9 @@ class TensorMap(tuple):
 
     def __call__(self, ndim: int):
         return Layout.tensor_map(self._layout, ndim)
+
+    def __reduce__(self):
+        return tuple, (tuple(self),)           # copied or pickled: the plain tuple
 
 
 class TensorLayout(Layout):

@@ -46,6 +46,14 @@ functions, no Python primitive call: the Python names are replaced (``Tensor``'s
 functions) | ``ops.tensor_scatter_elements`` written back with ``copy_`` / the sum written back with ``copy_`` \
 (MindSpore 2.10's CPU ``add_`` returns it without writing it) / ``ops.floor_div`` / ``ops.gather`` of the \
 repeated indices |
+| ``Mm`` / ``Addmm`` / ``BatchMatMulExt`` / ``Baddbmm`` | ``mint.mm`` / ``mint.addmm`` / ``mint.bmm`` / ``mint.baddbmm`` | ``beta * input + alpha * (a @ b)`` computed in float32 for float16 / bfloat16 operands (as the kernels accumulate), in the operands' dtype otherwise, returned in the input's dtype |
+| ``StackExt`` | ``mint.stack`` | ``ops.stack`` (bfloat16 through float32: exact) |
+| ``LinalgVectorNorm`` | ``mint.norm`` / ``mint.linalg.vector_norm`` | ``sqrt(sum(x^2))`` for ``ord=2``, ``sum(abs(x)^p)^(1/p)``, ``max`` / ``min`` of ``abs(x)`` for ``inf`` / ``-inf``, the nonzero count for ``0``; in ``dtype`` when given |
+| ``Clone`` / ``Tensor.clone`` | ``mint.clone`` / ``Tensor.clone`` (a C++ method) | ``ops.deepcopy`` (bfloat16 through float32: exact); a ``Parameter`` keeps ``Parameter.clone`` (a DTensor parameter's class puts ``Tensor`` first) |
+| ``Tensor.copy_`` | ``Tensor.copy_`` (a C++ method) | into a view (storage offset, strides, or part of a larger storage): ``self[...] = src`` (MindSpore 2.10's CPU ``InplaceCopy`` writes nothing into ``a[2:4]``, measured, and refuses a source that is such a view); a source view is first copied whole; else the method itself |
+| ``Tensor.__mul__`` | ``*`` of a 0-d float tensor and a tensor of another float dtype | the product computed in float32 (float64 if either is) and returned in the dimensioned tensor's dtype, as MindSpore infers it (the CPU ``Mul`` kernel has no float32 x bfloat16 -> bfloat16 entry) |
+| ``DistCommAllGatherIntoTensor`` | ``mint.distributed.all_gather_into_tensor`` (in place) | ``comm.all_gather`` on the group's ranks, written into the output (synchronous: the handle's ``wait`` returns at once) |
+| ``DistCommBatchIsendIrecv`` | ``mint.distributed.batch_isend_irecv`` (``P2POp`` lists) | this library's ``comm.send`` of every ``isend`` in order, then ``comm.recv`` of every ``irecv`` in order, written into its tensor (synchronous; relies on the CPU backend buffering sends, as ``comm.send`` states) |
 
 Example::
 
@@ -77,7 +85,10 @@ _ABSENT = object()
 _ATTRIBUTES: Dict[str, Tuple[Any, str]] = {"Tensor.scatter_": (ms.Tensor, "scatter_"),
                                            "Tensor.add_": (ms.Tensor, "add_"),
                                            "mint.floor_divide": (mint, "floor_divide"),
-                                           "mint.repeat_interleave": (mint, "repeat_interleave")}
+                                           "mint.repeat_interleave": (mint, "repeat_interleave"),
+                                           "Tensor.clone": (ms.Tensor, "clone"),
+                                           "Tensor.copy_": (ms.Tensor, "copy_"),
+                                           "Tensor.__mul__": (ms.Tensor, "__mul__")}
 
 
 def _host(value: Any) -> Any:
@@ -507,9 +518,141 @@ def _kv_heads(t, layout: str, query, heads: int) -> int:
     return heads * t.shape[-1] // query.shape[-1]
 
 
+def _wide(*tensors) -> Any:
+    """The dtype a twin computes in: float32 for float16 / bfloat16 operands, else their own."""
+    dtypes = {t.dtype for t in tensors}
+    if ms.float64 in dtypes:
+        return ms.float64
+    return ms.float32 if dtypes & {ms.float16, ms.bfloat16, ms.float32} else tensors[0].dtype
+
+
+def _addmm_twin(product: Callable, input, a, b, beta, alpha):  # noqa: A002
+    wide = _wide(input, a, b)
+    out = product(a.astype(wide), b.astype(wide))
+    alpha, beta = _host(alpha), _host(beta)
+    out = out if alpha == 1 else out * alpha
+    if beta != 0:
+        out = out + (input.astype(wide) if beta == 1 else input.astype(wide) * beta)
+    return out.astype(input.dtype)
+
+
+def _mm(self, input, mat2):  # noqa: A002
+    wide = _wide(input, mat2)
+    return ops.matmul(input.astype(wide), mat2.astype(wide)).astype(input.dtype)
+
+
+def _addmm(self, input, mat1, mat2, beta=1, alpha=1):  # noqa: A002
+    return _addmm_twin(ops.matmul, input, mat1, mat2, beta, alpha)
+
+
+def _bmm(self, input, mat2):  # noqa: A002
+    wide = _wide(input, mat2)
+    return ops.bmm(input.astype(wide), mat2.astype(wide)).astype(input.dtype)
+
+
+def _baddbmm(self, input, batch1, batch2, beta=1, alpha=1):  # noqa: A002
+    return _addmm_twin(ops.bmm, input, batch1, batch2, beta, alpha)
+
+
+def _stack(self, tensors, dim=0):
+    tensors = list(tensors)
+    if tensors and tensors[0].dtype == ms.bfloat16:
+        return ops.stack([t.astype(ms.float32) for t in tensors], int(_host(dim))).astype(ms.bfloat16)
+    return ops.stack(tensors, int(_host(dim)))
+
+
+def _vector_norm(self, x, ord=2, dim=None, keepdim=False, dtype=None):  # noqa: A002 - MindSpore's names
+    ord = float(_host(ord))
+    x = x.astype(dtype) if dtype is not None else x
+    dims = None if dim is None else tuple(_axis(d, x.ndim) for d in ((dim,) if isinstance(dim, int) else dim))
+    magnitude = ops.abs(x)
+    if ord == float("inf"):
+        return ops.amax(magnitude, dims, keepdim)
+    if ord == float("-inf"):
+        return ops.amin(magnitude, dims, keepdim)
+    if ord == 0:
+        return ops.sum((x != 0).astype(x.dtype), dims, keepdim)
+    if ord == 2:
+        return ops.sqrt(ops.sum(x * x, dims, keepdim))
+    return ops.pow(ops.sum(ops.pow(magnitude, ord), dims, keepdim), 1.0 / ord)
+
+
+def _copy(x):
+    """A whole copy of ``x`` (a view's elements only), exact in every dtype."""
+    return x.astype(ms.float32).astype(x.dtype) if x.dtype == ms.bfloat16 else ops.deepcopy(x)
+
+
+def _clone(self, input):  # noqa: A002
+    return _copy(input)
+
+
+def _tensor_clone(self, *args, **kwargs):
+    """``Tensor.clone``: a C++ method (the ``Clone`` primitive's Python call is not reached)."""
+    if isinstance(self, ms.Parameter):                 # a DTensor parameter's class lists Tensor before Parameter
+        return ms.Parameter.clone(self, *args, **kwargs)
+    if _dtensor(self):
+        return _ORIGINALS["Tensor.clone"](self, *args, **kwargs)
+    return _copy(self)
+
+
+def _partial_view(t) -> bool:
+    """``t`` is a view on part of a storage (offset, strides, or a slice of a larger buffer)."""
+    return t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes
+
+
+def _tensor_copy_(self, src, *args, **kwargs):
+    """``Tensor.copy_``: MindSpore 2.10's CPU ``InplaceCopy`` assumes whole buffers; a DTensor keeps its method."""
+    if _dtensor(self):
+        return _ORIGINALS["Tensor.copy_"](self, src, *args, **kwargs)
+    if isinstance(src, ms.Tensor) and not _dtensor(src) and _partial_view(src):
+        src = _copy(src)
+    if _partial_view(self):
+        self[...] = src.astype(self.dtype) if isinstance(src, ms.Tensor) else src
+        return self
+    return _ORIGINALS["Tensor.copy_"](self, src, *args, **kwargs)
+
+
+def _tensor_mul(self, other):
+    """``Tensor.__mul__``: a 0-d float tensor times a tensor of another float dtype (MindSpore infers the
+    dimensioned tensor's dtype; the CPU kernel lacks the mixed entry), else the method itself."""
+    original = _ORIGINALS["Tensor.__mul__"]
+    if (isinstance(other, ms.Tensor) and not _dtensor(self) and not _dtensor(other) and self.dtype != other.dtype
+            and (self.ndim == 0) != (other.ndim == 0) and self.dtype.is_floating_point
+            and other.dtype.is_floating_point):
+        wide, result = _wide(self, other), (other if self.ndim == 0 else self).dtype
+        return original(self.astype(wide), other.astype(wide)).astype(result)
+    return original(self, other)
+
+
+def _dist_all_gather_into_tensor(self, other, input, rank_size, group, async_op=True):  # noqa: A002
+    """In place (``mint.distributed.all_gather_into_tensor``): the gathered rows written into ``other``."""
+    from ..comm import all_gather
+    from ..process_group import group_mesh
+    other.copy_(all_gather(input, group_mesh(group), 0, dim=0))
+    return other
+
+
+def _dist_batch_isend_irecv(self, input, group, op_types, remotes_ranks):  # noqa: A002
+    """``mint.distributed.batch_isend_irecv``: each ``isend`` (type 0), then each ``irecv`` (type 1), peers
+    given as ranks of ``group``."""
+    from ..comm import recv, send
+    from ..process_group import group_mesh
+    mesh = group_mesh(group)
+    ops_ = list(zip(input, (int(_host(t)) for t in op_types), (int(_host(r)) for r in remotes_ranks)))
+    for tensor, kind, peer in ops_:
+        if kind not in (0, 1):
+            raise ValueError(f"cpu_twins: batch_isend_irecv op type {kind} is neither isend (0) nor irecv (1)")
+        if kind == 0:
+            send(tensor.contiguous() if _partial_view(tensor) else tensor, mesh, 0, dst=peer)
+    for tensor, kind, peer in ops_:
+        if kind == 1:
+            tensor.copy_(recv(tensor, mesh, 0, src=peer))
+    return list(input)
+
+
 def _primitive_classes() -> Dict[str, type]:
     from mindspore.ops.auto_generate import gen_ops_prim
-    from mindspore.ops.auto_generate.pyboost_inner_prim import _PyboostRmsNormPrim
+    from mindspore.ops.auto_generate.pyboost_inner_prim import _PyboostRmsNormPrim, _PyboostStackExtPrim
     classes = {name: getattr(gen_ops_prim, name) for name in ("FillScalar", "TrilExt", "IndexSelect", "Arange",
                                                                "Outer", "Embedding", "FlashAttentionScore",
                                                                "ZerosLikeExt", "OnesLikeExt", "ScatterAddExt",
@@ -518,8 +661,12 @@ def _primitive_classes() -> Dict[str, type]:
                                                                "InnerCommReduceScatter", "InnerCommAllToAllV",
                                                                "TopkExt", "SortExt", "ArgSort", "HistcExt",
                                                                "CumsumExt", "GroupedMatmul", "DistCommAllReduce",
-                                                               "MoeTokenPermute", "MoeTokenUnpermute")}
+                                                               "MoeTokenPermute", "MoeTokenUnpermute", "Mm", "Addmm",
+                                                               "BatchMatMulExt", "Baddbmm", "LinalgVectorNorm",
+                                                               "Clone", "DistCommAllGatherIntoTensor",
+                                                               "DistCommBatchIsendIrecv")}
     classes["RmsNorm"] = _PyboostRmsNormPrim
+    classes["StackExt"] = _PyboostStackExtPrim          # mint.stack's
     return classes
 
 
@@ -534,6 +681,10 @@ TWINS: Dict[str, Callable] = {
     "DistCommAllReduce": _dist_all_reduce, "Tensor.scatter_": _tensor_scatter_, "Tensor.add_": _tensor_add_,
     "mint.floor_divide": _floor_divide, "mint.repeat_interleave": _repeat_interleave,
     "MoeTokenPermute": _moe_token_permute, "MoeTokenUnpermute": _moe_token_unpermute,
+    "Mm": _mm, "Addmm": _addmm, "BatchMatMulExt": _bmm, "Baddbmm": _baddbmm, "StackExt": _stack,
+    "LinalgVectorNorm": _vector_norm, "Clone": _clone, "Tensor.clone": _tensor_clone, "Tensor.copy_": _tensor_copy_,
+    "Tensor.__mul__": _tensor_mul, "DistCommAllGatherIntoTensor": _dist_all_gather_into_tensor,
+    "DistCommBatchIsendIrecv": _dist_batch_isend_irecv,
 }
 
 
