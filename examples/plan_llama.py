@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -185,16 +185,17 @@ def _reducer(params, mesh, dims: ParallelDims) -> GradientReducer:
     return GradientReducer(params, dp_mesh=_data_mesh(mesh, dims), dp_dim="dp_cp")
 
 
-def _in_context(cp_mesh, buffers, method: str = "ring"):
+def _in_context(cp_mesh, buffers, method: str = "ring", ulysses_degree: Optional[int] = None):
     """``context_parallel`` over ``cp_mesh`` cutting ``buffers`` (along dim 1, their sequence dim) for
     the block's duration, attention by ``method``; nothing without context parallelism."""
     if cp_mesh is None:
         return contextlib.nullcontext()
-    return context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), method=method)
+    return context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), method=method,
+                            ulysses_degree=ulysses_degree)
 
 
 def llama_training(config: LlamaConfig, dims: ParallelDims, *, rotate: str = "allgather",
-                   method: str = "ring") -> Callable:
+                   method: str = "ring", ulysses_degree: Optional[int] = None) -> Callable:
     """``build(mesh)`` for ``simulate`` (see the module docstring): returns ``(model, optimizer, step)``.
 
     With context parallelism (``dims.cp > 1``) the step runs inside
@@ -209,9 +210,11 @@ def llama_training(config: LlamaConfig, dims: ParallelDims, *, rotate: str = "al
         dims: the job's :class:`~hyper_parallel_ms.dryrun.ParallelDims`.
         rotate: the ring's rotate method with ``cp > 1`` (:func:`~hyper_parallel_ms.nn.set_rotate_method`):
             ``"allgather"`` (default) or ``"alltoall"``.
-        method: ``context_parallel``'s attention with ``cp > 1``: ``"ring"`` (default) or ``"ulysses"``
+        method: ``context_parallel``'s attention with ``cp > 1``: ``"ring"`` (default), ``"ulysses"``
             (all-to-alls from sequence shards to head shards and back; the query heads on each tp rank must
-            divide by cp, key / value heads that do not are repeated).
+            divide by cp, key / value heads that do not are repeated) or ``"hybrid"`` (Ulysses over groups of
+            ``ulysses_degree`` cp ranks, the ring across the groups).
+        ulysses_degree: with ``method="hybrid"``, the Ulysses group size (dividing cp).
 
     Example::
 
@@ -241,7 +244,7 @@ def llama_training(config: LlamaConfig, dims: ParallelDims, *, rotate: str = "al
             grad_fn = ms.value_and_grad(WithLoss(model, loss), None, optimizer.parameters)
 
             def step():
-                with _in_context(cp_mesh, [ids, grid], method):
+                with _in_context(cp_mesh, [ids, grid], method, ulysses_degree):
                     value, grads = grad_fn(ids, grid.reshape(-1))
                 optimizer(reducer(grads))
                 return value
@@ -254,7 +257,8 @@ def llama_training(config: LlamaConfig, dims: ParallelDims, *, rotate: str = "al
         first, last = stage == 0, stage == dims.pp - 1
 
         def pipelined_step():
-            with _in_context(cp_mesh, ([ids] if first else []) + ([grid] if last else []), method):
+            with _in_context(cp_mesh, ([ids] if first else []) + ([grid] if last else []), method,
+                             ulysses_degree):
                 schedule.step(*((ids,) if first else ()), target=grid.reshape(-1) if last else None)
             optimizer(reducer(schedule.gradients()))
         return model, optimizer, pipelined_step
@@ -264,24 +268,28 @@ def llama_training(config: LlamaConfig, dims: ParallelDims, *, rotate: str = "al
 class _Builder:
     """``build(dims, layers)`` of :func:`builder` (a class, so that it pickles for ``search(workers=...)``)."""
 
-    def __init__(self, config: LlamaConfig, rotate: str = "allgather", method: str = "ring") -> None:
-        self.config, self.rotate, self.method = config, rotate, method
+    def __init__(self, config: LlamaConfig, rotate: str = "allgather", method: str = "ring",
+                 ulysses_degree: Optional[int] = None) -> None:
+        self.config, self.rotate, self.method, self.ulysses_degree = config, rotate, method, ulysses_degree
 
     def __call__(self, dims: ParallelDims, layers: int) -> Callable:
-        return llama_training(replace(self.config, layers=layers), dims, rotate=self.rotate, method=self.method)
+        return llama_training(replace(self.config, layers=layers), dims, rotate=self.rotate, method=self.method,
+                              ulysses_degree=self.ulysses_degree)
 
 
-def builder(config: LlamaConfig, *, rotate: str = "allgather", method: str = "ring") -> Callable:
+def builder(config: LlamaConfig, *, rotate: str = "allgather", method: str = "ring",
+            ulysses_degree: Optional[int] = None) -> Callable:
     """``build(dims, layers) -> fn(mesh)`` for :func:`hyper_parallel_ms.dryrun.search`: the Llama of
     ``config`` with ``layers`` blocks (it pickles: ``search(..., workers=2)`` takes it).
 
     Args:
         config: the model's shape.
         rotate: the ring's rotate method of the candidates with context parallelism.
-        method: their attention, ``"ring"`` or ``"ulysses"`` (:func:`llama_training`).
+        method: their attention, ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (:func:`llama_training`).
+        ulysses_degree: with ``"hybrid"``, the Ulysses group size.
 
     Example::
 
         search(builder(PRESETS["7B"]), devices=64, layers=32, cluster=Cluster())
     """
-    return _Builder(config, rotate, method)
+    return _Builder(config, rotate, method, ulysses_degree)

@@ -24,7 +24,8 @@ ring engine, which keeps the local key / value shard, the output and its float32
 moves the keys and values by --rotate: "allgather" (default: one all-gather of the key / value shard
 in the forward, again in the backward, and a reduce-scatter of the float32 key / value gradients) or
 "alltoall" (send / recv one shard per ring step); --cp-method ulysses runs Ulysses instead (all-to-alls
-of q, k, v and the output between sequence and head shards, forward and backward). fully_shard spans dp x cp. A search tries cp > 1
+of q, k, v and the output between sequence and head shards, forward and backward), and --cp-method hybrid
+--ulysses-degree U Ulysses over groups of U cp ranks with the ring across them. fully_shard spans dp x cp. A search tries cp > 1
 where each cp rank keeps at least --min-cp-tokens tokens (default 4096) and 2 cp divides --seq.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import re
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -175,6 +176,9 @@ def check_args(args: argparse.Namespace) -> None:
             if getattr(args, dest, None) is not None:
                 raise ValueError(f"argument {_flag(dest)}: applies to --search only (one job runs on "
                                  f"--pp x --dp x --cp x --tp ranks); add --search or drop {_flag(dest)}")
+    if getattr(args, "ulysses_degree", None) is not None and getattr(args, "cp_method", "ring") != "hybrid":
+        raise ValueError(f"argument --ulysses-degree: sizes the Ulysses groups of --cp-method hybrid, not "
+                         f"{getattr(args, 'cp_method', 'ring')}; add --cp-method hybrid or drop --ulysses-degree")
     for dest, value in _DEFAULTS.items():
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
@@ -207,7 +211,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, cp: int = 1,
-                 cp_method: str = "ring") -> str:
+                 cp_method: str = "ring", ulysses_degree: Optional[int] = None) -> str:
     """Why the example Llama of ``config`` cannot run with ``pp`` stages, ``cp`` context-parallel and
     ``tp`` tensor-parallel ranks on sequences of ``seq`` tokens, naming the flags and the fix (``""``:
     it can). The ring needs nothing of the heads; the sequence must cut into ``2 cp`` load-balanced
@@ -220,8 +224,10 @@ def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, c
         seq: tokens per sequence.
         kv_flag: the key / value heads came from ``--kv-heads`` (a mismatch names that flag too).
         cp: context-parallel ranks.
-        cp_method: ``"ring"`` or ``"ulysses"`` (which moves heads: each tp rank's query heads must divide
-            by cp; key / value heads that do not are repeated, one per query head).
+        cp_method: ``"ring"``, ``"ulysses"`` (which moves heads: each tp rank's query heads must divide
+            by cp; key / value heads that do not are repeated, one per query head) or ``"hybrid"`` (Ulysses
+            over groups of ``ulysses_degree`` cp ranks, which must divide cp and those heads).
+        ulysses_degree: the Ulysses group size of ``"hybrid"``.
 
     >>> from types import SimpleNamespace
     >>> dims_problem(SimpleNamespace(heads=32, key_heads=32, layers=4), pp=1, tp=64, seq=64)[:40]
@@ -240,6 +246,12 @@ def dims_problem(config, *, pp: int, tp: int, seq: int, kv_flag: bool = False, c
         return (f"argument --cp: Ulysses moves whole heads to the {cp} context-parallel ranks, and each tp rank's "
                 f"{heads // tp} query heads (heads {heads}, tp {tp}) do not divide by {cp}; pass a --cp dividing "
                 f"{heads // tp}, or --cp-method ring")
+    if cp > 1 and cp_method == "hybrid":
+        u = ulysses_degree or 0
+        if u < 2 or cp % u or heads // tp % u:
+            return (f"argument --ulysses-degree: hybrid runs Ulysses over groups of --ulysses-degree ranks, which "
+                    f"must be at least 2 and divide --cp {cp} and each tp rank's {heads // tp} query heads (heads "
+                    f"{heads}, tp {tp}); got {ulysses_degree}")
     if cp > 1 and seq % (2 * cp):
         return (f"argument --seq: {seq} does not cut into 2 x --cp = {2 * cp} equal chunks (load-balanced context "
                 f"parallelism over {cp} ranks); pass a multiple of {2 * cp}, or another --cp")
@@ -327,9 +339,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         help="context-parallel ranks: each sequence cut over them, the attention on the ring "
                              "(default 1)")
     parser.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel ranks (default 8)")
-    parser.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+    parser.add_argument("--cp-method", choices=["ring", "ulysses", "hybrid"], default="ring",
                         help="the attention with cp > 1 (default ring; ulysses: all-to-alls from sequence shards to "
-                             "head shards and back, each tp rank's query heads divisible by cp)")
+                             "head shards and back, each tp rank's query heads divisible by cp; hybrid: Ulysses "
+                             "over --ulysses-degree ranks, the ring across)")
+    parser.add_argument("--ulysses-degree", type=positive_int, default=None,
+                        help="with --cp-method hybrid: the Ulysses group size (dividing --cp)")
     parser.add_argument("--rotate", choices=["allgather", "alltoall"], default="allgather",
                         help="how the ring moves keys and values with cp > 1 (default allgather: one all-gather "
                              "forward, again backward, gradients reduce-scattered; alltoall: send / recv per step)")
@@ -428,6 +443,8 @@ def _cp_attention(args) -> str:
     >>> _cp_attention(argparse.Namespace(cp_method="ulysses", rotate="allgather"))
     'Ulysses over cp'
     """
+    if args.cp_method == "hybrid":
+        return f"hybrid over cp, Ulysses over {args.ulysses_degree}, ring across, rotate {args.rotate}"
     return "Ulysses over cp" if args.cp_method == "ulysses" else f"ring over cp, rotate {args.rotate}"
 
 
@@ -444,7 +461,7 @@ def _search(args, config, cluster) -> int:
     every = parallel_dims_of(args.devices, layers=config.layers, devices_per_node=cluster.devices_per_node,
                              micro_batch=args.micro_batch, seq=args.seq, min_cp_tokens=args.min_cp_tokens)
     tried = [c for c in every if not dims_problem(config, pp=c.pp, tp=c.tp, seq=c.seq, cp=c.cp,
-                                                  cp_method=args.cp_method)]
+                                                  cp_method=args.cp_method, ulysses_degree=args.ulysses_degree)]
     if len(tried) < len(every):
         print(f"  skipped {len(every) - len(tried)} candidates whose tp does not divide the {config.heads} heads, the "
               f"{config.key_heads} key / value heads or each cp rank's share of the sequence of {args.seq} tokens",
@@ -461,7 +478,8 @@ def _search(args, config, cluster) -> int:
         print(f"  {c.dims.describe():<42} peak {format_bytes(c.max_bytes):>11} "
               f"{'fits' if c.fits else 'too big':<8} {c.tokens_per_second:>10.0f} tokens/s {c.problem[:60]}",
               file=sys.stderr, flush=True)
-    ranked = search(builder(config, rotate=args.rotate, method=args.cp_method), devices=args.devices,
+    ranked = search(builder(config, rotate=args.rotate, method=args.cp_method, ulysses_degree=args.ulysses_degree),
+                    devices=args.devices,
                     layers=config.layers, cluster=cluster,
                     micro_batch=args.micro_batch, seq=args.seq, candidates=tried, device_type=args.device_type,
                     progress=progress, workers=args.workers)
@@ -496,15 +514,15 @@ def main(argv: List[str]) -> int:
     if args.search:
         return _search(args, config, cluster)
     problem = dims_problem(config, pp=args.pp, tp=args.tp, seq=args.seq, kv_flag=args.kv_heads is not None,
-                           cp=args.cp, cp_method=args.cp_method)
+                           cp=args.cp, cp_method=args.cp_method, ulysses_degree=args.ulysses_degree)
     if problem:
         print(f"plan_cluster.py: error: {problem}", file=sys.stderr)
         return 2
     dims = ParallelDims(args.pp, args.dp, args.tp, not args.no_fsdp, args.microbatches, args.checkpointing,
                         args.micro_batch, args.seq, args.cp)
     shape, names = dims.mesh
-    report = simulate(llama_training(config, dims, rotate=args.rotate, method=args.cp_method), mesh_shape=shape,
-                      mesh_dim_names=names,
+    report = simulate(llama_training(config, dims, rotate=args.rotate, method=args.cp_method,
+                                     ulysses_degree=args.ulysses_degree), mesh_shape=shape, mesh_dim_names=names,
                       ranks=args.ranks, device_type=args.device_type)
     if args.json:
         print(report.to_json(indent=1))

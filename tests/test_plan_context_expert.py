@@ -39,11 +39,12 @@ def _record(rec) -> tuple:
     return rec.kind, rec.mesh_dim, tuple(rec.group), tuple(rec.shape), rec.dtype, rec.bytes
 
 
-def _simulated(dims, rotate="allgather", device_type="npu", config=None, method="ring"):
+def _simulated(dims, rotate="allgather", device_type="npu", config=None, method="ring", ulysses_degree=None):
     from examples.plan_llama import llama_training
     from hyper_parallel_ms import simulate
     shape, names = dims.mesh
-    report = simulate(llama_training(config or _setup(), dims, rotate=rotate, method=method), mesh_shape=shape,
+    report = simulate(llama_training(config or _setup(), dims, rotate=rotate, method=method,
+                                     ulysses_degree=ulysses_degree), mesh_shape=shape,
                       mesh_dim_names=names, device_type=device_type)
     assert report.ok, report.table()
     return report
@@ -78,7 +79,7 @@ def test_context_parallel_bytes_per_rank_equal_the_ring_textbook():
     assert sharded.comm["reduce_scatter", "dp_cp"].group_size == 4
 
 
-def test_ulysses_bytes_per_rank_equal_the_textbook():
+def test_ulysses_and_hybrid_bytes_per_rank_equal_the_textbook():
     """Ulysses (``--cp-method ulysses``) sends (cp - 1) / cp of this rank's q, k, v and attention output
     shards ([b, heads / tp, seq / cp, head_dim] each; k and v with their kv_heads / tp heads, repeated to
     one per query head when they do not divide by cp) in the forward's all-to-alls, and as much again in
@@ -95,12 +96,25 @@ def test_ulysses_bytes_per_rank_equal_the_textbook():
         moved = rank.comm["all_to_all", "cp"]
         assert moved.calls == 8 * layers, (cp, tp)
         assert moved.bytes == 2 * layers * (2 * q + 2 * kv) * (cp - 1) // cp * 4, (cp, tp)
+    # hybrid over cp=4, Ulysses over 2: the all-to-alls as Ulysses over 2 ranks, the ring over 2 members
+    # carrying each Ulysses group's twice-longer key / value shard of half the heads
+    rank = _simulated(ParallelDims(dp=1, cp=4, tp=1, seq=64, fsdp=False), method="hybrid", ulysses_degree=2)[0]
+    q = b * config.heads * (64 // 4) * head_dim
+    kv = b * config.key_heads * (64 // 4) * head_dim
+    assert rank.comm["all_to_all", "ulysses"].bytes == 2 * layers * (2 * q + 2 * kv) // 2 * 4
+    shard = b * (config.key_heads // 2) * (64 // 2) * 2 * head_dim
+    assert rank.comm["all_gather", "ring"].bytes == 2 * layers * shard * 4
+    assert rank.comm["reduce_scatter", "ring"].bytes == layers * shard * 4
     sys.path.insert(0, str(Path(ROOT) / "scripts"))
     try:
         import plan_cluster
     finally:
         sys.path.remove(str(Path(ROOT) / "scripts"))
     from types import SimpleNamespace
+    assert "--ulysses-degree" in plan_cluster.dims_problem(SimpleNamespace(heads=64, key_heads=8, layers=2), pp=1,
+                                                           tp=8, seq=4096, cp=4, cp_method="hybrid", ulysses_degree=3)
+    with pytest.raises(SystemExit):
+        plan_cluster.parse_args(["--cp", "4", "--ulysses-degree", "2"])
     problem = plan_cluster.dims_problem(SimpleNamespace(heads=64, key_heads=8, layers=2), pp=1, tp=8, seq=4096, cp=16,
                                         cp_method="ulysses")
     assert problem.startswith("argument --cp: Ulysses") and "--cp-method ring" in problem, problem

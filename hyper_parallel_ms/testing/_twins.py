@@ -596,8 +596,12 @@ def _tensor_clone(self, *args, **kwargs):
 
 
 def _partial_view(t) -> bool:
-    """``t`` is a view on part of a storage (offset, strides, or a slice of a larger buffer)."""
-    return t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes
+    """``t`` is a view on part of a storage (offset, strides, or a slice of a larger buffer); a tensor
+    whose storage cannot be asked (not materialized) is not: the method itself handles it, as before."""
+    try:
+        return t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _tensor_copy_(self, src, *args, **kwargs):
