@@ -172,8 +172,8 @@ def measure_rank(shape: dict, sequence_parallel: Optional[bool], recompute: str 
     grad_fn = ms.grad(lambda inp: layer(inp).sum(), grad_position=0, weights=params)
     # a checkpoint's forward keeps op outputs itself (not through the saved-tensor hooks): those its
     # policy names, and every policy those of random ops; read them when its forward ends
-    from hyper_parallel_ms.training import _recompute
-    exits = {cls: cls.__exit__ for cls in (_recompute._RecordOutputs, _recompute._SaveOutputs)}
+    from hyper_parallel_ms.training import _policies
+    exits = {cls: cls.__exit__ for cls in (_policies._RecordOutputs, _policies._SaveOutputs)}
     own = {cls for cls in exits if "__exit__" in cls.__dict__}
 
     def counting(cls):

@@ -99,10 +99,19 @@ def deredundancy(steps: int) -> Dict[str, object]:
             opt(tuple(shard(grad[n], place[n]) for n in SHAPES))
             reference(tuple(ms.Tensor(grad[n]) for n in SHAPES))
         got = {p.name: p.full_tensor().asnumpy() for p in sharded}
+        # MindFormers' all-gather fallback (for layouts its point-to-point path declines): the inferred ops, a
+        # group from get_platform().create_group, mint.distributed.all_gather_into_tensor
+        from mindformers.pynative.optimizer import muon
+        fc2 = "decoder.layers.0.mlp.linear_fc2.weight"
+        rows = shard(init[fc2].T.copy(), [Shard(0)]).to_local()           # rows sharded: one all_concat on dim 0
+        from mindspore.communication import get_rank
+        pending = muon._start_full_tensor_async(rows, mesh, [Shard(0)], get_rank())
+        fallback = pending.wait().asnumpy() if pending is not None else None
         local = {p.name: p.to_local().asnumpy() for p in sharded}
     want = {p.name: p.asnumpy() for p in whole}
     meta = {opt.param_name_tuple[i]: (m["layout_decision"], m["p2p_op_list"]) for i, m in opt._muon_param_meta.items()}
     return {"difference": {n: float(np.abs(got[n] - want[n]).max()) for n in SHAPES},
             "change": {n: float(np.abs(want[n] - init[n]).max()) for n in SHAPES},
             "local_shapes": {n: local[n].shape for n in SHAPES}, "decisions": meta,
+            "fallback_gather": None if fallback is None else float(np.abs(fallback - init[fc2].T).max()),
             "owners": {opt.param_name_tuple[i]: r for i, r in opt._muon_assigned_rank.items()}}

@@ -249,3 +249,11 @@ def _check_slices(muon, full):
         for rank, shard in zip(range(4), shards):
             view = _view(placements, rank)
             np.testing.assert_array_equal(shard.asnumpy(), full[view.local_slices((8, 4), view.mesh.coordinate)])
+
+
+def test_platform_create_group_refuses_what_it_cannot_name():
+    from hyper_parallel_ms.compat._platform import get_platform
+    with pytest.raises(NotImplementedError, match="names its groups by their ranks"):
+        get_platform().create_group([0, 1], group_name="mine")
+    with pytest.raises(ValueError, match="two or more distinct ranks"):
+        get_platform().create_group([3])

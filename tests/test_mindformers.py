@@ -124,3 +124,5 @@ def test_mindformers_muon_steps_sharded_weights_as_one_device(runs):
                 assert result["local_shapes"][name][shard] * 2 == {0: 12, 1: 16}[shard]
                 owners.add(result["owners"][name])
     assert owners == {0, 1}                                                    # both directions sent
+    # its all-gather fallback: ops inferred, group from get_platform().create_group, all_gather_into_tensor
+    assert all(rank["muon_deredundancy"]["fallback_gather"] == 0.0 for rank in runs)

@@ -30,7 +30,8 @@ from mindspore import nn
 
 from .._mindspore import discard_grad_recording, refuse_while_compiling, running_eagerly, saved_tensors_hooks
 from ..nn._adapter import CellChanges
-from ._recompute import _EXCLUDING, _PHASE, checkpoint_phase, wrapped_class
+from ._policies import _EXCLUDING
+from ._recompute import _PHASE, checkpoint_phase, wrapped_class
 
 __all__ = ["CheckpointExcludeWrapper", "ExcludeStats", "checkpoint_exclude_wrapper", "exclude_stats"]
 
