@@ -212,6 +212,14 @@ def test_comm_errors():
     ]:
         with pytest.raises(err, match=msg):
             bad()
+    # a broadcast Cell first built inside a meta-device block (where MindFormers builds its models) is
+    # cached: its flag must live on the process's device, or every later broadcast fails to copy it
+    import importlib
+    cells = importlib.import_module("hyper_parallel_ms.comm._broadcast")   # (comm's _broadcast is the function)
+    with ms.DeviceCtx("meta"):
+        cells._cell(1, mesh.comm_group("tp"), False)
+    got = comm.broadcast(ms.Tensor(np.full((2,), float(mesh.get_rank()), np.float32)), mesh, "tp", src=1)
+    np.testing.assert_array_equal(got.asnumpy(), [1.0, 1.0])
 
 
 @multi_rank(2)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
-from .._mindspore import cell_per_call_site
+from .._mindspore import cell_per_call_site, off_meta_device
 from ._exact import place_over, sum_over
 
 __all__ = ["broadcast"]
@@ -36,8 +36,10 @@ class _Broadcast(nn.Cell):
         # whether this rank sends, as a Parameter rather than a Python branch: every rank then
         # compiles the same graph (a constant zero buffer could be folded and its all-reduce
         # scheduled before the rank's other collectives, out of step with the source)
-        self.sends = ms.Parameter(ms.Tensor(group.rank == src), name=f"hpms_broadcast_{group.name}_{src}_sends",
-                                  requires_grad=False)
+        # (on the process's device even when first built inside a meta-device block: the Cell is cached)
+        with off_meta_device():
+            self.sends = ms.Parameter(ms.Tensor(group.rank == src), name=f"hpms_broadcast_{group.name}_{src}_sends",
+                                      requires_grad=False)
 
     def construct(self, x):
         if self.native:

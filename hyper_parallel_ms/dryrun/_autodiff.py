@@ -39,94 +39,16 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from math import prod
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from mindspore import Parameter, Tensor, nn
 
 from .._mindspore import ONE_NODE, has_custom_bprop, in_one_autodiff_node
-from ._abstract import (AbstractTensor, abstract_like, abstract_view, flags_of, infer, is_abstract, reads_abstract,
-                        storage_key, tensor_bytes, viewed)
+from ._abstract import (AbstractTensor, abstract_like, abstract_view, flags_of, infer, reads_abstract, storage_key,
+                        tensor_bytes, viewed)
+from ._op_costs import MATMULS, is_activation, matmul_flops, saved_activations, saved_tensors
 
 __all__ = ["AbstractAutodiff", "saved_activations", "saved_tensors", "matmul_flops"]
-
-_VIEWS = ("Reshape", "View", "Transpose", "TransposeView", "DeprecatedTranspose", "TransposeExtView", "TransposeExt",
-          "ExpandDims", "ExpandDimsView", "Unsqueeze", "Squeeze", "Flatten", "FlattenExt", "GetItem", "StridedSlice",
-          "Slice", "Narrow", "NarrowView", "Split", "SplitWithSize", "SplitWithSizeView", "SplitTensor",
-          "SplitTensorView", "Concat", "Cat", "StackExt", "Stack", "BroadcastTo", "BroadcastToView", "Expand",
-          "ExpandAs", "Tile", "Repeat", "Unstack", "UnstackExtView", "UnstackExt", "TExt", "Clone")
-_LINEAR = ("AddExt", "Add", "BiasAdd", "SubExt", "Sub", "AddScalar", "SubScalar", "Neg", "Muls", "Divs", "Cast",
-           "ToDtype", "SumExt", "DeprecatedSum", "ReduceSum", "MeanExt", "DeprecatedMean", "ReduceMean", "ZerosLike",
-           "OnesLike", "ZerosLikeExt", "OnesLikeExt", "FullLike", "EmptyLike", "NewZeros", "NewOnes")
-_SAVES_NOTHING = frozenset(_VIEWS + _LINEAR)
-_SAVES_OUTPUT = frozenset({"Softmax", "LogSoftmax", "LogSoftmaxExt", "Exp", "Sigmoid", "Tanh", "Rsqrt", "Sqrt",
-                           "Reciprocal"})
-
-
-def saved_activations(op: str, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> List[Tensor]:
-    """The activations (batch-dependent tensors) ``op`` keeps for its backward: none for views,
-    additions, casts and sums; its output for softmax-like ops whose gradient reads it; else its
-    activation inputs (the batch-dependent ones of :func:`saved_tensors`).
-
-    Args:
-        op: the primitive's name, as :func:`saved_tensors` takes it.
-        inputs: the op's tensor arguments.
-        outputs: the op's results.
-
-    >>> import mindspore as ms
-    >>> a = AbstractTensor((2, 3), ms.float32)
-    >>> [t.shape for t in saved_activations("MatMulExt", [a, AbstractTensor((3, 4), ms.float32)], [])]
-    [(2, 3), (3, 4)]
-    >>> saved_activations("AddExt", [a, a], [a])
-    []
-    """
-    return [t for t in saved_tensors(op, inputs, outputs) if _is_activation(t)]
-
-
-def saved_tensors(op: str, inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> List[Tensor]:
-    """Every tensor ``op`` keeps for its backward, activations and weights alike (what MindSpore's
-    saved-tensor hooks see: a matmul keeps both operands, fully_shard's gathered weight included).
-
-    Args:
-        op: the primitive's name.
-        inputs: its tensor arguments.
-        outputs: its results.
-
-    >>> import mindspore as ms
-    >>> a = AbstractTensor((2, 3), ms.float32)
-    >>> len(saved_tensors("MatMulExt", [a, a], [a])), saved_tensors("Reshape", [a], [a])
-    (2, [])
-    """
-    if op in _SAVES_NOTHING:
-        return []
-    chosen = outputs if op in _SAVES_OUTPUT else inputs
-    return [t for t in chosen if isinstance(t, Tensor)]
-
-
-_MATMULS = frozenset({"MatMul", "MatMulExt", "BatchMatMul", "BatchMatMulExt", "Mm", "Dense", "BMM", "Bmm"})
-
-
-def matmul_flops(a: Tensor, out: Tensor) -> int:
-    """Multiply-adds times two of a matmul of ``a`` (``..., m, k`` or transposed) giving ``out``
-    (``..., m, n``): ``2 numel(out) k`` with ``k = numel(a) n / numel(out)``.
-
-    Args:
-        a: the first operand.
-        out: the result.
-
-    >>> import mindspore as ms
-    >>> matmul_flops(AbstractTensor((4, 3), ms.float32), AbstractTensor((4, 5), ms.float32))
-    120
-    """
-    size = prod(tuple(out.shape))
-    if not size or not out.shape:
-        return 0
-    return 2 * size * (prod(tuple(a.shape)) * tuple(out.shape)[-1] // size)
-
-
-def _is_activation(t: Any) -> bool:
-    return isinstance(t, Tensor) and is_abstract(t) and flags_of(t)[1]
-
 
 def _tensors(value: Any) -> Tuple[Tensor, ...]:
     if isinstance(value, Tensor):
@@ -288,13 +210,13 @@ class AbstractAutodiff:
                 self.largest_activation = max(self.largest_activation, tensor_bytes(o))
         tape = self._tape()
         differentiated = tape is not None and any(flags_of(o)[0] for o in outputs)
-        if name in _MATMULS and inputs and outputs:
+        if name in MATMULS and inputs and outputs:
             self.flops += matmul_flops(inputs[0], outputs[0]) * (3 if differentiated else 1)
         if not differentiated:
             return
         node = _Node(None, tuple(inputs), tuple(outputs))
         kept = saved_tensors(name, inputs, outputs)
-        self._keep(tape, node, kept, [t for t in kept if _is_activation(t)])
+        self._keep(tape, node, kept, [t for t in kept if is_activation(t)])
         tape.nodes.append(node)
 
     def cell_call(self, cell: nn.Cell, call: Callable, args: tuple, kwargs: dict) -> Any:
@@ -314,7 +236,7 @@ class AbstractAutodiff:
         if any(_needs_grad(t) for t in _tensors(args)):
             node = _Node(cell, args, out, self.where())
             self._keep(tape, node, node.inputs + node.outputs, [t for t in node.inputs + node.outputs
-                                                                 if _is_activation(t)])
+                                                                 if is_activation(t)])
             tape.nodes.append(node)
         return out
 
@@ -454,10 +376,10 @@ class AbstractAutodiff:
             ops = self._op_logs.pop()
         if tape is not None:
             node = _Recompute(fn, args, kwargs, again_ctx, out, self.where())
-            kept = [t for t in node.inputs if _is_activation(t)]                          # its inputs are kept
+            kept = [t for t in node.inputs if is_activation(t)]                          # its inputs are kept
             if keeps is not None:
                 flags = keeps([name for name, _ in ops], [tuple(o[0].shape) if o else None for _, o in ops])
-                kept += [t for (_, outs), keep in zip(ops, flags) if keep for t in outs if _is_activation(t)]
+                kept += [t for (_, outs), keep in zip(ops, flags) if keep for t in outs if is_activation(t)]
             self._keep(tape, node, (), kept)
             tape.nodes.append(node)
         return out
