@@ -124,7 +124,7 @@ from ._release import (ADOPTED_REACH_HOOK, HOOK_ERRORS_REACH_CALLER, LIST_ARGS_R
                        OVERLOAD_OPS_CALLABLE)
 from .abstract import GRAD_ENTRY_POINTS, abstract_run, has_custom_bprop, numpy_dtype, stride_free_view, reads_shape_only
 from .autodiff import (RECOMPUTE_CONTEXT_FN, SAVED_TENSOR_HOOKS, discard_grad_recording, discard_tapes, no_grad,
-                       identity_with_gradient, keeping_nothing,
+                       call_keeping_nothing, identity_with_gradient, keeping_nothing,
                        random_state, recompute_eagerly, set_random_state,
                        recompute_in_graph, recompute_record, recomputing, replaying, recording_gradients, saved_tensors_hooks, tape_backward,
                        taped, taped_call, tensor_address)
@@ -145,7 +145,7 @@ from .swaps import Swap, entry_points_swapped, swap_entry_points
 
 from mindspore.ops.auto_generate import func_dropout_ext_op as seeded_dropout  # noqa: E402  (after the release check)
 
-__all__ = ["identity_with_gradient", "keeping_nothing", "MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
+__all__ = ["identity_with_gradient", "keeping_nothing", "call_keeping_nothing", "MINDSPORE_VERSION", "LIST_ARGS_REACH_HOOK", "HOOK_ERRORS_REACH_CALLER", "ADOPTED_REACH_HOOK",
            "OVERLOAD_OPS_CALLABLE",
            "tensor_hook", "original_hook_errors", "keep_hook_errors", "keeps_hook_errors", "no_hook", "hooks_off",
            "as_subclass",

@@ -36,7 +36,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from .._mindspore import cell_per_call_site, is_compiling, keeping_nothing, run_in_python
+from .._mindspore import call_keeping_nothing, cell_per_call_site, is_compiling, run_in_python
 from . import _composed, _traffic
 from ._exact import place_over, wire_itemsize
 from ._lean import LeanAllToAll
@@ -348,9 +348,7 @@ def _simulated_exchange(x, mesh, mesh_dim, call: _VCall):
     cell = _SimulatedV(call.matrix, mesh, mesh_dim)
     if call.native:
         return cell(x)
-    with keeping_nothing():
-        y = cell(x)
-    return y - 0
+    return call_keeping_nothing(cell, x)
 
 
 def _run(x, mesh, mesh_dim, call: _VCall):

@@ -4,7 +4,7 @@ The composed all-to-all pads this rank's piece into a whole-size buffer, all-red
 its chunk out (:func:`._composed.all_to_all`). Differentiated op by op, MindSpore keeps the padded
 buffer and the all-reduced one for the backward though neither is read there (measured, 2.10: four
 whole-sequence buffers per Ulysses attention call, more than the cp=1 attention keeps). As a
-custom-``bprop`` Cell run under :func:`keeping_nothing`, its backward is the inverse all-to-all of
+custom-``bprop`` Cell run by :func:`call_keeping_nothing`, its backward is the inverse all-to-all of
 the gradient through the public :func:`all_to_all` (or ``all_to_all_by_matrix`` with the split matrix
 transposed, for the uneven exchange of ``all_to_all_single``), which also puts it on
 :class:`CommDebugMode`'s record like the forward.
@@ -20,7 +20,7 @@ from typing import Callable, Tuple
 import mindspore as ms
 from mindspore import nn
 
-from .._mindspore import is_compiling, keeping_nothing, recording_gradients, run_in_python
+from .._mindspore import call_keeping_nothing, is_compiling, recording_gradients, run_in_python
 from .._mindspore._active import ACTIVE_RUNS
 from ..layout import chunk_sizes
 
@@ -85,8 +85,5 @@ class LeanAllToAll(nn.Cell):
         return (self.inverse(dout),)
 
     def move(self, x):
-        """``forward(x)`` keeping neither ``x`` nor the result for the backward; the result is an
-        op's result (``- 0``), which the ops that keep it share rather than copy."""
-        with keeping_nothing():
-            y = self(x)
-        return y - 0
+        """``forward(x)`` keeping neither ``x`` nor the result for the backward (:func:`call_keeping_nothing`)."""
+        return call_keeping_nothing(self, x)

@@ -32,8 +32,8 @@ import numpy as np
 from mindspore import nn
 from mindspore.common import dtype as mstype
 
-from .._mindspore import (cached_in_python, cell_per_call_site, identity_with_gradient, is_compiling, keeping_nothing,
-                          run_in_python, running_eagerly)
+from .._mindspore import (cached_in_python, call_keeping_nothing, cell_per_call_site, identity_with_gradient,
+                          is_compiling, run_in_python, running_eagerly)
 from ..comm._agreement import extremes
 from ..layout import Layout
 from ._executor import Redistribution, redistribution
@@ -181,18 +181,14 @@ def _redistribution(plan_id: int, local_shape: Tuple[int, ...], where: str, unev
 def _moved_eagerly(move: Redistribution, x):
     """PyNative: ``move(x)`` keeping neither ``x`` nor the result for the backward (``move``'s
     bprop, with no masked reduction, reads only the gradient). As a custom-bprop Cell, MindSpore
-    keeps both, and every op keeping the Cell's result for its own backward keeps a copy of it
-    (measured, 2.10: a sequence-parallel gather's result kept by the Cell and copied by each of the
-    three q / k / v projections; ``tests/test_activation_memory.py``)."""
+    keeps both (measured, 2.10: a sequence-parallel gather's result; :func:`call_keeping_nothing`)."""
     if move.is_identity:                    # nothing to do either way
         return x
     if x.dtype not in _FLOATS:
         return move(x)
     if move.backward_only:                  # the identity forward: a hooked op result
         return identity_with_gradient(x, move.gradient)
-    with keeping_nothing():
-        y = move(x)
-    return y - 0                            # an op's result, which the ops keeping it share
+    return call_keeping_nothing(move, x)
 
 
 class LocalRedistribute(nn.Cell):
