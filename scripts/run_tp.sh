@@ -43,6 +43,25 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument: $1 (see the usage line at the top of $0)" >&2; exit 2 ;;
   esac
 done
+# launch SCRIPT ARGS...: msrun NPROC ranks of examples/SCRIPT.py into rank_logs/SCRIPT, print rank 0's
+# step lines, the first error lines of every rank and the summary line, and exit with msrun's status.
+launch() {
+  local name="$1"; shift
+  bash "$ROOT/scripts/setup_env.sh"     # first run: create the venv (progress shown here)
+  local log_dir="$ROOT/rank_logs/$name" status=0
+  rm -rf "$log_dir"
+  mkdir -p "$log_dir"
+  export GLOG_v="${GLOG_v:-3}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  bash "$ROOT/scripts/msrun.sh" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
+    --log_dir="$log_dir" --join=True "$ROOT/examples/$name.py" "$@" > "$log_dir.msrun.log" 2>&1 || status=$?
+  grep -h "^\[parallel\]\|^\[single device\]" "$log_dir/worker_0.log" 2>/dev/null || true
+  for k in $(seq 0 $((NPROC - 1))); do
+    grep -h "Traceback\|Error" "$log_dir/worker_$k.log" 2>/dev/null | head -n 5 || true
+  done
+  grep -h "^$name:" "$log_dir/worker_0.log" || { echo "no summary: see $log_dir and $log_dir.msrun.log"; tail -n 30 "$log_dir.msrun.log"; }
+  echo "logs: $log_dir (exit $status)"
+  exit "$status"
+}
 if [ -n "$EP" ]; then
   if [ -n "$MODE" ] && [ "$MODE" != pynative ]; then
     echo "--ep runs in --mode pynative (the token moves follow the router's run-time counts), not $MODE" >&2; exit 2
@@ -56,22 +75,7 @@ if [ -n "$EP" ]; then
     echo "ep ($EP) x tp ($TP) must equal --nproc ($NPROC)" >&2; exit 2
   fi
   NPROC=$(( EP * TP ))
-  bash "$ROOT/scripts/setup_env.sh"
-  LOG_DIR="$ROOT/rank_logs/train_moe"
-  rm -rf "$LOG_DIR"
-  mkdir -p "$LOG_DIR"
-  export GLOG_v="${GLOG_v:-3}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-  status=0
-  bash "$ROOT/scripts/msrun.sh" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
-    --log_dir="$LOG_DIR" --join=True "$ROOT/examples/train_moe.py" --ep "$EP" --tp "$TP" --steps "$STEPS" \
-    --device "$DEVICE" "${EXTRA[@]}" > "$LOG_DIR.msrun.log" 2>&1 || status=$?
-  grep -h "^\[parallel\]\|^\[single device\]" "$LOG_DIR/worker_0.log" 2>/dev/null || true
-  for k in $(seq 0 $((NPROC - 1))); do
-    grep -h "Traceback\|Error" "$LOG_DIR/worker_$k.log" 2>/dev/null | head -n 5 || true
-  done
-  grep -h "^train_moe:" "$LOG_DIR/worker_0.log" || { echo "no summary: see $LOG_DIR and $LOG_DIR.msrun.log"; tail -n 30 "$LOG_DIR.msrun.log"; }
-  echo "logs: $LOG_DIR (exit $status)"
-  exit "$status"
+  launch train_moe --ep "$EP" --tp "$TP" --steps "$STEPS" --device "$DEVICE" "${EXTRA[@]}"
 fi
 if [ -z "$MODE" ]; then MODE=$([ ${#FSDP[@]} -gt 0 ] || [ "$PP" -gt 1 ] || [ "$CP" -gt 1 ] && echo pynative || echo graph); fi
 if [ "$CP" -gt 1 ] && [ -z "$NPROC_SET" ]; then NPROC=$(( PP * ${DP:-1} * CP * ${TP:-1} )); fi
@@ -80,19 +84,5 @@ DP="${DP:-$(( NPROC / PP / CP / TP ))}"
 if [ $(( PP * DP * CP * TP )) -ne "$NPROC" ]; then
   echo "pp ($PP) x dp ($DP) x cp ($CP) x tp ($TP) must equal --nproc ($NPROC)" >&2; exit 2
 fi
-bash "$ROOT/scripts/setup_env.sh"     # first run: create the venv (progress shown here)
-LOG_DIR="$ROOT/rank_logs/train_tp"
-rm -rf "$LOG_DIR"
-mkdir -p "$LOG_DIR"
-export GLOG_v="${GLOG_v:-3}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-status=0
-bash "$ROOT/scripts/msrun.sh" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$PORT" \
-  --log_dir="$LOG_DIR" --join=True "$ROOT/examples/train_tp.py" --pp "$PP" --dp "$DP" --cp "$CP" --tp "$TP" --mode "$MODE" \
-  --steps "$STEPS" --device "$DEVICE" "${FSDP[@]}" "${PIPE[@]}" "${EXTRA[@]}" > "$LOG_DIR.msrun.log" 2>&1 || status=$?
-grep -h "^\[parallel\]\|^\[single device\]" "$LOG_DIR/worker_0.log" 2>/dev/null || true
-for k in $(seq 0 $((NPROC - 1))); do
-  grep -h "Traceback\|Error" "$LOG_DIR/worker_$k.log" 2>/dev/null | head -n 5 || true
-done
-grep -h "^train_tp:" "$LOG_DIR/worker_0.log" || { echo "no summary: see $LOG_DIR and $LOG_DIR.msrun.log"; tail -n 30 "$LOG_DIR.msrun.log"; }
-echo "logs: $LOG_DIR (exit $status)"
-exit "$status"
+launch train_tp --pp "$PP" --dp "$DP" --cp "$CP" --tp "$TP" --mode "$MODE" --steps "$STEPS" --device "$DEVICE" \
+  "${FSDP[@]}" "${PIPE[@]}" "${EXTRA[@]}"
