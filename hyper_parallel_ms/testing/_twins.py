@@ -66,12 +66,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import types
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
+
+from ._twin_values import _host, _partial_view
+from ._twins_attention import _flash_attention_score
+from ._twins_comm import (_all_gather, _all_reduce, _all_to_all_v, _dist_all_gather_into_tensor, _dist_all_reduce,
+                          _dist_batch_isend_irecv, _reduce_scatter)
 
 __all__ = ["cpu_twins", "TWINS"]
 
@@ -89,10 +93,6 @@ _ATTRIBUTES: Dict[str, Tuple[Any, str]] = {"Tensor.scatter_": (ms.Tensor, "scatt
                                            "Tensor.clone": (ms.Tensor, "clone"),
                                            "Tensor.copy_": (ms.Tensor, "copy_"),
                                            "Tensor.__mul__": (ms.Tensor, "__mul__")}
-
-
-def _host(value: Any) -> Any:
-    return value.item() if isinstance(value, ms.Tensor) else value
 
 
 def _fill_scalar(self, size, fill_value, dtype=None):
@@ -171,40 +171,6 @@ def _split_view(self, input, split_size, dim=0):  # noqa: A002
         sizes = [min(step, length - start) for start in range(0, length, step)]
     starts = np.cumsum([0] + sizes[:-1])
     return tuple(mint.narrow(input, dim, int(start), n) for start, n in zip(starts, sizes))
-
-
-def _all_reduce(self, input, op_type, group, async_op=True):  # noqa: A002
-    from ..comm import all_reduce
-    from ..process_group import group_mesh, reduce_op_name
-    op = reduce_op_name(_host(op_type), "cpu_twins")
-    return all_reduce(input, group_mesh(group), 0, op=op)
-
-
-def _all_gather(self, input, rank_size, group, async_op=True):  # noqa: A002
-    from ..comm import all_gather
-    from ..process_group import group_mesh
-    return all_gather(input, group_mesh(group), 0, dim=0)
-
-
-def _reduce_scatter(self, input, rank_size, op_type, group, async_op=True):  # noqa: A002
-    from ..comm import reduce_scatter
-    from ..process_group import group_mesh, reduce_op_name
-    op = reduce_op_name(_host(op_type), "cpu_twins")
-    return reduce_scatter(input, group_mesh(group), 0, dim=0, op=op)
-
-
-def _all_to_all_v(self, input, group, send_numel_list, recv_numel_list, rank_size, split_sizes_empty,  # noqa: A002
-                  async_op=True):
-    from ..comm import all_to_all_single
-    from ..process_group import group_mesh
-    sends = [int(_host(n)) for n in send_numel_list]
-    receives = [int(_host(n)) for n in recv_numel_list]
-    return all_to_all_single(input.reshape(-1), receives, sends, group_mesh(group), 0)
-
-
-def _dist_all_reduce(self, input, op_type, group, async_op=True):  # noqa: A002
-    """In place (``mint.distributed.all_reduce``): the result written into ``input``."""
-    return input.copy_(_all_reduce(self, input, op_type, group))
 
 
 def _axis(dim: Any, ndim: int) -> int:
@@ -387,137 +353,6 @@ def _grouped_matmul(self, x, weight, bias=None, scale=None, offset=None, antiqua
     return (pieces[0] if len(pieces) == 1 else ops.cat(pieces, 0),)
 
 
-_LAYOUTS = {"BSH": "bsh", "SBH": "sbh", "BNSD": "bnsd", "BSND": "bsnd"}
-
-
-_LAYOUT_ENUM = {0: "BSH", 1: "BNSD", 2: "SBH", 3: "BSND", 4: "TND"}     # MindSpore's input_layout enum
-
-
-def _layout_name(value: Any) -> str:
-    return value if isinstance(value, str) else _LAYOUT_ENUM.get(int(value), str(value))
-
-
-def _to_bnsd(x, layout: str, heads: int):
-    if layout == "BNSD":
-        return x
-    if layout == "BSND":
-        return x.transpose(0, 2, 1, 3)
-    if layout == "BSH":
-        b, s, h = x.shape
-        return x.reshape(b, s, heads, h // heads).transpose(0, 2, 1, 3)
-    s, b, h = x.shape                                                   # SBH
-    return x.reshape(s, b, heads, h // heads).transpose(1, 2, 0, 3)
-
-
-def _from_bnsd(x, layout: str):
-    if layout == "BNSD":
-        return x
-    if layout == "BSND":
-        return x.transpose(0, 2, 1, 3)
-    b, n, s, d = x.shape
-    if layout == "BSH":
-        return x.transpose(0, 2, 1, 3).reshape(b, s, n * d)
-    return x.transpose(2, 0, 1, 3).reshape(s, b, n * d)                 # SBH
-
-
-def _band(sq: int, skv: int, sparse_mode: int, pre_tokens: int, next_tokens: int) -> Optional[np.ndarray]:
-    """True where a query row may not see a key column, from ``sparse_mode`` and the token band
-    (mode 0 counts the band from the top-left corner, mode 4 from the bottom-right one, as mode 3)."""
-    i = np.arange(sq)[:, None]
-    j = np.arange(skv)[None, :]
-    if sparse_mode in (0, 4):
-        d = j - i - (skv - sq if sparse_mode == 4 else 0)
-        return (d > next_tokens) | (-d > pre_tokens)
-    if sparse_mode == 1:
-        return None
-    if sparse_mode == 2:                                                # causal from the top left
-        return j > i
-    if sparse_mode == 3:                                                # causal from the bottom right
-        return j - i > skv - sq
-    raise ValueError(f"cpu_twins: the FlashAttentionScore twin computes sparse_mode 0 to 4, got {sparse_mode}")
-
-
-_FLASH_ATTRS = ("head_num", "keep_prob", "scale_value", "pre_tokens", "next_tokens", "inner_precise",
-                "input_layout", "sparse_mode")      # the primitive's attributes, in its flat call's order
-
-
-class _LocalFlashAttention:
-    """The twin as the dispatcher's local op: called with ``FlashAttentionScore``'s 18 flat arguments
-    (the 10 tensors, then :data:`_FLASH_ATTRS`, as the sharding rule's ``local_args`` set them)."""
-
-    name = "FlashAttentionScore"
-
-    def __call__(self, *flat):
-        from .._mindspore import plain_view
-        attrs = types.SimpleNamespace(**dict(zip(_FLASH_ATTRS, flat[10:])))
-        pieces = [plain_view(t) if hasattr(t, "placements") else t for t in flat[:10]]   # this rank's pieces
-        return _flash_attention_score(attrs, *pieces)
-
-
-def _flash_attention_score(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
-                           attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
-    attrs = self.attrs if hasattr(self, "attrs") else {}
-    get = lambda name: _host(getattr(self, name, attrs.get(name)))      # noqa: E731
-    tensors = (query, key, value, real_shift, drop_mask, padding_mask, attn_mask, prefix, actual_seq_qlen,
-               actual_seq_kvlen)
-    if any(hasattr(t, "placements") for t in tensors):     # DTensors: FlashAttentionScore's sharding rule decides
-        from ..ops._dispatch import dispatch
-        return dispatch(_LocalFlashAttention(), tensors + tuple(get(n) for n in _FLASH_ATTRS), {})
-    layout = _layout_name(get("input_layout"))
-    if layout not in _LAYOUTS:
-        raise ValueError(f"cpu_twins: the FlashAttentionScore twin computes input_layout BSH, SBH, BNSD or BSND, "
-                         f"got {layout!r}")
-    from ..ops._rules.attention import check_layout_ranks
-    check_layout_ranks(layout, (query.shape, key.shape, value.shape))
-    if float(get("keep_prob")) != 1.0:
-        raise ValueError("cpu_twins: the FlashAttentionScore twin computes keep_prob=1.0 only (no attention "
-                         "dropout); set attention_dropout to 0 in tests")
-    unsupported = [n for n, v in (("padding_mask", padding_mask), ("prefix", prefix),
-                                  ("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen))
-                   if v is not None]
-    if unsupported:
-        raise ValueError(f"cpu_twins: the FlashAttentionScore twin does not compute {unsupported}")
-    heads = int(get("head_num"))
-    kv_heads = _kv_heads(key, layout, query, heads)
-    q, k, v = _to_bnsd(query, layout, heads), _to_bnsd(key, layout, kv_heads), _to_bnsd(value, layout, kv_heads)
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:                                                      # grouped-query attention
-        k, v = (_repeat_heads(t, groups) for t in (k, v))
-    scores = mint.matmul(q.astype(ms.float32), k.astype(ms.float32).swapaxes(-1, -2)) * float(get("scale_value"))
-    if real_shift is not None:
-        scores = scores + real_shift.astype(ms.float32)
-    sq, skv = scores.shape[-2:]
-    sparse_mode = int(get("sparse_mode"))
-    masked = None if sparse_mode == 0 and attn_mask is None else (     # mode 0 without a mask: no band
-        _band(sq, skv, sparse_mode, int(get("pre_tokens")), int(get("next_tokens"))))
-    hidden = None if masked is None else ms.Tensor(masked)
-    if attn_mask is not None and sparse_mode in (0, 1):               # 2 to 4: the compressed mask is the band
-        user = attn_mask.astype(ms.bool_)
-        hidden = user if hidden is None else ops.logical_or(user, hidden)
-    if hidden is not None:
-        scores = ops.select(ops.broadcast_to(hidden, scores.shape), ms.Tensor(-1e30, ms.float32), scores)
-    row_max = scores.max(axis=-1, keepdims=True)
-    weights = ops.exp(scores - ops.stop_gradient(row_max))
-    row_sum = weights.sum(axis=-1, keepdims=True)
-    out = mint.matmul(weights / row_sum, v.astype(ms.float32)).astype(query.dtype)
-    stats = tuple(ops.broadcast_to(ops.stop_gradient(t), t.shape[:-1] + (8,)) for t in (row_max, row_sum))
-    reserved = ms.Tensor(np.zeros((), np.float32)).astype(query.dtype)      # softmax_out: shape (), unused
-    return stats[0], stats[1], reserved, _from_bnsd(out, layout)
-
-
-def _repeat_heads(t, groups: int):
-    """Each key / value head repeated ``groups`` times in place (BNSD), as ``repeat_interleave`` on
-    dim 1 (which has no CPU kernel in MindSpore 2.10)."""
-    b, n, s, d = t.shape
-    return ops.broadcast_to(t.reshape(b, n, 1, s, d), (b, n, groups, s, d)).reshape(b, n * groups, s, d)
-
-
-def _kv_heads(t, layout: str, query, heads: int) -> int:
-    if layout in ("BNSD", "BSND"):
-        return t.shape[1 if layout == "BNSD" else 2]
-    return heads * t.shape[-1] // query.shape[-1]
-
-
 def _wide(*tensors) -> Any:
     """The dtype a twin computes in: float32 for float16 / bfloat16 operands, else their own."""
     dtypes = {t.dtype for t in tensors}
@@ -595,15 +430,6 @@ def _tensor_clone(self, *args, **kwargs):
     return _copy(self)
 
 
-def _partial_view(t) -> bool:
-    """``t`` is a view on part of a storage (offset, strides, or a slice of a larger buffer); a tensor
-    whose storage cannot be asked (not materialized) is not: the method itself handles it, as before."""
-    try:
-        return t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes
-    except (RuntimeError, TypeError, ValueError):
-        return False
-
-
 def _tensor_copy_(self, src, *args, **kwargs):
     """``Tensor.copy_``: MindSpore 2.10's CPU ``InplaceCopy`` assumes whole buffers; a DTensor keeps its method."""
     if _dtensor(self):
@@ -628,50 +454,15 @@ def _tensor_mul(self, other):
     return original(self, other)
 
 
-def _dist_all_gather_into_tensor(self, other, input, rank_size, group, async_op=True):  # noqa: A002
-    """In place (``mint.distributed.all_gather_into_tensor``): the gathered rows written into ``other``."""
-    from ..comm import all_gather
-    from ..process_group import group_mesh
-    other.copy_(all_gather(input, group_mesh(group), 0, dim=0))
-    return other
-
-
-def _dist_batch_isend_irecv(self, input, group, op_types, remotes_ranks):  # noqa: A002
-    """``mint.distributed.batch_isend_irecv``: each ``isend`` (type 0), then each ``irecv`` (type 1), peers
-    given as ranks of ``group``."""
-    from ..comm import recv, send
-    from ..process_group import group_mesh
-    mesh = group_mesh(group)
-    ops_ = list(zip(input, (int(_host(t)) for t in op_types), (int(_host(r)) for r in remotes_ranks)))
-    for tensor, kind, peer in ops_:
-        if kind not in (0, 1):
-            raise ValueError(f"cpu_twins: batch_isend_irecv op type {kind} is neither isend (0) nor irecv (1)")
-        if kind == 0:
-            send(tensor.contiguous() if _partial_view(tensor) else tensor, mesh, 0, dst=peer)
-    for tensor, kind, peer in ops_:
-        if kind == 1:
-            tensor.copy_(recv(tensor, mesh, 0, src=peer))
-    return list(input)
+_PYBOOST_CLASSES = {"RmsNorm": "_PyboostRmsNormPrim", "StackExt": "_PyboostStackExtPrim"}   # ops.rms_norm's, mint.stack's
 
 
 def _primitive_classes() -> Dict[str, type]:
-    from mindspore.ops.auto_generate import gen_ops_prim
-    from mindspore.ops.auto_generate.pyboost_inner_prim import _PyboostRmsNormPrim, _PyboostStackExtPrim
-    classes = {name: getattr(gen_ops_prim, name) for name in ("FillScalar", "TrilExt", "IndexSelect", "Arange",
-                                                               "Outer", "Embedding", "FlashAttentionScore",
-                                                               "ZerosLikeExt", "OnesLikeExt", "ScatterAddExt",
-                                                               "SplitTensorView", "SplitWithSizeView",
-                                                               "InnerCommAllReduce", "InnerCommAllGather",
-                                                               "InnerCommReduceScatter", "InnerCommAllToAllV",
-                                                               "TopkExt", "SortExt", "ArgSort", "HistcExt",
-                                                               "CumsumExt", "GroupedMatmul", "DistCommAllReduce",
-                                                               "MoeTokenPermute", "MoeTokenUnpermute", "Mm", "Addmm",
-                                                               "BatchMatMulExt", "Baddbmm", "LinalgVectorNorm",
-                                                               "Clone", "DistCommAllGatherIntoTensor",
-                                                               "DistCommBatchIsendIrecv")}
-    classes["RmsNorm"] = _PyboostRmsNormPrim
-    classes["StackExt"] = _PyboostStackExtPrim          # mint.stack's
-    return classes
+    """The primitive class of each twin of :data:`TWINS` that replaces a primitive (the others replace
+    the Python names of :data:`_ATTRIBUTES`)."""
+    from mindspore.ops.auto_generate import gen_ops_prim, pyboost_inner_prim
+    return {name: getattr(pyboost_inner_prim, _PYBOOST_CLASSES[name]) if name in _PYBOOST_CLASSES
+            else getattr(gen_ops_prim, name) for name in TWINS if name not in _ATTRIBUTES}
 
 
 TWINS: Dict[str, Callable] = {
