@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 from mindspore import Tensor, nn
@@ -202,19 +203,20 @@ class SwapManager:
         if not swapped_cells(first_layer):
             raise ValueError(f"set_forward_prefetch_layer: nothing at or under {type(first_layer).__name__} is swapped "
                              "(wrap it or its parts with swap_wrapper first): there is nothing to read back")
-        if any(first is first_layer and second is second_layer for first, second in self._pairs):
+        if any(first is first_layer and second is second_layer for first, second in self.prefetch_pairs()):
             return
 
         def read_back(_cell: nn.Cell, _grad_output: Any) -> None:
             prefetch_swapped(first_layer)
         second_layer.register_backward_pre_hook(read_back)
-        self._pairs.append((first_layer, second_layer))
+        self._pairs.append((weakref.ref(first_layer), weakref.ref(second_layer)))   # the manager outlives models
 
     def prefetch_pairs(self) -> List[Tuple[nn.Cell, nn.Cell]]:
-        """The ``(first_layer, second_layer)`` pairs set so far, in order.
+        """The ``(first_layer, second_layer)`` pairs set so far whose Cells are alive, in order.
 
         Example::
 
             len(SwapManager().prefetch_pairs())
         """
-        return list(self._pairs)
+        pairs = [(first(), second()) for first, second in self._pairs]
+        return [(first, second) for first, second in pairs if first is not None and second is not None]

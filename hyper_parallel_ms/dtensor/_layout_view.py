@@ -125,11 +125,11 @@ class TensorLayout(Layout):
         object.__setattr__(self, "_hash", None)
 
     def __copy__(self) -> "TensorLayout":
+        """A view of the same mesh (a mesh is not copied: it names process groups) and shape."""
         return tensor_layout(self, self._mesh, self._shape)
 
     def __deepcopy__(self, memo) -> "TensorLayout":
-        """A view of the same mesh (a mesh is not copied: it names process groups) and shape."""
-        return tensor_layout(self, self._mesh, self._shape)
+        return self.__copy__()
 
     def get_split_id(self, tensor_dim: int) -> int:
         """This rank's index among the pieces ``tensor_dim`` is split into (HyperParallel): its mesh
