@@ -134,7 +134,6 @@ class Runtime:
         self._tape: Dict[Key, Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]] = {}   # (outputs, sens)
         self._outs: Dict[Key, Tuple[Tensor, ...]] = {}
         self._out_grads: Dict[Key, Tuple[Tensor, ...]] = {}
-        self._in_grads: Dict[Key, Tuple[Tensor, ...]] = {}
         self._weight_grads: Dict[Key, Tuple[Optional[Tensor], ...]] = {}     # compiled stages: from I to W
         self._results: Dict[int, Tensor] = {}
         self._batches, self._targets, self._losses, self._scales = microbatches, targets, losses, scales
@@ -181,7 +180,7 @@ class Runtime:
             for stage in self.stages.values():
                 stage.set_requires_gradient_sync(True)
                 stage.bwd_cache.clear()
-            self._inputs = self._tape = self._outs = self._out_grads = self._in_grads = self._weight_grads = {}
+            self._inputs = self._tape = self._outs = self._out_grads = self._weight_grads = {}
         self.failed = error is not None
         if self.failed:
             discard_tapes()       # the step's records and a failed forward's open one: later ops must not be taped
