@@ -359,7 +359,11 @@ class OpInterception(getattr(mindspore, "MsDispatchMode", object)):
         return self.on_op(func.name, lambda: func(*args, **(kwargs or {})))
 
 
-_ONE_NODE = threading.local()        # .depth: > 0 while a custom-bprop Cell's forward runs its ops eagerly
+class _OneNode(threading.local):
+    depth = 0                          # > 0 while a custom-bprop Cell's forward runs its ops eagerly
+
+
+_ONE_NODE = _OneNode()
 ONE_NODE = "<one autodiff node>"     # an op record's mark where such a forward ran (its ops not recorded)
 
 
@@ -374,7 +378,7 @@ def one_autodiff_node() -> Iterator[None]:
         with one_autodiff_node():
             out = ring_attention_cell(q, k, v, bias)     # its score blocks are nobody's to keep
     """
-    _ONE_NODE.depth = getattr(_ONE_NODE, "depth", 0) + 1
+    _ONE_NODE.depth += 1
     try:
         yield
     finally:
@@ -387,4 +391,4 @@ def in_one_autodiff_node() -> bool:
     >>> in_one_autodiff_node()
     False
     """
-    return getattr(_ONE_NODE, "depth", 0) > 0
+    return _ONE_NODE.depth > 0

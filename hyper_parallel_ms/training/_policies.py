@@ -50,8 +50,11 @@ def is_random_op(name: str) -> bool:
 
 _NEVER_SAVED = frozenset({"StopGradient"})     # run by MindSpore's recompute itself, in the recompute only
 
-_EXCLUDING = threading.local()        # .depth: > 0 inside a region excluded from recomputation (training._exclude)
-_EXCLUDING.depth = 0
+class _Excluding(threading.local):
+    depth = 0                          # > 0 inside a region excluded from recomputation (training._exclude)
+
+
+_EXCLUDING = _Excluding()              # per thread, 0 in every thread until it enters a region
 
 Policy = Union[None, str, Collection[str], Callable[[str], bool]]
 
