@@ -137,11 +137,12 @@ def one_device(steps: int, context_parallel: bool = False) -> Tuple[List[float],
 
 
 def _train_parallelized(steps: int, parallelism, model_config, rows: slice, float32_attention: bool = False,
-                        context_parallel: bool = False, model_class=None, after_step=None):
+                        context_parallel: bool = False, model_class=None, after_step=None, train=None):
     """The model (``model_class``, default PyNativeQwen3ForCausalLM) built on the meta device from
     ``model_config``, parallelized by MindFormers' ``parallelize_model`` for ``parallelism``, materialised,
     loaded with the full weights and trained on ``rows`` with MindFormers' loss sense (``after_step(model,
-    dims)`` after each step); returns the model, this rank's losses and the full parameters."""
+    dims)`` after each step) by ``train`` (default :func:`_train`; same arguments, its result taken as the
+    losses); returns the model, this rank's losses and the full parameters."""
     import mindspore as ms
     from mindspore.communication import get_group_size
     from mindspore.ops.communication import set_comm_ops_inplace
@@ -170,7 +171,7 @@ def _train_parallelized(steps: int, parallelism, model_config, rows: slice, floa
             set_model_state_dict(model, {k: ms.Tensor(v) for k, v in full.items()},
                                  options=StateDictOptions(full_state_dict=True))
             sense = float(get_loss_sense(parallelism, enable_parallel=True).asnumpy().reshape(-1)[0])
-            losses = _train(model, steps, rows, sense, context_parallel=context_parallel,
+            losses = (train or _train)(model, steps, rows, sense, context_parallel=context_parallel,
                             after_step=None if after_step is None else lambda m: after_step(m, dims))
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             return model, losses, {k: v.asnumpy() for k, v in state.items()}
@@ -229,11 +230,13 @@ def run_all(steps: int) -> dict:
     parallelism cp=2 (colossal and Ulysses), MindFormers' MoE (DeepSeek-V3, tiny) with expert
     parallelism ep=2 (its token permutation written out, and fused; and ep=2 over the ranks of tp=2
     with sequence parallelism), MindFormers' Muon optimizer on sharded weights (2 steps, its point-to-point
-    strategy), and the model on one device for each configuration (every rank computes it: the
-    ranks would wait for each other otherwise)."""
+    strategy), MindFormers' trainer step by ``loss.backward()`` (TP=2 + SP, FSDP over dp=2), and the model
+    on one device for each configuration (every rank computes it: the ranks would wait for each other
+    otherwise)."""
+    from tests import _mindformers_backward as backward
     from tests import _mindformers_moe as moe
     from tests import _mindformers_muon as muon
-    return {"tp2_sp": parallel(steps, 2), "fsdp_dp2": parallel(steps, 1), "one_device": one_device(steps),
+    return {**backward.run_all(steps),"tp2_sp": parallel(steps, 2), "fsdp_dp2": parallel(steps, 1), "one_device": one_device(steps),
             "cp2_colossal": context_parallel(steps, "colossal"), "cp2_ulysses": context_parallel(steps, "ulysses"),
             "one_device_cp": one_device(steps, context_parallel=True),
             "moe_ep2": moe.expert_parallel(steps), "one_device_moe": moe.one_device(steps),

@@ -15,7 +15,7 @@ from hyper_parallel_ms.compat._alias import _remove_alias
 from hyper_parallel_ms.compat._fsdp import fully_shard as compat_fully_shard
 from hyper_parallel_ms.compat._platform import MindSporePlatform
 from hyper_parallel_ms.compat import _activation, _pipeline, _redistribute_infer
-from hyper_parallel_ms.training import checkpoint_exclude_wrapper
+from hyper_parallel_ms.training import checkpoint_exclude_wrapper, enable_mindspore_backward_compat
 
 # Every ``hyper_parallel`` import of MindFormers 2.1.0's mindformers/pynative/ (module path, names),
 # read from its sources; the schedules are MindFormers' _SCHEDULE_REGISTRY (importlib + getattr).
@@ -72,6 +72,8 @@ PROVIDED = {
     # MindFormers' Muon tensor-map helpers (tests/test_compat_redistribute_infer.py)
     "_infer_slice_area_by_rank": _redistribute_infer.infer_slice_area_by_rank, "DevMat": _redistribute_infer.DevMat,
     "RedistributionOperatorInfer": _redistribute_infer.RedistributionOperatorInfer,
+    # loss.backward() / param.grad (tests/test_tensor_backward.py)
+    "enable_mindspore_backward_compat": enable_mindspore_backward_compat,
 }
 # provided under another name's rules (tested below)
 SERVED = {"get_platform", "get_global_layout", "get_current_layout"}

@@ -113,6 +113,10 @@ def test_moe_twins_equal_their_formulas_with_gradients():
         counter.add_(ms.Tensor(np.array([1, 2, 3, 4], np.int32)))
         counter.add_(ms.Tensor(np.ones(4, np.float32)), alpha=2)
         np.testing.assert_array_equal(_np(counter), [3, 4, 5, 6])            # in place (CPU: not written)
+        scaled = ms.Tensor(np.array([1.0, -2.0, 4.0], np.float32))
+        scaled.mul_(0.5)
+        scaled.mul_(ms.Tensor(np.array([2.0, 2.0, -1.0], np.float32)))
+        np.testing.assert_array_equal(_np(scaled), [1.0, -2.0, -2.0])       # in place (CPU: not written)
         # token permutation: rows grouped by expert (stable: token-major), each (token, slot)'s row returned
         tokens = RNG.normal(size=(4, 3)).astype(np.float32)
         experts = np.array([[2, 0], [1, 2], [0, 1], [2, 1]], np.int32)
@@ -128,7 +132,9 @@ def test_moe_twins_equal_their_formulas_with_gradients():
             return ops.moe_token_unpermute(ops.moe_token_permute(t, ms.Tensor(experts))[0], where, p).sum()
         grad = ms.grad(round_trip, (0, 1))(ms.Tensor(tokens), ms.Tensor(probs))
         np.testing.assert_allclose(_np(grad[0]), np.repeat(probs.sum(1, keepdims=True), 3, 1), rtol=1e-6)
-        np.testing.assert_allclose(_np(grad[1]), np.repeat(tokens.sum(1, keepdims=True), 2, 1), rtol=1e-6)
+        # a sum of 3 float32 values in another order: a few float32 ulps of the largest term
+        np.testing.assert_allclose(_np(grad[1]), np.repeat(tokens.sum(1, keepdims=True), 2, 1), rtol=1e-6,
+                                   atol=4 * np.finfo(np.float32).eps * np.abs(tokens).max())
         repeated = mint.repeat_interleave(ms.Tensor(np.array([5, 6, 7], np.int32)), ms.Tensor(np.array([2, 0, 1])),
                                           dim=0, output_size=3)
         np.testing.assert_array_equal(_np(repeated), [5, 5, 7])
@@ -203,7 +209,8 @@ def _bf16(x):
 
 def test_muon_twins_equal_their_formulas():
     """What MindFormers' Muon optimizer calls: bfloat16 matmuls (float32 accumulation, one rounding), stack,
-    vector norms, clone, copy_ into and out of views, a 0-d float32 tensor times a bfloat16 one."""
+    vector norms, clone, copy_ into and out of views, a 0-d float32 tensor times a bfloat16 one; and its
+    AdamW's addcmul."""
     a, b, c = (RNG.normal(size=shape).astype(np.float32) for shape in [(3, 4), (4, 5), (3, 5)])
     a16, b16, c16 = (ms.Tensor(t, ms.float32).astype(ms.bfloat16) for t in (a, b, c))
     a_, b_, c_ = (t.astype(ms.float32).asnumpy() for t in (a16, b16, c16))
@@ -249,6 +256,9 @@ def test_muon_twins_equal_their_formulas():
         assert scaled.dtype == ms.bfloat16
         np.testing.assert_array_equal(scaled.astype(ms.float32).asnumpy(), _bf16(np.float32(0.3) * a_))
         np.testing.assert_allclose(_np(ms.Tensor(a) * ms.Tensor(b[:3, :4])), a * b[:3, :4], rtol=1e-6)
+        # MindFormers' AdamW: the second moment's update
+        np.testing.assert_allclose(_np(mint.addcmul(ms.Tensor(c[:, :4]), ms.Tensor(a), ms.Tensor(a), value=0.25)),
+                                   c[:, :4] + 0.25 * a * a, rtol=1e-6)
 
 
 def test_twins_are_restored_and_refused_off_cpu(monkeypatch):

@@ -9,7 +9,9 @@ MindFormers' MoE, PyNativeDeepseekV3ForCausalLM at tiny sizes, with its own expe
 ep=2 (experts sharded, tokens exchanged by all-to-all): over the dp ranks (dense parameters fully
 sharded over dp=2; the token permutation written out and fused) and over the ranks of TP=2 with
 sequence parallelism. And MindFormers' Muon optimizer on sharded weights (its point-to-point strategy, through
-HyperParallel's redistribution inference on DTensor layouts). One rank call runs them all (24 s at load 4 to 75 s at load 10, measured on
+HyperParallel's redistribution inference on DTensor layouts). And its trainer's step as its Trainer takes it:
+``loss.backward(sense)`` (``enable_mindspore_backward_compat``), its global gradient norm and clipping on
+``param.grad`` (DTensors), its own AdamW, ``param.grad = None``. One rank call runs them all (24 s at load 4 to 75 s at load 10, measured on
 2 shared cores; the context-parallel runs and their one-device reference, sequence 2048, about half
 of it; the MoE runs 8 to 25 s)."""
 from __future__ import annotations
@@ -126,3 +128,29 @@ def test_mindformers_muon_steps_sharded_weights_as_one_device(runs):
     assert owners == {0, 1}                                                    # both directions sent
     # its all-gather fallback: ops inferred, group from get_platform().create_group, all_gather_into_tensor
     assert all(rank["muon_deredundancy"]["fallback_gather"] == 0.0 for rank in runs)
+
+
+def test_mindformers_trainer_step_by_loss_backward_trains_as_one_device(runs):
+    """MindFormers' Trainer.training_step on this library: ``enable_mindspore_backward_compat`` (HyperParallel's
+    name, which its Trainer calls), ``loss.backward(sense)``, ``_calculate_global_grad_norm`` on ``param.grad``
+    (DTensors laid out like the parameters: the norm counts a tensor-parallel replica once) with clipping at
+    0.5 (the norms are about 3-4), MindFormers' AdamW on the local pieces, ``param.grad = None``."""
+    ref_losses, ref_norms, ref_params, ref_checks = runs[0]["backward_one_device"]
+    assert ref_losses[-1] < ref_losses[0]
+    assert ref_checks["value_and_grad"] == 0.0              # loss.backward() gives ms.value_and_grad's gradients
+    for rank in runs:
+        for case, data_parallel in (("backward_tp2_sp", 1), ("backward_fsdp_dp2", 2)):
+            losses, norms, params, checks = rank[case]
+            # measured: 0.0 (TP, FSDP: the collectives' Cells run by loss.backward as under ms.value_and_grad)
+            assert checks["value_and_grad"] <= 1e-6, case
+            # the gradients the optimizer got are the backward's times the clipping coefficient (measured 9e-8)
+            assert checks["clipping"] <= 1e-6, case
+            assert min(norms) > 0.5                          # every step clipped
+            # the global norm over all ranks equals one device's (a replica counted twice: 6e-4 relative off)
+            np.testing.assert_allclose(norms, ref_norms, rtol=1e-5, err_msg=case)
+            mean = np.mean([r[case][0] for r in runs], axis=0) if data_parallel > 1 else losses
+            np.testing.assert_allclose(mean, ref_losses, rtol=1e-5, err_msg=case)
+            # AdamW (lr 1e-2) turns float32 rounding of near-zero gradients into steps of up to lr: measured
+            # worst 1.3e-4 (TP, one element), 6.7e-6 (FSDP); bound: a tenth of one step
+            for name, ref in ref_params.items():
+                np.testing.assert_allclose(params[name], ref, rtol=1e-4, atol=1e-3, err_msg=f"{case} {name}")

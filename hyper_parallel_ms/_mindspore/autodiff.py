@@ -28,6 +28,7 @@ import numpy as np
 from mindspore import Tensor
 
 from ._active import ACTIVE_RUNS
+from .tensor_backward import recording_for_tensor_backward
 
 __all__ = ["SAVED_TENSOR_HOOKS", "saved_tensors_hooks", "no_grad", "tensor_address", "taped", "taped_call",
            "tape_backward", "discard_grad_recording", "discard_tapes", "RECOMPUTE_CONTEXT_FN", "recompute_eagerly",
@@ -335,6 +336,8 @@ def identity_with_gradient(x: Tensor, backward: Callable[[Tensor], Tensor]) -> T
     if ACTIVE_RUNS:
         return ACTIVE_RUNS[-1].identity_with_gradient(x, backward)
     y = x - 0
+    if y._grad_node is None and recording_for_tensor_backward():
+        return y        # loss.backward() records: nothing reaching x needs a gradient, nothing to hook
     y.register_hook(backward)
     return y
 

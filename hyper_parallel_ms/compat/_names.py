@@ -72,7 +72,8 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
         "get_current_layout": "compat._layouts:get_current_layout",
         "get_global_layout": "compat._layouts:get_global_layout"},
     "hyper_parallel.platform": {"get_platform": "compat._platform:get_platform"},
-    "hyper_parallel.platform.mindspore.autograd_compat": {"enable_mindspore_backward_compat": None},
+    "hyper_parallel.platform.mindspore.autograd_compat": {
+        "enable_mindspore_backward_compat": "training:enable_mindspore_backward_compat"},
     "hyper_parallel.platform.mindspore.pipeline_parallel._utils": {"_MicroBatch": "compat._pipeline:MicroBatch"},
 }
 

@@ -21,38 +21,48 @@ from mindspore import Tensor
 from .._mindspore import discard_grad_recording, is_compiling, run_in_python
 from ..redistribute import gradient_layout
 from ._dtensor import DTensor
+from ._spec import DTensorSpec
 
 __all__ = ["grad", "value_and_grad", "parallelize_value_and_grad"]
 
 Positions = Union[None, int, Sequence[int]]
 
 
-def _laid_out_like(gradient, like):
+def laid_out_like(gradient, like):
     """``gradient`` (this rank's piece) as a DTensor laid out like ``like``'s gradient."""
     if not isinstance(like, DTensor) or not isinstance(gradient, Tensor):
         return gradient
-    spec = like._dt_spec
-    spec = spec.with_layout(gradient_layout(spec.layout))
+    return laid_out_by_spec(gradient, like._dt_spec)
+
+
+def laid_out_by_spec(gradient: Tensor, spec: DTensorSpec) -> DTensor:
+    """``gradient`` (this rank's piece of the gradient of a tensor laid out by ``spec``) as a DTensor,
+    Partial placements read as Replicate (the gradient a backward hands back is reduced).
+
+    Example::
+
+        grad = laid_out_by_spec(piece, parameter_spec(param))
+    """
     local = gradient.to_local() if isinstance(gradient, DTensor) else gradient
-    if tuple(local.shape) != like.local_shape:
+    if tuple(local.shape) != spec.local_shape():
         raise RuntimeError(f"the gradient piece of shape {tuple(local.shape)} does not match the local shape "
-                           f"{like.local_shape} of the tensor it belongs to ({like!r})")
-    return DTensor(local, spec)
+                           f"{spec.local_shape()} of the tensor it belongs to (laid out as {spec})")
+    return DTensor(local, spec.with_layout(gradient_layout(spec.layout)))
 
 
 def _as_dtensors(grads, grad_position: Positions, weights, args: tuple):
     """The gradient structure of ``mindspore.grad`` with each piece laid out as a DTensor."""
     def inputs_part(g):
         if isinstance(grad_position, int):
-            return _laid_out_like(g, args[grad_position])
+            return laid_out_like(g, args[grad_position])
         if isinstance(g, Tensor):          # MindSpore gives a one-position tuple's gradient bare
-            return _laid_out_like(g, args[grad_position[0]])
-        return tuple(_laid_out_like(x, args[i]) for x, i in zip(g, grad_position))
+            return laid_out_like(g, args[grad_position[0]])
+        return tuple(laid_out_like(x, args[i]) for x, i in zip(g, grad_position))
 
     def weights_part(g):
         if isinstance(weights, ms.Parameter):
-            return _laid_out_like(g, weights)
-        return tuple(_laid_out_like(x, w) for x, w in zip(g, weights))
+            return laid_out_like(g, weights)
+        return tuple(laid_out_like(x, w) for x, w in zip(g, weights))
 
     if grad_position is None:
         return weights_part(grads)

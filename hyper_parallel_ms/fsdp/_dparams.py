@@ -46,9 +46,13 @@ def _sub_mesh(mesh: DeviceMesh, dims) -> np.ndarray:
     return mesh.mesh[tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))]
 
 
-def local_parameter(param: Parameter, engine: str) -> Tuple[Parameter, Optional[DTensorSpec]]:
+def local_parameter(param: Parameter, engine: str,
+                    dp_mesh: Optional[DeviceMesh] = None) -> Tuple[Parameter, Optional[DTensorSpec]]:
     """``(param, None)`` for a plain Parameter; for a ``Parameter(DTensor)``, a plain Parameter with
-    its name and local piece recorded on the sub-mesh of its sharding mesh dims, and its spec."""
+    its name and local piece recorded on the sub-mesh of its sharding mesh dims and of its Replicate
+    dims outside ``dp_mesh`` (the mesh data parallelism shards it over: a tensor-parallel Replicate
+    stays in the record, as FSDP2's ``(Shard(0), Replicate())`` on ``(dp, tp)``: every rank holding a
+    copy is in the layout), and its spec."""
     if not isinstance(param, DTensor):
         return param, None
     _check_placements(param, engine)
@@ -56,7 +60,9 @@ def local_parameter(param: Parameter, engine: str) -> Tuple[Parameter, Optional[
     view = _local_view(param)
     value = meta_empty(view.shape, param.dtype) if is_meta(view) else Tensor(view.asnumpy(), dtype=param.dtype)
     local = Parameter(value, name=param.name, requires_grad=param.requires_grad)
-    dims = [d for d, p in enumerate(spec.placements) if p.is_shard()]
+    dims = [d for d, p in enumerate(spec.placements)
+            if p.is_shard() or (dp_mesh is not None and spec.mesh.size(d) > 1
+                                and _disjoint(_sub_mesh(spec.mesh, (d,)), dp_mesh))]
     if dims:
         names = spec.mesh.mesh_dim_names
         mesh = DeviceMesh(spec.mesh.device_type, _sub_mesh(spec.mesh, dims),
@@ -66,6 +72,11 @@ def local_parameter(param: Parameter, engine: str) -> Tuple[Parameter, Optional[
                         shard_order=order)
         record_sharding(local, ParameterSharding(DTensorSpec(mesh, layout, tuple(spec.shape))))
     return local, spec
+
+
+def _disjoint(ranks: np.ndarray, dp_mesh: DeviceMesh) -> bool:
+    """Whether the group ``ranks`` (through this rank) shares no rank but this one with ``dp_mesh``."""
+    return len(set(ranks.ravel().tolist()) & set(dp_mesh.mesh.ravel().tolist())) == 1
 
 
 def replicated_dp_mesh(param: DTensor, shard_size: int, engine: str) -> DeviceMesh:

@@ -20,6 +20,7 @@ from mindspore import Parameter, nn
 
 from .._cluster import device_target
 from .._mindspore import cell_subclass, check_compiled_calls
+from ..dtensor import DTensor
 from ..placement import Shard
 from ..nn._adapter import named_cells, own_parameters
 from ..nn._parameter import REPLACED_BY
@@ -130,9 +131,9 @@ def _plan(cells: List[nn.Cell], mesh, state: FSDPState, *, threshold_bytes: int,
     """``state`` with its records and groups: the pieces made, no Cell changed, nothing sent."""
     kinds: Dict[Tuple[bool, Any, Any], List[FSDPParam]] = {}
     for p, holders in _unit_slots(cells, ignored):
-        local, placed = local_parameter(p, call)
+        unit_mesh = dtensor_mesh(p) if isinstance(p, DTensor) and dtensor_mesh is not None else mesh
+        local, placed = local_parameter(p, call, unit_mesh)
         dim = _placement_dim(shard_placement_fn, p, local, call)
-        unit_mesh = dtensor_mesh(p) if placed is not None and dtensor_mesh is not None else mesh
         sharded = id(p) not in replicated and _shardable(local, unit_mesh, threshold_bytes, dim)
         chunks = chunks_of(local.shape, unit_mesh, dim) if sharded else Chunks(tuple(local.shape), 1, 0, dim)
         record = FSDPParam(p, local, holders, unit_mesh, sharded, chunks, placed)

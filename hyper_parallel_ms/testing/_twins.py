@@ -41,14 +41,15 @@ in the last bin), in the input's dtype |
 | ``MoeTokenPermute`` / ``MoeTokenUnpermute`` | ``ops.moe_token_permute`` / ``ops.moe_token_unpermute`` \
 (no dropping, not padded) | a stable sort of the flattened expert ids on the host, rows by ``ops.gather`` \
 (the second output: each (token, slot)'s row) / rows gathered back, weighted by ``probs`` and summed over top-k |
-| ``Tensor.scatter_`` / ``Tensor.add_`` / ``mint.floor_divide`` / ``mint.repeat_interleave`` | C++ methods and \
-functions, no Python primitive call: the Python names are replaced (``Tensor``'s methods, ``mindspore.mint``'s \
-functions) | ``ops.tensor_scatter_elements`` written back with ``copy_`` / the sum written back with ``copy_`` \
-(MindSpore 2.10's CPU ``add_`` returns it without writing it) / ``ops.floor_div`` / ``ops.gather`` of the \
+| ``Tensor.scatter_`` / ``Tensor.add_`` / ``Tensor.mul_`` / ``mint.floor_divide`` / ``mint.repeat_interleave`` | C++ \
+methods and functions, no Python primitive call: the Python names are replaced (``Tensor``'s methods, \
+``mindspore.mint``'s functions) | ``ops.tensor_scatter_elements`` written back with ``copy_`` / the sum, the \
+product written back with ``copy_`` (MindSpore 2.10's CPU ``add_`` / ``mul_`` return it without writing it) / ``ops.floor_div`` / ``ops.gather`` of the \
 repeated indices |
 | ``Mm`` / ``Addmm`` / ``BatchMatMulExt`` / ``Baddbmm`` | ``mint.mm`` / ``mint.addmm`` / ``mint.bmm`` / ``mint.baddbmm`` | ``beta * input + alpha * (a @ b)`` computed in float32 for float16 / bfloat16 operands (as the kernels accumulate), in the operands' dtype otherwise, returned in the input's dtype |
 | ``StackExt`` | ``mint.stack`` | ``ops.stack`` (bfloat16 through float32: exact) |
 | ``LinalgVectorNorm`` | ``mint.norm`` / ``mint.linalg.vector_norm`` | ``sqrt(sum(x^2))`` for ``ord=2``, ``sum(abs(x)^p)^(1/p)``, ``max`` / ``min`` of ``abs(x)`` for ``inf`` / ``-inf``, the nonzero count for ``0``; in ``dtype`` when given |
+| ``AddcmulExt`` | ``mint.addcmul`` (MindFormers' AdamW) | ``input + tensor1 * tensor2 * value`` in the input's dtype |
 | ``Clone`` / ``Tensor.clone`` | ``mint.clone`` / ``Tensor.clone`` (a C++ method) | ``ops.deepcopy`` (bfloat16 through float32: exact); a ``Parameter`` keeps ``Parameter.clone`` (a DTensor parameter's class puts ``Tensor`` first) |
 | ``Tensor.copy_`` | ``Tensor.copy_`` (a C++ method) | into a view (storage offset, strides, or part of a larger storage): ``self[...] = src`` (MindSpore 2.10's CPU ``InplaceCopy`` writes nothing into ``a[2:4]``, measured, and refuses a source that is such a view); a source view is first copied whole; else the method itself |
 | ``Tensor.__mul__`` | ``*`` of a 0-d float tensor and a tensor of another float dtype | the product computed in float32 (float64 if either is) and returned in the dimensioned tensor's dtype, as MindSpore infers it (the CPU ``Mul`` kernel has no float32 x bfloat16 -> bfloat16 entry) |
@@ -88,6 +89,7 @@ _ABSENT = object()
 # twins put in place of a Python name (a C++ tensor method, a C++ overloaded function), not of a primitive
 _ATTRIBUTES: Dict[str, Tuple[Any, str]] = {"Tensor.scatter_": (ms.Tensor, "scatter_"),
                                            "Tensor.add_": (ms.Tensor, "add_"),
+                                           "Tensor.mul_": (ms.Tensor, "mul_"),
                                            "mint.floor_divide": (mint, "floor_divide"),
                                            "mint.repeat_interleave": (mint, "repeat_interleave"),
                                            "Tensor.clone": (ms.Tensor, "clone"),
@@ -245,6 +247,14 @@ def _tensor_add_(self, other, *, alpha=1):
         return _ORIGINALS["Tensor.add_"](self, other, alpha=alpha)
     alpha = _host(alpha)
     return self.copy_((self + (other if alpha == 1 else other * alpha)).astype(self.dtype))
+
+
+def _tensor_mul_(self, other):
+    """``Tensor.mul_``: MindSpore 2.10's CPU backend returns the product without writing it into the tensor
+    (MindFormers' gradient clipping scales the gradients with it). A DTensor keeps its method."""
+    if _dtensor(self):
+        return _ORIGINALS["Tensor.mul_"](self, other)
+    return self.copy_((self * other).astype(self.dtype))
 
 
 def _floor_divide(input, other):  # noqa: A002
@@ -417,6 +427,11 @@ def _copy(x):
     return x.astype(ms.float32).astype(x.dtype) if x.dtype == ms.bfloat16 else ops.deepcopy(x)
 
 
+def _addcmul(self, input, tensor1, tensor2, value=1):  # noqa: A002 - MindSpore's names
+    value = _host(value)
+    return (input + (tensor1 * tensor2) * value).astype(input.dtype)
+
+
 def _clone(self, input):  # noqa: A002
     return _copy(input)
 
@@ -474,10 +489,11 @@ TWINS: Dict[str, Callable] = {
     "InnerCommAllToAllV": _all_to_all_v, "TopkExt": _topk, "SortExt": _sort, "ArgSort": _argsort, "HistcExt": _histc,
     "CumsumExt": _cumsum, "GroupedMatmul": _grouped_matmul,
     "DistCommAllReduce": _dist_all_reduce, "Tensor.scatter_": _tensor_scatter_, "Tensor.add_": _tensor_add_,
+    "Tensor.mul_": _tensor_mul_,
     "mint.floor_divide": _floor_divide, "mint.repeat_interleave": _repeat_interleave,
     "MoeTokenPermute": _moe_token_permute, "MoeTokenUnpermute": _moe_token_unpermute,
     "Mm": _mm, "Addmm": _addmm, "BatchMatMulExt": _bmm, "Baddbmm": _baddbmm, "StackExt": _stack,
-    "LinalgVectorNorm": _vector_norm, "Clone": _clone, "Tensor.clone": _tensor_clone, "Tensor.copy_": _tensor_copy_,
+    "LinalgVectorNorm": _vector_norm, "AddcmulExt": _addcmul, "Clone": _clone, "Tensor.clone": _tensor_clone, "Tensor.copy_": _tensor_copy_,
     "Tensor.__mul__": _tensor_mul, "DistCommAllGatherIntoTensor": _dist_all_gather_into_tensor,
     "DistCommBatchIsendIrecv": _dist_batch_isend_irecv,
 }
