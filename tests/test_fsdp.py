@@ -200,6 +200,10 @@ def test_fully_shard_hsdp_and_tp_on_4_ranks():
         assert spec.mesh == mesh and spec.placements == (Shard(0), Shard(0)) and spec.shape == (6, 8)
         assert spec.layout.sharding_axes(2) == ((1, 0), ())                  # tp first, dp within the tp piece
         assert model.layers[0].up.weight.shape == ((2, 8) if dp_index == 0 else (1, 8))   # (3, 8) tp piece split
+        # RowwiseParallel's bias is Replicate on tp: its layout keeps the tp dim (FSDP2's (Shard(0), Replicate())),
+        # so a gradient norm summed over all ranks counts its tp copies once
+        bias = parameter_sharding(model.layers[0].down.bias).spec
+        assert bias.mesh == mesh and bias.placements == (Shard(0), Replicate()), bias
     compare(fsdp_tp, dp_index, 2, loss_mesh=mesh["dp"], make_model=lambda: Net(hidden=6))
 
     # docs/fsdp.md's flow: the example Llama built deferred, tp plan (sequence parallel), fully_shard per
