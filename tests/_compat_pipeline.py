@@ -96,4 +96,49 @@ def run_override_points() -> Dict[str, Any]:
     plain = _create_schedule("1f1b", stage, N, SimpleNamespace(pipeline_parallel_interleave_num=1))
     out["refused"] = refused
     out["plain"] = type(plain).__name__
+    out["hyper_parallel_schedule"] = _hyper_parallel_schedule(mesh, me, stage_model, reference, batch, loss_fn)
     return out
+
+
+def _hyper_parallel_schedule(mesh, me, stage_model, reference, batch, loss_fn) -> Dict[str, Any]:
+    """4. HyperParallel's Schedule1F1B (compat._schedules): a list of one stage, no loss_fn (the last stage's
+    output is the loss, computed from the ``labels`` keyword that every stage is given), refused without
+    the backward compatibility, the gradients added into param.grad (summed over the micro-batches)."""
+    from mindspore import nn
+    from hyper_parallel_ms import pipelining as pl
+    from hyper_parallel_ms.compat._schedules import Schedule1F1B
+    from hyper_parallel_ms.training import disable_mindspore_backward_compat, enable_mindspore_backward_compat
+
+    class WithLoss(nn.Cell):              # HyperParallel's stage Cells take the step's keywords
+        def __init__(self, inner, last):
+            super().__init__()
+            self.inner, self.last = inner, last
+
+        def construct(self, x, labels=None):
+            out = self.inner(x)
+            return (loss_fn(out, labels), out) if self.last else out
+
+    model = stage_model()
+    schedule = Schedule1F1B([pl.PipelineStage(WithLoss(model, me == 1), me, 2, mesh=mesh)], N)
+    x, y = batch(0, SIZES[0])
+    result: Dict[str, Any] = {"exec_order": len(schedule.exec_order[me]) > 0}
+    try:
+        schedule.run(x, labels=y)
+    except RuntimeError as exc:
+        result["refused"] = str(exc)
+    enable_mindspore_backward_compat()
+    try:
+        outputs = schedule.run(x, labels=y)
+        result["outputs"] = len(outputs)
+        params = model.trainable_params()
+        ref = {p.name: reference[0][p.name.split("inner.", 1)[-1]] for p in params}   # the wrapper's prefix
+        result["worst"] = max(float(np.abs(p.grad.asnumpy() / N - ref[p.name]).max() / np.abs(ref[p.name]).max())
+                              for p in params)
+        first = {p.name: p.grad.asnumpy().copy() for p in params}
+        schedule.run(x, labels=y)                          # a second run adds (gradient accumulation)
+        result["accumulated"] = max(float(np.abs(p.grad.asnumpy() - 2 * first[p.name]).max()) for p in params)
+        for p in params:
+            p.grad = None
+    finally:
+        disable_mindspore_backward_compat()
+    return result

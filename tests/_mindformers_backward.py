@@ -38,8 +38,8 @@ def _train_by_backward(model, steps: int, rows: slice, sense: float, context_par
     from mindformers.pynative.trainer.utils import _calculate_global_grad_norm
     from hyper_parallel_ms.training import disable_mindspore_backward_compat
     from tests._mindformers_qwen3 import _batch
-    if context_parallel or after_step is not None:
-        raise ValueError("the trainer-step runs here take the dense model's batch and no after_step")
+    if context_parallel:
+        raise ValueError("the trainer-step runs here take the dense model's batch")
     ids, labels = (ms.Tensor(a[rows]) for a in _batch())
     opt = AdamW(model.trainable_params(), learning_rate=1e-2, weight_decay=0.0)
     model.set_train(True)
@@ -71,6 +71,8 @@ def _train_by_backward(model, steps: int, rows: slice, sense: float, context_par
                 opt(grads)
             for param in model.trainable_params():
                 param.grad = None
+            if after_step is not None:
+                after_step(model)
             losses.append(float(loss.asnumpy().reshape(-1)[0]))
             norms.append(float(norm.asnumpy()))
     finally:
@@ -78,9 +80,10 @@ def _train_by_backward(model, steps: int, rows: slice, sense: float, context_par
     return losses, norms
 
 
-def one_device(steps: int) -> Tuple[List[float], List[float], Dict[str, np.ndarray], dict]:
+def one_device(steps: int, moe: bool = False) -> Tuple[List[float], List[float], Dict[str, np.ndarray], dict]:
     """The trainer step on one device, the whole batch: losses, MindFormers' gradient norms, parameters,
-    and the first step's checks (see :func:`_train_by_backward`)."""
+    and the first step's checks (see :func:`_train_by_backward`). ``moe``: MindFormers' DeepSeek-V3 at tiny
+    sizes (tests/_mindformers_moe.py), its expert bias updated after each step, in place of the Qwen3."""
     from tests._mindformers_qwen3 import _setup, _weights, config
     _setup()
     import mindspore as ms
@@ -88,10 +91,16 @@ def one_device(steps: int) -> Tuple[List[float], List[float], Dict[str, np.ndarr
     from hyper_parallel_ms.testing import cpu_twins
     checks: dict = {}
     with cpu_twins():
-        model = PyNativeQwen3ForCausalLM(config())
+        if moe:
+            from mindformers.models.deepseek3.modeling_deepseek_v3_pynative import PyNativeDeepseekV3ForCausalLM
+            from tests._mindformers_moe import _update_expert_bias, moe_config
+            model, after_step = PyNativeDeepseekV3ForCausalLM(moe_config()), _update_expert_bias
+        else:
+            model, after_step = PyNativeQwen3ForCausalLM(config()), None
         for name, value in _weights(model).items():
             dict(model.parameters_and_names())[name].set_data(ms.Tensor(value))
-        losses, norms = _train_by_backward(model, steps, slice(None), 1.0, enable_parallel=False, checks=checks)
+        losses, norms = _train_by_backward(model, steps, slice(None), 1.0, enable_parallel=False, checks=checks,
+                                           after_step=after_step)
     return losses, norms, {name: p.asnumpy() for name, p in model.parameters_and_names()}, checks
 
 
@@ -122,6 +131,10 @@ def parallel(steps: int, tensor_parallel: int) -> Tuple[List[float], List[float]
 
 
 def run_all(steps: int) -> dict:
-    """On each rank: the trainer step with TP=2 + SP and with FSDP over dp=2, and its one-device reference."""
+    """On each rank: the trainer step with TP=2 + SP and with FSDP over dp=2, and its one-device reference;
+    the pipeline trainer step of MindFormers' DeepSeek-V3 over pp=2 (tests/_mindformers_pipeline.py) and
+    its one-device reference."""
+    from tests._mindformers_pipeline import pipeline
     return {"backward_tp2_sp": parallel(steps, 2), "backward_fsdp_dp2": parallel(steps, 1),
-            "backward_one_device": one_device(steps)}
+            "backward_one_device": one_device(steps), "pipeline_pp2_moe": pipeline(steps),
+            "backward_one_device_moe": one_device(steps, moe=True)}

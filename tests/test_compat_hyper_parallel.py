@@ -14,7 +14,7 @@ from hyper_parallel_ms.compat import HYPER_PARALLEL_NAMES, NotProvidedError, ali
 from hyper_parallel_ms.compat._alias import _remove_alias
 from hyper_parallel_ms.compat._fsdp import fully_shard as compat_fully_shard
 from hyper_parallel_ms.compat._platform import MindSporePlatform
-from hyper_parallel_ms.compat import _activation, _pipeline, _redistribute_infer
+from hyper_parallel_ms.compat import _activation, _pipeline, _redistribute_infer, _schedules
 from hyper_parallel_ms.training import checkpoint_exclude_wrapper, enable_mindspore_backward_compat
 
 # Every ``hyper_parallel`` import of MindFormers 2.1.0's mindformers/pynative/ (module path, names),
@@ -60,8 +60,8 @@ PROVIDED = {
     "shard_module": hp.shard_module, "distribute_tensor": hp.distribute_tensor, "Placement": hp.Placement,
     "Shard": hp.Shard, "Replicate": hp.Replicate, "Partial": hp.Partial, "ShardingPlan": hp.ShardingPlan,
     "HSDPModule": hp.FSDPModule, "MixedPrecisionPolicy": hp.MixedPrecisionPolicy, "fully_shard": compat_fully_shard,
-    "OffloadPolicy": hp.OffloadPolicy, "CPUOffloadPolicy": hp.CPUOffloadPolicy, "Schedule1F1B": hp.Schedule1F1B,
-    "ScheduleInterleaved1F1B": hp.ScheduleInterleaved1F1B, "ScheduleGPipe": hp.ScheduleGPipe,
+    "OffloadPolicy": hp.OffloadPolicy, "CPUOffloadPolicy": hp.CPUOffloadPolicy, "Schedule1F1B": _schedules.Schedule1F1B,
+    "ScheduleInterleaved1F1B": _schedules.ScheduleInterleaved1F1B, "ScheduleGPipe": _schedules.ScheduleGPipe,
     "ContextParallel": hp.ContextParallel, "AsyncContextParallel": hp.AsyncContextParallel,
     # the activation-checkpoint face (tests/test_compat_activation.py) and the pipeline data types
     # (tests/test_compat_pipeline.py)

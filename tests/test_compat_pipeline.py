@@ -49,6 +49,20 @@ def test_mindformers_schedule_factory_keywords_are_refused_by_name_when_asked_fo
         assert "swap=True" in r["refused"]["swap"]
 
 
+def test_hyper_parallel_schedule_trains_with_the_output_as_the_loss_into_param_grad(runs):
+    """HyperParallel's Schedule1F1B: a list of one stage, no loss_fn, the keyword inputs (``labels``) given to
+    every stage, the last stage's output (its first element) the loss; refused without
+    ``enable_mindspore_backward_compat``; the gradients (summed over 4 micro-batches) in ``param.grad`` equal
+    4 x the full batch's mean-loss gradients (measured 2.7e-7 relative), a second run adds to them."""
+    for r in runs:
+        got = r["hyper_parallel_schedule"]
+        assert got["exec_order"]
+        assert "enable_mindspore_backward_compat" in got["refused"]
+        assert got["outputs"] == (4 if r["rank"] == 1 else 0)       # the last stage's outputs per micro-batch
+        assert got["worst"] < 1e-5, got
+        assert got["accumulated"] < 1e-6, got
+
+
 def test_meta_step_types_and_the_micro_batch_splitter():
     assert MetaStepType.FWD.action_kind is F and MetaStepType.BWD_SEND.action_kind is SEND_B
     assert len({t.action_kind for t in MetaStepType}) == len(MetaStepType) == 6

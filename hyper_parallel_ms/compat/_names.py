@@ -14,8 +14,11 @@ from typing import Dict, Optional
 
 __all__ = ["HYPER_PARALLEL_NAMES", "alias_packages"]
 
-_PIPELINE = {"PipelineStage": "pipelining:PipelineStage", "ScheduleGPipe": "pipelining:ScheduleGPipe",
-             "Schedule1F1B": "pipelining:Schedule1F1B", "ScheduleInterleaved1F1B": "pipelining:ScheduleInterleaved1F1B"}
+# HyperParallel's schedules: no loss_fn (the last stage's output is the loss), keyword inputs to every
+# stage, gradients into param.grad (compat._schedules)
+_PIPELINE = {"PipelineStage": "pipelining:PipelineStage", "ScheduleGPipe": "compat._schedules:ScheduleGPipe",
+             "Schedule1F1B": "compat._schedules:Schedule1F1B",
+             "ScheduleInterleaved1F1B": "compat._schedules:ScheduleInterleaved1F1B"}
 _DTENSOR = {"DTensor": "dtensor:DTensor", "distribute_tensor": "dtensor:distribute_tensor"}
 _PLACEMENTS = {"Placement": "placement:Placement", "Shard": "placement:Shard", "Replicate": "placement:Replicate",
                "Partial": "placement:Partial"}

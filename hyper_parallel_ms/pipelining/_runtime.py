@@ -117,11 +117,14 @@ class Runtime:
     # --------------------------------------------------------------- one step
     def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[tuple, dict]]],
             targets: Optional[Sequence[Tensor]], losses: Optional[list], forward_only: bool = False,
-            scales: Sequence[float] = (), merge: Optional[Callable[[list], Any]] = None) -> Any:
+            scales: Sequence[float] = (), merge: Optional[Callable[[list], Any]] = None,
+            stage_kwargs: Optional[Sequence[dict]] = None) -> Any:
         """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held
         here), or what ``merge`` makes of them (run inside the step: its error is the step's, on every rank).
         ``microbatches``: stage 0's ``(args, kwargs)`` per micro-batch (on its rank). ``scales``: the
         weight of each micro-batch's loss in the gradients (read on the last stage's rank).
+        ``stage_kwargs``: the keyword inputs of every later stage per micro-batch (HyperParallel's schedules
+        give each stage the step's keyword inputs; default: none).
         ``forward_only``: only the forwards and their transfers run, nothing recorded for a backward
         (the last stage's losses only where ``targets`` are given; the gradients of the last
         training step are kept).
@@ -137,6 +140,7 @@ class Runtime:
         self._weight_grads: Dict[Key, Tuple[Optional[Tensor], ...]] = {}     # compiled stages: from I to W
         self._results: Dict[int, Tensor] = {}
         self._batches, self._targets, self._losses, self._scales = microbatches, targets, losses, scales
+        self._stage_kwargs = stage_kwargs
         self._forward_only = forward_only
         if forward_only:
             actions = [a for a in actions if a.kind in (F, SEND_F, RECV_F, UNSHARD, RESHARD)]
@@ -193,7 +197,8 @@ class Runtime:
     # --------------------------------------------------------------- compute
     def _forward(self, s: int, m: int) -> None:
         stage = self.stages[s]
-        args, kwargs = self._batches[m] if s == 0 else (self._inputs[s, m], {})
+        args, kwargs = self._batches[m] if s == 0 else (
+            self._inputs[s, m], {} if self._stage_kwargs is None else self._stage_kwargs[m])
         forward = _with_keywords(self._forwards[s], kwargs) if kwargs else self._forwards[s]
         self.forward_calls += 1
         check_shapes(stage, args, stage.input_shapes, "inputs")

@@ -92,6 +92,10 @@ class PipelineSchedule:
     """
 
     schedule_name = ""
+    # HyperParallel's schedules (hyper_parallel_ms.compat): every stage gets the step's keyword inputs, and
+    # the last stage's output is the loss (no target)
+    keywords_to_every_stage = False
+    output_is_loss = False
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: Optional[int] = None,
                  loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
@@ -242,7 +246,7 @@ class PipelineSchedule:
         inputs = args + tuple(kwargs.values())
         none = (0,) * 6
         fcode, batches, spec_error = none, None, None
-        if first:        # split before the ranks agree: a failure is then agreed, not a hang
+        if first or self.keywords_to_every_stage:   # split before the ranks agree: a failure is then agreed
             try:
                 dims = split_dims(args, kwargs, self.args_chunk_spec, self.kwargs_chunk_spec)
                 fcode = batch_problem(inputs, n, dims)
@@ -253,6 +257,8 @@ class PipelineSchedule:
                 spec_error, fcode = exc, (BAD_SPEC,) + none[1:]
         if self.forward_only:
             lcode = (TARGET_WITHOUT_LOSS,) + none[1:] if last and target is not None else none
+        elif self.output_is_loss:
+            lcode = none
         elif forward_only:               # eval: a target is optional
             lcode = batch_problem((target,), n) if last and target is not None else none
         else:
@@ -268,14 +274,17 @@ class PipelineSchedule:
         targets = None
         if last and not self.forward_only and target is not None:
             targets = [t[0] for t in split_microbatches((target,), n)]
+        elif last and self.output_is_loss and not forward_only:
+            targets = [None] * n
         if not forward_only:
             self._grads = None
         per_microbatch = return_outputs == "microbatches"
         merge = (lambda outs: merge_chunks(outs, self.output_merge_spec)) if (
             last and return_outputs and not per_microbatch) else None
         got: Optional[list] = None if losses is None else []
-        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches, targets, got,
-                                 forward_only=forward_only, scales=scales, merge=merge)
+        stage_kwargs = [kw for _, kw in batches] if self.keywords_to_every_stage and batches else None
+        outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches if first else None, targets,
+                                 got, forward_only=forward_only, scales=scales, merge=merge, stage_kwargs=stage_kwargs)
         if last and losses is not None:        # PyTorch's: the list holds this step's losses only
             losses[:] = got
         if not forward_only:
