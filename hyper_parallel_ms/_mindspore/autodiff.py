@@ -336,7 +336,7 @@ def identity_with_gradient(x: Tensor, backward: Callable[[Tensor], Tensor]) -> T
     if ACTIVE_RUNS:
         return ACTIVE_RUNS[-1].identity_with_gradient(x, backward)
     y = x - 0
-    if y._grad_node is None and recording_for_tensor_backward():
+    if recording_for_tensor_backward() and y._grad_node is None:
         return y        # loss.backward() records: nothing reaching x needs a gradient, nothing to hook
     y.register_hook(backward)
     return y

@@ -32,21 +32,22 @@ def laid_out_like(gradient, like):
     """``gradient`` (this rank's piece) as a DTensor laid out like ``like``'s gradient."""
     if not isinstance(like, DTensor) or not isinstance(gradient, Tensor):
         return gradient
-    return laid_out_by_spec(gradient, like._dt_spec)
+    return laid_out_by_spec(gradient, like._dt_spec, like.local_shape)
 
 
-def laid_out_by_spec(gradient: Tensor, spec: DTensorSpec) -> DTensor:
+def laid_out_by_spec(gradient: Tensor, spec: DTensorSpec, local_shape: Optional[Tuple[int, ...]] = None) -> DTensor:
     """``gradient`` (this rank's piece of the gradient of a tensor laid out by ``spec``) as a DTensor,
     Partial placements read as Replicate (the gradient a backward hands back is reduced).
 
     Example::
 
-        grad = laid_out_by_spec(piece, parameter_spec(param))
+        grad = laid_out_by_spec(piece, parameter_spec(param))     # local_shape: computed from the spec
     """
     local = gradient.to_local() if isinstance(gradient, DTensor) else gradient
-    if tuple(local.shape) != spec.local_shape():
+    expected = spec.local_shape() if local_shape is None else tuple(local_shape)
+    if tuple(local.shape) != expected:
         raise RuntimeError(f"the gradient piece of shape {tuple(local.shape)} does not match the local shape "
-                           f"{spec.local_shape()} of the tensor it belongs to (laid out as {spec})")
+                           f"{expected} of the tensor it belongs to (laid out as {spec})")
     return DTensor(local, spec.with_layout(gradient_layout(spec.layout)))
 
 
