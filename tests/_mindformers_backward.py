@@ -1,4 +1,5 @@
-"""MindFormers' PyNative trainer step on this library: ``loss.backward(sense)`` (HyperParallel's
+"""MindFormers' PyNative trainer step on one device (the reference of MindFormers' Trainer runs on ranks):
+``loss.backward(sense)`` (HyperParallel's
 ``enable_mindspore_backward_compat``, served by this library), MindFormers' own global gradient norm
 and clipping (``_calculate_global_grad_norm`` on ``param.grad``, DTensors where the parameters are),
 its own AdamW (which steps the local pieces of DTensor gradients) under ``_no_grad`` and ``param.grad = None``:
@@ -6,7 +7,7 @@ what its ``Trainer.training_step`` runs.
 Module-level functions for the rank pool of tests/test_mindformers.py."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -22,15 +23,14 @@ def _relative(a: List[np.ndarray], b: List[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b)) / max(float(np.abs(x).max()) for x in a)
 
 
-def _train_by_backward(model, steps: int, rows: slice, sense: float, context_parallel: bool = False,
-                       after_step=None, enable_parallel: bool = True, checks: Optional[dict] = None,
+def _train_by_backward(model, steps: int, checks: dict, after_step=None,
                        max_norm: float = MAX_NORM) -> Tuple[List[float], List[float]]:
-    """``steps`` AdamW steps as MindFormers' trainer takes them (see the module's text); returns the
-    losses and the global gradient norms MindFormers computed. ``checks`` (a dict) is given, for the
-    first step: ``"clipping"``, the largest difference between the gradients the optimizer was given and
-    the backward's gradients times MindFormers' clipping coefficient; ``"value_and_grad"``, between the
-    backward's gradients and those ``ms.value_and_grad`` computes (while the compatibility is on); both
-    relative to the largest gradient, on this rank's pieces."""
+    """``steps`` AdamW steps on the whole batch as MindFormers' trainer takes them on one device (see the
+    module's text); returns the losses and the global gradient norms MindFormers computed. ``checks`` is
+    given, for the first step: ``"clipping"``, the largest difference between the gradients the optimizer
+    was given and the backward's gradients times MindFormers' clipping coefficient; ``"value_and_grad"``,
+    between the backward's gradients and those ``ms.value_and_grad`` computes (while the compatibility is
+    on); both relative to the largest gradient. ``after_step(model)``: after each optimizer step."""
     import mindspore as ms
     from mindspore.graph.api import _no_grad
     from hyper_parallel.platform.mindspore.autograd_compat import enable_mindspore_backward_compat
@@ -38,9 +38,7 @@ def _train_by_backward(model, steps: int, rows: slice, sense: float, context_par
     from mindformers.pynative.trainer.utils import _calculate_global_grad_norm
     from hyper_parallel_ms.training import disable_mindspore_backward_compat
     from tests._mindformers_qwen3 import _batch
-    if context_parallel:
-        raise ValueError("the trainer-step runs here take the dense model's batch")
-    ids, labels = (ms.Tensor(a[rows]) for a in _batch())
+    ids, labels = (ms.Tensor(a) for a in _batch())
     opt = AdamW(model.trainable_params(), learning_rate=1e-2, weight_decay=0.0)
     model.set_train(True)
 
@@ -49,18 +47,16 @@ def _train_by_backward(model, steps: int, rows: slice, sense: float, context_par
         return loss[0] if isinstance(loss, tuple) else loss
 
     enable_mindspore_backward_compat()          # what MindFormers' Trainer.__init__ calls
-    checks = {} if checks is None else checks
     losses, norms = [], []
     try:
         for step in range(steps):
             if step == 0:
-                _, by_grad = ms.value_and_grad(lambda: forward() * sense, None, opt.parameters)()
+                _, by_grad = ms.value_and_grad(forward, None, opt.parameters)()
                 by_grad = [_local(g) for g in by_grad]
             loss = forward()
-            loss.backward(ms.Tensor(sense, ms.float32))
+            loss.backward(ms.Tensor(1.0, ms.float32))      # one device: MindFormers' loss sense is 1
             backward = [_local(p.grad) for p in opt.parameters] if step == 0 else None
-            norm, grads = _calculate_global_grad_norm(opt.parameters, enable_parallel=enable_parallel,
-                                                      max_norm=max_norm)
+            norm, grads = _calculate_global_grad_norm(opt.parameters, enable_parallel=False, max_norm=max_norm)
             if len(grads) != len(opt.parameters):
                 raise RuntimeError(f"{len(opt.parameters) - len(grads)} parameters got no gradient")
             if step == 0:
@@ -99,42 +95,16 @@ def one_device(steps: int, moe: bool = False) -> Tuple[List[float], List[float],
             model, after_step = PyNativeQwen3ForCausalLM(config()), None
         for name, value in _weights(model).items():
             dict(model.parameters_and_names())[name].set_data(ms.Tensor(value))
-        losses, norms = _train_by_backward(model, steps, slice(None), 1.0, enable_parallel=False, checks=checks,
-                                           after_step=after_step)
+        losses, norms = _train_by_backward(model, steps, checks, after_step=after_step)
     return losses, norms, {name: p.asnumpy() for name, p in model.parameters_and_names()}, checks
 
 
-def parallel(steps: int, tensor_parallel: int) -> Tuple[List[float], List[float], Dict[str, np.ndarray], dict]:
-    """The trainer step on the model parallelized by MindFormers' ``parallelize_model``:
-    ``tensor_parallel`` with sequence parallelism, the rest of the world FSDP; this rank's losses,
-    MindFormers' global norms, the full parameters and the first step's checks."""
-    from tests._mindformers_qwen3 import BATCH, _setup, _train_parallelized, config
-    _setup()
-    from mindspore.communication import get_group_size, get_rank
-    from mindformers.pynative.config.config import ParallelismConfig
-    world, rank = get_group_size(), get_rank()
-    parallelism = ParallelismConfig(tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1)
-    parallelism.data_parallel = world // tensor_parallel
-    rows = BATCH // parallelism.data_parallel
-    dp_rank = rank // tensor_parallel
-    norms: List[float] = []
-    checks: dict = {}
-
-    def train(model, steps, rows, sense, **kwargs):
-        losses, step_norms = _train_by_backward(model, steps, rows, sense, checks=checks, **kwargs)
-        norms.extend(step_norms)
-        return losses
-
-    _, losses, params = _train_parallelized(steps, parallelism, config(), slice(dp_rank * rows, (dp_rank + 1) * rows),
-                                            train=train)
-    return losses, norms, params, checks
-
-
 def run_all(steps: int) -> dict:
-    """On each rank: the trainer step with TP=2 + SP and with FSDP over dp=2, and its one-device reference;
-    the pipeline trainer step of MindFormers' DeepSeek-V3 over pp=2 (tests/_mindformers_pipeline.py) and
-    its one-device reference."""
+    """On each rank: MindFormers' Trainer with TP=2 + SP and with FSDP over dp=2
+    (tests/_mindformers_trainer.py) and the trainer step on one device; the pipeline trainer step of its
+    DeepSeek-V3 over pp=2 (tests/_mindformers_pipeline.py) and its one-device reference."""
+    from tests import _mindformers_trainer as trainer
     from tests._mindformers_pipeline import pipeline
-    return {"backward_tp2_sp": parallel(steps, 2), "backward_fsdp_dp2": parallel(steps, 1),
+    return {"trainer_tp2_sp": trainer.train(steps, 2), "trainer_fsdp_dp2": trainer.train(steps, 1),
             "backward_one_device": one_device(steps), "pipeline_pp2_moe": pipeline(steps),
             "backward_one_device_moe": one_device(steps, moe=True)}

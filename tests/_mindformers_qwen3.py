@@ -137,12 +137,11 @@ def one_device(steps: int, context_parallel: bool = False) -> Tuple[List[float],
 
 
 def _train_parallelized(steps: int, parallelism, model_config, rows: slice, float32_attention: bool = False,
-                        context_parallel: bool = False, model_class=None, after_step=None, train=None):
+                        context_parallel: bool = False, model_class=None, after_step=None):
     """The model (``model_class``, default PyNativeQwen3ForCausalLM) built on the meta device from
     ``model_config``, parallelized by MindFormers' ``parallelize_model`` for ``parallelism``, materialised,
     loaded with the full weights and trained on ``rows`` with MindFormers' loss sense (``after_step(model,
-    dims)`` after each step) by ``train`` (default :func:`_train`; same arguments, its result taken as the
-    losses); returns the model, this rank's losses and the full parameters."""
+    dims)`` after each step); returns the model, this rank's losses and the full parameters."""
     import mindspore as ms
     from mindspore.communication import get_group_size
     from mindspore.ops.communication import set_comm_ops_inplace
@@ -171,7 +170,7 @@ def _train_parallelized(steps: int, parallelism, model_config, rows: slice, floa
             set_model_state_dict(model, {k: ms.Tensor(v) for k, v in full.items()},
                                  options=StateDictOptions(full_state_dict=True))
             sense = float(get_loss_sense(parallelism, enable_parallel=True).asnumpy().reshape(-1)[0])
-            losses = (train or _train)(model, steps, rows, sense, context_parallel=context_parallel,
+            losses = _train(model, steps, rows, sense, context_parallel=context_parallel,
                             after_step=None if after_step is None else lambda m: after_step(m, dims))
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             return model, losses, {k: v.asnumpy() for k, v in state.items()}

@@ -209,8 +209,8 @@ def _bf16(x):
 
 def test_muon_twins_equal_their_formulas():
     """What MindFormers' Muon optimizer calls: bfloat16 matmuls (float32 accumulation, one rounding), stack,
-    vector norms, clone, copy_ into and out of views, a 0-d float32 tensor times a bfloat16 one; and its
-    AdamW's addcmul."""
+    vector norms, clone, copy_ into and out of views, a 0-d float32 tensor times a bfloat16 one; its
+    AdamW's addcmul; its trainer's parameter initialisation (normal_, fill_, zero_)."""
     a, b, c = (RNG.normal(size=shape).astype(np.float32) for shape in [(3, 4), (4, 5), (3, 5)])
     a16, b16, c16 = (ms.Tensor(t, ms.float32).astype(ms.bfloat16) for t in (a, b, c))
     a_, b_, c_ = (t.astype(ms.float32).asnumpy() for t in (a16, b16, c16))
@@ -256,6 +256,20 @@ def test_muon_twins_equal_their_formulas():
         assert scaled.dtype == ms.bfloat16
         np.testing.assert_array_equal(scaled.astype(ms.float32).asnumpy(), _bf16(np.float32(0.3) * a_))
         np.testing.assert_allclose(_np(ms.Tensor(a) * ms.Tensor(b[:3, :4])), a * b[:3, :4], rtol=1e-6)
+        # MindFormers' initialisation (init_states): normal_, fill_, zero_ write in place
+        drawn = []
+        for _ in range(2):
+            ms.manual_seed(5)
+            t = mint.zeros((200, 50), dtype=ms.float32)
+            t.normal_(mean=1.0, std=2.0)
+            drawn.append(_np(t))
+        np.testing.assert_array_equal(drawn[0], drawn[1])                 # the same seed, the same values
+        assert abs(drawn[0].mean() - 1.0) < 0.1 and abs(drawn[0].std() - 2.0) < 0.1   # 5 standard errors
+        norm_weight = ms.Parameter(ms.Tensor(a[0]), name="norm")
+        norm_weight.fill_(1.0)
+        np.testing.assert_array_equal(_np(norm_weight), np.ones(4, np.float32))
+        norm_weight.zero_()
+        np.testing.assert_array_equal(_np(norm_weight), np.zeros(4, np.float32))
         # MindFormers' AdamW: the second moment's update
         np.testing.assert_allclose(_np(mint.addcmul(ms.Tensor(c[:, :4]), ms.Tensor(a), ms.Tensor(a), value=0.25)),
                                    c[:, :4] + 0.25 * a * a, rtol=1e-6)

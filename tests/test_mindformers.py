@@ -10,9 +10,9 @@ MindFormers' MoE, PyNativeDeepseekV3ForCausalLM at tiny sizes, with its own expe
 ep=2 (experts sharded, tokens exchanged by all-to-all): over the dp ranks (dense parameters fully
 sharded over dp=2; the token permutation written out and fused) and over the ranks of TP=2 with
 sequence parallelism. And MindFormers' Muon optimizer on sharded weights (its point-to-point strategy, through
-HyperParallel's redistribution inference on DTensor layouts). And its trainer's step as its Trainer takes it:
-``loss.backward(sense)`` (``enable_mindspore_backward_compat``), its global gradient norm and clipping on
-``param.grad`` (DTensors), its own AdamW, ``param.grad = None``. One rank call runs them all (24 s at load 4 to 75 s at load 10, measured on
+HyperParallel's redistribution inference on DTensor layouts). And its ``Trainer`` end to end (TP=2 + SP,
+FSDP over dp=2): ``loss.backward(sense)`` (``enable_mindspore_backward_compat``), its global gradient norm
+and clipping on ``param.grad`` (DTensors), its own AdamW. One rank call runs them all (24 s at load 4 to 75 s at load 10, measured on
 2 shared cores; the context-parallel runs and their one-device reference, sequence 2048, about half
 of it; the MoE runs 8 to 25 s)."""
 from __future__ import annotations
@@ -131,26 +131,28 @@ def test_mindformers_muon_steps_sharded_weights_as_one_device(runs):
     assert all(rank["muon_deredundancy"]["fallback_gather"] == 0.0 for rank in runs)
 
 
-def test_mindformers_trainer_step_by_loss_backward_trains_as_one_device(runs):
-    """MindFormers' Trainer.training_step on this library: ``enable_mindspore_backward_compat`` (HyperParallel's
-    name, which its Trainer calls), ``loss.backward(sense)``, ``_calculate_global_grad_norm`` on ``param.grad``
-    (DTensors laid out like the parameters: the norm counts a tensor-parallel replica once) with clipping at
-    0.5 (the norms are about 3-4), MindFormers' AdamW on the local pieces, ``param.grad = None``."""
+def test_mindformers_trainer_trains_as_one_device(runs):
+    """MindFormers' ``Trainer`` end to end (tests/_mindformers_trainer.py): built from a config dict, the model and
+    a MindSpore dataset; its ``enable_mindspore_backward_compat`` (this library's), its parallelization (TP=2 + SP;
+    FSDP over dp=2, each dp rank reading its row), ``init_states``, its AdamW and constant schedule from the
+    config, ``train()``: ``loss.backward(sense)``, ``_calculate_global_grad_norm`` on ``param.grad`` (DTensors laid
+    out like the parameters: the norm counts a tensor-parallel replica once) clipped at 0.5, AdamW on the local
+    pieces. Against its trainer step on one device, whose ``loss.backward`` gradients equal
+    ``ms.value_and_grad``'s and whose clipping scaled every gradient."""
     ref_losses, ref_norms, ref_params, ref_checks = runs[0]["backward_one_device"]
     assert ref_losses[-1] < ref_losses[0]
     assert ref_checks["value_and_grad"] == 0.0              # loss.backward() gives ms.value_and_grad's gradients
+    assert ref_checks["clipping"] <= 1e-6                   # the optimizer got them times the coefficient (9e-8)
+    assert min(ref_norms) > 0.5                             # every step clipped
     for rank in runs:
-        for case, data_parallel in (("backward_tp2_sp", 1), ("backward_fsdp_dp2", 2)):
-            losses, norms, params, checks = rank[case]
-            # measured: 0.0 (TP, FSDP: the collectives' Cells run by loss.backward as under ms.value_and_grad)
-            assert checks["value_and_grad"] <= 1e-6, case
-            # the gradients the optimizer got are the backward's times the clipping coefficient (measured 9e-8)
-            assert checks["clipping"] <= 1e-6, case
-            assert min(norms) > 0.5                          # every step clipped
-            # the global norm over all ranks equals one device's (a replica counted twice: 6e-4 relative off)
+        for case, tensor_parallel, data_parallel in (("trainer_tp2_sp", 2, 1), ("trainer_fsdp_dp2", 1, 2)):
+            losses, norms, params, built = rank[case]
+            assert built == {"model": ["FSDPPyNativeQwen3ForCausalLM"], "optimizer": "AdamW",
+                             "tensor_parallel": tensor_parallel, "data_parallel": data_parallel}, built
+            # its step-end loss is averaged over the ranks; the global norm over all ranks equals one device's
+            # (were a replica counted twice: 6e-4 relative off)
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=case)
             np.testing.assert_allclose(norms, ref_norms, rtol=1e-5, err_msg=case)
-            mean = np.mean([r[case][0] for r in runs], axis=0) if data_parallel > 1 else losses
-            np.testing.assert_allclose(mean, ref_losses, rtol=1e-5, err_msg=case)
             # AdamW (lr 1e-2) turns float32 rounding of near-zero gradients into steps of up to lr: measured
             # worst 1.3e-4 (TP, one element), 6.7e-6 (FSDP); bound: a tenth of one step
             for name, ref in ref_params.items():

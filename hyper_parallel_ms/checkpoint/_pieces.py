@@ -27,7 +27,7 @@ from ..dtensor._dtensor import _local_view
 from ..dtensor._spec import DTensorSpec
 from ..fsdp._param import note_piece_written
 from ..nn import parameter_sharding
-from .._mindspore import fill_deferred, pending_init
+from .._mindspore import fill_deferred, no_grad, pending_init
 from ._metadata import CheckpointError
 from ._boxes import Piece
 
@@ -80,8 +80,11 @@ class TensorRef:
         if pending_init(local) is not None:
             fill_deferred(local, np.asarray(data, order="C"))
         else:
-            # from_numpy shares the buffer (no copy); copy_ writes into the tensor's own storage
-            _local_view(local).copy_(Tensor.from_numpy(np.asarray(data, order="C")))
+            # from_numpy shares the buffer (no copy); copy_ writes into the tensor's own storage, not
+            # recorded for autodiff (loading is no step of training; with loss.backward() enabled a
+            # recorded in-place write into a parameter is refused)
+            with no_grad():
+                _local_view(local).copy_(Tensor.from_numpy(np.asarray(data, order="C")))
         note_piece_written(local)
 
 

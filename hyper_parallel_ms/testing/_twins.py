@@ -50,6 +50,8 @@ repeated indices |
 | ``StackExt`` | ``mint.stack`` | ``ops.stack`` (bfloat16 through float32: exact) |
 | ``LinalgVectorNorm`` | ``mint.norm`` / ``mint.linalg.vector_norm`` | ``sqrt(sum(x^2))`` for ``ord=2``, ``sum(abs(x)^p)^(1/p)``, ``max`` / ``min`` of ``abs(x)`` for ``inf`` / ``-inf``, the nonzero count for ``0``; in ``dtype`` when given |
 | ``AddcmulExt`` | ``mint.addcmul`` (MindFormers' AdamW) | ``input + tensor1 * tensor2 * value`` in the input's dtype |
+| ``Tensor.fill_`` / ``Tensor.zero_`` | C++ methods (MindFormers' initialisation of norms and biases; no CPU kernel) | ``ops.fill`` / ``ops.zeros`` written back with ``copy_``; a DTensor keeps its method |
+| ``InplaceNormal`` | ``Tensor.normal_`` (MindFormers' parameter initialisation) | numpy's normal draws seeded by (seed, offset), written in place: deterministic, not the device generator's values |
 | ``Clone`` / ``Tensor.clone`` | ``mint.clone`` / ``Tensor.clone`` (a C++ method) | ``ops.deepcopy`` (bfloat16 through float32: exact); a ``Parameter`` keeps ``Parameter.clone`` (a DTensor parameter's class puts ``Tensor`` first) |
 | ``Tensor.copy_`` | ``Tensor.copy_`` (a C++ method) | into a view (storage offset, strides, or part of a larger storage): ``self[...] = src`` (MindSpore 2.10's CPU ``InplaceCopy`` writes nothing into ``a[2:4]``, measured, and refuses a source that is such a view); a source view is first copied whole; else the method itself |
 | ``Tensor.__mul__`` | ``*`` of a 0-d float tensor and a tensor of another float dtype | the product computed in float32 (float64 if either is) and returned in the dimensioned tensor's dtype, as MindSpore infers it (the CPU ``Mul`` kernel has no float32 x bfloat16 -> bfloat16 entry) |
@@ -90,6 +92,8 @@ _ABSENT = object()
 _ATTRIBUTES: Dict[str, Tuple[Any, str]] = {"Tensor.scatter_": (ms.Tensor, "scatter_"),
                                            "Tensor.add_": (ms.Tensor, "add_"),
                                            "Tensor.mul_": (ms.Tensor, "mul_"),
+                                           "Tensor.fill_": (ms.Tensor, "fill_"),
+                                           "Tensor.zero_": (ms.Tensor, "zero_"),
                                            "mint.floor_divide": (mint, "floor_divide"),
                                            "mint.repeat_interleave": (mint, "repeat_interleave"),
                                            "Tensor.clone": (ms.Tensor, "clone"),
@@ -255,6 +259,20 @@ def _tensor_mul_(self, other):
     if _dtensor(self):
         return _ORIGINALS["Tensor.mul_"](self, other)
     return self.copy_((self * other).astype(self.dtype))
+
+
+def _tensor_fill_(self, value):
+    """``Tensor.fill_`` (a number or a one-element tensor): no CPU kernel in MindSpore 2.10."""
+    if _dtensor(self):
+        return _ORIGINALS["Tensor.fill_"](self, value)
+    return self.copy_(ops.fill(self.dtype, tuple(self.shape), _host(value)))
+
+
+def _tensor_zero_(self):
+    """``Tensor.zero_``: no CPU kernel in MindSpore 2.10."""
+    if _dtensor(self):
+        return _ORIGINALS["Tensor.zero_"](self)
+    return self.copy_(ops.zeros(tuple(self.shape), self.dtype))
 
 
 def _floor_divide(input, other):  # noqa: A002
@@ -427,6 +445,14 @@ def _copy(x):
     return x.astype(ms.float32).astype(x.dtype) if x.dtype == ms.bfloat16 else ops.deepcopy(x)
 
 
+def _inplace_normal(self, input, mean, std, seed, offset):  # noqa: A002 - MindSpore's names
+    """``Tensor.normal_``: draws from numpy's generator seeded by (seed, offset), written in place: the
+    same values for the same seed and offset (not the device generator's values)."""
+    rng = np.random.default_rng([int(_host(seed)), int(_host(offset))])
+    values = rng.normal(float(_host(mean)), float(_host(std)), tuple(input.shape))
+    return input.copy_(ms.Tensor(values.astype(np.float32)).astype(input.dtype))
+
+
 def _addcmul(self, input, tensor1, tensor2, value=1):  # noqa: A002 - MindSpore's names
     value = _host(value)
     return (input + (tensor1 * tensor2) * value).astype(input.dtype)
@@ -493,7 +519,8 @@ TWINS: Dict[str, Callable] = {
     "mint.floor_divide": _floor_divide, "mint.repeat_interleave": _repeat_interleave,
     "MoeTokenPermute": _moe_token_permute, "MoeTokenUnpermute": _moe_token_unpermute,
     "Mm": _mm, "Addmm": _addmm, "BatchMatMulExt": _bmm, "Baddbmm": _baddbmm, "StackExt": _stack,
-    "LinalgVectorNorm": _vector_norm, "AddcmulExt": _addcmul, "Clone": _clone, "Tensor.clone": _tensor_clone, "Tensor.copy_": _tensor_copy_,
+    "LinalgVectorNorm": _vector_norm, "AddcmulExt": _addcmul, "InplaceNormal": _inplace_normal,
+    "Tensor.fill_": _tensor_fill_, "Tensor.zero_": _tensor_zero_, "Clone": _clone, "Tensor.clone": _tensor_clone, "Tensor.copy_": _tensor_copy_,
     "Tensor.__mul__": _tensor_mul, "DistCommAllGatherIntoTensor": _dist_all_gather_into_tensor,
     "DistCommBatchIsendIrecv": _dist_batch_isend_irecv,
 }

@@ -1,0 +1,87 @@
+"""MindFormers' ``Trainer`` on this library, end to end: built from a config dict with the model instance and
+a MindSpore dataset, parallelized by its own ``_apply_parallelism`` (TP=2 with sequence parallelism, or FSDP
+over dp=2, each dp rank reading its rows), its
+parameters initialised by its ``init_states`` then loaded with the test's weights, its optimizer and
+learning-rate schedule built from the config, ``Trainer.train()`` for 3 steps. Module-level function for the
+rank pool of tests/test_mindformers.py.
+
+Three things of the CPU ranks' environment, each undone after the run:
+- the rank pool has initialised communication and outlives the trainer: its ``init_process_group`` and
+  ``destroy_process_group`` are no-ops for the run;
+- MindSpore 2.10's ``Cell.to_empty()`` without a device keeps a meta tensor on the meta device (measured;
+  its docstring says the current device): the trainer's ``to_empty()`` is given the context's device;
+- the CPU twins (``cpu_twins``), as in every MindFormers test here."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+def train(steps: int, tensor_parallel: int) -> Tuple[List[float], List[float], Dict[str, np.ndarray], Dict[str, Any]]:
+    """``Trainer.train()`` on the Qwen3 of tests/_mindformers_qwen3.py with ``tensor_parallel`` (and sequence
+    parallelism), the rest of the world data parallel (FSDP), each dp rank reading its rows of the batch;
+    returns the losses and global norms its step-end callbacks saw, the full parameters, and what the trainer
+    built."""
+    from tests._mindformers_backward import MAX_NORM
+    from tests._mindformers_qwen3 import BATCH, _batch, _setup, _weights, config
+    _setup()
+    import mindspore as ms
+    import mindspore.dataset as ds
+    from mindspore import nn
+    from mindspore.ops.communication import set_comm_ops_inplace
+    import mindformers.pynative.distributed.parallel_dims as parallel_dims
+    import mindformers.pynative.trainer.trainer as trainer_module
+    from mindformers.models.qwen3.modeling_qwen3_train_pynative import PyNativeQwen3ForCausalLM
+    from mindformers.pynative.callback.callback import TrainerCallback
+    from hyper_parallel_ms.checkpoint import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from hyper_parallel_ms.testing import cpu_twins
+    from hyper_parallel_ms.training import disable_mindspore_backward_compat
+
+    seen: Dict[str, List[float]] = {"loss": [], "grad_norm": []}
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, **kwargs):
+            seen["loss"].append(float(np.asarray(kwargs["loss"].asnumpy()).reshape(-1)[0]))
+            seen["grad_norm"].append(float(np.asarray(kwargs["grad_norm"].asnumpy()).reshape(-1)[0]))
+
+    from mindspore.communication import get_group_size, get_rank
+    data_parallel = get_group_size() // tensor_parallel
+    local = BATCH // data_parallel
+    mine = get_rank() // tensor_parallel
+    ids, labels = _batch()
+    rows = [(ids[i], labels[i]) for i in range(mine * local, (mine + 1) * local)] * steps
+    dataset = ds.GeneratorDataset(lambda: iter(rows), ["input_ids", "labels"], shuffle=False).batch(local)
+    cfg = {"training": {"steps": steps, "local_batch_size": local, "global_batch_size": BATCH, "max_norm": MAX_NORM},
+           "parallelism": {"tensor_parallel": tensor_parallel, "sequence_parallel": tensor_parallel > 1},
+           "checkpoint": {"enable_save": False},
+           "model": {"model_type": "qwen3", "architectures": "PyNativeQwen3ForCausalLM"},
+           "train_dataset": {"dataloader": {"type": "GeneratorDataset"}},
+           "optimizer": {"type": "AdamW", "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
+           "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1e-2, "warmup_steps": 0}}
+    saved = (trainer_module.init_process_group, trainer_module.destroy_process_group, nn.Cell.to_empty)
+    to_empty = nn.Cell.to_empty
+
+    def to_empty_on_this_device(self, *, device=None, recurse=True):
+        return to_empty(self, device=device or ms.get_context("device_target"), recurse=recurse)
+
+    parallel_dims.device_type = "cpu"
+    set_comm_ops_inplace(False)
+    trainer_module.init_process_group = trainer_module.destroy_process_group = lambda *a, **k: None
+    nn.Cell.to_empty = to_empty_on_this_device
+    try:
+        with cpu_twins():
+            model = PyNativeQwen3ForCausalLM(config())
+            full = _weights(model)
+            trainer = trainer_module.Trainer(config=cfg, model=model, train_dataset=dataset, callbacks=[Record()])
+            built = {"model": [type(m).__name__ for m in trainer.model], "optimizer": type(trainer.optimizer).__name__,
+                     "tensor_parallel": trainer.parallel_dims.tp, "data_parallel": trainer.config.parallelism.data_parallel}
+            set_model_state_dict(trainer.model[0], {k: ms.Tensor(v) for k, v in full.items()},
+                                 options=StateDictOptions(full_state_dict=True))
+            trainer.train()
+            state = get_model_state_dict(trainer.model[0], options=StateDictOptions(full_state_dict=True))
+            return seen["loss"], seen["grad_norm"], {k: v.asnumpy() for k, v in state.items()}, built
+    finally:
+        trainer_module.init_process_group, trainer_module.destroy_process_group, nn.Cell.to_empty = saved
+        disable_mindspore_backward_compat()
+        set_comm_ops_inplace(True)
+        parallel_dims.device_type = "npu"
