@@ -201,6 +201,7 @@ class _GroupRegistry:
 
     def __init__(self) -> None:
         self._names: Dict[Tuple[int, ...], Optional[str]] = {}
+        self._solo: Dict[int, str] = {}
 
     def name_for(self, ranks: Tuple[int, ...]) -> Optional[str]:
         name = self._names.get(ranks)
@@ -219,6 +220,16 @@ class _GroupRegistry:
             name = _group_name(ranks)
             comm_api.create_group(name, list(ranks))
         self._names[ranks] = name
+        return name
+
+    def solo_name(self, rank: int) -> str:
+        """A MindSpore group of this rank alone, created on first use (what a one-rank mesh dim's
+        ``get_group`` names: MindSpore reads ``group=None`` as the world)."""
+        name = self._solo.get(rank)
+        if name is None:
+            name = f"hpms_solo_{rank}"
+            comm_api.create_group(name, [rank])
+            self._solo[rank] = name
         return name
 
     def adopt(self, ranks: Tuple[int, ...], name: str) -> None:
@@ -296,6 +307,24 @@ def comm_group(ranks: Sequence[int], world: Optional[World] = None) -> CommGroup
                                              else _group_name(ranks))      # as a real world group is named
         return CommGroup(name, ranks, ranks.index(me), simulated=True)
     return CommGroup(_registry().name_for(ranks), ranks, ranks.index(me))
+
+
+def named_group(group: CommGroup) -> Optional[str]:
+    """The MindSpore group name to hand to MindSpore's own collectives for ``group``: its name, or for a
+    one-rank group (which this library never communicates over, ``name`` ``None``) a group of this rank
+    alone, created on first use (a simulated one: its description ``"hpms_solo_<rank>"``); ``None`` only
+    where communication is not initialized (a world of one: no MindSpore collective runs there).
+
+    Example::
+
+        all_reduce(x, group=named_group(mesh.comm_group("dp")))     # dp of size 1: this rank alone
+    """
+    if group.name is not None:
+        return group.name
+    rank = group.ranks[0]
+    if group.simulated:
+        return f"hpms_solo_{rank}"
+    return _registry().solo_name(rank) if is_initialized() else None
 
 
 def group_ranks(group) -> Tuple[int, ...]:

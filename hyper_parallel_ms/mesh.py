@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _cluster, _mesh_context
-from ._cluster import CommGroup, World
+from ._cluster import CommGroup, World, named_group
 from ._mesh_context import current_mesh, get_current_mesh
 from ._mesh_hyper import HyperParallelMeshMixin
 from .comm._exchange import Exchange, exchange_of
@@ -252,13 +252,15 @@ class DeviceMesh(HyperParallelMeshMixin):
         return group
 
     def get_group(self, mesh_dim: Optional[MeshDim] = None) -> Optional[str]:
-        """MindSpore group name of ``mesh_dim`` (``None`` for a dimension of size 1);
-        ``mesh_dim`` may be omitted for a 1-D mesh, as in PyTorch."""
+        """MindSpore group name of ``mesh_dim`` (a dimension of size 1: a group of this rank alone,
+        created on first use, as PyTorch gives every dimension a process group; MindSpore's
+        collectives read ``group=None`` as the world; ``None`` in a world of one without
+        communication); ``mesh_dim`` may be omitted for a 1-D mesh, as in PyTorch."""
         if mesh_dim is None:
             if self.ndim != 1:
                 raise RuntimeError(f"get_group needs mesh_dim for a {self.ndim}-D mesh")
             mesh_dim = 0
-        return self.comm_group(mesh_dim).name
+        return named_group(self.comm_group(mesh_dim))
 
     def get_all_groups(self) -> List[Optional[str]]:
         """Group names of every mesh dimension."""

@@ -100,11 +100,11 @@ def one_device(steps: int, moe: bool = False) -> Tuple[List[float], List[float],
 
 
 def run_all(steps: int) -> dict:
-    """On each rank: MindFormers' Trainer with TP=2 + SP and with FSDP over dp=2
-    (tests/_mindformers_trainer.py) and the trainer step on one device; the pipeline trainer step of its
-    DeepSeek-V3 over pp=2 (tests/_mindformers_pipeline.py) and its one-device reference."""
+    """On each rank: MindFormers' Trainer (tests/_mindformers_trainer.py) with TP=2 + SP and with FSDP over
+    dp=2, and the trainer step on one device; its Trainer on its DeepSeek-V3 over pp=2 and that model's
+    trainer step on one device."""
     from tests import _mindformers_trainer as trainer
-    from tests._mindformers_pipeline import pipeline
     return {"trainer_tp2_sp": trainer.train(steps, 2), "trainer_fsdp_dp2": trainer.train(steps, 1),
-            "backward_one_device": one_device(steps), "pipeline_pp2_moe": pipeline(steps),
+            "backward_one_device": one_device(steps),
+            "trainer_pp2_moe": trainer.train(steps, 1, pipeline_parallel=2, moe=True),
             "backward_one_device_moe": one_device(steps, moe=True)}

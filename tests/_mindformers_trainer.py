@@ -1,6 +1,7 @@
 """MindFormers' ``Trainer`` on this library, end to end: built from a config dict with the model instance and
-a MindSpore dataset, parallelized by its own ``_apply_parallelism`` (TP=2 with sequence parallelism, or FSDP
-over dp=2, each dp rank reading its rows), its
+a MindSpore dataset, parallelized by its own ``_apply_parallelism`` (TP=2 with sequence parallelism, FSDP
+over dp=2 with each dp rank reading its rows, or its pipeline path over pp=2: its DeepSeek-V3, whose stages
+it builds, through HyperParallel's ``Schedule1F1B`` served by ``hyper_parallel_ms.compat._schedules``), its
 parameters initialised by its ``init_states`` then loaded with the test's weights, its optimizer and
 learning-rate schedule built from the config, ``Trainer.train()`` for 3 steps. Module-level function for the
 rank pool of tests/test_mindformers.py.
@@ -17,11 +18,13 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-def train(steps: int, tensor_parallel: int) -> Tuple[List[float], List[float], Dict[str, np.ndarray], Dict[str, Any]]:
-    """``Trainer.train()`` on the Qwen3 of tests/_mindformers_qwen3.py with ``tensor_parallel`` (and sequence
-    parallelism), the rest of the world data parallel (FSDP), each dp rank reading its rows of the batch;
-    returns the losses and global norms its step-end callbacks saw, the full parameters, and what the trainer
-    built."""
+def train(steps: int, tensor_parallel: int, pipeline_parallel: int = 1,
+          moe: bool = False) -> Tuple[List[float], List[float], Dict[str, np.ndarray], Dict[str, Any]]:
+    """``Trainer.train()`` on the Qwen3 of tests/_mindformers_qwen3.py (``moe``: the DeepSeek-V3 of
+    tests/_mindformers_moe.py) with ``tensor_parallel`` (and sequence parallelism) and ``pipeline_parallel``
+    (micro-batches of one row), the rest of the world data parallel (FSDP), each dp rank reading its rows of
+    the batch; returns the losses and global norms its step-end callbacks saw (a pipeline's loss on the last
+    stage's rank only), this rank's full parameters, and what the trainer built."""
     from tests._mindformers_backward import MAX_NORM
     from tests._mindformers_qwen3 import BATCH, _batch, _setup, _weights, config
     _setup()
@@ -41,18 +44,21 @@ def train(steps: int, tensor_parallel: int) -> Tuple[List[float], List[float], D
 
     class Record(TrainerCallback):
         def on_step_end(self, args, state, **kwargs):
-            seen["loss"].append(float(np.asarray(kwargs["loss"].asnumpy()).reshape(-1)[0]))
+            if kwargs["loss"] is not None:      # a pipeline's loss is on the last stage's rank only
+                seen["loss"].append(float(np.asarray(kwargs["loss"].asnumpy()).reshape(-1)[0]))
             seen["grad_norm"].append(float(np.asarray(kwargs["grad_norm"].asnumpy()).reshape(-1)[0]))
 
     from mindspore.communication import get_group_size, get_rank
-    data_parallel = get_group_size() // tensor_parallel
-    local = BATCH // data_parallel
-    mine = get_rank() // tensor_parallel
+    data_parallel = get_group_size() // (tensor_parallel * pipeline_parallel)
+    per_rank = BATCH // data_parallel
+    local = per_rank // pipeline_parallel          # pp: this dp rank's rows in micro-batches of one row
+    mine = (get_rank() // tensor_parallel) % data_parallel
     ids, labels = _batch()
-    rows = [(ids[i], labels[i]) for i in range(mine * local, (mine + 1) * local)] * steps
+    rows = [(ids[i], labels[i]) for i in range(mine * per_rank, (mine + 1) * per_rank)] * steps
     dataset = ds.GeneratorDataset(lambda: iter(rows), ["input_ids", "labels"], shuffle=False).batch(local)
     cfg = {"training": {"steps": steps, "local_batch_size": local, "global_batch_size": BATCH, "max_norm": MAX_NORM},
-           "parallelism": {"tensor_parallel": tensor_parallel, "sequence_parallel": tensor_parallel > 1},
+           "parallelism": {"tensor_parallel": tensor_parallel, "sequence_parallel": tensor_parallel > 1,
+                           "pipeline_parallel": pipeline_parallel},
            "checkpoint": {"enable_save": False},
            "model": {"model_type": "qwen3", "architectures": "PyNativeQwen3ForCausalLM"},
            "train_dataset": {"dataloader": {"type": "GeneratorDataset"}},
@@ -70,16 +76,32 @@ def train(steps: int, tensor_parallel: int) -> Tuple[List[float], List[float], D
     nn.Cell.to_empty = to_empty_on_this_device
     try:
         with cpu_twins():
-            model = PyNativeQwen3ForCausalLM(config())
+            if moe:
+                from mindformers.models.deepseek3.modeling_deepseek_v3_pynative import PyNativeDeepseekV3ForCausalLM
+                from tests._mindformers_moe import moe_config
+                model = PyNativeDeepseekV3ForCausalLM(moe_config())
+                cfg["model"] = {"model_type": "deepseek_v3", "architectures": "PyNativeDeepseekV3ForCausalLM"}
+            else:
+                model = PyNativeQwen3ForCausalLM(config())
             full = _weights(model)
             trainer = trainer_module.Trainer(config=cfg, model=model, train_dataset=dataset, callbacks=[Record()])
             built = {"model": [type(m).__name__ for m in trainer.model], "optimizer": type(trainer.optimizer).__name__,
                      "tensor_parallel": trainer.parallel_dims.tp, "data_parallel": trainer.config.parallelism.data_parallel}
-            set_model_state_dict(trainer.model[0], {k: ms.Tensor(v) for k, v in full.items()},
-                                 options=StateDictOptions(full_state_dict=True))
+            if trainer.schedule is not None:
+                built["schedule"] = type(trainer.schedule).__name__
+                built["stages"] = [type(st).__name__ for st in trainer.schedule.stages]
+                built["layers"] = sorted({n.split(".")[3] for part in trainer.model
+                                          for n, _ in part.parameters_and_names() if ".layers." in n})
+            for part in trainer.model:          # a pipeline rank's stage holds some of the names
+                names = [n for n, _ in part.parameters_and_names()]
+                set_model_state_dict(part, {n: ms.Tensor(full[n]) for n in names},
+                                     options=StateDictOptions(full_state_dict=True))
             trainer.train()
-            state = get_model_state_dict(trainer.model[0], options=StateDictOptions(full_state_dict=True))
-            return seen["loss"], seen["grad_norm"], {k: v.asnumpy() for k, v in state.items()}, built
+            state = {}
+            for part in trainer.model:
+                state.update({k: v.asnumpy() for k, v in get_model_state_dict(
+                    part, options=StateDictOptions(full_state_dict=True)).items()})
+            return seen["loss"], seen["grad_norm"], state, built
     finally:
         trainer_module.init_process_group, trainer_module.destroy_process_group, nn.Cell.to_empty = saved
         disable_mindspore_backward_compat()

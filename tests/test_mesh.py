@@ -17,7 +17,7 @@ def test_world_of_one_needs_no_communication():
         ms.set_device("CPU")
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     assert mesh.get_coordinate() == [0, 0] and mesh.size() == 1
-    assert mesh.get_group("tp") is None and mesh["tp"].shape == (1,)
+    assert mesh.get_group("tp") is None and mesh["tp"].shape == (1,)     # no communication: no group
     x = ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
     with CommDebugMode() as mode:
         for y in (comm.all_gather(x, mesh, "tp", dim=1), comm.all_reduce(x, mesh, "dp", op="max"),
@@ -76,6 +76,12 @@ def test_mesh_4_ranks():
     assert comm.all_reduce(x, mesh, "tp").asnumpy()[0] == 4 * dp + 1
     assert comm.all_reduce(x, mesh, "dp").asnumpy()[0] == 2 * tp + 2
     assert comm.all_reduce(x, flat, 0).asnumpy()[0] == 6
+    # a dim of size 1 names a group of this rank alone (MindSpore reads group=None as the world: a
+    # MindSpore all_reduce over a one-rank dim's group must leave the value as it is)
+    from mindspore import ops
+    lone = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "cp"))
+    assert lone.get_group("cp") == f"hpms_solo_{r}" == lone["cp"].get_group()
+    assert ops.AllReduce(ops.ReduceOp.SUM, lone.get_group("cp"))(x).asnumpy()[0] == r
 
     for bad, err, msg in [
         (lambda: init_device_mesh("cpu", (3,)), ValueError, "holds 3 ranks but the world has 4"),

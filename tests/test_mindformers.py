@@ -5,7 +5,7 @@ TP=2 with sequence parallelism, FSDP over dp=2, and context parallelism cp=2 (Mi
 and Ulysses methods, on its flash attention with the compressed causal mask: one sequence of 2048).
 MindFormers' pipeline path does not build a Qwen3 model in 2.1.0 (its stage builder passes
 ``layer_start``, which PyNativeQwen3ForCausalLM does not take): see docs/mindformers.md; it builds its
-DeepSeek-V3, which trains over pp=2 by its pipeline trainer step. And
+DeepSeek-V3, which its Trainer trains over pp=2. And
 MindFormers' MoE, PyNativeDeepseekV3ForCausalLM at tiny sizes, with its own expert parallelism over
 ep=2 (experts sharded, tokens exchanged by all-to-all): over the dp ranks (dense parameters fully
 sharded over dp=2; the token permutation written out and fused) and over the ranks of TP=2 with
@@ -159,18 +159,18 @@ def test_mindformers_trainer_trains_as_one_device(runs):
                 np.testing.assert_allclose(params[name], ref, rtol=1e-4, atol=1e-3, err_msg=f"{case} {name}")
 
 
-def test_mindformers_pipeline_trainer_step_trains_as_one_device(runs):
-    """MindFormers' pipeline path: ``parallelize_model`` for ``pipeline_parallel=2`` builds each rank's stage of
-    its DeepSeek-V3 (layer 0 with the embedding, layer 1 with the head) as its ``ScaledLossPipelineStage`` and
-    its schedule as HyperParallel's ``Schedule1F1B`` (no loss_fn: the last stage's output is the loss; the
-    keyword inputs go to every stage; the gradients into ``param.grad``). Its ``training_pp_step``:
-    ``schedule.run(input_ids=, labels=)`` with 2 micro-batches, its clipped global norm over both stages,
-    its AdamW, the expert bias update; against its trainer step on one device."""
+def test_mindformers_trainer_pipeline_trains_as_one_device(runs):
+    """MindFormers' pipeline path through its ``Trainer``: ``parallelize_model`` for ``pipeline_parallel=2`` builds
+    each rank's stage of its DeepSeek-V3 (layer 0 with the embedding, layer 1 with the head) as its
+    ``ScaledLossPipelineStage`` and its schedule as HyperParallel's ``Schedule1F1B`` (no loss_fn: the last stage's
+    output is the loss; the keyword inputs go to every stage; the gradients into ``param.grad``); its
+    ``training_pp_step`` over 2 micro-batches, its clipped global norm over both stages, its AdamW, its
+    expert-bias update; against the trainer step on one device."""
     ref_losses, ref_norms, ref_params, _ = runs[0]["backward_one_device_moe"]
     held = {}
     for rank in runs:
-        losses, norms, params, applied = rank["pipeline_pp2_moe"]
-        assert applied["schedule"] == "Schedule1F1B" and applied["stages"] == ["ScaledLossPipelineStage"]
+        losses, norms, params, built = rank["trainer_pp2_moe"]
+        assert built["schedule"] == "Schedule1F1B" and built["stages"] == ["ScaledLossPipelineStage"]
         if losses:                                           # the last stage's rank: the micro-batches' mean
             np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)     # the global norm over both stages
@@ -178,6 +178,6 @@ def test_mindformers_pipeline_trainer_step_trains_as_one_device(runs):
         # measured worst: 4.7e-6 (an expert's weight); the expert bias (its update from the token counts) too
         for name, value in params.items():
             np.testing.assert_allclose(value, ref_params[name], rtol=1e-4, atol=1e-4, err_msg=name)
-    assert [r["pipeline_pp2_moe"][3]["layers"] for r in runs] == [["0"], ["1"]]
+    assert [r["trainer_pp2_moe"][3]["layers"] for r in runs] == [["0"], ["1"]]
     assert set(held) == set(ref_params)                      # every parameter on one of the stages
-    assert sum(bool(r["pipeline_pp2_moe"][0]) for r in runs) == 1
+    assert sum(bool(r["trainer_pp2_moe"][0]) for r in runs) == 1
