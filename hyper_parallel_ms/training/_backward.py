@@ -14,6 +14,7 @@ from __future__ import annotations
 from mindspore import Tensor
 
 from .._mindspore import tensor_backward
+from .._mindspore.tensor_backward import disable_mindspore_backward_compat
 from ..dtensor._grad import laid_out_by_spec
 from ..nn._parameter import parameter_spec
 
@@ -42,18 +43,4 @@ def enable_mindspore_backward_compat() -> None:
         optimizer(tuple(p.grad for p in model.trainable_params()))
     """
     tensor_backward.enable_mindspore_backward_compat(grad_view=_laid_out_gradient)
-
-
-def disable_mindspore_backward_compat() -> None:
-    """Undo :func:`enable_mindspore_backward_compat`: MindSpore's methods back, the grad flag as before.
-
-    Example::
-
-        enable_mindspore_backward_compat()
-        try:
-            train()
-        finally:
-            disable_mindspore_backward_compat()
-    """
-    tensor_backward.disable_mindspore_backward_compat()
 
