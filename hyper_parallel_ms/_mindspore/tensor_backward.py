@@ -47,7 +47,7 @@ GradView = Callable[[Tensor, Tensor], Tensor]    # (tensor, its accumulated grad
 
 class _TopGraphDepth(threading.local):
     """How many top graphs of the PyNative executor (``ms.grad``'s, ``taped_call``'s) this thread
-    is inside: counted by :func:`_count_top_graphs`."""
+    is inside: counted by :func:`_counting_executor_methods`."""
     depth = 0
 
 
