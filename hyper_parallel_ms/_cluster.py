@@ -189,6 +189,10 @@ def device_type() -> str:
     return "npu" if device_target() == "Ascend" else "cpu"
 
 
+def _solo_group_name(rank: int) -> str:
+    return f"hpms_solo_{rank}"
+
+
 def _group_name(ranks: Tuple[int, ...]) -> str:
     if len(ranks) <= 8:
         return "hpms_" + "_".join(map(str, ranks))
@@ -227,7 +231,7 @@ class _GroupRegistry:
         ``get_group`` names: MindSpore reads ``group=None`` as the world)."""
         name = self._solo.get(rank)
         if name is None:
-            name = f"hpms_solo_{rank}"
+            name = _solo_group_name(rank)
             comm_api.create_group(name, [rank])
             self._solo[rank] = name
         return name
@@ -323,7 +327,7 @@ def named_group(group: CommGroup) -> Optional[str]:
         return group.name
     rank = group.ranks[0]
     if group.simulated:
-        return f"hpms_solo_{rank}"
+        return _solo_group_name(rank)
     return _registry().solo_name(rank) if is_initialized() else None
 
 

@@ -216,8 +216,9 @@ _ABSENT = object()
 
 
 def _replace(owner: Any, name: str, value: Any) -> None:
-    _Installed.changes.append((owner, name, owner.__dict__.get(name, _ABSENT) if isinstance(owner, type)
-                               else getattr(owner, name, _ABSENT)))
+    """``owner.name = value``, remembering what ``owner`` itself held under ``name`` (not what it
+    inherits or its class gives it), so that :func:`disable_mindspore_backward_compat` restores it."""
+    _Installed.changes.append((owner, name, vars(owner).get(name, _ABSENT)))
     setattr(owner, name, value)
 
 
@@ -270,12 +271,10 @@ def disable_mindspore_backward_compat() -> None:
     from mindspore.common.api import _pynative_executor
     while _Installed.changes:
         owner, name, original = _Installed.changes.pop()
-        if original is not _ABSENT:
-            setattr(owner, name, original)
-        elif isinstance(owner, type):
+        if original is _ABSENT:
             delattr(owner, name)
         else:
-            owner.__dict__.pop(name, None)
+            setattr(owner, name, original)
     _TOP_GRAPHS.depth = 0
     _Installed.grad_view = None
     _pynative_executor.set_grad_flag(_Installed.grad_flag)
