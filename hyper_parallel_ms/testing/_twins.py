@@ -75,7 +75,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
-from ._twin_values import _host, _partial_view
+from ._twin_values import _ORIGINALS, _axis, _copy, _host, _wide
+from ._twins_methods import (_tensor_add_, _tensor_clone, _tensor_copy_, _tensor_fill_, _tensor_mul, _tensor_mul_,
+                             _tensor_scatter_, _tensor_zero_)
 from ._twins_attention import _flash_attention_score
 from ._twins_comm import (_all_gather, _all_reduce, _all_to_all_v, _dist_all_gather_into_tensor, _dist_all_reduce,
                           _dist_batch_isend_irecv, _reduce_scatter)
@@ -86,7 +88,6 @@ _LOCK = threading.Lock()
 _DEPTH = [0]
 _SAVED: Dict[type, Any] = {}
 _SAVED_METHODS: Dict[str, Any] = {}
-_ORIGINALS: Dict[str, Any] = {}
 _ABSENT = object()
 # twins put in place of a Python name (a C++ tensor method, a C++ overloaded function), not of a primitive
 _ATTRIBUTES: Dict[str, Tuple[Any, str]] = {"Tensor.scatter_": (ms.Tensor, "scatter_"),
@@ -179,13 +180,6 @@ def _split_view(self, input, split_size, dim=0):  # noqa: A002
     return tuple(mint.narrow(input, dim, int(start), n) for start, n in zip(starts, sizes))
 
 
-def _axis(dim: Any, ndim: int) -> int:
-    dim = int(_host(dim))
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
-        raise IndexError(f"cpu_twins: dim {dim} is out of range for a {ndim}-d tensor")
-    return dim % max(ndim, 1)
-
-
 def _order(input, dim: int, descending: bool) -> np.ndarray:  # noqa: A002
     """Stable order along ``dim`` (ties: the lower index first, either direction), on the host."""
     values = input.asnumpy()
@@ -244,63 +238,9 @@ def _cumsum(self, input, dim, dtype=None):  # noqa: A002
     return out if dtype is None else out.astype(dtype)
 
 
-def _tensor_add_(self, other, *, alpha=1):
-    """``Tensor.add_``: MindSpore 2.10's CPU backend returns the sum without writing it into the tensor.
-    A DTensor keeps the method it had (this library's dispatcher places its in-place ops)."""
-    if _dtensor(self):
-        return _ORIGINALS["Tensor.add_"](self, other, alpha=alpha)
-    alpha = _host(alpha)
-    return self.copy_((self + (other if alpha == 1 else other * alpha)).astype(self.dtype))
-
-
-def _tensor_mul_(self, other):
-    """``Tensor.mul_``: MindSpore 2.10's CPU backend returns the product without writing it into the tensor
-    (MindFormers' gradient clipping scales the gradients with it). A DTensor keeps its method."""
-    if _dtensor(self):
-        return _ORIGINALS["Tensor.mul_"](self, other)
-    return self.copy_((self * other).astype(self.dtype))
-
-
-def _tensor_fill_(self, value):
-    """``Tensor.fill_`` (a number or a one-element tensor): no CPU kernel in MindSpore 2.10."""
-    if _dtensor(self):
-        return _ORIGINALS["Tensor.fill_"](self, value)
-    return self.copy_(ops.fill(self.dtype, tuple(self.shape), _host(value)))
-
-
-def _tensor_zero_(self):
-    """``Tensor.zero_``: no CPU kernel in MindSpore 2.10."""
-    if _dtensor(self):
-        return _ORIGINALS["Tensor.zero_"](self)
-    return self.copy_(ops.zeros(tuple(self.shape), self.dtype))
-
-
 def _floor_divide(input, other):  # noqa: A002
     """``mint.floor_divide``: a C++ overloaded function (no Python primitive call to replace)."""
     return ops.floor_div(input, _host(other) if not isinstance(other, ms.Tensor) else other)
-
-
-def _dtensor(value: Any) -> bool:
-    from ..dtensor import DTensor
-    return isinstance(value, DTensor)
-
-
-def _tensor_scatter_(self, dim, index, src, *, reduce=None):
-    """``Tensor.scatter_``: a method of MindSpore's C++ tensor (no Python primitive call to replace).
-    A DTensor keeps the method it had (this library's dispatcher places its in-place ops)."""
-    if _dtensor(self):
-        extra = {} if reduce is None else {"reduce": reduce}
-        return _ORIGINALS["Tensor.scatter_"](self, dim, index, src, **extra)
-    if reduce is not None:
-        raise ValueError("cpu_twins: the Tensor.scatter_ twin writes values only (reduce=None); run on Ascend")
-    dim = _axis(dim, self.ndim)
-    if isinstance(src, ms.Tensor):
-        source = src[tuple(slice(0, n) for n in index.shape)].astype(self.dtype)
-    else:
-        source = ms.Tensor(np.full(tuple(index.shape), src), self.dtype)
-    wire = ms.int32 if self.dtype == ms.bool_ else self.dtype
-    out = ops.tensor_scatter_elements(self.astype(wire), index, source.astype(wire), axis=dim)
-    return self.copy_(out.astype(self.dtype))
 
 
 def _moe_token_permute(self, tokens, indices, num_out_tokens=None, padded_mode=False):
@@ -381,14 +321,6 @@ def _grouped_matmul(self, x, weight, bias=None, scale=None, offset=None, antiqua
     return (pieces[0] if len(pieces) == 1 else ops.cat(pieces, 0),)
 
 
-def _wide(*tensors) -> Any:
-    """The dtype a twin computes in: float32 for float16 / bfloat16 operands, else their own."""
-    dtypes = {t.dtype for t in tensors}
-    if ms.float64 in dtypes:
-        return ms.float64
-    return ms.float32 if dtypes & {ms.float16, ms.bfloat16, ms.float32} else tensors[0].dtype
-
-
 def _addmm_twin(product: Callable, input, a, b, beta, alpha):  # noqa: A002
     wide = _wide(input, a, b)
     out = product(a.astype(wide), b.astype(wide))
@@ -440,11 +372,6 @@ def _vector_norm(self, x, ord=2, dim=None, keepdim=False, dtype=None):  # noqa: 
     return ops.pow(ops.sum(ops.pow(magnitude, ord), dims, keepdim), 1.0 / ord)
 
 
-def _copy(x):
-    """A whole copy of ``x`` (a view's elements only), exact in every dtype."""
-    return x.astype(ms.float32).astype(x.dtype) if x.dtype == ms.bfloat16 else ops.deepcopy(x)
-
-
 def _inplace_normal(self, input, mean, std, seed, offset):  # noqa: A002 - MindSpore's names
     """``Tensor.normal_``: draws from numpy's generator seeded by (seed, offset), written in place: the
     same values for the same seed and offset (not the device generator's values)."""
@@ -460,39 +387,6 @@ def _addcmul(self, input, tensor1, tensor2, value=1):  # noqa: A002 - MindSpore'
 
 def _clone(self, input):  # noqa: A002
     return _copy(input)
-
-
-def _tensor_clone(self, *args, **kwargs):
-    """``Tensor.clone``: a C++ method (the ``Clone`` primitive's Python call is not reached)."""
-    if isinstance(self, ms.Parameter):                 # a DTensor parameter's class lists Tensor before Parameter
-        return ms.Parameter.clone(self, *args, **kwargs)
-    if _dtensor(self):
-        return _ORIGINALS["Tensor.clone"](self, *args, **kwargs)
-    return _copy(self)
-
-
-def _tensor_copy_(self, src, *args, **kwargs):
-    """``Tensor.copy_``: MindSpore 2.10's CPU ``InplaceCopy`` assumes whole buffers; a DTensor keeps its method."""
-    if _dtensor(self):
-        return _ORIGINALS["Tensor.copy_"](self, src, *args, **kwargs)
-    if isinstance(src, ms.Tensor) and not _dtensor(src) and _partial_view(src):
-        src = _copy(src)
-    if _partial_view(self):
-        self[...] = src.astype(self.dtype) if isinstance(src, ms.Tensor) else src
-        return self
-    return _ORIGINALS["Tensor.copy_"](self, src, *args, **kwargs)
-
-
-def _tensor_mul(self, other):
-    """``Tensor.__mul__``: a 0-d float tensor times a tensor of another float dtype (MindSpore infers the
-    dimensioned tensor's dtype; the CPU kernel lacks the mixed entry), else the method itself."""
-    original = _ORIGINALS["Tensor.__mul__"]
-    if (isinstance(other, ms.Tensor) and not _dtensor(self) and not _dtensor(other) and self.dtype != other.dtype
-            and (self.ndim == 0) != (other.ndim == 0) and self.dtype.is_floating_point
-            and other.dtype.is_floating_point):
-        wide, result = _wide(self, other), (other if self.ndim == 0 else self).dtype
-        return original(self.astype(wide), other.astype(wide)).astype(result)
-    return original(self, other)
 
 
 _PYBOOST_CLASSES = {"RmsNorm": "_PyboostRmsNormPrim", "StackExt": "_PyboostStackExtPrim"}   # ops.rms_norm's, mint.stack's
