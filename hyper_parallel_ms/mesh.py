@@ -252,10 +252,9 @@ class DeviceMesh(HyperParallelMeshMixin):
         return group
 
     def get_group(self, mesh_dim: Optional[MeshDim] = None) -> Optional[str]:
-        """MindSpore group name of ``mesh_dim`` (a dimension of size 1: a group of this rank alone,
-        created on first use, as PyTorch gives every dimension a process group; MindSpore's
-        collectives read ``group=None`` as the world; ``None`` in a world of one without
-        communication); ``mesh_dim`` may be omitted for a 1-D mesh, as in PyTorch."""
+        """MindSpore group name of ``mesh_dim`` (size 1: a group of this rank alone, as MindSpore reads
+        ``None`` as the world; ``None`` only without communication); ``mesh_dim`` may be omitted for a
+        1-D mesh, as in PyTorch."""
         if mesh_dim is None:
             if self.ndim != 1:
                 raise RuntimeError(f"get_group needs mesh_dim for a {self.ndim}-D mesh")
