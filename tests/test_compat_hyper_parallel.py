@@ -15,6 +15,7 @@ from hyper_parallel_ms.compat._alias import _remove_alias
 from hyper_parallel_ms.compat._fsdp import fully_shard as compat_fully_shard
 from hyper_parallel_ms.compat._platform import MindSporePlatform
 from hyper_parallel_ms.compat import _activation, _pipeline, _redistribute_infer, _schedules
+from hyper_parallel_ms import pipelining
 from hyper_parallel_ms.training import checkpoint_exclude_wrapper, enable_mindspore_backward_compat
 
 # Every ``hyper_parallel`` import of MindFormers 2.1.0's mindformers/pynative/ (module path, names),
@@ -74,6 +75,9 @@ PROVIDED = {
     "RedistributionOperatorInfer": _redistribute_infer.RedistributionOperatorInfer,
     # loss.backward() / param.grad (tests/test_tensor_backward.py)
     "enable_mindspore_backward_compat": enable_mindspore_backward_compat,
+    # the two-thread overlap (tests/test_overlap.py)
+    "HookCoordinator": pipelining.HookCoordinator, "HookRole": pipelining.HookRole,
+    "CommComputeOverlap": pipelining.CommComputeOverlap,
 }
 # provided under another name's rules (tested below)
 SERVED = {"get_platform", "get_global_layout", "get_current_layout"}
@@ -116,15 +120,18 @@ def test_a_name_not_provided_imports_as_a_placeholder_that_refuses_use(aliased, 
         sub()
 
 
-def test_get_platform_serves_the_differentiable_all_reduce_and_refuses_the_rest(aliased):
+def test_get_platform_serves_its_collectives_and_hooks_and_refuses_the_rest(aliased):
     from hyper_parallel.platform import get_platform  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinator  # pylint: disable=import-outside-toplevel
     platform = get_platform()
     assert isinstance(platform, MindSporePlatform) and get_platform() is platform and platform.name == "mindspore"
     with pytest.raises(ValueError, match="op 'prod' is not one of"):
         platform.differentiable_all_reduce(None, "prod", None)
-    for name in ("differentiable_sync_hook", "differentiable_all_to_all_single_async", "AsyncCollectiveTensor"):
+    with pytest.raises(ValueError, match="sync hook 'E': the hooks are A, B, C, D, D_LAST"):
+        platform.differentiable_sync_hook(None, "E", HookCoordinator())
+    for name in ("AsyncCollectiveTensor", "wait_async_tensor"):
         with pytest.raises(NotProvidedError, match=name):
-            getattr(platform, name)() if name != "AsyncCollectiveTensor" else getattr(platform, name)
+            getattr(platform, name)
 
 
 def test_unknown_paths_and_names_are_refused_by_name(aliased):

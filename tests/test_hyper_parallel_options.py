@@ -104,6 +104,16 @@ def _options_on_ranks():
     out["platform_sum"] = platform.differentiable_all_reduce(v, "sum", None).asnumpy()
     out["platform_grad"] = ms.grad(lambda t: (platform.differentiable_all_reduce(t, "sum", tp.get_group("tp"))
                                               * (rank + 1)).sum())(v).asnumpy()
+    # differentiable_all_to_all_single(_async): rank r sends rows [r, 2 - r] of its 3 (uneven splits; the rows'
+    # value 10 * rank + row), its gradient the exchange back (of dout = 1 + the received row's position)
+    rows = ms.Tensor(np.arange(6, dtype=np.float32).reshape(3, 2) + 10 * rank)
+    sends, receives = [1 + rank, 2 - rank], [1 + rank, 2 - rank]     # rank 0: [1, 2], rank 1: [2, 1]
+    for name in ("differentiable_all_to_all_single", "differentiable_all_to_all_single_async"):
+        exchange = getattr(platform, name)
+        weight = ms.Tensor(np.arange(1, 4, dtype=np.float32).reshape(3, 1))
+        out[name] = exchange(rows, sends, receives, tp.get_group("tp")).asnumpy()
+        out[name + "_grad"] = ms.grad(lambda t: (exchange(t, sends, receives, tp.get_group("tp")) * weight).sum())(
+            rows).asnumpy()
 
     # HyperParallel's checkpoint layouts (MindFormers' LayoutAdapter reads them)
     from hyper_parallel.core.distributed_checkpoint import get_current_layout, get_global_layout  # noqa: E402
@@ -137,6 +147,14 @@ def test_hyper_parallel_options_on_two_ranks():
         np.testing.assert_array_equal(out["pytorch_grad"], rows[rank])          # this rank's share
         np.testing.assert_array_equal(out["hyper_parallel_grad"], rows.sum(0))  # summed over "tp"
         np.testing.assert_array_equal(out["platform_sum"], np.full(3, 3.0))
+        # rank 0 keeps its row 0 and gets rank 1's rows 0-1; rank 1 gets rank 0's rows 1-2 and keeps its row 2
+        expected = np.arange(6, dtype=np.float32).reshape(3, 2)[[0, 0, 1]] + [[0], [10], [10]] if rank == 0 else \
+            np.arange(6, dtype=np.float32).reshape(3, 2)[[1, 2, 2]] + [[0], [0], [10]]
+        # the gradient of each sent row: the weight (1, 2, 3) of the position it took at its destination
+        grad = np.array([[1.0], [1.0], [2.0]] if rank == 0 else [[2.0], [3.0], [3.0]]) * np.ones((1, 2))
+        for name in ("differentiable_all_to_all_single", "differentiable_all_to_all_single_async"):
+            np.testing.assert_array_equal(out[name], expected)
+            np.testing.assert_array_equal(out[name + "_grad"], grad)
         np.testing.assert_array_equal(out["platform_grad"], np.full(3, 3.0))  # d/dv of sum_r (r+1) * sum(v)
         inp = {"device_matrix": [2], "alias_name": ["dp"], "rank_list": [0, 1], "tensor_map": [0, -1],
                "full_shape": [8, 8], "type": "Float32"}

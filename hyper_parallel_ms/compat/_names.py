@@ -48,9 +48,11 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
                                               "CPUOffloadPolicy": "fsdp:CPUOffloadPolicy"},
     "hyper_parallel.core.pipeline_parallel": dict(_PIPELINE),
     "hyper_parallel.core.pipeline_parallel.scheduler": {"MetaStepType": "compat._pipeline:MetaStepType"},
-    # the backward/forward overlap of expert-parallel all-to-alls (schedules refuse overlap_b_f=True)
-    "hyper_parallel.core.pipeline_parallel.hook_coordinator": {"HookCoordinator": None, "HookRole": None},
-    "hyper_parallel.core.pipeline_parallel.comm_compute_overlap": {"CommComputeOverlap": None},
+    # the two-thread overlap of expert-parallel all-to-alls (the schedules' OVERLAP_B_F step is not built:
+    # they refuse overlap_b_f=True)
+    "hyper_parallel.core.pipeline_parallel.hook_coordinator": {"HookCoordinator": "pipelining:HookCoordinator",
+                                                               "HookRole": "pipelining:HookRole"},
+    "hyper_parallel.core.pipeline_parallel.comm_compute_overlap": {"CommComputeOverlap": "pipelining:CommComputeOverlap"},
     # HyperParallel's face on training.checkpoint_wrapper / swap_wrapper / checkpoint_exclude_wrapper
     "hyper_parallel.core.activation_checkpoint": {
         "CheckpointPolicy": "compat._activation:CheckpointPolicy", "SwapManager": "compat._activation:SwapManager",

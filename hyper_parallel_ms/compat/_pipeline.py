@@ -22,8 +22,9 @@ __all__ = ["MetaStepType", "MicroBatch"]
 class MetaStepType(enum.Enum):
     """HyperParallel's kinds of schedule step; :attr:`action_kind` is the action of this
     library's schedules that each one is (``F``, ``B``, ``RECV_F``, ``SEND_F``, ``RECV_B``,
-    ``SEND_B``). HyperParallel's overlap steps (``OVERLAP_B_F`` and its kin) are not members:
-    that overlap is not built (the schedules refuse ``overlap_b_f=True``).
+    ``SEND_B``). HyperParallel's overlap steps (``OVERLAP_B_F`` and its kin) are not members: the
+    schedules refuse ``overlap_b_f=True`` (the two-thread overlap itself is
+    :class:`~hyper_parallel_ms.pipelining.CommComputeOverlap`).
 
     Args:
         value: a member's value, as any ``Enum`` takes it (use the members by name).

@@ -2,10 +2,13 @@
 collectives on a process group given by its name.
 
 Served: ``differentiable_all_reduce(tensor, op, group)`` (this library's ``comm.all_reduce`` on
-the group's ranks, whose backward is the all-reduce of the gradient, summed) and
-``create_group(rank_list)`` (the group name of those ranks, made once). Not served: the
-expert-parallel overlap hooks (``differentiable_sync_hook``,
-``differentiable_all_to_all_single_async``, ``AsyncCollectiveTensor``): calling them raises
+the group's ranks, whose backward is the all-reduce of the gradient, summed),
+``create_group(rank_list)`` (the group name of those ranks, made once),
+``differentiable_all_to_all_single(_async)(tensor, input_splits, output_splits, group)`` (this
+library's ``comm.all_to_all_single``; the async form returns the exchanged tensor itself, complete:
+the same values, no overlap window) and ``differentiable_sync_hook(x, name, coordinator)``
+(:func:`hyper_parallel_ms.pipelining.sync_hook`, the meeting points of a
+:class:`~hyper_parallel_ms.pipelining.CommComputeOverlap`). Any other name raises
 :class:`~hyper_parallel_ms.compat.NotProvidedError`.
 
 Example::
@@ -16,9 +19,9 @@ Example::
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from ..comm import all_reduce
+from ..comm import all_reduce, all_to_all_single
 from ..process_group import group_mesh, reduce_op_name
 from ._alias import NotProvidedError
 
@@ -70,17 +73,51 @@ class MindSporePlatform:
                              f"(one rank communicates with nobody)")
         return _cluster.comm_group(ranks).name
 
+    def differentiable_all_to_all_single(self, input_tensor, input_splits: Sequence[int], output_splits: Sequence[int],
+                                         group: Optional[str]):
+        """Rows of ``input_tensor`` (dim 0) to the group's ranks, ``input_splits[j]`` to rank ``j``; the rows
+        received, ``output_splits[i]`` from rank ``i``, in rank order. Differentiable (the backward is the
+        exchange with the splits swapped). HyperParallel's expert-parallel token dispatch / combine.
+
+        Args:
+            input_tensor: this rank's rows (MindFormers passes a 1-D tensor and element counts).
+            input_splits: rows sent to each rank of the group (Python ints).
+            output_splits: rows received from each rank (Python ints).
+            group: a MindSpore group name (``DeviceMesh.get_group()``), or ``None``: the world.
+
+        Example::
+
+            out = get_platform().differentiable_all_to_all_single(x, [2, 1], [2, 3], mesh.get_group("ep"))
+        """
+        return all_to_all_single(input_tensor, output_split_sizes=list(output_splits),
+                                 input_split_sizes=list(input_splits), mesh=group_mesh(group), mesh_dim=0)
+
+    def differentiable_all_to_all_single_async(self, input_tensor, input_splits: Sequence[int],
+                                               output_splits: Sequence[int], group: Optional[str]):
+        """HyperParallel's asynchronous form of :meth:`differentiable_all_to_all_single`: here the exchange
+        completes before it returns (the received tensor itself, where HyperParallel hands back one
+        that waits on first use): the same values and gradients, without the overlap window.
+
+        Example::
+
+            out = get_platform().differentiable_all_to_all_single_async(flat, sends, receives, ep_group)
+        """
+        return self.differentiable_all_to_all_single(input_tensor, input_splits, output_splits, group)
+
+    def differentiable_sync_hook(self, x, hook_name: str, coordinator):
+        """A meeting point of the two threads of a ``CommComputeOverlap``: the identity on ``x`` (values
+        and gradient); see :func:`hyper_parallel_ms.pipelining.sync_hook`.
+
+        Example::
+
+            h = get_platform().differentiable_sync_hook(h, "A", overlap.coordinator)
+        """
+        from ..pipelining import sync_hook
+        return sync_hook(x, hook_name, coordinator)
+
     def _not_provided(self, what: str) -> Any:
-        raise NotProvidedError(f"hyper_parallel.platform.get_platform().{what} (HyperParallel's expert-parallel "
-                               f"overlap) is not provided by hyper_parallel_ms; see docs/mindformers.md")
-
-    def differentiable_sync_hook(self, *args: Any, **kwargs: Any) -> Any:
-        """Not provided: raises :class:`NotProvidedError` (expert-parallel overlap hooks)."""
-        return self._not_provided("differentiable_sync_hook")
-
-    def differentiable_all_to_all_single_async(self, *args: Any, **kwargs: Any) -> Any:
-        """Not provided: raises :class:`NotProvidedError` (expert-parallel overlap)."""
-        return self._not_provided("differentiable_all_to_all_single_async")
+        raise NotProvidedError(f"hyper_parallel.platform.get_platform().{what} is not provided by hyper_parallel_ms; "
+                               f"see docs/mindformers.md")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

@@ -11,7 +11,9 @@ processes. The runtime (:class:`PipelineStage`, :func:`split_blocks` and the sch
 ``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) executes those
 lists with ``comm.send`` / ``recv`` (``PipelineStage(..., jit=True)`` compiles a stage's forward and
 backward); an action failing on one rank ends the step on every rank with the cause
-(:class:`PipelineError`). Its names load MindSpore on first use, so importing this package and
+(:class:`PipelineError`). :class:`CommComputeOverlap` runs a forward and a backward on two threads
+taking turns at sync hooks (:func:`sync_hook`, :class:`HookCoordinator`), HyperParallel's overlap of
+expert-parallel all-to-alls. Its names load MindSpore on first use, so importing this package and
 building plans loads no MindSpore.
 
 Example:
@@ -39,7 +41,8 @@ __all__ = ["Action", "ActionKind", "ScheduleError", "PipelineError", "TransferFa
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",
            "ScheduleDualPipeV", "TensorChunkSpec", "BatchDimSpec",
            "PipelineScheduleSingle",
-           "PipelineScheduleMulti", "get_schedule_class", "split_args_kwargs_into_chunks", "merge_chunks"]
+           "PipelineScheduleMulti", "get_schedule_class", "split_args_kwargs_into_chunks", "merge_chunks",
+           "HookRole", "HookCoordinator", "CommComputeOverlap", "sync_hook"]
 
 _RUNTIME = ("PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
             "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",
@@ -47,6 +50,7 @@ _RUNTIME = ("PipelineStage", "split_blocks", "PipelineSchedule", "ScheduleGPipe"
             "PipelineScheduleMulti",
             "get_schedule_class")
 _MICROBATCH = ("TensorChunkSpec", "BatchDimSpec", "split_args_kwargs_into_chunks", "merge_chunks")
+_OVERLAP = ("HookRole", "HookCoordinator", "CommComputeOverlap", "sync_hook")
 
 
 def __getattr__(name: str):
@@ -60,4 +64,7 @@ def __getattr__(name: str):
     if name in _MICROBATCH:
         from . import _microbatch
         return getattr(_microbatch, name)
+    if name in _OVERLAP:
+        from . import _overlap
+        return getattr(_overlap, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
