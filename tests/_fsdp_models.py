@@ -10,7 +10,7 @@ from mindspore import nn, ops
 from hyper_parallel_ms import comm
 from hyper_parallel_ms.comm import CommDebugMode
 
-from tests._parity import gathered
+from tests._parity import STEPS, gathered
 
 
 class Block(nn.Cell):
@@ -124,7 +124,7 @@ def compiled(mode: str, cell: nn.Cell) -> Callable:
 
 
 def compare(shard: Callable[[nn.Cell], None], dp_index: int, dp_size: int, *, optimizer: str = "sgd",
-            steps: int = 5, tol: float = 1e-5, loss_mesh=None, make_model: Callable = Net,
+            steps: int = STEPS, tol: float = 1e-5, loss_mesh=None, make_model: Callable = Net,
             counts: Optional[List] = None, train: Optional[Callable] = None, dim: int = 8,
             rows: int = 8, make_par: Optional[Callable] = None, mode: str = "pynative",
             compile_optimizer: bool = False) -> List[float]:

@@ -1,5 +1,5 @@
 """Activation checkpointing (checkpoint_wrapper / apply_activation_checkpointing): the same names
-and paths, the single-device answer (loss per step, gradients, parameters after 5 AdamW steps:
+and paths, the single-device answer (loss per step, gradients, parameters after 3 AdamW steps:
 tests/_parity.py) for full and selective checkpoints of TP blocks and of fully_shard units on 2
 ranks, wrapped before and after the parallel engine, in PyNative and ms.jit; each wrapped block's
 forward runs twice per step (forward and recompute); under fully_shard the full recompute gathers
@@ -19,7 +19,7 @@ from hyper_parallel_ms.testing import multi_rank
 from hyper_parallel_ms.training import (CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing,
                                         checkpoint_stats, checkpoint_wrapper, create_selective_checkpoint_contexts)
 
-from tests._parity import check_parity
+from tests._parity import STEPS, check_parity
 
 CALLS = {"n": 0}
 
@@ -279,13 +279,13 @@ def test_tp_blocks_parity_on_2_ranks(jit):
             check_parity(Net, _counted(models, _tp(mesh, policy, wrap_first)), _batch, _loss, optimizer="adamw",
                          jit=jit)
             if not jit:
-                # 5 steps: the one-device reference runs each block once, the checkpointed one twice
-                assert CALLS["n"] == 5 * 2 + 5 * 2 * 2, CALLS["n"]
+                # STEPS steps: the one-device reference runs each block once, the checkpointed one twice
+                assert CALLS["n"] == STEPS * 2 + STEPS * 2 * 2, CALLS["n"]
                 stats = checkpoint_stats(models[0].layers[0])
-                assert (stats.forwards, stats.recomputes) == (10, 5)
+                assert (stats.forwards, stats.recomputes) == (2 * STEPS, STEPS)
                 if policy == "selective":
                     # the matmuls and the styles' all-reduces are kept from the forward and not run again
-                    assert stats.replayed == stats.saved and stats.replayed["AllReduce"] >= 5, stats.replayed
+                    assert stats.replayed == stats.saved and stats.replayed["AllReduce"] >= STEPS, stats.replayed
                     assert "AllReduce" not in stats.recomputed and "MatMul" not in stats.recomputed, stats.recomputed
 
 
@@ -317,7 +317,7 @@ def test_fully_shard_units_parity_and_gathers_on_2_ranks():
         CALLS["n"] = 0
         check_parity(Net, _fsdp(mesh, policy, wrap_first), _batch, _loss, jit=jit, **common)
         if not jit:
-            assert CALLS["n"] == 5 * 2 + 5 * 2 * 2, CALLS["n"]
+            assert CALLS["n"] == STEPS * 2 + STEPS * 2 * 2, CALLS["n"]
     plain, _ = _gathers(lambda m: _fsdp_only(mesh, m), rank)
     full, model = _gathers(_fsdp(mesh, None, True), rank)
     selective, model = _gathers(_fsdp(mesh, "selective", True), rank)
@@ -387,7 +387,7 @@ def test_checkpointed_tp_blocks_in_fully_shard_units_parity_on_4_ranks():
         fully_shard(model, mesh=mesh["dp"])
     CALLS["n"] = 0
     check_parity(Net, shard, _batch, _loss, optimizer="adamw", dp_mesh=mesh, dp_dim="dp", dp_index=rank, dp_size=2)
-    assert CALLS["n"] == 5 * 2 + 5 * 2 * 2, CALLS["n"]      # each checkpointed block ran twice
+    assert CALLS["n"] == STEPS * 2 + STEPS * 2 * 2, CALLS["n"]      # each checkpointed block ran twice
 
 
 def _fsdp_only(mesh, model):

@@ -2,7 +2,7 @@
 are kept as host copies and read back in the backward. The single-device answer exactly (the same
 ops run once; the values make a round trip), names and paths unchanged, Parameters never copied,
 the policy obeyed; TP blocks and fully_shard units on 2 ranks against one device (loss per step,
-parameters after 5 AdamW steps, tests/_parity.py); refusals: ms.jit, group_swap, nesting with
+parameters after 3 AdamW steps, tests/_parity.py); refusals: ms.jit, group_swap, nesting with
 checkpoint_wrapper."""
 from __future__ import annotations
 

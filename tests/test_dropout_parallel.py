@@ -1,6 +1,6 @@
 """Dropout under tensor and sequence parallelism against one device with the same seed: a
 replicated activation gets the same mask on every rank, a sharded one its piece of the single
-device's mask; loss per step and parameters after 5 AdamW steps (tests/_parity.py's rule), on 2
+device's mask; loss per step and parameters after 3 AdamW steps (tests/_parity.py's rule), on 2
 and 4 ranks, PyNative and ms.jit, through styled dropout Cells (SequenceParallel) and through
 the DTensor rule; the refusals (dropout inside a SequenceParallel Cell, an unseeded nn.Dropout,
 the Dropout primitive on Ascend)."""

@@ -1,4 +1,4 @@
-"""fully_shard against the single-device model: loss each step, parameters after 5 steps
+"""fully_shard against the single-device model: loss each step, parameters after 3 steps
 (SGD exact to 1e-5; AdamW too), uneven sizes, HSDP, mixed precision, gradient accumulation,
 and the collectives of each step (CommDebugMode).
 
@@ -23,7 +23,7 @@ from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
 from tests._fsdp_models import GradStep, Net, accumulate_4, compare, compiled
-from tests._parity import gathered
+from tests._parity import STEPS, gathered
 
 
 def _fsdp_per_block(model, mesh, **kwargs):
@@ -49,7 +49,7 @@ def test_fully_shard_2_ranks_sgd_adamw_and_schedule():
     # per step: one all-gather per unit in forward and, for the two blocks, one more in backward (the default
     # reshard_after_forward=None frees a block's gathered parameters after its forward; the root keeps its
     # own for the backward, as FSDP2), one reduce-scatter per unit in backward
-    assert counts == [{"all_gather": 5, "reduce_scatter": 3}] * 5, counts
+    assert counts == [{"all_gather": 5, "reduce_scatter": 3}] * STEPS, counts
     compare(lambda m: _fsdp_per_block(m, mesh), rank, 2, optimizer="adamw", loss_mesh=mesh)
 
     # a GradientReducer over dp leaves fully_shard's pieces alone: their gradients are reduced already
@@ -101,7 +101,7 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
             train=accumulate_4("set_requires_gradient_sync"))
     # forward all-gathers on every micro-step (5 per micro-step: the root's backward reuses its forward's
     # gather); gradients reduced once, on the synchronised one
-    assert counts == [{"all_gather": 20, "reduce_scatter": 3}] * 5, counts
+    assert counts == [{"all_gather": 20, "reduce_scatter": 3}] * STEPS, counts
     policy = MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32)
     seen = {}
 
@@ -110,7 +110,7 @@ def test_fully_shard_accumulation_and_mixed_precision_2_ranks():
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(ms.float16, ms.float32, ms.float32))
         seen["dtypes"] = {p.dtype for p in model.trainable_params()}
-    # fp16 compute against the fp32 model: 1e-2 covers fp16 rounding (eps 1e-3) over 5 SGD steps
+    # fp16 compute against the fp32 model: 1e-2 covers fp16 rounding (eps 1e-3) over 3 SGD steps
     compare(shard, rank, 2, loss_mesh=mesh, tol=1e-2, counts=counts)
     assert seen["dtypes"] == {ms.float32}                                   # pieces stay fp32
     # cast_forward_inputs casts the floating keyword inputs too (FSDP2's; an fp32 keyword promoted the
@@ -177,7 +177,7 @@ def test_fully_shard_hsdp_and_tp_on_4_ranks():
     # 4 ranks: 7 rows shard (2, 2, 2, 1); the head's 3-row weight and bias would leave rank 3 an empty
     # piece and stay replicated: one fused gradient all-reduce in the root Cell (the root's sharded
     # parameters gathered once per step: it keeps them for the backward)
-    assert counts == [{"all_gather": 5, "reduce_scatter": 3, "all_reduce": 1}] * 5, counts
+    assert counts == [{"all_gather": 5, "reduce_scatter": 3, "all_reduce": 1}] * STEPS, counts
 
     hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     counts = []

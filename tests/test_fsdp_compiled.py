@@ -1,5 +1,5 @@
 """fully_shard and hsdp inside ms.jit and GRAPH_MODE against the single-device model: loss each
-step and parameters after 5 SGD / AdamW steps (1e-5, as in test_fsdp.py: no parameter of these
+step and parameters after 3 SGD / AdamW steps (1e-5, as in test_fsdp.py: no parameter of these
 models has an identically zero gradient), uneven pieces, HSDP, FSDP x TP, hsdp levels, gradient
 accumulation by adding up the micro-steps' reduced gradients, and what compiled code refuses."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Gradient accumulation over 4 micro-steps equals one step on the 4x batch (loss each step,
-parameters after 5 AdamW steps, against one device) for TP with data parallelism (GradientReducer
+parameters after 3 AdamW steps, against one device) for TP with data parallelism (GradientReducer
 once, on the summed gradients), fully_shard and hsdp (sync off on 3 micro-steps) and FSDP x TP, on
 2 and 4 ranks in PyNative (TP x dp also compiled, ms.jit and GRAPH_MODE); CommDebugMode shows no
 data-parallel gradient reduction on the 3 non-sync micro-steps (only the forward all-gathers of the

@@ -12,6 +12,7 @@ from hyper_parallel_ms.fsdp import HSDPCell, hsdp
 from hyper_parallel_ms.testing import multi_rank
 
 from tests._fsdp_models import Net, accumulate_4, compare
+from tests._parity import STEPS
 
 
 def _hsdp_per_block(model, **kwargs):
@@ -43,7 +44,7 @@ def test_hsdp_levels_fusion_and_threshold_2_ranks():
             _hsdp_per_block(model, threshold=0, optimizer_level=level, comm_fusion=True)
             assert isinstance(model, HSDPCell) and isinstance(model.layers[1], HSDPCell)
         compare(shard, rank, 2, loss_mesh=mesh, counts=counts)
-        assert counts == [schedule] * 5, (level, counts)
+        assert counts == [schedule] * STEPS, (level, counts)
     # without fusion: one collective per parameter (12 of them); under the default 64 KB threshold
     # every parameter of this tiny model stays replicated: gradients all-reduced, nothing gathered
     counts = []

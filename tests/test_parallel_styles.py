@@ -1,5 +1,5 @@
 """Parallel styles on real Cells against the single-device model: loss, gathered gradients
-and parameters after 5 optimizer steps (nn.SGD and nn.AdamWeightDecay), on meshes (2,),
+and parameters after 3 optimizer steps (nn.SGD and nn.AdamWeightDecay), on meshes (2,),
 (4,) and (2, 2) = dp x tp."""
 from __future__ import annotations
 

@@ -183,9 +183,11 @@ def test_plans_execute_inside_jit():
 
         def loss(local):
             return (forward(local) * w).sum()
+        def both(local):                  # one compile per case: the value and the gradient
+            return forward(local), ms.grad(loss)(local)
         local = distribute_tensor(ms.Tensor(x_np), mesh, src, src_data_rank=None).to_local()
-        eager_out, eager_grad = forward(local), ms.grad(loss)(local)
-        jit_out, jit_grad = ms.jit(forward)(local), ms.jit(ms.grad(loss))(local)
+        eager_out, eager_grad = both(local)
+        jit_out, jit_grad = ms.jit(both)(local)
         np.testing.assert_allclose(jit_out.asnumpy(), x_np, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(eager_out.asnumpy(), x_np, rtol=1e-6, atol=1e-6)
         want_grad = w_np[replicate_partials(src_l).local_slices((6, 4), coord)]

@@ -29,7 +29,7 @@ from hyper_parallel_ms.placement import Replicate, Shard
 from hyper_parallel_ms.testing import multi_rank
 
 from tests._fsdp_models import batch, compare
-from tests._parity import gathered
+from tests._parity import STEPS, gathered
 
 VOCAB, DIM = 16, 8
 
@@ -164,7 +164,7 @@ def test_tied_head_under_tp_shard_module_distribute_module_and_fully_shard():
 
     compare(_fsdp_root(dp), dp.get_local_rank(0), 2, optimizer="adamw", make_model=TiedLM, loss_mesh=dp, counts=counts)
     # mid: forward and again in backward (resharded); the root keeps its gathered table for the backward
-    assert counts == [{"all_gather": 3, "reduce_scatter": 2}] * 5, counts
+    assert counts == [{"all_gather": 3, "reduce_scatter": 2}] * STEPS, counts
     model = TiedLM()
     fully_shard(model.embed, mesh=dp)
     for unit in (model.head, model):
@@ -211,7 +211,7 @@ def test_a_table_read_inside_another_units_forward_is_gathered_there(reshard):
     # embed: its forward's gather and the read's (kept to the backward: no hook of its unit frees it);
     # mid: one (False) or two (True, again in the backward); embed's backward gathers nothing (no value read)
     want = {"all_gather": 3 + reshard, "reduce_scatter": 3}
-    assert counts == [want] * 5, counts
+    assert counts == [want] * STEPS, counts
 
 
 @multi_rank(2, timeout=600)
