@@ -2,8 +2,9 @@
 this library over 2 CPU ranks, with its ``allgather_deredundency`` strategy: each 2-D weight's Newton-Schulz runs
 on one owner rank, its shards gathered there and the result scattered back by point-to-point ops that MindFormers
 plans with HyperParallel's ``RedistributionOperatorInfer`` / ``DevMat`` / ``_infer_slice_area_by_rank`` on the
-DTensors' layouts (``tensor_map``, ``rank_list``, ``set_placements`` on a deep copy, ...). Against the same
-optimizer on plain parameters of one device. Module-level functions for the rank pool of tests/test_mindformers.py.
+DTensors' layouts (``tensor_map``, ``rank_list``, ``set_placements`` on a deep copy, ...); and with its default
+``allgather`` strategy (every rank gathers, runs Newton-Schulz, keeps its piece through ``distribute_tensor``).
+Against the same optimizer on plain parameters of one device. Module-level functions for the rank pool of tests/test_mindformers.py.
 
 What Muon needs beyond the parameters is the model's config and Newton-Schulz split functions: a model object
 answering with MindFormers' own ``GPTModel.get_gpt_transformer_config`` / ``make_model_muon_fns`` on a small MLA
@@ -91,14 +92,20 @@ def deredundancy(steps: int) -> Dict[str, object]:
     with _muon_context(), cpu_twins():
         from mindformers.pynative.optimizer.muon import Muon
         sharded = [Parameter(shard(init[n], place[n]), name=n) for n in SHAPES]
+        gathering = [Parameter(shard(init[n], place[n]), name=n) for n in SHAPES]
         whole = [Parameter(ms.Tensor(init[n]), name=n) for n in SHAPES]
         opt = Muon(sharded, learning_rate=1e-2, model=_model(), qk_clip_enabled=False,
                    comm_strategy="allgather_deredundency")
+        # its default strategy on the same DTensors: every rank gathers each weight, runs Newton-Schulz and
+        # keeps its piece of the bfloat16 result through distribute_tensor (a bfloat16 broadcast)
+        everyone = Muon(gathering, learning_rate=1e-2, model=_model(), qk_clip_enabled=False)
         reference = Muon(whole, learning_rate=1e-2, model=_model(), qk_clip_enabled=False)
         for grad in grads:
             opt(tuple(shard(grad[n], place[n]) for n in SHAPES))
+            everyone(tuple(shard(grad[n], place[n]) for n in SHAPES))
             reference(tuple(ms.Tensor(grad[n]) for n in SHAPES))
         got = {p.name: p.full_tensor().asnumpy() for p in sharded}
+        gathered = {p.name: p.full_tensor().asnumpy() for p in gathering}
         # MindFormers' all-gather fallback (for layouts its point-to-point path declines): the inferred ops, a
         # group from get_platform().create_group, mint.distributed.all_gather_into_tensor
         from mindformers.pynative.optimizer import muon
@@ -111,6 +118,7 @@ def deredundancy(steps: int) -> Dict[str, object]:
     want = {p.name: p.asnumpy() for p in whole}
     meta = {opt.param_name_tuple[i]: (m["layout_decision"], m["p2p_op_list"]) for i, m in opt._muon_param_meta.items()}
     return {"difference": {n: float(np.abs(got[n] - want[n]).max()) for n in SHAPES},
+            "allgather_difference": {n: float(np.abs(gathered[n] - want[n]).max()) for n in SHAPES},
             "change": {n: float(np.abs(want[n] - init[n]).max()) for n in SHAPES},
             "local_shapes": {n: local[n].shape for n in SHAPES}, "decisions": meta,
             "fallback_gather": None if fallback is None else float(np.abs(fallback - init[fc2].T).max()),

@@ -127,6 +127,20 @@ def test_every_dtype_exact_on_2_ranks():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     _check_all(mesh, "tp", list(DTYPES), jit_dtypes=("int32", "float64"))
     rank = mesh.get_coordinate()[0]
+    # float broadcasts bit for bit, the sign of zero included (the composed path's other ranks add -0.0);
+    # bfloat16 too (MindSpore's CPU Select has no bfloat16 kernel: chosen in float32), as distribute_tensor
+    # uses them
+    edges = [np.array([1.5, -0.0, 0.0, np.inf, np.nan, 3.0e38, 2.0 ** -120], np.float32) * (r + 1) for r in range(2)]
+    for src in (0, 1):
+        _same(comm.broadcast(ms.Tensor(edges[rank]), mesh, "tp", src=src), edges[src], f"broadcast float32 from {src}")
+        got = comm.broadcast(ms.Tensor(edges[rank]).astype(ms.bfloat16), mesh, "tp", src=src)
+        assert got.dtype == ms.bfloat16
+        _same(got.astype(ms.float32), ms.Tensor(edges[src]).astype(ms.bfloat16).astype(ms.float32).asnumpy(),
+              f"broadcast bfloat16 from {src}")
+    bf16 = edges
+    placed = distribute_tensor(ms.Tensor(bf16[0]).astype(ms.bfloat16), mesh, [Shard(0)])
+    _same(placed.to_local().astype(ms.float32), ms.Tensor(bf16[0][4 * rank:4 * rank + 4 - rank]).astype(ms.bfloat16)
+          .astype(ms.float32).asnumpy(), "distribute_tensor bfloat16")
     pieces = [_FLOAT64_EDGES * (1 - 2 * r) for r in range(2)]          # signs flipped on rank 1
 
     def gather(t):

@@ -111,7 +111,9 @@ def test_mindformers_muon_steps_sharded_weights_as_one_device(runs):
     owner runs Newton-Schulz (split by MindFormers' per-head rule for linear_qb) and sends each rank its slice
     (``_infer_slice_area_by_rank``). Equal to one device bit for bit: the owner computes on the same whole
     matrix with the same kernels, and the gathers and slices move values unchanged (measured difference 0.0;
-    a reversed gather group or slice order makes it 1.2e-2, the size of a step)."""
+    a reversed gather group or slice order makes it 1.2e-2, the size of a step). Its default ``allgather``
+    strategy on the same DTensors (every rank gathers, runs Newton-Schulz, keeps its piece of the bfloat16
+    result by ``distribute_tensor``): equal too, bit for bit."""
     from tests._mindformers_muon import SHARDS
     owners = set()
     for rank in runs:
@@ -119,6 +121,7 @@ def test_mindformers_muon_steps_sharded_weights_as_one_device(runs):
         for name, shard in SHARDS.items():
             assert result["change"][name] > 1e-3                               # the weight moved
             assert result["difference"][name] == 0.0, name
+            assert result["allgather_difference"][name] == 0.0, name
             decision, ops = result["decisions"][name]
             if shard is None:                                                  # replicated: nothing to move
                 assert (decision, ops) == ("p2p_replica_local", [])
