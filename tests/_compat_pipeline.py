@@ -106,6 +106,7 @@ def _hyper_parallel_schedule(mesh, me, stage_model, reference, batch, loss_fn) -
     the backward compatibility, the gradients added into param.grad (summed over the micro-batches)."""
     from mindspore import nn
     from hyper_parallel_ms import pipelining as pl
+    from hyper_parallel_ms.compat._pipeline import MicroBatch
     from hyper_parallel_ms.compat._schedules import Schedule1F1B
     from hyper_parallel_ms.training import disable_mindspore_backward_compat, enable_mindspore_backward_compat
 
@@ -139,6 +140,27 @@ def _hyper_parallel_schedule(mesh, me, stage_model, reference, batch, loss_fn) -
         result["accumulated"] = max(float(np.abs(p.grad.asnumpy() - 2 * first[p.name]).max()) for p in params)
         for p in params:
             p.grad = None
+        # MindFormers' dynamic batch: 2 micro-batches from now on (count, splitter, then the action lists)
+        actions = len(schedule.exec_order[me])
+        schedule.micro_batch_num = 2
+        result["refused_stale"] = _refusal(lambda: schedule.run(x, labels=y))
+        schedule.build_exec_order()
+        result["refused_splitter"] = _refusal(lambda: schedule.run(x, labels=y))
+        schedule.split_micro_batch = MicroBatch(2, schedule._args_batch_dim, schedule._kwargs_batch_dim)
+        result["outputs_2"] = len(schedule.run(x, labels=y))
+        result["actions"] = (actions, len(schedule.exec_order[me]))
+        result["worst_2"] = max(float(np.abs(p.grad.asnumpy() / 2 - ref[p.name]).max() / np.abs(ref[p.name]).max())
+                                for p in params)
+        for p in params:
+            p.grad = None
     finally:
         disable_mindspore_backward_compat()
     return result
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return "accepted"

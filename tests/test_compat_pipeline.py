@@ -53,7 +53,8 @@ def test_hyper_parallel_schedule_trains_with_the_output_as_the_loss_into_param_g
     """HyperParallel's Schedule1F1B: a list of one stage, no loss_fn, the keyword inputs (``labels``) given to
     every stage, the last stage's output (its first element) the loss; refused without
     ``enable_mindspore_backward_compat``; the gradients (summed over 4 micro-batches) in ``param.grad`` equal
-    4 x the full batch's mean-loss gradients (measured 2.7e-7 relative), a second run adds to them."""
+    4 x the full batch's mean-loss gradients (measured 2.7e-7 relative), a second run adds to them; a new
+    micro-batch count (``micro_batch_num``, ``split_micro_batch``, ``build_exec_order()``) trains 2."""
     for r in runs:
         got = r["hyper_parallel_schedule"]
         assert got["exec_order"]
@@ -61,6 +62,13 @@ def test_hyper_parallel_schedule_trains_with_the_output_as_the_loss_into_param_g
         assert got["outputs"] == (4 if r["rank"] == 1 else 0)       # the last stage's outputs per micro-batch
         assert got["worst"] < 1e-5, got
         assert got["accumulated"] < 1e-6, got
+        # the micro-batch count changed between steps (MindFormers' dynamic batch), refused until the action
+        # lists and the splitter follow; then 2 micro-batches, their summed gradients 2 x the full batch's
+        assert "call build_exec_order()" in got["refused_stale"], got["refused_stale"]
+        assert "give it _MicroBatch(2, ...)" in got["refused_splitter"], got["refused_splitter"]
+        assert got["outputs_2"] == (2 if r["rank"] == 1 else 0)
+        assert got["actions"][1] < got["actions"][0], got["actions"]
+        assert got["worst_2"] < 1e-5, got
 
 
 def test_meta_step_types_and_the_micro_batch_splitter():

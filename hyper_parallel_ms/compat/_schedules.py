@@ -12,7 +12,11 @@ on this library's schedules. What differs from PyTorch's (``hyper_parallel_ms.pi
   ``labels``); it returns the last stage's outputs per micro-batch (``[]`` on other ranks) and **adds
   the gradients into each parameter's** ``grad`` (``enable_mindspore_backward_compat()`` must be on, as
   MindFormers' trainer turns it on); stages built with ``has_backward=False`` run forwards only;
-- ``exec_order``: each pp rank's actions, for logging.
+- ``exec_order``: each pp rank's actions, for logging;
+- a new micro-batch count between steps (MindFormers' dynamic batch): set ``micro_batch_num``, give
+  ``split_micro_batch`` a splitter of that count, then ``build_exec_order()`` (on every pp rank, which
+  agree on the count) rebuilds the action lists; a run before that, or with a splitter of another
+  count, raises naming the fix.
 
 Example::
 
@@ -28,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from .._mindspore.tensor_backward import backward_compat_enabled
 from ..pipelining import PipelineStage
 from ..pipelining import _schedules as pytorch_schedules
+from ._pipeline import MicroBatch
 
 __all__ = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
 
@@ -57,10 +62,38 @@ class _HyperParallelSchedule:
                          args_batch_dim=args_batch_dim, kwargs_batch_dim=kwargs_batch_dim,
                          output_concat_dim=output_concat_dim, overlap_p2p=overlap_p2p, overlap_b_f=overlap_b_f,
                          enable_dxdw_split=enable_dxdw_split, p2p_transport=p2p_transport, swap=swap)
+        self._args_batch_dim, self._kwargs_batch_dim = args_batch_dim, kwargs_batch_dim
+        self._micro_batch_num = self.n_microbatches
+        self.split_micro_batch = MicroBatch(self.n_microbatches, args_batch_dim, kwargs_batch_dim)
 
     @property
     def micro_batch_num(self) -> int:
-        return self.n_microbatches
+        """Micro-batches per step; a new value takes effect at :meth:`build_exec_order`."""
+        return self._micro_batch_num
+
+    @micro_batch_num.setter
+    def micro_batch_num(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(self).__name__}.micro_batch_num must be a positive int, got {value!r}")
+        self._micro_batch_num = value
+
+    def build_exec_order(self) -> None:
+        """HyperParallel's: the action lists rebuilt for :attr:`micro_batch_num` (called on every pp
+        rank, which must agree on the count: checked)."""
+        n = self._micro_batch_num
+        self.plan = self._agreed_plan(self.stages, n, self.loss_fn)
+        self._runtime.plan = self.plan
+        self.n_microbatches = n
+
+    def _check_micro_batch_count(self) -> None:
+        if self._micro_batch_num != self.n_microbatches:
+            raise RuntimeError(f"{type(self).__name__}.run: micro_batch_num is {self._micro_batch_num} but the action "
+                               f"lists are built for {self.n_microbatches}; call build_exec_order() after setting it")
+        splits = getattr(self.split_micro_batch, "micro_batch_num", self.n_microbatches)
+        if splits != self.n_microbatches:
+            raise RuntimeError(f"{type(self).__name__}.run: split_micro_batch splits into {splits} micro-batches but "
+                               f"the schedule runs {self.n_microbatches}; give it _MicroBatch({self.n_microbatches}, "
+                               f"...) as well")
 
     @property
     def exec_order(self) -> Dict[int, List[str]]:
@@ -74,6 +107,7 @@ class _HyperParallelSchedule:
             raise RuntimeError(f"{type(self).__name__}.run (HyperParallel's) adds the gradients into param.grad: call "
                                f"enable_mindspore_backward_compat() first (MindFormers' Trainer does), or use "
                                f"hyper_parallel_ms.pipelining's schedules and their gradients()")
+        self._check_micro_batch_count()
         outputs = self._step(args, kwargs, None, None, not self.has_backward, "microbatches")
         if self.has_backward:
             for param, grad in zip(self.parameters(), self.gradients()):
