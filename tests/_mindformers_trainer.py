@@ -14,12 +14,13 @@ Three things of the CPU ranks' environment, each undone after the run:
 - the CPU twins (``cpu_twins``), as in every MindFormers test here."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-def train(steps: int, tensor_parallel: int, pipeline_parallel: int = 1,
-          moe: bool = False) -> Tuple[List[float], List[float], Dict[str, np.ndarray], Dict[str, Any]]:
+def train(steps: int, tensor_parallel: int, pipeline_parallel: int = 1, moe: bool = False,
+          checkpoint: Optional[Dict[str, Any]] = None
+          ) -> Tuple[List[float], List[float], Dict[str, np.ndarray], Dict[str, Any]]:
     """``Trainer.train()`` on the Qwen3 of tests/_mindformers_qwen3.py (``moe``: the DeepSeek-V3 of
     tests/_mindformers_moe.py) with ``tensor_parallel`` (and sequence parallelism) and ``pipeline_parallel``
     (micro-batches of one row), the rest of the world data parallel (FSDP), each dp rank reading its rows of
@@ -59,7 +60,7 @@ def train(steps: int, tensor_parallel: int, pipeline_parallel: int = 1,
     cfg = {"training": {"steps": steps, "local_batch_size": local, "global_batch_size": BATCH, "max_norm": MAX_NORM},
            "parallelism": {"tensor_parallel": tensor_parallel, "sequence_parallel": tensor_parallel > 1,
                            "pipeline_parallel": pipeline_parallel},
-           "checkpoint": {"enable_save": False},
+           "checkpoint": checkpoint or {"enable_save": False},
            "model": {"model_type": "qwen3", "architectures": "PyNativeQwen3ForCausalLM"},
            "train_dataset": {"dataloader": {"type": "GeneratorDataset"}},
            "optimizer": {"type": "AdamW", "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
@@ -107,3 +108,33 @@ def train(steps: int, tensor_parallel: int, pipeline_parallel: int = 1,
         disable_mindspore_backward_compat()
         set_comm_ops_inplace(True)
         parallel_dims.device_type = "npu"
+
+
+def resume(steps: int) -> Dict[str, Any]:
+    """MindFormers' checkpoint callback and its resume: TP=2 + SP trained ``steps - 1`` steps and saved (model
+    and AdamW states, its layouts from HyperParallel's ``get_current_layout``), then loaded into a new Trainer
+    with TP=2 + SP and one with FSDP over dp=2 (the pieces resharded) that train the last step. Returns each
+    resumed run's losses and full parameters.
+
+    MindSpore 2.10's ``mint.distributed`` object collectives (its layout gathering) default to the group
+    ``"hccl_world_group"``, bound at import: on CPU ranks a group of that name over the world stands in for the
+    run, and is destroyed after."""
+    import os
+    import shutil
+    from mindspore.communication import create_group, destroy_group, get_group_size, get_rank
+    from mindspore.mint import distributed as dist
+
+    path = os.path.join("/tmp", f"hpms_mindformers_resume_{os.getppid()}")      # the pool's ranks share a parent
+    create_group("hccl_world_group", list(range(get_group_size())))
+    try:
+        train(steps - 1, 2, checkpoint={"enable_save": True, "save_path": path, "save_interleaved_steps": steps - 1})
+        out = {}
+        for case, tensor_parallel in (("tp2_sp", 2), ("fsdp_dp2", 1)):
+            losses, _, state, _ = train(steps, tensor_parallel, checkpoint={"enable_save": False, "load_path": path})
+            out[case] = (losses, state)
+        return out
+    finally:
+        dist.barrier()
+        if get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        destroy_group("hccl_world_group")

@@ -117,6 +117,37 @@ def _options_on_ranks():
 
     # HyperParallel's checkpoint layouts (MindFormers' LayoutAdapter reads them)
     from hyper_parallel.core.distributed_checkpoint import get_current_layout, get_global_layout  # noqa: E402
+    # an optimizer's states are clones of its parameters (MindFormers' AdamW: fp32_param.clone("zeros")): laid out
+    # like them, for a style's piece, a fully_shard piece and a shard_module Parameter(DTensor)
+    from hyper_parallel_ms.nn import ColwiseParallel, parallelize_module  # noqa: E402
+    from hyper_parallel_ms.nn._parameter import parameter_spec  # noqa: E402
+    styled, sharded, placed = Net(), Net(), Net()
+    parallelize_module(styled, tp, {"head": ColwiseParallel()})
+    fully_shard(sharded, mesh=mesh)
+    shard_module(placed.head, tp, ShardingPlan(plan={"weight": (Shard(0),)}))
+
+    class States(nn.Cell):
+        def __init__(self, params):
+            super().__init__()
+            self.states = ms.ParameterTuple(params)
+    clones = []
+    for how, source in (("styled", styled.head.weight), ("sharded", sharded.head.weight),
+                        ("placed", placed.head.weight)):
+        state = source.clone("zeros")
+        state.name = f"adam_m.{how}.{source.name}"
+        clones.append((source, state))
+    layouts = get_current_layout(States([state for _, state in clones]))[rank]
+    out["clones"] = [(parameter_spec(state) == parameter_spec(source), tuple(state.shape),
+                      float(np.abs(state.asnumpy()).max()), layouts[state.name].get("tensor_map"),
+                      layouts[state.name]["full_shape"]) for source, state in clones]
+    # a master copy made as MindFormers makes it, Parameter(param.float()), keeps no record: laid out like the
+    # parameter it is named after, given the piece's shape (a same-named tensor of another shape stays whole)
+    weight = styled.head.weight
+    master = ms.Parameter(weight.float(), name="main_param." + weight.name)
+    other = ms.Parameter(ms.Tensor(np.zeros((5, 5), np.float32)), name="adam_v." + weight.name)
+    layouts = get_current_layout(States([weight, master, other]))[rank]
+    out["master"] = (layouts[master.name] == dict(layouts[weight.name], type=layouts[master.name]["type"]),
+                     layouts[other.name])
     model = Net()
     fully_shard(model, mesh=mesh)
     out["layout_current"] = get_current_layout(model)
@@ -147,6 +178,12 @@ def test_hyper_parallel_options_on_two_ranks():
         np.testing.assert_array_equal(out["pytorch_grad"], rows[rank])          # this rank's share
         np.testing.assert_array_equal(out["hyper_parallel_grad"], rows.sum(0))  # summed over "tp"
         np.testing.assert_array_equal(out["platform_sum"], np.full(3, 3.0))
+        # each clone: the source's spec, this rank's piece of zeros, its layout in the checkpoint metadata
+        head = tuple(Net().head.weight.shape)
+        for same_spec, shape, biggest, tensor_map, full_shape in out["clones"]:
+            assert same_spec and biggest == 0.0 and tensor_map is not None, out["clones"]
+            assert full_shape == list(head) and shape[0] < head[0], out["clones"]
+        assert out["master"] == (True, {"type": "Float32", "full_shape": [5, 5]}), out["master"]
         # rank 0 keeps its row 0 and gets rank 1's rows 0-1; rank 1 gets rank 0's rows 1-2 and keeps its row 2
         expected = np.arange(6, dtype=np.float32).reshape(3, 2)[[0, 0, 1]] + [[0], [10], [10]] if rank == 0 else \
             np.arange(6, dtype=np.float32).reshape(3, 2)[[1, 2, 2]] + [[0], [0], [10]]

@@ -37,6 +37,7 @@ from ..redistribute import gradient_layout, redistribution, replicate_partials
 from ._layout_view import tensor_layout
 from ._optimizer import elementwise_step_on_pieces
 from ._run_check import check_local_shapes, check_replicas_equal
+from ._sharding_record import ParameterSharding, attach_record
 from ._spec import DTensorSpec, to_layout
 
 __all__ = ["DTensor"]
@@ -296,6 +297,20 @@ class DTensor(Tensor):
     @property
     def spec(self) -> DTensorSpec:
         return self._dt_spec
+
+    def clone(self, *args, **kwargs):
+        """A copy (MindSpore's ``Tensor.clone``); for a ``Parameter(DTensor)``, ``Parameter.clone``'s
+        new Parameter holding this rank's piece, with the DTensor's layout recorded on it (an
+        optimizer's states are laid out like their parameters).
+
+        Example::
+
+            state = model.fc1.weight.clone("zeros")      # parameter_spec(state) == model.fc1.weight.spec
+        """
+        out = super().clone(*args, **kwargs)
+        if isinstance(self, ms.Parameter) and isinstance(out, ms.Parameter) and not isinstance(out, DTensor):
+            attach_record(out, ParameterSharding(self._dt_spec))
+        return out
 
     # ---------------------------------------------------------- conversions
     def to_local(self, *, grad_placements: Optional[Sequence] = None) -> Tensor:

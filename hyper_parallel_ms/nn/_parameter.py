@@ -29,6 +29,7 @@ from mindspore import Parameter, Tensor
 from ..dtensor import DTensor, distribute_tensor
 from ..dtensor._dtensor import _local_view
 from ..dtensor._optimizer import centralized_gradients, reads_whole_parameters
+from ..dtensor._sharding_record import ParameterSharding, attach_record, parameter_sharding
 from ..dtensor._spec import DTensorSpec, to_layout
 from .._deferred import initial_value
 from .._mindspore import check_compiled_calls, deferred_parameter, is_meta, meta_empty
@@ -36,41 +37,7 @@ from .._mindspore import check_compiled_calls, deferred_parameter, is_meta, meta
 __all__ = ["ParameterSharding", "ParameterPlacement", "parameter_sharding", "parameter_spec", "as_dtensor",
            "sharded_parameter", "record_sharding", "check_optimizer_step", "REPLACED_BY"]
 
-_ATTR = "_hpms_sharding"
 REPLACED_BY = "_hpms_replaced_by"     # on a Parameter an engine replaced by a new one in the model: which engine
-
-
-@dataclass(frozen=True)
-class ParameterSharding:
-    """The sharding of a parameter holding this rank's piece.
-
-    Args:
-        spec: mesh, placements and global shape of the parameter (a ``DTensorSpec``).
-        grad_partial_dims: mesh dims over which each rank's gradient is only its share of the
-            whole (a replicated parameter used on sequence-sharded activations);
-            :class:`GradientReducer` sums them.
-
-    Example::
-
-        record = parameter_sharding(model.fc1.weight)   # ParameterSharding(spec=..., grad_partial_dims=())
-        record.spec.placements, record.spec.shape
-    """
-
-    spec: DTensorSpec
-    grad_partial_dims: Tuple[int, ...] = ()
-
-
-def parameter_sharding(param: Parameter) -> Optional[ParameterSharding]:
-    """The sharding recorded on ``param`` by a parallel style, or ``None``.
-
-    Args:
-        param: a Parameter (any: those no engine sharded give ``None``).
-
-    Example::
-
-        parameter_sharding(model.fc1.weight).spec.placements      # (Shard(dim=0),)
-    """
-    return getattr(param, _ATTR, None)
 
 
 def parameter_spec(param: Any) -> Optional[DTensorSpec]:
@@ -144,7 +111,7 @@ def record_sharding(param: Parameter, record: ParameterSharding) -> None:
         record_sharding(piece, ParameterSharding(spec))
     """
     check_compiled_calls(check_optimizer_step)
-    object.__setattr__(param, _ATTR, record)
+    attach_record(param, record)            # its clones (an optimizer's states) keep the record
 
 
 def _cut_dims(param: Any) -> Tuple[int, ...]:
