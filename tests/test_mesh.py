@@ -100,25 +100,6 @@ def test_mesh_4_ranks():
             bad()
 
 
-@multi_rank(8)
-def test_mesh_3d_on_8_ranks():
-    import mindspore as ms
-    from hyper_parallel_ms import comm
-    from hyper_parallel_ms.mesh import init_device_mesh
-
-    r = _rank()
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    coord = (r // 4, (r // 2) % 2, r % 2)
-    assert mesh.get_coordinate() == list(coord) and mesh.coordinate == coord
-    assert mesh["dp", "tp"].mesh.tolist() == [[4 * coord[0] + 2 * i + j for j in range(2)] for i in range(2)]
-    assert mesh["pp", "tp"].comm_group("pp").ranks == (r % 4, r % 4 + 4)
-    x = ms.Tensor(np.full((1,), float(r), np.float32))
-    strides = {"pp": 4, "dp": 2, "tp": 1}
-    for name, stride in strides.items():
-        base = r - stride * coord[("pp", "dp", "tp").index(name)]
-        assert comm.all_reduce(x, mesh, name).asnumpy()[0] == 2 * base + stride
-
-
 @multi_rank(4)
 def test_mesh_surfaces_of_both_anchors():
     """PyTorch's ``with mesh:`` / parallelize_module without a mesh / _flatten / get_group();
