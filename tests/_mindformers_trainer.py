@@ -113,8 +113,8 @@ def train(steps: int, tensor_parallel: int, pipeline_parallel: int = 1, moe: boo
 def resume(steps: int) -> Dict[str, Any]:
     """MindFormers' checkpoint callback and its resume: TP=2 + SP trained ``steps - 1`` steps and saved (model
     and AdamW states, its layouts from HyperParallel's ``get_current_layout``), then loaded into a new Trainer
-    with TP=2 + SP and one with FSDP over dp=2 (the pieces resharded) that train the last step. Returns each
-    resumed run's losses and full parameters.
+    with TP=2 + SP and one with FSDP over dp=2 (the pieces resharded) that train the last step; the same for its
+    DeepSeek-V3 over pp=2. Returns each resumed run's losses and full parameters (a stage's on its rank).
 
     MindSpore 2.10's ``mint.distributed`` object collectives (its layout gathering) default to the group
     ``"hccl_world_group"``, bound at import: on CPU ranks a group of that name over the world stands in for the
@@ -125,13 +125,20 @@ def resume(steps: int) -> Dict[str, Any]:
     from mindspore.mint import distributed as dist
 
     path = os.path.join("/tmp", f"hpms_mindformers_resume_{os.getppid()}")      # the pool's ranks share a parent
+    save = {"enable_save": True, "save_interleaved_steps": steps - 1}
     create_group("hccl_world_group", list(range(get_group_size())))
     try:
-        train(steps - 1, 2, checkpoint={"enable_save": True, "save_path": path, "save_interleaved_steps": steps - 1})
+        train(steps - 1, 2, checkpoint=dict(save, save_path=os.path.join(path, "tp")))
         out = {}
         for case, tensor_parallel in (("tp2_sp", 2), ("fsdp_dp2", 1)):
-            losses, _, state, _ = train(steps, tensor_parallel, checkpoint={"enable_save": False, "load_path": path})
+            losses, _, state, _ = train(steps, tensor_parallel, checkpoint={"enable_save": False,
+                                                                           "load_path": os.path.join(path, "tp")})
             out[case] = (losses, state)
+        # its pipeline path (DeepSeek-V3 over pp=2): each stage's rank saves and loads its stage
+        train(steps - 1, 1, pipeline_parallel=2, moe=True, checkpoint=dict(save, save_path=os.path.join(path, "pp")))
+        losses, _, state, _ = train(steps, 1, pipeline_parallel=2, moe=True,
+                                    checkpoint={"enable_save": False, "load_path": os.path.join(path, "pp")})
+        out["pp2_moe"] = (losses, state)
         return out
     finally:
         dist.barrier()

@@ -165,16 +165,19 @@ def test_mindformers_trainer_trains_as_one_device(runs):
 def test_mindformers_trainer_checkpoint_resumes_as_an_uninterrupted_run(runs):
     """MindFormers' checkpoint callback (model and AdamW states per rank, its layout metadata from
     HyperParallel's ``get_current_layout``) after 2 steps of TP=2 + SP, loaded by its Trainer into TP=2 + SP and
-    into FSDP over dp=2 (its loader reshards the pieces by those layouts): the third step's loss and the
-    parameters after it equal the uninterrupted 3-step run's. The AdamW moments are clones of the sharded
+    into FSDP over dp=2 (its loader reshards the pieces by those layouts), and its DeepSeek-V3 over pp=2 (each
+    stage saved and loaded on its rank): the third step's loss and the parameters after it equal the
+    uninterrupted 3-step run's. The AdamW moments are clones of the sharded
     parameters and keep their layouts (a clone reported as a whole tensor of the piece's shape stored every
     rank's moments under one name: resumed in place, the step after the resume was 5e-2 off in loss; resharded,
     the load failed on their shapes)."""
     for rank in runs:
-        losses, _, params, _ = rank["trainer_tp2_sp"]
-        for case in ("tp2_sp", "fsdp_dp2"):
+        for case, uninterrupted in (("tp2_sp", "trainer_tp2_sp"), ("fsdp_dp2", "trainer_tp2_sp"),
+                                    ("pp2_moe", "trainer_pp2_moe")):
+            losses, _, params, _ = rank[uninterrupted]
             resumed_losses, resumed = rank["trainer_resumed"][case]
-            np.testing.assert_allclose(resumed_losses, losses[-1:], rtol=1e-5, err_msg=case)
+            np.testing.assert_allclose(resumed_losses, losses[-1:], rtol=1e-5, err_msg=case)   # pp: the last stage's
+            assert resumed.keys() == params.keys(), case
             for name, value in params.items():
                 np.testing.assert_allclose(resumed[name], value, rtol=1e-4, atol=1e-3, err_msg=f"{case} {name}")
 
