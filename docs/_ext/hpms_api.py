@@ -69,6 +69,15 @@ def _data_entry(module_name: str, name: str, value: Any) -> List[str]:
     return lines + ["", f"   {text}", ""]
 
 
+def _mixed_in(cls: type) -> List[str]:
+    """``:inherited-members:`` for a class built from a private mixin of the package (``Layout``'s
+    notations), whose members are the class's own to a reader."""
+    public = {id(getattr(importlib.import_module(f"{PACKAGE}.{m}"), n)) for m in public_modules()
+              for n in getattr(importlib.import_module(f"{PACKAGE}.{m}"), "__all__", ())}
+    private = [base for base in cls.__mro__[1:] if base.__module__.startswith(PACKAGE + ".") and id(base) not in public]
+    return ["   :inherited-members: object"] if private else []
+
+
 def entries(module_name: str) -> List[str]:
     """reStructuredText documenting every name of ``module_name.__all__``."""
     module = importlib.import_module(module_name)
@@ -77,7 +86,7 @@ def entries(module_name: str) -> List[str]:
         value = getattr(module, name)
         qualified = f"{module_name}.{name}"
         if inspect.isclass(value):
-            lines += [f".. autoclass:: {qualified}", "   :members:", ""]
+            lines += [f".. autoclass:: {qualified}", "   :members:"] + _mixed_in(value) + [""]
         elif inspect.isroutine(value):
             lines += [f".. autofunction:: {qualified}", ""]
         elif inspect.ismodule(value):
