@@ -46,6 +46,15 @@ def test_properties_and_repr():
     reduced = distribute_tensor(ms.Tensor(x), mesh, [Partial(), Shard(1)], src_data_rank=None).reduce_partial()
     assert reduced.placements == (Replicate(), Shard(1))
     np.testing.assert_allclose(reduced.to_local().asnumpy(), _piece(x, [Replicate(), Shard(1)], mesh))
+    # clone: a DTensor of the same layout with a copy of the piece (not the piece as a plain whole tensor)
+    copy = dt.clone()
+    assert isinstance(copy, DTensor) and copy.placements == dt.placements and copy.shape == (5, 6)
+    np.testing.assert_array_equal(copy.full_tensor().asnumpy(), x)
+    copy.to_local()[0] = -1.0                                  # its own storage
+    np.testing.assert_array_equal(dt.to_local().asnumpy(), _piece(x, [Shard(0), Shard(1)], mesh))
+    grad = ms.grad(lambda t: (DTensor.from_local(t, mesh, [Shard(0), Shard(1)], shape=(5, 6)).clone().to_local()
+                              * 3.0).sum())(dt.to_local())
+    np.testing.assert_array_equal(grad.asnumpy(), np.full(dt.local_shape, 3.0, np.float32))
 
 
 @multi_rank(4)

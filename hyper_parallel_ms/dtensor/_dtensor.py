@@ -299,16 +299,22 @@ class DTensor(Tensor):
         return self._dt_spec
 
     def clone(self, *args, **kwargs):
-        """A copy (MindSpore's ``Tensor.clone``); for a ``Parameter(DTensor)``, ``Parameter.clone``'s
-        new Parameter holding this rank's piece, with the DTensor's layout recorded on it (an
-        optimizer's states are laid out like their parameters).
+        """A copy: a DTensor of the same layout holding a copy of this rank's piece (PyTorch's; the
+        gradient passes through). For a ``Parameter(DTensor)``, ``Parameter.clone(init)``'s new
+        Parameter holding this rank's piece, with the DTensor's layout recorded on it (an optimizer's
+        states are laid out like their parameters).
 
         Example::
 
+            copy = dt.clone()                             # copy.placements == dt.placements
             state = model.fc1.weight.clone("zeros")      # parameter_spec(state) == model.fc1.weight.spec
         """
+        if not isinstance(self, ms.Parameter):
+            if args or kwargs:
+                raise TypeError(f"DTensor.clone() takes no arguments, got {args} {kwargs}")
+            return DTensor._adopt(ms.ops.deepcopy(self.to_local()), self._dt_spec)
         out = super().clone(*args, **kwargs)
-        if isinstance(self, ms.Parameter) and isinstance(out, ms.Parameter) and not isinstance(out, DTensor):
+        if isinstance(out, ms.Parameter) and not isinstance(out, DTensor):
             attach_record(out, ParameterSharding(self._dt_spec))
         return out
 
