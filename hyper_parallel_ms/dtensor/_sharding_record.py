@@ -77,22 +77,20 @@ def attach_record(param: Parameter, record: ParameterSharding) -> None:
     object.__setattr__(param, "clone", MethodType(clone_keeping_record, param))
 
 
-def clone_keeping_record(param: Parameter, init: Any = "same", *, record: Optional[ParameterSharding] = None
-                         ) -> Parameter:
-    """``Parameter.clone(param, init)`` with ``param``'s sharding (or ``record``) recorded on the
-    clone, which holds a piece of the same shape.
+def clone_keeping_record(param: Parameter, init: Any = "same") -> Parameter:
+    """``Parameter.clone(param, init)`` with ``param``'s sharding recorded on the clone, which holds a
+    piece of the same shape.
 
     Args:
         param: the Parameter cloned.
         init: as ``Parameter.clone``'s (``"same"``, ``"zeros"``, a number, a Tensor).
-        record: the sharding to record (default: ``param``'s).
 
     Example::
 
         state = clone_keeping_record(weight, "zeros")
     """
     clone = Parameter.clone(param, init)
-    record = record or parameter_sharding(param)
+    record = parameter_sharding(param)
     if record is not None:
         attach_record(clone, record)
     return clone
