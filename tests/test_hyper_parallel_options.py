@@ -140,6 +140,10 @@ def _options_on_ranks():
     out["clones"] = [(parameter_spec(state) == parameter_spec(source), tuple(state.shape),
                       float(np.abs(state.asnumpy()).max()), layouts[state.name].get("tensor_map"),
                       layouts[state.name]["full_shape"]) for source, state in clones]
+    # MindSpore's own optimizers clone through ParameterTuple.clone (nn.Adam's moments)
+    out["parameter_tuple_clone"] = [
+        parameter_spec(ms.ParameterTuple([p]).clone(prefix="moments", init="zeros")[0]) == parameter_spec(p)
+        for p in (styled.head.weight, placed.head.weight)]
     # a master copy made as MindFormers makes it, Parameter(param.float()), keeps no record: laid out like the
     # parameter it is named after, given the piece's shape (a same-named tensor of another shape stays whole)
     weight = styled.head.weight
@@ -184,6 +188,7 @@ def test_hyper_parallel_options_on_two_ranks():
             assert same_spec and biggest == 0.0 and tensor_map is not None, out["clones"]
             assert full_shape == list(head) and shape[0] < head[0], out["clones"]
         assert out["master"] == (True, {"type": "Float32", "full_shape": [5, 5]}), out["master"]
+        assert out["parameter_tuple_clone"] == [True, True]
         # rank 0 keeps its row 0 and gets rank 1's rows 0-1; rank 1 gets rank 0's rows 1-2 and keeps its row 2
         expected = np.arange(6, dtype=np.float32).reshape(3, 2)[[0, 0, 1]] + [[0], [10], [10]] if rank == 0 else \
             np.arange(6, dtype=np.float32).reshape(3, 2)[[1, 2, 2]] + [[0], [0], [10]]
