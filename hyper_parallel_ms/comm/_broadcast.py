@@ -1,8 +1,7 @@
 """Broadcast with the SPMD backward, on either path.
 
 Forward: every rank receives the source rank's tensor, natively (``ops.Broadcast``) or
-composed (non-source ranks add zeros to an all-reduce sum: -0.0 to a float one, so that a -0.0 of
-the source arrives as itself). Backward: the source
+composed (non-source ranks add zeros to an all-reduce sum, :func:`._tensor.slot_zeros`). Backward: the source
 receives the sum of every rank's gradient, the others zero. MindSpore's own backward of
 ``ops.Broadcast`` passes each rank's gradient through, so both paths use this Cell's
 ``bprop``, which works in PyNative and inside ``ms.jit``. On non-source ranks the
@@ -21,6 +20,7 @@ from mindspore import nn, ops
 
 from .._mindspore import cell_per_call_site, off_meta_device
 from ._exact import place_over, sum_over
+from ._tensor import slot_zeros
 
 __all__ = ["broadcast"]
 
@@ -47,15 +47,10 @@ class _Broadcast(nn.Cell):
             if x.dtype == ms.bool_:                      # HCCL moves bool as uint8
                 return self.prim((x.astype(ms.uint8),))[0].astype(ms.bool_)
             return self.prim((x,))[0]
-        # the other ranks add -0.0 to the float sum (x + -0.0 is x for every x, -0.0 included; float64 and
-        # integers sum bit patterns, where the filler is 0)
         if x.dtype == ms.bfloat16:           # no bfloat16 Select on CPU: chosen in float32, exactly
-            chosen = ops.select(self.sends, x.astype(ms.float32), -ops.zeros(x.shape, ms.float32)).astype(ms.bfloat16)
-        elif x.dtype == ms.float32 or x.dtype == ms.float16:
-            chosen = ops.select(self.sends, x, -ops.zeros(x.shape, x.dtype))
-        else:
-            chosen = ops.select(self.sends, x, ops.zeros(x.shape, x.dtype))
-        return place_over(chosen, self.group)
+            chosen = ops.select(self.sends, x.astype(ms.float32), slot_zeros(x.shape, ms.float32))
+            return place_over(chosen.astype(ms.bfloat16), self.group)
+        return place_over(ops.select(self.sends, x, slot_zeros(x.shape, x.dtype)), self.group)
 
     def bprop(self, x, out, dout):
         total = sum_over(dout, self.group)

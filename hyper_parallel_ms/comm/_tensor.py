@@ -18,7 +18,7 @@ from typing import Sequence, Tuple
 from mindspore import mint, ops
 from mindspore.common import dtype as mstype
 
-__all__ = ["narrow", "pad_dim", "pad_slot", "shape_with", "front_perms", "move_to_front", "move_from_front",
+__all__ = ["narrow", "pad_dim", "pad_slot", "slot_zeros", "shape_with", "front_perms", "move_to_front", "move_from_front",
            "select_pieces", "owned_copy"]
 
 
@@ -55,6 +55,23 @@ def pad_dim(x, dim: int, before: int, after: int):
     return out if x.shape[dim] > 0 else ops.depend(out, x)
 
 
+def slot_zeros(shape: Sequence[int], dtype):
+    """Zeros for the slots of a buffer that other ranks fill, summed by an all-reduce: -0.0 for the
+    dtypes summed as floats (float32, float16, bfloat16: ``x + -0.0`` is ``x`` for every ``x``, -0.0
+    included, where ``+0.0`` would turn a -0.0 into 0.0), 0 for those summed as bit patterns or
+    integers (float64, integers, bool).
+
+    Example:
+        >>> import numpy as np, mindspore as ms
+        >>> bool(np.signbit(slot_zeros((1,), ms.float32).asnumpy()[0]))
+        True
+    """
+    zeros = ops.zeros(shape, dtype)
+    if dtype == mstype.float32 or dtype == mstype.float16 or dtype == mstype.bfloat16:
+        return -zeros
+    return zeros
+
+
 def pad_slot(x, dim: int, before: int, after: int):
     """``x`` in its slot of a collective's buffer: ``before`` zero slices, ``x``, ``after`` zero slices
     along ``dim``, made by the same ops whatever the sizes: one more zero slice on each side,
@@ -70,8 +87,8 @@ def pad_slot(x, dim: int, before: int, after: int):
         >>> pad_slot(ms.Tensor(np.ones((2, 3), np.float32)), 1, 0, 2).shape
         (2, 5)
     """
-    wide = mint.cat((ops.zeros(shape_with(x.shape, dim, before + 1), x.dtype), x,
-                     ops.zeros(shape_with(x.shape, dim, after + 1), x.dtype)), dim)
+    wide = mint.cat((slot_zeros(shape_with(x.shape, dim, before + 1), x.dtype), x,
+                     slot_zeros(shape_with(x.shape, dim, after + 1), x.dtype)), dim)
     # a split, not :func:`narrow`: MindSpore 2.10 fails to compile ("The func graph is empty") a helper
     # of this package called both in a custom-bprop Cell's construct and in its bprop, and its
     # compiled NarrowView rejects float64
