@@ -67,13 +67,11 @@ class LayoutNotations:
             raise ValueError(f"mesh_dim_names {names} must be {len(shape)} distinct names")
         if isinstance(alias, str):
             raise TypeError(f"alias layout must be a sequence with one entry per tensor dim, got {alias!r}")
-        placements: list = [Replicate()] * len(shape)
-        order: Dict[int, Tuple[int, ...]] = {}
         used: Dict[str, int] = {}
+        sharding = []
         for dim, entry in enumerate(alias):
-            entry_names = _alias_names(entry)
             axes = []
-            for name in entry_names:
+            for name in _alias_names(entry):
                 if name not in names:
                     raise ValueError(f"unknown mesh dim name {name!r} in alias layout {tuple(alias)!r}; "
                                      f"the mesh has {names}")
@@ -81,12 +79,23 @@ class LayoutNotations:
                     raise ValueError(f"mesh dim {name!r} shards tensor dims {used[name]} and {dim} in "
                                      f"alias layout {tuple(alias)!r}; a mesh dim can shard one tensor dim")
                 used[name] = dim
-                axis = names.index(name)
+                axes.append(names.index(name))
+            sharding.append(axes)
+        return cls._from_sharding_axes(shape, sharding, names)
+
+    @classmethod
+    def _from_sharding_axes(cls, shape: Shape, sharding: Sequence[Sequence[int]],
+                            mesh_dim_names: Optional[Sequence[str]]) -> "Layout":
+        """The layout in which tensor dim ``d`` is sharded by the mesh dims ``sharding[d]``, major first
+        (each mesh dim in one list at most: the callers check it, naming it in their notation)."""
+        placements: list = [Replicate()] * len(shape)
+        order: Dict[int, Tuple[int, ...]] = {}
+        for dim, axes in enumerate(sharding):
+            for axis in axes:
                 placements[axis] = Shard(dim)
-                axes.append(axis)
-            if len(axes) > 1 and axes != sorted(axes):
+            if len(axes) > 1 and list(axes) != sorted(axes):
                 order[dim] = tuple(axes)
-        return cls(shape, placements, mesh_dim_names=names, shard_order=order)
+        return cls(shape, placements, mesh_dim_names=mesh_dim_names, shard_order=order)
 
     @classmethod
     def from_device_mesh(cls, device_mesh) -> "Layout":
@@ -125,26 +134,24 @@ class LayoutNotations:
         """
         shape = check_mesh_shape(mesh_shape)
         last = len(shape) - 1
-        placements: list = [Replicate()] * len(shape)
-        order: Dict[int, Tuple[int, ...]] = {}
+        used: Dict[int, int] = {}
+        sharding = []
         for dim, entry in enumerate(tensor_map):
-            items = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
             axes = []
-            for item in items:
+            for item in tuple(entry) if isinstance(entry, (tuple, list)) else (entry,):
                 if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not -1 <= item <= last:
                     raise ValueError(f"tensor map {tuple(tensor_map)!r}: entry {item!r} of tensor dim {dim} is not -1 "
                                      f"or a mesh dim counted from the right in [0, {last}] (mesh {shape})")
                 if item == -1:
                     continue
                 axis = last - int(item)
-                if placements[axis].is_shard():
+                if axis in used:
                     raise ValueError(f"tensor map {tuple(tensor_map)!r}: mesh dim {axis} shards tensor dims "
-                                     f"{placements[axis].dim} and {dim}; a mesh dim shards one tensor dim")
-                placements[axis] = Shard(dim)
+                                     f"{used[axis]} and {dim}; a mesh dim shards one tensor dim")
+                used[axis] = dim
                 axes.append(axis)
-            if len(axes) > 1 and axes != sorted(axes):
-                order[dim] = tuple(axes)
-        return cls(shape, placements, mesh_dim_names=mesh_dim_names, shard_order=order)
+            sharding.append(axes)
+        return cls._from_sharding_axes(shape, sharding, mesh_dim_names)
 
     @property
     def alias_name(self) -> Optional[Tuple[str, ...]]:
