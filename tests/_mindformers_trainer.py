@@ -121,10 +121,11 @@ def resume(steps: int) -> Dict[str, Any]:
     run, and is destroyed after."""
     import os
     import shutil
+    import tempfile
     from mindspore.communication import create_group, destroy_group, get_group_size, get_rank
     from mindspore.mint import distributed as dist
 
-    path = os.path.join("/tmp", f"hpms_mindformers_resume_{os.getppid()}")      # the pool's ranks share a parent
+    path = os.path.join(tempfile.gettempdir(), f"hpms_mindformers_resume_{os.getppid()}")   # the ranks share a parent
     save = {"enable_save": True, "save_interleaved_steps": steps - 1}
     create_group("hccl_world_group", list(range(get_group_size())))
     try:
