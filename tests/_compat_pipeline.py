@@ -84,6 +84,7 @@ def run_override_points() -> Dict[str, Any]:
     #    the defaults are accepted, what is not built is refused by name
     refused = {}
     for key, value in (("pipeline_parallel_overlap_b_f", True), ("pipeline_parallel_p2p_transport", "hccl_rdma")):
+        # 1F1B (one stage per rank, as HyperParallel's Schedule1F1B) pairs nothing: overlap_b_f is refused
         parallelism = SimpleNamespace(pipeline_parallel_interleave_num=1, **{key: value})
         try:
             _create_schedule("1f1b", stage, N, parallelism, has_moe=True)
@@ -97,6 +98,8 @@ def run_override_points() -> Dict[str, Any]:
     out["refused"] = refused
     out["plain"] = type(plain).__name__
     out["hyper_parallel_schedule"] = _hyper_parallel_schedule(mesh, me, stage_model, reference, batch, loss_fn)
+    from mindspore import nn, ops
+    out["overlap_b_f"] = run_overlap_b_f(mesh, me, ms, nn, ops)
     return out
 
 
@@ -164,3 +167,114 @@ def _refusal(call) -> str:
     except RuntimeError as exc:
         return str(exc)
     return "accepted"
+
+
+# ---------------------------------------------------------------- 5. OVERLAP_B_F pairs
+WIDTH, ROWS = 8, 6
+
+
+def _overlap_chunks(nn, ops, overlap, log, num_stages=4):
+    """The 4 stage Cells of a model whose every chunk holds one expert-parallel-like layer (attention,
+    dispatch, experts, combine) wrapped by ``overlap``'s sync hooks; the last stage returns the loss from
+    ``labels`` (HyperParallel's). ``log`` gets the thread of each layer's backward."""
+    import threading
+
+    from hyper_parallel_ms._mindspore.autodiff import identity_with_gradient
+
+    class Layer(nn.Cell):
+        def __init__(self, first, last):
+            super().__init__()
+            self.embed = nn.Dense(3, WIDTH) if first else None
+            self.attn, self.expert = nn.Dense(WIDTH, WIDTH), nn.Dense(WIDTH, WIDTH)
+            self.head = nn.Dense(WIDTH, 1) if last else None
+            dispatch, combine = (lambda h: h * 1.0), (lambda h: h * 1.0)     # all-to-alls' stand-ins
+            self.dispatch = overlap.wrap_dispatch(dispatch) if overlap else dispatch
+            self.combine = overlap.wrap_combine(combine, is_last_layer=True) if overlap else combine
+
+        def construct(self, x, labels=None):
+            x = self.embed(x) if self.embed is not None else x
+            x = identity_with_gradient(x, lambda d: (log.append(threading.current_thread().name), d)[1])
+            h = self.dispatch(ops.tanh(self.attn(x)))
+            h = self.combine(ops.tanh(self.expert(h))) + x
+            return ((self.head(h).squeeze(-1) - labels) ** 2).mean() if self.head is not None else h
+
+    return list(nn.CellList([Layer(s == 0, s == num_stages - 1) for s in range(num_stages)]))   # names "s.attn..."
+
+
+def run_overlap_b_f(mesh, me, ms, nn, ops) -> Dict[str, Any]:
+    """ScheduleInterleaved1F1B(overlap_b_f=True), 4 stages on 2 pp ranks, 4 micro-batches: pairs run one
+    after the other, then by MindFormers' own OVERLAP_B_F callback (CommComputeOverlap, two threads), then
+    the unpaired schedule; and a callback that leaves the forward out."""
+    from mindformers.pynative.base_models.gpt.parallelize import _make_overlap_b_f_callback
+
+    from hyper_parallel_ms import pipelining as pl
+    from hyper_parallel_ms.compat._pipeline import MetaStepType
+    from hyper_parallel_ms.compat._schedules import ScheduleInterleaved1F1B
+    from hyper_parallel_ms.training import disable_mindspore_backward_compat, enable_mindspore_backward_compat
+
+    rng = np.random.default_rng(5)
+    x = ms.Tensor(rng.standard_normal((4 * ROWS, 3)).astype(np.float32))
+    y = ms.Tensor(rng.standard_normal((4 * ROWS,)).astype(np.float32))
+
+    def build(overlap, log, overlap_b_f=True):
+        ms.set_seed(3)
+        chunks = _overlap_chunks(nn, ops, overlap, log)
+        stages = [pl.PipelineStage(chunks[s], s, 4, mesh=mesh) for s in (me, me + 2)]
+        return ScheduleInterleaved1F1B(stages, 4, overlap_b_f=overlap_b_f), chunks
+
+    def grads_of(schedule, chunks):
+        schedule.run(*((x,) if me == 0 else ()), labels=y)
+        params = [p for s in (me, me + 2) for p in chunks[s].trainable_params()]
+        out = [p.grad.asnumpy().copy() for p in params]
+        for p in params:
+            p.grad = None
+        return out
+
+    # one device: the 4 chunks in a row, the summed micro-batch losses' gradients
+    ms.set_seed(3)
+    whole = _overlap_chunks(nn, ops, None, [])
+    params = [p for s in (me, me + 2) for p in whole[s].trainable_params()]
+
+    def total(x, y):
+        loss = 0
+        for m in range(4):
+            h = x[m * ROWS:(m + 1) * ROWS]
+            for s in range(3):
+                h = whole[s](h)
+            loss = loss + whole[3](h, labels=y[m * ROWS:(m + 1) * ROWS])
+        return loss
+    reference = [g.asnumpy() for g in ms.grad(total, None, params)(x, y)]
+
+    result: Dict[str, Any] = {}
+    enable_mindspore_backward_compat()
+    try:
+        log: List[str] = []
+        schedule, chunks = build(None, log)
+        result["paired"] = sorted(str(a) for a in schedule.plan.paired if a.stage in (me, me + 2))
+        sequential = grads_of(schedule, chunks)
+        result["worst"] = max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(sequential, reference))
+        unpaired = grads_of(*build(None, [], overlap_b_f=False))
+
+        from hyper_parallel_ms.pipelining import CommComputeOverlap
+        overlap, log = CommComputeOverlap(), []
+        schedule, chunks = build(overlap, log)
+        schedule.register_custom_function(MetaStepType.OVERLAP_B_F, _make_overlap_b_f_callback(overlap))
+        threaded = grads_of(schedule, chunks)
+        result["backward_threads"] = sorted(set(log))
+        result["threaded_backwards"] = sum(name == "hpms-overlap-backward" for name in log)
+        result["threaded_vs_sequential"] = max(float(np.abs(a - b).max()) for a, b in zip(threaded, sequential))
+        result["unpaired_vs_sequential"] = max(float(np.abs(a - b).max()) for a, b in zip(unpaired, sequential))
+
+        schedule, chunks = build(None, [])
+        schedule.register_custom_function(
+            MetaStepType.OVERLAP_B_F,
+            lambda step, ctx: ctx.schedule._stage_dict[step.sub_steps[0].stage_index].backward_one_chunk(
+                step.sub_steps[0].micro_index))
+        try:
+            grads_of(schedule, chunks)
+            result["left_out"] = "accepted"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            result["left_out"] = str(exc)
+    finally:
+        disable_mindspore_backward_compat()
+    return result

@@ -71,9 +71,60 @@ def test_hyper_parallel_schedule_trains_with_the_output_as_the_loss_into_param_g
         assert got["worst_2"] < 1e-5, got
 
 
+def test_overlap_b_f_pairs_run_by_mindformers_callback_on_two_threads_equal_the_unpaired_step(runs):
+    """ScheduleInterleaved1F1B(overlap_b_f=True), 4 stages on 2 ranks, 4 micro-batches, each chunk one
+    expert-parallel-like layer under CommComputeOverlap's sync hooks: every steady-state B directly before
+    an F is paired (3 on rank 0, 5 on rank 1, as HyperParallel's F1, [B_i, F_i+1]..., B_n); run one after
+    the other, the gradients equal one device's (float32 sums of 4 micro-batches: 1e-7 measured, 1e-5
+    bound) and equal the unpaired schedule's bit for bit; run by MindFormers' own OVERLAP_B_F callback
+    (forward here, backward on CommComputeOverlap's thread, taking turns at the hooks) bit for bit too, each
+    pair's backward on the second thread. A callback that leaves the forward out fails the step on both
+    ranks, naming the half."""
+    expected = {0: ["0B0", "2B0", "2B1"], 1: ["1B0", "1B1", "3B0", "3B1", "3B2"]}
+    for r in runs:
+        got = r["overlap_b_f"]
+        assert got["paired"] == expected[r["rank"]], got["paired"]
+        assert got["worst"] < 1e-5, got
+        assert got["unpaired_vs_sequential"] == 0.0 and got["threaded_vs_sequential"] == 0.0, got
+        assert got["threaded_backwards"] == len(expected[r["rank"]]), got
+        assert "did not run 3F1" in got["left_out"], got["left_out"]
+
+
+def test_overlap_b_f_plans_keep_each_pair_whole():
+    """Without processes: every marked B is directly followed by an F it does not feed, with the transfers of
+    both halves before or after the pair (checked by the plan validator), for schedules of 2 to 4 ranks, even
+    and uneven rounds, with fully_shard lowering too; the compute order is the unpaired plan's; other
+    schedules refuse overlap_b_f; a hand-made pair split by a transfer is refused."""
+    from hyper_parallel_ms.pipelining import ScheduleError, build_plan
+    from hyper_parallel_ms.pipelining._action import Action, B
+    from hyper_parallel_ms.pipelining._pairing import check_pairs
+
+    for pp, n, v in ((2, 4, 2), (2, 3, 2), (3, 5, 2), (4, 8, 2), (4, 6, 3), (4, 2, 2), (2, 4, 1)):
+        for fsdp in (False, True):
+            plain = build_plan("Interleaved1F1B", pp, n, stages_per_rank=v, fsdp=fsdp)
+            paired = build_plan("Interleaved1F1B", pp, n, stages_per_rank=v, fsdp=fsdp, overlap_b_f=True)
+            assert paired.paired and all(a.kind is B for a in paired.paired)
+            for rank in range(pp):
+                compute = [[a for a in p.actions[rank] if a.kind.is_compute] for p in (plain, paired)]
+                assert compute[0] == compute[1]
+                acts = paired.actions[rank]
+                for i, a in enumerate(acts):
+                    if a in paired.paired:
+                        assert acts[i + 1].kind is F
+    with pytest.raises(ScheduleError, match="Interleaved1F1B"):
+        build_plan("1F1B", 2, 4, overlap_b_f=True)
+    with pytest.raises(ScheduleError, match="comes next"):
+        check_pairs({0: [Action.parse(a) for a in ("0B0", "0SEND_B0", "0F1")]}, frozenset({Action.parse("0B0")}), 1)
+    with pytest.raises(ScheduleError, match="max_active_stages >= 2"):
+        build_plan("Interleaved1F1B", 2, 4, fsdp=True, max_active_stages=1, overlap_b_f=True)
+
+
 def test_meta_step_types_and_the_micro_batch_splitter():
     assert MetaStepType.FWD.action_kind is F and MetaStepType.BWD_SEND.action_kind is SEND_B
-    assert len({t.action_kind for t in MetaStepType}) == len(MetaStepType) == 6
+    plain = [t for t in MetaStepType if t is not MetaStepType.OVERLAP_B_F]
+    assert len({t.action_kind for t in plain}) == len(plain) == 6
+    with pytest.raises(ValueError, match="sub_steps"):
+        MetaStepType.OVERLAP_B_F.action_kind
     x = ms.Tensor(np.arange(24, dtype=np.float32).reshape(4, 6))
     mask = ms.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
     args, kwargs = MicroBatch(2, args_batch_dim=[BatchDimSpec(0)], kwargs_batch_dim={"mask": BatchDimSpec(1),

@@ -18,7 +18,11 @@ __all__ = ["HYPER_PARALLEL_NAMES", "alias_packages"]
 # stage, gradients into param.grad (compat._schedules)
 _PIPELINE = {"PipelineStage": "pipelining:PipelineStage", "ScheduleGPipe": "compat._schedules:ScheduleGPipe",
              "Schedule1F1B": "compat._schedules:Schedule1F1B",
-             "ScheduleInterleaved1F1B": "compat._schedules:ScheduleInterleaved1F1B"}
+             "ScheduleInterleaved1F1B": "compat._schedules:ScheduleInterleaved1F1B",
+             "MetaStepType": "compat._pipeline:MetaStepType", "MetaStep": "compat._pipeline:MetaStep",
+             "PipelineContext": "compat._pipeline:PipelineContext",
+             "CommComputeOverlap": "pipelining:CommComputeOverlap", "HookCoordinator": "pipelining:HookCoordinator",
+             "HookRole": "pipelining:HookRole"}
 _DTENSOR = {"DTensor": "dtensor:DTensor", "distribute_tensor": "dtensor:distribute_tensor"}
 _PLACEMENTS = {"Placement": "placement:Placement", "Shard": "placement:Shard", "Replicate": "placement:Replicate",
                "Partial": "placement:Partial"}
@@ -47,9 +51,10 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
     "hyper_parallel.core.fully_shard.utils": {"OffloadPolicy": "fsdp:OffloadPolicy",
                                               "CPUOffloadPolicy": "fsdp:CPUOffloadPolicy"},
     "hyper_parallel.core.pipeline_parallel": dict(_PIPELINE),
-    "hyper_parallel.core.pipeline_parallel.scheduler": {"MetaStepType": "compat._pipeline:MetaStepType"},
-    # the two-thread overlap of expert-parallel all-to-alls (the schedules' OVERLAP_B_F step is not built:
-    # they refuse overlap_b_f=True)
+    "hyper_parallel.core.pipeline_parallel.scheduler": {
+        "MetaStepType": "compat._pipeline:MetaStepType", "MetaStep": "compat._pipeline:MetaStep",
+        "PipelineContext": "compat._pipeline:PipelineContext"},
+    # the two-thread overlap of expert-parallel all-to-alls (driven by the OVERLAP_B_F callbacks)
     "hyper_parallel.core.pipeline_parallel.hook_coordinator": {"HookCoordinator": "pipelining:HookCoordinator",
                                                                "HookRole": "pipelining:HookRole"},
     "hyper_parallel.core.pipeline_parallel.comm_compute_overlap": {"CommComputeOverlap": "pipelining:CommComputeOverlap"},

@@ -1,5 +1,6 @@
-"""HyperParallel 1.0's pipeline data types that MindFormers imports: ``MetaStepType``
-(``hyper_parallel.core.pipeline_parallel.scheduler``) and ``_MicroBatch``
+"""HyperParallel 1.0's pipeline data types that MindFormers imports: ``MetaStepType``, ``MetaStep``
+and ``PipelineContext`` (``hyper_parallel.core.pipeline_parallel.scheduler``: a schedule step, and
+what an ``OVERLAP_B_F`` callback is given) and ``_MicroBatch``
 (``hyper_parallel.platform.mindspore.pipeline_parallel._utils``), on this library's pipelining.
 
 Example::
@@ -11,20 +12,21 @@ Example::
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..pipelining._action import B, F, RECV_B, RECV_F, SEND_B, SEND_F, ActionKind
 from ..pipelining._microbatch import TensorChunkSpec, split_args_kwargs_into_chunks
 
-__all__ = ["MetaStepType", "MicroBatch"]
+__all__ = ["MetaStepType", "MetaStep", "PipelineContext", "MicroBatch"]
 
 
 class MetaStepType(enum.Enum):
     """HyperParallel's kinds of schedule step; :attr:`action_kind` is the action of this
     library's schedules that each one is (``F``, ``B``, ``RECV_F``, ``SEND_F``, ``RECV_B``,
-    ``SEND_B``). HyperParallel's overlap steps (``OVERLAP_B_F`` and its kin) are not members: the
-    schedules refuse ``overlap_b_f=True`` (the two-thread overlap itself is
-    :class:`~hyper_parallel_ms.pipelining.CommComputeOverlap`).
+    ``SEND_B``). ``OVERLAP_B_F`` is a backward and the forward after it, paired by
+    ``ScheduleInterleaved1F1B(overlap_b_f=True)`` (its ``sub_steps``; no action of its own), the one
+    step a callback can be registered for (``register_custom_function``).
 
     Args:
         value: a member's value, as any ``Enum`` takes it (use the members by name).
@@ -39,12 +41,71 @@ class MetaStepType(enum.Enum):
     FWD_SEND = 4
     BWD_RECV = 5
     BWD_SEND = 6
+    OVERLAP_B_F = 7
 
     @property
     def action_kind(self) -> ActionKind:
-        """The kind of action of this library's schedules this step is."""
+        """The kind of action of this library's schedules this step is (``OVERLAP_B_F``, two actions: raises)."""
+        if self is MetaStepType.OVERLAP_B_F:
+            raise ValueError("MetaStepType.OVERLAP_B_F is two actions, its sub_steps' (a B and an F)")
         return {MetaStepType.FWD: F, MetaStepType.BWD: B, MetaStepType.FWD_RECV: RECV_F,
                 MetaStepType.FWD_SEND: SEND_F, MetaStepType.BWD_RECV: RECV_B, MetaStepType.BWD_SEND: SEND_B}[self]
+
+
+@dataclass(frozen=True)
+class MetaStep:
+    """One step of HyperParallel's schedules: ``type`` of stage ``stage_index`` on micro-batch
+    ``micro_index``; an ``OVERLAP_B_F`` step has neither and holds its ``(backward, forward)`` in
+    ``sub_steps``.
+
+    Args:
+        micro_index: the micro-batch (``None`` for a composite step).
+        type: the :class:`MetaStepType`.
+        stage_index: the stage (``None`` for a composite step).
+        sub_steps: a composite step's steps, in HyperParallel's order (backward, forward).
+
+    >>> step = MetaStep(None, MetaStepType.OVERLAP_B_F, None, sub_steps=(MetaStep(0, MetaStepType.BWD, 2),
+    ...                                                                   MetaStep(1, MetaStepType.FWD, 2)))
+    >>> [(s.type.name, s.stage_index, s.micro_index) for s in step.sub_steps]
+    [('BWD', 2, 0), ('FWD', 2, 1)]
+    """
+
+    micro_index: Optional[int]
+    type: MetaStepType
+    stage_index: Optional[int]
+    sub_steps: Tuple["MetaStep", ...] = ()
+
+
+class PipelineContext:
+    """What an ``OVERLAP_B_F`` callback is given with its step (HyperParallel's): the schedule, the
+    step's micro-batches and a list for losses. The transfers of this library's plans come before
+    and after a pair, so ``fwd_recv_ops`` / ``bwd_recv_ops`` / ``send_handles`` stay empty (no
+    handles to wait on).
+
+    Args:
+        schedule: the schedule running the step.
+        arg_mbs: per micro-batch, the first stage's positional inputs (empty lists on other ranks).
+        kwarg_mbs: per micro-batch, the keyword inputs.
+        losses: a list the callback's ``schedule.update_losses`` appends the last stage's outputs to
+            (the schedule's ``run`` returns its own record of them).
+
+    Example::
+
+        def callback(step, ctx):
+            bwd, fwd = step.sub_steps
+            ctx.schedule._stage_dict[bwd.stage_index].backward_one_chunk(bwd.micro_index)
+            out = ctx.schedule._stage_dict[fwd.stage_index].forward_one_chunk(
+                fwd.micro_index, ctx.arg_mbs[fwd.micro_index], ctx.kwarg_mbs[fwd.micro_index])
+    """
+
+    def __init__(self, schedule: Any, arg_mbs: List[list], kwarg_mbs: List[dict], losses: list) -> None:
+        self.schedule = schedule
+        self.arg_mbs = arg_mbs
+        self.kwarg_mbs = kwarg_mbs
+        self.losses = losses
+        self.send_handles: list = []
+        self.fwd_recv_ops: dict = {}
+        self.bwd_recv_ops: dict = {}
 
 
 def _spec(batch_dim: Any) -> Any:

@@ -13,6 +13,14 @@ on this library's schedules. What differs from PyTorch's (``hyper_parallel_ms.pi
   the gradients into each parameter's** ``grad`` (``enable_mindspore_backward_compat()`` must be on, as
   MindFormers' trainer turns it on); stages built with ``has_backward=False`` run forwards only;
 - ``exec_order``: each pp rank's actions, for logging;
+- ``ScheduleInterleaved1F1B(..., overlap_b_f=True)`` pairs each steady-state backward with the
+  forward after it (HyperParallel's ``OVERLAP_B_F`` steps; the pairs' transfers come before and
+  after them). A pair runs one half after the other unless a callback is registered:
+  ``register_custom_function(MetaStepType.OVERLAP_B_F, fn)`` calls ``fn(step, ctx)`` with the
+  step (``step.sub_steps``: the backward's and the forward's ``MetaStep``) and a
+  ``PipelineContext``; ``fn`` runs both halves through ``ctx.schedule._stage_dict[index]``'s
+  ``backward_one_chunk(micro)`` and ``forward_one_chunk(micro, args, kwargs)`` (e.g. on two threads
+  with ``CommComputeOverlap.run``), checked: a half left out or run twice fails the step;
 - a new micro-batch count between steps (MindFormers' dynamic batch): set ``micro_batch_num``, give
   ``split_micro_batch`` a splitter of that count, then ``build_exec_order()`` (on every pp rank, which
   agree on the count) rebuilds the action lists; a run before that, or with a splitter of another
@@ -27,14 +35,57 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .._mindspore.tensor_backward import backward_compat_enabled
 from ..pipelining import PipelineStage
 from ..pipelining import _schedules as pytorch_schedules
-from ._pipeline import MicroBatch
+from ..pipelining._action import Action
+from ..pipelining._runtime import Runtime
+from ._pipeline import MetaStep, MetaStepType, MicroBatch, PipelineContext
 
 __all__ = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
+
+
+class StageChunks:
+    """A stage as an ``OVERLAP_B_F`` callback drives it (``schedule._stage_dict[index]``,
+    HyperParallel's ``forward_one_chunk`` / ``backward_one_chunk`` / ``recompute_one_chunk``); the
+    stage's other attributes read through.
+
+    Args:
+        stage: the :class:`~hyper_parallel_ms.pipelining.PipelineStage`.
+        runtime: the schedule's runtime, running the step's pair.
+
+    Example::
+
+        chunks = schedule._stage_dict[2]
+        chunks.backward_one_chunk(0)          # inside an OVERLAP_B_F callback
+    """
+
+    def __init__(self, stage: PipelineStage, runtime: Runtime) -> None:
+        self._stage, self._runtime = stage, runtime
+
+    def forward_one_chunk(self, micro_index: int, args: Any = None, kwargs: Any = None) -> Any:
+        """The stage's forward of ``micro_index`` (the schedule's own split of the step's inputs:
+        ``ctx.arg_mbs`` / ``ctx.kwarg_mbs``); returns its output (the loss on the last stage)."""
+        return self._runtime.run_forward(self._stage.stage_index, micro_index)
+
+    def backward_one_chunk(self, micro_index: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        """The stage's backward of ``micro_index`` (inputs and weights: ``full_backward=False``, the
+        split backward, is not built)."""
+        if not full_backward:
+            raise NotImplementedError("backward_one_chunk(full_backward=False): the split backward of a pair "
+                                      "(enable_dxdw_split) is not built; run the full backward")
+        self._runtime.run_backward(self._stage.stage_index, micro_index)
+
+    def recompute_one_chunk(self, micro_index: int) -> None:
+        """HyperParallel's forward re-run of a checkpointed chunk ahead of its backward: nothing to do
+        here (a checkpointed Cell recomputes inside its own backward)."""
+        del micro_index
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stage, name)
 
 
 def _output_as_loss(output: Any, _target: Any) -> Any:
@@ -65,6 +116,51 @@ class _HyperParallelSchedule:
         self._args_batch_dim, self._kwargs_batch_dim = args_batch_dim, kwargs_batch_dim
         self._micro_batch_num = self.n_microbatches
         self.split_micro_batch = MicroBatch(self.n_microbatches, args_batch_dim, kwargs_batch_dim)
+        self._custom_functions: Dict[MetaStepType, Callable] = {}
+
+    def register_custom_function(self, step_type: MetaStepType, fn: Callable[[MetaStep, PipelineContext], None]
+                                 ) -> None:
+        """HyperParallel's: ``fn(step, ctx)`` runs each ``OVERLAP_B_F`` step (see the module's text);
+        other step types take no callback here (raises)."""
+        if step_type is not MetaStepType.OVERLAP_B_F:
+            raise NotImplementedError(f"{type(self).__name__}.register_custom_function({step_type}): only "
+                                      f"MetaStepType.OVERLAP_B_F steps take a callback here")
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}.register_custom_function: fn must be callable fn(step, ctx), "
+                            f"got {fn!r}")
+        self._custom_functions[step_type] = fn
+
+    @property
+    def _stage_dict(self) -> Dict[int, StageChunks]:
+        """This rank's stages by index, as a callback drives them (:class:`StageChunks`)."""
+        return {stage.stage_index: StageChunks(stage, self._runtime) for stage in self.stages}
+
+    def wait_fwd_recv(self, stage_index: int, micro_index: int) -> None:
+        """HyperParallel's wait for a pair's forward input: received before the pair here (nothing to wait on)."""
+        del stage_index, micro_index
+
+    def wait_bwd_recv(self, stage_index: int, micro_index: int) -> None:
+        """HyperParallel's wait for a pair's output gradient: received before the pair here (nothing to wait on)."""
+        del stage_index, micro_index
+
+    def update_losses(self, stage: Any, output: Any, losses: list) -> None:
+        """HyperParallel's: the last stage's output of a forward a callback ran, appended to ``losses``."""
+        if stage.is_last:
+            losses.append(output)
+
+    def _pair_runner(self, batches: Optional[list]) -> Optional[Callable[[Action, Action], None]]:
+        fn = self._custom_functions.get(MetaStepType.OVERLAP_B_F)
+        if fn is None:
+            return None
+        n = self.n_microbatches
+        ctx = PipelineContext(self, [list(a) for a, _ in batches] if batches else [[] for _ in range(n)],
+                              [dict(k) for _, k in batches] if batches else [{} for _ in range(n)], [])
+
+        def run_pair(backward: Action, forward: Action) -> None:
+            fn(MetaStep(None, MetaStepType.OVERLAP_B_F, None,
+                        sub_steps=(MetaStep(backward.microbatch, MetaStepType.BWD, backward.stage),
+                                   MetaStep(forward.microbatch, MetaStepType.FWD, forward.stage))), ctx)
+        return run_pair
 
     @property
     def micro_batch_num(self) -> int:

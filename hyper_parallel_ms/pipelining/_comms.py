@@ -12,6 +12,10 @@ makes its datum (its key is that compute's end) and a RECV precedes the compute 
 (which starts no earlier than the key). Compute actions never wait, so the pending transfer
 with the smallest key always finds both of its ranks at it.
 
+A backward/forward pair (``paired``: the backwards of :mod:`._pairing`) is timed as one compute
+action that starts once both halves' inputs exist and makes both halves' outputs when it ends, so
+no transfer falls between its halves and the argument above holds for it as for any action.
+
 Example:
     >>> from hyper_parallel_ms.pipelining._action import Action
     >>> order = {0: [Action.parse(a) for a in ("0F0", "0B0")], 1: [Action.parse(a) for a in ("1F0", "1B0")]}
@@ -20,7 +24,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action, ActionKind, ScheduleError
 from ._data import Datum, costs, describe, makes, needs
@@ -29,7 +33,8 @@ __all__ = ["time_compute", "add_comms"]
 
 
 def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
-                 durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[Action, float]:
+                 durations: Optional[Mapping[ActionKind, float]] = None,
+                 paired: FrozenSet[Action] = frozenset()) -> Dict[Action, float]:
     """Start time of every compute action, transfers free and non-blocking (a parameter action listed
     twice on a rank, an UNSHARD after a RESHARD: the start of the later one).
 
@@ -41,6 +46,8 @@ def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
             which take no time by default), in order.
         placement: the rank of each stage, indexed by stage.
         durations: time units per kind (:func:`._data.costs`: compute 1 by default).
+        paired: backwards run as one action with the forward after them (a pair's forward starts
+            when its backward ends).
 
     Example:
         >>> from hyper_parallel_ms.pipelining._action import Action
@@ -48,18 +55,21 @@ def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
         >>> time_compute(order, placement=(0, 1))
         {0F0: 0.0, 1F0: 1.0, 1B0: 2.0, 0B0: 3.0}
     """
-    times = _start_times(order, placement, durations)
+    times, _ = _start_times(order, placement, durations, paired)
     timed = [(action, t) for rank in order for action, t in zip(order[rank], times[rank])]
     return dict(sorted(timed, key=lambda item: item[1]))
 
 
 def _start_times(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
-                 durations: Optional[Mapping[ActionKind, float]]) -> Dict[int, List[float]]:
-    """:func:`time_compute`'s start times, per rank in the order's positions."""
+                 durations: Optional[Mapping[ActionKind, float]], paired: FrozenSet[Action] = frozenset()
+                 ) -> Tuple[Dict[int, List[float]], Dict[int, List[float]]]:
+    """:func:`time_compute`'s start times and the times each action's data are made, per rank in the
+    order's positions (a pair's halves make theirs when the pair ends)."""
     num_stages = len(placement)
     cost = costs(durations)
     made: Dict[Datum, float] = {}
     starts: Dict[int, List[float]] = {r: [] for r in order}
+    ends: Dict[int, List[float]] = {r: [] for r in order}
     pos = {r: 0 for r in order}
     clock = {r: 0.0 for r in order}
     moved = True
@@ -67,27 +77,41 @@ def _start_times(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
         moved = False
         for rank in sorted(order):
             while pos[rank] < len(order[rank]):
-                action = order[rank][pos[rank]]
-                if not (action.kind.is_compute or action.kind.is_fsdp):
-                    raise ScheduleError(f"rank {rank}: {action} (step {pos[rank]}) is not a compute action; "
-                                        f"compute orders hold F, B, I and W (and UNSHARD, RESHARD, REDUCE_GRAD) "
-                                        f"only")
-                wanted = needs(action, num_stages)
+                unit = _unit(order[rank], pos[rank], paired)
+                for action in unit:
+                    if not (action.kind.is_compute or action.kind.is_fsdp):
+                        raise ScheduleError(f"rank {rank}: {action} (step {pos[rank]}) is not a compute action; "
+                                            f"compute orders hold F, B, I and W (and UNSHARD, RESHARD, "
+                                            f"REDUCE_GRAD) only")
+                wanted = [d for a in unit for d in needs(a, num_stages)]
                 if any(d not in made for d in wanted):
                     break
                 start = max([clock[rank]] + [made[d] for d in wanted])
-                starts[rank].append(start)
-                clock[rank] = start + cost[action.kind]
-                made.update((d, clock[rank]) for d in makes(action))
-                pos[rank] += 1
+                end = start + sum(cost[a.kind] for a in unit)
+                for action in unit:
+                    starts[rank].append(start if action is unit[0] else start + cost[unit[0].kind])
+                    ends[rank].append(end)
+                    made.update((d, end) for d in makes(action))
+                clock[rank] = end
+                pos[rank] += len(unit)
                 moved = True
     stuck = [(r, order[r][pos[r]]) for r in sorted(order) if pos[r] < len(order[r])]
     if stuck:
         waits = "; ".join(f"rank {r} waits at {a} (step {pos[r]}) for "
-                          + ", ".join(describe(d) for d in needs(a, num_stages) if d not in made)
+                          + ", ".join(describe(d) for u in _unit(order[r], pos[r], paired)
+                                      for d in needs(u, num_stages) if d not in made)
                           for r, a in stuck)
         raise ScheduleError(f"the compute order cannot run, ranks wait for each other: {waits}")
-    return starts
+    return starts, ends
+
+
+def _unit(actions: Sequence[Action], step: int, paired: FrozenSet[Action]) -> Tuple[Action, ...]:
+    """The action at ``step``, with the forward after it when it is a paired backward."""
+    if actions[step] in paired:
+        if step + 1 >= len(actions) or actions[step + 1].kind is not F:
+            raise ScheduleError(f"{actions[step]} (step {step}) is paired with the forward after it, but none follows")
+        return (actions[step], actions[step + 1])
+    return (actions[step],)
 
 
 def _transfers(action: Action, placement: Sequence[int]) -> Tuple[Tuple[Action, Action], ...]:
@@ -101,13 +125,15 @@ def _transfers(action: Action, placement: Sequence[int]) -> Tuple[Tuple[Action, 
 
 
 def add_comms(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
-              durations: Optional[Mapping[ActionKind, float]] = None) -> Dict[int, List[Action]]:
+              durations: Optional[Mapping[ActionKind, float]] = None,
+              paired: FrozenSet[Action] = frozenset()) -> Dict[int, List[Action]]:
     """Per-rank lists: the compute ``order`` with SEND / RECV placed as the module docstring says.
 
     Args:
         order: rank -> its compute actions (F, B, I, W, and the parameter actions), in order.
         placement: the rank of each stage, indexed by stage.
         durations: time units per kind used to order the transfers (:func:`._data.costs`).
+        paired: backwards that run as one action with the forward after them (:mod:`._pairing`).
 
     Example:
         >>> from hyper_parallel_ms.pipelining._action import Action
@@ -115,13 +141,14 @@ def add_comms(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
         >>> add_comms(order, placement=(0, 1))[1]
         [1RECV_F0, 1F0, 1B0, 1SEND_B0]
     """
-    starts = _start_times(order, placement, durations)
-    cost = costs(durations)
+    starts, ends = _start_times(order, placement, durations, paired)
     keyed: Dict[int, List[tuple]] = {r: [] for r in order}
     for rank, actions in order.items():
         for step, action in enumerate(actions):
-            keyed[rank].append((starts[rank][step], 1, step, action))
-            made = starts[rank][step] + cost[action.kind]
+            # a pair's forward sorts with its backward: nothing comes between them
+            sort_at = starts[rank][step - 1] if step and actions[step - 1] in paired else starts[rank][step]
+            keyed[rank].append((sort_at, 1, step, action))
+            made = ends[rank][step]
             for send, recv in _transfers(action, placement):
                 tie = (send.stage, send.kind.value, send.microbatch)
                 keyed[rank].append((made, 0, tie, send))

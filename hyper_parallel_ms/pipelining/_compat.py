@@ -10,10 +10,11 @@ HyperParallel          PyTorch / this library  translation
 ``output_concat_dim``  ``output_merge_spec``   an int ``d``: ``TensorChunkSpec(d)``
 ``overlap_p2p``        (none)                  checked and accepted: transfers are synchronous
 ``stage_num``          ``num_stages``          the same number
-``overlap_b_f``,       (none)                  ``False`` accepted; ``True`` refused by name
-``enable_dxdw_split``,                         (the overlaps and the activation swap they ask
-``swap``                                       for are not built); ``p2p_transport``:
-``p2p_transport``                              ``"plain"`` only
+``overlap_b_f``        ``build_plan(...,       interleaved 1F1B: backward/forward pairs
+                       overlap_b_f=True)``     (:mod:`._pairing`); other schedules refuse it
+``enable_dxdw_split``,                         ``False`` only (the split backward of the pairs
+``swap``                                       and the activation swap are not built);
+``p2p_transport``                              ``p2p_transport``: ``"plain"`` only
 =====================  ======================  =============================================
 
 Each pair is one argument under two names: give either; both are accepted when they are equal,
@@ -41,7 +42,9 @@ SCHEDULE_ARGS_DOC = """\
         overlap_p2p: HyperParallel's: accepted; the transfers here are synchronous either way (the values
             are the same).
         overlap_b_f: HyperParallel's overlap of one micro-batch's backward with another's forward (for
-            expert-parallel all-to-alls): ``False`` only (``True`` raises: not built).
+            expert-parallel all-to-alls): interleaved 1F1B pairs each steady-state backward with the
+            forward after it (``plan.paired``; run one after the other, or by HyperParallel's
+            ``OVERLAP_B_F`` callback on two threads); the other schedules refuse ``True``.
         enable_dxdw_split: HyperParallel's split of that overlapped backward into input and weight
             gradients: ``False`` only (the zero-bubble schedules split the backward themselves).
         p2p_transport: HyperParallel's transfer backend: ``"plain"`` only (point-to-point sends).
@@ -115,13 +118,14 @@ def schedule_arguments(where: str, n_microbatches: Optional[int], args_chunk_spe
 
 
 def refuse_unbuilt(where: str, *, overlap_b_f: bool, enable_dxdw_split: bool, p2p_transport: str,
-                   swap: bool) -> None:
+                   swap: bool, pairs: bool = False) -> None:
     """Refuse, by name, HyperParallel's schedule options that are not built here when they ask for
     something (``True``, a transport other than ``"plain"``); their defaults are accepted.
 
     Args:
         where: the schedule's class name, for the error messages.
         overlap_b_f: HyperParallel's backward/forward overlap flag.
+        pairs: whether the schedule builds backward/forward pairs (interleaved 1F1B).
         enable_dxdw_split: HyperParallel's input/weight gradient split of that overlap.
         p2p_transport: HyperParallel's transfer backend name.
         swap: HyperParallel's activation swap flag.
@@ -133,9 +137,10 @@ def refuse_unbuilt(where: str, *, overlap_b_f: bool, enable_dxdw_split: bool, p2
     for name, value in (("overlap_b_f", overlap_b_f), ("enable_dxdw_split", enable_dxdw_split), ("swap", swap)):
         if not isinstance(value, bool):
             raise TypeError(f"{where} {name} must be True or False, got {value!r}")
-    if overlap_b_f:
-        raise NotImplementedError(f"{where}(overlap_b_f=True): overlapping one micro-batch's backward with another's "
-                                  "forward is not built here; leave overlap_b_f=False (the values are the same)")
+    if overlap_b_f and not pairs:
+        raise NotImplementedError(f"{where}(overlap_b_f=True): only interleaved 1F1B pairs a backward with the "
+                                  "forward after it (HyperParallel's OVERLAP_B_F); use ScheduleInterleaved1F1B, or "
+                                  "leave overlap_b_f=False (the values are the same)")
     if enable_dxdw_split:
         raise NotImplementedError(f"{where}(enable_dxdw_split=True): the split backward of the B/F overlap is not "
                                   "built; leave it False, or use a zero-bubble schedule (ScheduleZBVZeroBubble, "

@@ -14,6 +14,10 @@ schedules the same way):
   action (B or W) of each stage: its backwards accumulate unreduced gradients, and this action
   reduces their sum (one reduce-scatter per sharded Cell and step).
 
+A backward/forward pair (:mod:`._pairing`) stays whole: the stages of both halves are gathered
+before the backward, and a RESHARD or REDUCE_GRAD the backward would be followed by comes after the
+forward.
+
 The parameter actions take no time in the plan's timelines (unless given a duration) and
 move no data between ranks; :func:`._validate.validate` checks their order on each rank.
 Pure Python.
@@ -26,9 +30,9 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, FrozenSet, List, Mapping, Sequence
 
-from ._action import B, RESHARD, REDUCE_GRAD, UNSHARD, W, Action
+from ._action import B, RESHARD, REDUCE_GRAD, UNSHARD, W, Action, ScheduleError
 
 __all__ = ["add_unshard_reshard", "add_reduce_grad", "lower_fsdp"]
 
@@ -44,12 +48,14 @@ def _next_stages(actions: Sequence[Action], count: int) -> List[int]:
     return stages
 
 
-def add_unshard_reshard(actions: Sequence[Action], max_active_stages: int = 3) -> List[Action]:
+def add_unshard_reshard(actions: Sequence[Action], max_active_stages: int = 3,
+                        paired: FrozenSet[Action] = frozenset()) -> List[Action]:
     """One rank's compute actions with UNSHARD / RESHARD added (see the module docstring).
 
     Args:
         actions: the rank's compute actions (F, B, I, W), in order.
         max_active_stages: the most stages held gathered at once (PyTorch's default, 3).
+        paired: backwards paired with the forward after them (nothing is added between the two).
 
     Example:
         >>> from hyper_parallel_ms.pipelining._action import Action
@@ -62,7 +68,13 @@ def add_unshard_reshard(actions: Sequence[Action], max_active_stages: int = 3) -
     out: List[Action] = []
     held: List[int] = []
     for i, action in enumerate(actions):
+        if i and actions[i - 1] in paired:          # a pair's forward: gathered with its backward
+            out.append(action)
+            continue
         wanted = _next_stages(actions[i:], max_active_stages)
+        if action in paired and actions[i + 1].stage not in wanted:
+            raise ScheduleError(f"{action} and {actions[i + 1]} run as a pair, which needs both stages gathered at "
+                                f"once; use max_active_stages >= 2 (got {max_active_stages})")
         for stage in [s for s in held if s not in wanted]:
             out.append(Action(stage, RESHARD))
             held.remove(stage)
@@ -74,12 +86,15 @@ def add_unshard_reshard(actions: Sequence[Action], max_active_stages: int = 3) -
     return out + [Action(stage, RESHARD) for stage in held]
 
 
-def add_reduce_grad(actions: Sequence[Action], n_microbatches: int) -> List[Action]:
-    """``actions`` with ``REDUCE_GRAD`` of each stage right after its ``n_microbatches``-th B or W.
+def add_reduce_grad(actions: Sequence[Action], n_microbatches: int,
+                    paired: FrozenSet[Action] = frozenset()) -> List[Action]:
+    """``actions`` with ``REDUCE_GRAD`` of each stage right after its ``n_microbatches``-th B or W
+    (after the forward a paired backward runs with).
 
     Args:
         actions: one rank's actions, in order.
         n_microbatches: micro-batches per step.
+        paired: backwards paired with the forward after them.
 
     Example:
         >>> from hyper_parallel_ms.pipelining._action import Action
@@ -88,28 +103,34 @@ def add_reduce_grad(actions: Sequence[Action], n_microbatches: int) -> List[Acti
     """
     counts: Dict[int, int] = {}
     out: List[Action] = []
+    waiting: List[Action] = []          # REDUCE_GRAD due after a pair's forward
     for action in actions:
         out.append(action)
         if action.kind in (B, W):
             counts[action.stage] = counts.get(action.stage, 0) + 1
             if counts[action.stage] == n_microbatches:
-                out.append(Action(action.stage, REDUCE_GRAD))
-    return out
+                (waiting if action in paired else out).append(Action(action.stage, REDUCE_GRAD))
+                continue
+        if action not in paired:
+            out.extend(waiting)
+            waiting.clear()
+    return out + waiting
 
 
 def lower_fsdp(order: Mapping[int, Sequence[Action]], n_microbatches: int,
-               max_active_stages: int = 3) -> Dict[int, List[Action]]:
+               max_active_stages: int = 3, paired: FrozenSet[Action] = frozenset()) -> Dict[int, List[Action]]:
     """Every rank's compute order with :func:`add_unshard_reshard`, then :func:`add_reduce_grad`.
 
     Args:
         order: rank -> its compute actions (F, B, I, W), in order.
         n_microbatches: micro-batches per step.
         max_active_stages: as :func:`add_unshard_reshard`.
+        paired: backwards paired with the forward after them (:mod:`._pairing`).
 
     Example:
         >>> from hyper_parallel_ms.pipelining._orders import gpipe
         >>> lower_fsdp(gpipe(pp=2, n_microbatches=1), 1)[1]
         [1UNSHARD, 1F0, 1B0, 1REDUCE_GRAD, 1RESHARD]
     """
-    return {rank: add_reduce_grad(add_unshard_reshard(actions, max_active_stages), n_microbatches)
+    return {rank: add_reduce_grad(add_unshard_reshard(actions, max_active_stages, paired), n_microbatches, paired)
             for rank, actions in order.items()}

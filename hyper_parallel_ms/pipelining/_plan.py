@@ -40,11 +40,12 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from ._action import B, F, W, Action, ActionKind, ScheduleError
 from ._comms import add_comms
 from ._lowering import lower_fsdp
+from ._pairing import backward_forward_pairs
 from ._orders import dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, zbv
 from ._placement import stage_to_rank, stages_of_rank
 from ._validate import Timeline, validate
@@ -104,6 +105,8 @@ class PipelinePlan:
         n_microbatches: micro-batches per step.
         placement: the rank of each stage, indexed by stage.
         actions: per rank, its actions in order.
+        paired: the backwards that run with the forward directly after them (HyperParallel's
+            ``OVERLAP_B_F`` steps, :mod:`._pairing`); none by default.
 
     Example:
         >>> plan = build_plan("GPipe", pp=2, n_microbatches=2)
@@ -115,11 +118,12 @@ class PipelinePlan:
     n_microbatches: int
     placement: Tuple[int, ...]                 # rank of each stage
     actions: Tuple[Tuple[Action, ...], ...]    # per rank
+    paired: FrozenSet[Action] = frozenset()
     _unit: Timeline = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_unit", validate(dict(enumerate(self.actions)), self.placement,
-                                                   self.n_microbatches))
+                                                   self.n_microbatches, paired=self.paired))
 
     @property
     def pp(self) -> int:
@@ -139,7 +143,7 @@ class PipelinePlan:
         """Start times under blocking send / recv, compute actions ``durations[kind]`` long (default 1)."""
         if durations is None:
             return self._unit
-        return validate(dict(enumerate(self.actions)), self.placement, self.n_microbatches, durations)
+        return validate(dict(enumerate(self.actions)), self.placement, self.n_microbatches, durations, self.paired)
 
     def bubble_fraction(self, durations: Optional[Mapping[ActionKind, float]] = None) -> float:
         """Idle share of the ranks' time in one step (unit-time actions by default)."""
@@ -176,7 +180,7 @@ class PipelinePlan:
 
 
 def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: Optional[int] = None,
-               fsdp: bool = False, max_active_stages: int = 3) -> PipelinePlan:
+               fsdp: bool = False, max_active_stages: int = 3, overlap_b_f: bool = False) -> PipelinePlan:
     """Lower ``schedule`` (a name of :data:`SCHEDULES`) for ``pp`` ranks; raises ``ScheduleError`` when it cannot run.
 
     Args:
@@ -190,12 +194,17 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
             and REDUCE_GRAD after its last weight gradient (:mod:`._lowering`), as the schedules do
             when a stage holds Cells sharded by ``fully_shard`` / ``hsdp``.
         max_active_stages: with ``fsdp``, the most stages a rank holds gathered at once.
+        overlap_b_f: ``Interleaved1F1B`` only: pair each backward that a rank runs directly before a
+            forward with that forward (HyperParallel's ``OVERLAP_B_F`` steps, :mod:`._pairing`); the
+            pairs are :attr:`PipelinePlan.paired`, and no transfer comes between a pair's halves.
 
     Example:
         >>> build_plan("Interleaved1F1B", pp=2, n_microbatches=4, stages_per_rank=2).placement
         (0, 1, 0, 1)
         >>> build_plan("GPipe", pp=2, n_microbatches=1, fsdp=True).actions[1]
         (1UNSHARD, 1RECV_F0, 1F0, 1B0, 1SEND_B0, 1REDUCE_GRAD, 1RESHARD)
+        >>> sorted(build_plan("Interleaved1F1B", pp=2, n_microbatches=2, overlap_b_f=True).paired)
+        [3B0]
     """
     if schedule not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
@@ -212,10 +221,18 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
         raise ScheduleError(f"{schedule} needs at least as many micro-batches as stages: got {n_microbatches} "
                             f"micro-batches for {len(placement)} stages; use n_microbatches >= {len(placement)} "
                             f"or GPipe")
-    if not isinstance(fsdp, bool):
-        raise ScheduleError(f"build_plan fsdp must be True or False, got {fsdp!r}")
+    for name, flag in (("fsdp", fsdp), ("overlap_b_f", overlap_b_f)):
+        if not isinstance(flag, bool):
+            raise ScheduleError(f"build_plan {name} must be True or False, got {flag!r}")
+    if overlap_b_f and schedule != "Interleaved1F1B":
+        raise ScheduleError(f"overlap_b_f=True pairs the steady-state backwards and forwards of Interleaved1F1B "
+                            f"(HyperParallel's OVERLAP_B_F), not of {schedule}; use Interleaved1F1B or "
+                            f"overlap_b_f=False")
     order = spec.order(pp, n_microbatches, v)
+    paired: FrozenSet[Action] = frozenset()
+    if overlap_b_f:
+        paired = frozenset().union(*backward_forward_pairs(order).values())
     if fsdp:
-        order = lower_fsdp(order, n_microbatches, max_active_stages)
-    lists = add_comms(order, placement)
-    return PipelinePlan(schedule, n_microbatches, placement, tuple(tuple(lists[r]) for r in range(pp)))
+        order = lower_fsdp(order, n_microbatches, max_active_stages, paired)
+    lists = add_comms(order, placement, paired=paired)
+    return PipelinePlan(schedule, n_microbatches, placement, tuple(tuple(lists[r]) for r in range(pp)), paired)

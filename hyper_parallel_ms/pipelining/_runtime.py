@@ -9,6 +9,10 @@ first (keeping the tape), parameters later (a compiled stage's backward answers 
 its ``I`` computes both and ``W`` adds the weight gradients). No forward runs again.
 ``SEND`` / ``RECV`` move activations and gradients as messages of :mod:`._channel` (a header
 naming the action and the shapes, then the tensors); stages on one rank hand over directly.
+A backward the plan pairs with the forward after it (``plan.paired``, HyperParallel's
+``OVERLAP_B_F``) runs with that forward through ``pair_runner`` when one is given (which must run
+both, e.g. on two threads: :meth:`Runtime.run_forward` / :meth:`Runtime.run_backward`), else
+the two run one after the other.
 ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` act on a fully_shard stage's units
 (:mod:`._fsdp_actions`): gathered once per step, the backwards' gradients accumulated unreduced
 and reduced once, at ``REDUCE_GRAD``. A failed action ends the step on every rank (:mod:`._failure`).
@@ -93,6 +97,7 @@ class Runtime:
         self.profile = False               # wait for each compute action's kernels (exact compute times)
         self.stats = StepStats(0.0, 0.0, 0)
         self.failed = False                # a step failed: messages may be in flight, no more steps
+        self._pair: Optional[Tuple[Set[Action], Set[Action]]] = None    # (the pair running, its halves run)
 
     def parameters(self) -> List[ms.Parameter]:
         """This rank's stages' trainable parameters, stage by stage (a Parameter two stages share: once)."""
@@ -118,7 +123,8 @@ class Runtime:
     def run(self, actions: Sequence[Action], microbatches: Optional[Sequence[Tuple[tuple, dict]]],
             targets: Optional[Sequence[Tensor]], losses: Optional[list], forward_only: bool = False,
             scales: Sequence[float] = (), merge: Optional[Callable[[list], Any]] = None,
-            stage_kwargs: Optional[Sequence[dict]] = None) -> Any:
+            stage_kwargs: Optional[Sequence[dict]] = None,
+            pair_runner: Optional[Callable[[Action, Action], None]] = None) -> Any:
         """Run ``actions`` (this rank's list); returns the last stage's outputs per micro-batch (if held
         here), or what ``merge`` makes of them (run inside the step: its error is the step's, on every rank).
         ``microbatches``: stage 0's ``(args, kwargs)`` per micro-batch (on its rank). ``scales``: the
@@ -128,6 +134,8 @@ class Runtime:
         ``forward_only``: only the forwards and their transfers run, nothing recorded for a backward
         (the last stage's losses only where ``targets`` are given; the gradients of the last
         training step are kept).
+        ``pair_runner(backward, forward)``: runs each pair of ``plan.paired`` (both halves, checked);
+        default: one after the other.
 
         Ends with the pp ranks' agreement on the step's outcome (:mod:`._failure`): if an action
         fails on any rank, every rank raises (the failed one its own error)."""
@@ -158,7 +166,12 @@ class Runtime:
         try:
             for s in reducing:          # every backward accumulates unreduced gradients
                 self.stages[s].set_requires_gradient_sync(False)
+            pairs = {} if forward_only or pair_runner is None else {
+                i: actions[i + 1] for i, a in enumerate(actions) if a in self.plan.paired}
+            skip = -1
             for at, action in enumerate(actions):
+                if at == skip:                    # a pair's forward, run with its backward
+                    continue
                 if action.kind in (B, W) and action.stage not in reducing:
                     # fully_shard units reduce the gradient summed over the micro-batches once per step
                     self.stages[action.stage].set_requires_gradient_sync(at == last_weight_grad[action.stage])
@@ -166,7 +179,11 @@ class Runtime:
                     handlers[action.kind](action.stage, action.microbatch)
                     continue
                 start = time.perf_counter()
-                handlers[action.kind](action.stage, action.microbatch)
+                if at in pairs:
+                    self._run_pair(pair_runner, action, pairs[at])
+                    skip = at + 1
+                else:
+                    handlers[action.kind](action.stage, action.microbatch)
                 if self.profile:
                     ms.runtime.synchronize()
                 compute += time.perf_counter() - start
@@ -195,6 +212,47 @@ class Runtime:
         return results
 
     # --------------------------------------------------------------- compute
+    def _run_pair(self, pair_runner: Callable[[Action, Action], None], backward: Action, forward: Action) -> None:
+        """``pair_runner(backward, forward)``, checked to have run both halves, once each."""
+        self._pair = ({backward, forward}, set())
+        try:
+            pair_runner(backward, forward)
+            missing = [str(a) for a in (backward, forward) if a not in self._pair[1]]
+        finally:
+            self._pair = None
+        if missing:
+            raise ScheduleError(f"the pair runner of {backward} and {forward} did not run {', '.join(missing)} (each "
+                                f"half must run once, e.g. through the stages' backward_one_chunk / "
+                                f"forward_one_chunk)")
+
+    def run_forward(self, s: int, m: int) -> Any:
+        """Stage ``s``'s forward of micro-batch ``m`` as a pair runner runs it (any thread); returns
+        the stage's output (the loss on the last stage)."""
+        self._pair_half(Action(s, F, m))
+        self._forward(s, m)
+        return self._results.get(m) if self.stages[s].is_last else self._latest_output(s, m)
+
+    def run_backward(self, s: int, m: int) -> None:
+        """Stage ``s``'s backward of micro-batch ``m`` as a pair runner runs it (any thread; the
+        caller's thread must have PyNative's gradient flags on)."""
+        self._pair_half(Action(s, B, m))
+        self._backward(s, m)
+
+    def _pair_half(self, action: Action) -> None:
+        pair = self._pair
+        if pair is None or action not in pair[0]:
+            running = "no pair is running" if pair is None else f"the pair running is {sorted(map(str, pair[0]))}"
+            raise ScheduleError(f"{action} cannot run now: {running} (a pair runner runs its own two halves)")
+        if action in pair[1]:
+            raise ScheduleError(f"{action} ran twice in one pair")
+        pair[1].add(action)
+
+    def _latest_output(self, s: int, m: int) -> Any:
+        """What stage ``s``'s forward of ``m`` handed on (to the next stage here, or to its SEND)."""
+        if (s, m) in self._outs:
+            return self._outs[s, m]
+        return self._inputs.get((s + 1, m))
+
     def _forward(self, s: int, m: int) -> None:
         stage = self.stages[s]
         args, kwargs = self._batches[m] if s == 0 else (

@@ -96,6 +96,7 @@ class PipelineSchedule:
     # the last stage's output is the loss (no target)
     keywords_to_every_stage = False
     output_is_loss = False
+    pairs = False                  # overlap_b_f=True builds backward/forward pairs (interleaved 1F1B)
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: Optional[int] = None,
                  loss_fn: Optional[Callable] = None, args_chunk_spec: Optional[Sequence[Any]] = None,
@@ -106,7 +107,7 @@ class PipelineSchedule:
                  overlap_p2p: bool = False, overlap_b_f: bool = False, enable_dxdw_split: bool = False,
                  p2p_transport: str = "plain", swap: bool = False) -> None:
         name = type(self).__name__
-        refuse_unbuilt(name, overlap_b_f=overlap_b_f, enable_dxdw_split=enable_dxdw_split,
+        refuse_unbuilt(name, overlap_b_f=overlap_b_f, enable_dxdw_split=enable_dxdw_split, pairs=self.pairs,
                        p2p_transport=p2p_transport, swap=swap)
         n, args_chunk_spec, kwargs_chunk_spec, output_merge_spec = schedule_arguments(
             name, n_microbatches, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
@@ -126,6 +127,7 @@ class PipelineSchedule:
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
+        self.overlap_b_f = overlap_b_f
         self.mesh = stages[0].mesh
         self.plan = self._agreed_plan(stages, n, loss_fn)
         self._shared = SharedParameters(shared_parameters, stages, self.mesh, type(self).__name__)
@@ -150,7 +152,7 @@ class PipelineSchedule:
         if num_stages != pp * v:
             raise ScheduleError(f"{name}: {num_stages} stages do not fit the pp mesh of {pp} ranks with {v} stage(s) "
                                 f"per rank; use num_stages = {pp * v} or a pp mesh of {num_stages // v or 1} ranks")
-        plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v)
+        plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, overlap_b_f=self.overlap_b_f)
         flags = np.zeros((pp, 5), np.float32)
         flags[me] = (tuple(st.stage_index for st in stages) != plan.stages_of(me),
                      plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None,
@@ -172,7 +174,7 @@ class PipelineSchedule:
         # a stage built with has_backward=False (HyperParallel's): every step runs as eval, on every rank
         self.has_backward = not high[:, 2].any()
         if high[:, 4].any():      # fully_shard stages: gathered once per step, gradients reduced once (PyTorch's)
-            plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, fsdp=True)
+            plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, fsdp=True, overlap_b_f=self.overlap_b_f)
         return plan
 
     # --------------------------------------------------------------- one step
@@ -284,7 +286,8 @@ class PipelineSchedule:
         got: Optional[list] = None if losses is None else []
         stage_kwargs = [kw for _, kw in batches] if self.keywords_to_every_stage and batches else None
         outs = self._runtime.run(self.plan.actions[self.mesh.get_local_rank()], batches if first else None, targets,
-                                 got, forward_only=forward_only, scales=scales, merge=merge, stage_kwargs=stage_kwargs)
+                                 got, forward_only=forward_only, scales=scales, merge=merge, stage_kwargs=stage_kwargs,
+                                 pair_runner=self._pair_runner(batches))
         if last and losses is not None:        # PyTorch's: the list holds this step's losses only
             losses[:] = got
         if not forward_only:
@@ -293,6 +296,11 @@ class PipelineSchedule:
             return list(outs) if last else []
         return outs if merge is not None else None
 
+
+    def _pair_runner(self, batches: Optional[list]) -> Optional[Callable]:
+        """What runs the plan's backward/forward pairs (HyperParallel's schedules: a registered
+        ``OVERLAP_B_F`` callback); ``None``: one after the other."""
+        return None
 
     def run(self, *args: object, target: Optional[Tensor] = None, losses: Optional[list] = None,
             **kwargs: object) -> list:

@@ -110,7 +110,10 @@ class PipelineScheduleMulti(PipelineSchedule):
 @shared_args
 class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """Interleaved 1F1B: several stages per rank, looped (stage s on rank s % pp); with one stage per rank
-    it is 1F1B with ``2 (pp - 1 - rank)`` warm-up forwards (PyTorch's too).
+    it is 1F1B with ``2 (pp - 1 - rank)`` warm-up forwards (PyTorch's too). With ``overlap_b_f=True``
+    (HyperParallel's) each steady-state backward is paired with the forward after it
+    (``plan.paired``): the pair's transfers go before and after it, and it runs one half after the
+    other unless HyperParallel's schedule is given an ``OVERLAP_B_F`` callback (the same values).
 
     Args:
         stages: this rank's stages (e.g. stages r and r + pp; one stage: stage r).
@@ -124,6 +127,7 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """
 
     schedule_name = "Interleaved1F1B"
+    pairs = True
 
 
 @shared_args

@@ -15,7 +15,9 @@ CPU ``send`` does) and refuses, naming the rank and the action:
   last B or W or listed twice;
 * a compute or SEND that runs before what it needs is on its rank (F before its input is
   received, B before its own F or before the output gradient arrives, W before its I);
-* a deadlock: ranks that wait for each other, reported with the action each is blocked on.
+* a deadlock: ranks that wait for each other, reported with the action each is blocked on;
+* a backward/forward pair (``paired``) whose halves are not adjacent or could not run at once
+  (:func:`._pairing.check_pairs`).
 
 Compute actions take ``durations[kind]`` time units (1 by default), SEND / RECV none, the
 parameter actions none unless given (:func:`._data.costs`); the returned :class:`Timeline`
@@ -36,10 +38,11 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ._action import B, F, I, REDUCE_GRAD, RESHARD, UNSHARD, W, Action, ActionKind, ScheduleError
 from ._data import Datum, costs, describe, makes, needs
+from ._pairing import check_pairs
 
 __all__ = ["Timeline", "validate", "check_static", "check_fsdp"]
 
@@ -190,7 +193,7 @@ def _deadlock(actions, pos: List[int]) -> ScheduleError:
 
 
 def validate(actions: Mapping[int, Sequence[Action]], placement: Sequence[int], n_microbatches: int,
-             durations: Durations = None) -> Timeline:
+             durations: Durations = None, paired: FrozenSet[Action] = frozenset()) -> Timeline:
     """Check per-rank action lists (see the module docstring) and return their timeline.
 
     Args:
@@ -198,6 +201,7 @@ def validate(actions: Mapping[int, Sequence[Action]], placement: Sequence[int], 
         placement: the rank of each stage, indexed by stage.
         n_microbatches: micro-batches per step.
         durations: time units per compute kind (1 for each by default); transfers take none.
+        paired: backwards each run with the forward directly after them (:mod:`._pairing`).
 
     Example:
         >>> from hyper_parallel_ms.pipelining import build_plan
@@ -206,6 +210,7 @@ def validate(actions: Mapping[int, Sequence[Action]], placement: Sequence[int], 
         6.0
     """
     check_static(actions, placement, n_microbatches)
+    check_pairs(actions, paired, len(placement))
     num_stages = len(placement)
     cost = costs(durations)
     ranks = sorted(actions)
