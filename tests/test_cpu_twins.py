@@ -323,10 +323,27 @@ def collectives_on_ranks():
             buffer = mint.zeros((8, 2), dtype=ms.float32)
             ops_ = [distributed.P2POp("isend", x, peer), distributed.P2POp("irecv", buffer[4:8], peer)]
             distributed.batch_isend_irecv(ops_ if rank == 0 else ops_[::-1])[0].wait()
+            # a DTensor's zero_ / fill_ (MindFormers' init_states of a tensor-parallel model): the dispatcher
+            # runs InplaceZero / InplaceFillScalar on the piece
+            from hyper_parallel_ms import Partial, Shard, distribute_tensor, init_device_mesh
+            mesh = init_device_mesh("cpu", (2,))
+            sharded = distribute_tensor(ms.Tensor(np.ones((4, 2), np.float32)), mesh, [Shard(0)])
+            sharded.fill_(2.5)
+            weight = ms.Parameter(distribute_tensor(ms.Tensor(np.ones((4, 2), np.float32)), mesh, [Shard(1)]), name="w")
+            weight.fill_(-1.0)
+            filled = (_np(sharded.full_tensor()), _np(weight.full_tensor()))
+            sharded.zero_()
+            weight.zero_()
+            zeroed = (_np(sharded.full_tensor()), _np(weight.to_local()))
+            try:
+                sharded.redistribute(mesh, [Partial()]).fill_(1.0)
+                filled += ("accepted",)
+            except ValueError as exc:
+                filled += (str(exc),)
     finally:
         comm.set_comm_ops_inplace(True)
     return (_np(total), _np(gathered), _np(piece), _np(moved), _np(grad), [_np(t) for t in lists], _np(in_place),
-            _np(into), _np(buffer))
+            _np(into), _np(buffer), (filled, zeroed))
 
 
 def test_collective_twins_on_two_ranks():
@@ -334,7 +351,13 @@ def test_collective_twins_on_two_ranks():
     rows = [np.arange(6, dtype=np.float32).reshape(3, 2) + 10 * r for r in range(2)]
     expect_moved = [np.concatenate([rows[0][:1], rows[1]]), rows[0][1:]]
     results = run_on_ranks(collectives_on_ranks, 2)
-    for rank, (total, gathered, piece, moved, grad, lists, in_place, into, buffer) in enumerate(results):
+    for rank, (total, gathered, piece, moved, grad, lists, in_place, into, buffer, (filled, zeroed)) in enumerate(
+            results):
+        np.testing.assert_array_equal(filled[0], np.full((4, 2), 2.5, np.float32))       # the whole tensor
+        np.testing.assert_array_equal(filled[1], np.full((4, 2), -1.0, np.float32))
+        assert "Partial" in filled[2], filled[2]
+        np.testing.assert_array_equal(zeroed[0], np.zeros((4, 2), np.float32))
+        np.testing.assert_array_equal(zeroed[1], np.zeros((4, 1), np.float32))
         np.testing.assert_array_equal(total, base * 3)
         np.testing.assert_array_equal(gathered, np.concatenate([base, base * 2]))
         np.testing.assert_array_equal(piece, (base * 3)[2 * rank:2 * rank + 2])

@@ -50,7 +50,7 @@ repeated indices |
 | ``StackExt`` | ``mint.stack`` | ``ops.stack`` (bfloat16 through float32: exact) |
 | ``LinalgVectorNorm`` | ``mint.norm`` / ``mint.linalg.vector_norm`` | ``sqrt(sum(x^2))`` for ``ord=2``, ``sum(abs(x)^p)^(1/p)``, ``max`` / ``min`` of ``abs(x)`` for ``inf`` / ``-inf``, the nonzero count for ``0``; in ``dtype`` when given |
 | ``AddcmulExt`` | ``mint.addcmul`` (MindFormers' AdamW) | ``input + tensor1 * tensor2 * value`` in the input's dtype |
-| ``Tensor.fill_`` / ``Tensor.zero_`` | C++ methods (MindFormers' initialisation of norms and biases; no CPU kernel) | ``ops.fill`` / ``ops.zeros`` written back with ``copy_``; a DTensor keeps its method |
+| ``Tensor.fill_`` / ``Tensor.zero_`` | C++ methods (MindFormers' initialisation of norms and biases; no CPU kernel) | ``ops.fill`` / ``ops.zeros`` written back with ``copy_``; a DTensor's piece likewise (MindFormers' initialisation of a tensor-parallel model; a Partial DTensor's ``fill_`` is refused) |
 | ``InplaceNormal`` | ``Tensor.normal_`` (MindFormers' parameter initialisation) | numpy's normal draws seeded by (seed, offset), written in place: deterministic, not the device generator's values |
 | ``Clone`` / ``Tensor.clone`` | ``mint.clone`` / ``Tensor.clone`` (a C++ method) | ``ops.deepcopy`` (bfloat16 through float32: exact); a ``Parameter`` keeps ``Parameter.clone`` (a DTensor parameter's class puts ``Tensor`` first) |
 | ``Tensor.copy_`` | ``Tensor.copy_`` (a C++ method) | into a view (storage offset, strides, or part of a larger storage): ``self[...] = src`` (MindSpore 2.10's CPU ``InplaceCopy`` writes nothing into ``a[2:4]``, measured, and refuses a source that is such a view); a source view is first copied whole; else the method itself |
