@@ -146,3 +146,14 @@ def resume(steps: int) -> Dict[str, Any]:
         if get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
         destroy_group("hccl_world_group")
+
+
+def pipeline_and_tensor_parallel(steps: int) -> Dict[str, Any]:
+    """On 4 ranks: its Trainer on its DeepSeek-V3 over pp=2 x tp=2 (sequence parallelism inside each stage);
+    rank 0 also runs the trainer step on one device (the others need not wait for it)."""
+    from mindspore.communication import get_rank
+    from tests._mindformers_backward import one_device
+    out: Dict[str, Any] = {"run": train(steps, 2, pipeline_parallel=2, moe=True)}
+    if get_rank() == 0:
+        out["reference"] = one_device(steps, moe=True)
+    return out

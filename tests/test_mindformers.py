@@ -5,7 +5,7 @@ TP=2 with sequence parallelism, FSDP over dp=2, and context parallelism cp=2 (Mi
 and Ulysses methods, on its flash attention with the compressed causal mask: one sequence of 2048).
 MindFormers' pipeline path does not build a Qwen3 model in 2.1.0 (its stage builder passes
 ``layer_start``, which PyNativeQwen3ForCausalLM does not take): see docs/mindformers.md; it builds its
-DeepSeek-V3, which its Trainer trains over pp=2. And
+DeepSeek-V3, which its Trainer trains over pp=2 (and pp=2 x tp=2 on 4 ranks). And
 MindFormers' MoE, PyNativeDeepseekV3ForCausalLM at tiny sizes, with its own expert parallelism over
 ep=2 (experts sharded, tokens exchanged by all-to-all): over the dp ranks (dense parameters fully
 sharded over dp=2; the token permutation written out and fused) and over the ranks of TP=2 with
@@ -204,3 +204,26 @@ def test_mindformers_trainer_pipeline_trains_as_one_device(runs):
     assert [r["trainer_pp2_moe"][3]["layers"] for r in runs] == [["0"], ["1"]]
     assert set(held) == set(ref_params)                      # every parameter on one of the stages
     assert sum(bool(r["trainer_pp2_moe"][0]) for r in runs) == 1
+
+
+def test_mindformers_trainer_pipeline_with_tensor_parallelism_trains_as_one_device():
+    """Its Trainer over pp=2 x tp=2 on 4 ranks (its DeepSeek-V3: each stage's layer tensor-parallel with sequence
+    parallelism over its 2 ranks, the stage built by its ``StageModelBuilder`` with the tp mesh; its
+    ``init_states`` filling DTensor pieces; the clipped global norm over both axes): losses (on the last stage's
+    ranks), norms and every parameter against the trainer step on one device (measured: losses 2e-7, parameters
+    9e-5 of the largest value at worst, AdamW's rounding of near-zero gradients, the bound of the pp=2 test)."""
+    from tests._mindformers_trainer import pipeline_and_tensor_parallel
+    runs = run_on_ranks(pipeline_and_tensor_parallel, 4, STEPS, timeout=600)
+    ref_losses, ref_norms, ref_params, _ = runs[0]["reference"]
+    held = {}
+    for rank, result in enumerate(runs):
+        losses, norms, params, built = result["run"]
+        assert (built["tensor_parallel"], built["schedule"], built["layers"]) == (2, "Schedule1F1B", [str(rank // 2)])
+        if losses:
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+        held.update(params)
+        for name, value in params.items():
+            np.testing.assert_allclose(value, ref_params[name], rtol=1e-4, atol=1e-4, err_msg=name)
+    assert set(held) == set(ref_params)
+    assert [bool(r["run"][0]) for r in runs] == [False, False, True, True]      # the last stage's ranks
