@@ -65,9 +65,17 @@ def _model():
                                                                       types.SimpleNamespace(config=config)))
 
 
-def deredundancy(steps: int) -> Dict[str, object]:
-    """``steps`` Muon steps (``allgather_deredundency``) of the weights sharded over a 1-D mesh of 2 ranks and, on
-    each rank, of the same weights on one device (Muon's default ``allgather`` strategy, no DTensor); the same
+# on a 2 x 2 mesh (4 ranks): a weight sharded over both mesh dims on one tensor dim, one on two tensor dims, and
+# one sharded on one mesh dim and replicated over the other
+SHARDS_2D = {"decoder.layers.0.self_attention.linear_qb.weight": (0, 0),
+             "decoder.layers.0.mlp.linear_fc2.weight": (0, 1),
+             "decoder.layers.0.self_attention.linear_proj.weight": (None, 1)}
+
+
+def deredundancy(steps: int, mesh_shape=(2,)) -> Dict[str, object]:
+    """``steps`` Muon steps (``allgather_deredundency``) of the weights sharded over a mesh of ``mesh_shape``
+    (``(2,)``: as :data:`SHARDS`; ``(2, 2)``: as :data:`SHARDS_2D`, each a weight's Shard dims per mesh dim) and,
+    on each rank, of the same weights on one device (Muon's default ``allgather`` strategy, no DTensor); the same
     gradients (seeded, whole on one device, distributed as the weights). Returns per weight the largest
     difference to one device and the largest change of the weight, MindFormers' layout decision and op list."""
     from tests._mindformers_qwen3 import _setup
@@ -84,8 +92,12 @@ def deredundancy(steps: int) -> Dict[str, object]:
         piece = full[Layout(mesh.shape, placements).local_slices(full.shape, mesh.get_coordinate())]
         return DTensor.from_local(ms.Tensor(np.ascontiguousarray(piece)), mesh, placements)
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    place = {n: [Replicate()] if d is None else [Shard(d)] for n, d in SHARDS.items()}
+    if tuple(mesh_shape) == (2,):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        place = {n: [Replicate()] if d is None else [Shard(d)] for n, d in SHARDS.items()}
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        place = {n: [Replicate() if d is None else Shard(d) for d in dims] for n, dims in SHARDS_2D.items()}
     rng = np.random.default_rng(7)
     init = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
     grads = [{n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()} for _ in range(steps)]
@@ -110,9 +122,10 @@ def deredundancy(steps: int) -> Dict[str, object]:
         # group from get_platform().create_group, mint.distributed.all_gather_into_tensor
         from mindformers.pynative.optimizer import muon
         fc2 = "decoder.layers.0.mlp.linear_fc2.weight"
-        rows = shard(init[fc2].T.copy(), [Shard(0)]).to_local()           # rows sharded: one all_concat on dim 0
+        rows_place = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)          # rows sharded: one all_concat on dim 0
+        rows = shard(init[fc2].T.copy(), rows_place).to_local()
         from mindspore.communication import get_rank
-        pending = muon._start_full_tensor_async(rows, mesh, [Shard(0)], get_rank())
+        pending = muon._start_full_tensor_async(rows, mesh, rows_place, get_rank())
         fallback = pending.wait().asnumpy() if pending is not None else None
         local = {p.name: p.to_local().asnumpy() for p in sharded}
     want = {p.name: p.asnumpy() for p in whole}

@@ -148,12 +148,15 @@ def resume(steps: int) -> Dict[str, Any]:
         destroy_group("hccl_world_group")
 
 
-def pipeline_and_tensor_parallel(steps: int) -> Dict[str, Any]:
-    """On 4 ranks: its Trainer on its DeepSeek-V3 over pp=2 x tp=2 (sequence parallelism inside each stage);
-    rank 0 also runs the trainer step on one device (the others need not wait for it)."""
+def four_rank_runs(steps: int) -> Dict[str, Any]:
+    """On 4 ranks: its Trainer on its DeepSeek-V3 over pp=2 x tp=2 (sequence parallelism inside each stage), rank 0
+    also running the trainer step on one device (the others need not wait for it); and its Muon optimizer on
+    weights sharded over a 2 x 2 mesh (tests/_mindformers_muon.py)."""
     from mindspore.communication import get_rank
     from tests._mindformers_backward import one_device
-    out: Dict[str, Any] = {"run": train(steps, 2, pipeline_parallel=2, moe=True)}
+    from tests._mindformers_muon import deredundancy
+    out: Dict[str, Any] = {"pp2_tp2": train(steps, 2, pipeline_parallel=2, moe=True)}
     if get_rank() == 0:
         out["reference"] = one_device(steps, moe=True)
+    out["muon_2d"] = deredundancy(2, (2, 2))
     return out

@@ -10,7 +10,7 @@ MindFormers' MoE, PyNativeDeepseekV3ForCausalLM at tiny sizes, with its own expe
 ep=2 (experts sharded, tokens exchanged by all-to-all): over the dp ranks (dense parameters fully
 sharded over dp=2; the token permutation written out and fused) and over the ranks of TP=2 with
 sequence parallelism. And MindFormers' Muon optimizer on sharded weights (its point-to-point strategy, through
-HyperParallel's redistribution inference on DTensor layouts). And its ``Trainer`` end to end (TP=2 + SP,
+HyperParallel's redistribution inference on DTensor layouts; on 2 ranks, and on a 2 x 2 mesh of 4). And its ``Trainer`` end to end (TP=2 + SP,
 FSDP over dp=2): ``loss.backward(sense)`` (``enable_mindspore_backward_compat``), its global gradient norm
 and clipping on ``param.grad`` (DTensors), its own AdamW. One rank call runs them all (24 s at load 4 to 75 s at load 10, measured on
 2 shared cores; the context-parallel runs and their one-device reference, sequence 2048, about half
@@ -206,18 +206,22 @@ def test_mindformers_trainer_pipeline_trains_as_one_device(runs):
     assert sum(bool(r["trainer_pp2_moe"][0]) for r in runs) == 1
 
 
-def test_mindformers_trainer_pipeline_with_tensor_parallelism_trains_as_one_device():
+@pytest.fixture(scope="module")
+def four_ranks():
+    from tests._mindformers_trainer import four_rank_runs
+    return run_on_ranks(four_rank_runs, 4, STEPS, timeout=600)
+
+
+def test_mindformers_trainer_pipeline_with_tensor_parallelism_trains_as_one_device(four_ranks):
     """Its Trainer over pp=2 x tp=2 on 4 ranks (its DeepSeek-V3: each stage's layer tensor-parallel with sequence
     parallelism over its 2 ranks, the stage built by its ``StageModelBuilder`` with the tp mesh; its
     ``init_states`` filling DTensor pieces; the clipped global norm over both axes): losses (on the last stage's
     ranks), norms and every parameter against the trainer step on one device (measured: losses 2e-7, parameters
     9e-5 of the largest value at worst, AdamW's rounding of near-zero gradients, the bound of the pp=2 test)."""
-    from tests._mindformers_trainer import pipeline_and_tensor_parallel
-    runs = run_on_ranks(pipeline_and_tensor_parallel, 4, STEPS, timeout=600)
-    ref_losses, ref_norms, ref_params, _ = runs[0]["reference"]
+    ref_losses, ref_norms, ref_params, _ = four_ranks[0]["reference"]
     held = {}
-    for rank, result in enumerate(runs):
-        losses, norms, params, built = result["run"]
+    for rank, result in enumerate(four_ranks):
+        losses, norms, params, built = result["pp2_tp2"]
         assert (built["tensor_parallel"], built["schedule"], built["layers"]) == (2, "Schedule1F1B", [str(rank // 2)])
         if losses:
             np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -226,4 +230,28 @@ def test_mindformers_trainer_pipeline_with_tensor_parallelism_trains_as_one_devi
         for name, value in params.items():
             np.testing.assert_allclose(value, ref_params[name], rtol=1e-4, atol=1e-4, err_msg=name)
     assert set(held) == set(ref_params)
-    assert [bool(r["run"][0]) for r in runs] == [False, False, True, True]      # the last stage's ranks
+    assert [bool(r["pp2_tp2"][0]) for r in four_ranks] == [False, False, True, True]      # the last stage's ranks
+
+
+def test_mindformers_muon_on_a_two_dimensional_mesh_as_one_device(four_ranks):
+    """MindFormers' Muon (``allgather_deredundency``) on a 2 x 2 mesh: a weight sharded over both mesh dims on one
+    tensor dim (one all_concat over the 4 ranks), one sharded on two tensor dims (two all_concats, over the
+    column and the row of the rank), one sharded on one mesh dim and replicated over the other (its replica-local
+    path: an owner in each replica group, ranks 0 and 2); 2 steps equal to one device bit for bit, and its
+    default ``allgather`` strategy too (measured difference 0.0)."""
+    from tests._mindformers_muon import SHARDS_2D
+    for rank, r in enumerate(four_ranks):
+        result = r["muon_2d"]
+        for name in SHARDS_2D:
+            assert result["change"][name] > 1e-3, name
+            assert result["difference"][name] == 0.0 and result["allgather_difference"][name] == 0.0, name
+        row, column = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
+        decisions = result["decisions"]
+        assert decisions["decoder.layers.0.self_attention.linear_qb.weight"] == (
+            "p2p_shard_domain", [("all_concat", (0, 4, [0, 1, 2, 3]))])
+        assert decisions["decoder.layers.0.mlp.linear_fc2.weight"] == (
+            "p2p_shard_domain", [("all_concat", (0, 2, column)), ("all_concat", (1, 2, row))])
+        assert decisions["decoder.layers.0.self_attention.linear_proj.weight"] == (
+            "p2p_replica_local", [("all_concat", (1, 2, row))])
+        assert result["owners"]["decoder.layers.0.self_attention.linear_proj.weight"] == row[0]
+        assert result["fallback_gather"] == 0.0
