@@ -104,6 +104,8 @@ def test_overlap_b_f_plans_keep_each_pair_whole():
             plain = build_plan("Interleaved1F1B", pp, n, stages_per_rank=v, fsdp=fsdp)
             paired = build_plan("Interleaved1F1B", pp, n, stages_per_rank=v, fsdp=fsdp, overlap_b_f=True)
             assert paired.paired and all(a.kind is B for a in paired.paired)
+            # a pair running at once holds its forward's state before its backward frees one
+            assert all(q in (p, p + 1) for p, q in zip(plain.peak_activations(), paired.peak_activations()))
             for rank in range(pp):
                 compute = [[a for a in p.actions[rank] if a.kind.is_compute] for p in (plain, paired)]
                 assert compute[0] == compute[1]
@@ -111,6 +113,7 @@ def test_overlap_b_f_plans_keep_each_pair_whole():
                 for i, a in enumerate(acts):
                     if a in paired.paired:
                         assert acts[i + 1].kind is F
+    assert build_plan("Interleaved1F1B", 4, 8, overlap_b_f=True).peak_activations() == (12, 10, 8, 6)   # unpaired: 11, 9, 7, 5
     with pytest.raises(ScheduleError, match="Interleaved1F1B"):
         build_plan("1F1B", 2, 4, overlap_b_f=True)
     with pytest.raises(ScheduleError, match="comes next"):

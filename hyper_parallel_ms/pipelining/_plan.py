@@ -150,15 +150,20 @@ class PipelinePlan:
         return self.timeline(durations).bubble_fraction
 
     def peak_activations(self) -> Tuple[int, ...]:
-        """Per rank, the most forward states held at once (F run, its B or W not yet), in (stage, micro-batch) units.
+        """Per rank, the most forward states held at once (F run, its B or W not yet), in (stage, micro-batch)
+        units. A pair of :attr:`paired` may run at once: its forward's state counts before its backward frees one.
 
         >>> build_plan("1F1B", pp=4, n_microbatches=8).peak_activations()
         (4, 3, 2, 1)
+        >>> build_plan("Interleaved1F1B", pp=2, n_microbatches=4, overlap_b_f=True).peak_activations()
+        (6, 4)
         """
         peaks = []
         for acts in self.actions:
             held = peak = 0
             for a in acts:
+                if a in self.paired:              # both halves at once: the forward's state before the release
+                    peak = max(peak, held + 1)
                 held += (a.kind is F) - (a.kind in (B, W))
                 peak = max(peak, held)
             peaks.append(peak)
