@@ -251,6 +251,11 @@ def run_overlap_b_f(mesh, me, ms, nn, ops) -> Dict[str, Any]:
         log: List[str] = []
         schedule, chunks = build(None, log)
         result["paired"] = sorted(str(a) for a in schedule.plan.paired if a.stage in (me, me + 2))
+        steps = schedule.exec_order[me]                 # HyperParallel's MetaStep lists, a pair one OVERLAP_B_F step
+        result["overlap_steps"] = sorted(f"{s.sub_steps[0].stage_index}B{s.sub_steps[0].micro_index}"
+                                         for s in steps if s.type is MetaStepType.OVERLAP_B_F
+                                         and [t.type for t in s.sub_steps] == [MetaStepType.BWD, MetaStepType.FWD])
+        result["steps"] = len(steps) + len(result["overlap_steps"]) == len(schedule.plan.actions[me])
         sequential = grads_of(schedule, chunks)
         result["worst"] = max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(sequential, reference))
         unpaired = grads_of(*build(None, [], overlap_b_f=False))

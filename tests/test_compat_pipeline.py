@@ -84,6 +84,7 @@ def test_overlap_b_f_pairs_run_by_mindformers_callback_on_two_threads_equal_the_
     for r in runs:
         got = r["overlap_b_f"]
         assert got["paired"] == expected[r["rank"]], got["paired"]
+        assert got["overlap_steps"] == expected[r["rank"]] and got["steps"], got      # exec_order's OVERLAP_B_F steps
         assert got["worst"] < 1e-5, got
         assert got["unpaired_vs_sequential"] == 0.0 and got["threaded_vs_sequential"] == 0.0, got
         assert got["threaded_backwards"] == len(expected[r["rank"]]), got
@@ -124,10 +125,11 @@ def test_overlap_b_f_plans_keep_each_pair_whole():
 
 def test_meta_step_types_and_the_micro_batch_splitter():
     assert MetaStepType.FWD.action_kind is F and MetaStepType.BWD_SEND.action_kind is SEND_B
-    plain = [t for t in MetaStepType if t is not MetaStepType.OVERLAP_B_F]
-    assert len({t.action_kind for t in plain}) == len(plain) == 6
-    with pytest.raises(ValueError, match="sub_steps"):
-        MetaStepType.OVERLAP_B_F.action_kind
+    plain = [t for t in MetaStepType if not t.name.startswith("OVERLAP")]
+    assert len({t.action_kind for t in plain}) == len(plain) == 11           # every kind of action, once
+    for composite in (MetaStepType.OVERLAP_B_F, MetaStepType.OVERLAP_F_B):
+        with pytest.raises(ValueError, match="sub_steps"):
+            composite.action_kind
     x = ms.Tensor(np.arange(24, dtype=np.float32).reshape(4, 6))
     mask = ms.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
     args, kwargs = MicroBatch(2, args_batch_dim=[BatchDimSpec(0)], kwargs_batch_dim={"mask": BatchDimSpec(1),

@@ -15,7 +15,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..pipelining._action import B, F, RECV_B, RECV_F, SEND_B, SEND_F, ActionKind
+from ..pipelining._action import (B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action,
+                                  ActionKind)
 from ..pipelining._microbatch import TensorChunkSpec, split_args_kwargs_into_chunks
 
 __all__ = ["MetaStepType", "MetaStep", "PipelineContext", "MicroBatch"]
@@ -23,10 +24,13 @@ __all__ = ["MetaStepType", "MetaStep", "PipelineContext", "MicroBatch"]
 
 class MetaStepType(enum.Enum):
     """HyperParallel's kinds of schedule step; :attr:`action_kind` is the action of this
-    library's schedules that each one is (``F``, ``B``, ``RECV_F``, ``SEND_F``, ``RECV_B``,
-    ``SEND_B``). ``OVERLAP_B_F`` is a backward and the forward after it, paired by
-    ``ScheduleInterleaved1F1B(overlap_b_f=True)`` (its ``sub_steps``; no action of its own), the one
-    step a callback can be registered for (``register_custom_function``).
+    library's schedules that each one is (``FWD``: ``F``, ``BWD``: ``B``, ``BWD_INPUT``: ``I``,
+    ``BWD_WEIGHT``: ``W``, the transfers, ``FSDP_UNSHARD`` / ``FSDP_RESHARD`` / ``FSDP_REDUCE_GRAD``:
+    the parameter actions of fully_shard stages). ``OVERLAP_B_F`` is a backward and the forward after
+    it, paired by ``ScheduleInterleaved1F1B(overlap_b_f=True)`` (its ``sub_steps``; no action of its
+    own), the one step a callback can be registered for (``register_custom_function``);
+    ``OVERLAP_F_B`` (a forward, then a backward) is a kind no schedule here makes. HyperParallel's
+    swap steps are not members (the activation swap between micro-batches is not built).
 
     Args:
         value: a member's value, as any ``Enum`` takes it (use the members by name).
@@ -42,14 +46,26 @@ class MetaStepType(enum.Enum):
     BWD_RECV = 5
     BWD_SEND = 6
     OVERLAP_B_F = 7
+    BWD_INPUT = 8
+    BWD_WEIGHT = 9
+    OVERLAP_F_B = 10
+    FSDP_UNSHARD = 11
+    FSDP_RESHARD = 12
+    FSDP_REDUCE_GRAD = 13
 
     @property
     def action_kind(self) -> ActionKind:
-        """The kind of action of this library's schedules this step is (``OVERLAP_B_F``, two actions: raises)."""
-        if self is MetaStepType.OVERLAP_B_F:
-            raise ValueError("MetaStepType.OVERLAP_B_F is two actions, its sub_steps' (a B and an F)")
-        return {MetaStepType.FWD: F, MetaStepType.BWD: B, MetaStepType.FWD_RECV: RECV_F,
-                MetaStepType.FWD_SEND: SEND_F, MetaStepType.BWD_RECV: RECV_B, MetaStepType.BWD_SEND: SEND_B}[self]
+        """The kind of action of this library's schedules this step is (a composite kind, two actions: raises)."""
+        if self not in _ACTION_KINDS:
+            raise ValueError(f"MetaStepType.{self.name} is two actions, its sub_steps'")
+        return _ACTION_KINDS[self]
+
+
+_ACTION_KINDS = {MetaStepType.FWD: F, MetaStepType.BWD: B, MetaStepType.BWD_INPUT: I, MetaStepType.BWD_WEIGHT: W,
+                 MetaStepType.FWD_RECV: RECV_F, MetaStepType.FWD_SEND: SEND_F, MetaStepType.BWD_RECV: RECV_B,
+                 MetaStepType.BWD_SEND: SEND_B, MetaStepType.FSDP_UNSHARD: UNSHARD,
+                 MetaStepType.FSDP_RESHARD: RESHARD, MetaStepType.FSDP_REDUCE_GRAD: REDUCE_GRAD}
+_STEP_TYPES = {kind: step for step, kind in _ACTION_KINDS.items()}
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,20 @@ class MetaStep:
     type: MetaStepType
     stage_index: Optional[int]
     sub_steps: Tuple["MetaStep", ...] = ()
+
+    @staticmethod
+    def of(action: Action) -> "MetaStep":
+        """The step an action of this library's plans is.
+
+        >>> MetaStep.of(Action.parse("1RECV_F0"))
+        MetaStep(micro_index=0, type=<MetaStepType.FWD_RECV: 3>, stage_index=1, sub_steps=())
+        """
+        return MetaStep(action.microbatch, _STEP_TYPES[action.kind], action.stage)
+
+    @staticmethod
+    def pair(backward: Action, forward: Action) -> "MetaStep":
+        """The ``OVERLAP_B_F`` step of a backward and the forward paired with it."""
+        return MetaStep(None, MetaStepType.OVERLAP_B_F, None, sub_steps=(MetaStep.of(backward), MetaStep.of(forward)))
 
 
 class PipelineContext:

@@ -12,7 +12,7 @@ on this library's schedules. What differs from PyTorch's (``hyper_parallel_ms.pi
   ``labels``); it returns the last stage's outputs per micro-batch (``[]`` on other ranks) and **adds
   the gradients into each parameter's** ``grad`` (``enable_mindspore_backward_compat()`` must be on, as
   MindFormers' trainer turns it on); stages built with ``has_backward=False`` run forwards only;
-- ``exec_order``: each pp rank's actions, for logging;
+- ``exec_order``: each pp rank's steps (``MetaStep`` s), for logging;
 - ``ScheduleInterleaved1F1B(..., overlap_b_f=True)`` pairs each steady-state backward with the
   forward after it (HyperParallel's ``OVERLAP_B_F`` steps; the pairs' transfers come before and
   after them). A pair runs one half after the other unless a callback is registered:
@@ -157,9 +157,7 @@ class _HyperParallelSchedule:
                               [dict(k) for _, k in batches] if batches else [{} for _ in range(n)], [])
 
         def run_pair(backward: Action, forward: Action) -> None:
-            fn(MetaStep(None, MetaStepType.OVERLAP_B_F, None,
-                        sub_steps=(MetaStep(backward.microbatch, MetaStepType.BWD, backward.stage),
-                                   MetaStep(forward.microbatch, MetaStepType.FWD, forward.stage))), ctx)
+            fn(MetaStep.pair(backward, forward), ctx)
         return run_pair
 
     @property
@@ -192,9 +190,19 @@ class _HyperParallelSchedule:
                                f"...) as well")
 
     @property
-    def exec_order(self) -> Dict[int, List[str]]:
-        """Each pp rank's actions in order (HyperParallel's ``exec_order``, printable)."""
-        return {rank: [str(a) for a in actions] for rank, actions in enumerate(self.plan.actions)}
+    def exec_order(self) -> Dict[int, List[MetaStep]]:
+        """Each pp rank's steps in order (HyperParallel's ``exec_order``: ``MetaStep`` s, a backward/forward pair
+        one ``OVERLAP_B_F`` step)."""
+        order: Dict[int, List[MetaStep]] = {}
+        for rank, actions in enumerate(self.plan.actions):
+            steps: List[MetaStep] = []
+            for at, action in enumerate(actions):
+                if at and actions[at - 1] in self.plan.paired:
+                    continue
+                steps.append(MetaStep.pair(action, actions[at + 1]) if action in self.plan.paired
+                             else MetaStep.of(action))
+            order[rank] = steps
+        return order
 
     def run(self, *args: Any, **kwargs: Any) -> list:
         """One step (see the module's text): the last stage's outputs per micro-batch on its rank,
