@@ -34,20 +34,21 @@ def _check_pair(mesh, x_np, w_np, src, dst):
     src_layout = Layout(mesh.shape, src).normalized(len(shape))
     dst_layout = Layout(mesh.shape, dst).normalized(len(shape))
     dt = distribute_tensor(ms.Tensor(x_np), mesh, src, src_data_rank=None)
-    out = dt.redistribute(mesh, dst)
-    assert out.placements == dst_layout.placements and out.shape == shape
-    if not any(p.is_partial() for p in dst):      # every rank's piece checked: the whole tensor is
-        np.testing.assert_allclose(out.to_local().asnumpy(), _piece(x_np, dst_layout, coord), rtol=1e-6)
-    else:                                         # pending sums: their total
-        np.testing.assert_allclose(out.full_tensor().asnumpy(), x_np, rtol=1e-5, atol=1e-6)
-
     w = ms.Tensor(w_np)
+    seen = {}
 
-    def loss(local):
+    def loss(local):            # one PyNative forward serves the values and the gradient
         d = DTensor.from_local(local, mesh, src, shape=shape)
-        return (d.redistribute(mesh, dst).full_tensor() * w).sum()
+        seen["out"] = d.redistribute(mesh, dst)
+        seen["full"] = seen["out"].full_tensor()
+        return (seen["full"] * w).sum()
 
     grad = ms.grad(loss)(dt.to_local())
+    out = seen["out"]
+    assert out.placements == dst_layout.placements and out.shape == shape
+    if not any(p.is_partial() for p in dst):      # every rank's piece
+        np.testing.assert_allclose(out.to_local().asnumpy(), _piece(x_np, dst_layout, coord), rtol=1e-6)
+    np.testing.assert_allclose(seen["full"].asnumpy(), x_np, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grad.asnumpy(), _piece(w_np, replicate_partials(src_layout), coord),
                                rtol=1e-5, atol=1e-6)
 
