@@ -103,26 +103,42 @@ def _reference(c: OpCase, arrays):
     return [_numpy(o) for o in outs], weights, floats, grads
 
 
+class _NotDTensor(Exception):
+    """An output of the op on DTensors that is not one."""
+
+
 def _check(c: OpCase, mesh, combo, arrays, ref) -> Optional[str]:
     ref_outs, weights, floats, ref_grads = ref
     dts = [distribute_tensor(Tensor(a), mesh, p, src_data_rank=None) for a, p in zip(arrays, combo)]
-    outs = _outputs(c.fn(*dts))
-    for o in outs:
-        if not isinstance(o, DTensor):
-            return f"returned a {type(o).__name__}, not a DTensor"
-    for o, want in zip(outs, ref_outs):
-        problem = _differs((o.astype(ms.float32) if _is_float(o) else o).full_tensor().asnumpy(), want)
+    seen = {}
+
+    def forward(args):
+        outs = _outputs(c.fn(*args))
+        for o in outs:
+            if not isinstance(o, DTensor):
+                raise _NotDTensor(f"returned a {type(o).__name__}, not a DTensor")
+        seen["outs"], seen["full"] = outs, [o.full_tensor() for o in outs]
+        return seen["full"]
+
+    def loss(*pieces):          # one PyNative forward serves the values and the gradient
+        args = list(dts)
+        for i, piece in zip(floats, pieces):
+            args[i] = DTensor.from_local(piece, mesh, dts[i].layout, shape=dts[i].shape)
+        return sum((full * w).sum() for full, w in zip(forward(args), weights) if _is_float(full))
+
+    try:
+        if ref_grads is None:
+            forward(dts)
+        else:
+            grads = ms.grad(loss, grad_position=tuple(range(len(floats))))(*[dts[i].to_local() for i in floats])
+    except _NotDTensor as err:
+        return str(err)
+    for o, full, want in zip(seen["outs"], seen["full"], ref_outs):
+        problem = _differs((full.astype(ms.float32) if _is_float(full) else full).asnumpy(), want)
         if problem:
             return f"value differs: placements {o.placements}, {problem}"
     if ref_grads is None:
         return None
-
-    def loss(*pieces):
-        args = list(dts)
-        for i, piece in zip(floats, pieces):
-            args[i] = DTensor.from_local(piece, mesh, dts[i].layout, shape=dts[i].shape)
-        return sum((o.full_tensor() * w).sum() for o, w in zip(_outputs(c.fn(*args)), weights) if _is_float(o))
-    grads = ms.grad(loss, grad_position=tuple(range(len(floats))))(*[dts[i].to_local() for i in floats])
     grads = grads if isinstance(grads, tuple) else (grads,)
     coord = mesh.get_coordinate()
     for i, g, rg in zip(floats, grads, ref_grads):
