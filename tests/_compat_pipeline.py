@@ -161,6 +161,14 @@ def _hyper_parallel_schedule(mesh, me, stage_model, reference, batch, loss_fn) -
     return result
 
 
+def _failure(call) -> str:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return str(exc)
+    return "accepted"
+
+
 def _refusal(call) -> str:
     try:
         call()
@@ -275,11 +283,18 @@ def run_overlap_b_f(mesh, me, ms, nn, ops) -> Dict[str, Any]:
             MetaStepType.OVERLAP_B_F,
             lambda step, ctx: ctx.schedule._stage_dict[step.sub_steps[0].stage_index].backward_one_chunk(
                 step.sub_steps[0].micro_index))
-        try:
-            grads_of(schedule, chunks)
-            result["left_out"] = "accepted"
-        except Exception as exc:  # noqa: BLE001 - the message is the result
-            result["left_out"] = str(exc)
+        result["left_out"] = _failure(lambda: grads_of(schedule, chunks))
+        result["outside"] = _failure(lambda: schedule._stage_dict[me].forward_one_chunk(0))      # no pair running
+
+        def twice(step, ctx):
+            bwd, fwd = step.sub_steps
+            chunks_ = ctx.schedule._stage_dict
+            chunks_[bwd.stage_index].backward_one_chunk(bwd.micro_index)
+            chunks_[fwd.stage_index].forward_one_chunk(fwd.micro_index)
+            chunks_[bwd.stage_index].backward_one_chunk(bwd.micro_index)
+        schedule, chunks = build(None, [])
+        schedule.register_custom_function(MetaStepType.OVERLAP_B_F, twice)
+        result["twice"] = _failure(lambda: grads_of(schedule, chunks))
     finally:
         disable_mindspore_backward_compat()
     return result

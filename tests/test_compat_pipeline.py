@@ -78,8 +78,8 @@ def test_overlap_b_f_pairs_run_by_mindformers_callback_on_two_threads_equal_the_
     the other, the gradients equal one device's (float32 sums of 4 micro-batches: 1e-7 measured, 1e-5
     bound) and equal the unpaired schedule's bit for bit; run by MindFormers' own OVERLAP_B_F callback
     (forward here, backward on CommComputeOverlap's thread, taking turns at the hooks) bit for bit too, each
-    pair's backward on the second thread. A callback that leaves the forward out fails the step on both
-    ranks, naming the half."""
+    pair's backward on the second thread. A callback that leaves the forward out, or runs a half twice, fails
+    the step on both ranks, naming the half; a stage's forward_one_chunk outside a pair is refused."""
     expected = {0: ["0B0", "2B0", "2B1"], 1: ["1B0", "1B1", "3B0", "3B1", "3B2"]}
     for r in runs:
         got = r["overlap_b_f"]
@@ -89,6 +89,8 @@ def test_overlap_b_f_pairs_run_by_mindformers_callback_on_two_threads_equal_the_
         assert got["unpaired_vs_sequential"] == 0.0 and got["threaded_vs_sequential"] == 0.0, got
         assert got["threaded_backwards"] == len(expected[r["rank"]]), got
         assert "did not run 3F1" in got["left_out"], got["left_out"]
+        assert "no pair is running" in got["outside"], got["outside"]
+        assert "ran twice in one pair" in got["twice"] or "pipeline step failed" in got["twice"], got["twice"]
 
 
 def test_overlap_b_f_plans_keep_each_pair_whole():
