@@ -224,11 +224,11 @@ def run_overlap_b_f(mesh, me, ms, nn, ops) -> Dict[str, Any]:
     x = ms.Tensor(rng.standard_normal((4 * ROWS, 3)).astype(np.float32))
     y = ms.Tensor(rng.standard_normal((4 * ROWS,)).astype(np.float32))
 
-    def build(overlap, log, overlap_b_f=True):
+    def build(overlap, log, overlap_b_f=True, dxdw=False):
         ms.set_seed(3)
         chunks = _overlap_chunks(nn, ops, overlap, log)
         stages = [pl.PipelineStage(chunks[s], s, 4, mesh=mesh) for s in (me, me + 2)]
-        return ScheduleInterleaved1F1B(stages, 4, overlap_b_f=overlap_b_f), chunks
+        return ScheduleInterleaved1F1B(stages, 4, overlap_b_f=overlap_b_f, enable_dxdw_split=dxdw), chunks
 
     def grads_of(schedule, chunks):
         schedule.run(*((x,) if me == 0 else ()), labels=y)
@@ -277,6 +277,16 @@ def run_overlap_b_f(mesh, me, ms, nn, ops) -> Dict[str, Any]:
         result["threaded_backwards"] = sum(name == "hpms-overlap-backward" for name in log)
         result["threaded_vs_sequential"] = max(float(np.abs(a - b).max()) for a, b in zip(threaded, sequential))
         result["unpaired_vs_sequential"] = max(float(np.abs(a - b).max()) for a, b in zip(unpaired, sequential))
+        # enable_dxdw_split: the pairs' input gradients in the pairs, their weight gradients after
+        split = grads_of(*build(None, [], dxdw=True))
+        overlap, log = CommComputeOverlap(), []
+        schedule, chunks = build(overlap, log, dxdw=True)
+        schedule.register_custom_function(MetaStepType.OVERLAP_B_F, _make_overlap_b_f_callback(overlap))
+        split_threaded = grads_of(schedule, chunks)
+        result["split_vs_sequential"] = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                                            for a, b in zip(split, sequential))
+        result["split_threaded_vs_split"] = max(float(np.abs(a - b).max()) for a, b in zip(split_threaded, split))
+        result["split_threaded_backwards"] = sum(name == "hpms-overlap-backward" for name in log)
 
         schedule, chunks = build(None, [])
         schedule.register_custom_function(

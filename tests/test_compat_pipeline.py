@@ -88,6 +88,10 @@ def test_overlap_b_f_pairs_run_by_mindformers_callback_on_two_threads_equal_the_
         assert got["worst"] < 1e-5, got
         assert got["unpaired_vs_sequential"] == 0.0 and got["threaded_vs_sequential"] == 0.0, got
         assert got["threaded_backwards"] == len(expected[r["rank"]]), got
+        # enable_dxdw_split (input gradients in the pairs, weight gradients after): the same gradients, by the
+        # callback too
+        assert got["split_vs_sequential"] < 1e-6 and got["split_threaded_vs_split"] == 0.0, got
+        assert got["split_threaded_backwards"] == len(expected[r["rank"]]), got
         assert "did not run 3F1" in got["left_out"], got["left_out"]
         assert "no pair is running" in got["outside"], got["outside"]
         assert "ran twice in one pair" in got["twice"] or "pipeline step failed" in got["twice"], got["twice"]
@@ -123,6 +127,22 @@ def test_overlap_b_f_plans_keep_each_pair_whole():
         check_pairs({0: [Action.parse(a) for a in ("0B0", "0SEND_B0", "0F1")]}, frozenset({Action.parse("0B0")}), 1)
     with pytest.raises(ScheduleError, match="max_active_stages >= 2"):
         build_plan("Interleaved1F1B", 2, 4, fsdp=True, max_active_stages=1, overlap_b_f=True)
+    # enable_dxdw_split: a pair's backward is its input gradient (I), the weight gradient (W) the next compute
+    # action after the pair's forward; a first stage's paired backward stays whole (HyperParallel's)
+    from hyper_parallel_ms.pipelining._action import I, W
+    for fsdp in (False, True):
+        whole = build_plan("Interleaved1F1B", 4, 8, fsdp=fsdp, overlap_b_f=True)
+        split = build_plan("Interleaved1F1B", 4, 8, fsdp=fsdp, overlap_b_f=True, dxdw_split=True)
+        assert {(a.stage, a.microbatch) for a in split.paired} == {(a.stage, a.microbatch) for a in whole.paired}
+        for rank in range(4):
+            compute = [a for a in split.actions[rank] if a.kind.is_compute]
+            for i, a in enumerate(compute):
+                if a in split.paired:
+                    assert a.kind is (B if a.stage == 0 else I) and compute[i + 1].kind is F
+                    if a.kind is I:
+                        assert compute[i + 2] == Action(a.stage, W, a.microbatch)
+    with pytest.raises(ScheduleError, match="needs overlap_b_f=True"):
+        build_plan("Interleaved1F1B", 2, 4, dxdw_split=True)
 
 
 def test_meta_step_types_and_the_micro_batch_splitter():
@@ -150,5 +170,5 @@ def test_stage_keywords_are_checked():
         PipelineStage(Model(1), 0, 1, dyn_shape="yes")
     stage = PipelineStage(Model(1), 0, 1, dyn_shape=True)
     assert stage.dyn_shape and stage._has_backward
-    with pytest.raises(NotImplementedError, match="enable_dxdw_split"):
+    with pytest.raises(ValueError, match="enable_dxdw_split=True.*needs overlap_b_f=True"):
         ScheduleGPipe(stage, 2, lambda o, t: o.mean(), enable_dxdw_split=True)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from .._mindspore.tensor_backward import backward_compat_enabled
 from ..pipelining import PipelineStage
 from ..pipelining import _schedules as pytorch_schedules
-from ..pipelining._action import Action
+from ..pipelining._action import I, Action
 from ..pipelining._runtime import Runtime
 from ._pipeline import MetaStep, MetaStepType, MicroBatch, PipelineContext
 
@@ -72,12 +72,15 @@ class StageChunks:
 
     def backward_one_chunk(self, micro_index: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:
-        """The stage's backward of ``micro_index`` (inputs and weights: ``full_backward=False``, the
-        split backward, is not built)."""
-        if not full_backward:
-            raise NotImplementedError("backward_one_chunk(full_backward=False): the split backward of a pair "
-                                      "(enable_dxdw_split) is not built; run the full backward")
-        self._runtime.run_backward(self._stage.stage_index, micro_index)
+        """The stage's backward of ``micro_index``: the half the schedule pairs, a full backward or, under
+        ``enable_dxdw_split``, its input gradient (a ``BWD_INPUT`` sub-step: the weight gradient is the
+        schedule's ``BWD_WEIGHT`` step after the pair, whatever ``full_backward`` says); ``full_backward=False``
+        for a full backward's half is refused (no weight-gradient step follows it)."""
+        kind = self._runtime.run_backward(self._stage.stage_index, micro_index)
+        if not full_backward and kind is not I:
+            raise ValueError(f"backward_one_chunk({micro_index}, full_backward=False) of stage "
+                             f"{self._stage.stage_index}: its pair's backward is whole (no BWD_WEIGHT step follows "
+                             f"it; enable_dxdw_split splits the pairs of stages after the first)")
 
     def recompute_one_chunk(self, micro_index: int) -> None:
         """HyperParallel's forward re-run of a checkpointed chunk ahead of its backward: nothing to do

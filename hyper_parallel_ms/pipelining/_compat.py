@@ -12,9 +12,10 @@ HyperParallel          PyTorch / this library  translation
 ``stage_num``          ``num_stages``          the same number
 ``overlap_b_f``        ``build_plan(...,       interleaved 1F1B: backward/forward pairs
                        overlap_b_f=True)``     (:mod:`._pairing`); other schedules refuse it
-``enable_dxdw_split``,                         ``False`` only (the split backward of the pairs
-``swap``                                       and the activation swap are not built);
-``p2p_transport``                              ``p2p_transport``: ``"plain"`` only
+``enable_dxdw_split``  ``build_plan(...,       with ``overlap_b_f``: a pair's backward split
+                       dxdw_split=True)``      into I in the pair and W after it
+``swap``,                                      ``False`` only (the activation swap is not
+``p2p_transport``                              built); ``p2p_transport``: ``"plain"`` only
 =====================  ======================  =============================================
 
 Each pair is one argument under two names: give either; both are accepted when they are equal,
@@ -46,7 +47,8 @@ SCHEDULE_ARGS_DOC = """\
             forward after it (``plan.paired``; run one after the other, or by HyperParallel's
             ``OVERLAP_B_F`` callback on two threads); the other schedules refuse ``True``.
         enable_dxdw_split: HyperParallel's split of that overlapped backward into input and weight
-            gradients: ``False`` only (the zero-bubble schedules split the backward themselves).
+            gradients (with ``overlap_b_f=True``: the input gradient in the pair, the weight gradient
+            right after its transfers; a first stage's backwards stay whole).
         p2p_transport: HyperParallel's transfer backend: ``"plain"`` only (point-to-point sends).
         swap: HyperParallel's activation swap between micro-batches: ``False`` only (swap Cells with
             ``hyper_parallel_ms.training.swap_wrapper``).
@@ -141,10 +143,9 @@ def refuse_unbuilt(where: str, *, overlap_b_f: bool, enable_dxdw_split: bool, p2
         raise NotImplementedError(f"{where}(overlap_b_f=True): only interleaved 1F1B pairs a backward with the "
                                   "forward after it (HyperParallel's OVERLAP_B_F); use ScheduleInterleaved1F1B, or "
                                   "leave overlap_b_f=False (the values are the same)")
-    if enable_dxdw_split:
-        raise NotImplementedError(f"{where}(enable_dxdw_split=True): the split backward of the B/F overlap is not "
-                                  "built; leave it False, or use a zero-bubble schedule (ScheduleZBVZeroBubble, "
-                                  "ScheduleInterleavedZeroBubble), which splits the backward itself")
+    if enable_dxdw_split and not overlap_b_f:
+        raise ValueError(f"{where}(enable_dxdw_split=True) splits the backward of each backward/forward pair: it "
+                         f"needs overlap_b_f=True")
     if swap:
         raise NotImplementedError(f"{where}(swap=True): swapping activations between micro-batches is not built; "
                                   "swap Cells with hyper_parallel_ms.training.swap_wrapper instead")

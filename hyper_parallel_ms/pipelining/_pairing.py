@@ -26,12 +26,12 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Mapping, Sequence
+from typing import Dict, FrozenSet, List, Mapping, Sequence, Tuple
 
-from ._action import B, F, Action, ScheduleError
+from ._action import B, F, I, W, Action, ScheduleError
 from ._data import describe, makes, needs
 
-__all__ = ["backward_forward_pairs", "check_pairs", "partner_of"]
+__all__ = ["backward_forward_pairs", "check_pairs", "partner_of", "split_pairs"]
 
 
 def backward_forward_pairs(order: Mapping[int, Sequence[Action]]) -> Dict[int, FrozenSet[Action]]:
@@ -47,6 +47,42 @@ def backward_forward_pairs(order: Mapping[int, Sequence[Action]]) -> Dict[int, F
     """
     return {rank: frozenset(a for a, nxt in zip(acts, acts[1:]) if a.kind is B and nxt.kind is F)
             for rank, acts in order.items()}
+
+
+def split_pairs(order: Mapping[int, Sequence[Action]], paired: FrozenSet[Action]
+                ) -> Tuple[Dict[int, List[Action]], FrozenSet[Action]]:
+    """The compute ``order`` with each paired backward of a stage after the first split: ``I`` in the pair,
+    ``W`` right after its forward; returns the new order and the new paired backwards.
+
+    Args:
+        order: rank -> its compute actions, in order.
+        paired: the paired backwards (:func:`backward_forward_pairs`).
+
+    Example:
+        >>> order = {1: [Action.parse(a) for a in ("1F0", "1F1", "1B0", "1F2", "1B1", "1B2")]}
+        >>> new, pairs = split_pairs(order, frozenset({Action.parse("1B0")}))
+        >>> new[1], sorted(pairs)
+        ([1F0, 1F1, 1I0, 1F2, 1W0, 1B1, 1B2], [1I0])
+    """
+    new: Dict[int, List[Action]] = {}
+    pairs = set()
+    for rank, acts in order.items():
+        out: List[Action] = []
+        weight = None
+        for action in acts:
+            if action in paired and action.stage > 0:
+                action, weight = Action(action.stage, I, action.microbatch), Action(action.stage, W, action.microbatch)
+                pairs.add(action)
+                out.append(action)
+                continue
+            if action in paired:
+                pairs.add(action)
+            out.append(action)
+            if weight is not None:           # the pair's forward: its weight gradient next
+                out.append(weight)
+                weight = None
+        new[rank] = out
+    return new, frozenset(pairs)
 
 
 def partner_of(actions: Sequence[Action], step: int) -> Action:
@@ -80,8 +116,8 @@ def check_pairs(actions: Mapping[int, Sequence[Action]], paired: FrozenSet[Actio
                 continue
             found.add(action)
             where = f"rank {rank}: {action} (step {step})"
-            if action.kind is not B:
-                raise ScheduleError(f"{where} is marked as the backward of a backward/forward pair; only B is")
+            if action.kind not in (B, I):
+                raise ScheduleError(f"{where} is marked as the backward of a backward/forward pair; only B or I is")
             if step + 1 >= len(acts) or acts[step + 1].kind is not F:
                 nxt = "the list ends" if step + 1 >= len(acts) else f"{acts[step + 1]} comes next"
                 raise ScheduleError(f"{where} is paired with the forward after it, but {nxt}; a pair's transfers go "

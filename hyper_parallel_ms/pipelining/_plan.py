@@ -45,7 +45,7 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 from ._action import B, F, W, Action, ActionKind, ScheduleError
 from ._comms import add_comms
 from ._lowering import lower_fsdp
-from ._pairing import backward_forward_pairs
+from ._pairing import backward_forward_pairs, split_pairs
 from ._orders import dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, one_f_one_b, zbv
 from ._placement import stage_to_rank, stages_of_rank
 from ._validate import Timeline, validate
@@ -185,7 +185,8 @@ class PipelinePlan:
 
 
 def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: Optional[int] = None,
-               fsdp: bool = False, max_active_stages: int = 3, overlap_b_f: bool = False) -> PipelinePlan:
+               fsdp: bool = False, max_active_stages: int = 3, overlap_b_f: bool = False,
+               dxdw_split: bool = False) -> PipelinePlan:
     """Lower ``schedule`` (a name of :data:`SCHEDULES`) for ``pp`` ranks; raises ``ScheduleError`` when it cannot run.
 
     Args:
@@ -202,6 +203,9 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
         overlap_b_f: ``Interleaved1F1B`` only: pair each backward that a rank runs directly before a
             forward with that forward (HyperParallel's ``OVERLAP_B_F`` steps, :mod:`._pairing`); the
             pairs are :attr:`PipelinePlan.paired`, and no transfer comes between a pair's halves.
+        dxdw_split: with ``overlap_b_f``: a pair's backward is its input gradient (I), its weight
+            gradient (W) runs right after the pair's transfers (HyperParallel's ``enable_dxdw_split``;
+            the first stage's backwards stay whole).
 
     Example:
         >>> build_plan("Interleaved1F1B", pp=2, n_microbatches=4, stages_per_rank=2).placement
@@ -226,9 +230,12 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
         raise ScheduleError(f"{schedule} needs at least as many micro-batches as stages: got {n_microbatches} "
                             f"micro-batches for {len(placement)} stages; use n_microbatches >= {len(placement)} "
                             f"or GPipe")
-    for name, flag in (("fsdp", fsdp), ("overlap_b_f", overlap_b_f)):
+    for name, flag in (("fsdp", fsdp), ("overlap_b_f", overlap_b_f), ("dxdw_split", dxdw_split)):
         if not isinstance(flag, bool):
             raise ScheduleError(f"build_plan {name} must be True or False, got {flag!r}")
+    if dxdw_split and not overlap_b_f:
+        raise ScheduleError("dxdw_split=True splits the backward of each backward/forward pair: it needs "
+                            "overlap_b_f=True")
     if overlap_b_f and schedule != "Interleaved1F1B":
         raise ScheduleError(f"overlap_b_f=True pairs the steady-state backwards and forwards of Interleaved1F1B "
                             f"(HyperParallel's OVERLAP_B_F), not of {schedule}; use Interleaved1F1B or "
@@ -237,6 +244,8 @@ def build_plan(schedule: str, pp: int, n_microbatches: int, *, stages_per_rank: 
     paired: FrozenSet[Action] = frozenset()
     if overlap_b_f:
         paired = frozenset().union(*backward_forward_pairs(order).values())
+        if dxdw_split:
+            order, paired = split_pairs(order, paired)
     if fsdp:
         order = lower_fsdp(order, n_microbatches, max_active_stages, paired)
     lists = add_comms(order, placement, paired=paired)

@@ -36,7 +36,8 @@ from mindspore import Tensor, ops
 from .._mindspore import discard_tapes, no_grad, tape_backward, taped_call
 from ..comm._exchange import NotReady
 from . import _fsdp_actions
-from ._action import B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action, ScheduleError
+from ._action import (B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, UNSHARD, W, Action, ActionKind,
+                      ScheduleError)
 from ._channel import Channel
 from ._failure import end_step
 from ._microbatch import is_float, stage_outputs
@@ -232,11 +233,16 @@ class Runtime:
         self._forward(s, m)
         return self._results.get(m) if self.stages[s].is_last else self._latest_output(s, m)
 
-    def run_backward(self, s: int, m: int) -> None:
+    def run_backward(self, s: int, m: int) -> ActionKind:
         """Stage ``s``'s backward of micro-batch ``m`` as a pair runner runs it (any thread; the
-        caller's thread must have PyNative's gradient flags on)."""
-        self._pair_half(Action(s, B, m))
-        self._backward(s, m)
+        caller's thread must have PyNative's gradient flags on): the half the plan pairs, a full
+        backward (B) or its input gradient (I, the weight gradient being the plan's W after the
+        pair); returns which."""
+        pair = self._pair
+        kind = I if pair is not None and Action(s, I, m) in pair[0] else B
+        self._pair_half(Action(s, kind, m))
+        (self._backward_input if kind is I else self._backward)(s, m)
+        return kind
 
     def _pair_half(self, action: Action) -> None:
         pair = self._pair

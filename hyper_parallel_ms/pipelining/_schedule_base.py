@@ -127,7 +127,7 @@ class PipelineSchedule:
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
-        self.overlap_b_f = overlap_b_f
+        self.overlap_b_f, self.dxdw_split = overlap_b_f, enable_dxdw_split
         self.mesh = stages[0].mesh
         self.plan = self._agreed_plan(stages, n, loss_fn)
         self._shared = SharedParameters(shared_parameters, stages, self.mesh, type(self).__name__)
@@ -152,7 +152,8 @@ class PipelineSchedule:
         if num_stages != pp * v:
             raise ScheduleError(f"{name}: {num_stages} stages do not fit the pp mesh of {pp} ranks with {v} stage(s) "
                                 f"per rank; use num_stages = {pp * v} or a pp mesh of {num_stages // v or 1} ranks")
-        plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, overlap_b_f=self.overlap_b_f)
+        plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, overlap_b_f=self.overlap_b_f,
+                          dxdw_split=self.dxdw_split)
         flags = np.zeros((pp, 5), np.float32)
         flags[me] = (tuple(st.stage_index for st in stages) != plan.stages_of(me),
                      plan.stages_of(me)[-1] == num_stages - 1 and loss_fn is None,
@@ -174,7 +175,8 @@ class PipelineSchedule:
         # a stage built with has_backward=False (HyperParallel's): every step runs as eval, on every rank
         self.has_backward = not high[:, 2].any()
         if high[:, 4].any():      # fully_shard stages: gathered once per step, gradients reduced once (PyTorch's)
-            plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, fsdp=True, overlap_b_f=self.overlap_b_f)
+            plan = build_plan(self.schedule_name, pp, n, stages_per_rank=v, fsdp=True, overlap_b_f=self.overlap_b_f,
+                              dxdw_split=self.dxdw_split)
         return plan
 
     # --------------------------------------------------------------- one step
