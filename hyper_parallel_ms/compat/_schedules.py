@@ -41,6 +41,7 @@ from .._mindspore.tensor_backward import backward_compat_enabled
 from ..pipelining import PipelineStage
 from ..pipelining import _schedules as pytorch_schedules
 from ..pipelining._action import I, Action
+from ..pipelining._pairing import pair_positions
 from ..pipelining._runtime import Runtime
 from ._pipeline import MetaStep, MetaStepType, MicroBatch, PipelineContext
 
@@ -198,13 +199,9 @@ class _HyperParallelSchedule:
         one ``OVERLAP_B_F`` step)."""
         order: Dict[int, List[MetaStep]] = {}
         for rank, actions in enumerate(self.plan.actions):
-            steps: List[MetaStep] = []
-            for at, action in enumerate(actions):
-                if at and actions[at - 1] in self.plan.paired:
-                    continue
-                steps.append(MetaStep.pair(action, actions[at + 1]) if action in self.plan.paired
-                             else MetaStep.of(action))
-            order[rank] = steps
+            pairs = pair_positions(actions, self.plan.paired)
+            order[rank] = [MetaStep.pair(action, pairs[at]) if at in pairs else MetaStep.of(action)
+                           for at, action in enumerate(actions) if at - 1 not in pairs]
         return order
 
     def run(self, *args: Any, **kwargs: Any) -> list:

@@ -28,6 +28,7 @@ from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from ._action import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action, ActionKind, ScheduleError
 from ._data import Datum, costs, describe, makes, needs
+from ._pairing import pair_positions
 
 __all__ = ["time_compute", "add_comms"]
 
@@ -55,13 +56,18 @@ def time_compute(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
         >>> time_compute(order, placement=(0, 1))
         {0F0: 0.0, 1F0: 1.0, 1B0: 2.0, 0B0: 3.0}
     """
-    times, _ = _start_times(order, placement, durations, paired)
+    times, _ = _start_times(order, placement, durations, _pairs(order, paired))
     timed = [(action, t) for rank in order for action, t in zip(order[rank], times[rank])]
     return dict(sorted(timed, key=lambda item: item[1]))
 
 
+def _pairs(order: Mapping[int, Sequence[Action]], paired: FrozenSet[Action]) -> Dict[int, Dict[int, Action]]:
+    """Per rank, :func:`._pairing.pair_positions` of its order."""
+    return {rank: pair_positions(actions, paired) for rank, actions in order.items()}
+
+
 def _start_times(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
-                 durations: Optional[Mapping[ActionKind, float]], paired: FrozenSet[Action] = frozenset()
+                 durations: Optional[Mapping[ActionKind, float]], pairs: Mapping[int, Mapping[int, Action]]
                  ) -> Tuple[Dict[int, List[float]], Dict[int, List[float]]]:
     """:func:`time_compute`'s start times and the times each action's data are made, per rank in the
     order's positions (a pair's halves make theirs when the pair ends)."""
@@ -77,7 +83,7 @@ def _start_times(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
         moved = False
         for rank in sorted(order):
             while pos[rank] < len(order[rank]):
-                unit = _unit(order[rank], pos[rank], paired)
+                unit = _unit(order[rank], pos[rank], pairs[rank])
                 for action in unit:
                     if not (action.kind.is_compute or action.kind.is_fsdp):
                         raise ScheduleError(f"rank {rank}: {action} (step {pos[rank]}) is not a compute action; "
@@ -88,8 +94,8 @@ def _start_times(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
                     break
                 start = max([clock[rank]] + [made[d] for d in wanted])
                 end = start + sum(cost[a.kind] for a in unit)
-                for action in unit:
-                    starts[rank].append(start if action is unit[0] else start + cost[unit[0].kind])
+                for k, action in enumerate(unit):         # a pair's forward starts when its backward ends
+                    starts[rank].append(start + (cost[unit[0].kind] if k else 0.0))
                     ends[rank].append(end)
                     made.update((d, end) for d in makes(action))
                 clock[rank] = end
@@ -98,20 +104,16 @@ def _start_times(order: Mapping[int, Sequence[Action]], placement: Sequence[int]
     stuck = [(r, order[r][pos[r]]) for r in sorted(order) if pos[r] < len(order[r])]
     if stuck:
         waits = "; ".join(f"rank {r} waits at {a} (step {pos[r]}) for "
-                          + ", ".join(describe(d) for u in _unit(order[r], pos[r], paired)
+                          + ", ".join(describe(d) for u in _unit(order[r], pos[r], pairs[r])
                                       for d in needs(u, num_stages) if d not in made)
                           for r, a in stuck)
         raise ScheduleError(f"the compute order cannot run, ranks wait for each other: {waits}")
     return starts, ends
 
 
-def _unit(actions: Sequence[Action], step: int, paired: FrozenSet[Action]) -> Tuple[Action, ...]:
+def _unit(actions: Sequence[Action], step: int, pairs: Mapping[int, Action]) -> Tuple[Action, ...]:
     """The action at ``step``, with the forward after it when it is a paired backward."""
-    if actions[step] in paired:
-        if step + 1 >= len(actions) or actions[step + 1].kind is not F:
-            raise ScheduleError(f"{actions[step]} (step {step}) is paired with the forward after it, but none follows")
-        return (actions[step], actions[step + 1])
-    return (actions[step],)
+    return (actions[step], pairs[step]) if step in pairs else (actions[step],)
 
 
 def _transfers(action: Action, placement: Sequence[int]) -> Tuple[Tuple[Action, Action], ...]:
@@ -141,12 +143,13 @@ def add_comms(order: Mapping[int, Sequence[Action]], placement: Sequence[int],
         >>> add_comms(order, placement=(0, 1))[1]
         [1RECV_F0, 1F0, 1B0, 1SEND_B0]
     """
-    starts, ends = _start_times(order, placement, durations, paired)
+    pairs = _pairs(order, paired)
+    starts, ends = _start_times(order, placement, durations, pairs)
     keyed: Dict[int, List[tuple]] = {r: [] for r in order}
     for rank, actions in order.items():
         for step, action in enumerate(actions):
             # a pair's forward sorts with its backward: nothing comes between them
-            sort_at = starts[rank][step - 1] if step and actions[step - 1] in paired else starts[rank][step]
+            sort_at = starts[rank][step - 1] if step - 1 in pairs[rank] else starts[rank][step]
             keyed[rank].append((sort_at, 1, step, action))
             made = ends[rank][step]
             for send, recv in _transfers(action, placement):

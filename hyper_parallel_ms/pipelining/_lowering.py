@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Dict, FrozenSet, List, Mapping, Sequence
 
 from ._action import B, RESHARD, REDUCE_GRAD, UNSHARD, W, Action, ScheduleError
+from ._pairing import pair_positions
 
 __all__ = ["add_unshard_reshard", "add_reduce_grad", "lower_fsdp"]
 
@@ -67,13 +68,14 @@ def add_unshard_reshard(actions: Sequence[Action], max_active_stages: int = 3,
         raise ValueError(f"max_active_stages must be a positive int, got {max_active_stages!r}")
     out: List[Action] = []
     held: List[int] = []
+    pairs = pair_positions(actions, paired)
     for i, action in enumerate(actions):
-        if i and actions[i - 1] in paired:          # a pair's forward: gathered with its backward
+        if i - 1 in pairs:                          # a pair's forward: gathered with its backward
             out.append(action)
             continue
         wanted = _next_stages(actions[i:], max_active_stages)
-        if action in paired and actions[i + 1].stage not in wanted:
-            raise ScheduleError(f"{action} and {actions[i + 1]} run as a pair, which needs both stages gathered at "
+        if i in pairs and pairs[i].stage not in wanted:
+            raise ScheduleError(f"{action} and {pairs[i]} run as a pair, which needs both stages gathered at "
                                 f"once; use max_active_stages >= 2 (got {max_active_stages})")
         for stage in [s for s in held if s not in wanted]:
             out.append(Action(stage, RESHARD))

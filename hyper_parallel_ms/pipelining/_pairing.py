@@ -31,7 +31,7 @@ from typing import Dict, FrozenSet, List, Mapping, Sequence, Tuple
 from ._action import B, F, I, W, Action, ScheduleError
 from ._data import describe, makes, needs
 
-__all__ = ["backward_forward_pairs", "check_pairs", "partner_of", "split_pairs"]
+__all__ = ["backward_forward_pairs", "check_pairs", "pair_positions", "split_pairs"]
 
 
 def backward_forward_pairs(order: Mapping[int, Sequence[Action]]) -> Dict[int, FrozenSet[Action]]:
@@ -85,13 +85,20 @@ def split_pairs(order: Mapping[int, Sequence[Action]], paired: FrozenSet[Action]
     return new, frozenset(pairs)
 
 
-def partner_of(actions: Sequence[Action], step: int) -> Action:
-    """The forward paired with the backward at ``actions[step]``: the next compute action.
+def pair_positions(actions: Sequence[Action], paired: FrozenSet[Action]) -> Dict[int, Action]:
+    """The position of each paired backward in one rank's ``actions``, with the forward right after it
+    (raises ``ScheduleError`` when none follows it).
 
-    >>> partner_of([Action.parse(a) for a in ("0B0", "0F1")], 0)
-    0F1
+    >>> pair_positions([Action.parse(a) for a in ("0F0", "0B0", "0F1")], frozenset({Action.parse("0B0")}))
+    {1: 0F1}
     """
-    return actions[step + 1]
+    out: Dict[int, Action] = {}
+    for step, action in enumerate(actions):
+        if action in paired:
+            if step + 1 >= len(actions) or actions[step + 1].kind is not F:
+                raise ScheduleError(f"{action} (step {step}) is paired with the forward after it, but none follows")
+            out[step] = actions[step + 1]
+    return out
 
 
 def check_pairs(actions: Mapping[int, Sequence[Action]], paired: FrozenSet[Action], num_stages: int) -> None:

@@ -41,6 +41,7 @@ from ._action import (B, F, I, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEN
 from ._channel import Channel
 from ._failure import end_step
 from ._microbatch import is_float, stage_outputs
+from ._pairing import pair_positions
 from ._plan import PipelinePlan
 from ._stage import PipelineStage, check_shapes, stage_forward
 from ._stage_errors import check_loss, forward_failure, input_origin
@@ -167,8 +168,7 @@ class Runtime:
         try:
             for s in reducing:          # every backward accumulates unreduced gradients
                 self.stages[s].set_requires_gradient_sync(False)
-            pairs = {} if forward_only or pair_runner is None else {
-                i: actions[i + 1] for i, a in enumerate(actions) if a in self.plan.paired}
+            pairs = {} if forward_only or pair_runner is None else pair_positions(actions, self.plan.paired)
             skip = -1
             for at, action in enumerate(actions):
                 if at == skip:                    # a pair's forward, run with its backward

@@ -41,7 +41,7 @@ def _tensor_fill_(self, value):
     """``Tensor.fill_`` (a number or a one-element tensor): no CPU kernel in MindSpore 2.10. A DTensor's
     piece is filled (every placement holds the value: a Partial one is refused)."""
     if _dtensor(self):
-        _refuse_partial_fill(self, "fill_")
+        _refuse_partial_fill(self)
         _tensor_fill_(self.to_local(), value)
         return self
     return self.copy_(ops.fill(self.dtype, tuple(self.shape), _host(value)))
@@ -55,11 +55,11 @@ def _tensor_zero_(self):
     return self.copy_(ops.zeros(tuple(self.shape), self.dtype))
 
 
-def _refuse_partial_fill(tensor, method: str) -> None:
+def _refuse_partial_fill(tensor) -> None:
     """Refuse filling a DTensor with a Partial placement (each rank's piece would hold the value: their sum is
     not it)."""
     if any(p.is_partial() for p in tensor.placements):
-        raise ValueError(f"{method} of a DTensor with a Partial placement {tuple(tensor.placements)}: the ranks' "
+        raise ValueError(f"fill_ of a DTensor with a Partial placement {tuple(tensor.placements)}: the ranks' "
                          f"pieces would sum to a multiple of the value; redistribute it to Replicate or Shard first")
 
 
