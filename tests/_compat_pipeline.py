@@ -305,6 +305,16 @@ def run_overlap_b_f(mesh, me, ms, nn, ops) -> Dict[str, Any]:
         schedule, chunks = build(None, [])
         schedule.register_custom_function(MetaStepType.OVERLAP_B_F, twice)
         result["twice"] = _failure(lambda: grads_of(schedule, chunks))
+
+        def other_labels(step, ctx):              # the forward given keywords that are not its micro-batch's
+            bwd, fwd = step.sub_steps
+            chunks_ = ctx.schedule._stage_dict
+            chunks_[bwd.stage_index].backward_one_chunk(bwd.micro_index)
+            chunks_[fwd.stage_index].forward_one_chunk(fwd.micro_index, ctx.arg_mbs[fwd.micro_index],
+                                                       {"labels": ctx.kwarg_mbs[fwd.micro_index]["labels"] * 2})
+        schedule, chunks = build(None, [])
+        schedule.register_custom_function(MetaStepType.OVERLAP_B_F, other_labels)
+        result["other_inputs"] = _failure(lambda: grads_of(schedule, chunks))
     finally:
         disable_mindspore_backward_compat()
     return result

@@ -79,7 +79,8 @@ def test_overlap_b_f_pairs_run_by_mindformers_callback_on_two_threads_equal_the_
     bound) and equal the unpaired schedule's bit for bit; run by MindFormers' own OVERLAP_B_F callback
     (forward here, backward on CommComputeOverlap's thread, taking turns at the hooks) bit for bit too, each
     pair's backward on the second thread. A callback that leaves the forward out, or runs a half twice, fails
-    the step on both ranks, naming the half; a stage's forward_one_chunk outside a pair is refused."""
+    the step on both ranks, naming the half; a stage's forward_one_chunk outside a pair, or given inputs other
+    than its micro-batch's, is refused."""
     expected = {0: ["0B0", "2B0", "2B1"], 1: ["1B0", "1B1", "3B0", "3B1", "3B2"]}
     for r in runs:
         got = r["overlap_b_f"]
@@ -95,6 +96,8 @@ def test_overlap_b_f_pairs_run_by_mindformers_callback_on_two_threads_equal_the_
         assert "did not run 3F1" in got["left_out"], got["left_out"]
         assert "no pair is running" in got["outside"], got["outside"]
         assert "ran twice in one pair" in got["twice"] or "pipeline step failed" in got["twice"], got["twice"]
+        assert "not the step's own micro-batch" in got["other_inputs"] or "pipeline step failed" in got["other_inputs"], \
+            got["other_inputs"]
 
 
 def test_overlap_b_f_plans_keep_each_pair_whole():

@@ -67,9 +67,10 @@ class StageChunks:
         self._stage, self._runtime = stage, runtime
 
     def forward_one_chunk(self, micro_index: int, args: Any = None, kwargs: Any = None) -> Any:
-        """The stage's forward of ``micro_index`` (the schedule's own split of the step's inputs:
-        ``ctx.arg_mbs`` / ``ctx.kwarg_mbs``); returns its output (the loss on the last stage)."""
-        return self._runtime.run_forward(self._stage.stage_index, micro_index)
+        """The stage's forward of ``micro_index`` on the schedule's own split of the step's inputs
+        (``ctx.arg_mbs`` / ``ctx.kwarg_mbs``; other inputs are refused; a later stage reads the activation
+        it received, not ``args``); returns its output (the loss on the last stage)."""
+        return self._runtime.run_forward(self._stage.stage_index, micro_index, args, kwargs)
 
     def backward_one_chunk(self, micro_index: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -226,9 +226,12 @@ class Runtime:
                                 f"half must run once, e.g. through the stages' backward_one_chunk / "
                                 f"forward_one_chunk)")
 
-    def run_forward(self, s: int, m: int) -> Any:
+    def run_forward(self, s: int, m: int, args: Optional[Sequence[Any]] = None,
+                    kwargs: Optional[Mapping[str, Any]] = None) -> Any:
         """Stage ``s``'s forward of micro-batch ``m`` as a pair runner runs it (any thread); returns
-        the stage's output (the loss on the last stage)."""
+        the stage's output (the loss on the last stage). ``args`` (read by the first stage) and ``kwargs``,
+        when given, must be the step's own split of micro-batch ``m`` (the stage runs on that: checked)."""
+        self._check_own_inputs(s, m, args, kwargs)
         self._pair_half(Action(s, F, m))
         self._forward(s, m)
         return self._results.get(m) if self.stages[s].is_last else self._latest_output(s, m)
@@ -243,6 +246,21 @@ class Runtime:
         self._pair_half(Action(s, kind, m))
         (self._backward_input if kind is I else self._backward)(s, m)
         return kind
+
+    def _check_own_inputs(self, s: int, m: int, args: Optional[Sequence[Any]],
+                          kwargs: Optional[Mapping[str, Any]]) -> None:
+        """Refuse inputs for stage ``s``'s forward of ``m`` other than the step's own split of them."""
+        if s == 0:
+            own_args, own_kwargs = self._batches[m]
+        else:                   # a later stage reads the activation it received: its args are not used
+            own_args, own_kwargs = args, {} if self._stage_kwargs is None else self._stage_kwargs[m]
+        same_args = args is None or (len(args) == len(own_args) and all(a is b for a, b in zip(args, own_args)))
+        same_kwargs = kwargs is None or (set(kwargs) == set(own_kwargs) and all(kwargs[k] is own_kwargs[k]
+                                                                               for k in kwargs))
+        if not (same_args and same_kwargs):
+            raise ScheduleError(f"{Action(s, F, m)}: the inputs given are not the step's own micro-batch {m}; a pair "
+                                f"runner's forward runs on the schedule's split of the step's inputs (ctx.arg_mbs / "
+                                f"ctx.kwarg_mbs)")
 
     def _pair_half(self, action: Action) -> None:
         pair = self._pair
