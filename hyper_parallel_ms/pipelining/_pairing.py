@@ -42,8 +42,9 @@ def backward_forward_pairs(order: Mapping[int, Sequence[Action]]) -> Dict[int, F
 
     Example:
         >>> from hyper_parallel_ms.pipelining._orders import one_f_one_b
-        >>> backward_forward_pairs(one_f_one_b(pp=2, n_microbatches=3))
-        {0: frozenset({0B0}), 1: frozenset({1B0, 1B1})}
+        >>> pairs = backward_forward_pairs(one_f_one_b(pp=2, n_microbatches=3))
+        >>> {rank: sorted(backwards) for rank, backwards in pairs.items()}
+        {0: [0B0], 1: [1B0, 1B1]}
     """
     return {rank: frozenset(a for a, nxt in zip(acts, acts[1:]) if a.kind is B and nxt.kind is F)
             for rank, acts in order.items()}
