@@ -10,6 +10,7 @@ import types
 import pytest
 
 import hyper_parallel_ms as hp
+from hyper_parallel_ms import nn as hnn
 from hyper_parallel_ms.compat import HYPER_PARALLEL_NAMES, NotProvidedError, alias_hyper_parallel
 from hyper_parallel_ms.compat._alias import _remove_alias
 from hyper_parallel_ms.compat._fsdp import fully_shard as compat_fully_shard
@@ -64,6 +65,11 @@ PROVIDED = {
     "OffloadPolicy": hp.OffloadPolicy, "CPUOffloadPolicy": hp.CPUOffloadPolicy, "Schedule1F1B": _schedules.Schedule1F1B,
     "ScheduleInterleaved1F1B": _schedules.ScheduleInterleaved1F1B, "ScheduleGPipe": _schedules.ScheduleGPipe,
     "ContextParallel": hp.ContextParallel, "AsyncContextParallel": hp.AsyncContextParallel,
+    # DeepSeek sparse attention's boundary styles (tests/_dsa_boundaries.py)
+    **{name: getattr(hnn, name) for name in (
+        "DSAIndexerContextParallel", "DSAIndexerLossContextParallel", "DSASequenceReplicateCache",
+        "DSASparseAttentionContextParallel", "AsyncDSAIndexerContextParallel", "AsyncDSAIndexerLossContextParallel",
+        "AsyncDSASparseAttentionContextParallel")},
     # the activation-checkpoint face (tests/test_compat_activation.py) and the pipeline data types
     # (tests/test_compat_pipeline.py)
     "CheckpointPolicy": _activation.CheckpointPolicy, "SwapManager": _activation.SwapManager,

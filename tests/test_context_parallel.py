@@ -5,7 +5,7 @@ gradients of q, k and v after ``context_parallel_unshard`` equal one device's, i
 cases per world size, under ``ms.jit`` (one rank call per world size). Key-padding masks, grouped-query
 attention and cp = 2 x tp = 2 (DTensor heads) in PyNative; HyperParallel's ``ContextParallel`` /
 ``AsyncContextParallel`` on an attention Cell in every mode, also through ``ops.flash_attention_score``
-and its sharding rule. In process: the load balancer's order, the blocks a causal shard computes, the
+and its sharding rule; on 2 ranks, the DeepSeek sparse attention boundary styles (tests/_dsa_boundaries.py). In process: the load balancer's order, the blocks a causal shard computes, the
 argument checks, ``scaled_dot_product_attention`` on one device against its definition, its Ascend path,
 and FlashAttentionScore's sharding rule per shard (the kernel computed by ``cpu_twins``).
 
@@ -154,6 +154,31 @@ def test_the_hyper_parallel_styles_check_their_arguments_and_refuse_compiled_cel
     np.testing.assert_allclose(cell(q, q, q).asnumpy(), np.ones(SHAPE), **TOL)       # PyNative, one rank
     with pytest.raises(NotImplementedError, match="ContextParallel converts q, k and v to DTensors"):
         ms.jit(cell)(q, q, q)
+    # DeepSeek sparse attention's boundary styles (on ranks: tests/_dsa_boundaries.py)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        hnn.DSAIndexerContextParallel(layout="BNSD")
+    with pytest.raises(ValueError, match="only mode='colossal' is provided"):
+        hnn.DSASparseAttentionContextParallel(mode="ulysses")
+    with pytest.raises(ValueError, match="share_key_value=True needs a shared_replicate_cache"):
+        hnn.DSASparseAttentionContextParallel(share_key_value=True)
+    with pytest.raises(TypeError, match="must be a DSASequenceReplicateCache"):
+        hnn.DSAIndexerLossContextParallel(shared_replicate_cache={})
+    with pytest.raises(ValueError, match="topk_index must be None or an argument position"):
+        hnn.DSAIndexerLossContextParallel(topk_index=-1)
+    with pytest.raises(TypeError, match="needs the 1-D cp DeviceMesh"):
+        hnn.DSAIndexerContextParallel().apply(ms.nn.Identity(), DeviceMesh("cpu", [[0]], mesh_dim_names=("a", "b")))
+    from tests._dsa_boundaries import Indexer
+    indexer = Indexer()
+    style = hnn.DSAIndexerContextParallel(layout="TND", use_local_output=True)
+    assert style.seq_dim == 0 and style._apply(indexer, mesh) is indexer and style.weights_index == 2
+    x = ms.Tensor(np.ones((3, 2, 4), np.float32))            # TND: 3 tokens, 2 heads
+    w = ms.Tensor(np.ones((3, 2), np.float32))
+    q4, w3 = x.reshape(1, 3, 2, 4), w.reshape(1, 3, 2)
+    np.testing.assert_allclose(indexer(q4, q4, w3).asnumpy(), Indexer()(q4, q4, w3).asnumpy(), **TOL)
+    def model(q, k, w):                             # a compiled model holding the boundary is refused
+        return indexer(q, k, w)
+    with pytest.raises(NotImplementedError, match="DSA context-parallel styles convert"):
+        ms.jit(model)(q4, q4, w3)
 
 
 # ----------------------------------------------------------------------------- one device
@@ -357,6 +382,9 @@ def _cp_against_one_device():
         np.testing.assert_allclose(full[1].asnumpy(), want_gqa, err_msg=f"gqa {method}/{rotate}", **TOL)
     hnn.set_rotate_method("allgather")
     _hyper_parallel_face(n, mesh, data)
+    if n == 2:
+        from tests._dsa_boundaries import check_dsa_boundaries
+        check_dsa_boundaries(mesh)
     if n == 4:
         _cp_with_tp(data, want, want_out[0])
 

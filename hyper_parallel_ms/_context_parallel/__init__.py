@@ -6,7 +6,8 @@ merged by log-sum-exp, causal blocks trimmed to what the mask allows), the load 
 (:mod:`._balance`), Ulysses and hybrid (:mod:`._dispatch`), and the faces: PyTorch's
 ``context_parallel`` / ``context_parallel_unshard`` / ``set_rotate_method`` (:mod:`._api`), reached
 through :func:`hyper_parallel_ms.nn.functional.scaled_dot_product_attention`, and HyperParallel's
-``ContextParallel`` / ``AsyncContextParallel`` styles (:mod:`._style`); all exported from
+``ContextParallel`` / ``AsyncContextParallel`` styles (:mod:`._style`) and its DeepSeek sparse attention
+boundary styles (:mod:`._dsa`); all exported from
 :mod:`hyper_parallel_ms.nn`.
 
 Example::
@@ -17,7 +18,13 @@ Example::
 """
 from ._api import context_parallel, context_parallel_unshard
 from ._dispatch import set_rotate_method
+from ._dsa import (AsyncDSAIndexerContextParallel, AsyncDSAIndexerLossContextParallel,
+                   AsyncDSASparseAttentionContextParallel, DSAIndexerContextParallel, DSAIndexerLossContextParallel,
+                   DSASequenceReplicateCache, DSASparseAttentionContextParallel)
 from ._style import AsyncContextParallel, ContextParallel
 
+_DSA_STYLES = ["DSAIndexerContextParallel", "DSASparseAttentionContextParallel", "DSAIndexerLossContextParallel",
+              "DSASequenceReplicateCache", "AsyncDSAIndexerContextParallel", "AsyncDSASparseAttentionContextParallel",
+              "AsyncDSAIndexerLossContextParallel"]
 __all__ = ["context_parallel", "context_parallel_unshard", "set_rotate_method", "ContextParallel",
-           "AsyncContextParallel"]
+           "AsyncContextParallel", *_DSA_STYLES]

@@ -66,13 +66,13 @@ HYPER_PARALLEL_NAMES: Dict[str, Dict[str, Optional[str]]] = {
         "swap_wrapper": "compat._activation:swap_wrapper"},
     "hyper_parallel.core.context_parallel.context_parallel": {"ContextParallel": "nn:ContextParallel"},
     "hyper_parallel.core.context_parallel.async_context_parallel": {"AsyncContextParallel": "nn:AsyncContextParallel"},
-    # DeepSeek sparse attention's styles (its indexer, its sparse kernels): not provided
+    # DeepSeek sparse attention's boundary styles (colossal: query side sharded, key side all-gathered)
     "hyper_parallel.core.context_parallel.dsa_context_parallel": {
-        "DSAIndexerContextParallel": None, "DSAIndexerLossContextParallel": None,
-        "DSASequenceReplicateCache": None, "DSASparseAttentionContextParallel": None},
+        name: f"nn:{name}" for name in ("DSAIndexerContextParallel", "DSAIndexerLossContextParallel",
+                                        "DSASequenceReplicateCache", "DSASparseAttentionContextParallel")},
     "hyper_parallel.core.context_parallel.async_dsa_context_parallel": {
-        "AsyncDSAIndexerContextParallel": None, "AsyncDSAIndexerLossContextParallel": None,
-        "AsyncDSASparseAttentionContextParallel": None},
+        name: f"nn:{name}" for name in ("AsyncDSAIndexerContextParallel", "AsyncDSAIndexerLossContextParallel",
+                                        "AsyncDSASparseAttentionContextParallel")},
     "hyper_parallel.custom_ops.experimental": dict.fromkeys((
         "npu_dense_lightning_indexer_grad_kl_loss", "npu_dense_lightning_indexer_softmax_lse",
         "npu_lightning_indexer", "npu_mhc_post", "npu_mhc_pre_sinkhorn", "npu_sparse_flash_mla",

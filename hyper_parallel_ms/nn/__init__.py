@@ -6,8 +6,11 @@ Example::
     from hyper_parallel_ms.nn import ColwiseParallel, RowwiseParallel, parallelize_module
     parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 """
-from .._context_parallel import (AsyncContextParallel, ContextParallel, context_parallel, context_parallel_unshard,
-                                set_rotate_method)
+from .._context_parallel import (AsyncContextParallel, AsyncDSAIndexerContextParallel,
+                                AsyncDSAIndexerLossContextParallel, AsyncDSASparseAttentionContextParallel,
+                                ContextParallel, DSAIndexerContextParallel, DSAIndexerLossContextParallel,
+                                DSASequenceReplicateCache, DSASparseAttentionContextParallel, context_parallel,
+                                context_parallel_unshard, set_rotate_method)
 from .._deferred import init_empty_weights, init_on_device, no_init_parameters
 from ._attention import MultiheadAttentionParallel
 from ._distribute import ShardingPlan, distribute_module, shard_module
@@ -25,5 +28,7 @@ __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParal
            "shard_module", "loss_parallel", "ParallelCrossEntropy", "parallel_cross_entropy",
            "no_init_parameters", "init_empty_weights", "init_on_device",
            "context_parallel", "context_parallel_unshard", "set_rotate_method", "ContextParallel",
-           "AsyncContextParallel"]
+           "AsyncContextParallel", "DSAIndexerContextParallel", "DSASparseAttentionContextParallel",
+           "DSAIndexerLossContextParallel", "DSASequenceReplicateCache", "AsyncDSAIndexerContextParallel",
+           "AsyncDSASparseAttentionContextParallel", "AsyncDSAIndexerLossContextParallel"]
 from . import functional  # noqa: E402  (hyper_parallel_ms.nn.functional, PyTorch's torch.nn.functional)
