@@ -175,3 +175,40 @@ def test_alias_refuses_an_installed_hyper_parallel(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="is installed .*Uninstall it"):
         alias_hyper_parallel()
     assert "hyper_parallel" not in sys.modules
+
+
+@pytest.mark.skipif(__import__("tests._mindformers_qwen3", fromlist=["available"]).available() is not None,
+                    reason="MindFormers 2.1.0 is not installed")
+def test_mindformers_builds_and_wires_its_dsa_context_parallel_styles_on_this_library(aliased):
+    """MindFormers' own ``build_hp_dsa_cp_style`` (every method it accepts, synchronous and asynchronous,
+    sparse and dense stage) constructs this library's DSA styles with its keywords, and its adapter wires them
+    onto a DSA attention's boundary Cells (with the handoff Cells of the asynchronous forms); the wired
+    boundaries then compute on a 1-rank cp mesh as unwired ones (on ranks: tests/_dsa_boundaries.py)."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn
+
+    from hyper_parallel_ms.mesh import DeviceMesh
+    from mindformers.pynative.distributed.style import build_hp_dsa_cp_style
+    from tests._dsa_boundaries import Handoff, Indexer, IndexerLoss, SparseAttention
+
+    mesh = DeviceMesh("cpu", [0], mesh_dim_names=("cp",))
+    configs = [(a, True, "colossal") for a in (False, True)] + [(False, False, m) for m in ("colossal", "ulysses")]
+    for async_enabled, sparse, method in configs:
+        style = build_hp_dsa_cp_style(method, 1, None, "BNSD", async_enabled, sparse)
+        want = hnn.AsyncDSAIndexerContextParallel if async_enabled else hnn.DSAIndexerContextParallel
+        assert type(style.indexer_style) is want and style.indexer_style.layout == "BSND"
+        core = nn.Cell()
+        core.indexer, core.indexer_loss = nn.Cell(), nn.Cell()
+        core.indexer.compute_sparse_indices, core.indexer.key_handoff = Indexer(), Handoff()
+        core.indexer_loss.compute_indexer_loss = IndexerLoss()
+        core.sparse_flash_attention, core.dense_flash_attention = SparseAttention(), SparseAttention()
+        core.sparse_key_handoff, core.sparse_value_handoff, core.sparse_key_rope_handoff = Handoff(), Handoff(), Handoff()
+        module = nn.Cell()
+        module.core_attention = core
+        assert style._apply(module, mesh) is module
+        rng = np.random.default_rng(0)
+        q, w = (ms.Tensor(rng.standard_normal(s).astype(np.float32)) for s in ((1, 4, 2, 4), (1, 4, 2)))
+        key = core.indexer.key_handoff(q) if async_enabled else q
+        np.testing.assert_allclose(core.indexer.compute_sparse_indices(q, key, w).asnumpy(),
+                                   Indexer()(q, q, w).asnumpy(), rtol=1e-6)
