@@ -203,7 +203,8 @@ def test_mindformers_builds_and_wires_its_dsa_context_parallel_styles_on_this_li
         core.indexer.compute_sparse_indices, core.indexer.key_handoff = Indexer(), Handoff()
         core.indexer_loss.compute_indexer_loss = IndexerLoss()
         core.sparse_flash_attention, core.dense_flash_attention = SparseAttention(), SparseAttention()
-        core.sparse_key_handoff, core.sparse_value_handoff, core.sparse_key_rope_handoff = Handoff(), Handoff(), Handoff()
+        for name in ("sparse_key_handoff", "sparse_value_handoff", "sparse_key_rope_handoff"):
+            setattr(core, name, Handoff())
         module = nn.Cell()
         module.core_attention = core
         assert style._apply(module, mesh) is module

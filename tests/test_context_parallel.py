@@ -5,7 +5,8 @@ gradients of q, k and v after ``context_parallel_unshard`` equal one device's, i
 cases per world size, under ``ms.jit`` (one rank call per world size). Key-padding masks, grouped-query
 attention and cp = 2 x tp = 2 (DTensor heads) in PyNative; HyperParallel's ``ContextParallel`` /
 ``AsyncContextParallel`` on an attention Cell in every mode, also through ``ops.flash_attention_score``
-and its sharding rule; on 2 ranks, the DeepSeek sparse attention boundary styles (tests/_dsa_boundaries.py). In process: the load balancer's order, the blocks a causal shard computes, the
+and its sharding rule; on 2 ranks, the DeepSeek sparse attention boundary styles
+(tests/_dsa_boundaries.py). In process: the load balancer's order, the blocks a causal shard computes, the
 argument checks, ``scaled_dot_product_attention`` on one device against its definition, its Ascend path,
 and FlashAttentionScore's sharding rule per shard (the kernel computed by ``cpu_twins``).
 
