@@ -7,7 +7,7 @@ merged by log-sum-exp, causal blocks trimmed to what the mask allows), the load 
 ``context_parallel`` / ``context_parallel_unshard`` / ``set_rotate_method`` (:mod:`._api`), reached
 through :func:`hyper_parallel_ms.nn.functional.scaled_dot_product_attention`, and HyperParallel's
 ``ContextParallel`` / ``AsyncContextParallel`` styles (:mod:`._style`) and its DeepSeek sparse attention
-boundary styles (:mod:`._dsa`); all exported from
+boundary styles (:mod:`._dsa`, :mod:`._dsa_async`); all exported from
 :mod:`hyper_parallel_ms.nn`.
 
 Example::
@@ -18,9 +18,10 @@ Example::
 """
 from ._api import context_parallel, context_parallel_unshard
 from ._dispatch import set_rotate_method
-from ._dsa import (AsyncDSAIndexerContextParallel, AsyncDSAIndexerLossContextParallel,
-                   AsyncDSASparseAttentionContextParallel, DSAIndexerContextParallel, DSAIndexerLossContextParallel,
-                   DSASequenceReplicateCache, DSASparseAttentionContextParallel)
+from ._dsa import (DSAIndexerContextParallel, DSAIndexerLossContextParallel, DSASequenceReplicateCache,
+                   DSASparseAttentionContextParallel)
+from ._dsa_async import (AsyncDSAIndexerContextParallel, AsyncDSAIndexerLossContextParallel,
+                         AsyncDSASparseAttentionContextParallel)
 from ._style import AsyncContextParallel, ContextParallel
 
 _DSA_STYLES = ["DSAIndexerContextParallel", "DSASparseAttentionContextParallel", "DSAIndexerLossContextParallel",

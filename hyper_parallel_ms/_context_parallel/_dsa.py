@@ -21,8 +21,8 @@ The sequence dim is 1 for ``layout="BSND"`` and 0 for ``"TND"``. A :class:`DSASe
 given to the sparse-attention style (``share_key_value=True``) and to the indexer-loss style lets the
 loss reuse the gathered key and key_rope of the same tensors (by identity) instead of gathering them
 again; the loss's boundary empties it when it returns.
-The ``Async*`` forms start the gathers at the Cells handing the key side over (``key_handoff`` ...),
-whose outputs must reach the boundary unchanged.
+The ``Async*`` forms (:mod:`._dsa_async`) start the gathers at the Cells handing the key side over
+(``key_handoff`` ...), whose outputs must reach the boundary unchanged.
 
 DSA's kernels are Ascend kernels: on CPU the boundary Cells of MindFormers' DSA raise naming them
 (``hyper_parallel.custom_ops.experimental``); a boundary computing with ops that have sharding rules
@@ -46,8 +46,7 @@ from ..nn._parallelize import ParallelStyle
 from ..placement import Replicate, Shard
 
 __all__ = ["DSAIndexerContextParallel", "DSASparseAttentionContextParallel", "DSAIndexerLossContextParallel",
-           "DSASequenceReplicateCache", "AsyncDSAIndexerContextParallel", "AsyncDSASparseAttentionContextParallel",
-           "AsyncDSAIndexerLossContextParallel"]
+           "DSASequenceReplicateCache"]
 
 _SEQ_DIM = {"BSND": 1, "TND": 0}
 _COMPILED = ("the DSA context-parallel styles convert the boundary's tensors to DTensors in PyNative forward hooks; "
@@ -420,92 +419,3 @@ class DSAIndexerLossContextParallel(_DSABoundary):
         if isinstance(key_grad, DTensor):        # the key-index gradient: this rank's piece of the sum
             outs[1] = key_grad.redistribute(mesh, (Shard(self.seq_dim),)).to_local()
         return type(output)(outs)
-
-
-def _async_doc(synchronous: type, summary: str, example: str) -> str:
-    """The docstring of an ``Async*`` style: ``summary``, the synchronous style's Args, ``example``."""
-    doc = synchronous.__doc__
-    args = doc[doc.index("    Args:"):doc.index("    Example::")].rstrip()
-    return f"{summary}\n\n{args}\n\n    Example::\n\n        {example}\n    "
-
-
-class AsyncDSAIndexerContextParallel(DSAIndexerContextParallel):
-    __doc__ = _async_doc(
-        DSAIndexerContextParallel,
-        (':class:`DSAIndexerContextParallel` whose key gather starts at ``key_handoff`` (the Cell whose output '
-         "reaches the boundary as its key), where an asynchronous backend overlaps it with the query side's "
-         "work; MindSpore's collectives complete before they return, so the results are the synchronous "
-         "style's."),
-        'AsyncDSAIndexerContextParallel().apply(indexer.compute_sparse_indices, mesh["cp"], key_handoff=kh)')
-
-    def apply(self, module: nn.Cell, device_mesh: DeviceMesh, key_handoff: Optional[nn.Cell] = None) -> nn.Cell:
-        """Register the hooks (on ``key_handoff`` too, when given) and return ``module``.
-
-        Args:
-            module: the boundary Cell.
-            device_mesh: the 1-D cp mesh.
-            key_handoff: the Cell whose output is the boundary's key.
-
-        Example::
-
-            AsyncDSAIndexerContextParallel().apply(boundary, mesh["cp"], key_handoff=kh)
-        """
-        return self._register(module, self._mesh(type(self).__name__, device_mesh), {"key": key_handoff})
-
-    _apply = apply
-
-
-class AsyncDSASparseAttentionContextParallel(DSASparseAttentionContextParallel):
-    __doc__ = _async_doc(
-        DSASparseAttentionContextParallel,
-        (":class:`DSASparseAttentionContextParallel` whose key, value and key_rope gathers start at their "
-         "handoff Cells (see :class:`AsyncDSAIndexerContextParallel`)."),
-        'AsyncDSASparseAttentionContextParallel().apply(sfa, mesh["cp"], key_handoff=k, value_handoff=v)')
-
-    def apply(self, module: nn.Cell, device_mesh: DeviceMesh, key_handoff: Optional[nn.Cell] = None,
-              value_handoff: Optional[nn.Cell] = None, key_rope_handoff: Optional[nn.Cell] = None) -> nn.Cell:
-        """Register the hooks (on the handoff Cells too, when given) and return ``module``.
-
-        Args:
-            module: the boundary Cell.
-            device_mesh: the 1-D cp mesh.
-            key_handoff: the Cell whose output is the boundary's key (likewise value, key_rope).
-            value_handoff: see ``key_handoff``.
-            key_rope_handoff: see ``key_handoff``.
-
-        Example::
-
-            AsyncDSASparseAttentionContextParallel().apply(sfa, mesh["cp"], key_handoff=k)
-        """
-        return self._register(module, self._mesh(type(self).__name__, device_mesh),
-                              {"key": key_handoff, "value": value_handoff, "key_rope": key_rope_handoff})
-
-    _apply = apply
-
-
-class AsyncDSAIndexerLossContextParallel(DSAIndexerLossContextParallel):
-    __doc__ = _async_doc(
-        DSAIndexerLossContextParallel,
-        (":class:`DSAIndexerLossContextParallel` whose key, key_index and key_rope gathers start at their "
-         "handoff Cells (see :class:`AsyncDSAIndexerContextParallel`)."),
-        'AsyncDSAIndexerLossContextParallel().apply(loss_boundary, mesh["cp"], key_handoff=k)')
-
-    def apply(self, module: nn.Cell, device_mesh: DeviceMesh, key_handoff: Optional[nn.Cell] = None,
-              key_indexer_handoff: Optional[nn.Cell] = None, key_rope_handoff: Optional[nn.Cell] = None) -> nn.Cell:
-        """Register the hooks (on the handoff Cells too, when given) and return ``module``.
-
-        Args:
-            module: the boundary Cell.
-            device_mesh: the 1-D cp mesh.
-            key_handoff: the Cell whose output is the boundary's key (likewise key_index, key_rope).
-            key_indexer_handoff: see ``key_handoff``.
-            key_rope_handoff: see ``key_handoff``.
-
-        Example::
-
-            AsyncDSAIndexerLossContextParallel().apply(loss_boundary, mesh["cp"], key_handoff=k)
-        """
-        return self._register(module, self._mesh(type(self).__name__, device_mesh),
-                              {"key": key_handoff, "key_indexer": key_indexer_handoff, "key_rope": key_rope_handoff})
-
-    _apply = apply
