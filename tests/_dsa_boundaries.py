@@ -114,6 +114,11 @@ def _check(case, got, want, rank, n, whole=()):
         np.testing.assert_allclose(g, expect, err_msg=f"{case} #{i}", **TOL)
 
 
+def _loss_style(**kwargs):
+    """MindFormers' indexer-loss style: the softmax statistics at 6 and 7 sharded with the query side."""
+    return hnn.DSAIndexerLossContextParallel(softmax_max_index=6, softmax_sum_index=7, use_local_output=True, **kwargs)
+
+
 def check_dsa_boundaries(mesh) -> None:
     """Each style (synchronous and asynchronous) against one device; the shared cache; what is refused."""
     rank, n = mesh.get_local_rank(0), mesh.size()
@@ -121,7 +126,7 @@ def check_dsa_boundaries(mesh) -> None:
     mine = {k: [_rows(a, rank, n) for a in v] for k, v in data.items()}
     cases = [("indexer", Indexer, lambda: hnn.DSAIndexerContextParallel(use_local_output=True), ()),
              ("attention", SparseAttention, lambda: hnn.DSASparseAttentionContextParallel(use_local_output=True), ()),
-             ("loss", IndexerLoss, lambda: hnn.DSAIndexerLossContextParallel(use_local_output=True), (3,))]
+             ("loss", IndexerLoss, lambda: _loss_style(), (3,))]
     for name, cell_class, make, whole in cases:
         want_out, want_grads = _run(cell_class(), data[name])
         cell = cell_class()
@@ -151,7 +156,7 @@ def check_dsa_boundaries(mesh) -> None:
     attention, loss = SparseAttention(), IndexerLoss()
     hnn.DSASparseAttentionContextParallel(use_local_output=True, shared_replicate_cache=cache,
                                           share_key_value=True).apply(attention, mesh)
-    hnn.DSAIndexerLossContextParallel(use_local_output=True, shared_replicate_cache=cache).apply(loss, mesh)
+    _loss_style(shared_replicate_cache=cache).apply(loss, mesh)
     a_args = [ms.Tensor(a) for a in mine["attention"]]
     attention(*a_args)
     assert len(cache) == 2                                                     # key and key_rope

@@ -155,31 +155,6 @@ def test_the_hyper_parallel_styles_check_their_arguments_and_refuse_compiled_cel
     np.testing.assert_allclose(cell(q, q, q).asnumpy(), np.ones(SHAPE), **TOL)       # PyNative, one rank
     with pytest.raises(NotImplementedError, match="ContextParallel converts q, k and v to DTensors"):
         ms.jit(cell)(q, q, q)
-    # DeepSeek sparse attention's boundary styles (on ranks: tests/_dsa_boundaries.py)
-    with pytest.raises(ValueError, match="layout must be one of"):
-        hnn.DSAIndexerContextParallel(layout="BNSD")
-    with pytest.raises(ValueError, match="only mode='colossal' is provided"):
-        hnn.DSASparseAttentionContextParallel(mode="ulysses")
-    with pytest.raises(ValueError, match="share_key_value=True needs a shared_replicate_cache"):
-        hnn.DSASparseAttentionContextParallel(share_key_value=True)
-    with pytest.raises(TypeError, match="must be a DSASequenceReplicateCache"):
-        hnn.DSAIndexerLossContextParallel(shared_replicate_cache={})
-    with pytest.raises(ValueError, match="topk_index must be None or an argument position"):
-        hnn.DSAIndexerLossContextParallel(topk_index=-1)
-    with pytest.raises(TypeError, match="needs the 1-D cp DeviceMesh"):
-        hnn.DSAIndexerContextParallel().apply(ms.nn.Identity(), DeviceMesh("cpu", [[0]], mesh_dim_names=("a", "b")))
-    from tests._dsa_boundaries import Indexer
-    indexer = Indexer()
-    style = hnn.DSAIndexerContextParallel(layout="TND", use_local_output=True)
-    assert style.seq_dim == 0 and style._apply(indexer, mesh) is indexer and style.weights_index == 2
-    x = ms.Tensor(np.ones((3, 2, 4), np.float32))            # TND: 3 tokens, 2 heads
-    w = ms.Tensor(np.ones((3, 2), np.float32))
-    q4, w3 = x.reshape(1, 3, 2, 4), w.reshape(1, 3, 2)
-    np.testing.assert_allclose(indexer(q4, q4, w3).asnumpy(), Indexer()(q4, q4, w3).asnumpy(), **TOL)
-    def model(q, k, w):                             # a compiled model holding the boundary is refused
-        return indexer(q, k, w)
-    with pytest.raises(NotImplementedError, match="DSA context-parallel styles convert"):
-        ms.jit(model)(q4, q4, w3)
 
 
 # ----------------------------------------------------------------------------- one device

@@ -12,9 +12,9 @@ style (boundary Cell's arguments)           query side (Shard(seq))       key si
 ``DSASparseAttentionContextParallel``       query 0, topk 3, query_rope   key 1, value 2, key_rope
   ``(query, key, value, topk, q_rope, k_rope)``  4                        5
 ``DSAIndexerLossContextParallel``           query 0, query_index 2,       key 1, key_index 3,
-  ``(query, key, query_index, key_index,``  weights 4, topk 5, softmax    key_rope 9
-  ``weights, topk, s_max, s_sum, q_rope,``  max / sum 6, 7 (and the
-  ``k_rope, s_max_index, s_sum_index)``     indexer's 10, 11), query_rope 8
+  ``(query, key, query_index, key_index,``  weights 4, topk 5, query_rope  key_rope 9
+  ``weights, topk, s_max, s_sum, q_rope,``  8; softmax max / sum where
+  ``k_rope, s_max_index, s_sum_index)``     given (MindFormers: 6, 7)
 ==========================================  =========================================================
 
 The sequence dim is 1 for ``layout="BSND"`` and 0 for ``"TND"``. A :class:`DSASequenceReplicateCache`
@@ -336,8 +336,10 @@ class DSASparseAttentionContextParallel(_DSABoundary):
 class DSAIndexerLossContextParallel(_DSABoundary):
     """The boundary of DSA's indexer-loss kernel, ``(query, key, query_index, key_index, weights,
     topk_indices, softmax_max, softmax_sum, query_rope, key_rope, softmax_max_index, softmax_sum_index)``:
-    the query side (query, query_index, weights, top-k, the softmax statistics, query_rope) sharded on the
-    sequence; key, key_index and key_rope all-gathered (or taken from ``shared_replicate_cache``). With
+    the query side (query, query_index, weights, top-k, query_rope, and the softmax statistics whose
+    positions or keywords are given: none by default, as HyperParallel's; MindFormers gives 6 and 7, and 10
+    and 11 for its dense stage) sharded on the sequence; key, key_index and key_rope all-gathered (or taken
+    from ``shared_replicate_cache``). With
     ``use_local_output``, a Partial output is summed before its piece is taken, and of HyperParallel's
     fused form ``(d_query_index, d_key_index, d_weights, loss)`` the key-index gradient comes back as this
     rank's sequence piece (summed over the ranks whose queries reached it).
@@ -351,8 +353,8 @@ class DSAIndexerLossContextParallel(_DSABoundary):
         key_indexer_index: the indexer key's position.
         weights_index: see ``query_index``.
         topk_index: see ``query_index`` (None for the dense stage).
-        softmax_max_index: the attention softmax max's position.
-        softmax_sum_index: the attention softmax sum's position.
+        softmax_max_index: the attention softmax max's position (None: left as given).
+        softmax_sum_index: the attention softmax sum's position (None: left as given).
         query_rope_index: see ``query_index``.
         key_rope_index: see ``query_index``.
         softmax_max_indexer_index: the indexer softmax max's position (dense stage).
@@ -367,15 +369,16 @@ class DSAIndexerLossContextParallel(_DSABoundary):
         softmax_sum_kwarg_name: see ``query_kwarg_name``.
         query_rope_kwarg_name: see ``query_kwarg_name``.
         key_rope_kwarg_name: see ``query_kwarg_name``.
-        softmax_max_indexer_kwarg_name: see ``query_kwarg_name`` (default ``"softmax_max_index"``).
-        softmax_sum_indexer_kwarg_name: see ``query_kwarg_name`` (default ``"softmax_sum_index"``).
+        softmax_max_indexer_kwarg_name: see ``query_kwarg_name``.
+        softmax_sum_indexer_kwarg_name: see ``query_kwarg_name``.
         use_local_output: return DTensor outputs as this rank's pieces.
         shared_replicate_cache: the cache a sparse-attention boundary of the same layer filled (emptied
             when this boundary returns).
 
     Example::
 
-        DSAIndexerLossContextParallel(use_local_output=True).apply(loss.compute_indexer_loss, mesh["cp"])
+        DSAIndexerLossContextParallel(softmax_max_index=6, softmax_sum_index=7, use_local_output=True).apply(
+            loss.compute_indexer_loss, mesh["cp"])
     """
 
     _QUERY_SIDE = ("query", "query_indexer", "weights", "topk", "softmax_max", "softmax_sum", "query_rope",
@@ -385,17 +388,17 @@ class DSAIndexerLossContextParallel(_DSABoundary):
     def __init__(self, *, layout: str = "BSND", mode: str = "colossal", query_index: Optional[int] = 0,
                  key_index: Optional[int] = 1, query_indexer_index: Optional[int] = 2,
                  key_indexer_index: Optional[int] = 3, weights_index: Optional[int] = 4,
-                 topk_index: Optional[int] = 5, softmax_max_index: Optional[int] = 6,
-                 softmax_sum_index: Optional[int] = 7, query_rope_index: Optional[int] = 8,
-                 key_rope_index: Optional[int] = 9, softmax_max_indexer_index: Optional[int] = 10,
-                 softmax_sum_indexer_index: Optional[int] = 11, query_kwarg_name: Optional[str] = None,
+                 topk_index: Optional[int] = 5, softmax_max_index: Optional[int] = None,
+                 softmax_sum_index: Optional[int] = None, query_rope_index: Optional[int] = 8,
+                 key_rope_index: Optional[int] = 9, softmax_max_indexer_index: Optional[int] = None,
+                 softmax_sum_indexer_index: Optional[int] = None, query_kwarg_name: Optional[str] = None,
                  key_kwarg_name: Optional[str] = None, query_indexer_kwarg_name: Optional[str] = None,
                  key_indexer_kwarg_name: Optional[str] = None, weights_kwarg_name: Optional[str] = None,
                  topk_kwarg_name: Optional[str] = None, softmax_max_kwarg_name: Optional[str] = None,
                  softmax_sum_kwarg_name: Optional[str] = None, query_rope_kwarg_name: Optional[str] = None,
                  key_rope_kwarg_name: Optional[str] = None,
-                 softmax_max_indexer_kwarg_name: Optional[str] = "softmax_max_index",
-                 softmax_sum_indexer_kwarg_name: Optional[str] = "softmax_sum_index",
+                 softmax_max_indexer_kwarg_name: Optional[str] = None,
+                 softmax_sum_indexer_kwarg_name: Optional[str] = None,
                  use_local_output: bool = False,
                  shared_replicate_cache: Optional[DSASequenceReplicateCache] = None) -> None:
         super().__init__(layout, mode, {
