@@ -171,3 +171,41 @@ def check_dsa_boundaries(mesh) -> None:
     want, _ = _run(IndexerLoss(), data["loss"])                                # reach the loss: gathered anew
     _check("loss past the cache", [o.asnumpy() for o in loss(*(ms.Tensor(a) for a in mine["loss"]))], want, rank, n,
            (3,))
+
+
+def check_dsa_with_tensor_parallel(mesh) -> None:
+    """cp = 2 x tp = 2 (``mesh`` named ("cp", "tp")): the boundary's arguments come as DTensors of tensor
+    parallelism, heads cut over tp; the styles put them on the mesh of both (the heads' placement kept) and
+    give the outputs back on the tp mesh (``use_local_output=False``), their cp rows as the local part: the
+    indexer's head sum Partial over tp, the attention's output sharded on the heads. Outputs and the
+    gradients of every float input equal one device's (this rank's rows and heads)."""
+    from hyper_parallel_ms.dtensor import DTensor
+    from hyper_parallel_ms.placement import Shard
+
+    cp, tp = mesh["cp"], mesh["tp"]
+    r, t = cp.get_local_rank(0), tp.get_local_rank(0)
+    data = _data(np.random.default_rng(5))
+
+    def mine(a):
+        rows = _rows(a, r, 2)
+        return _rows(rows, t, 2, dim=2)                     # heads: dim 2 of every [B, S, H, ...] input
+
+    for name, cell_class, style in (("indexer", Indexer, hnn.DSAIndexerContextParallel()),
+                                    ("attention", SparseAttention, hnn.DSASparseAttentionContextParallel())):
+        arrays = data[name]
+        want_out, want_grads = _run(cell_class(), arrays)
+        cell = cell_class()
+        style.apply(cell, cp)
+
+        def on_tp(*pieces):
+            outs = cell(*(DTensor.from_local(p, tp, (Shard(2),)) for p in pieces))
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            assert all(isinstance(o, DTensor) and o.device_mesh == tp for o in outs), outs
+            # each tp rank's piece of dim 2 (the indexer's Partial head sum reduce-scattered): the ranks'
+            # objectives add up to one device's
+            return tuple(o.redistribute(tp, (Shard(2),)).to_local() for o in outs)
+        got_out, got_grads = _run(cell, [mine(a) for a in arrays], call=on_tp)
+        for i, (g, w) in enumerate(zip(got_out, want_out)):
+            np.testing.assert_allclose(g, mine(w), err_msg=f"tp {name} output #{i}", **TOL)
+        for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+            np.testing.assert_allclose(g, mine(w), err_msg=f"tp {name} gradient #{i}", **TOL)

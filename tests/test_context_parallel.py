@@ -155,6 +155,14 @@ def test_the_hyper_parallel_styles_check_their_arguments_and_refuse_compiled_cel
     np.testing.assert_allclose(cell(q, q, q).asnumpy(), np.ones(SHAPE), **TOL)       # PyNative, one rank
     with pytest.raises(NotImplementedError, match="ContextParallel converts q, k and v to DTensors"):
         ms.jit(cell)(q, q, q)
+    # a DTensor q of another mesh was passed through as if whole: refused (colossal on a mesh holding cp: placed)
+    other = DTensor.from_local(q, DeviceMesh("cpu", [0], mesh_dim_names=("tp",)), (Shard(1),))
+    with pytest.raises(ValueError, match="q is a DTensor on"):
+        cell(other, q, q)
+    ulysses = _Attention()
+    hnn.ContextParallel(seq_dim=2, head_dim=1).apply(ulysses.core, mesh)
+    with pytest.raises(ValueError, match="pass its local piece"):
+        ulysses(DTensor.from_local(q, mesh, (Shard(2),)), q, q)
 
 
 # ----------------------------------------------------------------------------- one device
@@ -363,6 +371,8 @@ def _cp_against_one_device():
         check_dsa_boundaries(mesh)
     if n == 4:
         _cp_with_tp(data, want, want_out[0])
+        from tests._dsa_boundaries import check_dsa_with_tensor_parallel
+        check_dsa_with_tensor_parallel(DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("cp", "tp")))
 
 
 def _cp_with_tp(data, want, want_out) -> None:

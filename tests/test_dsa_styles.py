@@ -123,3 +123,25 @@ def test_arguments_are_checked_and_a_compiled_boundary_is_refused():
         return indexer(q, k, w)
     with pytest.raises(NotImplementedError, match="DSA context-parallel styles convert"):
         ms.jit(model)(q, q, w)
+
+
+def test_a_tensor_parallel_dtensor_enters_on_the_mesh_of_both_and_its_outputs_go_back():
+    root = DeviceMesh("cpu", [[0]], mesh_dim_names=("cp", "tp"))
+    echo = Echo()
+    hnn.DSAIndexerContextParallel().apply(echo, root["cp"])
+    q, k, w = (DTensor.from_local(x, root["tp"], (Shard(2),)) for x in _tensors(3))
+    out = echo(q, k, w)                         # outputs: the arguments as the boundary saw them, sent back
+    assert [o.device_mesh for o in out] == [root["tp"]] * 3
+    assert [tuple(o.placements) for o in out] == [(Shard(2),)] * 3
+    cell = Echo()
+    hnn.DSAIndexerContextParallel(use_local_output=True).apply(cell, root["cp"])
+    seen = []
+    cell.register_forward_pre_hook(lambda c, args: seen.extend(args))      # after the style's hooks
+    cell(q, k, w)
+    assert [tuple(a.placements) for a in seen] == [(Shard(1), Shard(2)), (Replicate(), Shard(2)), (Shard(1), Shard(2))]
+    assert seen[0].device_mesh.mesh_dim_names == ("cp", "tp")
+    with pytest.raises(ValueError, match="cuts its sequence dim 1, which it must hold whole"):
+        echo(DTensor.from_local(_tensors(1)[0], root["tp"], (Shard(1),)), k, w)
+    other = DeviceMesh("cpu", [0], mesh_dim_names=("tp",))
+    with pytest.raises(ValueError, match="not a slice of the mesh the cp mesh"):
+        echo(DTensor.from_local(_tensors(1)[0], other, (Shard(2),)), k, w)

@@ -24,6 +24,10 @@ again; the loss's boundary empties it when it returns.
 The ``Async*`` forms (:mod:`._dsa_async`) start the gathers at the Cells handing the key side over
 (``key_handoff`` ...), whose outputs must reach the boundary unchanged.
 
+An argument that is a DTensor of another parallelism (tensor parallelism's heads over ``mesh["tp"]``, a
+slice of the same mesh as the cp mesh) enters on the mesh of both with its placements kept, and the
+outputs go back to its mesh (:mod:`._compose`).
+
 DSA's kernels are Ascend kernels: on CPU the boundary Cells of MindFormers' DSA raise naming them
 (``hyper_parallel.custom_ops.experimental``); a boundary computing with ops that have sharding rules
 runs anywhere. PyNative only (DTensors).
@@ -44,6 +48,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..nn._parallelize import ParallelStyle
 from ..placement import Replicate, Shard
+from ._compose import enter_cp, holds_cp, leave_cp, place_cp
 
 __all__ = ["DSAIndexerContextParallel", "DSASparseAttentionContextParallel", "DSAIndexerLossContextParallel",
            "DSASequenceReplicateCache"]
@@ -147,11 +152,14 @@ class _DSABoundary(ParallelStyle):
         return DTensor.from_local(x, mesh, (Shard(self.seq_dim),)).redistribute(mesh, (Replicate(),))
 
     def _placed(self, x: DTensor, mesh: DeviceMesh, placement) -> DTensor:
-        if x.device_mesh != mesh:
-            raise ValueError(f"{type(self).__name__}: a boundary argument is a DTensor on {x.device_mesh!r}, not on "
-                             f"the cp mesh {mesh!r}: pass this rank's sequence piece (a Tensor) or a DTensor on the "
-                             "cp mesh")
-        return x if tuple(x.placements) == (placement,) else x.redistribute(mesh, (placement,))
+        """A DTensor argument: on a mesh holding the cp dim, placed there; on another parallelism's mesh
+        (tensor parallelism's), its sequence piece entered on the mesh of both."""
+        try:
+            if holds_cp(x.device_mesh, mesh):
+                return place_cp(x, mesh, placement)
+            return enter_cp(x, mesh, self.seq_dim, placement)
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}: {error}") from None
 
     def _key_side(self, role: str, x: Any, mesh: DeviceMesh, started: Dict[str, Tuple[Any, Any]]) -> Any:
         """The gathered ``x``: started at its handoff Cell, kept by the shared cache, or gathered now."""
@@ -171,6 +179,14 @@ class _DSABoundary(ParallelStyle):
         return gathered
 
     _cached_roles: Tuple[str, ...] = ()     # the key-side roles this boundary leaves in the shared cache
+
+    def _outer(self, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+        """The mesh of the query when it comes as a DTensor of another parallelism (its outputs go back there)."""
+        _, index, key = self._slots(("query",))[0]
+        query = args[index] if index is not None and index < len(args) else kwargs.get(key) if key else None
+        if isinstance(query, DTensor) and not holds_cp(query.device_mesh, mesh):
+            return query.device_mesh
+        return None
 
     def _convert(self, args: tuple, kwargs: dict, mesh: DeviceMesh, started: Dict[str, Tuple[Any, Any]]
                  ) -> Tuple[tuple, dict]:
@@ -194,15 +210,21 @@ class _DSABoundary(ParallelStyle):
         if not isinstance(out, DTensor):
             return out
         if any(p.is_partial() for p in out.placements):
-            out = out.redistribute(mesh, (Replicate(),))
+            out = out.redistribute(out.device_mesh, tuple(Replicate() if p.is_partial() else p for p in out.placements))
         return out.to_local()
 
-    def _outputs(self, output: Any, mesh: DeviceMesh) -> Any:
-        if not self.use_local_output:
+    def _outputs(self, output: Any, mesh: DeviceMesh, outer: Optional[DeviceMesh] = None) -> Any:
+        """``use_local_output``: each DTensor output as this rank's piece; else kept, or, when the query came
+        on ``outer`` (another parallelism's mesh), back on ``outer`` with its cp piece as its local part."""
+        if self.use_local_output:
+            one = lambda o: self._local(o, mesh)                                            # noqa: E731
+        elif outer is not None:
+            one = lambda o: leave_cp(o, mesh, self.seq_dim, outer) if isinstance(o, DTensor) else o   # noqa: E731
+        else:
             return output
         if isinstance(output, (tuple, list)):
-            return type(output)(self._local(o, mesh) for o in output)
-        return self._local(output, mesh)
+            return type(output)(one(o) for o in output)
+        return one(output)
 
     # ------------------------------------------------------------------ applying
     def _register(self, module: nn.Cell, mesh: DeviceMesh, handoffs: Dict[str, Optional[nn.Cell]]) -> nn.Cell:
@@ -224,11 +246,16 @@ class _DSABoundary(ParallelStyle):
         def refuse_compiled(cell, args):        # compiled first: a compiled boundary raises naming the cause
             refuse_while_compiling(_COMPILED)
 
+        outers: List[Optional[DeviceMesh]] = []       # per forward (a re-entered boundary pops its own)
+
         def convert(cell, args, kwargs):
-            return self._convert(args, kwargs, mesh, started)
+            outer = self._outer(args, kwargs, mesh)
+            converted = self._convert(args, kwargs, mesh, started)
+            outers.append(outer)            # only once converted: a refused call leaves nothing behind
+            return converted
 
         def outputs(cell, args, kwargs, output):
-            return self._outputs(output, mesh)
+            return self._outputs(output, mesh, outers.pop() if outers else None)
         module.register_forward_pre_hook(refuse_compiled)
         module.register_forward_pre_hook(convert, with_kwargs=True)
         module.register_forward_hook(outputs, with_kwargs=True)
@@ -412,13 +439,13 @@ class DSAIndexerLossContextParallel(_DSABoundary):
             "softmax_sum_indexer": (softmax_sum_indexer_index, softmax_sum_indexer_kwarg_name)},
             use_local_output, shared_replicate_cache)
 
-    def _outputs(self, output: Any, mesh: DeviceMesh) -> Any:
+    def _outputs(self, output: Any, mesh: DeviceMesh, outer: Optional[DeviceMesh] = None) -> Any:
         if self.shared_replicate_cache is not None:      # the layer's last use of the gathered key side
             self.shared_replicate_cache.clear()
         if not (self.use_local_output and isinstance(output, (tuple, list)) and len(output) >= 4):
-            return super()._outputs(output, mesh)
+            return super()._outputs(output, mesh, outer)
         outs = [self._local(o, mesh) for o in output]
         key_grad = output[1]
-        if isinstance(key_grad, DTensor):        # the key-index gradient: this rank's piece of the sum
-            outs[1] = key_grad.redistribute(mesh, (Shard(self.seq_dim),)).to_local()
+        if isinstance(key_grad, DTensor) and holds_cp(key_grad.device_mesh, mesh):   # the key-index gradient:
+            outs[1] = self._local(place_cp(key_grad, mesh, Shard(self.seq_dim)), mesh)  # this rank's piece of the sum
         return type(output)(outs)

@@ -35,6 +35,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..nn._parallelize import ParallelStyle
 from ..placement import Replicate, Shard
+from ._compose import holds_cp, place_cp
 from ._dispatch import hybrid_mesh
 
 __all__ = ["ContextParallel", "AsyncContextParallel"]
@@ -173,7 +174,9 @@ class ContextParallel(ParallelStyle):
 
     def _convert(self, x, role: int, meshes: _Meshes):
         """One of q (``role`` 0), k or v, this rank's sequence shard, as the Cell computes on it."""
-        if not isinstance(x, Tensor) or isinstance(x, DTensor):
+        if isinstance(x, DTensor):
+            return self._placed(x, role, meshes)
+        if not isinstance(x, Tensor):
             return x
         refuse_while_compiling(_COMPILED)
         if meshes.a2a is not None:
@@ -182,6 +185,16 @@ class ContextParallel(ParallelStyle):
             return x
         dt = DTensor.from_local(x, meshes.ring, self._placements(meshes, Shard(self.seq_dim)))
         return dt if role == 0 else dt.redistribute(meshes.ring, self._placements(meshes, Replicate()))
+
+    def _placed(self, x: DTensor, role: int, meshes: _Meshes) -> DTensor:
+        """A DTensor q, k or v: colossal on a 1-D cp mesh, placed on the cp dim of its mesh (which must hold
+        it); any other case is refused (computing on it as given would treat a sequence piece as whole)."""
+        ring = meshes.ring
+        if meshes.a2a is None and ring is not None and ring.ndim == 1 and holds_cp(x.device_mesh, ring):
+            return place_cp(x, ring, Shard(self.seq_dim) if role == 0 else Replicate())
+        raise ValueError(f"{type(self).__name__}: {'qkv'[role]} is a DTensor on {x.device_mesh!r} with placements "
+                         f"{tuple(x.placements)}; the hooks take this rank's sequence piece as a Tensor (or, colossal "
+                         "on a 1-D cp mesh, a DTensor on a mesh holding the cp dim): pass its local piece (to_local())")
 
     def _inputs(self, args, kwargs, meshes: _Meshes, ready: Dict[int, Any]):
         """The Cell's arguments with q, k and v converted (``ready``: those converted already, by role)."""
