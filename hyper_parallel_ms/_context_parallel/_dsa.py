@@ -39,7 +39,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mindspore import Tensor, nn
 
@@ -135,21 +135,15 @@ class _DSABoundary(ParallelStyle):
             raise TypeError(f"{name}.apply needs the 1-D cp DeviceMesh, got {device_mesh!r}")
         return device_mesh
 
-    def _sharded(self, x: Any, mesh: DeviceMesh) -> Any:
-        """A query-side tensor (this rank's sequence piece) as a DTensor sharded on the sequence."""
+    def _on_cp(self, x: Any, mesh: DeviceMesh, placement) -> Any:
+        """An argument, this rank's sequence piece, as a DTensor with ``placement`` on the cp dim:
+        ``Shard(seq_dim)`` for the query side, ``Replicate()`` (all-gathered) for the key side."""
         if isinstance(x, DTensor):
-            return self._placed(x, mesh, Shard(self.seq_dim))
+            return self._placed(x, mesh, placement)
         if not isinstance(x, Tensor):
             return x
-        return DTensor.from_local(x, mesh, (Shard(self.seq_dim),))
-
-    def _gathered(self, x: Any, mesh: DeviceMesh) -> Any:
-        """A key-side tensor (this rank's sequence piece) all-gathered: a Replicate DTensor."""
-        if isinstance(x, DTensor):
-            return self._placed(x, mesh, Replicate())
-        if not isinstance(x, Tensor):
-            return x
-        return DTensor.from_local(x, mesh, (Shard(self.seq_dim),)).redistribute(mesh, (Replicate(),))
+        piece = DTensor.from_local(x, mesh, (Shard(self.seq_dim),))
+        return piece if placement == Shard(self.seq_dim) else piece.redistribute(mesh, (placement,))
 
     def _placed(self, x: DTensor, mesh: DeviceMesh, placement) -> DTensor:
         """A DTensor argument: on a mesh holding the cp dim, placed there; on another parallelism's mesh
@@ -173,7 +167,7 @@ class _DSABoundary(ParallelStyle):
         kept = cache.get(role, x) if cache is not None else None
         if kept is not None:
             return kept
-        gathered = self._gathered(x, mesh)
+        gathered = self._on_cp(x, mesh, Replicate())
         if cache is not None and role in self._cached_roles and isinstance(gathered, DTensor):
             cache.put(role, x, gathered)
         return gathered
@@ -192,14 +186,16 @@ class _DSABoundary(ParallelStyle):
                  ) -> Tuple[tuple, dict]:
         refuse_while_compiling(_COMPILED)
         args, kwargs = list(args), dict(kwargs)
-        convert: List[Tuple[_Slot, Callable[[str, Any], Any]]] = (
-            [(slot, lambda role, x: self._sharded(x, mesh)) for slot in self._slots(self._QUERY_SIDE)]
-            + [(slot, lambda role, x: self._key_side(role, x, mesh, started)) for slot in self._slots(self._KEY_SIDE)])
-        for (role, index, key), fn in convert:
+
+        def one(role: str, x: Any) -> Any:
+            if role in self._QUERY_SIDE:
+                return self._on_cp(x, mesh, Shard(self.seq_dim))
+            return self._key_side(role, x, mesh, started)
+        for role, index, key in self._slots(self._QUERY_SIDE + self._KEY_SIDE):
             if index is not None and index < len(args):
-                args[index] = fn(role, args[index])
+                args[index] = one(role, args[index])
             elif key is not None and key in kwargs:
-                kwargs[key] = fn(role, kwargs[key])
+                kwargs[key] = one(role, kwargs[key])
         if started:
             raise ValueError(f"{type(self).__name__}: the handoff Cell(s) of {sorted(started)} ran but the boundary "
                              "received no such argument; check the handoff Cells given to apply")
@@ -216,12 +212,13 @@ class _DSABoundary(ParallelStyle):
     def _outputs(self, output: Any, mesh: DeviceMesh, outer: Optional[DeviceMesh] = None) -> Any:
         """``use_local_output``: each DTensor output as this rank's piece; else kept, or, when the query came
         on ``outer`` (another parallelism's mesh), back on ``outer`` with its cp piece as its local part."""
-        if self.use_local_output:
-            one = lambda o: self._local(o, mesh)                                            # noqa: E731
-        elif outer is not None:
-            one = lambda o: leave_cp(o, mesh, self.seq_dim, outer) if isinstance(o, DTensor) else o   # noqa: E731
-        else:
+        if not self.use_local_output and outer is None:
             return output
+
+        def one(o: Any) -> Any:
+            if self.use_local_output:
+                return self._local(o, mesh)
+            return leave_cp(o, mesh, self.seq_dim, outer) if isinstance(o, DTensor) else o
         if isinstance(output, (tuple, list)):
             return type(output)(one(o) for o in output)
         return one(output)
@@ -234,7 +231,7 @@ class _DSABoundary(ParallelStyle):
 
         def handoff_hook(role: str):
             def hook(cell, args, output):
-                started[role] = (output, self._gathered(output, mesh))
+                started[role] = (output, self._on_cp(output, mesh, Replicate()))
                 return output
             return hook
         for role, cell in handoffs.items():
@@ -243,6 +240,7 @@ class _DSABoundary(ParallelStyle):
                     raise TypeError(f"{type(self).__name__}: {role}_handoff must be an nn.Cell, got "
                                     f"{type(cell).__name__}")
                 cell.register_forward_hook(handoff_hook(role))
+
         def refuse_compiled(cell, args):        # compiled first: a compiled boundary raises naming the cause
             refuse_while_compiling(_COMPILED)
 

@@ -71,13 +71,13 @@ def split_pairs(order: Mapping[int, Sequence[Action]], paired: FrozenSet[Action]
         out: List[Action] = []
         weight = None
         for action in acts:
-            if action in paired and action.stage > 0:
-                action, weight = Action(action.stage, I, action.microbatch), Action(action.stage, W, action.microbatch)
+            if action in paired:             # a pair's backward: the input gradient, its W after the forward
+                if action.stage > 0:
+                    weight = Action(action.stage, W, action.microbatch)
+                    action = Action(action.stage, I, action.microbatch)
                 pairs.add(action)
                 out.append(action)
                 continue
-            if action in paired:
-                pairs.add(action)
             out.append(action)
             if weight is not None:           # the pair's forward: its weight gradient next
                 out.append(weight)
